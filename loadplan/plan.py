@@ -1,0 +1,118 @@
+"""The load-plan vocabulary shared by client, service and engine.
+
+Pure dataclasses, no grpc, sqlalchemy or torch: the rules build these, the
+store persists them, the transport translates them, the engine reads them.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+ROLE_TARGET = "target"
+ROLE_SPECULATIVE = "speculative"
+ROLES = (ROLE_TARGET, ROLE_SPECULATIVE)
+
+
+class Keys:
+    """Decision keys (DESIGN section 4). Model code reads these, never backend names."""
+
+    ENTRY_FAMILY = "model.family"
+    SHARED_EXPERTS_FUSION = "moe.shared_experts_fusion"
+    NUM_FUSED_SHARED_EXPERTS = "moe.num_fused_shared_experts"
+    FUSED_SHARED_EXPERT_SCALE = "moe.fused_shared_expert_scale"
+    FUSED_SHARED_SLOT_PLACEMENT = "moe.fused_shared_slot_placement"
+    FORWARD_PATH = "moe.forward_path"
+    POST_EXPERTS_ALL_REDUCE = "moe.post_experts_all_reduce"
+    NUM_LOCAL_EXPERTS = "moe.num_local_routed_experts"
+    PP_LAYER_RANGE = "pp.layer_range"
+    EPLB_ENABLED = "eplb.enabled"
+    EPLB_NUM_PHYSICAL_EXPERTS = "eplb.num_physical_experts"
+    EPLB_LAYERS = "eplb.layers"
+    EPLB_PLACEMENT = "eplb.placement"
+
+
+@dataclass(frozen=True)
+class Parallel:
+    tp_size: int = 1
+    tp_rank: int = 0
+    ep_size: int = 1
+    ep_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+    dp_size: int = 1
+    dp_rank: int = 0
+
+
+@dataclass(frozen=True)
+class Runtime:
+    a2a_backend: str = "none"
+    device: str = "cpu"
+    moe_runner: str = "torch"
+    enable_sbo: bool = False
+    enable_tbo: bool = False
+    disable_shared_experts_fusion: bool = False
+    enforce_shared_experts_fusion: bool = False
+    enable_eplb: bool = False
+    ep_num_redundant_experts: int = 0
+
+
+@dataclass(frozen=True)
+class ResolveRequest:
+    """What one runner asks at its instantiation point."""
+
+    request_id: str
+    deployment_id: str
+    role: str = ROLE_TARGET
+    parallel: Parallel = field(default_factory=Parallel)
+    host: str = ""
+    config: Mapping[str, Any] = field(default_factory=dict)
+    quantization_config: Mapping[str, Any] | None = None
+    quantization: str | None = None  # explicit name; overrides quantization_config
+    runtime: Runtime = field(default_factory=Runtime)
+
+
+@dataclass(frozen=True)
+class Decision:
+    key: str
+    value: Any
+    reason: str
+    rule: str
+    deployment_wide: bool = True
+    revision: int = 0
+    decided_at: dt.datetime | None = None
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """A resolved plan: the decisions of one runner and what they were made from."""
+
+    plan_id: str
+    ruleset_version: str
+    request: ResolveRequest
+    entry_class: str
+    config_fingerprint: str
+    quantization: str | None
+    decisions: Mapping[str, Decision]
+    created_at: dt.datetime | None = None
+    replayed: bool = False
+    history: tuple[Decision, ...] = ()
+
+    def value(self, key: str) -> Any:
+        return self.decisions[key].value
+
+    def to_json(self) -> dict[str, Any]:
+        """The `--json` shape of the CLI: plan id, ruleset version, decisions."""
+        return {
+            "plan_id": self.plan_id,
+            "ruleset_version": self.ruleset_version,
+            "deployment_id": self.request.deployment_id,
+            "role": self.request.role,
+            "entry_class": self.entry_class,
+            "replayed": self.replayed,
+            "decisions": {
+                k: {"value": d.value, "reason": d.reason, "rule": d.rule}
+                for k, d in sorted(self.decisions.items())
+            },
+        }

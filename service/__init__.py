@@ -1,0 +1,1 @@
+"""The loadplan registry service: rules (pure), store (SQLAlchemy), transport (gRPC)."""

@@ -1,0 +1,136 @@
+"""The entry classes the registry knows: data, like vLLM's model registry.
+
+A `Family` is built directly from a checkpoint's config; a `Wrapper` builds an
+inner entry class from part of its config (and a quantization it hands down), so
+its gate is the inner family's gate asked with exactly those. Every wrapper must
+reach a family (`check_table`, run at server start-up and in the tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from ..errors import FailedPrecondition, NotFound
+from . import gates, layouts
+from .config_view import ConfigView
+from .layouts import MoeLayout
+from .quantization import Quantization, quantization_of
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    layout: Callable[[ConfigView], MoeLayout]
+    gate: Callable[[gates.GateContext], gates.Verdict | None] | None
+    has_shared_experts: bool
+    fused_architecture: str | None = None   # None: the entry class itself
+
+
+@dataclass(frozen=True)
+class Direct:
+    family: str
+    fused_architecture: str | None = None   # overrides the family's (a NextN draft declares its own)
+
+
+@dataclass(frozen=True)
+class Wrapper:
+    inner: str                               # the entry class it constructs
+    config_field: str                        # the part of its config the inner constructor receives
+    quantization: Callable[[ConfigView, str | None, Mapping[str, Any] | None], Quantization]
+
+
+def _top_level_quantization(cfg: ConfigView, explicit: str | None, qconfig: Mapping[str, Any] | None) -> Quantization:
+    """The wrapper hands its inner constructor the checkpoint-level quantization,
+    falling back to one declared inside the text config."""
+    inner_q = cfg.raw("text_config", {}) or {}
+    return quantization_of(explicit, qconfig or inner_q.get("quantization_config"))
+
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("deepseek", layouts.deepseek_layout, gates.deepseek_gate, True,
+               fused_architecture="DeepseekV3ForCausalLM"),
+        Family("deepseek_nextn", layouts.deepseek_nextn_layout, gates.deepseek_gate, True),
+        Family("glm4_moe", layouts.deepseek_layout, gates.glm4_moe_gate, True),
+        Family("qwen2_moe", lambda c: layouts.qwen_moe_layout(c, shared=True), gates.qwen2_moe_gate, True),
+        Family("qwen3_moe", lambda c: layouts.qwen_moe_layout(c, shared=False), None, False),
+    )
+}
+
+ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
+    "DeepseekV2ForCausalLM": Direct("deepseek"),
+    "DeepseekV3ForCausalLM": Direct("deepseek"),
+    "DeepseekV3ForCausalLMNextN": Direct("deepseek_nextn", fused_architecture="DeepseekV3ForCausalLMNextN"),
+    "Glm4MoeForCausalLM": Direct("glm4_moe"),
+    "Qwen2MoeForCausalLM": Direct("qwen2_moe"),
+    "Qwen3MoeForCausalLM": Direct("qwen3_moe"),
+    "KimiK25ForConditionalGeneration": Wrapper("DeepseekV3ForCausalLM", "text_config", _top_level_quantization),
+}
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """An entry class followed down to the family it builds."""
+
+    chain: tuple[str, ...]        # outermost first, the built class last
+    family: Family
+    fused_architecture: str
+    cfg: ConfigView
+    quantization: Quantization
+
+
+def entry(name: str) -> Direct | Wrapper:
+    try:
+        return ENTRY_CLASSES[name]
+    except KeyError:
+        raise NotFound("entry class", name, ENTRY_CLASSES, field="config.architectures") from None
+
+
+def chain_of(name: str) -> tuple[str, ...]:
+    """The delegation chain from `name` to the class that builds a family."""
+    chain = [name]
+    node = entry(name)
+    while isinstance(node, Wrapper):
+        if node.inner in chain:
+            raise FailedPrecondition(f"entry class table: wrapper cycle {' -> '.join(chain + [node.inner])}")
+        chain.append(node.inner)
+        node = entry(node.inner)
+    return tuple(chain)
+
+
+def resolve_entry(name: str, cfg: ConfigView, explicit_q: str | None,
+                  qconfig: Mapping[str, Any] | None) -> Resolved:
+    """Follow wrappers, handing down config and quantization as their constructors do."""
+    chain = chain_of(name)
+    quant = quantization_of(explicit_q, qconfig)
+    for outer in chain[:-1]:
+        w = ENTRY_CLASSES[outer]
+        assert isinstance(w, Wrapper)
+        quant = w.quantization(cfg, explicit_q, qconfig)
+        cfg = cfg.sub(w.config_field, f"{outer} builds {w.inner} from it")
+    built = ENTRY_CLASSES[chain[-1]]
+    assert isinstance(built, Direct)
+    family = FAMILIES[built.family]
+    fused = built.fused_architecture or family.fused_architecture or chain[-1]
+    return Resolved(chain, family, fused, cfg, quant)
+
+
+def check_table() -> list[str]:
+    """Problems with the table itself; the server refuses to start unless empty."""
+    problems = []
+    for name, node in ENTRY_CLASSES.items():
+        try:
+            chain = chain_of(name)
+        except (NotFound, FailedPrecondition) as e:
+            problems.append(f"{name}: {e}")
+            continue
+        built = ENTRY_CLASSES[chain[-1]]
+        if not isinstance(built, Direct) or built.family not in FAMILIES:
+            problems.append(f"{name}: does not reach a family")
+            continue
+        fam = FAMILIES[built.family]
+        if fam.has_shared_experts and fam.gate is None:
+            problems.append(f"{name}: family {fam.name} has shared experts but no gate")
+    return problems

@@ -1,0 +1,67 @@
+"""Which layers exist and which of them are MoE, per family (from config.json).
+
+Conventions follow the architectures' reference implementations:
+- DeepSeek/GLM: layer i is MoE iff i >= first_k_dense_replace and i % moe_layer_freq == 0.
+- Qwen2/Qwen3-MoE: layer i is MoE iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0.
+- A NextN draft has num_nextn_predict_layers MoE layers numbered after the target's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config_view import ConfigView
+
+
+@dataclass(frozen=True)
+class MoeLayout:
+    layer_ids: tuple[int, ...]     # global ids of every decoder layer, in order
+    moe_layers: tuple[int, ...]    # global ids of the MoE ones
+    n_routed: int
+    n_shared: int
+    top_k: int
+
+
+def deepseek_layout(cfg: ConfigView) -> MoeLayout:
+    n_layers = cfg.int("num_hidden_layers", minimum=1)
+    n_routed = cfg.int("n_routed_experts", minimum=1)
+    n_shared = cfg.int("n_shared_experts", 0, minimum=0)
+    top_k = cfg.int("num_experts_per_tok", minimum=1)
+    first_dense = cfg.int("first_k_dense_replace", 0, minimum=0)
+    freq = cfg.int("moe_layer_freq", 1, minimum=1)
+    _check_top_k(cfg, top_k, n_routed)
+    moe = tuple(i for i in range(n_layers) if i >= first_dense and i % freq == 0)
+    return MoeLayout(tuple(range(n_layers)), moe, n_routed, n_shared, top_k)
+
+
+def deepseek_nextn_layout(cfg: ConfigView) -> MoeLayout:
+    n_target = cfg.int("num_hidden_layers", minimum=1)
+    n_nextn = cfg.int("num_nextn_predict_layers", 1, minimum=1)
+    n_routed = cfg.int("n_routed_experts", minimum=1)
+    n_shared = cfg.int("n_shared_experts", 0, minimum=0)
+    top_k = cfg.int("num_experts_per_tok", minimum=1)
+    _check_top_k(cfg, top_k, n_routed)
+    ids = tuple(range(n_target, n_target + n_nextn))
+    return MoeLayout(ids, ids, n_routed, n_shared, top_k)
+
+
+def qwen_moe_layout(cfg: ConfigView, *, shared: bool) -> MoeLayout:
+    n_layers = cfg.int("num_hidden_layers", minimum=1)
+    n_routed = cfg.int("num_experts", minimum=1)
+    top_k = cfg.int("num_experts_per_tok", minimum=1)
+    step = cfg.int("decoder_sparse_step", 1, minimum=1)
+    mlp_only = set(cfg.int_list("mlp_only_layers"))
+    _check_top_k(cfg, top_k, n_routed)
+    n_shared = 0
+    if shared and cfg.int("shared_expert_intermediate_size", 0, minimum=0) > 0:
+        n_shared = 1
+    moe = tuple(i for i in range(n_layers) if i not in mlp_only and (i + 1) % step == 0)
+    return MoeLayout(tuple(range(n_layers)), moe, n_routed, n_shared, top_k)
+
+
+def _check_top_k(cfg: ConfigView, top_k: int, n_routed: int) -> None:
+    from ..errors import InvalidArgument
+
+    if top_k > n_routed:
+        raise InvalidArgument(cfg.field("num_experts_per_tok"),
+                              f"{top_k} exceeds the number of routed experts ({n_routed})")

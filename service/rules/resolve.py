@@ -1,0 +1,215 @@
+"""From one runner's request to its decisions (DESIGN sections 4-6). Pure.
+
+`resolve_decisions` validates the request, follows the entry class to its
+family, asks the family's gate, and derives every decision. Deployment-wide
+decisions depend only on `deployment_inputs` (so ranks that agree on those get
+identical decisions); rank-specific ones also depend on the rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ...plan import ROLES, Decision, Keys, ResolveRequest
+from ..errors import FailedPrecondition, InvalidArgument
+from . import RULESET_VERSION
+from .backends import NORMAL, backend
+from .config_view import ConfigView
+from .devices import check_runner, parse_device
+from .entries import Resolved, resolve_entry
+from .gates import GateContext
+from .layouts import MoeLayout
+
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
+
+
+@dataclass(frozen=True)
+class Resolution:
+    entry_class: str
+    chain: tuple[str, ...]
+    family: str
+    config_fingerprint: str
+    quantization: str | None
+    decisions: dict[str, Decision]
+    deployment_inputs: dict[str, Any]
+
+
+def fingerprint(obj: Any) -> str:
+    """sha256 of canonical JSON: key order and whitespace do not matter."""
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def validate_request(req: ResolveRequest) -> None:
+    """Field-level checks that need no table look-up."""
+    for name in ("request_id", "deployment_id"):
+        value = getattr(req, name)
+        if not value:
+            raise InvalidArgument(name, "required")
+        if not _ID_RE.match(value):
+            raise InvalidArgument(name, f"{value[:64]!r} must be 1-128 characters of letters, digits and ._:@/- "
+                                        f"starting with a letter or digit")
+    if req.role not in ROLES:
+        raise InvalidArgument("role", f"{req.role!r} is not a role; expected one of {', '.join(ROLES)}")
+    if len(req.host) > 255:
+        raise InvalidArgument("host", "longer than 255 characters")
+    p = req.parallel
+    for axis in ("tp", "ep", "pp", "dp"):
+        size, rank = getattr(p, f"{axis}_size"), getattr(p, f"{axis}_rank")
+        if size < 1:
+            raise InvalidArgument(f"parallel.{axis}_size", f"must be >= 1, got {size}")
+        if not 0 <= rank < size:
+            raise InvalidArgument(f"parallel.{axis}_rank", f"must be in [0, {axis}_size={size}), got {rank}")
+    rt = req.runtime
+    if rt.ep_num_redundant_experts < 0:
+        raise InvalidArgument("runtime.ep_num_redundant_experts", f"must be >= 0, got {rt.ep_num_redundant_experts}")
+    if rt.ep_num_redundant_experts and not rt.enable_eplb:
+        raise InvalidArgument("runtime.ep_num_redundant_experts", "redundant experts need runtime.enable_eplb")
+    check_runner(rt.moe_runner, parse_device(rt.device))
+    if req.quantization_config is not None and not isinstance(req.quantization_config, dict):
+        raise InvalidArgument("quantization_config", "must be a JSON object")
+
+
+def deployment_inputs(req: ResolveRequest, resolved: Resolved) -> dict[str, Any]:
+    """What every rank of one deployment and role must share (DESIGN 6)."""
+    p, rt = req.parallel, req.runtime
+    return {
+        "ruleset_version": RULESET_VERSION,
+        "entry_class": resolved.chain[0],
+        "config_fingerprint": fingerprint(dict(req.config)),
+        "quantization": resolved.quantization.name,
+        "quantization_config_fingerprint": fingerprint(req.quantization_config or {}),
+        "parallel.tp_size": p.tp_size,
+        "parallel.ep_size": p.ep_size,
+        "parallel.pp_size": p.pp_size,
+        "parallel.dp_size": p.dp_size,
+        **{f"runtime.{k}": v for k, v in asdict(rt).items()},
+    }
+
+
+def diff_deployment_inputs(pinned: dict[str, Any], mine: dict[str, Any]) -> list[str]:
+    """Names of the deployment-wide inputs where `mine` differs from the pinned ones."""
+    return sorted(k for k in pinned.keys() | mine.keys() if pinned.get(k) != mine.get(k))
+
+
+def resolve_decisions(req: ResolveRequest) -> Resolution:
+    validate_request(req)
+    cfg = ConfigView(req.config)
+    entry_class = cfg.architecture()
+    resolved = resolve_entry(entry_class, cfg, req.quantization, req.quantization_config)
+    layout = resolved.family.layout(resolved.cfg)
+    row = backend(req.runtime.a2a_backend)
+    device = parse_device(req.runtime.device)
+    p, rt = req.parallel, req.runtime
+
+    d: dict[str, Decision] = {}
+
+    def put(key: str, value: Any, reason: str, rule: str, deployment_wide: bool = True) -> None:
+        d[key] = Decision(key, value, reason, rule, deployment_wide)
+
+    put(Keys.ENTRY_FAMILY, resolved.family.name,
+        f"{' -> '.join(resolved.chain)} builds the {resolved.family.name} family", "entries.table")
+
+    # --- shared-experts fusion (DESIGN 5.2) ---------------------------------
+    fused, rule, reason = _fusion(req, resolved, layout, row, device)
+    put(Keys.SHARED_EXPERTS_FUSION, fused, reason, rule)
+    n_fused = layout.n_shared if fused else 0
+    put(Keys.NUM_FUSED_SHARED_EXPERTS, n_fused,
+        f"{n_fused} shared expert slot(s) appended after the {layout.n_routed} routed experts" if fused
+        else "not fused", rule)
+
+    # --- forward path and reduction (DESIGN 5.1, 5.4) -----------------------
+    put(Keys.FORWARD_PATH, row.forward_path,
+        f"a2a backend {row.name} runs the {row.forward_path} path", f"backend.{row.name}.path")
+    split = p.ep_size * p.tp_size > 1
+    if row.combine_reduces:
+        reduce, why = False, f"backend {row.name}'s combine already sums the expert outputs"
+    elif not split:
+        reduce, why = False, "experts are not split across ranks (ep_size * tp_size == 1)"
+    else:
+        reduce, why = True, (f"{row.forward_path} path with experts split over ep_size={p.ep_size}, "
+                             f"tp_size={p.tp_size}: each rank holds partial sums")
+    put(Keys.POST_EXPERTS_ALL_REDUCE, reduce, why, f"backend.{row.name}.reduction")
+
+    if fused and row.forward_path == NORMAL and p.ep_size > 1:
+        put(Keys.FUSED_SHARED_EXPERT_SCALE, 1.0 / p.ep_size,
+            f"a global fused slot on every one of ep_size={p.ep_size} ranks: the all-reduce must sum it once",
+            "reduction.fused_scale")
+    else:
+        put(Keys.FUSED_SHARED_EXPERT_SCALE, 1.0,
+            "not fused" if not fused else "the fused slot is computed once per token", "reduction.fused_scale")
+
+    # --- expert sharding ---------------------------------------------------
+    physical = layout.n_routed + (rt.ep_num_redundant_experts if rt.enable_eplb else 0)
+    if physical % p.ep_size:
+        raise FailedPrecondition(
+            f"parallel.ep_size: {physical} physical experts ({layout.n_routed} routed + "
+            f"{physical - layout.n_routed} redundant) do not divide over ep_size={p.ep_size}")
+    put(Keys.NUM_LOCAL_EXPERTS, physical // p.ep_size,
+        f"{physical} physical experts over ep_size={p.ep_size}", "sharding.experts")
+
+    # --- pipeline stage (DESIGN 5.5) ---------------------------------------
+    start, end = stage_range(len(layout.layer_ids), p.pp_size, p.pp_rank)
+    first = layout.layer_ids[0]
+    layer_range = [first + start, first + end]
+    put(Keys.PP_LAYER_RANGE, layer_range,
+        f"stage {p.pp_rank} of {p.pp_size} owns layers [{layer_range[0]}, {layer_range[1]})", "pp.tiling",
+        deployment_wide=False)
+
+    # --- EPLB ---------------------------------------------------------------
+    local_moe = [i for i in layout.moe_layers if layer_range[0] <= i < layer_range[1]]
+    if rt.enable_eplb:
+        put(Keys.EPLB_ENABLED, True, "enable_eplb requested", "eplb.intent")
+        put(Keys.EPLB_NUM_PHYSICAL_EXPERTS, physical,
+            f"{layout.n_routed} routed + {rt.ep_num_redundant_experts} redundant", "eplb.physical")
+        put(Keys.EPLB_LAYERS, local_moe,
+            f"the MoE layers of stage {p.pp_rank} (global ids); fused shared slots are not movable",
+            "eplb.local_layers", deployment_wide=False)
+    else:
+        put(Keys.EPLB_ENABLED, False, "EPLB not enabled (runtime.enable_eplb is false)", "eplb.intent")
+        put(Keys.EPLB_NUM_PHYSICAL_EXPERTS, layout.n_routed, "EPLB not enabled: one copy of each expert",
+            "eplb.physical")
+        put(Keys.EPLB_LAYERS, [], "EPLB not enabled", "eplb.local_layers", deployment_wide=False)
+
+    inputs = deployment_inputs(req, resolved)
+    return Resolution(entry_class, resolved.chain, resolved.family.name, inputs["config_fingerprint"],
+                      resolved.quantization.name, d, inputs)
+
+
+def stage_range(n_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
+    """[start, end) of stage pp_rank; stages tile all layers, earlier ones take the remainder."""
+    if pp_size > n_layers:
+        raise FailedPrecondition(f"parallel.pp_size: {pp_size} stages for {n_layers} layers leaves a stage empty")
+    base, extra = divmod(n_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return start, start + base + (1 if pp_rank < extra else 0)
+
+
+def _fusion(req: ResolveRequest, resolved: Resolved, layout: MoeLayout, row, device) -> tuple[bool, str, str]:
+    rt = req.runtime
+    if rt.disable_shared_experts_fusion:
+        return False, "intent.disable_shared_experts_fusion", \
+            "disable_shared_experts_fusion requested (the gate is not asked)"
+    if layout.n_shared == 0 or not resolved.family.has_shared_experts:
+        return False, f"{resolved.family.name}.no_shared_experts", "no shared experts"
+    if row.fusion_force_disabled:
+        return False, f"backend.{row.name}.fusion_force_disabled", \
+            f"a2a backend {row.name} forces shared-experts fusion off"
+    if row.forward_path != NORMAL and req.parallel.ep_size > 1 and not row.per_rank_fused_slots:
+        return False, f"backend.{row.name}.no_per_rank_fused_slots", \
+            f"a2a backend {row.name} cannot hold a fused shared slot on every rank under ep_size=" \
+            f"{req.parallel.ep_size}"
+    gate = resolved.family.gate
+    assert gate is not None, f"family {resolved.family.name} has shared experts but no gate"
+    ctx = GateContext(resolved.chain[-1], resolved.fused_architecture, resolved.cfg, layout,
+                      resolved.quantization, rt, req.parallel, row, device)
+    verdict = gate(ctx)
+    if verdict is not None:
+        return False, verdict.rule, verdict.reason
+    enforced = " (enforced: optional conditions skipped)" if rt.enforce_shared_experts_fusion else ""
+    return True, f"{resolved.family.name}.fused", \
+        f"{layout.n_shared} shared expert(s) run as routed slot {layout.n_routed}{enforced}"
