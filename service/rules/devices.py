@@ -16,6 +16,8 @@ MOE_RUNNERS = ("torch", "kernel")
 
 # Minimum capability for the vendor fused-MoE kernel to run fused shared slots.
 FUSED_KERNEL_MIN = {"cuda": (8, 0), "hip": (9, 4), "musa": (3, 1)}
+# GLM-4-MoE's fused kernel exists for CUDA and HIP only (DESIGN 5.2: no MUSA).
+GLM4_FUSED_KERNEL_MIN = {"cuda": (8, 0), "hip": (9, 4)}
 # Devices whose vendor kernel runs fused slots under expert parallelism.
 FUSED_UNDER_EP_MIN = {"hip": (9, 4)}
 
@@ -61,8 +63,9 @@ def _at_least(device: Device, table: dict[str, tuple[int, int]]) -> bool:
     return need is not None and device.capability is not None and device.capability >= need
 
 
-def runs_fused_kernel(runner: str, device: Device) -> bool:
-    return runner == "torch" or _at_least(device, FUSED_KERNEL_MIN)
+def runs_fused_kernel(runner: str, device: Device,
+                      table: dict[str, tuple[int, int]] = FUSED_KERNEL_MIN) -> bool:
+    return runner == "torch" or _at_least(device, table)
 
 
 def runs_fused_slots_under_ep(runner: str, device: Device) -> bool:

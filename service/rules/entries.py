@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from ..errors import FailedPrecondition, NotFound
+from ..errors import FailedPrecondition, InvalidArgument, NotFound
 from . import gates, layouts
 from .config_view import ConfigView
 from .layouts import MoeLayout
@@ -40,11 +40,20 @@ class Wrapper:
     quantization: Callable[[ConfigView, str | None, Mapping[str, Any] | None], Quantization]
 
 
+def _embedded_qconfig(cfg: ConfigView) -> Mapping[str, Any] | None:
+    """The `quantization_config` a config.json declares itself, if any."""
+    value = cfg.raw("quantization_config")
+    if value is not None and not isinstance(value, Mapping):
+        raise InvalidArgument(cfg.field("quantization_config"), f"must be a JSON object, got {type(value).__name__}")
+    return value
+
+
 def _top_level_quantization(cfg: ConfigView, explicit: str | None, qconfig: Mapping[str, Any] | None) -> Quantization:
     """The wrapper hands its inner constructor the checkpoint-level quantization,
     falling back to one declared inside the text config."""
-    inner_q = cfg.raw("text_config", {}) or {}
-    return quantization_of(explicit, qconfig or inner_q.get("quantization_config"))
+    inner = cfg.raw("text_config")
+    inner_q = _embedded_qconfig(ConfigView(inner, cfg.field("text_config"))) if isinstance(inner, Mapping) else None
+    return quantization_of(explicit, qconfig or inner_q)
 
 
 FAMILIES: dict[str, Family] = {
@@ -104,12 +113,17 @@ def resolve_entry(name: str, cfg: ConfigView, explicit_q: str | None,
                   qconfig: Mapping[str, Any] | None) -> Resolved:
     """Follow wrappers, handing down config and quantization as their constructors do."""
     chain = chain_of(name)
+    if qconfig is None:
+        # A config.json that declares its own quantization is quantized even when
+        # the request did not repeat it separately (never read it as unquantized).
+        qconfig = _embedded_qconfig(cfg)
     quant = quantization_of(explicit_q, qconfig)
     for outer in chain[:-1]:
         w = ENTRY_CLASSES[outer]
         assert isinstance(w, Wrapper)
+        inner = cfg.sub(w.config_field, f"{outer} builds {w.inner} from it")  # checked before it is read
         quant = w.quantization(cfg, explicit_q, qconfig)
-        cfg = cfg.sub(w.config_field, f"{outer} builds {w.inner} from it")
+        cfg = inner
     built = ENTRY_CLASSES[chain[-1]]
     assert isinstance(built, Direct)
     family = FAMILIES[built.family]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from .backends import BackendCapabilities
 from .config_view import ConfigView
-from .devices import Device, runs_fused_kernel, runs_fused_slots_under_ep
+from .devices import GLM4_FUSED_KERNEL_MIN, Device, runs_fused_kernel, runs_fused_slots_under_ep
 from .layouts import MoeLayout
 from .quantization import NO_FUSION_QUANTIZATIONS, Quantization
 from ...plan import Parallel, Runtime
@@ -100,7 +100,7 @@ def glm4_moe_gate(ctx: GateContext) -> Verdict | None:
                        "would mix quantized routed and unquantized shared weights")
     if ctx.enforced:
         return None
-    if not runs_fused_kernel(rt.moe_runner, ctx.device):
+    if not runs_fused_kernel(rt.moe_runner, ctx.device, GLM4_FUSED_KERNEL_MIN):
         return Verdict("glm4_moe.device", f"MoE runner {rt.moe_runner} on {ctx.device} cannot run the fused "
                                           f"kernel (needs cuda>=8.0, hip>=9.4 or the torch runner)")
     if ctx.parallel.ep_size > 1 and not runs_fused_slots_under_ep(rt.moe_runner, ctx.device):

@@ -50,7 +50,7 @@ def validate_request(req: ResolveRequest) -> None:
         value = getattr(req, name)
         if not value:
             raise InvalidArgument(name, "required")
-        if not _ID_RE.match(value):
+        if not _ID_RE.fullmatch(value):  # fullmatch: '$' alone would accept a trailing newline
             raise InvalidArgument(name, f"{value[:64]!r} must be 1-128 characters of letters, digits and ._:@/- "
                                         f"starting with a letter or digit")
     if req.role not in ROLES:

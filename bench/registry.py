@@ -1,0 +1,213 @@
+"""Registry throughput and latency: a bare echo RPC vs ResolveLoadPlan with durable writes.
+
+    python bench/registry.py [--postgres-url URL] [--json] [--requests N]
+
+For each database (SQLite file; PostgreSQL when --postgres-url or
+LOADPLAN_TEST_POSTGRES_URL is given) it starts one registry server process
+(`loadplan serve`) on a fresh, migrated database and measures, on the same
+server, Echo and ResolveLoadPlan sequentially (1 in flight) and with 64 in
+flight. Every resolve has its own request id AND its own deployment id, so each
+one validates, decides, pins a new deployment and commits a new plan: no replay
+and no pinned-deployment shortcut is measured. The load generator is a separate
+process (this one) using grpc.aio.
+
+It also measures `commit_p50_ms`: the p50 of a bare single-row INSERT + COMMIT on
+the same database, the floor a durable resolve cannot beat.
+
+Prints one JSON object per (db, inflight) with --json, else a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import grpc
+
+from loadplan.client import convert
+from loadplan.plan import Parallel, ResolveRequest, Runtime
+from loadplan.v1 import registry_pb2 as pb
+from loadplan.v1 import registry_pb2_grpc as pb_grpc
+
+CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 61, "hidden_size": 7168,
+    "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+    "moe_layer_freq": 1, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def _fresh_postgres(url: str) -> tuple[str, callable]:
+    """Create a uniquely named database next to `url`; return its URL and a drop function."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    from loadplan.service.store.db import normalize_url
+
+    base = make_url(normalize_url(url))
+    name = f"loadplan_bench_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(base, isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.execute(text(f'CREATE DATABASE "{name}"'))
+
+    def drop() -> None:
+        with admin.connect() as c:
+            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+    return base.set(database=name).render_as_string(hide_password=False), drop
+
+
+def _commit_p50_ms(db_url: str, n: int = 200) -> float:
+    """p50 of one durable single-row INSERT + COMMIT, on its own table."""
+    from sqlalchemy import text
+
+    from loadplan.service.store.db import make_engine
+
+    engine = make_engine(db_url)
+    times = []
+    with engine.connect() as c:
+        c.execute(text("CREATE TABLE IF NOT EXISTS bench_commit (id VARCHAR(40) PRIMARY KEY, v INTEGER)"))
+        c.commit()
+        for i in range(n):
+            t = time.perf_counter()
+            c.execute(text("INSERT INTO bench_commit (id, v) VALUES (:id, :v)"), {"id": uuid.uuid4().hex, "v": i})
+            c.commit()
+            times.append(time.perf_counter() - t)
+        c.execute(text("DROP TABLE bench_commit"))
+        c.commit()
+    engine.dispose()
+    return statistics.median(times) * 1e3
+
+
+class Server:
+    def __init__(self, db_url: str):
+        self.port = _free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        subprocess.run([sys.executable, "-m", "loadplan.cli.main", "migrate", "--db", db_url], check=True, env=env,
+                       stdout=subprocess.DEVNULL)
+        self.proc = subprocess.Popen([sys.executable, "-m", "loadplan.cli.main", "serve", "--db", db_url,
+                                      "--listen", self.address], env=env, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE)
+        from loadplan.service.healthcheck import check
+
+        deadline = time.time() + 30
+        while not check(self.address, timeout=0.5):
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise SystemExit(f"registry did not become SERVING: {self.proc.stderr.read().decode()[-2000:]}")
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def _resolve_message(i: int) -> pb.ResolveLoadPlanRequest:
+    req = ResolveRequest(request_id=f"bench-{uuid.uuid4().hex}", deployment_id=f"bench-dep-{uuid.uuid4().hex}",
+                         parallel=Parallel(ep_size=8, ep_rank=i % 8), host="bench", config=CONFIG,
+                         quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]},
+                         runtime=Runtime())
+    return convert.request_to_pb(req)
+
+
+async def _run(address: str, method: str, n: int, inflight: int) -> tuple[float, list[float]]:
+    """Issue n calls with `inflight` outstanding; return (wall seconds, per-call latencies)."""
+    if method == "echo":
+        messages = [pb.EchoRequest(payload=b"x" * 64) for _ in range(n)]
+    else:
+        messages = [_resolve_message(i) for i in range(n)]
+    latencies: list[float] = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.ModelRegistryStub(channel)
+        call = stub.Echo if method == "echo" else stub.ResolveLoadPlan
+        queue = iter(messages)
+
+        async def worker() -> None:
+            for msg in queue:
+                t = time.perf_counter()
+                await call(msg, timeout=30)
+                latencies.append(time.perf_counter() - t)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(inflight)))
+        wall = time.perf_counter() - start
+    return wall, latencies
+
+
+def measure(address: str, inflight: int, n: int) -> dict:
+    row: dict = {"inflight": inflight}
+    for method in ("echo", "resolve"):
+        asyncio.run(_run(address, method, min(50, n), inflight))  # warm-up
+        wall, lat = asyncio.run(_run(address, method, n, inflight))
+        row[f"{method}_qps"] = round(n / wall, 1)
+        row[f"{method}_p50_ms"] = round(_percentile(lat, 0.50) * 1e3, 3)
+        row[f"{method}_p99_ms"] = round(_percentile(lat, 0.99) * 1e3, 3)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--postgres-url", default=os.environ.get("LOADPLAN_TEST_POSTGRES_URL"))
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--requests", type=int, default=1000, help="calls per measurement (64 in flight)")
+    ap.add_argument("--sequential-requests", type=int, default=300, help="calls per sequential measurement")
+    args = ap.parse_args(argv)
+
+    targets: list[tuple[str, str, callable]] = []
+    tmp = tempfile.TemporaryDirectory()
+    targets.append(("sqlite", f"sqlite:///{pathlib.Path(tmp.name) / 'bench.db'}", lambda: None))
+    if args.postgres_url:
+        url, drop = _fresh_postgres(args.postgres_url)
+        targets.append(("postgresql", url, drop))
+
+    rows = []
+    try:
+        for name, url, _ in targets:
+            server = Server(url)
+            try:
+                commit = round(_commit_p50_ms(url), 3)
+                for inflight, n in ((1, args.sequential_requests), (64, args.requests)):
+                    row = {"db": name, **measure(server.address, inflight, n), "commit_p50_ms": commit}
+                    row["resolve_vs_echo_qps"] = round(row["resolve_qps"] / row["echo_qps"], 3)
+                    rows.append(row)
+                    if args.json:
+                        print(json.dumps(row), flush=True)
+            finally:
+                server.close()
+    finally:
+        for _, _, drop in targets:
+            drop()
+        tmp.cleanup()
+
+    if not args.json:
+        cols = ["db", "inflight", "echo_qps", "resolve_qps", "resolve_vs_echo_qps", "echo_p50_ms", "resolve_p50_ms",
+                "echo_p99_ms", "resolve_p99_ms", "commit_p50_ms"]
+        print("  ".join(f"{c:>14}" for c in cols))
+        for r in rows:
+            print("  ".join(f"{r[c]!s:>14}" for c in cols))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

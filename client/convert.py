@@ -1,0 +1,209 @@
+"""Proto <-> domain translation of plans, shared by the client and the service.
+
+Pure translation, no validation beyond what the wire format forces: the service
+wraps `WireError` into INVALID_ARGUMENT naming the field. Decision values travel
+as JSON text (the proto explains why).
+
+A plan on the wire carries the whole request it was made from (config.json
+included), so a plan read back equals the plan the registry stored.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from typing import Any, Iterable, Mapping
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from ..plan import ROLE_SPECULATIVE, ROLE_TARGET, Decision, LoadPlan, Parallel, ResolveRequest, Runtime
+from ..v1 import registry_pb2 as pb
+
+
+class WireError(ValueError):
+    """A message that cannot be translated; `field` is its path in the request."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+        self.problem = problem
+
+
+_ROLE_TO_PB = {ROLE_TARGET: pb.ROLE_TARGET, ROLE_SPECULATIVE: pb.ROLE_SPECULATIVE}
+_ROLE_FROM_PB = {v: k for k, v in _ROLE_TO_PB.items()}
+
+
+def role_to_pb(role: str | None) -> int:
+    if role is None:
+        return pb.ROLE_UNSPECIFIED
+    try:
+        return _ROLE_TO_PB[role]
+    except KeyError:
+        raise WireError("role", f"{role!r} is not a role; expected one of {', '.join(_ROLE_TO_PB)}") from None
+
+
+def role_from_pb(value: int, default: str | None = ROLE_TARGET, field: str = "role") -> str | None:
+    """ROLE_UNSPECIFIED (proto3's zero) means `default`."""
+    if value == pb.ROLE_UNSPECIFIED:
+        return default
+    try:
+        return _ROLE_FROM_PB[value]
+    except KeyError:
+        raise WireError(field, f"unknown role number {value}; expected one of {', '.join(_ROLE_TO_PB)}") from None
+
+
+# --- time --------------------------------------------------------------------
+
+def timestamp(when: dt.datetime) -> Timestamp:
+    """Naive datetimes are taken as UTC."""
+    ts = Timestamp()
+    ts.FromDatetime(when if when.tzinfo is None else when.astimezone(dt.timezone.utc))
+    return ts
+
+
+def datetime_of(msg: Any, name: str) -> dt.datetime | None:
+    """The timestamp field `name` of `msg` as an aware UTC datetime, None when unset."""
+    if not msg.HasField(name):
+        return None
+    return getattr(msg, name).ToDatetime(tzinfo=dt.timezone.utc)
+
+
+# --- parallelism and runtime ---------------------------------------------------
+
+_AXES = ("tp", "ep", "pp", "dp")
+
+
+def parallel_to_pb(p: Parallel) -> pb.Parallelism:
+    return pb.Parallelism(**{f"{a}_{k}": getattr(p, f"{a}_{k}") for a in _AXES for k in ("size", "rank")})
+
+
+def parallel_from_pb(msg: pb.Parallelism) -> Parallel:
+    """Taken literally: a zero size stays zero (the service refuses it by name)."""
+    return Parallel(**{f"{a}_{k}": getattr(msg, f"{a}_{k}") for a in _AXES for k in ("size", "rank")})
+
+
+def runtime_to_pb(rt: Runtime) -> pb.Runtime:
+    return pb.Runtime(
+        a2a_backend=rt.a2a_backend, device=rt.device, moe_runner=rt.moe_runner,
+        enable_sbo=rt.enable_sbo, enable_tbo=rt.enable_tbo,
+        disable_shared_experts_fusion=rt.disable_shared_experts_fusion,
+        enforce_shared_experts_fusion=rt.enforce_shared_experts_fusion,
+        enable_eplb=rt.enable_eplb, ep_num_redundant_experts=rt.ep_num_redundant_experts,
+    )
+
+
+def runtime_from_pb(msg: pb.Runtime) -> Runtime:
+    """Empty strings are proto3's "unset": the domain defaults apply (the proto says so)."""
+    default = Runtime()
+    return Runtime(
+        a2a_backend=msg.a2a_backend or default.a2a_backend,
+        device=msg.device or default.device,
+        moe_runner=msg.moe_runner or default.moe_runner,
+        enable_sbo=msg.enable_sbo, enable_tbo=msg.enable_tbo,
+        disable_shared_experts_fusion=msg.disable_shared_experts_fusion,
+        enforce_shared_experts_fusion=msg.enforce_shared_experts_fusion,
+        enable_eplb=msg.enable_eplb, ep_num_redundant_experts=msg.ep_num_redundant_experts,
+    )
+
+
+# --- requests ------------------------------------------------------------------
+
+def config_to_json(config: Any) -> str:
+    return json.dumps(dict(config) if isinstance(config, Mapping) else config)
+
+
+def quantization_config_to_json(qconfig: Any) -> str:
+    """"" stands for "no quantization config"."""
+    if qconfig is None:
+        return ""
+    return json.dumps(dict(qconfig) if isinstance(qconfig, Mapping) else qconfig)
+
+
+def request_to_pb(req: ResolveRequest) -> pb.ResolveLoadPlanRequest:
+    return pb.ResolveLoadPlanRequest(
+        request_id=req.request_id,
+        deployment_id=req.deployment_id,
+        role=role_to_pb(req.role),
+        parallel=parallel_to_pb(req.parallel),
+        host=req.host,
+        config_json=config_to_json(req.config),
+        quantization_config_json=quantization_config_to_json(req.quantization_config),
+        quantization=req.quantization or "",
+        runtime=runtime_to_pb(req.runtime),
+    )
+
+
+# --- decisions and plans ----------------------------------------------------------
+
+def decision_to_pb(d: Decision) -> pb.Decision:
+    msg = pb.Decision(key=d.key, value_json=json.dumps(d.value), reason=d.reason, rule=d.rule,
+                      deployment_wide=d.deployment_wide, revision=d.revision)
+    if d.decided_at is not None:
+        msg.decided_at.CopyFrom(timestamp(d.decided_at))
+    return msg
+
+
+def decision_from_pb(msg: pb.Decision, field: str = "decision") -> Decision:
+    try:
+        value = json.loads(msg.value_json) if msg.value_json else None
+    except ValueError as e:
+        raise WireError(f"{field}.value_json", f"not valid JSON ({e})") from None
+    return Decision(key=msg.key, value=value, reason=msg.reason, rule=msg.rule,
+                    deployment_wide=msg.deployment_wide, revision=msg.revision,
+                    decided_at=datetime_of(msg, "decided_at"))
+
+
+def plan_to_pb(plan: LoadPlan) -> pb.LoadPlan:
+    req = plan.request
+    msg = pb.LoadPlan(
+        plan_id=plan.plan_id,
+        ruleset_version=plan.ruleset_version,
+        request_id=req.request_id,
+        deployment_id=req.deployment_id,
+        role=role_to_pb(req.role),
+        parallel=parallel_to_pb(req.parallel),
+        host=req.host,
+        entry_class=plan.entry_class,
+        config_fingerprint=plan.config_fingerprint,
+        quantization=plan.quantization or "",
+        runtime=runtime_to_pb(req.runtime),
+        decisions=[decision_to_pb(d) for _, d in sorted(plan.decisions.items())],
+        replayed=plan.replayed,
+        history=[decision_to_pb(d) for d in plan.history],
+        config_json=config_to_json(req.config),
+        quantization_config_json=quantization_config_to_json(req.quantization_config),
+        requested_quantization=req.quantization or "",
+    )
+    if plan.created_at is not None:
+        msg.created_at.CopyFrom(timestamp(plan.created_at))
+    return msg
+
+
+def plan_from_pb(msg: pb.LoadPlan) -> LoadPlan:
+    request = ResolveRequest(
+        request_id=msg.request_id,
+        deployment_id=msg.deployment_id,
+        role=role_from_pb(msg.role),
+        parallel=parallel_from_pb(msg.parallel),
+        host=msg.host,
+        config=json.loads(msg.config_json) if msg.config_json else {},
+        quantization_config=json.loads(msg.quantization_config_json) if msg.quantization_config_json else None,
+        quantization=msg.requested_quantization or None,
+        runtime=runtime_from_pb(msg.runtime),
+    )
+    return LoadPlan(
+        plan_id=msg.plan_id,
+        ruleset_version=msg.ruleset_version,
+        request=request,
+        entry_class=msg.entry_class,
+        config_fingerprint=msg.config_fingerprint,
+        quantization=msg.quantization or None,
+        decisions={d.key: decision_from_pb(d) for d in msg.decisions},
+        created_at=datetime_of(msg, "created_at"),
+        replayed=msg.replayed,
+        history=tuple(decision_from_pb(d) for d in msg.history),
+    )
+
+
+def decisions_to_pb(decisions: Iterable[Decision]) -> list[pb.Decision]:
+    return [decision_to_pb(d) for d in decisions]

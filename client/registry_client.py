@@ -1,0 +1,155 @@
+"""`RegistryClient`: the typed facade engine workers and the CLI use.
+
+Every call has a deadline. Only UNAVAILABLE is retried (the database or the
+server is down for a moment), with exponential backoff and the very same
+request message, so a retried resolve carries the same request id and the
+registry replays the stored plan instead of writing a second one. Any other
+status raises `RegistryCallError` at once.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import random
+import time
+from typing import Any, Callable, Iterator, Sequence
+
+import grpc
+
+from ..plan import Decision, LoadPlan, ResolveRequest
+from ..v1 import registry_pb2 as pb
+from ..v1 import registry_pb2_grpc as pb_grpc
+from . import convert
+from .errors import RegistryCallError, UnavailableError, from_rpc_error
+from .types import BackendInfo, CoverageEntry, CoverageReport, PlanDiff
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024   # plan pages can be larger than gRPC's 4 MiB default
+
+
+class RegistryClient:
+    def __init__(self, address: str, *, timeout: float = 10.0, max_attempts: int = 5, backoff: float = 0.1,
+                 max_backoff: float = 2.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 sleep: Callable[[float], None] = time.sleep):
+        if max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")
+        self.address = address
+        self.timeout = timeout
+        self.max_attempts = max_attempts
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self._sleep = sleep
+        self._channel = grpc.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ])
+        self._stub = pb_grpc.ModelRegistryStub(self._channel)
+
+    # --- lifecycle -------------------------------------------------------------
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "RegistryClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- the calls ---------------------------------------------------------------
+
+    def resolve_load_plan(self, request: ResolveRequest, *, timeout: float | None = None) -> LoadPlan:
+        """The plan of one runner; a retried request id returns the stored plan (`replayed`)."""
+        return convert.plan_from_pb(self._call("ResolveLoadPlan", convert.request_to_pb(request), timeout))
+
+    def get_plan(self, plan_id: str, include_history: bool = False, *, timeout: float | None = None) -> LoadPlan:
+        msg = pb.GetPlanRequest(plan_id=plan_id, include_history=include_history)
+        return convert.plan_from_pb(self._call("GetPlan", msg, timeout))
+
+    def list_plans(self, deployment_id: str | None = None, role: str | None = None, entry_class: str | None = None,
+                   host: str | None = None, created_after: dt.datetime | None = None,
+                   created_before: dt.datetime | None = None, page_size: int = 0, page_token: str | None = None,
+                   *, timeout: float | None = None) -> tuple[list[LoadPlan], str | None]:
+        """One page, newest first, and the token of the next page (None on the last)."""
+        msg = pb.ListPlansRequest(deployment_id=deployment_id or "", role=convert.role_to_pb(role),
+                                  entry_class=entry_class or "", host=host or "", page_size=page_size,
+                                  page_token=page_token or "")
+        if created_after is not None:
+            msg.created_after.CopyFrom(convert.timestamp(created_after))
+        if created_before is not None:
+            msg.created_before.CopyFrom(convert.timestamp(created_before))
+        reply = self._call("ListPlans", msg, timeout)
+        return [convert.plan_from_pb(p) for p in reply.plans], reply.next_page_token or None
+
+    def iter_plans(self, deployment_id: str | None = None, role: str | None = None, entry_class: str | None = None,
+                   host: str | None = None, created_after: dt.datetime | None = None,
+                   created_before: dt.datetime | None = None, page_size: int = 0,
+                   *, timeout: float | None = None) -> Iterator[LoadPlan]:
+        """Every matching plan, following the pages (each page is its own call with its own deadline)."""
+        token = None
+        while True:
+            plans, token = self.list_plans(deployment_id, role, entry_class, host, created_after, created_before,
+                                           page_size, token, timeout=timeout)
+            yield from plans
+            if not token:
+                return
+
+    def diff_plans(self, a: str, b: str, *, timeout: float | None = None) -> PlanDiff:
+        reply = self._call("DiffPlans", pb.DiffPlansRequest(plan_a=a, plan_b=b), timeout)
+        decisions = [(d.key,
+                      convert.decision_from_pb(d.a) if d.in_a else None,
+                      convert.decision_from_pb(d.b) if d.in_b else None) for d in reply.decisions]
+        inputs = [(i.field, _json_or_none(i.a_json), _json_or_none(i.b_json)) for i in reply.inputs]
+        return PlanDiff(convert.plan_from_pb(reply.a), convert.plan_from_pb(reply.b), decisions, inputs)
+
+    def append_decisions(self, request_id: str, plan_id: str, decisions: Sequence[Decision],
+                         *, timeout: float | None = None) -> LoadPlan:
+        """Record decisions made after load (e.g. an EPLB rebalance); idempotent by request id."""
+        msg = pb.AppendDecisionsRequest(request_id=request_id, plan_id=plan_id,
+                                        decisions=convert.decisions_to_pb(decisions))
+        return convert.plan_from_pb(self._call("AppendDecisions", msg, timeout))
+
+    def list_backends(self, *, timeout: float | None = None) -> list[BackendInfo]:
+        reply = self._call("ListBackends", pb.ListBackendsRequest(), timeout)
+        return [BackendInfo(b.name, b.forward_path, b.combine_reduces, b.deepep_class, b.per_rank_fused_slots,
+                            b.fusion_force_disabled) for b in reply.backends]
+
+    def check_coverage(self, entry_classes: Sequence[str] = (), *, timeout: float | None = None) -> CoverageReport:
+        """Whether each entry class reaches a fusion gate; empty asks about the registry's own table."""
+        reply = self._call("CheckCoverage", pb.CheckCoverageRequest(entry_classes=list(entry_classes)), timeout)
+        entries = [CoverageEntry(e.entry_class, e.known, e.family, e.gated_family, e.has_gate, tuple(e.chain),
+                                 e.message, e.ok) for e in reply.entries]
+        return CoverageReport(entries, reply.ok)
+
+    def echo(self, payload: bytes = b"", *, timeout: float | None = None) -> bytes:
+        return self._call("Echo", pb.EchoRequest(payload=payload), timeout).payload
+
+    # --- deadline and retries ----------------------------------------------------------
+
+    def _call(self, method: str, request: Any, timeout: float | None) -> Any:
+        rpc = getattr(self._stub, method)
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        delay = self.backoff
+        for attempt in range(1, self.max_attempts + 1):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RegistryCallError("DEADLINE_EXCEEDED", f"{method}: no time left for attempt {attempt} "
+                                        f"within {timeout:g}s")
+            try:
+                return rpc(request, timeout=remaining)
+            except grpc.RpcError as e:
+                err = from_rpc_error(e)
+            if not isinstance(err, UnavailableError) or attempt == self.max_attempts:
+                raise err
+            # Jitter keeps the ranks of a deployment from retrying in lock step.
+            pause = min(delay, self.max_backoff) * random.uniform(0.5, 1.0)
+            if time.monotonic() + pause >= deadline:
+                raise err
+            self._sleep(pause)
+            delay *= 2
+        raise AssertionError("unreachable")
+
+
+def _json_or_none(text: str) -> Any:
+    return json.loads(text) if text else None

@@ -1,0 +1,48 @@
+"""Greedy decoding with a static KV cache (gpt-fast style).
+
+Prefill the prompt once, then feed one token at a time at its absolute position.
+The model keeps no decision state to read here: it was all baked in at build time.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+
+@torch.no_grad()
+def generate(model: nn.Module, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, *,
+             eos_token_id: int | Sequence[int] | None = None) -> torch.Tensor:
+    """prompt_ids [T] or [B, T] -> the new tokens [B, N] (N <= max_new_tokens; all rows stop at EOS together
+    only when every row has produced one)."""
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long)
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.numel() == 0:
+        raise ValueError("empty prompt")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    device = next(model.parameters()).device
+    ids = ids.to(device)
+    B, T = ids.shape
+    if max_new_tokens == 0:
+        return ids.new_zeros((B, 0))
+    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+    model.setup_caches(B, T + max_new_tokens)
+    try:
+        logits = model(ids, torch.arange(T, device=device))               # [B, T, V]
+        nxt = logits[:, -1].argmax(dim=-1)                                 # [B]
+        out = [nxt]
+        done = torch.tensor([t in eos for t in nxt.tolist()], device=device)
+        for pos in range(T, T + max_new_tokens - 1):
+            if eos and bool(done.all()):
+                break
+            logits = model(nxt[:, None], torch.tensor([pos], device=device))
+            nxt = logits[:, -1].argmax(dim=-1)
+            out.append(nxt)
+            done |= torch.tensor([t in eos for t in nxt.tolist()], device=device)
+        return torch.stack(out, dim=1)
+    finally:
+        model.clear_caches()

@@ -1,0 +1,1 @@
+"""Building blocks shared by the engine's model files (attention, rotary, routing)."""

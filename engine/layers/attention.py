@@ -1,0 +1,56 @@
+"""Grouped-query attention of the Qwen MoE families, with an optional static KV cache.
+
+Qwen2-MoE: bias on q/k/v (`qkv_bias`). Qwen3-MoE: bias on q/k/v/o (`attention_bias`)
+and RMSNorm on each head of q and k before the rotary embedding (`qk_norm`).
+Shapes: B batch, T new tokens, H heads, H_kv key/value heads, hd head_dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .kv_cache import KVCache
+from .norm import RMSNorm
+from .rope import apply_rotary
+
+
+class GQAttention(nn.Module):
+    def __init__(self, hidden_size: int, n_heads: int, n_kv_heads: int, head_dim: int, *, qkv_bias: bool,
+                 o_bias: bool, qk_norm: bool, rms_norm_eps: float, dtype: torch.dtype | None = None):
+        super().__init__()
+        if n_heads % n_kv_heads:
+            raise ValueError(f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv_heads}")
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.q_proj = nn.Linear(hidden_size, n_heads * head_dim, bias=qkv_bias, dtype=dtype)
+        self.k_proj = nn.Linear(hidden_size, n_kv_heads * head_dim, bias=qkv_bias, dtype=dtype)
+        self.v_proj = nn.Linear(hidden_size, n_kv_heads * head_dim, bias=qkv_bias, dtype=dtype)
+        self.o_proj = nn.Linear(n_heads * head_dim, hidden_size, bias=o_bias, dtype=dtype)
+        self.q_norm = RMSNorm(head_dim, rms_norm_eps, dtype) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, rms_norm_eps, dtype) if qk_norm else None
+        self.kv_cache: KVCache | None = None   # set by the model's setup_caches
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, D], cos/sin [T, hd], input_pos [T] (needed with a cache) -> [B, T, D]."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)       # [B, T, H, hd]
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)    # [B, T, H_kv, hd]
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, hd]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        gqa = self.n_heads != self.n_kv_heads
+        if self.kv_cache is not None:
+            if input_pos is None:
+                raise ValueError("a KV cache is set up: pass input_pos")
+            k, v = self.kv_cache.update(input_pos, k, v)                  # [B, H_kv, S_max, hd]
+            keys = torch.arange(k.shape[2], device=x.device)
+            mask = keys[None, :] <= input_pos[:, None]                    # [T, S_max]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scale, enable_gqa=gqa)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))

@@ -1,0 +1,150 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3).
+
+Queries come from a low-rank path (q_a_proj -> RMSNorm -> q_b_proj) or, when
+`q_lora_rank` is null, from one q_proj. Keys and values share one compressed latent
+(kv_a_proj_with_mqa -> [kv_lora_rank | qk_rope_head_dim]); the rope part is one
+key head shared by all query heads, the rest is normalised and expanded per head by
+kv_b_proj into [k_nope | v].
+
+Parameter names equal the checkpoint's names under `self_attn.`, so loading is a copy.
+The KV cache keeps the compressed latent (kv_lora_rank + qk_rope_head_dim numbers
+per token instead of heads * (qk_head_dim + v_head_dim)) and re-expands it each step:
+simple, exact, and the memory saving MLA exists for. Like the engine's other
+attention, the cache is an attribute the model sets up (`setup_cache`), and a
+forward with a cache takes the positions `input_pos` of its tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .norm import RMSNorm
+from .rope import RopeConfig, apply_rotary, softmax_scale
+
+
+class LatentKVCache(nn.Module):
+    """Static per-layer cache (gpt-fast style) of the normalised latent and the rotated shared key.
+
+    `update(input_pos [T], kv [B, T, kv_lora_rank], k_rot [B, T, qk_rope_head_dim])` writes
+    the new entries at their positions and returns the buffers up to the last written one.
+    """
+
+    def __init__(self, batch_size: int, max_seq_len: int, kv_lora_rank: int, qk_rope_head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.register_buffer("kv_cache", torch.zeros(batch_size, max_seq_len, kv_lora_rank, dtype=dtype,
+                                                     device=device), persistent=False)
+        self.register_buffer("k_rot_cache", torch.zeros(batch_size, max_seq_len, qk_rope_head_dim, dtype=dtype,
+                                                        device=device), persistent=False)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.kv_cache.shape[1]
+
+    def update(self, input_pos: torch.Tensor, kv: torch.Tensor,
+               k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B = kv.shape[0]
+        self.kv_cache[:B, input_pos] = kv
+        self.k_rot_cache[:B, input_pos] = k_rot
+        # Expanding the latent costs per key: skip the never-written tail of the buffer.
+        end = int(input_pos.max()) + 1
+        return self.kv_cache[:B, :end], self.k_rot_cache[:B, :end]
+
+
+class MultiHeadLatentAttention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        q_lora_rank: int | None,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        rope: RopeConfig,
+        rope_interleave: bool = True,
+        attention_bias: bool = False,
+    ):
+        super().__init__()
+        self.num_heads = num_heads
+        self.q_lora_rank = q_lora_rank
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_nope_head_dim = qk_nope_head_dim
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        self.v_head_dim = v_head_dim
+        self.rope_interleave = rope_interleave
+        self.scale = softmax_scale(self.qk_head_dim, rope)
+
+        if q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden_size, num_heads * self.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=attention_bias)
+            # The latent norms use the reference's fixed eps, not config.rms_norm_eps.
+            self.q_a_layernorm = RMSNorm(q_lora_rank)
+            self.q_b_proj = nn.Linear(q_lora_rank, num_heads * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=attention_bias)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank)
+        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
+        self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=attention_bias)
+        self.kv_cache: LatentKVCache | None = None  # set by the model's setup_caches
+
+    def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype,
+                    device: torch.device | str) -> LatentKVCache:
+        self.kv_cache = LatentKVCache(batch_size, max_seq_len, self.kv_lora_rank, self.qk_rope_head_dim,
+                                      dtype, device)
+        return self.kv_cache
+
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping[str, Any], rope: RopeConfig) -> "MultiHeadLatentAttention":
+        return cls(
+            hidden_size=cfg["hidden_size"],
+            num_heads=cfg["num_attention_heads"],
+            q_lora_rank=cfg.get("q_lora_rank"),
+            kv_lora_rank=cfg["kv_lora_rank"],
+            qk_nope_head_dim=cfg["qk_nope_head_dim"],
+            qk_rope_head_dim=cfg["qk_rope_head_dim"],
+            v_head_dim=cfg["v_head_dim"],
+            rope=rope,
+            rope_interleave=cfg.get("rope_interleave", True),
+            attention_bias=cfg.get("attention_bias", False),
+        )
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, D], cos/sin [T, qk_rope_head_dim], input_pos [T] (needed with a cache) -> [B, T, D]."""
+        B, T, _ = x.shape
+        H = self.num_heads
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(B, T, H, self.qk_head_dim).transpose(1, 2)  # [B, H, T, qk]
+        q_nope, q_rot = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q_rot = apply_rotary(q_rot, cos, sin, interleaved=self.rope_interleave)
+
+        kv, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv = self.kv_a_layernorm(kv)
+        k_rot = apply_rotary(k_rot, cos, sin, interleaved=self.rope_interleave)  # [B, T, r], one shared head
+
+        mask = None
+        if self.kv_cache is not None:
+            if input_pos is None:
+                raise ValueError("a KV cache is set up: pass input_pos")
+            kv, k_rot = self.kv_cache.update(input_pos, kv, k_rot)  # [B, S, ...]
+            mask = torch.arange(kv.shape[1], device=x.device)[None, :] <= input_pos[:, None]  # [T, S]
+        S = kv.shape[1]
+
+        kv = self.kv_b_proj(kv).view(B, S, H, self.qk_nope_head_dim + self.v_head_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_rot[:, None].expand(B, H, S, self.qk_rope_head_dim)], dim=-1)
+        q = torch.cat([q_nope, q_rot], dim=-1)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scale)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, H * self.v_head_dim))

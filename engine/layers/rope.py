@@ -1,0 +1,180 @@
+"""Rotary position embeddings: default, linear and YaRN, in HF's cos/sin layout.
+
+Numerics follow transformers' rotary classes op for op in float32, so logits match
+the reference. Two config spellings exist on the Hub: the older top-level
+`rope_theta` + `rope_scaling` (which may be null), and the newer `rope_parameters`
+dict; `rope_config_from_hf` reads both into one `RopeConfig`.
+
+The module holds no buffers: the inverse frequencies are a plain tensor computed on
+the CPU at construction. The loader builds models on `meta` and then assigns the
+checkpoint's tensors; a buffer would stay on `meta` because no checkpoint holds it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    rope_type: str = "default"
+    theta: float = 10000.0
+    factor: float = 1.0
+    # YaRN only
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None  # explicit override of the cos/sin scale
+    truncate: bool = True
+    partial_rotary_factor: float = 1.0
+
+
+def rope_config_from_hf(hf_config: Mapping[str, Any]) -> RopeConfig:
+    """Read either spelling of a HF config.json (a dict) into a RopeConfig."""
+    params = hf_config.get("rope_parameters")
+    scaling = hf_config.get("rope_scaling")
+    # HF gives rope_scaling priority when both exist (convert_rope_params_to_dict).
+    p: dict[str, Any] = dict(scaling or params or {})
+    if "full_attention" in p and isinstance(p["full_attention"], Mapping):
+        # rope_parameters nested by layer type; these families use one kind of layer.
+        p = dict(p["full_attention"])
+    theta = p.get("rope_theta", hf_config.get("rope_theta", 10000.0))
+    rope_type = p.get("rope_type", p.get("type", "default"))
+    partial = p.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0)) or 1.0
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "default":
+        return RopeConfig(theta=float(theta), partial_rotary_factor=float(partial))
+    if rope_type == "linear":
+        return RopeConfig(rope_type="linear", theta=float(theta), factor=float(p["factor"]),
+                          partial_rotary_factor=float(partial))
+    max_pos = hf_config.get("max_position_embeddings")
+    original = p.get("original_max_position_embeddings") or hf_config.get("original_max_position_embeddings") or max_pos
+    if original is None:
+        raise ValueError("yarn rope needs original_max_position_embeddings or max_position_embeddings in the config")
+    factor = p.get("factor")
+    if factor is None:
+        # DeepSeek-style: the factor is the ratio of the context lengths (as HF does).
+        factor = max_pos / original
+    return RopeConfig(
+        rope_type="yarn",
+        theta=float(theta),
+        factor=float(factor),
+        original_max_position_embeddings=int(original),
+        # HF uses `or`: a 0/None beta falls back to the paper's value.
+        beta_fast=float(p.get("beta_fast") or 32),
+        beta_slow=float(p.get("beta_slow") or 1),
+        mscale=p.get("mscale"),
+        mscale_all_dim=p.get("mscale_all_dim"),
+        attention_factor=p.get("attention_factor"),
+        truncate=bool(p.get("truncate", True)),
+        partial_rotary_factor=float(partial),
+    )
+
+
+def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction; DeepSeek squares it (with mscale_all_dim) into the softmax scale."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def softmax_scale(head_dim: int, rope: RopeConfig) -> float:
+    """DeepSeek's attention scale: head_dim**-0.5, times mscale(factor, mscale_all_dim)**2 under YaRN."""
+    scale = head_dim ** -0.5
+    if rope.rope_type != "default" and rope.mscale_all_dim:
+        m = yarn_get_mscale(rope.factor, rope.mscale_all_dim)
+        scale = scale * m * m
+    return scale
+
+
+def _inv_freq(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
+    cpu = torch.device("cpu")  # explicit: construction may run under a meta device context
+    base = rope.theta
+    if rope.rope_type in ("default", "linear"):
+        inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=cpu).to(torch.float) / dim))
+        if rope.rope_type == "linear":
+            inv = inv / rope.factor
+        return inv, 1.0
+
+    factor = rope.factor
+    attention_factor = rope.attention_factor
+    if attention_factor is None:
+        if rope.mscale and rope.mscale_all_dim:
+            attention_factor = float(yarn_get_mscale(factor, rope.mscale) / yarn_get_mscale(factor, rope.mscale_all_dim))
+        else:
+            attention_factor = yarn_get_mscale(factor)
+    original = rope.original_max_position_embeddings
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a division by zero in the ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device=cpu) - low) / (high - low), 0, 1)
+
+    pos_freqs = base ** (torch.arange(0, dim, 2, device=cpu).to(torch.float) / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    extra_factor = 1 - ramp
+    inv = interpolation * (1 - extra_factor) + extrapolation * extra_factor
+    return inv, float(attention_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """positions [T] -> (cos, sin), each [T, rotary_dim]: freqs concatenated twice, times the attention factor."""
+
+    def __init__(self, head_dim: int, rope: RopeConfig, max_position: int):
+        super().__init__()
+        self.head_dim = head_dim
+        self.rotary_dim = int(head_dim * rope.partial_rotary_factor)
+        self.rope = rope
+        self.max_position = max_position
+        self.inv_freq, self.attention_factor = _inv_freq(self.rotary_dim, rope)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
+
+    def extra_repr(self) -> str:
+        return f"rotary_dim={self.rotary_dim}, type={self.rope.rope_type}, theta={self.rope.theta}"
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False) -> torch.Tensor:
+    """Rotate x [..., T, d] by cos/sin [T, d] (broadcast over leading dims).
+
+    interleaved=False: HF's rotate_half on the two halves.
+    interleaved=True: DeepSeek's layout, pairs (x0, x1), (x2, x3), ... rotated by one
+    frequency each; the output comes out de-interleaved (evens then odds) exactly as
+    HF's apply_rotary_pos_emb_interleave returns it, which is what the checkpoints expect
+    (q and k get the same permutation, so their dot product is unchanged).
+    """
+    cos = cos.to(x.dtype)
+    sin = sin.to(x.dtype)
+    if not interleaved:
+        return x * cos + _rotate_half(x) * sin
+    half = cos.shape[-1] // 2
+    cos, sin = cos[..., :half], sin[..., :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

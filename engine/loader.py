@@ -1,0 +1,156 @@
+"""`load_model`: the engine's single instantiation point (DESIGN 3, issue 3).
+
+1. read config.json (and its quantization);
+2. ask the registry for this runner's plan;
+3. build the model on `meta` with the (guarded) plan passed to its constructor;
+4. load the weights by the plan (engine/weights.py) and assign them, or assign a
+   pre-built state dict from a shared-memory weight cache (engine/weight_cache.py),
+   which bypasses the checkpoint remapping entirely;
+5. the EPLB descriptor `routed_experts_weights_of_layer` was attached at
+   construction and resolves lazily, so both paths have it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ..plan import LoadPlan, Parallel, ResolveRequest, Runtime
+from .checkpoint import Checkpoint, read_config
+from .plan_guard import GuardedPlan
+from .registry import engine_chain, model_class
+from .weights import build_state_dict
+
+log = logging.getLogger(__name__)
+
+DB_URL_ENV = "LOADPLAN_DB_URL"
+DEFAULT_DB_URL = "sqlite:///loadplan.db"       # a file in the current directory
+SUPPORTED_QUANTIZATIONS = (None,)               # the torch runner computes in plain dtypes
+
+
+class PlanResolver(Protocol):
+    def resolve_load_plan(self, request: ResolveRequest) -> LoadPlan: ...
+
+
+def registry_device(device: str | torch.device) -> str:
+    """The registry's device spelling (`cpu`, `cuda:9.0`, `hip:9.4`) of a torch device."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return "cpu"
+    if dev.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(dev)
+        return f"{'hip' if torch.version.hip else 'cuda'}:{major}.{minor}"
+    raise ValueError(f"device {device!r} not supported; supported: cpu, cuda")
+
+
+def resolve_plan(request: ResolveRequest, registry: Any = None) -> LoadPlan:
+    """registry None: the embedded registry on a SQLite file (LOADPLAN_DB_URL, default ./loadplan.db);
+    a str: a registry address; otherwise an object with resolve_load_plan(request)."""
+    if registry is not None and not isinstance(registry, str):
+        return registry.resolve_load_plan(request)
+    with ExitStack() as stack:
+        if registry is None:
+            from ..service.embedded import EmbeddedRegistry
+
+            reg = stack.enter_context(EmbeddedRegistry(os.environ.get(DB_URL_ENV) or DEFAULT_DB_URL))
+            client = stack.enter_context(reg.client())
+        else:
+            from ..client import RegistryClient
+
+            client = stack.enter_context(RegistryClient(registry))
+        return client.resolve_load_plan(request)
+
+
+def build_model(hf_config: dict, plan: GuardedPlan, dtype: torch.dtype) -> nn.Module:
+    """Construct the plan's entry class on `meta` (no memory, no init)."""
+    entry = plan.entry_class
+    declared = (hf_config.get("architectures") or [None])[0]
+    if entry != declared:
+        raise ValueError(f"plan {plan.plan_id} is for {entry!r} but config.json declares {declared!r}")
+    engine_chain(entry)  # refuses an entry class the engine cannot build, listing the supported ones
+    cls = model_class(entry)
+    with torch.device("meta"):
+        return cls(hf_config, plan, dtype=dtype)
+
+
+def assign_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Assign (no copy) a complete state dict; then nothing may remain on meta."""
+    model.load_state_dict(state, strict=True, assign=True)
+    model.tie_weights()
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"{len(left)} tensor(s) still on meta after loading, e.g. {left[0]}")
+    model.requires_grad_(False)
+    model.eval()
+
+
+def load_weights(model: nn.Module, ckpt: Checkpoint, device: str | torch.device) -> None:
+    layout = model.weight_layout()
+    expected = model.state_dict()
+    state, report = build_state_dict(ckpt.names(), ckpt.get, ckpt.shape, expected, layout, device=device)
+    assign_state_dict(model, state)
+    log.info("loaded %d tensors (%d held by other ranks)", report.loaded, report.skipped_other_ranks)
+
+
+def load_model(path: str | Path, *, registry: Any = None, role: str = "target", deployment: str | None = None,
+               request_id: str | None = None, a2a_backend: str = "none", device: str | torch.device = "cpu",
+               tp_size: int = 1, ep_size: int = 1, pp_size: int = 1, tp_rank: int = 0, ep_rank: int = 0,
+               pp_rank: int = 0, dp_size: int = 1, dp_rank: int = 0, enable_eplb: bool = False,
+               ep_num_redundant_experts: int = 0, disable_shared_experts_fusion: bool = False,
+               enforce_shared_experts_fusion: bool = False, enable_sbo: bool = False, enable_tbo: bool = False,
+               moe_runner: str = "torch", quantization: str | None = None, dtype: torch.dtype = torch.float32,
+               weight_cache: str | Path | None = None, host: str | None = None) -> nn.Module:
+    """Build the model of checkpoint folder `path` for this runner, as the registry's plan says.
+
+    Returns a module: `model(input_ids [B, T]) -> logits [B, T, V]`, with `model.plan`
+    the guarded plan and `model.routed_experts_weights_of_layer` the EPLB descriptor.
+    `weight_cache`: a file (put it under /dev/shm) holding this runner's state dict;
+    if it exists it is assigned instead of reading the checkpoint, else it is written.
+    """
+    hf_config = read_config(path)
+    qconfig = hf_config.get("quantization_config")
+    if tp_size != 1:
+        raise NotImplementedError("tensor parallelism (tp_size > 1) is not implemented by the engine yet")
+    request = ResolveRequest(
+        request_id=request_id or uuid.uuid4().hex,
+        deployment_id=deployment or uuid.uuid4().hex,   # None: a fresh deployment of its own
+        role=role,
+        parallel=Parallel(tp_size=tp_size, tp_rank=tp_rank, ep_size=ep_size, ep_rank=ep_rank, pp_size=pp_size,
+                          pp_rank=pp_rank, dp_size=dp_size, dp_rank=dp_rank),
+        host=host if host is not None else socket.gethostname()[:255],
+        config=hf_config,
+        quantization_config=qconfig if isinstance(qconfig, dict) else None,
+        quantization=quantization,
+        runtime=Runtime(a2a_backend=a2a_backend, device=registry_device(device), moe_runner=moe_runner,
+                        enable_sbo=enable_sbo, enable_tbo=enable_tbo,
+                        disable_shared_experts_fusion=disable_shared_experts_fusion,
+                        enforce_shared_experts_fusion=enforce_shared_experts_fusion, enable_eplb=enable_eplb,
+                        ep_num_redundant_experts=ep_num_redundant_experts),
+    )
+    plan = GuardedPlan(resolve_plan(request, registry))
+    if plan.quantization not in SUPPORTED_QUANTIZATIONS:
+        raise NotImplementedError(f"quantization {plan.quantization!r} not supported by the engine; "
+                                  f"supported: none (unquantized checkpoints)")
+    model = build_model(hf_config, plan, dtype)
+    if weight_cache is not None and Path(weight_cache).exists():
+        from .weight_cache import load_weight_cache
+
+        load_weight_cache(model, weight_cache, device=device)
+    else:
+        load_weights(model, Checkpoint(path), device)
+        if weight_cache is not None:
+            from .weight_cache import save_weight_cache
+
+            save_weight_cache(model, weight_cache)
+    return model
+
+
+__all__ = ["load_model", "resolve_plan", "build_model", "load_weights", "assign_state_dict"]

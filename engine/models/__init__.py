@@ -1,0 +1,84 @@
+"""The engine's model files, one per family (gpt-fast / nanoGPT style).
+
+Conventions every entry class follows (the loader relies on them; see qwen_moe.py):
+
+Construction
+- `Cls(hf_config: dict, plan: GuardedPlan, *, dtype=torch.float32)`: `hf_config`
+  is config.json as a dict; a wrapper hands `hf_config[config_field]` to its inner
+  class (`engine.registry.ENGINE_WRAPPERS`). Parse it into a config dataclass
+  (`from_hf`) that names every field the family uses and refuses what it cannot
+  run (e.g. sliding windows) with a message naming the field.
+- The loader builds the model under `torch.device("meta")`. Layers read the plan
+  (`plan.decisions[Keys.X].value`) in their constructor and keep what they need as
+  plain attributes; reading the plan during forward raises (plan_guard.py). Model
+  code never names an a2a backend: it reads `moe.forward_path` and
+  `moe.post_experts_all_reduce` (engine/moe.py does).
+- Ranks come from `plan.request.parallel`. Layer ids are GLOBAL: `self.model.layers`
+  has one entry per config layer; layers outside `pp.layer_range` are
+  `PPMissingLayer` placeholders (no parameters, no mlp). The embedding exists on
+  the first stage only, the final norm and lm_head on the last.
+- Routed experts are `engine.moe.RoutedExperts` at `<layer>.mlp.experts`, stacked
+  `gate_up_proj [E+S, 2I, D]` and `down_proj [E+S, D, I]`; fused shared experts
+  are extra slots after the local routed ones (`append_shared_slots`).
+- `self.routed_experts_weights_of_layer` is set in the constructor to an
+  `ExpertWeightsView` ({global layer id: [expert tensors]}, local MoE layers only,
+  fused slots excluded). It resolves tensors on access, so it stays right when the
+  loader assigns new parameters and when a path bypasses `load_weights`.
+- No buffers that a checkpoint does not hold (they would stay on meta): the
+  rotary tables are plain tensors (layers/rope.py); KV caches are made by
+  `setup_caches`.
+
+Loading
+- `weight_layout() -> engine.weights.WeightLayout`: what the name remapping needs
+  (n_routed, fused slots, local experts, stage, tied head, ignored prefixes).
+  Checkpoint names follow the Hub; engine parameter names equal them except for the
+  stacked experts (engine/weights.py, RULES), so most models need nothing else.
+- `tie_weights()`: called after the state dict is assigned (tied embeddings).
+
+Running
+- `forward(input_ids [B, T], input_pos [T] | None = None) -> logits [B, T, V]`,
+  entering `plan.forward_running()`. On a stage that is not the first, pass
+  `hidden_states=[B, T, D]` instead; a stage that is not the last returns hidden states.
+- `setup_caches(max_batch_size, max_seq_len)` / `clear_caches()`: a static KV cache;
+  with it, `input_pos` (absolute positions of the new tokens) is required.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Mapping
+
+import torch
+from torch import nn
+
+
+class PPMissingLayer(nn.Module):
+    """A decoder layer another pipeline stage owns: no parameters, never run here."""
+
+    def __init__(self, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"layer {self.layer_id} belongs to another pipeline stage")
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer_id} (other stage)"
+
+
+class ExpertWeightsView(Mapping[int, list[torch.Tensor]]):
+    """{global layer id: experts.get_moe_weights()} for the local MoE layers, resolved on access."""
+
+    def __init__(self, experts_of_layer: Mapping[int, nn.Module]):
+        self._experts = dict(experts_of_layer)
+
+    def __getitem__(self, layer_id: int) -> list[torch.Tensor]:
+        return self._experts[layer_id].get_moe_weights()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._experts)
+
+    def __len__(self) -> int:
+        return len(self._experts)
+
+    def __repr__(self) -> str:
+        return f"ExpertWeightsView(layers={list(self._experts)})"

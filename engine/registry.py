@@ -1,0 +1,74 @@
+"""The engine's table of entry classes: data, with lazy imports (vLLM-registry style).
+
+An entry class is `architectures[0]` of a checkpoint's config.json. Each row says
+which module and class build it; nothing is imported until a model is built, so
+listing what the engine supports costs nothing. `ENGINE_WRAPPERS` says which inner
+entry class a wrapper builds (and from which part of its config), so the coverage
+check can compare the engine's chains with the registry's (`engine_chain`).
+
+Adding a model family:
+1. write `engine/models/<family>.py` following the conventions in
+   `loadplan.engine.models` (constructor `(hf_config: dict, plan: GuardedPlan, *,
+   dtype)`, `load_weights`, `routed_experts_weights_of_layer`, ...);
+2. add a row here (and in `ENGINE_WRAPPERS` for a wrapper);
+3. the registry's table (`service/rules/entries.py`) must know the class too, with
+   a gate if the family has shared experts: `loadplan coverage` checks both.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+# entry class -> (module, class name)
+ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
+    "Qwen3MoeForCausalLM": ("loadplan.engine.models.qwen_moe", "Qwen3MoeForCausalLM"),
+    "Qwen2MoeForCausalLM": ("loadplan.engine.models.qwen_moe", "Qwen2MoeForCausalLM"),
+    "DeepseekV3ForCausalLM": ("loadplan.engine.models.deepseek_v3", "DeepseekV3ForCausalLM"),
+    "KimiK25ForConditionalGeneration": ("loadplan.engine.models.deepseek_v3", "KimiK25ForConditionalGeneration"),
+}
+
+
+@dataclass(frozen=True)
+class EngineWrapper:
+    inner: str            # the entry class its constructor builds
+    config_field: str     # the part of its config that constructor receives
+
+
+# Wrappers: their engine class builds `inner` from `config[config_field]`.
+ENGINE_WRAPPERS: dict[str, EngineWrapper] = {
+    "KimiK25ForConditionalGeneration": EngineWrapper("DeepseekV3ForCausalLM", "text_config"),
+}
+
+
+class UnsupportedModel(ValueError):
+    """An entry class the engine cannot build."""
+
+
+def supported() -> list[str]:
+    return sorted(ENGINE_ENTRY_CLASSES)
+
+
+def _check(name: str) -> None:
+    if name not in ENGINE_ENTRY_CLASSES:
+        raise UnsupportedModel(f"entry class {name!r} not supported by the engine; supported: {', '.join(supported())}")
+
+
+def model_class(name: str) -> type:
+    """The engine class for entry class `name` (imports its module on first use)."""
+    _check(name)
+    module, cls = ENGINE_ENTRY_CLASSES[name]
+    return getattr(importlib.import_module(module), cls)
+
+
+def engine_chain(name: str, wrappers: dict[str, EngineWrapper] | None = None) -> tuple[str, ...]:
+    """`name`, then each inner class its wrappers build, outermost first (like the registry's chain_of)."""
+    wrappers = ENGINE_WRAPPERS if wrappers is None else wrappers
+    _check(name)
+    chain = [name]
+    while chain[-1] in wrappers:
+        inner = wrappers[chain[-1]].inner
+        if inner in chain:
+            raise UnsupportedModel(f"engine wrapper cycle: {' -> '.join(chain + [inner])}")
+        chain.append(inner)
+    return tuple(chain)

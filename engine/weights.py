@@ -1,0 +1,238 @@
+"""Checkpoint names -> engine parameters: a table of patterns, a pure function, hard checks.
+
+`remap(hf_name, layout)` is pure: it says which engine parameter a checkpoint
+tensor goes to, and for stacked expert parameters which expert slot and which half
+(gate or up rows of `gate_up_proj`). `build_state_dict` applies it to a checkpoint
+for one model: every expected tensor is loaded exactly once; a missing, unexpected,
+duplicated or wrongly shaped tensor is an error naming it. Tensors owned by other
+ranks (layers of other pipeline stages, other ranks' experts) are skipped.
+
+Fused layout (DESIGN 5.3): with `num_fused_shared > 0`, `mlp.shared_expert(s).*`
+goes to expert slot `n_routed` (a checkpoint that is already pre-fused, holding
+`mlp.experts.{n_routed}.*`, is accepted too: one or the other, not both). Unfused,
+an expert index >= n_routed means the checkpoint is in the fused layout: refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class WeightError(ValueError):
+    """A checkpoint that does not fit the model the plan built."""
+
+
+class MissingTensor(WeightError):
+    pass
+
+
+class UnexpectedTensor(WeightError):
+    pass
+
+
+class DuplicateTensor(WeightError):
+    pass
+
+
+class ShapeMismatch(WeightError):
+    pass
+
+
+class LayoutMismatch(WeightError):
+    """Fused-layout weights for an unfused model, or the reverse."""
+
+
+@dataclass(frozen=True)
+class WeightLayout:
+    """What the remapping needs to know about the model the plan built (one runner)."""
+
+    n_routed: int                               # global routed experts per MoE layer
+    num_fused_shared: int = 0                   # plan: moe.num_fused_shared_experts
+    local_experts: tuple[int, int] | None = None  # [start, end) of this rank's routed experts; None = all
+    layer_range: tuple[int, int] | None = None    # plan: pp.layer_range; None = all
+    has_embed: bool = True                      # first pipeline stage
+    has_head: bool = True                       # last pipeline stage (final norm + lm_head)
+    lm_head_from_embed: bool = False            # tied embeddings on a stage without the embedding
+    ignore_prefixes: tuple[str, ...] = ()       # e.g. a wrapper's vision tower: skipped, counted, logged
+
+
+@dataclass(frozen=True)
+class Target:
+    param: str                 # engine parameter name
+    expert: int | None = None  # global id in a stacked expert parameter (>= n_routed: a fused shared slot)
+    part: str | None = None    # "gate" / "up": which rows of a gate_up_proj; None: the whole slot
+
+
+_MLP = r"(?P<mlp>.+\.mlp)"
+
+
+def _expert_target(kind: str):
+    def make(m: re.Match, lay: WeightLayout) -> Target:
+        e = int(m["e"])
+        if e >= lay.n_routed and lay.num_fused_shared == 0:
+            raise LayoutMismatch(
+                f"{m.string}: expert {e} >= n_routed_experts={lay.n_routed} means a checkpoint in the fused "
+                f"layout (shared expert pre-fused as a routed slot), but the plan built an unfused model")
+        if kind == "down":
+            return Target(f"{m['mlp']}.experts.down_proj", e)
+        return Target(f"{m['mlp']}.experts.gate_up_proj", e, m["part"])
+    return make
+
+
+def _shared_target(m: re.Match, lay: WeightLayout) -> Target:
+    if lay.num_fused_shared == 0:
+        return Target(m.string)
+    part = m["part"]
+    if part == "down":
+        return Target(f"{m['mlp']}.experts.down_proj", lay.n_routed)
+    return Target(f"{m['mlp']}.experts.gate_up_proj", lay.n_routed, part)
+
+
+def _embed_target(m: re.Match, lay: WeightLayout) -> Target:
+    return Target("lm_head.weight") if lay.lm_head_from_embed else Target(m.string)
+
+
+# First match wins; anything unmatched keeps its name.
+RULES: list[tuple[re.Pattern, Callable[[re.Match, WeightLayout], Target]]] = [
+    (re.compile(rf"^{_MLP}\.experts\.(?P<e>\d+)\.(?P<part>gate|up)_proj\.weight$"), _expert_target("gate_up")),
+    (re.compile(rf"^{_MLP}\.experts\.(?P<e>\d+)\.down_proj\.weight$"), _expert_target("down")),
+    (re.compile(rf"^{_MLP}\.shared_experts?\.(?P<part>gate|up|down)_proj\.weight$"), _shared_target),
+    (re.compile(r"^model\.embed_tokens\.weight$"), _embed_target),
+]
+
+_LAYER_ID = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_STACKED = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
+
+
+def remap(name: str, layout: WeightLayout) -> Target:
+    """The engine parameter (and expert slot / half) of checkpoint tensor `name`. Pure."""
+    for pattern, make in RULES:
+        m = pattern.match(name)
+        if m:
+            return make(m, layout)
+    return Target(name)
+
+
+def is_local(target: Target, layout: WeightLayout) -> bool:
+    """Does this runner hold the target? (Other stages' layers and other ranks' experts: no.)"""
+    m = _LAYER_ID.search(target.param)
+    if m and layout.layer_range is not None:
+        lo, hi = layout.layer_range
+        if not lo <= int(m.group(1)) < hi:
+            return False
+    if target.param.endswith("embed_tokens.weight") and not layout.has_embed:
+        return False
+    if not m and (target.param == "lm_head.weight" or target.param.endswith("model.norm.weight")) \
+            and not layout.has_head:
+        return False
+    if target.expert is not None and target.expert < layout.n_routed and layout.local_experts is not None:
+        lo, hi = layout.local_experts
+        return lo <= target.expert < hi
+    return True
+
+
+def _slot(expert: int, layout: WeightLayout) -> int:
+    """Global expert id -> index in the local stacked parameter (fused slots follow the local experts)."""
+    lo, hi = layout.local_experts or (0, layout.n_routed)
+    return expert - lo if expert < layout.n_routed else (hi - lo) + expert - layout.n_routed
+
+
+def _global_id(slot: int, layout: WeightLayout) -> int:
+    lo, hi = layout.local_experts or (0, layout.n_routed)
+    return lo + slot if slot < hi - lo else layout.n_routed + slot - (hi - lo)
+
+
+def _checkpoint_name(param: str, expert: int | None, part: str | None, layout: WeightLayout) -> str:
+    """The checkpoint name(s) a missing target would have had, for error messages."""
+    if expert is None:
+        if param == "lm_head.weight" and layout.lm_head_from_embed:
+            return "model.embed_tokens.weight"
+        return param
+    mlp = param.rsplit(".experts.", 1)[0]
+    proj = part or "down"
+    if expert < layout.n_routed:
+        return f"{mlp}.experts.{expert}.{proj}_proj.weight"
+    return f"{mlp}.shared_expert(s).{proj}_proj.weight (or pre-fused {mlp}.experts.{expert}.{proj}_proj.weight)"
+
+
+@dataclass
+class LoadReport:
+    loaded: int = 0
+    skipped_other_ranks: int = 0
+    ignored: dict[str, int] = field(default_factory=dict)
+
+
+def expected_targets(expected: Mapping[str, torch.Tensor], layout: WeightLayout) -> set[tuple[str, int | None, str | None]]:
+    """Every (param, expert, part) the checkpoint must fill for a model with these parameters."""
+    need: set[tuple[str, int | None, str | None]] = set()
+    for param, t in expected.items():
+        m = _STACKED.search(param)
+        if not m:
+            need.add((param, None, None))
+            continue
+        parts = ("gate", "up") if m.group(1) == "gate_up_proj" else (None,)
+        for slot in range(t.shape[0]):
+            for part in parts:
+                need.add((param, _global_id(slot, layout), part))
+    return need
+
+
+def build_state_dict(names: list[str], get: Callable[[str], torch.Tensor], shape_of: Callable[[str], tuple],
+                     expected: Mapping[str, torch.Tensor], layout: WeightLayout, *,
+                     device: torch.device | str = "cpu") -> tuple[dict[str, torch.Tensor], LoadReport]:
+    """Read the checkpoint tensors this runner holds into tensors shaped and typed like `expected`
+    (a meta state dict of the built model). Raises a WeightError naming the first bad tensor."""
+    out: dict[str, torch.Tensor] = {}
+    filled: dict[tuple[str, int | None, str | None], str] = {}
+    report = LoadReport()
+    for name in names:
+        prefix = next((p for p in layout.ignore_prefixes if name.startswith(p)), None)
+        if prefix is not None:
+            report.ignored[prefix] = report.ignored.get(prefix, 0) + 1
+            continue
+        target = remap(name, layout)
+        if not is_local(target, layout):
+            report.skipped_other_ranks += 1
+            continue
+        if target.param not in expected:
+            raise UnexpectedTensor(f"unexpected tensor {name!r} in the checkpoint (engine parameter "
+                                   f"{target.param!r} does not exist in this model)")
+        key = (target.param, target.expert, target.part)
+        if key in filled:
+            raise DuplicateTensor(f"{name!r} and {filled[key]!r} both load into {target.param}"
+                                  + (f" expert {target.expert}" if target.expert is not None else ""))
+        meta = expected[target.param]
+        if target.param not in out:
+            out[target.param] = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+        view = out[target.param]
+        if target.expert is not None:
+            slot = _slot(target.expert, layout)
+            if not 0 <= slot < view.shape[0]:
+                raise UnexpectedTensor(f"unexpected tensor {name!r}: expert {target.expert} has no slot in "
+                                       f"{target.param} ({view.shape[0]} slots)")
+            view = view[slot]
+            if target.part is not None:
+                half = view.shape[0] // 2
+                view = view[:half] if target.part == "gate" else view[half:]
+        shape = tuple(shape_of(name))
+        if shape != tuple(view.shape):
+            raise ShapeMismatch(f"tensor {name!r} has shape {list(shape)}, the model expects {list(view.shape)} "
+                                f"for {target.param}" + (f" expert {target.expert}" if target.expert is not None else ""))
+        view.copy_(get(name))
+        filled[key] = name
+        report.loaded += 1
+    missing = expected_targets(expected, layout) - filled.keys()
+    if missing:
+        first = sorted(missing, key=lambda k: (k[0], -1 if k[1] is None else k[1], k[2] or ""))
+        names_ = [_checkpoint_name(*k, layout) for k in first[:5]]
+        raise MissingTensor(f"{len(missing)} tensor(s) missing from the checkpoint, e.g. {', '.join(names_)}")
+    for prefix, n in report.ignored.items():
+        log.info("skipped %d checkpoint tensors under %r (not part of the text model)", n, prefix)
+    return out, report

@@ -1,0 +1,153 @@
+"""Options several commands share: where the registry is, and what a runner asks.
+
+`add_runner_arguments` / `request_from_args` are the flags of `loadplan resolve`;
+the engine's `generate` reuses them so both speak the same runtime flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import socket
+import uuid
+from typing import Any, Iterator
+
+from ..client import RegistryClient
+from ..plan import ROLES, Parallel, ResolveRequest, Runtime
+from .errors import EXIT_FAILURE, CliError, one_line
+
+DEFAULT_DB_URL = "sqlite:///loadplan.db"
+DB_URL_ENV = "LOADPLAN_DB_URL"
+
+
+def default_db_url() -> str:
+    return os.environ.get(DB_URL_ENV) or DEFAULT_DB_URL
+
+
+def add_db_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--db", metavar="URL", default=None,
+                        help=f"history database (default ${DB_URL_ENV} or {DEFAULT_DB_URL})")
+
+
+def add_registry_arguments(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--registry", metavar="HOST:PORT", help="a running registry (default: an embedded one)")
+    where.add_argument("--db", metavar="URL", default=None,
+                       help=f"database of the embedded registry (default ${DB_URL_ENV} or {DEFAULT_DB_URL})")
+    parser.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS", help="deadline of each call")
+
+
+@contextlib.contextmanager
+def open_client(args: argparse.Namespace) -> Iterator[RegistryClient]:
+    """A client of --registry, or of an embedded registry on --db (started here, stopped after)."""
+    if getattr(args, "registry", None):
+        with RegistryClient(args.registry, timeout=args.timeout) as client:
+            yield client
+        return
+    with embedded_registry(args.db or default_db_url()) as reg, reg.client(timeout=args.timeout) as client:
+        yield client
+
+
+@contextlib.contextmanager
+def embedded_registry(db_url: str):
+    try:
+        from ..service.embedded import EmbeddedRegistry
+        from ..service.server import ServerStartError
+    except ImportError as e:
+        raise CliError("FAILED_PRECONDITION", f"the embedded registry needs loadplan[service] ({e}); "
+                       f"install it or pass --registry HOST:PORT", EXIT_FAILURE) from None
+    reg = EmbeddedRegistry(db_url)
+    try:
+        reg.start()
+    except ValueError as e:            # make_engine: not a URL / unsupported database
+        raise CliError("INVALID_ARGUMENT", f"--db: {one_line(e)}") from None
+    except ServerStartError as e:
+        raise CliError("FAILED_PRECONDITION", one_line(e)) from None
+    except Exception as e:             # noqa: BLE001 - the database cannot be opened or migrated
+        raise CliError("UNAVAILABLE", f"database {redact(db_url)}: {short_error(e)}") from None
+    try:
+        yield reg
+    finally:
+        reg.stop()
+
+
+def redact(url: str) -> str:
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001
+        return url
+
+
+def short_error(err: BaseException) -> str:
+    """The first line of an exception, without SQLAlchemy's background link."""
+    text = str(getattr(err, "orig", None) or err).strip().splitlines()
+    return one_line(text[0] if text else type(err).__name__)
+
+
+# --- a runner's request ----------------------------------------------------------
+
+def add_runner_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--deployment", metavar="ID", help="deployment id (default: a fresh one)")
+    parser.add_argument("--role", choices=ROLES, default="target")
+    parser.add_argument("--request-id", metavar="ID", help="idempotency key (default: a fresh one)")
+    for axis in ("tp", "ep", "pp"):
+        parser.add_argument(f"--{axis}-size", type=int, default=1, metavar="N")
+    for axis in ("tp", "ep", "pp"):
+        parser.add_argument(f"--{axis}-rank", type=int, default=0, metavar="N")
+    parser.add_argument("--a2a-backend", default="none", metavar="NAME", help="a2a backend (see `loadplan backends`)")
+    parser.add_argument("--device", default="cpu", help="cpu|cuda:MAJOR.MINOR|hip:MAJOR.MINOR|musa:MAJOR.MINOR")
+    parser.add_argument("--moe-runner", default="torch", choices=("torch", "kernel"), help=argparse.SUPPRESS)
+    parser.add_argument("--quantization", metavar="NAME", help="overrides the config's quantization_config")
+    parser.add_argument("--enable-eplb", action="store_true")
+    parser.add_argument("--ep-num-redundant-experts", type=int, default=0, metavar="N")
+    parser.add_argument("--disable-shared-experts-fusion", action="store_true")
+    parser.add_argument("--enforce-shared-experts-fusion", action="store_true")
+    parser.add_argument("--enable-sbo", action="store_true")
+    parser.add_argument("--enable-tbo", action="store_true")
+
+
+def read_config(model: str) -> dict[str, Any]:
+    """DIR/config.json (or the file itself); a bad file is INVALID_ARGUMENT naming it."""
+    path = pathlib.Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CliError("INVALID_ARGUMENT", f"--model: {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CliError("INVALID_ARGUMENT", f"--model: cannot read {path}: {one_line(e)}") from None
+    try:
+        config = json.loads(text)
+    except ValueError as e:
+        raise CliError("INVALID_ARGUMENT", f"config_json: {path} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise CliError("INVALID_ARGUMENT", f"config_json: {path} must hold a JSON object, got "
+                       f"{type(config).__name__}")
+    return config
+
+
+def request_from_args(args: argparse.Namespace, config: dict[str, Any]) -> ResolveRequest:
+    return ResolveRequest(
+        request_id=args.request_id or uuid.uuid4().hex,
+        deployment_id=args.deployment or uuid.uuid4().hex,
+        role=args.role,
+        parallel=Parallel(tp_size=args.tp_size, tp_rank=args.tp_rank, ep_size=args.ep_size, ep_rank=args.ep_rank,
+                          pp_size=args.pp_size, pp_rank=args.pp_rank),
+        host=socket.gethostname(),
+        config=config,
+        quantization_config=config.get("quantization_config"),
+        quantization=args.quantization,
+        runtime=Runtime(
+            a2a_backend=args.a2a_backend, device=args.device, moe_runner=args.moe_runner,
+            enable_sbo=args.enable_sbo, enable_tbo=args.enable_tbo,
+            disable_shared_experts_fusion=args.disable_shared_experts_fusion,
+            enforce_shared_experts_fusion=args.enforce_shared_experts_fusion,
+            enable_eplb=args.enable_eplb, ep_num_redundant_experts=args.ep_num_redundant_experts,
+        ),
+    )

@@ -1,0 +1,131 @@
+"""Server wiring: the registry servicer, health, reflection, limits, readiness.
+
+Health (grpc.health.v1) says NOT_SERVING until the store is ready (database
+reachable and migrated) and follows it afterwards: a background thread asks
+`store.ready()` about once a second, so a load balancer drains a replica whose
+database went away and brings it back when the database returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ..v1 import registry_pb2 as pb
+from ..v1 import registry_pb2_grpc as pb_grpc
+from .registry import PlanStore, Registry
+from .rules import entries
+from .transport.servicer import ModelRegistryServicer
+
+log = logging.getLogger("loadplan.service")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ModelRegistry"].full_name   # "loadplan.v1.ModelRegistry"
+DEFAULT_MAX_RECEIVE_BYTES = 4 * 1024 * 1024
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class ServerStartError(RuntimeError):
+    """The server cannot start: an inconsistent rules table, or an address it cannot bind."""
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    listen: str = "127.0.0.1:50051"
+    max_receive_message_bytes: int = DEFAULT_MAX_RECEIVE_BYTES   # larger requests: RESOURCE_EXHAUSTED
+    max_workers: int = 16
+    readiness_interval_s: float = 1.0
+    grace_s: float = 5.0
+
+
+class RegistryServer:
+    """A started-on-demand gRPC server; `start()` returns self, `stop()` drains in-flight calls."""
+
+    def __init__(self, store: PlanStore, options: ServerOptions = ServerOptions()):
+        problems = entries.check_table()
+        if problems:
+            raise ServerStartError("entry class table is inconsistent: " + "; ".join(problems))
+        self.store = store
+        self.options = options
+        self.health = health.HealthServicer()
+        self._set_health(NOT_SERVING)
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=options.max_workers, thread_name_prefix="loadplan-rpc"),
+            options=[("grpc.max_receive_message_length", options.max_receive_message_bytes)],
+        )
+        pb_grpc.add_ModelRegistryServicer_to_server(ModelRegistryServicer(Registry(store)), self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self._server)
+        try:
+            self.port = self._server.add_insecure_port(options.listen)
+        except RuntimeError as e:
+            raise ServerStartError(f"cannot listen on {options.listen}: {e}") from None
+        if not self.port:
+            raise ServerStartError(f"cannot listen on {options.listen}")
+        host = options.listen.rsplit(":", 1)[0]
+        self.address = f"{host}:{self.port}"
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self.serving = False
+
+    # --- readiness -------------------------------------------------------------
+
+    def _set_health(self, status) -> None:
+        for name in (SERVICE_NAME, ""):
+            self.health.set(name, status)
+
+    def check_ready(self) -> bool:
+        """Ask the store once and publish the answer on the health service."""
+        try:
+            ready = bool(self.store.ready())
+        except Exception:  # noqa: BLE001 - a store that cannot answer is not ready
+            log.exception("store readiness check failed")
+            ready = False
+        if ready != self.serving:
+            log.info("registry %s", "SERVING" if ready else "NOT_SERVING (database not reachable or not migrated)")
+        self.serving = ready
+        self._set_health(SERVING if ready else NOT_SERVING)
+        return ready
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.options.readiness_interval_s):
+            self.check_ready()
+
+    # --- lifecycle -------------------------------------------------------------
+
+    def start(self) -> "RegistryServer":
+        self._server.start()
+        self.check_ready()
+        self._watcher = threading.Thread(target=self._watch, name="loadplan-readiness", daemon=True)
+        self._watcher.start()
+        return self
+
+    def wait(self) -> None:
+        self._server.wait_for_termination()
+
+    def stop(self, grace: float | None = None) -> None:
+        """Report NOT_SERVING, refuse new calls, let in-flight ones finish within `grace`."""
+        self._stop.set()
+        self.health.enter_graceful_shutdown()
+        self._server.stop(self.options.grace_s if grace is None else grace).wait()
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
+
+    def __enter__(self) -> "RegistryServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def serve(store: PlanStore, options: ServerOptions = ServerOptions()) -> RegistryServer:
+    """Build and start a registry server on `store`."""
+    return RegistryServer(store, options).start()

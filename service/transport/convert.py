@@ -1,0 +1,101 @@
+"""Proto <-> domain for the service. Pure translation.
+
+Plans go through the client's converter (one translation, both sides); here is
+what only the service reads: requests, whose malformed parts become
+INVALID_ARGUMENT naming the field, filters, diffs, backends and coverage.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ...client.convert import (WireError, datetime_of, decision_from_pb, parallel_from_pb, plan_from_pb,
+                               plan_to_pb, role_from_pb, runtime_from_pb)
+from ...client.convert import decision_to_pb
+from ...plan import Decision, Parallel, ResolveRequest, Runtime
+from ...v1 import registry_pb2 as pb
+from ..errors import InvalidArgument
+from ..registry import PlanDiff, PlanFilter
+from ..rules.backends import BackendCapabilities
+
+__all__ = ["plan_to_pb", "plan_from_pb", "request_from_pb", "filter_from_pb", "decisions_from_pb", "diff_to_pb",
+           "backend_to_pb", "coverage_to_pb"]
+
+
+def _json_object(text: str, field: str, *, required: bool) -> dict[str, Any] | None:
+    if not text:
+        if required:
+            raise InvalidArgument(field, "required (the checkpoint's config.json)")
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise InvalidArgument(field, f"not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise InvalidArgument(field, f"must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _wire(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except WireError as e:
+        raise InvalidArgument(e.field, e.problem) from None
+
+
+def request_from_pb(msg: pb.ResolveLoadPlanRequest) -> ResolveRequest:
+    return ResolveRequest(
+        request_id=msg.request_id,
+        deployment_id=msg.deployment_id,
+        role=_wire(role_from_pb, msg.role),
+        # A request without the message gets the defaults (one rank); a message that is
+        # present is taken literally, so tp_size=0 is refused rather than silently made 1.
+        parallel=parallel_from_pb(msg.parallel) if msg.HasField("parallel") else Parallel(),
+        host=msg.host,
+        config=_json_object(msg.config_json, "config_json", required=True),
+        quantization_config=_json_object(msg.quantization_config_json, "quantization_config_json",
+                                         required=False),
+        quantization=msg.quantization or None,
+        runtime=runtime_from_pb(msg.runtime) if msg.HasField("runtime") else Runtime(),
+    )
+
+
+def filter_from_pb(msg: pb.ListPlansRequest) -> PlanFilter:
+    return PlanFilter(
+        deployment_id=msg.deployment_id or None,
+        role=_wire(role_from_pb, msg.role, None),
+        entry_class=msg.entry_class or None,
+        host=msg.host or None,
+        created_after=datetime_of(msg, "created_after"),
+        created_before=datetime_of(msg, "created_before"),
+    )
+
+
+def decisions_from_pb(msgs) -> list[Decision]:
+    return [_wire(decision_from_pb, m, f"decisions[{i}]") for i, m in enumerate(msgs)]
+
+
+def diff_to_pb(diff: PlanDiff) -> pb.DiffPlansResponse:
+    reply = pb.DiffPlansResponse(a=plan_to_pb(diff.a), b=plan_to_pb(diff.b))
+    for key, a, b in diff.decisions:
+        d = reply.decisions.add(key=key, in_a=a is not None, in_b=b is not None)
+        if a is not None:
+            d.a.CopyFrom(decision_to_pb(a))
+        if b is not None:
+            d.b.CopyFrom(decision_to_pb(b))
+    for field, a, b in diff.inputs:
+        reply.inputs.add(field=field, a_json=json.dumps(a), b_json=json.dumps(b))
+    return reply
+
+
+def backend_to_pb(row: BackendCapabilities) -> pb.Backend:
+    return pb.Backend(name=row.name, forward_path=row.forward_path, combine_reduces=row.combine_reduces,
+                      deepep_class=row.deepep_class, per_rank_fused_slots=row.per_rank_fused_slots,
+                      fusion_force_disabled=row.fusion_force_disabled)
+
+
+def coverage_to_pb(entry) -> pb.CoverageEntry:
+    return pb.CoverageEntry(entry_class=entry.entry_class, known=entry.known, family=entry.family,
+                            gated_family=entry.gated_family, has_gate=entry.has_gate, chain=list(entry.chain),
+                            message=entry.message, ok=entry.ok)

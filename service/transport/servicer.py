@@ -1,0 +1,105 @@
+"""`ModelRegistryServicer`: gRPC in, use case, gRPC out. Nothing else.
+
+Domain errors become their status (DESIGN 7) with the server's message and the
+blamed field in trailing metadata `loadplan-field`; anything unexpected is
+logged with its traceback under an incident id and answered INTERNAL with only
+that id, so no internals leak to callers.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import uuid
+
+import grpc
+
+from ...client.errors import FIELD_METADATA_KEY
+from ...v1 import registry_pb2 as pb
+from ...v1 import registry_pb2_grpc as pb_grpc
+from .. import coverage
+from ..errors import FailedPrecondition, InvalidArgument, NotFound, RegistryError, Unavailable
+from ..registry import Registry
+from ..rules.backends import BACKENDS
+from . import convert
+
+log = logging.getLogger("loadplan.service")
+
+STATUS_OF: dict[type[RegistryError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def _status(err: RegistryError) -> grpc.StatusCode | None:
+    for cls in type(err).__mro__:
+        if cls in STATUS_OF:
+            return STATUS_OF[cls]
+    return None
+
+
+def _rpc(method):
+    @functools.wraps(method)
+    def handler(self, request, context):
+        try:
+            return method(self, request, context)
+        except RegistryError as e:
+            code = _status(e)
+            if code is None:  # a RegistryError subclass nobody mapped: a bug, not the caller's fault
+                return _internal(context, method.__name__, e)
+            if e.field:
+                context.set_trailing_metadata(((FIELD_METADATA_KEY, e.field),))
+            context.abort(code, e.message)
+        except Exception as e:  # noqa: BLE001 - the one place that turns bugs into INTERNAL
+            return _internal(context, method.__name__, e)
+    return handler
+
+
+def _internal(context, name: str, err: BaseException):
+    incident = uuid.uuid4().hex[:12]
+    log.error("%s failed (incident %s)", name, incident, exc_info=err)
+    context.abort(grpc.StatusCode.INTERNAL, f"internal error (incident {incident}; see the registry log)")
+
+
+class ModelRegistryServicer(pb_grpc.ModelRegistryServicer):
+    def __init__(self, registry: Registry):
+        self.registry = registry
+
+    @_rpc
+    def ResolveLoadPlan(self, request, context):
+        return convert.plan_to_pb(self.registry.resolve(convert.request_from_pb(request)))
+
+    @_rpc
+    def GetPlan(self, request, context):
+        return convert.plan_to_pb(self.registry.get_plan(request.plan_id, request.include_history))
+
+    @_rpc
+    def ListPlans(self, request, context):
+        plans, token = self.registry.list_plans(convert.filter_from_pb(request), request.page_size,
+                                                request.page_token or None)
+        return pb.ListPlansResponse(plans=[convert.plan_to_pb(p) for p in plans], next_page_token=token or "")
+
+    @_rpc
+    def DiffPlans(self, request, context):
+        return convert.diff_to_pb(self.registry.diff_plans(request.plan_a, request.plan_b))
+
+    @_rpc
+    def AppendDecisions(self, request, context):
+        return convert.plan_to_pb(self.registry.append_decisions(
+            request.request_id, request.plan_id, convert.decisions_from_pb(request.decisions)))
+
+    @_rpc
+    def ListBackends(self, request, context):
+        return pb.ListBackendsResponse(backends=[convert.backend_to_pb(row) for row in BACKENDS.values()])
+
+    @_rpc
+    def CheckCoverage(self, request, context):
+        entries = coverage.check_coverage(request.entry_classes)
+        return pb.CheckCoverageResponse(entries=[convert.coverage_to_pb(e) for e in entries],
+                                        ok=all(e.ok for e in entries))
+
+    @_rpc
+    def Echo(self, request, context):
+        return pb.EchoResponse(payload=request.payload)

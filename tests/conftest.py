@@ -1,0 +1,100 @@
+"""Shared fixtures: databases for the store and everything above it.
+
+PostgreSQL comes from LOADPLAN_TEST_POSTGRES_URL (a server the tests may create
+databases on, e.g. postgresql+psycopg://postgres@127.0.0.1:5432/postgres):
+- unset: tests that need it are skipped;
+- set but unreachable: they FAIL, so CI cannot pass without PostgreSQL by accident.
+The tests never touch the database named in the URL: they create fresh, uniquely
+named databases on that server and drop them at the end of the session.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+PG_ENV = "LOADPLAN_TEST_POSTGRES_URL"
+
+
+def _admin_engine(server_url: str):
+    from loadplan.service.store.db import make_engine
+
+    return make_engine(server_url, connect_args={"connect_timeout": 5}).execution_options(
+        isolation_level="AUTOCOMMIT")   # CREATE/DROP DATABASE cannot run in a transaction
+
+
+@pytest.fixture(scope="session")
+def postgres_server_url() -> str:
+    """The server URL from LOADPLAN_TEST_POSTGRES_URL, checked reachable."""
+    url = os.environ.get(PG_ENV)
+    if not url:
+        pytest.skip(f"{PG_ENV} not set: PostgreSQL tests skipped")
+    engine = _admin_engine(url)
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql("SELECT 1")
+    except Exception as exc:   # noqa: BLE001 - any failure to connect is the same verdict
+        pytest.fail(f"{PG_ENV}={url} is set but PostgreSQL is unreachable: {exc}", pytrace=False)
+    finally:
+        engine.dispose()
+    return url
+
+
+@pytest.fixture(scope="session")
+def make_postgres_database(postgres_server_url):
+    """Factory: a fresh, empty (unmigrated) database on the test server; returns its URL."""
+    from loadplan.service.store.db import normalize_url
+
+    admin = _admin_engine(postgres_server_url)
+    created: list[str] = []
+
+    def make() -> str:
+        name = f"loadplan_test_{uuid.uuid4().hex[:12]}"
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+        created.append(name)
+        return normalize_url(postgres_server_url).set(database=name).render_as_string(hide_password=False)
+
+    yield make
+    with admin.connect() as conn:
+        for name in created:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def postgres_url(make_postgres_database) -> str:
+    """A migrated PostgreSQL database shared by the session's tests (use unique ids per test)."""
+    from loadplan.service.store.db import migrate
+
+    url = make_postgres_database()
+    migrate(url)
+    return url
+
+
+@pytest.fixture
+def sqlite_url(tmp_path) -> str:
+    """A migrated SQLite file of this test alone."""
+    from loadplan.service.store.db import migrate
+
+    url = f"sqlite:///{tmp_path / 'registry.db'}"
+    migrate(url)
+    return url
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request) -> str:
+    """A migrated database URL, once per supported database."""
+    return request.getfixturevalue(f"{request.param}_url")
+
+
+@pytest.fixture
+def engine(db_url):
+    """An engine on `db_url`, disposed after the test."""
+    from loadplan.service.store.db import make_engine
+
+    eng = make_engine(db_url)
+    yield eng
+    eng.dispose()

@@ -1,0 +1,129 @@
+"""Tiny random Qwen-MoE checkpoints made with transformers, and a local registry.
+
+`LocalRegistry` runs the registry's real use case (`service.registry.Registry`,
+the real rules) over an in-memory store: the engine gets real plans without a
+server. One test in test_loader.py goes through the embedded gRPC registry.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from loadplan.service.registry import NewPlan, Registry
+
+transformers = pytest.importorskip("transformers")
+
+
+class _MemoryStore:
+    def __init__(self):
+        self.plans = {}
+
+    def save_plan(self, new: NewPlan):
+        self.plans[new.plan.plan_id] = new.plan
+        return new.plan
+
+
+class LocalRegistry:
+    """An object with resolve_load_plan(request): what load_model accepts as `registry`."""
+
+    def __init__(self):
+        self.registry = Registry(_MemoryStore())
+        self.requests = []
+
+    def resolve_load_plan(self, request):
+        self.requests.append(request)
+        return self.registry.resolve(request)
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """O(1) activations and logits: fan-in scaled matrices, unit embeddings, norms near 1, small biases."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in name:
+                tied = model.config.tie_word_embeddings   # then it is the head too: keep logits O(1)
+                p.copy_(torch.randn(p.shape, generator=g) / (math.sqrt(p.shape[-1]) if tied else 1))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+              max_position_embeddings=256, rms_norm_eps=1e-6)
+
+
+def make_checkpoint(path: Path, arch: str, *, seed: int = 0, legacy_rope: bool = False,
+                    max_shard_size: str | None = None, **overrides) -> Path:
+    """Save a random tiny model of `arch`; returns the folder. legacy_rope rewrites config.json to the
+    Hub's older rope_theta/rope_scaling spelling."""
+    if arch == "Qwen2MoeForCausalLM":
+        cfg_cls, model_cls = transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM
+        kw = dict(COMMON, shared_expert_intermediate_size=32)
+    else:
+        cfg_cls, model_cls = transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM
+        kw = dict(COMMON, head_dim=24, norm_topk_prob=True)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**kw))
+    randomize(model, seed)
+    save_kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **save_kw)
+    f = path / "config.json"
+    cfg = json.loads(f.read_text())
+    if "num_local_experts" in cfg:
+        # transformers 5 writes Qwen3-MoE's expert count as num_local_experts (an attribute_map alias);
+        # the Hub's checkpoints, which the registry's rules follow, spell it num_experts.
+        cfg["num_experts"] = cfg.pop("num_local_experts")
+    if legacy_rope:
+        params = cfg.pop("rope_parameters")
+        cfg["rope_theta"] = params["rope_theta"]
+        cfg["rope_scaling"] = None if params.get("rope_type", "default") == "default" else params
+    f.write_text(json.dumps(cfg, indent=2))
+    return path
+
+
+def hf_reference(path: Path, arch: str):
+    """transformers' model from the checkpoint, with its eager (default loop) experts and attention."""
+    cls = getattr(transformers, arch)
+    model = cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
+                                experts_implementation="eager")
+    return model.eval()
+
+
+def hf_logits(path: Path, arch: str, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_reference(path, arch)(ids).logits
+
+
+def prompt(B: int = 2, T: int = 7, vocab: int = 128, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def qwen2_config(**overrides) -> dict:
+    """A Qwen2-MoE config.json dict (no checkpoint) for layer-level tests."""
+    cfg = dict(COMMON, architectures=["Qwen2MoeForCausalLM"], shared_expert_intermediate_size=32,
+               rope_theta=10000.0, hidden_act="silu")
+    cfg.update(overrides)
+    return cfg
+
+
+def make_plan(config: dict, *, ep_size=1, ep_rank=0, pp_size=1, pp_rank=0, **runtime):
+    """A real plan from the registry's rules, guarded as the loader hands it to constructors."""
+    import uuid
+
+    from loadplan.engine.plan_guard import GuardedPlan
+    from loadplan.plan import Parallel, ResolveRequest, Runtime
+
+    req = ResolveRequest(request_id=uuid.uuid4().hex, deployment_id=uuid.uuid4().hex, config=config,
+                         parallel=Parallel(ep_size=ep_size, ep_rank=ep_rank, pp_size=pp_size, pp_rank=pp_rank),
+                         runtime=Runtime(**runtime))
+    return GuardedPlan(LocalRegistry().resolve_load_plan(req))

@@ -1,0 +1,438 @@
+"""Every branch of every shared-experts fusion gate (DESIGN 5.2), asked through
+the resolver so the intent handling around the gates is exercised too."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from loadplan.plan import Keys
+from loadplan.service.rules import entries
+
+from ._fixtures import deepseek, fusion, glm4, kimi_k25, qwen2, qwen3, resolve
+
+ENFORCE = {"enforce_shared_experts_fusion": True}
+DEEPEP_CLASS = ["deepep", "mooncake", "mori"]
+NO_FUSION_Q = ["w4afp8", "wint4afp8", "wint4a16"]
+
+
+def assert_off(d, rule, *facts):
+    assert d.value is False, d
+    assert d.rule == rule, d
+    assert d.reason, d
+    for fact in facts:
+        assert fact in d.reason, (fact, d.reason)
+
+
+def assert_fused(d, family):
+    assert d.value is True, d
+    assert d.rule == f"{family}.fused", d
+
+
+# --- user intent (rules 1-2) ------------------------------------------------
+
+@pytest.mark.parametrize("cfg", [deepseek(), glm4(), qwen2(), kimi_k25(deepseek())], ids=lambda c: c["architectures"][0])
+def test_disable_intent_wins(cfg):
+    assert_fused(fusion(cfg), resolve(cfg).family)
+    for kw in ({}, ENFORCE):
+        d = fusion(cfg, disable_shared_experts_fusion=True, **kw)
+        assert_off(d, "intent.disable_shared_experts_fusion", "disable_shared_experts_fusion")
+
+
+def test_disable_intent_does_not_ask_the_gate(monkeypatch):
+    def boom(ctx):
+        raise AssertionError("gate asked")
+
+    monkeypatch.setitem(entries.FAMILIES, "deepseek", dataclasses.replace(entries.FAMILIES["deepseek"], gate=boom))
+    d = fusion(deepseek(n_shared_experts=2), disable_shared_experts_fusion=True)
+    assert_off(d, "intent.disable_shared_experts_fusion")
+    with pytest.raises(AssertionError, match="gate asked"):
+        fusion(deepseek())
+
+
+def test_disabled_fusion_has_no_fused_slots():
+    d = resolve(deepseek(), disable_shared_experts_fusion=True, ep_size=2).decisions
+    assert d[Keys.NUM_FUSED_SHARED_EXPERTS].value == 0
+    assert d[Keys.NUM_FUSED_SHARED_EXPERTS].reason
+    assert d[Keys.FUSED_SHARED_EXPERT_SCALE].value == 1.0
+
+
+# --- DeepSeek: defaults ------------------------------------------------------
+
+@pytest.mark.parametrize("n_routed", [256, 384])
+def test_deepseek_fuses_on_defaults(n_routed):
+    q = "quark" if n_routed == 384 else None
+    res = resolve(deepseek(n_routed_experts=n_routed), quantization=q)
+    assert_fused(res.decisions[Keys.SHARED_EXPERTS_FUSION], "deepseek")
+    assert res.decisions[Keys.NUM_FUSED_SHARED_EXPERTS].value == 1
+    assert str(n_routed) in res.decisions[Keys.SHARED_EXPERTS_FUSION].reason  # the slot's index
+
+
+# --- DeepSeek rule 3: SBO / TBO -------------------------------------------
+
+@pytest.mark.parametrize("flag", ["enable_sbo", "enable_tbo"])
+def test_deepseek_overlap_disables(flag):
+    assert_off(fusion(deepseek(), **{flag: True}), "deepseek.overlap", "SBO/TBO")
+    assert_fused(fusion(deepseek(), **{flag: True}, **ENFORCE), "deepseek")
+
+
+# --- DeepSeek rule 4: structural, never skipped -----------------------------
+
+@pytest.mark.parametrize("kw", [{}, ENFORCE], ids=["plain", "enforced"])
+def test_deepseek_v2_never_fuses(kw):
+    d = fusion(deepseek(architectures=["DeepseekV2ForCausalLM"]), **kw)
+    assert_off(d, "deepseek.structural.architecture", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+
+
+@pytest.mark.parametrize("kw", [{}, ENFORCE], ids=["plain", "enforced"])
+@pytest.mark.parametrize("n_routed", [8, 64, 160, 255, 257, 383, 385, 512])
+def test_deepseek_structural_n_routed(n_routed, kw):
+    d = fusion(deepseek(n_routed_experts=n_routed), quantization="quark", **kw)
+    assert_off(d, "deepseek.structural.n_routed_experts", f"n_routed_experts={n_routed}")
+
+
+@pytest.mark.parametrize("kw", [{}, ENFORCE], ids=["plain", "enforced"])
+@pytest.mark.parametrize("n_shared", [2, 3])
+def test_deepseek_structural_n_shared(n_shared, kw):
+    d = fusion(deepseek(n_shared_experts=n_shared), **kw)
+    assert_off(d, "deepseek.structural.n_shared_experts", f"n_shared_experts={n_shared}")
+
+
+@pytest.mark.parametrize("kw", [{}, ENFORCE], ids=["plain", "enforced"])
+def test_deepseek_without_shared_experts(kw):
+    cfg = deepseek()
+    del cfg["n_shared_experts"]
+    for c in (cfg, deepseek(n_shared_experts=0)):
+        assert_off(fusion(c, **kw), "deepseek.no_shared_experts", "no shared experts")
+
+
+@pytest.mark.parametrize("kw", [{}, ENFORCE], ids=["plain", "enforced"])
+@pytest.mark.parametrize("quant,shown", [(None, "none"), ("fp8", "fp8"), ("compressed-tensors", "compressed_tensors"),
+                                         ("w4afp8", "w4afp8"), ("modelopt", "modelopt")])
+def test_deepseek_384_without_quark_would_mis_load(quant, shown, kw):
+    d = fusion(deepseek(n_routed_experts=384), quantization=quant, **kw)
+    assert_off(d, "deepseek.structural.384_needs_quark", "384", "quark", f"quantization {shown}")
+
+
+def test_deepseek_384_with_quark_from_either_source():
+    assert_fused(fusion(deepseek(n_routed_experts=384), quantization="quark"), "deepseek")
+    assert_fused(fusion(deepseek(n_routed_experts=384), quantization_config={"quant_method": "quark"}), "deepseek")
+    assert_fused(fusion(deepseek(n_routed_experts=384, quantization_config={"quant_method": "quark"})), "deepseek")
+    assert_fused(fusion(deepseek(), quantization="quark"), "deepseek")  # quark is fine for 256 too
+
+
+# --- DeepSeek rule 5: DeepEP-class backends ------------------------------------
+
+@pytest.mark.parametrize("backend", DEEPEP_CLASS)
+@pytest.mark.parametrize("ep_size", [1, 2])
+def test_deepseek_deepep_class_off_unless_enforced(backend, ep_size):
+    assert_off(fusion(deepseek(), a2a_backend=backend, ep_size=ep_size), "deepseek.deepep_class", backend)
+    assert_fused(fusion(deepseek(), a2a_backend=backend, ep_size=ep_size, **ENFORCE), "deepseek")
+
+
+@pytest.mark.parametrize("backend", ["none", "nixl", "ascend_fuseep", "megamoe"])
+def test_deepseek_other_backends_fuse_at_ep1(backend):
+    assert_fused(fusion(deepseek(), a2a_backend=backend), "deepseek")
+
+
+# --- DeepSeek rule 6: device ---------------------------------------------------
+
+@pytest.mark.parametrize("device,ok", [
+    ("cuda:7.5", False), ("cuda:7.9", False), ("cuda:8.0", True), ("cuda:9.0", True),
+    ("hip:9.3", False), ("hip:9.4", True), ("hip:10.0", True),
+    ("musa:3.0", False), ("musa:3.1", True), ("musa:4.0", True),
+])
+def test_deepseek_device_threshold_for_the_vendor_kernel(device, ok):
+    d = fusion(deepseek(), moe_runner="kernel", device=device)
+    if ok:
+        assert_fused(d, "deepseek")
+    else:
+        assert_off(d, "deepseek.device", device, "kernel")
+        assert_fused(fusion(deepseek(), moe_runner="kernel", device=device, **ENFORCE), "deepseek")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda:7.0", "hip:9.0", "musa:2.0"])
+def test_deepseek_torch_runner_fuses_on_any_device(device):
+    assert_fused(fusion(deepseek(), moe_runner="torch", device=device), "deepseek")
+
+
+# --- DeepSeek rule 7: expert parallelism -------------------------------------
+
+@pytest.mark.parametrize("device,runner,ok", [
+    ("cuda:9.0", "kernel", False), ("cuda:12.0", "kernel", False), ("musa:3.1", "kernel", False),
+    ("hip:9.4", "kernel", True), ("hip:9.5", "kernel", True),
+    ("cpu", "torch", True), ("cuda:9.0", "torch", True),
+])
+@pytest.mark.parametrize("ep_size", [2, 8])
+def test_deepseek_expert_parallel(device, runner, ok, ep_size):
+    d = fusion(deepseek(), moe_runner=runner, device=device, ep_size=ep_size)
+    if ok:
+        assert_fused(d, "deepseek")
+    else:
+        assert_off(d, "deepseek.expert_parallel", f"ep_size={ep_size}", device)
+        assert_fused(fusion(deepseek(), moe_runner=runner, device=device, ep_size=ep_size, **ENFORCE), "deepseek")
+    assert_fused(fusion(deepseek(), moe_runner=runner, device=device, ep_size=1), "deepseek")
+
+
+def test_deepseek_device_is_checked_before_expert_parallel():
+    d = fusion(deepseek(), moe_runner="kernel", device="hip:9.3", ep_size=2)
+    assert_off(d, "deepseek.device")
+
+
+# --- DeepSeek rule 8: quantization -----------------------------------------
+
+@pytest.mark.parametrize("quant", NO_FUSION_Q)
+def test_deepseek_quantization_without_fused_kernel(quant):
+    assert_off(fusion(deepseek(), quantization=quant), "deepseek.quantization", quant)
+    assert_off(fusion(deepseek(), quantization_config={"quant_method": quant.upper()}), "deepseek.quantization", quant)
+    assert_fused(fusion(deepseek(), quantization=quant, **ENFORCE), "deepseek")
+
+
+@pytest.mark.parametrize("quant", ["fp8", "compressed-tensors", "awq", "quark", "w8a8_int8"])
+def test_deepseek_other_quantizations_fuse(quant):
+    assert_fused(fusion(deepseek(), quantization=quant), "deepseek")
+
+
+# --- DeepSeek: order (the first hit names the reason) -------------------------
+
+def test_deepseek_rules_apply_in_design_order():
+    every = dict(enable_sbo=True, a2a_backend="deepep", moe_runner="kernel", device="cuda:7.0", ep_size=2,
+                 quantization="w4afp8")
+    cfg = deepseek(n_routed_experts=128)
+    steps = [
+        ("deepseek.overlap", {}),
+        ("deepseek.structural.n_routed_experts", {"enable_sbo": False}),
+        ("deepseek.deepep_class", {}),
+        ("deepseek.device", {"a2a_backend": "none"}),
+        ("deepseek.expert_parallel", {"device": "cuda:9.0"}),
+        ("deepseek.quantization", {"ep_size": 1}),
+    ]
+    for rule, change in steps:
+        every.update(change)
+        if rule == "deepseek.deepep_class":
+            cfg = deepseek()
+        assert fusion(cfg, **every).rule == rule
+    every["quantization"] = None
+    assert_fused(fusion(cfg, **every), "deepseek")
+
+
+def test_structural_rules_apply_in_design_order():
+    cfg = deepseek(architectures=["DeepseekV2ForCausalLM"], n_routed_experts=384, n_shared_experts=2)
+    assert fusion(cfg).rule == "deepseek.structural.architecture"
+    cfg["architectures"] = ["DeepseekV3ForCausalLM"]
+    cfg["n_routed_experts"] = 100
+    assert fusion(cfg).rule == "deepseek.structural.n_routed_experts"
+    cfg["n_routed_experts"] = 384
+    assert fusion(cfg).rule == "deepseek.structural.n_shared_experts"
+    cfg["n_shared_experts"] = 1
+    assert fusion(cfg).rule == "deepseek.structural.384_needs_quark"
+
+
+# --- DeepSeek NextN draft: its own fused architecture ---------------------
+
+def test_nextn_draft_class_declares_its_own_fused_architecture():
+    cfg = deepseek(architectures=["DeepseekV3ForCausalLMNextN"], num_nextn_predict_layers=1)
+    res = resolve(cfg, role="speculative")
+    assert res.family == "deepseek_nextn"
+    assert_fused(res.decisions[Keys.SHARED_EXPERTS_FUSION], "deepseek_nextn")
+
+
+def test_nextn_draft_keeps_every_other_deepseek_rule():
+    cfg = deepseek(architectures=["DeepseekV3ForCausalLMNextN"], num_nextn_predict_layers=1)
+    assert_off(fusion(cfg, quantization="w4afp8", role="speculative"), "deepseek.quantization")
+    assert_off(fusion(cfg, a2a_backend="mori", role="speculative"), "deepseek.deepep_class")
+    cfg["n_routed_experts"] = 384
+    assert_off(fusion(cfg, role="speculative", **ENFORCE), "deepseek.structural.384_needs_quark")
+
+
+def test_draft_quantized_differently_does_not_touch_the_target():
+    """The seed bug: building the draft rewrote the target's decision. Here each runner
+    is resolved from its own inputs only."""
+    target = resolve(deepseek(), quantization="fp8")
+    draft = resolve(deepseek(architectures=["DeepseekV3ForCausalLMNextN"]), quantization="w4afp8",
+                    role="speculative")
+    again = resolve(deepseek(), quantization="fp8")
+    assert draft.decisions[Keys.SHARED_EXPERTS_FUSION].value is False
+    assert target.decisions[Keys.SHARED_EXPERTS_FUSION].value is True
+    assert again.decisions == target.decisions
+
+
+# --- GLM-4-MoE -----------------------------------------------------------------
+
+def test_glm_fuses_on_defaults():
+    assert_fused(fusion(glm4()), "glm4_moe")
+
+
+@pytest.mark.parametrize("kw", [{}, ENFORCE], ids=["plain", "enforced"])
+def test_glm_structural_n_shared(kw):
+    assert_off(fusion(glm4(n_shared_experts=2), **kw), "glm4_moe.structural.n_shared_experts", "n_shared_experts=2")
+    assert_off(fusion(glm4(n_shared_experts=0), **kw), "glm4_moe.no_shared_experts", "no shared experts")
+
+
+MODELOPT_FP4 = {"quant_method": "modelopt", "quant_algo": "NVFP4",
+                "exclude_modules": ["lm_head", "model.layers.3.mlp.shared_experts*"]}
+
+
+@pytest.mark.parametrize("kw", [{}, ENFORCE], ids=["plain", "enforced"])
+def test_glm_modelopt_fp4_excluding_shared_experts(kw):
+    d = fusion(glm4(), quantization_config=MODELOPT_FP4, **kw)
+    assert_off(d, "glm4_moe.structural.modelopt_fp4_excludes_shared", "ModelOpt FP4", "shared experts")
+    d = fusion(glm4(), quantization="modelopt_fp4", quantization_config={"ignore": ["re:.*shared_experts.*"]}, **kw)
+    assert d.rule == "glm4_moe.structural.modelopt_fp4_excludes_shared"
+
+
+def test_glm_modelopt_without_the_shared_exclusion_fuses():
+    assert_fused(fusion(glm4(), quantization_config={**MODELOPT_FP4, "exclude_modules": ["lm_head"]}), "glm4_moe")
+    assert_fused(fusion(glm4(), quantization_config={**MODELOPT_FP4, "quant_algo": "FP8"}), "glm4_moe")
+
+
+@pytest.mark.parametrize("device,ok", [
+    ("cuda:7.5", False), ("cuda:8.0", True), ("cuda:9.0", True),
+    ("hip:9.3", False), ("hip:9.4", True),
+    ("musa:3.1", False), ("musa:9.9", False),  # DESIGN lists CUDA and HIP only for GLM
+])
+def test_glm_device(device, ok):
+    d = fusion(glm4(), moe_runner="kernel", device=device)
+    if ok:
+        assert_fused(d, "glm4_moe")
+    else:
+        assert_off(d, "glm4_moe.device", device)
+        assert_fused(fusion(glm4(), moe_runner="kernel", device=device, **ENFORCE), "glm4_moe")
+
+
+def test_glm_torch_runner_fuses():
+    assert_fused(fusion(glm4(), moe_runner="torch", device="cpu"), "glm4_moe")
+
+
+@pytest.mark.parametrize("device,runner,ok", [("cuda:9.0", "kernel", False), ("hip:9.4", "kernel", True),
+                                              ("cpu", "torch", True)])
+def test_glm_expert_parallel_only_on_hip94(device, runner, ok):
+    d = fusion(glm4(), moe_runner=runner, device=device, ep_size=2)
+    if ok:
+        assert_fused(d, "glm4_moe")
+    else:
+        assert_off(d, "glm4_moe.expert_parallel", "ep_size=2")
+        assert_fused(fusion(glm4(), moe_runner=runner, device=device, ep_size=2, **ENFORCE), "glm4_moe")
+
+
+@pytest.mark.parametrize("backend", DEEPEP_CLASS)
+def test_glm_deepep_class(backend):
+    assert_off(fusion(glm4(), a2a_backend=backend), "glm4_moe.deepep_class", backend)
+    assert_fused(fusion(glm4(), a2a_backend=backend, **ENFORCE), "glm4_moe")
+
+
+def test_glm_w4afp8_only():
+    assert_off(fusion(glm4(), quantization="w4afp8"), "glm4_moe.quantization", "w4afp8")
+    assert_fused(fusion(glm4(), quantization="w4afp8", **ENFORCE), "glm4_moe")
+    for other in ("wint4afp8", "wint4a16", "fp8"):
+        assert_fused(fusion(glm4(), quantization=other), "glm4_moe")
+
+
+def test_glm_has_no_overlap_rule():
+    assert_fused(fusion(glm4(), enable_sbo=True, enable_tbo=True), "glm4_moe")
+
+
+# --- Qwen2-MoE ----------------------------------------------------------------
+
+def test_qwen2_fuses_when_the_shared_expert_fits_a_slot():
+    res = resolve(qwen2())
+    assert_fused(res.decisions[Keys.SHARED_EXPERTS_FUSION], "qwen2_moe")
+    assert res.decisions[Keys.NUM_FUSED_SHARED_EXPERTS].value == 1
+
+
+@pytest.mark.parametrize("kw", [{}, ENFORCE], ids=["plain", "enforced"])
+@pytest.mark.parametrize("shared,routed", [(5632, 1408), (1408, 5632), (1409, 1408)])
+def test_qwen2_structural_sizes(shared, routed, kw):
+    d = fusion(qwen2(shared_expert_intermediate_size=shared, moe_intermediate_size=routed), **kw)
+    assert_off(d, "qwen2_moe.structural.intermediate_size", str(shared), str(routed))
+
+
+def test_qwen2_missing_routed_size_is_not_a_fit():
+    cfg = qwen2()
+    del cfg["moe_intermediate_size"]
+    assert fusion(cfg).rule == "qwen2_moe.structural.intermediate_size"
+
+
+@pytest.mark.parametrize("kw", [{}, ENFORCE], ids=["plain", "enforced"])
+def test_qwen2_without_a_shared_expert(kw):
+    cfg = qwen2()
+    del cfg["shared_expert_intermediate_size"]
+    for c in (cfg, qwen2(shared_expert_intermediate_size=0)):
+        assert_off(fusion(c, **kw), "qwen2_moe.no_shared_experts", "no shared experts")
+
+
+@pytest.mark.parametrize("backend", DEEPEP_CLASS)
+def test_qwen2_deepep_class(backend):
+    assert_off(fusion(qwen2(), a2a_backend=backend), "qwen2_moe.deepep_class", backend)
+    assert_fused(fusion(qwen2(), a2a_backend=backend, **ENFORCE), "qwen2_moe")
+
+
+@pytest.mark.parametrize("quant", NO_FUSION_Q)
+def test_qwen2_quantization(quant):
+    assert_off(fusion(qwen2(), quantization=quant), "qwen2_moe.quantization", quant)
+    assert_fused(fusion(qwen2(), quantization=quant, **ENFORCE), "qwen2_moe")
+
+
+def test_qwen2_lists_no_device_or_ep_condition():
+    """DESIGN 5.2 lists Qwen2-MoE's conditions exhaustively: sizes, backend, quantization."""
+    assert_fused(fusion(qwen2(), moe_runner="kernel", device="cuda:7.0", ep_size=2), "qwen2_moe")
+
+
+@pytest.mark.parametrize("ep_size", [2, 4])
+def test_qwen2_sigmoid_gated_slot_is_scaled_on_the_normal_path(ep_size):
+    d = resolve(qwen2(), ep_size=ep_size).decisions
+    assert d[Keys.FUSED_SHARED_EXPERT_SCALE].value == pytest.approx(1 / ep_size)
+
+
+# --- Qwen3-MoE --------------------------------------------------------------
+
+@pytest.mark.parametrize("kw", [{}, ENFORCE, {"a2a_backend": "deepep"}, {"quantization": "quark"}])
+def test_qwen3_has_no_shared_experts(kw):
+    # a stray shared size in the config does not make Qwen3-MoE build a shared expert
+    for cfg in (qwen3(), qwen3(shared_expert_intermediate_size=768)):
+        res = resolve(cfg, **kw)
+        assert_off(res.decisions[Keys.SHARED_EXPERTS_FUSION], "qwen3_moe.no_shared_experts", "no shared experts")
+        assert res.decisions[Keys.NUM_FUSED_SHARED_EXPERTS].value == 0
+        assert res.decisions[Keys.FUSED_SHARED_EXPERT_SCALE].value == 1.0
+
+
+# --- Kimi-K2.5 wrapper ---------------------------------------------------------
+
+def test_wrapper_asks_the_deepseek_gate_with_its_text_config():
+    # the top level carries values that would fail; only text_config counts
+    cfg = kimi_k25(deepseek(), n_routed_experts=3, n_shared_experts=5, num_hidden_layers=1)
+    res = resolve(cfg)
+    assert res.chain == ("KimiK25ForConditionalGeneration", "DeepseekV3ForCausalLM")
+    assert res.family == "deepseek"
+    assert_fused(res.decisions[Keys.SHARED_EXPERTS_FUSION], "deepseek")
+    assert res.decisions[Keys.PP_LAYER_RANGE].value == [0, 4]
+    d = fusion(kimi_k25(deepseek(n_routed_experts=128)))
+    assert_off(d, "deepseek.structural.n_routed_experts", "n_routed_experts=128")
+
+
+def test_wrapper_hands_down_the_top_level_quantization():
+    quark = {"quant_method": "quark"}
+    ct = {"quant_method": "compressed-tensors"}
+    # top level only
+    assert_off(fusion(kimi_k25(quantization_config=ct)), "deepseek.structural.384_needs_quark", "compressed_tensors")
+    assert_fused(fusion(kimi_k25(quantization_config=quark)), "deepseek")
+    # the request's quantization config is the checkpoint's top level
+    assert_fused(fusion(kimi_k25(), quantization_config=quark), "deepseek")
+    # top level wins over one inside text_config
+    body = deepseek(n_routed_experts=384, quantization_config=ct)
+    assert_fused(fusion(kimi_k25(body, quantization_config=quark)), "deepseek")
+    # ... which is the fallback when the top level declares none
+    assert_fused(fusion(kimi_k25(deepseek(n_routed_experts=384, quantization_config=quark))), "deepseek")
+    # an explicit name wins over both
+    assert_off(fusion(kimi_k25(quantization_config=quark), quantization="fp8"), "deepseek.structural.384_needs_quark",
+               "fp8")
+    assert resolve(kimi_k25(quantization_config=ct)).quantization == "compressed_tensors"
+
+
+def test_wrapper_keeps_every_deepseek_rule():
+    cfg = kimi_k25(deepseek())
+    assert_off(fusion(cfg, enable_tbo=True), "deepseek.overlap")
+    assert_off(fusion(cfg, a2a_backend="mooncake"), "deepseek.deepep_class")
+    assert_off(fusion(cfg, quantization="wint4a16"), "deepseek.quantization")
+    assert_off(fusion(cfg, moe_runner="kernel", device="cuda:9.0", ep_size=2), "deepseek.expert_parallel")

@@ -1,0 +1,86 @@
+"""Which layers exist and which are MoE, per family convention."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadplan.service.errors import InvalidArgument
+from loadplan.service.rules.config_view import ConfigView
+from loadplan.service.rules.layouts import deepseek_layout, deepseek_nextn_layout, qwen_moe_layout
+
+from ._fixtures import deepseek, qwen2, qwen3
+
+
+@pytest.mark.parametrize("n,first_dense,freq,moe", [
+    (4, 0, 1, [0, 1, 2, 3]),
+    (4, 1, 1, [1, 2, 3]),
+    (6, 1, 2, [2, 4]),
+    (7, 3, 3, [3, 6]),
+    (3, 5, 1, []),
+])
+def test_deepseek_moe_layers(n, first_dense, freq, moe):
+    lay = deepseek_layout(ConfigView(deepseek(num_hidden_layers=n, first_k_dense_replace=first_dense,
+                                              moe_layer_freq=freq)))
+    assert lay.layer_ids == tuple(range(n))
+    assert list(lay.moe_layers) == moe
+    assert (lay.n_routed, lay.n_shared, lay.top_k) == (256, 1, 8)
+
+
+def test_deepseek_defaults_every_layer_moe_without_shared():
+    cfg = deepseek()
+    for k in ("first_k_dense_replace", "moe_layer_freq", "n_shared_experts"):
+        del cfg[k]
+    lay = deepseek_layout(ConfigView(cfg))
+    assert list(lay.moe_layers) == [0, 1, 2, 3] and lay.n_shared == 0
+
+
+@pytest.mark.parametrize("n,step,mlp_only,moe", [
+    (4, 1, [], [0, 1, 2, 3]),
+    (4, 2, [], [1, 3]),
+    (6, 1, [0, 5], [1, 2, 3, 4]),
+    (8, 2, [3], [1, 5, 7]),
+])
+def test_qwen_moe_layers(n, step, mlp_only, moe):
+    lay = qwen_moe_layout(ConfigView(qwen3(num_hidden_layers=n, decoder_sparse_step=step, mlp_only_layers=mlp_only)),
+                          shared=False)
+    assert list(lay.moe_layers) == moe and lay.n_shared == 0
+
+
+def test_qwen2_shared_expert_counts_once_when_sized():
+    assert qwen_moe_layout(ConfigView(qwen2()), shared=True).n_shared == 1
+    assert qwen_moe_layout(ConfigView(qwen2(shared_expert_intermediate_size=0)), shared=True).n_shared == 0
+    assert qwen_moe_layout(ConfigView(qwen2()), shared=False).n_shared == 0
+
+
+def test_nextn_layers_follow_the_target():
+    lay = deepseek_nextn_layout(ConfigView(deepseek(num_hidden_layers=61, num_nextn_predict_layers=2)))
+    assert lay.layer_ids == (61, 62) and lay.moe_layers == (61, 62)
+    cfg = deepseek(num_hidden_layers=61)
+    assert deepseek_nextn_layout(ConfigView(cfg)).layer_ids == (61,)  # one MTP module by default
+
+
+@pytest.mark.parametrize("layout,cfg", [(deepseek_layout, deepseek(num_experts_per_tok=257)),
+                                        (deepseek_nextn_layout, deepseek(num_experts_per_tok=300)),
+                                        (lambda c: qwen_moe_layout(c, shared=False), qwen3(num_experts_per_tok=129))])
+def test_top_k_above_the_experts(layout, cfg):
+    with pytest.raises(InvalidArgument) as e:
+        layout(ConfigView(cfg))
+    assert e.value.field == "config.num_experts_per_tok"
+    assert "exceeds" in str(e.value)
+
+
+@pytest.mark.parametrize("bad", ["[1]", [1, "2"], [True], 3])
+def test_mlp_only_layers_must_be_integers(bad):
+    with pytest.raises(InvalidArgument) as e:
+        qwen_moe_layout(ConfigView(qwen3(mlp_only_layers=bad)), shared=False)
+    assert e.value.field == "config.mlp_only_layers"
+
+
+@pytest.mark.parametrize("field,value", [("num_hidden_layers", 0), ("n_routed_experts", 0),
+                                         ("num_experts_per_tok", 0), ("n_shared_experts", -1),
+                                         ("first_k_dense_replace", -1), ("moe_layer_freq", 0)])
+def test_deepseek_minimums(field, value):
+    with pytest.raises(InvalidArgument) as e:
+        deepseek_layout(ConfigView(deepseek(**{field: value})))
+    assert e.value.field == f"config.{field}"
+    assert ">=" in str(e.value)

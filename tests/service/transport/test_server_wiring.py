@@ -1,0 +1,99 @@
+"""Server wiring: health follows store readiness, reflection, limits, start-up refusal."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from fake_store import FakePlanStore
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from sample_requests import deepseek_config, request
+
+from loadplan.client import RegistryClient
+from loadplan.client.convert import request_to_pb
+from loadplan.service.rules import entries
+from loadplan.service.server import SERVICE_NAME, RegistryServer, ServerOptions, ServerStartError
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def health_of(address: str, service: str) -> int:
+    with grpc.insecure_channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+
+def wait_for(address: str, want: int, timeout: float = 3.0) -> int:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = health_of(address, SERVICE_NAME)
+        if got == want or time.monotonic() > deadline:
+            return got
+        time.sleep(0.02)
+
+
+def test_health_follows_store_readiness():
+    store = FakePlanStore(ready=False)
+    with RegistryServer(store, ServerOptions(listen="127.0.0.1:0", readiness_interval_s=0.05)) as srv:
+        assert SERVICE_NAME == "loadplan.v1.ModelRegistry"
+        assert health_of(srv.address, SERVICE_NAME) == NOT_SERVING
+        assert health_of(srv.address, "") == NOT_SERVING
+        store.is_ready = True
+        assert wait_for(srv.address, SERVING) == SERVING
+        assert health_of(srv.address, "") == SERVING
+        store.is_ready = False          # the database went away
+        assert wait_for(srv.address, NOT_SERVING) == NOT_SERVING
+        store.is_ready = True           # and came back
+        assert wait_for(srv.address, SERVING) == SERVING
+
+
+def test_a_readiness_check_that_raises_means_not_serving():
+    class Broken(FakePlanStore):
+        def ready(self):
+            raise OSError("connection refused")
+
+    with RegistryServer(Broken(), ServerOptions(listen="127.0.0.1:0", readiness_interval_s=0.05)) as srv:
+        assert health_of(srv.address, SERVICE_NAME) == NOT_SERVING
+
+
+def test_stop_reports_not_serving_and_refuses_calls():
+    srv = RegistryServer(FakePlanStore(), ServerOptions(listen="127.0.0.1:0")).start()
+    address = srv.address
+    assert health_of(address, SERVICE_NAME) == SERVING
+    srv.stop(grace=0.2)
+    with RegistryClient(address, timeout=1, max_attempts=1) as client, pytest.raises(Exception) as info:
+        client.echo(b"x")
+    assert getattr(info.value, "code", None) == "UNAVAILABLE"
+
+
+def test_reflection_lists_the_services(server):
+    with grpc.insecure_channel(server.address) as ch:
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                            timeout=5)
+        names = {s.name for r in replies for s in r.list_services_response.service}
+    assert {"loadplan.v1.ModelRegistry", "grpc.health.v1.Health"} <= names
+
+
+def test_message_size_limit_is_configurable():
+    store = FakePlanStore()
+    opts = ServerOptions(listen="127.0.0.1:0", max_receive_message_bytes=64 * 1024)
+    with RegistryServer(store, opts) as srv, grpc.insecure_channel(srv.address) as ch:
+        from loadplan.v1 import registry_pb2_grpc as pb_grpc
+
+        stub = pb_grpc.ModelRegistryStub(ch)
+        stub.ResolveLoadPlan(request_to_pb(request(deepseek_config(padding="x" * 30_000))), timeout=5)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ResolveLoadPlan(request_to_pb(request(deepseek_config(padding="x" * 100_000))), timeout=5)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert store.count() == 1
+
+
+def test_refuses_to_start_with_an_inconsistent_entry_table(monkeypatch):
+    broken = entries.Wrapper("NoSuchInnerForCausalLM", "text_config", entries._top_level_quantization)
+    monkeypatch.setitem(entries.ENTRY_CLASSES, "BrokenWrapperForCausalLM", broken)
+    with pytest.raises(ServerStartError) as info:
+        RegistryServer(FakePlanStore(), ServerOptions(listen="127.0.0.1:0"))
+    assert "BrokenWrapperForCausalLM" in str(info.value)

@@ -1,0 +1,36 @@
+"""docker-compose.yml is valid compose-spec and wires what the design says.
+
+No Docker engine runs here: the schema is checked offline (check-jsonschema's
+vendored compose-spec) and the wiring is read from the file itself.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def test_compose_file_matches_the_compose_spec():
+    exe = shutil.which("check-jsonschema") or str(pathlib.Path(sys.executable).parent / "check-jsonschema")
+    out = subprocess.run([exe, "--builtin-schema", "vendor.compose-spec", str(ROOT / "docker-compose.yml")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_registry_waits_for_migration_and_migration_for_postgres():
+    services = _compose()["services"]
+    assert services["migrate"]["command"][:2] == ["loadplan", "migrate"]
+    assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+    assert services["registry"]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    assert services["registry"]["command"][:2] == ["loadplan", "serve"]
+    assert "healthcheck" in services["postgres"] and "healthcheck" in services["registry"]
