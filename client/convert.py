@@ -146,8 +146,8 @@ def decision_to_pb(d: Decision) -> pb.Decision:
 def decision_from_pb(msg: pb.Decision, field: str = "decision") -> Decision:
     try:
         value = json.loads(msg.value_json) if msg.value_json else None
-    except ValueError as e:
-        raise WireError(f"{field}.value_json", f"not valid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:
+        raise WireError(f"{field}.value_json", f"not valid JSON ({type(e).__name__}: {e})") from None
     return Decision(key=msg.key, value=value, reason=msg.reason, rule=msg.rule,
                     deployment_wide=msg.deployment_wide, revision=msg.revision,
                     decided_at=datetime_of(msg, "decided_at"))

@@ -1,6 +1,7 @@
 """`RegistryClient`: the typed facade engine workers and the CLI use.
 
-Every call has a deadline. Only UNAVAILABLE is retried (the database or the
+Every call has a deadline (`timeout`, covering the call and all its retries,
+so a caller's wait is bounded). Only UNAVAILABLE is retried (the database or the
 server is down for a moment), with exponential backoff and the very same
 request message, so a retried resolve carries the same request id and the
 registry replays the stored plan instead of writing a second one. Any other
@@ -21,7 +22,7 @@ from ..plan import Decision, LoadPlan, ResolveRequest
 from ..v1 import registry_pb2 as pb
 from ..v1 import registry_pb2_grpc as pb_grpc
 from . import convert
-from .errors import RegistryCallError, UnavailableError, from_rpc_error
+from .errors import UnavailableError, error_for, from_rpc_error
 from .types import BackendInfo, CoverageEntry, CoverageReport, PlanDiff
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024   # plan pages can be larger than gRPC's 4 MiB default
@@ -39,9 +40,16 @@ class RegistryClient:
         self.backoff = backoff
         self.max_backoff = max_backoff
         self._sleep = sleep
+        reconnect_ms = max(1, int(backoff * 1000))
         self._channel = grpc.insecure_channel(address, options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
+            # gRPC's own reconnect backoff starts at 1 s; while it waits, calls fail fast with
+            # UNAVAILABLE. Keep it on the client's retry scale so a registry that restarts is
+            # found again by the next retry instead of after all of them.
+            ("grpc.initial_reconnect_backoff_ms", reconnect_ms),
+            ("grpc.min_reconnect_backoff_ms", reconnect_ms),
+            ("grpc.max_reconnect_backoff_ms", max(reconnect_ms, int(max_backoff * 1000))),
         ])
         self._stub = pb_grpc.ModelRegistryStub(self._channel)
 
@@ -60,7 +68,8 @@ class RegistryClient:
 
     def resolve_load_plan(self, request: ResolveRequest, *, timeout: float | None = None) -> LoadPlan:
         """The plan of one runner; a retried request id returns the stored plan (`replayed`)."""
-        return convert.plan_from_pb(self._call("ResolveLoadPlan", convert.request_to_pb(request), timeout))
+        msg = _encode(convert.request_to_pb, request)
+        return convert.plan_from_pb(self._call("ResolveLoadPlan", msg, timeout))
 
     def get_plan(self, plan_id: str, include_history: bool = False, *, timeout: float | None = None) -> LoadPlan:
         msg = pb.GetPlanRequest(plan_id=plan_id, include_history=include_history)
@@ -71,7 +80,7 @@ class RegistryClient:
                    created_before: dt.datetime | None = None, page_size: int = 0, page_token: str | None = None,
                    *, timeout: float | None = None) -> tuple[list[LoadPlan], str | None]:
         """One page, newest first, and the token of the next page (None on the last)."""
-        msg = pb.ListPlansRequest(deployment_id=deployment_id or "", role=convert.role_to_pb(role),
+        msg = pb.ListPlansRequest(deployment_id=deployment_id or "", role=_encode(convert.role_to_pb, role),
                                   entry_class=entry_class or "", host=host or "", page_size=page_size,
                                   page_token=page_token or "")
         if created_after is not None:
@@ -106,7 +115,7 @@ class RegistryClient:
                          *, timeout: float | None = None) -> LoadPlan:
         """Record decisions made after load (e.g. an EPLB rebalance); idempotent by request id."""
         msg = pb.AppendDecisionsRequest(request_id=request_id, plan_id=plan_id,
-                                        decisions=convert.decisions_to_pb(decisions))
+                                        decisions=_encode(convert.decisions_to_pb, decisions))
         return convert.plan_from_pb(self._call("AppendDecisions", msg, timeout))
 
     def list_backends(self, *, timeout: float | None = None) -> list[BackendInfo]:
@@ -134,8 +143,8 @@ class RegistryClient:
         for attempt in range(1, self.max_attempts + 1):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise RegistryCallError("DEADLINE_EXCEEDED", f"{method}: no time left for attempt {attempt} "
-                                        f"within {timeout:g}s")
+                raise error_for("DEADLINE_EXCEEDED", f"{method}: no time left for attempt {attempt} "
+                                f"within {timeout:g}s")
             try:
                 return rpc(request, timeout=remaining)
             except grpc.RpcError as e:
@@ -149,6 +158,16 @@ class RegistryClient:
             self._sleep(pause)
             delay *= 2
         raise AssertionError("unreachable")
+
+
+def _encode(fn, *args):
+    """Client-side encoding errors look like the server's: INVALID_ARGUMENT naming the field."""
+    try:
+        return fn(*args)
+    except convert.WireError as e:
+        raise error_for("INVALID_ARGUMENT", str(e), e.field) from None
+    except (TypeError, ValueError) as e:   # e.g. a value json cannot encode
+        raise error_for("INVALID_ARGUMENT", f"cannot encode the request: {e}") from None
 
 
 def _json_or_none(text: str) -> Any:

@@ -57,7 +57,10 @@ class RegistryServer:
         self._set_health(NOT_SERVING)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=options.max_workers, thread_name_prefix="loadplan-rpc"),
-            options=[("grpc.max_receive_message_length", options.max_receive_message_bytes)],
+            options=[("grpc.max_receive_message_length", options.max_receive_message_bytes),
+                     # Without this, Linux lets a second server bind the same port and
+                     # silently share its traffic; a busy port must be an error.
+                     ("grpc.so_reuseport", 0)],
         )
         pb_grpc.add_ModelRegistryServicer_to_server(ModelRegistryServicer(Registry(store)), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
@@ -67,8 +70,10 @@ class RegistryServer:
         try:
             self.port = self._server.add_insecure_port(options.listen)
         except RuntimeError as e:
+            self._server.stop(None)
             raise ServerStartError(f"cannot listen on {options.listen}: {e}") from None
         if not self.port:
+            self._server.stop(None)
             raise ServerStartError(f"cannot listen on {options.listen}")
         host = options.listen.rsplit(":", 1)[0]
         self.address = f"{host}:{self.port}"

@@ -91,8 +91,8 @@ def db_url(request) -> str:
 
 
 @pytest.fixture
-def engine(db_url):
-    """An engine on `db_url`, disposed after the test."""
+def db_engine(db_url):
+    """A SQLAlchemy engine on `db_url`, disposed after the test."""
     from loadplan.service.store.db import make_engine
 
     eng = make_engine(db_url)

@@ -68,6 +68,7 @@ class MultiHeadLatentAttention(nn.Module):
         rope: RopeConfig,
         rope_interleave: bool = True,
         attention_bias: bool = False,
+        dtype: torch.dtype | None = None,
     ):
         super().__init__()
         self.num_heads = num_heads
@@ -81,16 +82,18 @@ class MultiHeadLatentAttention(nn.Module):
         self.scale = softmax_scale(self.qk_head_dim, rope)
 
         if q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden_size, num_heads * self.qk_head_dim, bias=False)
+            self.q_proj = nn.Linear(hidden_size, num_heads * self.qk_head_dim, bias=False, dtype=dtype)
         else:
-            self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=attention_bias)
-            # The latent norms use the reference's fixed eps, not config.rms_norm_eps.
-            self.q_a_layernorm = RMSNorm(q_lora_rank)
-            self.q_b_proj = nn.Linear(q_lora_rank, num_heads * self.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=attention_bias)
-        self.kv_a_layernorm = RMSNorm(kv_lora_rank)
-        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
-        self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=attention_bias)
+            self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=attention_bias, dtype=dtype)
+            # The latent norms use the reference's fixed eps (1e-6), not config.rms_norm_eps.
+            self.q_a_layernorm = RMSNorm(q_lora_rank, 1e-6, dtype)
+            self.q_b_proj = nn.Linear(q_lora_rank, num_heads * self.qk_head_dim, bias=False, dtype=dtype)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=attention_bias,
+                                            dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, 1e-6, dtype)
+        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False,
+                                   dtype=dtype)
+        self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=attention_bias, dtype=dtype)
         self.kv_cache: LatentKVCache | None = None  # set by the model's setup_caches
 
     def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype,
@@ -100,7 +103,8 @@ class MultiHeadLatentAttention(nn.Module):
         return self.kv_cache
 
     @classmethod
-    def from_hf_config(cls, cfg: Mapping[str, Any], rope: RopeConfig) -> "MultiHeadLatentAttention":
+    def from_hf_config(cls, cfg: Mapping[str, Any], rope: RopeConfig,
+                       dtype: torch.dtype | None = None) -> "MultiHeadLatentAttention":
         return cls(
             hidden_size=cfg["hidden_size"],
             num_heads=cfg["num_attention_heads"],
@@ -112,6 +116,7 @@ class MultiHeadLatentAttention(nn.Module):
             rope=rope,
             rope_interleave=cfg.get("rope_interleave", True),
             attention_bias=cfg.get("attention_bias", False),
+            dtype=dtype,
         )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -126,6 +126,8 @@ def read_config(model: str) -> dict[str, Any]:
         config = json.loads(text)
     except ValueError as e:
         raise CliError("INVALID_ARGUMENT", f"config_json: {path} is not valid JSON ({e})") from None
+    except RecursionError:
+        raise CliError("INVALID_ARGUMENT", f"config_json: {path} is nested too deeply") from None
     if not isinstance(config, dict):
         raise CliError("INVALID_ARGUMENT", f"config_json: {path} must hold a JSON object, got "
                        f"{type(config).__name__}")

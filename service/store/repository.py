@@ -7,12 +7,13 @@ Concurrency (many ranks of one deployment at once, several registry replicas):
 - SQLite: write transactions BEGIN IMMEDIATE (service/store/db.py), so writers
   run one at a time and every check sees every committed row.
 - PostgreSQL (READ COMMITTED): the unique keys arbitrate. `save_plan` inserts
-  the plan first (unique request_id) and then the pin with ON CONFLICT DO
-  NOTHING, which waits for a concurrent inserter of the same pin and then reads
-  the winner's row. A concurrent duplicate request id fails the plan insert; the
-  call then starts over and finds the stored plan: a replay, not an error.
-  Inserting the plan before the pin also keeps the lock order one-way (no
-  transaction waits on a pin while holding one), so there is no deadlock.
+  the plan (unique request_id) and then the pin, both with ON CONFLICT DO
+  NOTHING, which waits for a concurrent inserter of the same key and then yields
+  to the winner's row: a racing duplicate request id becomes a replay, a later
+  rank reads the first rank's pin. Should a race still surface as a unique
+  violation (or a deadlock), the whole call starts over.
+  Inserting the plan before the pin keeps the lock order one-way (a transaction
+  waiting on a pin holds no key that another one waits on): no deadlock.
 Connection errors become `errors.Unavailable` (the client retries with the same
 request id, which is safe because of the above).
 """
@@ -29,8 +30,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.engine import Engine
-from sqlalchemy.orm import Session
+from sqlalchemy.engine import Connection, Engine, Row
 
 from ...plan import Decision, LoadPlan, Parallel, ResolveRequest, Runtime
 from ..errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
@@ -38,6 +38,13 @@ from ..registry import NewPlan, PlanFilter
 from ..rules.resolve import diff_deployment_inputs, fingerprint
 from .db import is_at_head, writer
 from .models import DecisionAppendRow, DecisionRow, DeploymentPinRow, PlanRow
+
+# Core tables: the hot path writes a plan in a handful of statements, without the
+# ORM unit of work (a resolve is a few inserts; identity maps buy nothing here).
+PLANS: sa.Table = PlanRow.__table__
+DECISIONS: sa.Table = DecisionRow.__table__
+PINS: sa.Table = DeploymentPinRow.__table__
+APPENDS: sa.Table = DecisionAppendRow.__table__
 
 # A call that lost a race (concurrent duplicate request id, PostgreSQL deadlock or
 # serialization failure) starts over this many times before giving up as UNAVAILABLE.
@@ -52,25 +59,31 @@ class _Retry(Exception):
 
 
 class UnitOfWork:
-    """One transaction on one session: rolled back on exit unless `commit()` ran."""
+    """One transaction on one connection: rolled back on exit unless `commit()` ran."""
 
     def __init__(self, engine: Engine):
-        self.session = Session(bind=engine, expire_on_commit=False, autoflush=False)
+        self.engine = engine
         self.committed = False
 
     def __enter__(self) -> "UnitOfWork":
+        self.conn = self.engine.connect()
+        try:
+            self.tx = self.conn.begin()
+        except BaseException:
+            self.conn.close()
+            raise
         return self
 
     def commit(self) -> None:
-        self.session.commit()
+        self.tx.commit()
         self.committed = True
 
     def __exit__(self, *exc) -> None:
         try:
-            if not self.committed:
-                self.session.rollback()
+            if not self.committed and self.tx.is_active:
+                self.tx.rollback()
         finally:
-            self.session.close()
+            self.conn.close()
 
 
 def _sqlstate(err: BaseException) -> str | None:
@@ -166,10 +179,10 @@ def decode_page_token(token: str) -> tuple[dt.datetime, str]:
 
 # --- rows <-> domain ------------------------------------------------------------------
 
-def _plan_row(new: NewPlan) -> PlanRow:
+def _plan_values(new: NewPlan) -> dict[str, Any]:
     plan, req = new.plan, new.plan.request
     p = req.parallel
-    return PlanRow(
+    return dict(
         plan_id=plan.plan_id, request_id=req.request_id, request_fingerprint=new.request_fingerprint,
         deployment_id=req.deployment_id, role=req.role, host=req.host,
         tp_size=p.tp_size, tp_rank=p.tp_rank, ep_size=p.ep_size, ep_rank=p.ep_rank,
@@ -183,11 +196,11 @@ def _plan_row(new: NewPlan) -> PlanRow:
     )
 
 
-def _decision_row(plan_id: str, d: Decision, revision: int) -> DecisionRow:
+def _decision_values(plan_id: str, d: Decision, revision: int) -> dict[str, Any]:
     if d.decided_at is None:
         raise ValueError(f"decision {d.key} has no decided_at")
-    return DecisionRow(plan_id=plan_id, key=d.key, revision=revision, value_json=_dumps(d.value),
-                       reason=d.reason, rule=d.rule, deployment_wide=d.deployment_wide, decided_at=d.decided_at)
+    return dict(plan_id=plan_id, key=d.key, revision=revision, value_json=_dumps(d.value),
+                reason=d.reason, rule=d.rule, deployment_wide=d.deployment_wide, decided_at=d.decided_at)
 
 
 def _known_fields(cls, data: dict[str, Any]) -> dict[str, Any]:
@@ -196,12 +209,12 @@ def _known_fields(cls, data: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in data.items() if k in names}
 
 
-def _decision(row: DecisionRow) -> Decision:
+def _decision(row: Row) -> Decision:
     return Decision(key=row.key, value=json.loads(row.value_json), reason=row.reason, rule=row.rule,
                     deployment_wide=row.deployment_wide, revision=row.revision, decided_at=row.decided_at)
 
 
-def _load_plan(row: PlanRow, decision_rows: Iterable[DecisionRow], *, include_history: bool,
+def _load_plan(row: Row, decision_rows: Iterable[Row], *, include_history: bool,
                replayed: bool = False) -> LoadPlan:
     every = sorted((_decision(r) for r in decision_rows), key=lambda d: (d.key, d.revision))
     latest: dict[str, Decision] = {}
@@ -243,12 +256,12 @@ class SqlPlanStore:
         return UnitOfWork(self._writer if write else self.engine)
 
     def _run(self, what: str, fn, *, write: bool):
-        """`fn(session)` in one transaction; started over when it lost a race."""
+        """`fn(connection)` in one transaction; started over when it lost a race."""
         last: BaseException | None = None
         for _ in range(MAX_ATTEMPTS):
             try:
                 with _translate_errors(what), self.unit_of_work(write=write) as uow:
-                    result = fn(uow.session)
+                    result = fn(uow.conn)
                     uow.commit()
                     return result
             except _Retry as err:
@@ -257,58 +270,72 @@ class SqlPlanStore:
                           f"({_short(last) if last else 'unknown'}); retry with the same request id")
 
     @staticmethod
-    def _decisions_of(session: Session, plan_ids: Sequence[str]) -> dict[str, list[DecisionRow]]:
-        out: dict[str, list[DecisionRow]] = {pid: [] for pid in plan_ids}
+    def _insert(conn: Connection, table: sa.Table):
+        # INSERT ... ON CONFLICT DO NOTHING RETURNING, on both databases (SQLite >= 3.35).
+        if conn.dialect.name == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert
+        else:
+            from sqlalchemy.dialects.sqlite import insert
+        return insert(table)
+
+    @staticmethod
+    def _decisions_of(conn: Connection, plan_ids: Sequence[str]) -> dict[str, list[Row]]:
+        out: dict[str, list[Row]] = {pid: [] for pid in plan_ids}
         if plan_ids:
-            for r in session.scalars(sa.select(DecisionRow).where(DecisionRow.plan_id.in_(plan_ids))):
+            for r in conn.execute(sa.select(DECISIONS).where(DECISIONS.c.plan_id.in_(plan_ids))):
                 out[r.plan_id].append(r)
         return out
 
-    def _get(self, session: Session, plan_id: str, *, include_history: bool, replayed: bool = False) -> LoadPlan:
-        row = session.get(PlanRow, plan_id)
+    def _get(self, conn: Connection, plan_id: str, *, include_history: bool, replayed: bool = False) -> LoadPlan:
+        row = conn.execute(sa.select(PLANS).where(PLANS.c.plan_id == plan_id)).first()
         if row is None:
             raise NotFound("plan", plan_id, field="plan_id")
-        return _load_plan(row, self._decisions_of(session, [plan_id])[plan_id],
+        return _load_plan(row, self._decisions_of(conn, [plan_id])[plan_id],
                           include_history=include_history, replayed=replayed)
 
     # --- PlanStore ----------------------------------------------------------------
 
     def save_plan(self, new: NewPlan) -> LoadPlan:
-        return self._run("saving a plan", lambda s: self._save_plan(s, new), write=True)
+        return self._run("saving a plan", lambda conn: self._save_plan(conn, new), write=True)
 
-    def _save_plan(self, session: Session, new: NewPlan) -> LoadPlan:
+    def _save_plan(self, conn: Connection, new: NewPlan) -> LoadPlan:
         plan, req = new.plan, new.plan.request
-        stored = session.scalars(sa.select(PlanRow).where(PlanRow.request_id == req.request_id)).one_or_none()
-        if stored is not None:
-            if stored.request_fingerprint != new.request_fingerprint:
-                raise FailedPrecondition(
-                    f"request_id {req.request_id!r} was used for a different request (plan {stored.plan_id}); "
-                    f"a retry must repeat the request exactly, a new request needs a new request_id",
-                    field="request_id")
-            return self._get(session, stored.plan_id, include_history=False, replayed=True)
-
-        session.add(_plan_row(new))
-        session.flush()   # the plan row first (see the module docstring: lock order)
-        session.add_all([_decision_row(plan.plan_id, d, d.revision) for d in plan.decisions.values()])
-        session.flush()
-
-        self._pin(session, new)
+        # The plan row first (see the module docstring: lock order). ON CONFLICT on the
+        # request id waits for a concurrent writer of the same id and then does nothing.
+        inserted = conn.execute(
+            self._insert(conn, PLANS).values(**_plan_values(new))
+            .on_conflict_do_nothing(index_elements=["request_id"]).returning(PLANS.c.plan_id)).first()
+        if inserted is None:
+            return self._replay(conn, new)
+        conn.execute(sa.insert(DECISIONS), [_decision_values(plan.plan_id, d, d.revision)
+                                            for d in plan.decisions.values()])
+        self._pin(conn, new)
         return plan
 
-    def _pin(self, session: Session, new: NewPlan) -> None:
+    def _replay(self, conn: Connection, new: NewPlan) -> LoadPlan:
+        req = new.plan.request
+        stored = conn.execute(sa.select(PLANS.c.plan_id, PLANS.c.request_fingerprint)
+                              .where(PLANS.c.request_id == req.request_id)).one()
+        if stored.request_fingerprint != new.request_fingerprint:
+            raise FailedPrecondition(
+                f"request_id {req.request_id!r} was used for a different request (plan {stored.plan_id}); "
+                f"a retry must repeat the request exactly, a new request needs a new request_id",
+                field="request_id")
+        return self._get(conn, stored.plan_id, include_history=False, replayed=True)
+
+    def _pin(self, conn: Connection, new: NewPlan) -> None:
         plan, req = new.plan, new.plan.request
-        values = dict(deployment_id=req.deployment_id, role=req.role, inputs_json=_dumps(new.deployment_inputs),
-                      ruleset_version=plan.ruleset_version, plan_id=plan.plan_id, created_at=plan.created_at)
-        if session.bind.dialect.name == "postgresql":
-            from sqlalchemy.dialects.postgresql import insert
-        else:
-            from sqlalchemy.dialects.sqlite import insert
-        session.execute(insert(DeploymentPinRow).values(**values)
-                        .on_conflict_do_nothing(index_elements=["deployment_id", "role"]))
-        pin = session.scalars(sa.select(DeploymentPinRow).where(
-            DeploymentPinRow.deployment_id == req.deployment_id, DeploymentPinRow.role == req.role)).one()
-        if pin.plan_id == plan.plan_id:
+        mine = conn.execute(
+            self._insert(conn, PINS).values(
+                deployment_id=req.deployment_id, role=req.role, inputs_json=_dumps(new.deployment_inputs),
+                ruleset_version=plan.ruleset_version, plan_id=plan.plan_id, created_at=plan.created_at)
+            .on_conflict_do_nothing(index_elements=["deployment_id", "role"]).returning(PINS.c.plan_id)).first()
+        if mine is not None:
             return   # this rank is the first one: it set the pin
+        # A separate statement: under READ COMMITTED it sees the pin that the
+        # ON CONFLICT above waited for (one statement's snapshot would not).
+        pin = conn.execute(sa.select(PINS.c.plan_id, PINS.c.inputs_json).where(
+            PINS.c.deployment_id == req.deployment_id, PINS.c.role == req.role)).one()
         pinned = json.loads(pin.inputs_json)
         differing = diff_deployment_inputs(pinned, new.deployment_inputs)
         if differing:
@@ -321,30 +348,30 @@ class SqlPlanStore:
 
     def get_plan(self, plan_id: str, include_history: bool = False) -> LoadPlan:
         return self._run("reading a plan",
-                         lambda s: self._get(s, plan_id, include_history=include_history), write=False)
+                         lambda conn: self._get(conn, plan_id, include_history=include_history), write=False)
 
     def list_plans(self, flt: PlanFilter, page_size: int, page_token: str | None) -> tuple[list[LoadPlan], str]:
         after = decode_page_token(page_token) if page_token else None
+        c = PLANS.c
         conds = []
         for name in ("deployment_id", "role", "entry_class", "host"):
             value = getattr(flt, name)
             if value is not None and value != "":
-                conds.append(getattr(PlanRow, name) == value)
+                conds.append(c[name] == value)
         if flt.created_after is not None:
-            conds.append(PlanRow.created_at >= _utc(flt.created_after, "created_after"))
+            conds.append(c.created_at >= _utc(flt.created_after, "created_after"))
         if flt.created_before is not None:
-            conds.append(PlanRow.created_at < _utc(flt.created_before, "created_before"))
+            conds.append(c.created_at < _utc(flt.created_before, "created_before"))
         if after is not None:
             t, pid = after
-            conds.append(sa.or_(PlanRow.created_at < t, sa.and_(PlanRow.created_at == t, PlanRow.plan_id < pid)))
-        query = (sa.select(PlanRow).where(*conds)
-                 .order_by(PlanRow.created_at.desc(), PlanRow.plan_id.desc()).limit(page_size + 1))
+            conds.append(sa.or_(c.created_at < t, sa.and_(c.created_at == t, c.plan_id < pid)))
+        query = sa.select(PLANS).where(*conds).order_by(c.created_at.desc(), c.plan_id.desc()).limit(page_size + 1)
 
-        def run(session: Session):
-            rows = list(session.scalars(query))
+        def run(conn: Connection):
+            rows = conn.execute(query).all()
             more = len(rows) > page_size
             rows = rows[:page_size]
-            decisions = self._decisions_of(session, [r.plan_id for r in rows])
+            decisions = self._decisions_of(conn, [r.plan_id for r in rows])
             plans = [_load_plan(r, decisions[r.plan_id], include_history=False) for r in rows]
             token = encode_page_token(rows[-1].created_at, rows[-1].plan_id) if more else ""
             return plans, token
@@ -354,36 +381,38 @@ class SqlPlanStore:
     def append_decisions(self, request_id: str, plan_id: str, decisions: Sequence[Decision]) -> LoadPlan:
         fp = _append_fingerprint(plan_id, decisions)
         return self._run("appending decisions",
-                         lambda s: self._append(s, request_id, plan_id, list(decisions), fp), write=True)
+                         lambda conn: self._append(conn, request_id, plan_id, list(decisions), fp), write=True)
 
-    def _append(self, session: Session, request_id: str, plan_id: str, decisions: list[Decision],
+    def _append(self, conn: Connection, request_id: str, plan_id: str, decisions: list[Decision],
                 fp: str) -> LoadPlan:
-        done = session.get(DecisionAppendRow, request_id)
+        done = conn.execute(sa.select(APPENDS).where(APPENDS.c.request_id == request_id)).first()
         if done is not None:
             if done.plan_id != plan_id or done.request_fingerprint != fp:
                 raise FailedPrecondition(
                     f"request_id {request_id!r} was used for a different request (append to plan "
                     f"{done.plan_id}); a retry must repeat the request exactly", field="request_id")
-            return self._get(session, plan_id, include_history=False, replayed=True)
+            return self._get(conn, plan_id, include_history=False, replayed=True)
 
         # Lock the plan row (PostgreSQL; SQLite already holds the write lock) so
         # concurrent appends to one plan take revisions one after the other.
-        plan = session.scalars(sa.select(PlanRow).where(PlanRow.plan_id == plan_id).with_for_update()).one_or_none()
-        if plan is None:
+        locked = conn.execute(sa.select(PLANS.c.plan_id).where(PLANS.c.plan_id == plan_id).with_for_update()).first()
+        if locked is None:
             raise NotFound("plan", plan_id, field="plan_id")
-        current = dict(session.execute(
-            sa.select(DecisionRow.key, sa.func.max(DecisionRow.revision))
-            .where(DecisionRow.plan_id == plan_id).group_by(DecisionRow.key)).all())
-        now = None
+        current = dict(conn.execute(
+            sa.select(DECISIONS.c.key, sa.func.max(DECISIONS.c.revision))
+            .where(DECISIONS.c.plan_id == plan_id).group_by(DECISIONS.c.key)).all())
+        values = []
         for d in decisions:
             revision = current.get(d.key, -1) + 1   # a key new to the plan starts at 0 like resolved ones
             current[d.key] = revision
-            session.add(_decision_row(plan_id, d, revision))
-            now = d.decided_at
-        session.add(DecisionAppendRow(request_id=request_id, plan_id=plan_id, request_fingerprint=fp,
-                                      created_at=now or dt.datetime.now(dt.timezone.utc)))
-        session.flush()
-        return self._get(session, plan_id, include_history=False)
+            values.append(_decision_values(plan_id, d, revision))
+        conn.execute(sa.insert(DECISIONS), values)
+        # A concurrent retry of this request id that got past the check above fails
+        # here on the primary key, starts over and replays.
+        conn.execute(sa.insert(APPENDS).values(
+            request_id=request_id, plan_id=plan_id, request_fingerprint=fp,
+            created_at=decisions[-1].decided_at or dt.datetime.now(dt.timezone.utc)))
+        return self._get(conn, plan_id, include_history=False)
 
     def ready(self) -> bool:
         """The database answers and is migrated to head. Never raises."""

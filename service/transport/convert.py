@@ -10,9 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ...client.convert import (WireError, datetime_of, decision_from_pb, parallel_from_pb, plan_from_pb,
-                               plan_to_pb, role_from_pb, runtime_from_pb)
-from ...client.convert import decision_to_pb
+from ...client.convert import (WireError, datetime_of, decision_from_pb, decision_to_pb, parallel_from_pb,
+                               plan_from_pb, plan_to_pb, role_from_pb, runtime_from_pb)
 from ...plan import Decision, Parallel, ResolveRequest, Runtime
 from ...v1 import registry_pb2 as pb
 from ..errors import InvalidArgument
@@ -32,9 +31,30 @@ def _json_object(text: str, field: str, *, required: bool) -> dict[str, Any] | N
         value = json.loads(text)
     except ValueError as e:
         raise InvalidArgument(field, f"not valid JSON ({e})") from None
+    except RecursionError:
+        raise InvalidArgument(field, "nested too deeply") from None
     if not isinstance(value, dict):
         raise InvalidArgument(field, f"must be a JSON object, got {type(value).__name__}")
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise InvalidArgument(field, f"nested deeper than {MAX_JSON_DEPTH} levels")
     return value
+
+
+# Real checkpoint configs nest a few levels; the rules, fingerprints and the store walk
+# configs recursively, so a pathological one is refused here, by name.
+MAX_JSON_DEPTH = 64
+
+
+def _depth(value: Any) -> int:
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if depth > MAX_JSON_DEPTH:
+            break
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return deepest
 
 
 def _wire(fn, *args, **kwargs):

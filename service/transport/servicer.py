@@ -49,8 +49,9 @@ def _rpc(method):
             code = _status(e)
             if code is None:  # a RegistryError subclass nobody mapped: a bug, not the caller's fault
                 return _internal(context, method.__name__, e)
-            if e.field:
-                context.set_trailing_metadata(((FIELD_METADATA_KEY, e.field),))
+            if e.field:   # metadata values must be ASCII
+                field = e.field.encode("ascii", "backslashreplace").decode("ascii")
+                context.set_trailing_metadata(((FIELD_METADATA_KEY, field),))
             context.abort(code, e.message)
         except Exception as e:  # noqa: BLE001 - the one place that turns bugs into INTERNAL
             return _internal(context, method.__name__, e)

@@ -7,7 +7,7 @@ import sys
 import types
 
 import pytest
-from test_cli_resolve import real_model, run
+from cli_helpers import real_model, run
 
 from loadplan.cli import coverage as coverage_cmd
 from loadplan.service.rules.backends import BACKENDS

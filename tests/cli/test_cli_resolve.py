@@ -5,32 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import CONFIGS
+from cli_helpers import model_dir, real_model, run
+from sample_requests import CONFIGS
 
-from loadplan.cli.main import main
 
 DESIGN_KEYS = {"moe.shared_experts_fusion", "moe.num_fused_shared_experts", "moe.fused_shared_expert_scale",
                "moe.forward_path", "moe.post_experts_all_reduce", "pp.layer_range", "eplb.enabled", "eplb.layers"}
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def model_dir(tmp_path, config, name="model"):
-    d = tmp_path / name
-    d.mkdir()
-    (d / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
-    return str(d)
-
-
-def real_model(name: str) -> str:
-    d = CONFIGS / name
-    if not (d / "config.json").is_file():
-        pytest.skip(f"tests/data/configs/{name} not present")
-    return str(d)
 
 
 @pytest.fixture
@@ -193,3 +173,21 @@ def test_unreachable_registry(capsys):
     code, _, err = run(capsys, "resolve", "--model", real_model("qwen3-30b-a3b"), "--registry", "127.0.0.1:1",
                        "--timeout", "1")
     assert code == 1 and err.startswith("error: UNAVAILABLE: ") and len(err.strip().splitlines()) == 1
+
+
+def test_resolve_on_postgres(capsys):
+    """The same command on PostgreSQL; skipped without LOADPLAN_TEST_POSTGRES_URL, fails if it is unreachable."""
+    import os
+    import uuid
+
+    url = os.environ.get("LOADPLAN_TEST_POSTGRES_URL")
+    if not url:
+        pytest.skip("LOADPLAN_TEST_POSTGRES_URL not set: PostgreSQL tests skipped")
+    deployment = f"cli-pg-{uuid.uuid4().hex}"
+    code, out, err = run(capsys, "resolve", "--model", real_model("glm-4.5"), "--db", url, "--json",
+                         "--deployment", deployment)
+    assert code == 0, err
+    plan = json.loads(out)
+    code, out, err = run(capsys, "plans", "list", "--db", url, "--deployment", deployment, "--json")
+    assert code == 0, err
+    assert [p["plan_id"] for p in json.loads(out)] == [plan["plan_id"]]

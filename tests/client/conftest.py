@@ -14,7 +14,6 @@ from fake_store import FakePlanStore  # noqa: E402
 from loadplan.client import RegistryClient  # noqa: E402
 from loadplan.service.server import RegistryServer, ServerOptions  # noqa: E402
 
-CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "data" / "configs"
 
 
 @pytest.fixture

@@ -116,3 +116,39 @@ def test_no_server_is_unavailable_after_retries():
     with RegistryClient("127.0.0.1:1", timeout=2, max_attempts=2, backoff=0.01) as c, \
             pytest.raises(UnavailableError):
         c.echo(b"x")
+
+
+def test_retries_find_a_registry_that_comes_up(store):
+    import socket
+    import threading
+
+    from loadplan.service.server import RegistryServer, ServerOptions
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    servers = []
+    starter = threading.Timer(0.3, lambda: servers.append(
+        RegistryServer(store, ServerOptions(listen=f"127.0.0.1:{port}")).start()))
+    starter.start()
+    try:
+        with RegistryClient(f"127.0.0.1:{port}", timeout=5, max_attempts=30, backoff=0.05, max_backoff=0.1) as c:
+            plan = c.resolve_load_plan(request())
+        assert store.count() == 1 and plan.plan_id in store.plans
+    finally:
+        starter.join()
+        for srv in servers:
+            srv.stop(0)
+
+
+def test_encoding_errors_are_invalid_argument_before_any_call(client, store):
+    import dataclasses
+
+    with pytest.raises(InvalidArgumentError) as info:
+        client.resolve_load_plan(dataclasses.replace(request(), role="draft"))
+    assert info.value.field == "role"
+    with pytest.raises(InvalidArgumentError):
+        client.list_plans(role="draft")
+    with pytest.raises(InvalidArgumentError):
+        client.resolve_load_plan(request(config={"architectures": ["X"], "bad": object()}))
+    assert store.save_calls == []

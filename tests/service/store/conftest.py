@@ -13,8 +13,8 @@ from store_helpers import DEEPSEEK_V3, count_rows
 
 
 @pytest.fixture
-def store(engine) -> SqlPlanStore:
-    return SqlPlanStore(engine)
+def store(db_engine) -> SqlPlanStore:
+    return SqlPlanStore(db_engine)
 
 
 @pytest.fixture
@@ -23,9 +23,9 @@ def registry(store) -> Registry:
 
 
 @pytest.fixture
-def rows(engine):
+def rows(db_engine):
     """rows() -> {table: row count} on the test's database."""
-    return lambda: count_rows(engine)
+    return lambda: count_rows(db_engine)
 
 
 @pytest.fixture

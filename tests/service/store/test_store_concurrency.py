@@ -126,7 +126,8 @@ def _fail_on_pin_insert(engine, db_url):
     return fired
 
 
-def test_connection_lost_mid_save_is_unavailable_and_writes_nothing(engine, db_url, make_request):
+def test_connection_lost_mid_save_is_unavailable_and_writes_nothing(db_engine, db_url, make_request):
+    engine = db_engine
     from store_helpers import count_rows
 
     registry = Registry(SqlPlanStore(engine))

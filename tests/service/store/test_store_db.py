@@ -137,14 +137,14 @@ def test_migrate_up_down_up(empty_url, tmp_path, monkeypatch):
     engine.dispose()
 
 
-def test_migrated_schema_matches_the_models(engine):
-    with engine.connect() as conn:
+def test_migrated_schema_matches_the_models(db_engine):
+    with db_engine.connect() as conn:
         ctx = MigrationContext.configure(conn, opts={"compare_type": True, "compare_server_default": True})
         assert compare_metadata(ctx, Base.metadata) == []
 
 
-def test_constraints_follow_the_naming_convention(engine):
-    insp = sa.inspect(engine)
+def test_constraints_follow_the_naming_convention(db_engine):
+    insp = sa.inspect(db_engine)
     assert [u["name"] for u in insp.get_unique_constraints("plans")] == ["uq_plans_request_id"]
     assert {fk["name"] for fk in insp.get_foreign_keys("decisions")} == {"fk_decisions_plan_id_plans"}
     assert {ix["name"] for ix in insp.get_indexes("plans")} >= {

@@ -305,28 +305,28 @@ def test_unreachable_database_is_unavailable(kind, make_request):
 
 
 def test_unit_of_work_rolls_back_unless_committed(store, rows, deployment):
+    import sqlalchemy as sa
+
     from loadplan.service.store.models import PlanRow
 
-    def row(n: int) -> PlanRow:
-        return PlanRow(plan_id=f"{deployment}-{n}", request_id=f"{deployment}-{n}", request_fingerprint="f",
-                       deployment_id=deployment, role="target", host="", tp_size=1, tp_rank=0, ep_size=1, ep_rank=0,
-                       pp_size=1, pp_rank=0, dp_size=1, dp_rank=0, entry_class="X", config_fingerprint="c",
-                       config_json="{}", runtime_json="{}", ruleset_version="v",
-                       created_at=dt.datetime.now(UTC))
+    def insert(n: int):
+        return sa.insert(PlanRow).values(
+            plan_id=f"{deployment}-{n}", request_id=f"{deployment}-{n}", request_fingerprint="f",
+            deployment_id=deployment, role="target", host="", tp_size=1, tp_rank=0, ep_size=1, ep_rank=0,
+            pp_size=1, pp_rank=0, dp_size=1, dp_rank=0, entry_class="X", config_fingerprint="c",
+            config_json="{}", runtime_json="{}", ruleset_version="v", created_at=dt.datetime.now(UTC))
 
     before = rows()
     with store.unit_of_work(write=True) as uow:
-        uow.session.add(row(1))
-        uow.session.flush()
+        uow.conn.execute(insert(1))
     assert rows() == before
     with pytest.raises(RuntimeError):
         with store.unit_of_work(write=True) as uow:
-            uow.session.add(row(2))
-            uow.session.flush()
+            uow.conn.execute(insert(2))
             raise RuntimeError("boom")
     assert rows() == before
     with store.unit_of_work(write=True) as uow:
-        uow.session.add(row(3))
+        uow.conn.execute(insert(3))
         uow.commit()
     assert rows()["plans"] == before["plans"] + 1
 

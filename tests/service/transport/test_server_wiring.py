@@ -97,3 +97,35 @@ def test_refuses_to_start_with_an_inconsistent_entry_table(monkeypatch):
     with pytest.raises(ServerStartError) as info:
         RegistryServer(FakePlanStore(), ServerOptions(listen="127.0.0.1:0"))
     assert "BrokenWrapperForCausalLM" in str(info.value)
+
+
+def test_a_busy_port_is_refused(server):
+    with pytest.raises(ServerStartError) as info:
+        RegistryServer(FakePlanStore(), ServerOptions(listen=server.address))
+    assert server.address in str(info.value)
+
+
+def test_graceful_stop_lets_in_flight_calls_finish():
+    import threading
+
+    class SlowStore(FakePlanStore):
+        def save_plan(self, new):
+            entered.set()
+            time.sleep(0.5)
+            return super().save_plan(new)
+
+    entered = threading.Event()
+    store = SlowStore()
+    srv = RegistryServer(store, ServerOptions(listen="127.0.0.1:0")).start()
+    results = []
+
+    def call():
+        with RegistryClient(srv.address, timeout=5, max_attempts=1) as c:
+            results.append(c.resolve_load_plan(request()))
+
+    t = threading.Thread(target=call)
+    t.start()
+    assert entered.wait(5)
+    srv.stop(grace=5)
+    t.join(5)
+    assert len(results) == 1 and store.count() == 1

@@ -42,6 +42,8 @@ def good_pb(**overrides) -> pb.ResolveLoadPlanRequest:
     ("config_json", json.dumps(deepseek_config())[:-25], "not valid JSON"),           # truncated
     ("config_json", "[1, 2]", "must be a JSON object"),
     ("config_json", "", "required"),
+    ("config_json", '{"a": ' * 100 + "1" + "}" * 100, "nested deeper than"),
+    ("config_json", "[" * 100_000, "nested too deeply"),
     ("quantization_config_json", '{"quant_method": ', "not valid JSON"),
     ("quantization_config_json", '"fp8"', "must be a JSON object"),
 ])
@@ -210,3 +212,14 @@ def test_store_unavailable_is_unavailable():
         with pytest.raises(UnavailableError) as info:
             client.resolve_load_plan(request())
     assert "database unavailable" in info.value.message
+
+
+def test_malformed_appended_value_is_invalid_argument(client, server):
+    plan = client.resolve_load_plan(request())
+    msg = pb.AppendDecisionsRequest(request_id="a-1", plan_id=plan.plan_id, decisions=[
+        pb.Decision(key="eplb.placement", value_json="[1, 2", reason="r", rule="eplb.rebalance")])
+    with grpc.insecure_channel(server.address) as ch, pytest.raises(grpc.RpcError) as info:
+        pb_grpc.ModelRegistryStub(ch).AppendDecisions(msg, timeout=5)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field_of(info.value) == "decisions[0].value_json"
+    assert client.get_plan(plan.plan_id).decisions == plan.decisions

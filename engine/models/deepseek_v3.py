@@ -1,0 +1,341 @@
+"""DeepSeek-V3 (and the Kimi-K2.5 wrapper, text only), gpt-fast style, following transformers numerically.
+
+Shapes: B batch, T tokens, D hidden, E routed experts, K top-k, V vocab.
+
+- Attention: Multi-head Latent Attention (layers/mla.py), with or without q_lora_rank,
+  interleaved RoPE (`rope_interleave`, default true as in the original code), YaRN.
+- Layer i is MoE iff i >= first_k_dense_replace and i % moe_layer_freq == 0 (the
+  original modeling code; the registry's layouts.py counts the same); the others
+  are dense SwiGLU MLPs of intermediate_size.
+- MoE: sigmoid router with e_score_correction_bias and group-limited top-k
+  (layers/deepseek_router.py), routed experts (engine/moe.py) whose weights already
+  carry routed_scaling_factor, and the shared expert:
+    unfused: out = routed(x) + shared_experts(x)   (computed replicated, after any reduction)
+    fused (plan): the shared expert is expert slot n_routed_experts, selected by every
+    token with a weight that makes it count x1 (DESIGN 5.3), times the plan's scale.
+- The checkpoint's Multi-Token-Prediction layers (model.layers.{num_hidden_layers}...)
+  are not part of the causal LM: skipped at load, as transformers does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...plan import Keys
+from ..layers.deepseek_router import DeepseekV3Router
+from ..layers.mla import MultiHeadLatentAttention
+from ..layers.mlp import GatedMLP, activation
+from ..layers.norm import RMSNorm
+from ..layers.rope import RopeConfig, RotaryEmbedding, rope_config_from_hf
+from ..moe import RoutedExperts
+from ..weights import WeightLayout
+from . import ExpertWeightsView, PPMissingLayer
+
+
+class ConfigError(ValueError):
+    pass
+
+
+_MISSING = object()
+
+
+def _get(d: dict, name: str, default=_MISSING, kind=None):
+    v = d.get(name)
+    if v is None:
+        if default is _MISSING:
+            raise ConfigError(f"config.{name}: missing")
+        return default
+    if kind is not None and (not isinstance(v, kind) or (kind is not bool and isinstance(v, bool))):
+        raise ConfigError(f"config.{name}: expected {getattr(kind, '__name__', kind)}, got {v!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class DeepseekV3Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int            # dense layers
+    moe_intermediate_size: int        # each routed expert; the shared one is n_shared_experts times wider
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope: RopeConfig
+    rope_interleave: bool
+    attention_bias: bool
+    max_position_embeddings: int
+    rms_norm_eps: float
+    hidden_act: str
+    tie_word_embeddings: bool
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    first_k_dense_replace: int
+    moe_layer_freq: int
+    num_nextn_predict_layers: int
+    moe_layers: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "DeepseekV3Config":
+        scoring = _get(d, "scoring_func", "sigmoid", str)
+        if scoring != "sigmoid":
+            raise ConfigError(f"config.scoring_func: {scoring!r} not supported; supported: sigmoid")
+        method = _get(d, "topk_method", "noaux_tc", str)
+        if method != "noaux_tc":
+            raise ConfigError(f"config.topk_method: {method!r} not supported; supported: noaux_tc")
+        hidden_act = _get(d, "hidden_act", "silu", str)
+        activation(hidden_act)  # refuses unknown activations by name
+        n_layers = _get(d, "num_hidden_layers", kind=int)
+        n_routed = _get(d, "n_routed_experts", kind=int)
+        top_k = _get(d, "num_experts_per_tok", kind=int)
+        if not 0 < top_k <= n_routed:
+            raise ConfigError(f"config.num_experts_per_tok: {top_k} must be in [1, n_routed_experts={n_routed}]")
+        n_group = _get(d, "n_group", 1, int)
+        topk_group = _get(d, "topk_group", n_group, int)
+        if n_routed % n_group or not 0 < topk_group <= n_group:
+            raise ConfigError(f"config.n_group/topk_group: {n_group}/{topk_group} do not split "
+                              f"{n_routed} experts into groups")
+        if n_group > 1 and n_routed // n_group < 2:
+            raise ConfigError(f"config.n_group: groups of {n_routed // n_group} expert(s); group scores need 2")
+        first_dense = _get(d, "first_k_dense_replace", 0, int)
+        freq = _get(d, "moe_layer_freq", 1, int)
+        if freq < 1:
+            raise ConfigError(f"config.moe_layer_freq: must be >= 1, got {freq}")
+        q_lora_rank = d.get("q_lora_rank")
+        if q_lora_rank is not None and (not isinstance(q_lora_rank, int) or isinstance(q_lora_rank, bool)):
+            raise ConfigError(f"config.q_lora_rank: expected int or null, got {q_lora_rank!r}")
+        try:
+            rope = rope_config_from_hf(d)
+        except ValueError as e:
+            raise ConfigError(f"config.rope_scaling/rope_parameters: {e}") from None
+        return cls(
+            vocab_size=_get(d, "vocab_size", kind=int),
+            hidden_size=_get(d, "hidden_size", kind=int),
+            intermediate_size=_get(d, "intermediate_size", kind=int),
+            moe_intermediate_size=_get(d, "moe_intermediate_size", kind=int),
+            num_hidden_layers=n_layers,
+            num_attention_heads=_get(d, "num_attention_heads", kind=int),
+            q_lora_rank=q_lora_rank,
+            kv_lora_rank=_get(d, "kv_lora_rank", kind=int),
+            qk_nope_head_dim=_get(d, "qk_nope_head_dim", kind=int),
+            qk_rope_head_dim=_get(d, "qk_rope_head_dim", kind=int),
+            v_head_dim=_get(d, "v_head_dim", kind=int),
+            rope=rope,
+            rope_interleave=bool(_get(d, "rope_interleave", True, bool)),
+            attention_bias=bool(_get(d, "attention_bias", False, bool)),
+            max_position_embeddings=_get(d, "max_position_embeddings", 4096, int),
+            rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6)),
+            hidden_act=hidden_act,
+            tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
+            n_routed_experts=n_routed,
+            n_shared_experts=_get(d, "n_shared_experts", 0, int),
+            num_experts_per_tok=top_k,
+            n_group=n_group,
+            topk_group=topk_group,
+            norm_topk_prob=bool(_get(d, "norm_topk_prob", True, bool)),
+            routed_scaling_factor=float(_get(d, "routed_scaling_factor", 1.0)),
+            first_k_dense_replace=first_dense,
+            moe_layer_freq=freq,
+            num_nextn_predict_layers=_get(d, "num_nextn_predict_layers", 0, int),
+            moe_layers=tuple(i for i in range(n_layers) if i >= first_dense and i % freq == 0),
+        )
+
+
+class DeepseekV3MoE(nn.Module):
+    """gate (router), experts (stacked, + fused shared slot when the plan fuses), shared_experts (unfused)."""
+
+    def __init__(self, cfg: DeepseekV3Config, plan, layer_id: int, dtype: torch.dtype):
+        super().__init__()
+        D = cfg.hidden_size
+        self.experts = RoutedExperts(cfg.n_routed_experts, D, cfg.moe_intermediate_size, plan,
+                                     layer_id=layer_id, dtype=dtype)
+        fused = self.experts.num_fused_shared_experts
+        if fused and (fused != 1 or cfg.n_shared_experts != 1):
+            raise ValueError(f"layer {layer_id}: plan fuses {fused} shared expert slot(s) but the config has "
+                             f"n_shared_experts={cfg.n_shared_experts}; only one shared expert can be a slot")
+        # The experts layer read the plan's fused-slot count and scale; the router writes that column.
+        self.gate = DeepseekV3Router(
+            D, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
+            cfg.routed_scaling_factor, num_fused_shared_experts=fused,
+            fused_shared_expert_scale=self.experts.fused_shared_expert_scale)
+        shared = cfg.moe_intermediate_size * cfg.n_shared_experts
+        self.shared_experts = GatedMLP(D, shared, cfg.hidden_act, dtype) if shared and not fused else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> [T, D]"""
+        ids, weights = self.gate(x)                                 # [T, K(+1)], rsf already applied
+        y = self.experts(x, ids, weights.to(x.dtype))               # reduced if the plan says
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config, plan, layer_id: int, dtype: torch.dtype):
+        super().__init__()
+        self.layer_id = layer_id
+        self.self_attn = MultiHeadLatentAttention(
+            cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.rope, rope_interleave=cfg.rope_interleave,
+            attention_bias=cfg.attention_bias, dtype=dtype)
+        if layer_id in cfg.moe_layers:
+            self.mlp = DeepseekV3MoE(cfg, plan, layer_id, dtype)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, x, cos, sin, input_pos=None):
+        """x [B, T, D] -> [B, T, D]"""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos)
+        B, T, D = x.shape
+        h = self.post_attention_layernorm(x).reshape(B * T, D)
+        return x + self.mlp(h).view(B, T, D)
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config, plan, layer_range: tuple[int, int], first: bool, last: bool,
+                 dtype: torch.dtype):
+        super().__init__()
+        lo, hi = layer_range
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype) if first else None
+        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(cfg, plan, i, dtype) if lo <= i < hi else PPMissingLayer(i)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if last else None
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        cfg = DeepseekV3Config.from_hf(hf_config)
+        self.config = cfg
+        self.plan = plan
+        self.dtype = dtype
+        lo, hi = (int(v) for v in plan.decisions[Keys.PP_LAYER_RANGE].value)
+        if not 0 <= lo < hi <= cfg.num_hidden_layers:
+            raise ValueError(f"plan's pp.layer_range [{lo}, {hi}) is outside the config's "
+                             f"{cfg.num_hidden_layers} layers")
+        self.layer_range = (lo, hi)
+        self.is_first_stage, self.is_last_stage = lo == 0, hi == cfg.num_hidden_layers
+        self.model = DeepseekV3Model(cfg, plan, self.layer_range, self.is_first_stage, self.is_last_stage, dtype)
+        separate_head = self.is_last_stage and not (cfg.tie_word_embeddings and self.is_first_stage)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype) if separate_head else None
+        self.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope, cfg.max_position_embeddings)
+        self.moe_layer_ids = tuple(i for i in cfg.moe_layers if lo <= i < hi)
+        self.routed_experts_weights_of_layer = ExpertWeightsView(
+            {i: self.model.layers[i].mlp.experts for i in self.moe_layer_ids})
+        if plan.decisions[Keys.EPLB_ENABLED].value:
+            eplb_layers = [int(i) for i in plan.decisions[Keys.EPLB_LAYERS].value]
+            if eplb_layers != list(self.moe_layer_ids):
+                raise ValueError(f"plan's eplb.layers {eplb_layers} differ from this stage's MoE layers "
+                                 f"{list(self.moe_layer_ids)}")
+
+    # -- loading ---------------------------------------------------------------
+    def weight_layout(self, prefix: str = "") -> WeightLayout:
+        """`prefix`: where a wrapper keeps this model in its checkpoint (e.g. "language_model.")."""
+        n_fused, local = 0, None
+        if self.moe_layer_ids:
+            ex = self.model.layers[self.moe_layer_ids[0]].mlp.experts
+            n_fused, local = ex.num_fused_shared_experts, (ex.local_start, ex.local_start + ex.num_local_experts)
+        L = self.config.num_hidden_layers
+        mtp = tuple(f"{prefix}model.layers.{L + i}." for i in range(self.config.num_nextn_predict_layers))
+        return WeightLayout(
+            n_routed=self.config.n_routed_experts, num_fused_shared=n_fused, local_experts=local,
+            layer_range=self.layer_range, has_embed=self.is_first_stage, has_head=self.is_last_stage,
+            lm_head_from_embed=self.config.tie_word_embeddings and self.is_last_stage and not self.is_first_stage,
+            ignore_prefixes=mtp)
+
+    def tie_weights(self) -> None:
+        pass  # a tied head reads model.embed_tokens.weight directly (see _head)
+
+    # -- running ---------------------------------------------------------------
+    def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
+        device = next(self.parameters()).device
+        for layer in self.model.layers:
+            if isinstance(layer, DeepseekV3DecoderLayer):
+                layer.self_attn.setup_cache(max_batch_size, max_seq_len, self.dtype, device)
+
+    def clear_caches(self) -> None:
+        for layer in self.model.layers:
+            if isinstance(layer, DeepseekV3DecoderLayer):
+                layer.self_attn.kv_cache = None
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        w = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
+        return F.linear(h, w)
+
+    def forward(self, input_ids: torch.Tensor | None = None, input_pos: torch.Tensor | None = None, *,
+                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] (first stage) or hidden_states [B, T, D] -> logits [B, T, V] (last stage)."""
+        with self.plan.forward_running():
+            if self.is_first_stage:
+                if input_ids is None:
+                    raise ValueError("the first pipeline stage takes input_ids")
+                x = self.model.embed_tokens(input_ids)                     # [B, T, D]
+            else:
+                if hidden_states is None:
+                    raise ValueError(f"pipeline stage {self.layer_range} takes hidden_states")
+                x = hidden_states
+            T = x.shape[1]
+            if input_pos is None:
+                input_pos = torch.arange(T, device=x.device)
+            cos, sin = self.rotary(input_pos)                              # [T, qk_rope_head_dim] each
+            lo, hi = self.layer_range
+            for layer in self.model.layers[lo:hi]:
+                x = layer(x, cos, sin, input_pos)
+            if not self.is_last_stage:
+                return x
+            return self._head(self.model.norm(x))                          # [B, T, V]
+
+
+class KimiK25ForConditionalGeneration(nn.Module):
+    """Kimi-K2.5 run text-only: its DeepSeek-V3 body built from config["text_config"], kept under
+    `language_model.` as in the checkpoint; the vision tower and projector weights are skipped."""
+
+    TEXT_PREFIX = "language_model."
+    OTHER_TOWERS = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
+
+    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        text = hf_config.get("text_config")
+        if not isinstance(text, dict):
+            raise ConfigError("config.text_config: missing (KimiK25ForConditionalGeneration builds its "
+                              "DeepseekV3ForCausalLM from it)")
+        self.plan = plan
+        self.dtype = dtype
+        self.language_model = DeepseekV3ForCausalLM(text, plan, dtype=dtype)
+        self.config = self.language_model.config
+        # The same view object: keys are global layer ids, tensors resolve through language_model.
+        self.routed_experts_weights_of_layer = self.language_model.routed_experts_weights_of_layer
+
+    def weight_layout(self) -> WeightLayout:
+        inner = self.language_model.weight_layout(prefix=self.TEXT_PREFIX)
+        return WeightLayout(
+            n_routed=inner.n_routed, num_fused_shared=inner.num_fused_shared, local_experts=inner.local_experts,
+            layer_range=inner.layer_range, has_embed=inner.has_embed, has_head=inner.has_head,
+            lm_head_from_embed=inner.lm_head_from_embed,
+            ignore_prefixes=self.OTHER_TOWERS + inner.ignore_prefixes)
+
+    def tie_weights(self) -> None:
+        self.language_model.tie_weights()
+
+    def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
+        self.language_model.setup_caches(max_batch_size, max_seq_len)
+
+    def clear_caches(self) -> None:
+        self.language_model.clear_caches()
+
+    def forward(self, input_ids: torch.Tensor | None = None, input_pos: torch.Tensor | None = None, *,
+                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        return self.language_model(input_ids, input_pos, hidden_states=hidden_states)

@@ -1,0 +1,269 @@
+"""Run one function on N torch.distributed ranks and get every rank's result back.
+
+    results = launch(2, fn, a, b)        # fn(rank, world_size, a, b) in 2 processes
+
+Each rank is a fresh `spawn` process (safe with CUDA and with torch's thread pools,
+unlike fork). Rank 0 opens the rendezvous store on a free loopback port it binds
+itself (port 0), so two launches never race for a port; the others learn it from
+the parent. The process group is gloo on CPU and NCCL when CUDA has a device per
+rank: that choice is the only place the device matters.
+
+Never a hang: every collective carries the process group's timeout, and the parent
+watches the ranks. The first rank that fails (exception, non-zero exit, signal,
+unpicklable result, or no answer within `timeout_s`) makes the parent tear every
+rank down and raise `RankFailed` with that rank's number and traceback. When several
+ranks fail, the earliest failure is the cause (the others usually fail because of
+it: a peer's socket closed under them); they are kept in `RankFailed.others`. For a
+hang, each stuck rank is asked for its stack (faulthandler on SIGUSR1) before it is
+killed, so the error shows where it waited.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import queue as queue_mod
+import random
+import signal
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+# Startup (interpreter + torch import + rendezvous) is not counted in timeout_s: on a
+# loaded 2-core machine it alone can take several seconds per rank.
+STARTUP_TIMEOUT_S = 120.0
+_HOST = "127.0.0.1"
+
+
+class RankFailed(RuntimeError):
+    """A rank of a `launch` failed; `rank` is the first failure, `error` its text."""
+
+    def __init__(self, rank: int, error: str, others: dict[int, str] | None = None):
+        self.rank = rank
+        self.error = error
+        self.others = dict(others or {})
+        extra = f" (also failed: ranks {sorted(self.others)})" if self.others else ""
+        super().__init__(f"rank {rank} failed{extra}:\n{error}")
+
+
+def default_backend(nproc: int) -> str:
+    """NCCL when every rank can have its own CUDA device, else gloo."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= nproc:
+        return "nccl"
+    return "gloo"
+
+
+def rank_device() -> torch.device:
+    """The device of this rank's tensors for the current process group's backend."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def set_seed(seed: int) -> None:
+    """Seed every generator a rank uses (python, torch CPU and CUDA, numpy if present)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+    try:
+        import numpy as np
+    except ImportError:  # numpy is optional
+        return
+    np.random.seed(seed % 2**32)
+
+
+# -- the rank process ----------------------------------------------------------
+
+def _worker(rank: int, world_size: int, backend: str, port, port_ready, results, fn, args,
+            collective_timeout_s: float, threads: int, stack_file: str) -> None:
+    import faulthandler
+
+    import torch.distributed as dist
+
+    dump = open(stack_file, "w")
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+    try:
+        if threads > 0:
+            torch.set_num_threads(threads)   # N ranks on few cores: no oversubscription
+        timeout = datetime.timedelta(seconds=collective_timeout_s)
+        if rank == 0:
+            store = dist.TCPStore(_HOST, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+            port.value = store.port
+            port_ready.set()
+        else:
+            if not port_ready.wait(STARTUP_TIMEOUT_S):
+                raise TimeoutError("rank 0 never opened the rendezvous store")
+            store = dist.TCPStore(_HOST, port.value, world_size, is_master=False, timeout=timeout)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        results.put(("ready", rank, None, time.time()))
+        out = fn(rank, world_size, *args)
+        payload = pickle.dumps(out)          # here, so an unpicklable result is this rank's error
+        results.put(("ok", rank, payload, time.time()))
+    except BaseException:  # noqa: BLE001 - every failure is reported to the parent
+        results.put(("err", rank, traceback.format_exc(), time.time()))
+        results.close()
+        results.join_thread()                # the report must reach the parent before we exit
+        os._exit(1)
+    # Keep the store (hosted by rank 0) alive until every rank is done with fn.
+    try:
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - results are already delivered; teardown noise is not an error
+        pass
+    results.close()
+    results.join_thread()
+
+
+# -- the parent ----------------------------------------------------------------
+
+def launch(nproc: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120,
+           backend: str | None = None, threads_per_rank: int | None = None) -> list[Any]:
+    """Run fn(rank, world_size, *args) on `nproc` ranks; return the results in rank order.
+
+    fn and args must be picklable (a module-level function). `timeout_s` bounds the
+    run after the process group is up and is also every collective's timeout.
+    Raises RankFailed if any rank fails, after tearing all of them down."""
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    backend = backend or default_backend(nproc)
+    if threads_per_rank is None:
+        threads_per_rank = max(1, (os.cpu_count() or 1) // nproc) if backend == "gloo" else 0
+    ctx = mp.get_context("spawn")
+    port = ctx.Value("i", 0)
+    port_ready = ctx.Event()
+    results = ctx.Queue()
+    tmpdir = tempfile.mkdtemp(prefix="loadplan-launch-")
+    stack_files = [os.path.join(tmpdir, f"rank{r}.stack") for r in range(nproc)]
+    procs = []
+    ok = False
+    try:
+        for r in range(nproc):
+            p = ctx.Process(target=_worker, name=f"loadplan-rank{r}", daemon=True,
+                            args=(r, nproc, backend, port, port_ready, results, fn, args,
+                                  float(timeout_s), threads_per_rank, stack_files[r]))
+            p.start()
+            procs.append(p)
+        out = _collect(procs, results, timeout_s, stack_files)
+        ok = True
+        return out
+    finally:
+        _teardown(procs, graceful=ok)
+        for f in stack_files:
+            try:
+                os.unlink(f)
+            except OSError:
+                pass
+        try:
+            os.rmdir(tmpdir)
+        except OSError:
+            pass
+
+
+def _collect(procs, results, timeout_s: float, stack_files: list[str]) -> list[Any]:
+    n = len(procs)
+    ready: set[int] = set()
+    done: dict[int, Any] = {}
+    errors: dict[int, tuple[float, str]] = {}
+    start_deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    run_deadline = None
+
+    def handle(msg) -> None:
+        nonlocal run_deadline
+        kind, rank, payload, at = msg
+        if kind == "ready":
+            ready.add(rank)
+            if len(ready) == n:
+                run_deadline = time.monotonic() + timeout_s
+        elif kind == "ok":
+            done[rank] = pickle.loads(payload)
+        else:
+            errors[rank] = (at, payload)
+
+    def drain(wait: float) -> None:
+        try:
+            handle(results.get(timeout=wait))
+            while True:
+                handle(results.get_nowait())
+        except queue_mod.Empty:
+            pass
+
+    while len(done) < n:
+        drain(0.05)
+        if errors:
+            drain(0.5)   # a peer's report of the same incident may be in flight: keep the earliest
+            _raise_first(errors)
+        for r, p in enumerate(procs):
+            if r not in done and not p.is_alive():
+                drain(1.0)    # an exited rank's last message may still be in the pipe
+                if r in done:
+                    continue
+                if errors:
+                    _raise_first(errors)
+                code = p.exitcode
+                how = f"killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+                raise RankFailed(r, f"{how} without a result")
+        now = time.monotonic()
+        if run_deadline is None and now > start_deadline:
+            missing = sorted(set(range(n)) - ready)
+            raise RankFailed(missing[0], f"did not join the process group within {STARTUP_TIMEOUT_S:g}s "
+                                         f"(ranks not ready: {missing})")
+        if run_deadline is not None and now > run_deadline:
+            stuck = [r for r in range(n) if r not in done]
+            stacks = _stacks(procs, stuck, stack_files)
+            raise RankFailed(stuck[0], f"no result within timeout_s={timeout_s:g}s (ranks without a result: "
+                                       f"{stuck})\n{stacks[stuck[0]]}",
+                             {r: f"no result within timeout_s={timeout_s:g}s\n{stacks[r]}" for r in stuck[1:]})
+    return [done[r] for r in range(n)]
+
+
+def _raise_first(errors: dict[int, tuple[float, str]]):
+    first = min(errors, key=lambda r: errors[r][0])
+    raise RankFailed(first, errors[first][1], {r: e for r, (_, e) in errors.items() if r != first})
+
+
+def _stacks(procs, ranks: list[int], stack_files: list[str]) -> dict[int, str]:
+    """Ask the stuck ranks where they are (faulthandler on SIGUSR1) before they are killed."""
+    if not hasattr(signal, "SIGUSR1"):
+        return {r: "" for r in ranks}
+    for r in ranks:
+        if procs[r].is_alive():
+            try:
+                os.kill(procs[r].pid, signal.SIGUSR1)
+            except OSError:
+                pass
+    time.sleep(0.5)
+    out = {}
+    for r in ranks:
+        try:
+            with open(stack_files[r]) as f:
+                text = f.read().strip()
+        except OSError:
+            text = ""
+        out[r] = f"stack of rank {r}:\n{text}" if text else ""
+    return out
+
+
+def _teardown(procs, graceful: bool) -> None:
+    if graceful:   # every rank delivered its result and is closing its process group: let it
+        deadline = time.monotonic() + 5.0
+        for p in procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=2.0)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=2.0)

@@ -1,0 +1,188 @@
+"""DeepSeek-V3 and the Kimi-K2.5 wrapper from save_pretrained checkpoints: logits against transformers, float32.
+
+256 routed experts so that the registry's fusion gate passes (DESIGN 5.2), tiny widths.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from loadplan.engine.generate import generate
+from loadplan.engine.layers.mlp import GatedMLP
+from loadplan.engine.loader import load_model
+from loadplan.engine.models.deepseek_v3 import ConfigError, DeepseekV3Config
+from loadplan.engine.weights import LayoutMismatch
+
+from engine_helpers import LocalRegistry, hf_logits, hf_reference, prompt, randomize
+
+transformers = pytest.importorskip("transformers")
+
+ARCH = "DeepseekV3ForCausalLM"
+ATOL = 1e-3
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+            num_attention_heads=2, num_key_value_heads=2, n_routed_experts=256, n_shared_experts=1,
+            num_experts_per_tok=8, n_group=8, topk_group=4, first_k_dense_replace=1, q_lora_rank=16,
+            kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=256,
+            routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-6)
+
+
+def make_deepseek(path, *, seed=0, legacy_rope=False, **overrides):
+    kw = dict(TINY, rope_parameters=dict(YARN))
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**kw))
+    randomize(model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):   # a buffer in transformers: randomize() skips it
+                b.copy_(0.3 * torch.randn(b.shape, generator=g))
+    model.save_pretrained(path)
+    f = path / "config.json"
+    cfg = json.loads(f.read_text())
+    if legacy_rope:
+        params = cfg.pop("rope_parameters")
+        cfg["rope_theta"] = params.pop("rope_theta")
+        params.pop("rope_type", None)
+        cfg["rope_scaling"] = {**params, "type": "yarn"}
+    f.write_text(json.dumps(cfg, indent=2))
+    return path
+
+
+def _load(path, **kw):
+    return load_model(path, registry=LocalRegistry(), **kw)
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_deepseek(tmp_path_factory.mktemp("ds"))
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return prompt(T=9)
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt, ids):
+    want = hf_logits(ckpt, ARCH, ids)
+    assert 0.5 < want.abs().max() < 50   # O(1) logits: the tolerance means something
+    return want
+
+
+def test_fused_and_unfused_match_transformers_and_each_other(ckpt, ids, reference):
+    fused, unfused = _load(ckpt), _load(ckpt, disable_shared_experts_fusion=True)
+    assert fused.plan.decisions["moe.shared_experts_fusion"].value is True
+    assert unfused.plan.decisions["moe.shared_experts_fusion"].value is False
+    mf, mu = fused.model.layers[1].mlp, unfused.model.layers[1].mlp
+    assert mf.experts.gate_up_proj.shape[0] == 257 and mf.shared_experts is None
+    assert mu.experts.gate_up_proj.shape[0] == 256 and mu.shared_experts is not None
+    assert isinstance(fused.model.layers[0].mlp, GatedMLP)   # below first_k_dense_replace
+    assert fused.moe_layer_ids == (1, 2) and list(fused.routed_experts_weights_of_layer) == [1, 2]
+    lf, lu = _logits(fused, ids), _logits(unfused, ids)
+    assert (lf - reference).abs().max().item() <= ATOL
+    assert (lu - reference).abs().max().item() <= ATOL
+    assert (lf - lu).abs().max().item() <= 1e-4
+
+
+def test_without_renormalisation_the_fused_shared_expert_still_counts_once(tmp_path, ids):
+    """norm_topk_prob false: sum(routed)/rsf would make the shared expert count sum(routed) times."""
+    path = make_deepseek(tmp_path, seed=3, norm_topk_prob=False, routed_scaling_factor=1.7)
+    want = hf_logits(path, ARCH, ids)
+    lf = _logits(_load(path), ids)
+    lu = _logits(_load(path, disable_shared_experts_fusion=True), ids)
+    assert (lf - want).abs().max().item() <= ATOL
+    assert (lu - want).abs().max().item() <= ATOL
+
+
+def test_no_q_lora_legacy_rope_spelling_and_plain_rope(tmp_path, ids):
+    a = make_deepseek(tmp_path / "a", seed=1, q_lora_rank=None, legacy_rope=True)
+    assert "rope_scaling" in json.loads((a / "config.json").read_text())
+    model = _load(a)
+    assert not hasattr(model.model.layers[0].self_attn, "q_a_proj")
+    assert (_logits(model, ids) - hf_logits(a, ARCH, ids)).abs().max().item() <= ATOL
+    b = make_deepseek(tmp_path / "b", seed=2, rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+                      rope_interleave=False, n_group=1, topk_group=1)
+    assert (_logits(_load(b), ids) - hf_logits(b, ARCH, ids)).abs().max().item() <= ATOL
+
+
+def test_greedy_generation_equals_transformers(ckpt):
+    prompt_ids = [3, 17, 42, 9, 100]
+    ours = generate(_load(ckpt), prompt_ids, 6)[0].tolist()
+    ref = hf_reference(ckpt, ARCH)
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([prompt_ids]), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)
+    assert ours == out[0, len(prompt_ids):].tolist()
+
+
+def test_prefused_checkpoint_into_an_unfused_model_is_refused(tmp_path, ckpt):
+    """A checkpoint whose shared expert was pre-fused as expert 256 cannot load unfused."""
+    path = tmp_path / "prefused"
+    path.mkdir()
+    (path / "config.json").write_text((ckpt / "config.json").read_text())
+    state = load_file(ckpt / "model.safetensors")
+    state = {k.replace("mlp.shared_experts.", "mlp.experts.256."): v for k, v in state.items()}
+    save_file(state, path / "model.safetensors")
+    with pytest.raises(LayoutMismatch, match=r"experts\.256\..*fused layout"):
+        _load(path, disable_shared_experts_fusion=True)
+    _load(path)  # fused, the pre-fused slot is accepted
+
+
+def _kimi_from(ckpt, path, text_overrides=None):
+    """A Kimi-K2.5-shaped checkpoint: the DeepSeek body under language_model., plus a vision tower."""
+    path.mkdir()
+    text = json.loads((ckpt / "config.json").read_text())
+    text.update(text_overrides or {})
+    cfg = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": text,
+           "vision_config": {"model_type": "moonvit", "vt_hidden_size": 8}}
+    (path / "config.json").write_text(json.dumps(cfg))
+    state = {f"language_model.{k}": v for k, v in load_file(ckpt / "model.safetensors").items()}
+    state.update({"vision_tower.patch_embed.weight": torch.randn(8, 3), "vision_tower.blocks.0.norm.weight":
+                  torch.ones(8), "mm_projector.proj.weight": torch.randn(32, 8)})
+    save_file(state, path / "model.safetensors")
+    return path
+
+
+def test_kimi_wrapper_runs_its_deepseek_body_text_only(tmp_path, ckpt, ids, reference, caplog):
+    path = _kimi_from(ckpt, tmp_path / "kimi")
+    with caplog.at_level(logging.INFO, logger="loadplan.engine.weights"):
+        model = _load(path)
+    assert model.plan.entry_class == "KimiK25ForConditionalGeneration"
+    assert model.plan.decisions["moe.shared_experts_fusion"].value is True   # gate asked with text_config
+    assert list(model.routed_experts_weights_of_layer) == [1, 2]
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert any("2 checkpoint tensors under 'vision_tower.'" in m for m in skipped), skipped
+    assert any("1 checkpoint tensors under 'mm_projector.'" in m for m in skipped), skipped
+    assert (_logits(model, ids) - reference).abs().max().item() <= ATOL
+    assert generate(model, [1, 2, 3], 3).shape == (1, 3)
+
+
+def test_config_refusals_name_the_field():
+    base = dict(TINY, rope_theta=10000.0)
+    DeepseekV3Config.from_hf(base)
+    with pytest.raises(ConfigError, match="config.scoring_func: 'softmax' not supported; supported: sigmoid"):
+        DeepseekV3Config.from_hf({**base, "scoring_func": "softmax"})
+    with pytest.raises(ConfigError, match="config.topk_method"):
+        DeepseekV3Config.from_hf({**base, "topk_method": "greedy"})
+    with pytest.raises(ConfigError, match="config.kv_lora_rank: missing"):
+        DeepseekV3Config.from_hf({k: v for k, v in base.items() if k != "kv_lora_rank"})
+    with pytest.raises(ConfigError, match="n_group"):
+        DeepseekV3Config.from_hf({**base, "n_group": 7})
+    with pytest.raises(ConfigError, match="supported: default, linear, yarn"):
+        DeepseekV3Config.from_hf({**base, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
+    cfg = DeepseekV3Config.from_hf({**base, "num_hidden_layers": 6, "first_k_dense_replace": 1, "moe_layer_freq": 2})
+    assert cfg.moe_layers == (2, 4)
+    assert cfg.rope_interleave is True   # the original code always interleaves

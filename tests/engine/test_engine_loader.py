@@ -1,0 +1,211 @@
+"""load_model: the plan drives the build, weights load by it, errors name the tensor, other load paths."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from loadplan.engine import loader
+from loadplan.engine.loader import load_model
+from loadplan.engine.models import PPMissingLayer
+from loadplan.engine.weights import LayoutMismatch, MissingTensor, UnexpectedTensor
+from loadplan.plan import Keys
+
+from engine_helpers import LocalRegistry, hf_logits, make_checkpoint, prompt
+
+QWEN2 = "Qwen2MoeForCausalLM"
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    """A 3-layer Qwen2-MoE checkpoint whose shared expert can be fused, and transformers' logits on it."""
+    path = make_checkpoint(tmp_path_factory.mktemp("qwen2"), QWEN2, num_hidden_layers=3)
+    ids = prompt()
+    return path, ids, hf_logits(path, QWEN2, ids)
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids)
+
+
+def _rewrite(src, dst, edit):
+    """Copy checkpoint folder src to dst with its tensors passed through edit(dict) -> dict."""
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    tensors = edit(load_file(src / "model.safetensors"))
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_a_prefused_checkpoint_loads_fused_and_is_refused_unfused(qwen2, tmp_path):
+    path, ids, want = qwen2
+
+    def prefuse(t):
+        return {k.replace("mlp.shared_expert.", "mlp.experts.8."): v for k, v in t.items()}
+
+    prefused = _rewrite(path, tmp_path / "prefused", prefuse)
+    got = _logits(load_model(prefused, registry=LocalRegistry()), ids)
+    assert (got - want).abs().max().item() <= 1e-3
+    with pytest.raises(LayoutMismatch, match=r"model\.layers\.\d\.mlp\.experts\.8\..*fused layout"):
+        load_model(prefused, registry=LocalRegistry(), disable_shared_experts_fusion=True)
+
+
+def test_missing_and_unexpected_tensors_are_named(qwen2, tmp_path):
+    path, _, _ = qwen2
+    gone = "model.layers.2.mlp.experts.5.up_proj.weight"
+    missing = _rewrite(path, tmp_path / "missing", lambda t: {k: v for k, v in t.items() if k != gone})
+    for fused in (True, False):
+        with pytest.raises(MissingTensor, match=gone.replace(".", r"\.")):
+            load_model(missing, registry=LocalRegistry(), disable_shared_experts_fusion=not fused)
+    gone = "model.layers.1.mlp.shared_expert.down_proj.weight"
+    missing = _rewrite(path, tmp_path / "missing_shared", lambda t: {k: v for k, v in t.items() if k != gone})
+    with pytest.raises(MissingTensor, match=r"model\.layers\.1\.mlp\.shared_expert\(s\)\.down_proj"):
+        load_model(missing, registry=LocalRegistry())
+    extra = "model.layers.0.mlp.bonus.weight"
+    unexpected = _rewrite(path, tmp_path / "unexpected", lambda t: {**t, extra: torch.zeros(3)})
+    with pytest.raises(UnexpectedTensor, match=extra.replace(".", r"\.")):
+        load_model(unexpected, registry=LocalRegistry())
+
+
+def test_eplb_descriptor_covers_the_moe_layers_without_the_fused_slot(qwen2):
+    path, _, _ = qwen2
+    model = load_model(path, registry=LocalRegistry(), enable_eplb=True)
+    desc = model.routed_experts_weights_of_layer
+    assert list(desc) == model.plan.decisions[Keys.EPLB_LAYERS].value == [0, 1, 2]
+    gate_up, down = desc[1]
+    experts = model.model.layers[1].mlp.experts
+    assert experts.num_fused_shared_experts == 1
+    assert gate_up.shape == (8, 64, 64) and down.shape == (8, 64, 32)       # 8 routed, not the 9th slot
+    assert gate_up.data_ptr() == experts.gate_up_proj.data_ptr()            # the loaded tensors, not meta
+    assert not gate_up.is_meta
+
+
+def test_weight_cache_bypasses_load_weights_and_keeps_the_descriptor(qwen2, tmp_path, monkeypatch):
+    path, ids, want = qwen2
+    cache = tmp_path / "qwen2.cache"      # a real deployment puts it under /dev/shm
+    first = load_model(path, registry=LocalRegistry(), weight_cache=cache)
+    assert cache.is_file()
+
+    def refuse(*a, **k):
+        raise AssertionError("the cache path must not read the checkpoint")
+
+    monkeypatch.setattr(loader, "load_weights", refuse)
+    monkeypatch.setattr(loader, "Checkpoint", refuse)
+    second = load_model(path, registry=LocalRegistry(), weight_cache=cache)
+    torch.testing.assert_close(_logits(second, ids), _logits(first, ids), atol=0, rtol=0)
+    assert (_logits(second, ids) - want).abs().max().item() <= 1e-3
+    desc = second.routed_experts_weights_of_layer
+    assert list(desc) == [0, 1, 2]
+    assert desc[0][0].data_ptr() == second.model.layers[0].mlp.experts.gate_up_proj.data_ptr()
+    assert not any(t.is_meta for t in desc[2])
+    # a cache made for the fused layout is not assigned into an unfused model
+    with pytest.raises(LayoutMismatch, match="num_fused_shared: cache 1 vs model 0"):
+        load_model(path, registry=LocalRegistry(), weight_cache=cache, disable_shared_experts_fusion=True)
+
+
+def test_pipeline_stages_hold_their_layers_and_chain_to_the_full_logits(qwen2):
+    path, ids, want = qwen2
+    s0 = load_model(path, registry=LocalRegistry(), pp_size=2, pp_rank=0, enable_eplb=True)
+    s1 = load_model(path, registry=LocalRegistry(), pp_size=2, pp_rank=1, enable_eplb=True)
+    assert s0.layer_range == (0, 2) and s1.layer_range == (2, 3)
+    assert isinstance(s0.model.layers[2], PPMissingLayer) and not hasattr(s0.model.layers[2], "mlp")
+    assert isinstance(s1.model.layers[0], PPMissingLayer) and isinstance(s1.model.layers[1], PPMissingLayer)
+    assert s0.model.embed_tokens is not None and s0.model.norm is None and s0.lm_head is None
+    assert s1.model.embed_tokens is None and s1.model.norm is not None and s1.lm_head is not None
+    assert list(s0.routed_experts_weights_of_layer) == [0, 1]    # global ids, local layers only
+    assert list(s1.routed_experts_weights_of_layer) == [2]
+    with torch.no_grad():
+        got = s1(hidden_states=s0(ids))
+    assert (got - want).abs().max().item() <= 1e-3
+
+
+class _ThreadAllReduce:
+    """A fake collective for ranks running as threads of one process: every rank gets the sum."""
+
+    def __init__(self, n):
+        self.n, self.parts = n, [None] * n
+        self.barrier = threading.Barrier(n)
+
+    def for_rank(self, rank):
+        def reduce(x):
+            self.parts[rank] = x
+            self.barrier.wait()
+            total = sum(self.parts)
+            self.barrier.wait()
+            return total
+        return reduce
+
+
+def test_expert_parallel_ranks_with_the_planned_all_reduce_give_the_reference_logits(qwen2):
+    path, ids, want = qwen2
+    ranks = [load_model(path, registry=LocalRegistry(), deployment="ep2", ep_size=2, ep_rank=r) for r in range(2)]
+    assert all(m.plan.decisions[Keys.POST_EXPERTS_ALL_REDUCE].value for m in ranks)
+    assert all(m.plan.decisions[Keys.FUSED_SHARED_EXPERT_SCALE].value == 0.5 for m in ranks)
+    ar = _ThreadAllReduce(2)
+    for r, m in enumerate(ranks):
+        for i in m.moe_layer_ids:
+            m.model.layers[i].mlp.experts.reduce = ar.for_rank(r)
+    out = [None, None]
+    threads = [threading.Thread(target=lambda r=r: out.__setitem__(r, _logits(ranks[r], ids))) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for got in out:
+        assert (got - want).abs().max().item() <= 1e-3
+
+
+class _TamperingRegistry(LocalRegistry):
+    """Returns a plan with one decision changed: the engine must follow it (and so go wrong)."""
+
+    def __init__(self, key, value):
+        super().__init__()
+        self.key, self.value = key, value
+
+    def resolve_load_plan(self, request):
+        plan = super().resolve_load_plan(request)
+        d = dict(plan.decisions)
+        d[self.key] = dataclasses.replace(d[self.key], value=self.value)
+        return dataclasses.replace(plan, decisions=d)
+
+
+def test_a_wrong_decision_gives_wrong_logits_that_the_reference_catches(qwen2):
+    path, ids, want = qwen2
+    model = load_model(path, registry=_TamperingRegistry(Keys.FUSED_SHARED_EXPERT_SCALE, 0.5))
+    assert (_logits(model, ids) - want).abs().max().item() > 1e-2
+
+
+def test_the_embedded_registry_records_the_plan(qwen2, tmp_path, monkeypatch):
+    from loadplan.service.embedded import EmbeddedRegistry
+
+    path, ids, want = qwen2
+    url = f"sqlite:///{tmp_path / 'registry.db'}"
+    monkeypatch.setenv(loader.DB_URL_ENV, url)
+    model = load_model(path, request_id="req-1", deployment="dep-1")     # registry=None: embedded
+    assert (_logits(model, ids) - want).abs().max().item() <= 1e-3
+    with EmbeddedRegistry(url) as reg:
+        with reg.client() as client:
+            stored = client.get_plan(model.plan.plan_id)
+        assert stored.decisions[Keys.SHARED_EXPERTS_FUSION].value is True
+        # a registry address (str): the same request id replays the stored plan
+        again = load_model(path, registry=reg.address, request_id="req-1", deployment="dep-1")
+        assert again.plan.plan_id == model.plan.plan_id and again.plan.replayed
+
+
+def test_quantized_checkpoints_are_refused_after_the_plan(qwen2, tmp_path):
+    path, _, _ = qwen2
+    q = tmp_path / "q"
+    q.mkdir()
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8"}
+    (q / "config.json").write_text(json.dumps(cfg))
+    reg = LocalRegistry()
+    with pytest.raises(NotImplementedError, match="quantization 'fp8' not supported by the engine"):
+        load_model(q, registry=reg)
+    assert reg.requests[0].quantization_config == {"quant_method": "fp8"}

@@ -1,0 +1,54 @@
+"""The engine's entry-class table: lazy, actionable errors, and in step with the registry's table."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadplan.engine import registry as engine_registry
+from loadplan.engine.registry import (ENGINE_ENTRY_CLASSES, ENGINE_WRAPPERS, EngineWrapper, UnsupportedModel,
+                                      engine_chain, model_class)
+from loadplan.service.coverage import coverage_of
+from loadplan.service.rules import entries
+
+
+def test_qwen_classes_resolve_lazily():
+    cls = model_class("Qwen3MoeForCausalLM")
+    assert cls.__name__ == "Qwen3MoeForCausalLM" and cls.__module__ == "loadplan.engine.models.qwen_moe"
+    assert model_class("Qwen2MoeForCausalLM").ARCHITECTURE == "Qwen2MoeForCausalLM"
+
+
+def test_unknown_entry_class_lists_the_supported_ones():
+    with pytest.raises(UnsupportedModel, match=r"'LlamaForCausalLM' not supported by the engine; supported: "
+                                               r"DeepseekV3ForCausalLM, KimiK25ForConditionalGeneration, "
+                                               r"Qwen2MoeForCausalLM, Qwen3MoeForCausalLM"):
+        model_class("LlamaForCausalLM")
+
+
+@pytest.mark.parametrize("name", sorted(ENGINE_ENTRY_CLASSES))
+def test_every_engine_class_has_the_registrys_chain_and_reaches_a_gate_when_needed(name):
+    assert engine_chain(name) == entries.chain_of(name)
+    cov = coverage_of(name)
+    assert cov.ok, cov.message
+
+
+@pytest.mark.parametrize("name", sorted(ENGINE_WRAPPERS))
+def test_wrappers_hand_down_the_same_config_field(name):
+    reg = entries.ENTRY_CLASSES[name]
+    assert isinstance(reg, entries.Wrapper)
+    assert (ENGINE_WRAPPERS[name].inner, ENGINE_WRAPPERS[name].config_field) == (reg.inner, reg.config_field)
+
+
+def test_a_wrapper_the_registry_does_not_gate_fails_the_check(monkeypatch):
+    monkeypatch.setitem(engine_registry.ENGINE_ENTRY_CLASSES, "UngatedVLForConditionalGeneration",
+                        ("loadplan.engine.models.deepseek_v3", "UngatedVL"))
+    wrappers = {**ENGINE_WRAPPERS, "UngatedVLForConditionalGeneration":
+                EngineWrapper("DeepseekV3ForCausalLM", "text_config")}
+    assert engine_chain("UngatedVLForConditionalGeneration", wrappers)[-1] == "DeepseekV3ForCausalLM"
+    cov = coverage_of("UngatedVLForConditionalGeneration")
+    assert not cov.ok and "not supported by the registry" in cov.message
+
+
+def test_a_wrapper_cycle_is_refused(monkeypatch):
+    monkeypatch.setitem(engine_registry.ENGINE_ENTRY_CLASSES, "A", ("x", "A"))
+    with pytest.raises(UnsupportedModel, match="cycle"):
+        engine_chain("A", {"A": EngineWrapper("A", "text_config")})
