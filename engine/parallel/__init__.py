@@ -1,9 +1,8 @@
-"""Multi-process execution: the rank launcher, the (pp, ep) process groups, the MoE
-token exchange of both forward paths, and pipeline point-to-point transfers.
+"""Multi-process execution: the rank launcher (launch.py), the (pp, ep) process
+groups (groups.py), the MoE token exchange of both forward paths (a2a.py) and
+pipeline point-to-point transfers (p2p.py).
 
 Nothing here reads a backend name: callers pick the forward path from the plan.
+Import from the modules (`from loadplan.engine.parallel.launch import launch`): the
+package does not re-export, so `launch` the function never shadows `launch` the module.
 """
-
-from .launch import RankFailed, launch, rank_device, set_seed
-
-__all__ = ["RankFailed", "launch", "rank_device", "set_seed"]

@@ -201,18 +201,12 @@ def _collect(procs, results, timeout_s: float, stack_files: list[str]) -> list[A
     while len(done) < n:
         drain(0.05)
         if errors:
-            drain(0.5)   # a peer's report of the same incident may be in flight: keep the earliest
+            drain(0.5)   # a peer's report of the same incident may be in flight: blame the cause
+            _note_silent_deaths(procs, done, errors)
             _raise_first(errors)
-        for r, p in enumerate(procs):
-            if r not in done and not p.is_alive():
-                drain(1.0)    # an exited rank's last message may still be in the pipe
-                if r in done:
-                    continue
-                if errors:
-                    _raise_first(errors)
-                code = p.exitcode
-                how = f"killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-                raise RankFailed(r, f"{how} without a result")
+        if _note_silent_deaths(procs, done, errors, drain):
+            drain(0.5)
+            _raise_first(errors)
         now = time.monotonic()
         if run_deadline is None and now > start_deadline:
             missing = sorted(set(range(n)) - ready)
@@ -227,8 +221,34 @@ def _collect(procs, results, timeout_s: float, stack_files: list[str]) -> list[A
     return [done[r] for r in range(n)]
 
 
+def _note_silent_deaths(procs, done, errors, drain=None) -> bool:
+    """Record ranks that exited without reporting (os._exit, a signal, a native abort)."""
+    found = False
+    for r, p in enumerate(procs):
+        if r in done or r in errors or p.is_alive():
+            continue
+        if drain is not None:
+            drain(1.0)    # an exited rank's last message may still be in the pipe
+            if r in done or r in errors:
+                continue
+        code = p.exitcode
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        errors[r] = (time.time(), f"{how} without a result")
+        found = True
+    return found
+
+
+# A rank that lost a peer fails with one of these; it is a consequence, not the cause.
+_PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket closed",
+              "connection closed", "Connection refused")
+
+
 def _raise_first(errors: dict[int, tuple[float, str]]):
-    first = min(errors, key=lambda r: errors[r][0])
+    def key(r):
+        at, text = errors[r]
+        return (any(s in text for s in _PEER_LOSS), at)
+
+    first = min(errors, key=key)
     raise RankFailed(first, errors[first][1], {r: e for r, (_, e) in errors.items() if r != first})
 
 
@@ -255,8 +275,8 @@ def _stacks(procs, ranks: list[int], stack_files: list[str]) -> dict[int, str]:
 
 
 def _teardown(procs, graceful: bool) -> None:
-    if graceful:   # every rank delivered its result and is closing its process group: let it
-        deadline = time.monotonic() + 5.0
+    if graceful:   # every rank delivered its result and is closing its process group: a moment for it
+        deadline = time.monotonic() + 1.0
         for p in procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
     for p in procs:

@@ -15,10 +15,10 @@ from safetensors.torch import load_file, save_file
 from loadplan.engine.generate import generate
 from loadplan.engine.layers.mlp import GatedMLP
 from loadplan.engine.loader import load_model
-from loadplan.engine.models.deepseek_v3 import ConfigError, DeepseekV3Config
+from loadplan.engine.models.deepseek_v3 import ConfigError, DeepseekV3Config, DeepseekV3MoE
 from loadplan.engine.weights import LayoutMismatch
 
-from engine_helpers import LocalRegistry, hf_logits, hf_reference, prompt, randomize
+from engine_helpers import LocalRegistry, hf_logits, hf_reference, make_plan, prompt, randomize
 
 transformers = pytest.importorskip("transformers")
 
@@ -139,6 +139,51 @@ def test_prefused_checkpoint_into_an_unfused_model_is_refused(tmp_path, ckpt):
     with pytest.raises(LayoutMismatch, match=r"experts\.256\..*fused layout"):
         _load(path, disable_shared_experts_fusion=True)
     _load(path)  # fused, the pre-fused slot is accepted
+
+
+def _moe_layers(cfg_dict, ranks, **runtime):
+    cfg = DeepseekV3Config.from_hf(cfg_dict)
+    return [DeepseekV3MoE(cfg, make_plan(cfg_dict, ep_size=len(ranks), ep_rank=r, **runtime), 1, torch.float32)
+            for r in ranks]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_expert_parallel_ranks_sum_the_shared_expert_once(fused):
+    """ep_size=2, normal path: each rank's partial sum, all-reduced, plus (unfused) the replicated shared
+    expert equals the single-rank layer. Fused, each rank holds the shared slot at the plan's 1/2 scale."""
+    cfg_dict = dict(TINY, architectures=[ARCH], rope_theta=10000.0)
+    g = torch.Generator().manual_seed(0)
+    (full,) = _moe_layers(cfg_dict, [0], disable_shared_experts_fusion=True)
+    with torch.no_grad():
+        for p in full.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / (p.shape[-1] ** 0.5 if p.dim() > 1 else 3))
+    runtime = {} if fused else {"disable_shared_experts_fusion": True}
+    ranks = _moe_layers(cfg_dict, [0, 1], **runtime)
+    sh = full.shared_experts
+    with torch.no_grad():
+        for r, layer in enumerate(ranks):
+            assert layer.experts.num_fused_shared_experts == int(fused)
+            assert layer.gate.fused_shared_expert_scale == (0.5 if fused else 1.0)
+            layer.gate.load_state_dict(full.gate.state_dict())
+            gate_up = full.experts.gate_up_proj[128 * r:128 * (r + 1)]
+            down = full.experts.down_proj[128 * r:128 * (r + 1)]
+            if fused:
+                gate_up = torch.cat([gate_up, torch.cat([sh.gate_proj.weight, sh.up_proj.weight])[None]])
+                down = torch.cat([down, sh.down_proj.weight[None]])
+            else:
+                layer.shared_experts.load_state_dict(sh.state_dict())
+            layer.experts.gate_up_proj.copy_(gate_up)
+            layer.experts.down_proj.copy_(down)
+        x = torch.randn(11, TINY["hidden_size"], generator=g)
+        full.experts.reduce = lambda y: y
+        want = full(x)
+        partial = []
+        for layer in ranks:
+            layer.experts.reduce = lambda y: partial.append(y) or y
+            layer(x)
+        for layer in ranks:   # what torch.distributed's all-reduce would hand each rank
+            layer.experts.reduce = lambda y: partial[0] + partial[1]
+            torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
 
 
 def _kimi_from(ckpt, path, text_overrides=None):

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from loadplan.engine.parallel import RankFailed, launch, set_seed
+from loadplan.engine.parallel.launch import RankFailed, launch, set_seed
 
 
 def _sum_ranks(rank, world_size, scale):
