@@ -89,6 +89,7 @@ def _worker(rank: int, world_size: int, backend: str, port, port_ready, results,
     import torch.distributed as dist
 
     dump = open(stack_file, "w")
+    faulthandler.enable(file=dump, all_threads=True)     # a native abort still leaves its Python stack
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
     try:
@@ -202,9 +203,9 @@ def _collect(procs, results, timeout_s: float, stack_files: list[str]) -> list[A
         drain(0.05)
         if errors:
             drain(0.5)   # a peer's report of the same incident may be in flight: blame the cause
-            _note_silent_deaths(procs, done, errors)
+            _note_silent_deaths(procs, done, errors, stack_files)
             _raise_first(errors)
-        if _note_silent_deaths(procs, done, errors, drain):
+        if _note_silent_deaths(procs, done, errors, stack_files, drain):
             drain(0.5)
             _raise_first(errors)
         now = time.monotonic()
@@ -221,7 +222,7 @@ def _collect(procs, results, timeout_s: float, stack_files: list[str]) -> list[A
     return [done[r] for r in range(n)]
 
 
-def _note_silent_deaths(procs, done, errors, drain=None) -> bool:
+def _note_silent_deaths(procs, done, errors, stack_files, drain=None) -> bool:
     """Record ranks that exited without reporting (os._exit, a signal, a native abort)."""
     found = False
     for r, p in enumerate(procs):
@@ -233,7 +234,8 @@ def _note_silent_deaths(procs, done, errors, drain=None) -> bool:
                 continue
         code = p.exitcode
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-        errors[r] = (time.time(), f"{how} without a result")
+        stack = _read(stack_files[r])
+        errors[r] = (time.time(), f"{how} without a result" + (f"\nstack of rank {r}:\n{stack}" if stack else ""))
         found = True
     return found
 
@@ -265,13 +267,17 @@ def _stacks(procs, ranks: list[int], stack_files: list[str]) -> dict[int, str]:
     time.sleep(0.5)
     out = {}
     for r in ranks:
-        try:
-            with open(stack_files[r]) as f:
-                text = f.read().strip()
-        except OSError:
-            text = ""
+        text = _read(stack_files[r])
         out[r] = f"stack of rank {r}:\n{text}" if text else ""
     return out
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def _teardown(procs, graceful: bool) -> None:
