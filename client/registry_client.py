@@ -6,6 +6,12 @@ server is down for a moment), with exponential backoff and the very same
 request message, so a retried resolve carries the same request id and the
 registry replays the stored plan instead of writing a second one. Any other
 status raises `RegistryCallError` at once.
+
+Security (client/auth.py): `token` is sent as `authorization: Bearer <token>`
+on every call; `tls_ca` / `tls_cert` / `tls_key` (file paths, or PEM bytes)
+switch the channel to TLS, with a client certificate for mutual TLS. Unset, they
+fall back to $LOADPLAN_TOKEN (or $LOADPLAN_TOKEN_FILE) and $LOADPLAN_TLS_CA /
+_CERT / _KEY; `token=""` and `tls=False` turn them off whatever the environment says.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from ..plan import Decision, LoadPlan, ResolveRequest
 from ..v1 import registry_pb2 as pb
 from ..v1 import registry_pb2_grpc as pb_grpc
 from . import convert
+from .auth import PemSource, bearer_metadata, open_channel, resolve_tls, resolve_token
 from .errors import UnavailableError, error_for, from_rpc_error
 from .types import BackendInfo, CoverageEntry, CoverageReport, PlanDiff
 
@@ -31,7 +38,9 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024   # plan pages can be larger than g
 class RegistryClient:
     def __init__(self, address: str, *, timeout: float = 10.0, max_attempts: int = 5, backoff: float = 0.1,
                  max_backoff: float = 2.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 sleep: Callable[[float], None] = time.sleep):
+                 sleep: Callable[[float], None] = time.sleep, token: str | None = None,
+                 tls: bool | None = None, tls_ca: PemSource | None = None, tls_cert: PemSource | None = None,
+                 tls_key: PemSource | None = None, tls_server_name: str | None = None):
         if max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
         self.address = address
@@ -40,8 +49,11 @@ class RegistryClient:
         self.backoff = backoff
         self.max_backoff = max_backoff
         self._sleep = sleep
+        # Kept out of attributes a repr or a log line would show; sent with every call.
+        self._metadata = bearer_metadata(resolve_token(token))
+        self.tls = resolve_tls(tls, tls_ca, tls_cert, tls_key, tls_server_name)
         reconnect_ms = max(1, int(backoff * 1000))
-        self._channel = grpc.insecure_channel(address, options=[
+        self._channel = open_channel(address, self.tls, options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             # gRPC's own reconnect backoff starts at 1 s; while it waits, calls fail fast with
@@ -146,7 +158,7 @@ class RegistryClient:
                 raise error_for("DEADLINE_EXCEEDED", f"{method}: no time left for attempt {attempt} "
                                 f"within {timeout:g}s")
             try:
-                return rpc(request, timeout=remaining)
+                return rpc(request, timeout=remaining, metadata=self._metadata)
             except grpc.RpcError as e:
                 err = from_rpc_error(e)
             if not isinstance(err, UnavailableError) or attempt == self.max_attempts:

@@ -46,3 +46,29 @@ def generate(model: nn.Module, prompt_ids: Sequence[int] | torch.Tensor, max_new
         return torch.stack(out, dim=1)
     finally:
         model.clear_caches()
+
+
+def generate_from_checkpoint(path, prompt_ids: Sequence[int], max_new_tokens: int, **load_kwargs) -> dict:
+    """What `loadplan generate --json` prints: {"tokens": [...], "plan_id": ...}.
+
+    load_kwargs go to `load_model` (registry, runtime flags as for resolve, dtype, ...)."""
+    from .loader import load_model
+
+    model = load_model(path, **load_kwargs)
+    eos = checkpoint_eos(path)
+    tokens = generate(model, list(prompt_ids), max_new_tokens, eos_token_id=eos)[0].tolist()
+    return {"tokens": tokens, "plan_id": model.plan.plan_id}
+
+
+def checkpoint_eos(path) -> list[int]:
+    """The ids that end generation, as transformers reads them: generation_config.json, else config.json."""
+    import json
+    from pathlib import Path
+
+    for name in ("generation_config.json", "config.json"):
+        f = Path(path) / name
+        if f.is_file():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            if eos is not None:
+                return [eos] if isinstance(eos, int) else list(eos)
+    return []

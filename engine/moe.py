@@ -1,4 +1,7 @@
-"""The routed-experts layer: stacked expert weights and the sorted-token kernel.
+"""The routed-experts layer: stacked expert weights, global -> local slots, the planned reduction.
+
+The arithmetic (tokens sorted by expert, one matmul pair per hit expert) is
+engine/expert_kernel.py's `fused_experts`.
 
 Shapes: T tokens, K slots per token (top-k, plus fused shared slots), D hidden,
 I expert intermediate, E local routed experts, S fused shared slots.
@@ -27,10 +30,10 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..plan import Keys
+from .expert_kernel import fused_experts
 
 
 def _dist_all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -97,30 +100,14 @@ class RoutedExperts(nn.Module):
 
     # -- the kernel ----------------------------------------------------------
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """x [T, D], topk_ids [T, K] (global ids), topk_weights [T, K] -> [T, D]."""
-        T, K = topk_ids.shape
-        slots = self._local_slots(topk_ids).reshape(-1)              # [T*K]
-        order = torch.argsort(slots, stable=True)                     # [T*K] grouped by slot
-        counts = torch.bincount(slots, minlength=self.num_slots + 1).tolist()
-        n_hit = sum(counts[: self.num_slots])                         # dropped (other ranks) sort last
-        order = order[:n_hit]
-        token = order // K                                            # [N] source token of each row
-        xs = x.index_select(0, token)                                 # [N, D] contiguous per expert
-        out = torch.empty_like(xs)
-        I = self.intermediate_size
-        start = 0
-        for e, n in enumerate(counts[: self.num_slots]):              # one matmul pair per hit expert
-            if n == 0:
-                continue
-            seg = xs[start:start + n]
-            gate_up = seg @ self.gate_up_proj[e].t()                  # [n, 2I]
-            h = F.silu(gate_up[:, :I]) * gate_up[:, I:]               # [n, I]
-            torch.mm(h, self.down_proj[e].t(), out=out[start:start + n])
-            start += n
-        w = topk_weights.reshape(-1).index_select(0, order).to(out.dtype)   # [N]
-        y = torch.zeros_like(x).index_add_(0, token, out * w[:, None])      # [T, D]
+        """x [T, D], topk_ids [T, K] (global ids), topk_weights [T, K] -> [T, D].
+
+        Rows are sorted by local slot and each hit expert runs one matmul pair over its
+        contiguous slice (engine/expert_kernel.py); other ranks' experts are dropped."""
+        slots = self._local_slots(topk_ids)                                  # [T, K]
+        y = fused_experts(x, slots, topk_weights, self.gate_up_proj, self.down_proj)   # [T, D]
         if self.post_experts_all_reduce:
-            y = self.reduce(y)
+            y = self.reduce(y)   # every rank calls it, even with no local rows: it is a collective
         return y
 
     # -- EPLB ----------------------------------------------------------------

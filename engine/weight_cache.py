@@ -30,7 +30,7 @@ def _signature(model: nn.Module) -> dict:
         "format": FORMAT,
         "entry_class": model.plan.entry_class,
         "config_fingerprint": model.plan.config_fingerprint,
-        "dtype": str(model.dtype),
+        "dtype": str(next(model.parameters()).dtype),
         "layout": {k: list(v) if isinstance(v, tuple) else v
                    for k, v in dataclasses.asdict(model.weight_layout()).items()},
     }

@@ -129,7 +129,7 @@ def is_local(target: Target, layout: WeightLayout) -> bool:
             return False
     if target.param.endswith("embed_tokens.weight") and not layout.has_embed:
         return False
-    if not m and (target.param == "lm_head.weight" or target.param.endswith("model.norm.weight")) \
+    if not m and (target.param.endswith("lm_head.weight") or target.param.endswith("model.norm.weight")) \
             and not layout.has_head:
         return False
     if target.expert is not None and target.expert < layout.n_routed and layout.local_experts is not None:

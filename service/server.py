@@ -19,8 +19,11 @@ from grpc_reflection.v1alpha import reflection
 
 from ..v1 import registry_pb2 as pb
 from ..v1 import registry_pb2_grpc as pb_grpc
+from . import auth
+from .auth import TokenStore
 from .registry import PlanStore, Registry
 from .rules import entries
+from .tls import ServerTls, add_port
 from .transport.servicer import ModelRegistryServicer
 
 log = logging.getLogger("loadplan.service")
@@ -42,6 +45,8 @@ class ServerOptions:
     max_workers: int = 16
     readiness_interval_s: float = 1.0
     grace_s: float = 5.0
+    tokens: TokenStore | None = None     # bearer tokens and roles (service/auth.py); None: open
+    tls: ServerTls | None = None         # TLS / mutual TLS (service/tls.py); None: plaintext
 
 
 class RegistryServer:
@@ -51,6 +56,8 @@ class RegistryServer:
         problems = entries.check_table()
         if problems:
             raise ServerStartError("entry class table is inconsistent: " + "; ".join(problems))
+        if options.tokens and auth.check_table():
+            raise ServerStartError("RPC role table is inconsistent: " + "; ".join(auth.check_table()))
         self.store = store
         self.options = options
         self.health = health.HealthServicer()
@@ -61,6 +68,7 @@ class RegistryServer:
                      # Without this, Linux lets a second server bind the same port and
                      # silently share its traffic; a busy port must be an error.
                      ("grpc.so_reuseport", 0)],
+            interceptors=auth.interceptors(options.tokens),
         )
         pb_grpc.add_ModelRegistryServicer_to_server(ModelRegistryServicer(Registry(store)), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
@@ -68,7 +76,7 @@ class RegistryServer:
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self._server)
         try:
-            self.port = self._server.add_insecure_port(options.listen)
+            self.port = add_port(self._server, options.listen, options.tls)
         except RuntimeError as e:
             self._server.stop(None)
             raise ServerStartError(f"cannot listen on {options.listen}: {e}") from None
@@ -108,6 +116,7 @@ class RegistryServer:
 
     def start(self) -> "RegistryServer":
         self._server.start()
+        auth.announce(self.options.tokens, self.address)
         self.check_ready()
         self._watcher = threading.Thread(target=self._watch, name="loadplan-readiness", daemon=True)
         self._watcher.start()

@@ -17,6 +17,15 @@ Negative ids are dropped (masked slots). Transport is
 torch.distributed.all_to_all_single with uneven splits (gloo supports it on CPU,
 any dtype, empty splits included; NCCL on GPUs): one exchange of counts, then one
 per payload.
+
+How a MoE layer uses it on the `a2a` path (with post_experts_all_reduce false):
+
+    rx, rids, rw, h = dispatch(x, topk_ids, topk_weights, E, ep_group, num_routed=n_routed)
+    rows = experts_rows(rx, rids)              # bare expert output per received row
+    y = combine(rows, h)                       # [T, D], complete
+or, with a kernel that takes global ids and applies weights (RoutedExperts.forward):
+    y = combine(experts(rx, global_slot_ids(rids, E, local_start, n_routed)[:, None], rw[:, None]),
+                h, weighted=True)
 """
 
 from __future__ import annotations
@@ -64,6 +73,13 @@ def local_slot_ids(global_ids: torch.Tensor, num_local_experts: int, num_routed:
     [E + S] expert weights: routed id % E, fused slot s -> E + s. Pure."""
     return torch.where(global_ids >= num_routed, global_ids - num_routed + num_local_experts,
                        global_ids % num_local_experts)
+
+
+def global_slot_ids(local_ids: torch.Tensor, num_local_experts: int, local_start: int,
+                    num_routed: int) -> torch.Tensor:
+    """Inverse of `local_slot_ids` on the owner (local_start = its first routed expert). Pure."""
+    return torch.where(local_ids >= num_local_experts, local_ids - num_local_experts + num_routed,
+                       local_ids + local_start)
 
 
 def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_local_experts: int,

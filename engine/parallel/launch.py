@@ -2,11 +2,19 @@
 
     results = launch(2, fn, a, b)        # fn(rank, world_size, a, b) in 2 processes
 
-Each rank is a fresh `spawn` process (safe with CUDA and with torch's thread pools,
-unlike fork). Rank 0 opens the rendezvous store on a free loopback port it binds
-itself (port 0), so two launches never race for a port; the others learn it from
-the parent. The process group is gloo on CPU and NCCL when CUDA has a device per
-rank: that choice is the only place the device matters.
+Each rank is a fresh process forked by multiprocessing's fork server, which has
+torch imported but never ran a kernel nor touched CUDA: as safe as `spawn` (no
+inherited thread pools or CUDA context, unlike a plain fork of the caller) without
+paying the torch import per rank per launch (seconds on a small machine; the
+parallel tests launch many times). The server starts on the first launch and keeps
+no state of the caller: each launch hands its ranks the caller's current environment
+and sys.path (so a test's monkeypatched variable reaches them). `start_method="spawn"`
+(also the fallback where there is no fork server) starts every rank from scratch.
+
+Rank 0 opens the rendezvous store on a free loopback port it binds itself (port 0),
+so two launches never race for a port; the others learn it from the parent. The
+process group is gloo on CPU and NCCL when CUDA has a device per rank: that choice
+is the only place the device matters.
 
 Never a hang: every collective carries the process group's timeout, and the parent
 watches the ranks. The first rank that fails (exception, non-zero exit, signal,
@@ -26,6 +34,7 @@ import pickle
 import queue as queue_mod
 import random
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -82,8 +91,8 @@ def set_seed(seed: int) -> None:
 
 # -- the rank process ----------------------------------------------------------
 
-def _worker(rank: int, world_size: int, backend: str, port, port_ready, results, fn, args,
-            collective_timeout_s: float, threads: int, stack_file: str) -> None:
+def _worker(rank: int, world_size: int, backend: str, port, port_ready, results, fn_pickle: bytes, args_pickle: bytes,
+            collective_timeout_s: float, threads: int, stack_file: str, env: dict, path: list) -> None:
     import faulthandler
 
     import torch.distributed as dist
@@ -93,6 +102,10 @@ def _worker(rank: int, world_size: int, backend: str, port, port_ready, results,
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
     try:
+        os.environ.clear()               # the caller's environment and import path of THIS launch
+        os.environ.update(env)
+        sys.path[:] = path
+        fn, args = pickle.loads(fn_pickle), pickle.loads(args_pickle)
         if threads > 0:
             torch.set_num_threads(threads)   # N ranks on few cores: no oversubscription
         timeout = datetime.timedelta(seconds=collective_timeout_s)
@@ -128,8 +141,20 @@ def _worker(rank: int, world_size: int, backend: str, port, port_ready, results,
 
 # -- the parent ----------------------------------------------------------------
 
+def _context(start_method: str | None):
+    import multiprocessing
+
+    if start_method is None:
+        start_method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])
+    return ctx
+
+
 def launch(nproc: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120,
-           backend: str | None = None, threads_per_rank: int | None = None) -> list[Any]:
+           backend: str | None = None, threads_per_rank: int | None = None,
+           start_method: str | None = None) -> list[Any]:
     """Run fn(rank, world_size, *args) on `nproc` ranks; return the results in rank order.
 
     fn and args must be picklable (a module-level function). `timeout_s` bounds the
@@ -140,7 +165,10 @@ def launch(nproc: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 12
     backend = backend or default_backend(nproc)
     if threads_per_rank is None:
         threads_per_rank = max(1, (os.cpu_count() or 1) // nproc) if backend == "gloo" else 0
-    ctx = mp.get_context("spawn")
+    # Pickled here, unpickled in the rank after its sys.path is set (fn's module may
+    # only be importable from the caller's current path).
+    fn_pickle, args_pickle = pickle.dumps(fn), pickle.dumps(args)
+    ctx = _context(start_method)
     port = ctx.Value("i", 0)
     port_ready = ctx.Event()
     results = ctx.Queue()
@@ -151,8 +179,9 @@ def launch(nproc: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 12
     try:
         for r in range(nproc):
             p = ctx.Process(target=_worker, name=f"loadplan-rank{r}", daemon=True,
-                            args=(r, nproc, backend, port, port_ready, results, fn, args,
-                                  float(timeout_s), threads_per_rank, stack_files[r]))
+                            args=(r, nproc, backend, port, port_ready, results, fn_pickle, args_pickle,
+                                  float(timeout_s), threads_per_rank, stack_files[r], dict(os.environ),
+                                  list(sys.path)))
             p.start()
             procs.append(p)
         out = _collect(procs, results, timeout_s, stack_files)

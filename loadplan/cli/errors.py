@@ -10,9 +10,10 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2
 
-# Statuses that mean "the input is wrong", as the registry answers them.
+# Statuses that mean "the input is wrong", as the registry answers them; a missing, unknown or
+# under-privileged token is the caller's to change too.
 BAD_INPUT_STATUSES = frozenset({"INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "OUT_OF_RANGE",
-                                "RESOURCE_EXHAUSTED"})
+                                "RESOURCE_EXHAUSTED", "UNAUTHENTICATED", "PERMISSION_DENIED"})
 
 
 class CliError(Exception):

@@ -1,4 +1,4 @@
-"""Options several commands share: where the registry is, and what a runner asks.
+"""Options several commands share: where the registry is, how to reach it securely, and what a runner asks.
 
 `add_runner_arguments` / `request_from_args` are the flags of `loadplan resolve`;
 the engine's `generate` reuses them so both speak the same runtime flags.
@@ -38,16 +38,62 @@ def add_registry_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--db", metavar="URL", default=None,
                        help=f"database of the embedded registry (default ${DB_URL_ENV} or {DEFAULT_DB_URL})")
     parser.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS", help="deadline of each call")
+    add_client_security_arguments(parser)
+
+
+def add_client_security_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a client proves itself to a secured --registry (client/auth.py); unset ones come from $LOADPLAN_*."""
+    group = parser.add_argument_group("registry security (with --registry)")
+    token = group.add_mutually_exclusive_group()
+    token.add_argument("--token", metavar="TOKEN", default=None,
+                       help="bearer token (default $LOADPLAN_TOKEN; prefer --token-file: argv is visible to ps)")
+    token.add_argument("--token-file", metavar="FILE", default=None,
+                       help="file holding the bearer token (default $LOADPLAN_TOKEN_FILE)")
+    group.add_argument("--tls", action="store_true", default=None,
+                       help="use TLS, trusting the system's CA roots (implied by --tls-ca/--tls-cert)")
+    group.add_argument("--tls-ca", metavar="FILE", default=None,
+                       help="CA certificate of the registry; turns TLS on (default $LOADPLAN_TLS_CA)")
+    group.add_argument("--tls-cert", metavar="FILE", default=None,
+                       help="client certificate for mutual TLS (default $LOADPLAN_TLS_CERT)")
+    group.add_argument("--tls-key", metavar="FILE", default=None,
+                       help="private key of --tls-cert (default $LOADPLAN_TLS_KEY)")
+
+
+_SECURITY_FLAGS = (("token", "--token"), ("token_file", "--token-file"), ("tls", "--tls"), ("tls_ca", "--tls-ca"),
+                   ("tls_cert", "--tls-cert"), ("tls_key", "--tls-key"))
+
+
+def client_security(args: argparse.Namespace) -> dict[str, Any]:
+    """RegistryClient keywords from the security flags; a file that cannot be used is INVALID_ARGUMENT."""
+    from ..client.auth import AuthConfigError, read_token_file
+
+    try:
+        token = read_token_file(args.token_file) if getattr(args, "token_file", None) else getattr(args, "token", None)
+    except AuthConfigError as e:
+        raise CliError("INVALID_ARGUMENT", f"--token-file: {one_line(e)}") from None
+    return {"token": token, **{k: getattr(args, k, None) for k in ("tls", "tls_ca", "tls_cert", "tls_key")}}
 
 
 @contextlib.contextmanager
 def open_client(args: argparse.Namespace) -> Iterator[RegistryClient]:
     """A client of --registry, or of an embedded registry on --db (started here, stopped after)."""
     if getattr(args, "registry", None):
-        with RegistryClient(args.registry, timeout=args.timeout) as client:
+        from ..client.auth import AuthConfigError
+
+        try:
+            client = RegistryClient(args.registry, timeout=args.timeout, **client_security(args))
+        except AuthConfigError as e:
+            raise CliError("INVALID_ARGUMENT", one_line(e)) from None
+        with client:
             yield client
         return
-    with embedded_registry(args.db or default_db_url()) as reg, reg.client(timeout=args.timeout) as client:
+    given = [flag for attr, flag in _SECURITY_FLAGS if getattr(args, attr, None)]
+    if given:
+        raise CliError("INVALID_ARGUMENT", f"{', '.join(given)} need --registry HOST:PORT: the embedded registry "
+                       f"runs in this process, on loopback, without authentication or TLS")
+    # The embedded server is plaintext and open: ignore $LOADPLAN_TOKEN / $LOADPLAN_TLS_* meant for a remote one.
+    with embedded_registry(args.db or default_db_url()) as reg, \
+            reg.client(timeout=args.timeout, token="", tls=False) as client:
         yield client
 
 

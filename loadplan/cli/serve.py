@@ -1,4 +1,10 @@
-"""`loadplan serve`: run the registry on a database until SIGINT/SIGTERM, then drain."""
+"""`loadplan serve`: run the registry on a database until SIGINT/SIGTERM, then drain.
+
+Security (service/auth.py, service/tls.py): `--tokens-file FILE` (or
+$LOADPLAN_TOKENS_FILE, plus entries in $LOADPLAN_TOKENS) turns bearer-token
+authentication on; `--tls-cert` + `--tls-key` serve TLS, and `--tls-client-ca`
+makes it mutual TLS (clients need a certificate that CA signed).
+"""
 
 from __future__ import annotations
 
@@ -21,15 +27,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-message-bytes", type=int, default=4 * 1024 * 1024, metavar="N",
                         help="largest request accepted (default 4 MiB)")
     parser.add_argument("--workers", type=int, default=16, metavar="N", help="RPC worker threads")
+    sec = parser.add_argument_group("security")
+    sec.add_argument("--tokens-file", metavar="FILE", default=None,
+                     help="ROLE:TOKEN lines (roles worker, reader, admin); default $LOADPLAN_TOKENS_FILE, plus "
+                          "entries in $LOADPLAN_TOKENS; none at all: the registry is open")
+    sec.add_argument("--tls-cert", metavar="FILE", default=None, help="server certificate (PEM); with --tls-key: TLS")
+    sec.add_argument("--tls-key", metavar="FILE", default=None, help="its private key (PEM)")
+    sec.add_argument("--tls-client-ca", metavar="FILE", default=None,
+                     help="CA of client certificates: mutual TLS, clients without one are refused")
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..service.auth import TokenConfigError, load_tokens
     from ..service.server import RegistryServer, ServerOptions, ServerStartError
     from ..service.store.db import make_engine, migrate
     from ..service.store.repository import SqlPlanStore
+    from ..service.tls import TlsConfigError, describe, server_tls
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     url = args.db or default_db_url()
+    try:
+        tokens = load_tokens(args.tokens_file)
+    except TokenConfigError as e:
+        raise CliError("INVALID_ARGUMENT", one_line(e)) from None
+    try:
+        tls = server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
+        if tls is not None:
+            tls.credentials()       # read and check the files now: a bad one is the caller's error, not a bind error
+    except TlsConfigError as e:
+        raise CliError("INVALID_ARGUMENT", one_line(e)) from None
     try:
         if args.migrate:
             migrate(url)
@@ -40,11 +66,13 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("UNAVAILABLE", f"database {redact(url)}: {short_error(e)}") from None
     try:
         server = RegistryServer(SqlPlanStore(engine), ServerOptions(
-            listen=args.listen, max_receive_message_bytes=args.max_message_bytes, max_workers=args.workers))
+            listen=args.listen, max_receive_message_bytes=args.max_message_bytes, max_workers=args.workers,
+            tokens=tokens, tls=tls))
     except ServerStartError as e:
         raise CliError("FAILED_PRECONDITION", one_line(e)) from None
     server.start()
-    print(f"loadplan registry listening on {server.address} (database {redact(url)})", flush=True)
+    print(f"loadplan registry listening on {server.address} (database {redact(url)}; {describe(tls)}, "
+          f"{'bearer tokens' if tokens else 'no authentication'})", flush=True)
     if not server.serving:
         print(f"warning: database {redact(url)} is not reachable or not migrated; health is NOT_SERVING until it "
               f"is (run `loadplan migrate --db URL`)", file=sys.stderr, flush=True)

@@ -3,19 +3,34 @@
 Every call is one transaction (`UnitOfWork`: rolled back on exit unless
 committed), so a failed call leaves nothing behind (DESIGN 6, 7).
 
+`save_plan` is group-committed (service/store/group_commit.py): the plans saved
+at the same time are written in ONE transaction, one COMMIT (one WAL flush)
+for all, and each caller returns after that COMMIT with its own answer, the
+same as saving the plans one after the other in batch order:
+- every refusal (a reused request id, inputs that differ from the pin) is
+  decided in Python before anything is written, so it fails that plan only;
+- pins are immutable once written, so the store remembers the ones it has seen
+  committed (`_PinCache`) and checks a rank of a known deployment without a
+  look-up;
+- a second call with a request id already in the batch waits for the next
+  batch, where it replays (or is refused) against the committed first one;
+- if the database refuses the batch for one plan's sake (not a lost race), the
+  plans are written one by one, so each caller gets its own answer.
+
 Concurrency (many ranks of one deployment at once, several registry replicas):
 - SQLite: write transactions BEGIN IMMEDIATE (service/store/db.py), so writers
-  run one at a time and every check sees every committed row.
-- PostgreSQL (READ COMMITTED): the unique keys arbitrate. `save_plan` inserts
-  the plan (unique request_id) and then the pin, both with ON CONFLICT DO
-  NOTHING, which waits for a concurrent inserter of the same key and then yields
-  to the winner's row: a racing duplicate request id becomes a replay, a later
-  rank reads the first rank's pin. Should a race still surface as a unique
-  violation (or a deadlock), the whole call starts over.
-  Inserting the plan before the pin keeps the lock order one-way (a transaction
-  waiting on a pin holds no key that another one waits on): no deadlock.
-Connection errors become `errors.Unavailable` (the client retries with the same
-request id, which is safe because of the above).
+  run one at a time and every look-up sees every committed row.
+- PostgreSQL (READ COMMITTED): the unique keys arbitrate. A batch first goes the
+  optimistic way, BEGIN + two statements + COMMIT: the plans and decisions
+  (plain INSERT: a stored request id is a unique violation), then the pins with
+  ON CONFLICT DO NOTHING RETURNING, which waits for a concurrent inserter of the
+  same pin and then yields to the winner's row; a pin somebody else set is read
+  back and the batch keeps it when its plans agree. Any race lost (a request id
+  stored meanwhile, a disagreeing pin, a deadlock) rolls the batch back and
+  starts it over carefully: request ids and pins looked up first. Rows are
+  inserted in key order and plans before pins, one lock order for all writers.
+Connection errors become `errors.Unavailable` for every plan of the batch (the
+client retries with the same request id, which is safe because of the above).
 """
 
 from __future__ import annotations
@@ -26,7 +41,8 @@ import contextlib
 import dataclasses
 import datetime as dt
 import json
-from typing import Any, Iterable, Iterator, Sequence
+import threading
+from typing import Any, Iterable, Iterator, NamedTuple, Sequence
 
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
@@ -37,6 +53,7 @@ from ..errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from ..registry import NewPlan, PlanFilter
 from ..rules.resolve import diff_deployment_inputs, fingerprint
 from .db import is_at_head, writer
+from .group_commit import DEFER, GroupCommit
 from .models import DecisionAppendRow, DecisionRow, DeploymentPinRow, PlanRow
 
 # Core tables: the hot path writes a plan in a handful of statements, without the
@@ -52,6 +69,53 @@ MAX_ATTEMPTS = 5
 
 # SQLSTATEs worth retrying in place: serialization_failure, deadlock_detected.
 _RETRY_SQLSTATES = {"40001", "40P01"}
+
+# Most plans one group commit writes in one transaction.
+MAX_BATCH = 256
+# Pins this process remembers (they never change once written): a rank of a known
+# deployment is checked without a look-up. Oldest forgotten first.
+PIN_CACHE_SIZE = 65536
+
+_PLAN_COLUMNS = tuple(c.name for c in PLANS.columns)
+_DECISION_COLUMNS = tuple(c.name for c in DECISIONS.columns)
+_PIN_COLUMNS = tuple(c.name for c in PINS.columns)
+
+
+def _pg_unnest(table: sa.Table) -> str:
+    """`SELECT * FROM unnest(%s::type[], ...)`: a whole batch of rows in one parameter per column.
+
+    Unsized array types: a cast to VARCHAR(n) would silently truncate, the insert
+    into the column refuses an over-long value as a single-row INSERT does."""
+    from sqlalchemy.dialects import postgresql
+
+    dialect = postgresql.dialect()
+    types = []
+    for c in table.columns:
+        name = c.type.compile(dialect=dialect)
+        types.append("text" if name.startswith("VARCHAR") or name == "TEXT" else name)
+    return f"SELECT * FROM unnest({', '.join(f'%b::{t}[]' for t in types)})"
+
+
+# PostgreSQL, one statement for the plans and their decisions (the foreign keys are checked
+# at the end of the statement) and one for the pins, so a batch is BEGIN, two statements, COMMIT.
+_PG_INSERT_PLANS = (
+    f"WITH new_plans AS (INSERT INTO plans ({', '.join(_PLAN_COLUMNS)}) {_pg_unnest(PLANS)} RETURNING 1) "
+    f"INSERT INTO decisions ({', '.join(_DECISION_COLUMNS)}) {_pg_unnest(DECISIONS)}")
+_PG_INSERT_PINS = (
+    f"INSERT INTO deployment_pins ({', '.join(_PIN_COLUMNS)}) {_pg_unnest(PINS)} "
+    f"ON CONFLICT (deployment_id, role) DO NOTHING RETURNING deployment_id, role")
+_PG_SELECT_REQUESTS = "SELECT request_id, plan_id, request_fingerprint FROM plans WHERE request_id = ANY(%b::text[])"
+_PG_SELECT_PINS = (
+    "SELECT p.deployment_id, p.role, p.plan_id, p.inputs_json FROM deployment_pins AS p "
+    "JOIN unnest(%b::text[], %b::text[]) AS k(deployment_id, role) "
+    "ON p.deployment_id = k.deployment_id AND p.role = k.role")
+# SQLite: executemany of one-row INSERTs (in-process: no round trips to save); look-ups by IN lists.
+_SQLITE_INSERT = {t.name: f"INSERT INTO {t.name} ({', '.join(c.name for c in t.columns)}) "
+                          f"VALUES ({', '.join('?' * len(t.columns))})" for t in (PLANS, DECISIONS, PINS)}
+_SQLITE_SELECT_REQUESTS = "SELECT request_id, plan_id, request_fingerprint FROM plans WHERE request_id IN ({})"
+_SQLITE_SELECT_PINS = ("SELECT deployment_id, role, plan_id, inputs_json FROM deployment_pins "
+                       "WHERE (deployment_id, role) IN (VALUES {})")
+_LOOKUP_CHUNK = 400   # keys per look-up statement (SQLite's variable limit is far above 2 * 400)
 
 
 class _Retry(Exception):
@@ -243,12 +307,109 @@ def _append_fingerprint(plan_id: str, decisions: Sequence[Decision]) -> str:
                         "decisions": [[d.key, d.value, d.reason, d.rule, d.deployment_wide] for d in decisions]})
 
 
+def _chunks(xs: Sequence[Any], n: int) -> Iterator[Sequence[Any]]:
+    for i in range(0, len(xs), n):
+        yield xs[i:i + n]
+
+
+def _columns(rows: list[tuple], width: int) -> tuple[list[Any], ...]:
+    return tuple(list(col) for col in zip(*rows)) if rows else tuple([] for _ in range(width))
+
+
+def _aware(value: dt.datetime | None) -> None:
+    # What models.UTCDateTime refuses; the PostgreSQL batch statements bypass its bind step.
+    if value is not None and (value.tzinfo is None or value.utcoffset() is None):
+        raise ValueError(f"naive datetime {value!r}: the store keeps timezone-aware UTC times only")
+
+
+class _Pin(NamedTuple):
+    deployment_id: str
+    role: str
+    plan_id: str          # the first rank's plan
+    inputs_json: str
+
+
+class _PinCache:
+    """(deployment, role) -> its pin, for pins known committed. Written by the batch leader only."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._pins: dict[tuple[str, str], _Pin] = {}
+        self._lock = threading.Lock()
+
+    def get(self, group: tuple[str, str]) -> _Pin | None:
+        return self._pins.get(group)
+
+    def remember(self, pins: Iterable[_Pin]) -> None:
+        with self._lock:
+            for pin in pins:
+                self._pins[(pin.deployment_id, pin.role)] = pin
+            while len(self._pins) > self.size:
+                del self._pins[next(iter(self._pins))]
+
+
+class _Item:
+    """One plan of a batch and what its statements need, computed once."""
+
+    __slots__ = ("new", "request_id", "group", "inputs_json")
+
+    def __init__(self, new: NewPlan):
+        req = new.plan.request
+        _aware(new.plan.created_at)
+        self.new = new
+        self.request_id = req.request_id
+        self.group = (req.deployment_id, req.role)
+        self.inputs_json = _dumps(new.deployment_inputs)
+
+    def as_pin(self) -> _Pin:
+        return _Pin(self.group[0], self.group[1], self.new.plan.plan_id, self.inputs_json)
+
+    def plan_row(self) -> tuple:
+        values = _plan_values(self.new)
+        return tuple(values[c] for c in _PLAN_COLUMNS)
+
+    def decision_rows(self) -> list[tuple]:
+        plan_id = self.new.plan.plan_id
+        rows = []
+        for d in self.new.plan.decisions.values():
+            _aware(d.decided_at)
+            values = _decision_values(plan_id, d, d.revision)
+            rows.append(tuple(values[c] for c in _DECISION_COLUMNS))
+        return rows
+
+    def pin_row(self) -> tuple:
+        plan = self.new.plan
+        values = dict(deployment_id=self.group[0], role=self.group[1], inputs_json=self.inputs_json,
+                      ruleset_version=plan.ruleset_version, plan_id=plan.plan_id, created_at=plan.created_at)
+        return tuple(values[c] for c in _PIN_COLUMNS)
+
+
+def _pin_refusal(item: _Item, pin: _Pin) -> FailedPrecondition | None:
+    """The refusal of a plan whose deployment-wide inputs differ from its (deployment, role)'s pin."""
+    if item.inputs_json == pin.inputs_json:
+        return None   # the same JSON: the same inputs (the common case, no parsing)
+    pinned = json.loads(pin.inputs_json)
+    mine = item.new.deployment_inputs
+    differing = diff_deployment_inputs(pinned, mine)
+    if not differing:
+        return None
+    details = "; ".join(f"{k}: pinned {pinned.get(k)!r}, this rank {mine.get(k)!r}" for k in differing)
+    return FailedPrecondition(
+        f"deployment {item.group[0]!r} role {item.group[1]!r} is pinned by its first rank (plan "
+        f"{pin.plan_id}) to different deployment-wide inputs; every rank must agree on "
+        f"{', '.join(differing)} ({details})", field=differing[0])
+
+
 class SqlPlanStore:
     """`PlanStore` on SQLite or PostgreSQL; `engine` from `db.make_engine`, migrated to head."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, *, max_batch: int = MAX_BATCH, pin_cache_size: int = PIN_CACHE_SIZE):
         self.engine = engine
         self._writer = writer(engine)
+        self._pg = engine.dialect.name == "postgresql"
+        self._group: GroupCommit[NewPlan] = GroupCommit(self._save_batch, max_batch=max_batch)
+        self._pins = _PinCache(pin_cache_size)
+        self._bind_processors: dict[str, list] = {}
 
     # --- plumbing ---------------------------------------------------------------
 
@@ -296,55 +457,236 @@ class SqlPlanStore:
     # --- PlanStore ----------------------------------------------------------------
 
     def save_plan(self, new: NewPlan) -> LoadPlan:
-        return self._run("saving a plan", lambda conn: self._save_plan(conn, new), write=True)
+        """One plan, written in the group commit of every plan saved at the same time."""
+        return self._group.submit(new)
 
-    def _save_plan(self, conn: Connection, new: NewPlan) -> LoadPlan:
-        plan, req = new.plan, new.plan.request
-        # The plan row first (see the module docstring: lock order). ON CONFLICT on the
-        # request id waits for a concurrent writer of the same id and then does nothing.
-        inserted = conn.execute(
-            self._insert(conn, PLANS).values(**_plan_values(new))
-            .on_conflict_do_nothing(index_elements=["request_id"]).returning(PLANS.c.plan_id)).first()
-        if inserted is None:
-            return self._replay(conn, new)
-        conn.execute(sa.insert(DECISIONS), [_decision_values(plan.plan_id, d, d.revision)
-                                            for d in plan.decisions.values()])
-        self._pin(conn, new)
-        return plan
+    def _save_batch(self, news: Sequence[NewPlan]) -> list[Any]:
+        """The `GroupCommit` writer: one outcome (plan, exception or DEFER) per plan, after COMMIT."""
+        outcomes: list[Any] = [DEFER] * len(news)
+        firsts: dict[str, int] = {}
+        for i, new in enumerate(news):
+            # A second call with a request id already in this batch waits for the next one,
+            # where it sees the first one's outcome in the database (a replay or a refusal).
+            firsts.setdefault(new.plan.request.request_id, i)
+        todo = sorted(firsts.values())
+        items = []
+        for i in list(todo):
+            try:
+                items.append(_Item(news[i]))
+            except Exception as err:  # noqa: BLE001 - e.g. a naive time: this caller's own error
+                outcomes[i] = err
+                todo.remove(i)
+        if not items:
+            return outcomes
+        try:
+            results = self._write_batch(items)
+        except Unavailable as err:
+            # Nothing of the batch is known committed: each caller retries with its request id.
+            results = [Unavailable(err.message) for _ in items]
+        except Exception as err:  # noqa: BLE001 - a plan the database refuses must not fail the others
+            if len(items) == 1:
+                results = [err]
+            else:
+                results = [self._write_alone(item) for item in items]
+        for i, result in zip(todo, results):
+            outcomes[i] = result
+        return outcomes
 
-    def _replay(self, conn: Connection, new: NewPlan) -> LoadPlan:
-        req = new.plan.request
-        stored = conn.execute(sa.select(PLANS.c.plan_id, PLANS.c.request_fingerprint)
-                              .where(PLANS.c.request_id == req.request_id)).one()
-        if stored.request_fingerprint != new.request_fingerprint:
-            raise FailedPrecondition(
-                f"request_id {req.request_id!r} was used for a different request (plan {stored.plan_id}); "
-                f"a retry must repeat the request exactly, a new request needs a new request_id",
-                field="request_id")
-        return self._get(conn, stored.plan_id, include_history=False, replayed=True)
+    def _write_alone(self, item: "_Item") -> Any:
+        try:
+            return self._write_batch([item])[0]
+        except Exception as err:  # noqa: BLE001 - this caller's own answer
+            return err
 
-    def _pin(self, conn: Connection, new: NewPlan) -> None:
-        plan, req = new.plan, new.plan.request
-        mine = conn.execute(
-            self._insert(conn, PINS).values(
-                deployment_id=req.deployment_id, role=req.role, inputs_json=_dumps(new.deployment_inputs),
-                ruleset_version=plan.ruleset_version, plan_id=plan.plan_id, created_at=plan.created_at)
-            .on_conflict_do_nothing(index_elements=["deployment_id", "role"]).returning(PINS.c.plan_id)).first()
-        if mine is not None:
-            return   # this rank is the first one: it set the pin
-        # A separate statement: under READ COMMITTED it sees the pin that the
-        # ON CONFLICT above waited for (one statement's snapshot would not).
-        pin = conn.execute(sa.select(PINS.c.plan_id, PINS.c.inputs_json).where(
-            PINS.c.deployment_id == req.deployment_id, PINS.c.role == req.role)).one()
-        pinned = json.loads(pin.inputs_json)
-        differing = diff_deployment_inputs(pinned, new.deployment_inputs)
-        if differing:
-            details = "; ".join(f"{k}: pinned {pinned.get(k)!r}, this rank {new.deployment_inputs.get(k)!r}"
-                                for k in differing)
-            raise FailedPrecondition(
-                f"deployment {req.deployment_id!r} role {req.role!r} is pinned by its first rank (plan "
-                f"{pin.plan_id}) to different deployment-wide inputs; every rank must agree on "
-                f"{', '.join(differing)} ({details})", field=differing[0])
+    def _write_batch(self, items: list["_Item"]) -> list[Any]:
+        """Write `items` in one transaction; retried as a whole when it lost a race to another writer."""
+        # SQLite holds the database's write lock for the whole transaction (BEGIN IMMEDIATE), so
+        # its checks are exact from the start. PostgreSQL first tries the optimistic path (no
+        # look-up of request ids, new pins assumed new) and looks everything up on a retry.
+        careful = not self._pg
+        last: BaseException | None = None
+        for _ in range(MAX_ATTEMPTS):
+            try:
+                with _translate_errors("saving a plan"), self.unit_of_work(write=True) as uow:
+                    results, pinned = self._attempt(uow.conn, items, careful=careful)
+                    uow.commit()
+            except _Retry as err:
+                careful, last = True, err.__cause__ or err
+                continue
+            self._pins.remember(pinned)   # only now: they are committed
+            return results
+        raise Unavailable(f"database contention while saving a plan: gave up after {MAX_ATTEMPTS} attempts "
+                          f"({_short(last) if last else 'unknown'}); retry with the same request id")
+
+    def _attempt(self, conn: Connection, items: list["_Item"], *, careful: bool):
+        """One try of a batch in the open transaction of `conn`: (outcomes, pins it wrote).
+
+        Equivalent to saving the plans one after the other in batch order: a stored request id
+        replays (or is refused), and each (deployment, role) is pinned by the first plan that
+        writes it, the database's pin or the batch's first one. Refusals are decided here, before
+        anything is written, so a refused plan costs the others nothing."""
+        results: list[Any] = [None] * len(items)
+        replays: dict[int, str] = {}             # item -> stored plan id
+        live = list(range(len(items)))
+        if careful:
+            self._classify_stored(conn, items, live, results, replays)
+            live = [k for k in live if results[k] is None and k not in replays]
+
+        pins: dict[tuple[str, str], _Pin] = {}
+        missing = []
+        for k in live:
+            g = items[k].group
+            if g not in pins:
+                pin = self._pins.get(g)
+                if pin is None:
+                    missing.append(g)
+                else:
+                    pins[g] = pin
+        if careful and missing:
+            read = self._select_pins(conn, missing)
+            self._pins.remember(read.values())   # committed by someone: safe to keep
+            pins.update(read)
+
+        setters: dict[tuple[str, str], int] = {}   # group -> the item that sets its pin
+        writes: list[int] = []
+        refused: list[int] = []
+        for k in live:
+            item = items[k]
+            pin = pins.get(item.group)
+            if pin is None:
+                setter = setters.get(item.group)
+                if setter is None:
+                    setters[item.group] = k
+                    writes.append(k)
+                    continue
+                pin = items[setter].as_pin()
+            refusal = _pin_refusal(item, pin)
+            if refusal is None:
+                writes.append(k)
+            else:
+                results[k] = refusal
+                refused.append(k)
+        if refused and not careful:
+            # Not looked up yet: a stored request id answers before the pin does (a replay,
+            # or the refusal of a reused id), as it would saving one plan alone.
+            stored: list[Any] = [None] * len(items)
+            self._classify_stored(conn, items, refused, stored, replays)
+            for k in refused:
+                if stored[k] is not None:
+                    results[k] = stored[k]
+                elif k in replays:
+                    results[k] = None
+
+        written: list[_Pin] = []
+        if writes:
+            self._insert_plans(conn, [items[k] for k in writes])
+            setter_items = [items[k] for k in setters.values()]
+            inserted = self._insert_pins(conn, setter_items)
+            lost = [it.group for it in setter_items if it.group not in inserted]
+            if lost:
+                # Another writer pinned these since we looked (or before: a pin this process had
+                # not seen). Ours agree with it: keep them. One does not: start over, refusing it.
+                read = self._select_pins(conn, lost)
+                self._pins.remember(read.values())
+                if any(_pin_refusal(items[k], read[items[k].group]) is not None
+                       for k in writes if items[k].group in read):
+                    raise _Retry()
+            written = [it.as_pin() for it in setter_items if it.group in inserted]
+            for k in writes:
+                results[k] = items[k].new.plan
+        if replays:
+            stored = self._load_plans(conn, sorted(set(replays.values())), replayed=True)
+            for k, plan_id in replays.items():
+                results[k] = stored[plan_id]
+        return results, written
+
+    # --- the statements of a batch --------------------------------------------------
+    # Plain SQL through `exec_driver_sql`: no statement is built or compiled per batch
+    # (building Core statements cost more CPU than the database spent on them).
+
+    def _classify_stored(self, conn: Connection, items: list["_Item"], which: list[int], results: list[Any],
+                         replays: dict[int, str]) -> None:
+        """Items whose request id is stored: a replay when the request is the same, else refused."""
+        stored = {}
+        for chunk in _chunks([items[k].request_id for k in which], _LOOKUP_CHUNK):
+            if self._pg:
+                rows = conn.exec_driver_sql(_PG_SELECT_REQUESTS, ([*chunk],))
+            else:
+                rows = conn.exec_driver_sql(_SQLITE_SELECT_REQUESTS.format(", ".join("?" * len(chunk))),
+                                            tuple(chunk))
+            stored.update((r[0], r) for r in rows)
+        for k in which:
+            row = stored.get(items[k].request_id)
+            if row is None:
+                continue
+            _, plan_id, request_fingerprint = row
+            if request_fingerprint == items[k].new.request_fingerprint:
+                replays[k] = plan_id
+            else:
+                results[k] = FailedPrecondition(
+                    f"request_id {items[k].request_id!r} was used for a different request (plan {plan_id}); "
+                    f"a retry must repeat the request exactly, a new request needs a new request_id",
+                    field="request_id")
+
+    def _select_pins(self, conn: Connection, groups: list[tuple[str, str]]) -> dict[tuple[str, str], "_Pin"]:
+        found: dict[tuple[str, str], _Pin] = {}
+        for chunk in _chunks(sorted(set(groups)), _LOOKUP_CHUNK):
+            if self._pg:
+                rows = conn.exec_driver_sql(_PG_SELECT_PINS, ([g[0] for g in chunk], [g[1] for g in chunk]))
+            else:
+                rows = conn.exec_driver_sql(_SQLITE_SELECT_PINS.format(", ".join(["(?, ?)"] * len(chunk))),
+                                            tuple(x for g in chunk for x in g))
+            for r in rows:
+                found[(r[0], r[1])] = _Pin(*r)
+        return found
+
+    def _insert_plans(self, conn: Connection, items: list["_Item"]) -> None:
+        """The plan rows and their decisions. A stored request id fails it (unique violation):
+        the batch starts over carefully and replays that plan."""
+        items = sorted(items, key=lambda it: it.request_id)   # one lock order for every writer
+        plans = [it.plan_row() for it in items]
+        decisions = [row for it in items for row in it.decision_rows()]
+        if self._pg:
+            conn.exec_driver_sql(_PG_INSERT_PLANS, _columns(plans, len(_PLAN_COLUMNS))
+                                 + _columns(decisions, len(_DECISION_COLUMNS)))
+        else:
+            conn.exec_driver_sql(_SQLITE_INSERT["plans"], self._sqlite_rows(PLANS, plans))
+            conn.exec_driver_sql(_SQLITE_INSERT["decisions"], self._sqlite_rows(DECISIONS, decisions))
+
+    def _insert_pins(self, conn: Connection, items: list["_Item"]) -> set[tuple[str, str]]:
+        """Pin each item's (deployment, role) to its inputs unless pinned already; the ones it pinned."""
+        if not items:
+            return set()
+        items = sorted(items, key=lambda it: it.group)
+        rows = [it.pin_row() for it in items]
+        if self._pg:
+            result = conn.exec_driver_sql(_PG_INSERT_PINS, _columns(rows, len(_PIN_COLUMNS)))
+            return {(r[0], r[1]) for r in result}
+        # SQLite: the write lock is held and the pins were looked up in this transaction.
+        conn.exec_driver_sql(_SQLITE_INSERT["deployment_pins"], self._sqlite_rows(PINS, rows))
+        return {it.group for it in items}
+
+    def _sqlite_rows(self, table: sa.Table, rows: list[tuple]) -> list[tuple]:
+        """Rows as the column types store them on SQLite (UTC times as text, booleans as 0/1)."""
+        processors = self._bind_processors.get(table.name)
+        if processors is None:
+            processors = self._bind_processors[table.name] = [
+                (i, p) for i, c in enumerate(table.columns) if (p := c.type.bind_processor(self.engine.dialect))]
+        if not processors:
+            return rows
+        out = []
+        for row in rows:
+            row = list(row)
+            for i, process in processors:
+                row[i] = process(row[i])
+            out.append(tuple(row))
+        return out
+
+    def _load_plans(self, conn: Connection, plan_ids: list[str], *, replayed: bool) -> dict[str, LoadPlan]:
+        rows = conn.execute(sa.select(PLANS).where(PLANS.c.plan_id.in_(plan_ids))).all()
+        decisions = self._decisions_of(conn, plan_ids)
+        return {r.plan_id: _load_plan(r, decisions[r.plan_id], include_history=False, replayed=replayed)
+                for r in rows}
 
     def get_plan(self, plan_id: str, include_history: bool = False) -> LoadPlan:
         return self._run("reading a plan",

@@ -16,7 +16,10 @@ import torch
 
 from loadplan.service.registry import NewPlan, Registry
 
-transformers = pytest.importorskip("transformers")
+
+def _transformers():
+    """transformers is a test-only dependency: the tests that need it skip without it."""
+    return pytest.importorskip("transformers")
 
 
 class _MemoryStore:
@@ -65,6 +68,7 @@ def make_checkpoint(path: Path, arch: str, *, seed: int = 0, legacy_rope: bool =
                     max_shard_size: str | None = None, **overrides) -> Path:
     """Save a random tiny model of `arch`; returns the folder. legacy_rope rewrites config.json to the
     Hub's older rope_theta/rope_scaling spelling."""
+    transformers = _transformers()
     if arch == "Qwen2MoeForCausalLM":
         cfg_cls, model_cls = transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM
         kw = dict(COMMON, shared_expert_intermediate_size=32)
@@ -93,7 +97,7 @@ def make_checkpoint(path: Path, arch: str, *, seed: int = 0, legacy_rope: bool =
 
 def hf_reference(path: Path, arch: str):
     """transformers' model from the checkpoint, with its eager (default loop) experts and attention."""
-    cls = getattr(transformers, arch)
+    cls = getattr(_transformers(), arch)
     model = cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
                                 experts_implementation="eager")
     return model.eval()

@@ -39,3 +39,25 @@ def test_cached_decoding_matches_full_forward_and_stops_at_eos(tmp_path):
     assert all(getattr(l.self_attn, "kv_cache", None) is None for l in model.model.layers)   # caches released
     stopped = generate(model, ids, 6, eos_token_id=new[2])[0].tolist()
     assert stopped == new[:new.index(new[2]) + 1]
+
+
+def test_generate_from_checkpoint_stops_where_transformers_does(tmp_path):
+    import json
+
+    from loadplan.engine.generate import generate_from_checkpoint
+
+    arch = "Qwen2MoeForCausalLM"
+    path = make_checkpoint(tmp_path, arch, num_hidden_layers=2)
+    ids = prompt(B=1, T=4)
+    free = generate_from_checkpoint(path, ids[0].tolist(), 6, registry=LocalRegistry())["tokens"]
+    eos = free[2]
+    for name in ("config.json", "generation_config.json"):
+        f = path / name
+        cfg = json.loads(f.read_text())
+        cfg["eos_token_id"] = eos
+        f.write_text(json.dumps(cfg))
+    with torch.no_grad():
+        want = hf_reference(path, arch).generate(ids, max_new_tokens=6, do_sample=False)[0, 4:].tolist()
+    out = generate_from_checkpoint(path, ids[0].tolist(), 6, registry=LocalRegistry())
+    assert out["tokens"] == want == free[:free.index(eos) + 1]
+    assert isinstance(out["plan_id"], str) and out["plan_id"]

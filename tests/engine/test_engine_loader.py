@@ -107,6 +107,12 @@ def test_weight_cache_bypasses_load_weights_and_keeps_the_descriptor(qwen2, tmp_
     # a cache made for the fused layout is not assigned into an unfused model
     with pytest.raises(LayoutMismatch, match="num_fused_shared: cache 1 vs model 0"):
         load_model(path, registry=LocalRegistry(), weight_cache=cache, disable_shared_experts_fusion=True)
+    # nor the reverse
+    monkeypatch.undo()
+    unfused_cache = tmp_path / "qwen2-unfused.cache"
+    load_model(path, registry=LocalRegistry(), weight_cache=unfused_cache, disable_shared_experts_fusion=True)
+    with pytest.raises(LayoutMismatch, match="num_fused_shared: cache 0 vs model 1"):
+        load_model(path, registry=LocalRegistry(), weight_cache=unfused_cache)
 
 
 def test_pipeline_stages_hold_their_layers_and_chain_to_the_full_logits(qwen2):

@@ -110,3 +110,22 @@ def test_config_refusals_name_the_field():
     assert q2.qkv_bias and not q2.o_bias and not q2.qk_norm
     q3 = QwenMoeConfig.from_hf(base, QWEN3)
     assert not q3.qkv_bias and q3.qk_norm and q3.head_dim == 4
+
+
+@pytest.mark.parametrize("folder, arch, low, high", [
+    ("qwen3-30b-a3b", QWEN3, 30.4e9, 30.6e9),          # published: 30.5B
+    ("qwen1.5-moe-a2.7b", QWEN2, 14.2e9, 14.4e9),       # published: 14.3B
+])
+def test_hub_configs_build_on_meta_at_their_published_size(folder, arch, low, high):
+    import json
+    import pathlib
+
+    from loadplan.engine.loader import build_model
+
+    from engine_helpers import make_plan
+
+    cfg = json.loads((pathlib.Path(__file__).parents[1] / "data" / "configs" / folder / "config.json").read_text())
+    model = build_model(cfg, make_plan(cfg), torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters())
+    assert low < n < high
+    assert all(p.is_meta for p in model.parameters())

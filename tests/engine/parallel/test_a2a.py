@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loadplan.engine.parallel.a2a import all_reduce_sum, combine, destinations, dispatch, local_slot_ids
+from loadplan.engine.parallel.a2a import (all_reduce_sum, combine, destinations, dispatch, global_slot_ids,
+                                         local_slot_ids)
 from loadplan.engine.parallel.launch import launch
 
 E = 2            # local routed experts per rank
@@ -97,14 +98,19 @@ def test_dispatch_combine_equals_single_process(a2a_results, name):
         torch.testing.assert_close(a2a_results[r][name]["y_weighted"], ref)
 
 
-def test_rows_go_only_where_experts_live(a2a_results):
-    # all_remote: each rank receives exactly the other rank's pairs; all_local: its own.
-    assert [a2a_results[r]["all_remote"]["recv_rows"] for r in range(EP)] == [4 * 2, 4 * 2]
-    assert [a2a_results[r]["all_local"]["recv_rows"] for r in range(EP)] == [4 * 2, 2 * 2]
-    # empty rank: rank 1 has no tokens but still owns experts and computes rank 0's pairs for them
-    ids0 = CASES["empty_rank"][0][1]
-    assert a2a_results[1]["empty_rank"]["recv_rows"] == int((ids0 >= E).sum())
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_rows_go_only_where_experts_live(a2a_results, name):
+    """Rank r receives every rank's pairs for its routed experts, plus its OWN fused-slot
+    pairs (fused slots are computed on the source rank, never shipped)."""
+    for r in range(EP):
+        routed_here = sum(int(((ids >= r * E) & (ids < (r + 1) * E)).sum()) for _, ids, _ in CASES[name])
+        own_fused = int((CASES[name][r][1] >= N_ROUTED).sum())
+        assert a2a_results[r][name]["recv_rows"] == routed_here + own_fused
+
+
+def test_a_rank_without_tokens_still_serves_its_experts(a2a_results):
     assert a2a_results[1]["empty_rank"]["y"].shape == (0, D)
+    assert a2a_results[1]["empty_rank"]["recv_rows"] > 0
 
 
 def test_extra_all_reduce_after_combine_is_wrong(a2a_results):
@@ -140,3 +146,5 @@ def test_pure_routing_helpers():
     ids = torch.tensor([[0, 3, 4, -1]])                 # routed on rank 0, routed on rank 1, fused, dropped
     assert destinations(ids, E, N_ROUTED, my_rank=1).tolist() == [[0, 1, 1, -1]]
     assert local_slot_ids(torch.tensor([1, 3, 4, 5]), E, N_ROUTED).tolist() == [1, 1, 2, 3]
+    on_rank1 = torch.tensor([2, 3, 4, 5])                 # rank 1's routed experts, then both fused slots
+    assert torch.equal(global_slot_ids(local_slot_ids(on_rank1, E, N_ROUTED), E, E, N_ROUTED), on_rank1)

@@ -80,3 +80,31 @@ def test_set_seed_makes_draws_repeatable():
     assert torch.equal(a, torch.randn(4))
     set_seed(8)
     assert not torch.equal(a, torch.randn(4))
+
+
+def _returns_unpicklable(rank, world_size):
+    return lambda: rank
+
+
+def test_unpicklable_result_is_that_ranks_error():
+    with pytest.raises(RankFailed) as info:
+        launch(1, _returns_unpicklable, timeout_s=30)
+    assert info.value.rank == 0
+    assert "pickle" in info.value.error.lower()
+
+
+def _read_env(rank, world_size, name):
+    return os.environ.get(name)
+
+
+def test_ranks_see_the_callers_current_environment(monkeypatch):
+    # the fork server outlives this test: each launch must still hand over the env of its caller
+    monkeypatch.setenv("LOADPLAN_LAUNCH_PROBE", "first")
+    assert launch(1, _read_env, "LOADPLAN_LAUNCH_PROBE", timeout_s=30) == ["first"]
+    monkeypatch.setenv("LOADPLAN_LAUNCH_PROBE", "second")
+    assert launch(1, _read_env, "LOADPLAN_LAUNCH_PROBE", timeout_s=30) == ["second"]
+
+
+def test_spawn_start_method_works_too():
+    out = launch(2, _sum_ranks, 1.0, timeout_s=60, start_method="spawn")
+    assert [o["sum"] for o in out] == [3.0, 3.0]

@@ -1,0 +1,405 @@
+"""MoE layer on CPU: the engine vs transformers vs a roofline, and fused vs unfused shared expert.
+
+    python bench/moe.py [--json] [--tokens 1,16,512] [--layers 4] [--reps-scale 1.0]
+
+Qwen3-MoE shape: hidden 1024, 64 experts, top-8, expert intermediate 256, fp32, on
+all cores. For each T it measures, on the same weights and the same inputs:
+- `engine_ms`: the engine's Qwen3-MoE block (router + engine/moe.py RoutedExperts)
+  as it is on disk; `engine_proposed_ms`: the same block with RoutedExperts.forward
+  replaced by engine/expert_kernel.fused_experts (the change proposed for moe.py);
+- transformers' Qwen3MoeSparseMoeBlock with each experts implementation that runs
+  on CPU ("eager", "batched_mm", "grouped_mm"): `hf_default_ms` is the one
+  from_pretrained picks by default, `hf_best_ms` the fastest here;
+- `roofline_ms` = max(bytes of the experts hit / bandwidth, one dense matmul with
+  the same FLOPs): the bandwidth is measured by streaming one large weight (bigger
+  than the last-level cache) through a matrix-vector product, the dense matmul is
+  [T*K, 1024] x [1024, 3*256].
+Then a DeepSeek-V3-style layer (256 routed experts, group-limited sigmoid router,
+top-8, one shared expert, same hidden and expert sizes) with the shared expert
+fused as routed slot 256 vs run as a separate dense MLP (`kind: "deepseek_shared"`).
+
+Method: every contender (and the bandwidth and matmul probes) runs round-robin in a
+shuffled order each round, so background load hits all of them alike; each call
+uses the next of `--layers` independent weight sets (more bytes than the cache
+holds) and the next of several inputs, so weights come from memory as in a real
+forward through many layers, not from a cache warmed by the previous call.
+Figures are medians after warm-up; `noise` is each contender's (p75 - p25) / median and
+`min_ms` its fastest call (on a shared machine, the least disturbed one).
+Outputs of all contenders are checked against transformers' eager experts first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+import types
+import warnings
+
+import torch
+
+from loadplan.engine.expert_kernel import fused_experts
+from loadplan.engine.layers.deepseek_router import DeepseekV3Router
+from loadplan.engine.layers.mlp import GatedMLP
+from loadplan.engine.models.qwen_moe import QwenMoeConfig, QwenSparseMoeBlock
+from loadplan.engine.moe import RoutedExperts
+from loadplan.plan import LoadPlan, ResolveRequest, Runtime
+from loadplan.service.rules.resolve import resolve_decisions
+
+D, E, K, I = 1024, 64, 8, 256
+DS_E, DS_GROUPS, DS_TOPK_GROUP, DS_RSF = 256, 8, 4, 2.5
+HF_IMPLS = ("eager", "batched_mm", "grouped_mm")     # the others (deepgemm, sonicmoe) are GPU kernels
+BATCHED_MM_LIMIT = 2 << 30                           # batched_mm gathers one weight copy per (token, slot)
+STREAM_BYTES = 512 << 20                             # the bandwidth probe's weight
+INPUTS_PER_LAYER = 8
+EXPERT_BYTES = (2 * I * D + D * I) * 4
+
+
+# -- building the contenders -------------------------------------------------
+def make_plan(config: dict, **runtime) -> LoadPlan:
+    req = ResolveRequest("bench-moe", "bench-moe", config=config, runtime=Runtime(**runtime))
+    res = resolve_decisions(req)
+    return LoadPlan("bench-moe", "bench", req, res.entry_class, res.config_fingerprint, res.quantization,
+                    res.decisions)
+
+
+QWEN3 = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 128, "hidden_size": D, "intermediate_size": 4 * D,
+         "num_hidden_layers": 1, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 128,
+         "num_experts": E, "num_experts_per_tok": K, "moe_intermediate_size": I, "norm_topk_prob": True,
+         "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 4096}
+
+DEEPSEEK = {"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 2, "hidden_size": D,
+            "moe_intermediate_size": I, "n_routed_experts": DS_E, "n_shared_experts": 1, "num_experts_per_tok": K,
+            "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": DS_GROUPS, "topk_group": DS_TOPK_GROUP,
+            "routed_scaling_factor": DS_RSF, "norm_topk_prob": True}
+
+
+def param(t: torch.Tensor) -> torch.nn.Parameter:
+    return torch.nn.Parameter(t, requires_grad=False)
+
+
+def proposed_forward(self: RoutedExperts, x, topk_ids, topk_weights):
+    """RoutedExperts.forward with the kernel of engine/expert_kernel.py (the patch this bench argues for)."""
+    if self.local_start == 0 and self.num_local_experts == self.num_experts:
+        slots = topk_ids                 # one rank holds every expert: global ids are the slots
+    else:
+        slots = self._local_slots(topk_ids)
+    y = fused_experts(x, slots, topk_weights, self.gate_up_proj, self.down_proj)
+    if self.post_experts_all_reduce:
+        y = self.reduce(y)
+    return y
+
+
+def propose(experts: RoutedExperts) -> RoutedExperts:
+    experts.forward = types.MethodType(proposed_forward, experts)
+    return experts
+
+
+def qwen_layers(n_layers: int, seed: int):
+    """n_layers weight sets, each as: engine block, engine block with the proposed kernel, HF block."""
+    import transformers
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    plan = make_plan(QWEN3)
+    cfg = QwenMoeConfig.from_hf(QWEN3, "Qwen3MoeForCausalLM")
+    hf_cfg = transformers.Qwen3MoeConfig(hidden_size=D, moe_intermediate_size=I, num_experts=E,
+                                         num_experts_per_tok=K, norm_topk_prob=True, hidden_act="silu")
+    g = torch.Generator().manual_seed(seed)
+    layers = []
+    for _ in range(n_layers):
+        router = torch.randn(E, D, generator=g) / D ** 0.5
+        gate_up = torch.randn(E, 2 * I, D, generator=g) / D ** 0.5
+        down = torch.randn(E, D, I, generator=g) / I ** 0.5
+        blocks = {}
+        for name in ("engine", "engine_proposed"):
+            b = QwenSparseMoeBlock(cfg, plan, layer_id=0, dtype=torch.float32)
+            b.gate.weight = param(router)
+            b.experts.gate_up_proj, b.experts.down_proj = param(gate_up), param(down)
+            if name == "engine_proposed":
+                propose(b.experts)
+            blocks[name] = b.eval()
+        hf = Qwen3MoeSparseMoeBlock(hf_cfg)
+        hf.gate.weight = param(router)
+        hf.experts.gate_up_proj, hf.experts.down_proj = param(gate_up), param(down)
+        blocks["hf"] = hf.eval()
+        layers.append(blocks)
+    return layers, hf_cfg
+
+
+def hf_default_impl() -> str:
+    """What from_pretrained / from_config picks when experts_implementation is not given."""
+    import transformers
+
+    tiny = transformers.Qwen3MoeConfig(vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=2, moe_intermediate_size=8,
+                                       num_experts=4, num_experts_per_tok=2)
+    model = transformers.Qwen3MoeForCausalLM(tiny)
+    return model.config._experts_implementation
+
+
+def deepseek_layers(n_layers: int, seed: int):
+    """n_layers weight sets, each: {fused, unfused} x {engine, proposed} on the same weights (views)."""
+    fused_plan = make_plan(DEEPSEEK)
+    unfused_plan = make_plan(DEEPSEEK, disable_shared_experts_fusion=True)
+    g = torch.Generator().manual_seed(seed)
+    layers = []
+    for _ in range(n_layers):
+        router = torch.randn(DS_E, D, generator=g) / D ** 0.5
+        bias = 0.01 * torch.randn(DS_E, generator=g)
+        gate_up = torch.randn(DS_E + 1, 2 * I, D, generator=g) / D ** 0.5      # slot DS_E: the shared expert
+        down = torch.randn(DS_E + 1, D, I, generator=g) / I ** 0.5
+        variants = {}
+        for fused, plan in ((True, fused_plan), (False, unfused_plan)):
+            for proposed in (False, True):
+                ex = RoutedExperts(DS_E, D, I, plan, layer_id=1)
+                assert ex.num_fused_shared_experts == (1 if fused else 0), "plan did not (un)fuse as asked"
+                n = ex.num_slots
+                ex.gate_up_proj, ex.down_proj = param(gate_up[:n]), param(down[:n])
+                if proposed:
+                    propose(ex)
+                r = DeepseekV3Router(D, DS_E, K, DS_GROUPS, DS_TOPK_GROUP, True, DS_RSF,
+                                     ex.num_fused_shared_experts, ex.fused_shared_expert_scale)
+                r.weight, r.e_score_correction_bias = param(router), param(bias)
+                shared = None
+                if not fused:
+                    shared = GatedMLP(D, I, "silu", torch.float32)
+                    shared.gate_proj.weight = param(gate_up[DS_E, :I])
+                    shared.up_proj.weight = param(gate_up[DS_E, I:])
+                    shared.down_proj.weight = param(down[DS_E])
+                variants[("fused" if fused else "unfused") + ("_proposed" if proposed else "")] = \
+                    _deepseek_forward(r, ex, shared)
+        layers.append(variants)
+    return layers
+
+
+def _deepseek_forward(router, experts, shared):
+    def forward(x):
+        ids, w = router(x)
+        y = experts(x, ids, w)
+        return y if shared is None else y + shared(x)
+    return forward
+
+
+# -- measuring -----------------------------------------------------------------
+def measure(contenders: dict, reps: int, warmup: int = 2) -> dict[str, list[float]]:
+    """contenders: name -> callable(call_index). Round-robin, shuffled per round; seconds per call."""
+    names = list(contenders)
+    times = {n: [] for n in names}
+    calls = 0
+    rng = random.Random(0)
+    for r in range(warmup + reps):
+        rng.shuffle(names)
+        for n in names:
+            t0 = time.perf_counter()
+            contenders[n](calls)
+            dt = time.perf_counter() - t0
+            calls += 1
+            if r >= warmup:
+                times[n].append(dt)
+    return times
+
+
+def med_ms(ts: list[float]) -> float:
+    return statistics.median(ts) * 1e3
+
+
+def noise(ts: list[float]) -> float:
+    q = statistics.quantiles(ts, n=4)
+    return round((q[2] - q[0]) / statistics.median(ts), 3)
+
+
+def reps_for(T: int, scale: float) -> int:
+    return max(5, int(scale * {1: 200, 16: 60}.get(T, 25)))
+
+
+def bench_qwen(tokens: list[int], n_layers: int, scale: float) -> list[dict]:
+    layers, hf_cfg = qwen_layers(n_layers, seed=0)
+    default = hf_default_impl()
+    stream_w = torch.randn(STREAM_BYTES // (4 * D), D)
+    stream_x = torch.randn(D)
+    rows = []
+    for T in tokens:
+        g = torch.Generator().manual_seed(T)
+        xs = [[torch.randn(T, D, generator=g) for _ in range(INPUTS_PER_LAYER)] for _ in layers]
+
+        def inp(i):            # the i-th call's layer and input: never the previous call's layer
+            lay = i % len(layers)
+            return layers[lay], xs[lay][(i // len(layers)) % INPUTS_PER_LAYER]
+
+        # experts hit, per input, by the (shared) router
+        hits = []
+        for lay, blocks in enumerate(layers):
+            for x in xs[lay]:
+                ids = torch.topk(x @ blocks["engine"].gate.weight.t(), K, dim=-1).indices
+                hits.append(int(ids.unique().numel()))
+        experts_hit = statistics.mean(hits)
+
+        impls, skipped = [], {}
+        for impl in HF_IMPLS:
+            if impl == "batched_mm" and T * K * EXPERT_BYTES > BATCHED_MM_LIMIT:
+                skipped[impl] = f"would gather {T * K * EXPERT_BYTES / 2**30:.1f} GiB of expert weights"
+                continue
+            hf_cfg._experts_implementation = impl
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    layers[0]["hf"](xs[0][0][None])
+                impls.append(impl)
+            except Exception as e:  # an implementation without a CPU path
+                skipped[impl] = f"{type(e).__name__}: {e}"
+                print(f"# transformers experts_implementation={impl}: {type(e).__name__}: {e}", file=sys.stderr)
+
+        # same outputs first: every contender against transformers' eager experts
+        x = xs[0][0]
+        hf_cfg._experts_implementation = "eager"
+        ref = layers[0]["hf"](x[None])[0]
+        diffs = {}
+        for name in ("engine", "engine_proposed"):
+            diffs[name] = (layers[0][name](x) - ref).abs().max().item()
+        for impl in impls:
+            hf_cfg._experts_implementation = impl
+            diffs[f"hf_{impl}"] = (layers[0]["hf"](x[None])[0] - ref).abs().max().item()
+        tol = 1e-4 * ref.abs().max().item()
+        bad = {k: v for k, v in diffs.items() if v > tol}
+        if bad:
+            raise SystemExit(f"T={T}: outputs differ from transformers' eager experts: {bad} (tolerance {tol:.2e})")
+
+        dense_a = torch.randn(T * K, D)
+        dense_b = torch.randn(D, 3 * I)
+        contenders = {
+            "engine": lambda i: (lambda b, x: b["engine"](x))(*inp(i)),
+            "engine_proposed": lambda i: (lambda b, x: b["engine_proposed"](x))(*inp(i)),
+            "stream": lambda i: torch.mv(stream_w, stream_x),
+            "dense": lambda i: torch.mm(dense_a, dense_b),
+        }
+        for impl in impls:
+            def run_hf(i, impl=impl):
+                b, x = inp(i)
+                hf_cfg._experts_implementation = impl
+                return b["hf"](x[None])
+            contenders[f"hf_{impl}"] = run_hf
+        with torch.inference_mode(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            times = measure(contenders, reps_for(T, scale))
+
+        ms = {n: med_ms(ts) for n, ts in times.items()}
+        bw = STREAM_BYTES / (ms["stream"] / 1e3)                          # bytes/s
+        bw_ms = experts_hit * EXPERT_BYTES / bw * 1e3
+        roofline = max(bw_ms, ms["dense"])
+        hf = {impl: round(ms[f"hf_{impl}"], 3) for impl in impls}
+        best = min(hf, key=hf.get)
+        rows.append({
+            "tokens": T,
+            "engine_ms": round(ms["engine"], 3),
+            "engine_proposed_ms": round(ms["engine_proposed"], 3),
+            "hf_default_ms": hf.get(default),
+            "hf_default_impl": default,
+            "hf_best_ms": hf[best],
+            "hf_best_impl": best,
+            "hf_ms": hf,
+            "hf_skipped": skipped,
+            "roofline_ms": round(roofline, 3),
+            "roofline_bandwidth_ms": round(bw_ms, 3),
+            "roofline_matmul_ms": round(ms["dense"], 3),
+            "experts_hit": experts_hit,
+            "bandwidth_gb_s": round(bw / 1e9, 2),
+            "dense_gflop_s": round(2 * T * K * D * 3 * I / (ms["dense"] / 1e3) / 1e9, 1),
+            "engine_over_hf_best": round(ms["engine"] / hf[best], 3),
+            "engine_over_roofline": round(ms["engine"] / roofline, 3),
+            "proposed_over_hf_best": round(ms["engine_proposed"] / hf[best], 3),
+            "proposed_over_roofline": round(ms["engine_proposed"] / roofline, 3),
+            "max_abs_diff_vs_hf_eager": {k: float(f"{v:.3g}") for k, v in diffs.items()},
+            "noise": {n: noise(ts) for n, ts in times.items()},
+            "min_ms": {n: round(min(ts) * 1e3, 3) for n, ts in times.items()},
+            "reps": len(times["engine"]),
+            "threads": torch.get_num_threads(),
+        })
+        if T != tokens[-1]:
+            _progress(rows[-1])
+    return rows
+
+
+def bench_deepseek(tokens: list[int], n_layers: int, scale: float) -> dict:
+    layers = deepseek_layers(n_layers, seed=1)
+    out = {"kind": "deepseek_shared", "routed_experts": DS_E, "top_k": K, "shared_experts": 1, "hidden": D,
+           "moe_intermediate": I, "tokens": tokens, "fused_ms": [], "unfused_ms": [], "fused_proposed_ms": [],
+           "unfused_proposed_ms": [], "noise": [], "min_ms": []}
+    for T in tokens:
+        g = torch.Generator().manual_seed(100 + T)
+        xs = [[torch.randn(T, D, generator=g) for _ in range(INPUTS_PER_LAYER)] for _ in layers]
+        x = xs[0][0]
+        with torch.inference_mode():
+            ref = layers[0]["unfused"](x)
+            for name, f in layers[0].items():
+                diff = (f(x) - ref).abs().max().item()
+                if diff > 1e-4 * ref.abs().max().item():
+                    raise SystemExit(f"deepseek T={T}: {name} differs from unfused by {diff:.3g}")
+
+        def runner(name):
+            def run(i):
+                lay = i % len(layers)
+                return layers[lay][name](xs[lay][(i // len(layers)) % INPUTS_PER_LAYER])
+            return run
+
+        with torch.inference_mode():
+            times = measure({n: runner(n) for n in layers[0]}, reps_for(T, scale))
+        for n in ("fused", "unfused", "fused_proposed", "unfused_proposed"):
+            out[f"{n}_ms"].append(round(med_ms(times[n]), 3))
+        out["noise"].append({n: noise(ts) for n, ts in times.items()})
+        out["min_ms"].append({n: round(min(ts) * 1e3, 3) for n, ts in times.items()})
+    return out
+
+
+def _progress(row: dict) -> None:
+    print(f"# T={row['tokens']} done", file=sys.stderr, flush=True)
+
+
+def print_table(rows: list[dict], ds: dict | None) -> None:
+    print(f"Qwen3-MoE layer: hidden {D}, {E} experts, top-{K}, expert size {I}, fp32, "
+          f"{rows[0]['threads'] if rows else torch.get_num_threads()} threads; medians in ms")
+    hdr = ("T", "engine", "proposed", "hf default", "hf best", "roofline", "hit", "eng/best", "eng/roof",
+           "prop/roof")
+    print("".join(f"{h:>12}" for h in hdr))
+    for r in rows:
+        vals = (r["tokens"], r["engine_ms"], r["engine_proposed_ms"], f"{r['hf_default_ms']} {r['hf_default_impl']}",
+                f"{r['hf_best_ms']} {r['hf_best_impl']}", r["roofline_ms"], r["experts_hit"],
+                r["engine_over_hf_best"], r["engine_over_roofline"], r["proposed_over_roofline"])
+        print("".join(f"{v:>12}" if not isinstance(v, str) else f"{v:>24}" if " " in v else f"{v:>12}"
+                      for v in vals))
+        print(f"{'':>12}  all transformers: {r['hf_ms']}; bandwidth {r['bandwidth_gb_s']} GB/s, "
+              f"dense {r['dense_gflop_s']} GFLOP/s; noise {r['noise']}")
+    if ds:
+        print(f"\nDeepSeek-style layer ({ds['routed_experts']} routed + 1 shared, top-{K}): ms per T={ds['tokens']}")
+        for n in ("fused", "unfused", "fused_proposed", "unfused_proposed"):
+            print(f"{n:>20}: {ds[f'{n}_ms']}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true", help="one JSON object per line")
+    ap.add_argument("--tokens", default="1,16,512", help="comma-separated T values")
+    ap.add_argument("--layers", type=int, default=4, help="independent Qwen weight sets cycled through "
+                    "(192 MiB each; DeepSeek uses half as many, 771 MiB each)")
+    ap.add_argument("--reps-scale", type=float, default=1.0, help="multiply the repetitions")
+    ap.add_argument("--no-deepseek", action="store_true")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    tokens = [int(t) for t in args.tokens.split(",")]
+    rows = bench_qwen(tokens, args.layers, args.reps_scale)
+    if args.json:
+        for r in rows:
+            print(json.dumps(r), flush=True)
+    ds = None if args.no_deepseek else bench_deepseek(tokens, max(1, args.layers // 2), args.reps_scale)
+    if args.json:
+        if ds:
+            print(json.dumps(ds), flush=True)
+    else:
+        print_table(rows, ds)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""PostgreSQL connection cut in the middle of a transaction (issue 6): no half-written plan.
+
+Deterministic windows, not timing luck:
+- an engine event hook terminates the registry connection's backend
+  (pg_terminate_backend from another connection) right before the k-th statement of
+  the save's transaction, for every k, and right before its COMMIT;
+- a proxy delivers the COMMIT and swallows the server's answer: the plan is
+  committed but the registry (and so the client) never heard it.
+Each time: the call fails UNAVAILABLE (or succeeds), a retry with the same request id
+gets exactly one plan, and the SQL audit finds every plan with all its decisions and
+every pin with its plan.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy import event
+
+from fault_helpers import audit, decision_keys, runner_request, wait_for
+from loadplan.client import RegistryClient
+from loadplan.client.errors import RegistryCallError
+from loadplan.service.server import RegistryServer, ServerOptions
+from loadplan.service.store.db import make_engine
+from loadplan.service.store.repository import SqlPlanStore
+
+COMMIT = "commit"
+
+
+class BackendKiller:
+    """Arms itself for one transaction: before its statement number `at` (0-based), or
+    before its COMMIT, the backend serving that connection is terminated and gone."""
+
+    def __init__(self, engine, admin):
+        self.admin = admin
+        self.at: int | str | None = None
+        self.fired = threading.Event()
+        self.statements: list[list[str]] = []   # per transaction seen while counting
+        self.counting = False
+        self._lock = threading.Lock()
+        event.listen(engine, "begin", self._begin)
+        event.listen(engine, "before_cursor_execute", self._before_execute)
+        event.listen(engine, "commit", self._before_commit)
+
+    def arm(self, at: int | str) -> None:
+        with self._lock:
+            self.at = at
+            self.fired.clear()
+
+    def _begin(self, conn) -> None:
+        conn.info["fault_statement"] = 0
+        if self.counting:
+            self.statements.append([])
+            conn.info["fault_log"] = self.statements[-1]
+
+    def _before_execute(self, conn, cursor, statement, parameters, context, executemany) -> None:
+        n = conn.info.get("fault_statement", 0)
+        conn.info["fault_statement"] = n + 1
+        if "fault_log" in conn.info:
+            conn.info["fault_log"].append(statement.split()[0] + " " + " ".join(statement.split()[1:3]))
+        self._maybe_kill(conn, n)
+
+    def _before_commit(self, conn) -> None:
+        self._maybe_kill(conn, COMMIT)
+
+    def _maybe_kill(self, conn, where) -> None:
+        with self._lock:
+            if self.at is None or self.at != where:
+                return
+            self.at = None
+        pid = conn.connection.dbapi_connection.info.backend_pid
+        with self.admin.connect() as c:
+            assert c.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid}).scalar_one()
+        wait_for(lambda: not self._alive(pid), 5, 0.01, f"backend {pid} gone")
+        self.fired.set()
+
+    def _alive(self, pid: int) -> bool:
+        with self.admin.connect() as c:
+            return bool(c.execute(sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :pid"),
+                                  {"pid": pid}).scalar_one())
+
+
+@pytest.fixture(scope="module")
+def admin(pg_db):
+    engine = make_engine(pg_db).execution_options(isolation_level="AUTOCOMMIT")
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def killed_registry(pg_db, admin):
+    engine = make_engine(pg_db)
+    killer = BackendKiller(engine, admin)
+    # No readiness polling during the test: its transactions would take the armed slot.
+    server = RegistryServer(SqlPlanStore(engine), ServerOptions(listen="127.0.0.1:0", max_workers=4,
+                                                                 readiness_interval_s=3600)).start()
+    try:
+        yield server, killer
+    finally:
+        server.stop(grace=1)
+        engine.dispose()
+
+
+def _statements_of_one_save(server, killer, req) -> int:
+    """How many statements saving `req` runs (asked of the store in use, not assumed)."""
+    killer.counting = True
+    killer.statements.clear()
+    try:
+        with RegistryClient(server.address, timeout=10, max_attempts=1) as c:
+            c.resolve_load_plan(req)
+    finally:
+        killer.counting = False
+    writes = [t for t in killer.statements if t]   # the readiness poll is off: only the save runs
+    assert len(writes) == 1, killer.statements
+    return len(writes[0])
+
+
+@pytest.mark.parametrize("rank_kind", ["first rank", "later rank"])
+def test_backend_terminated_at_every_point_of_a_save(killed_registry, pg_engine, rank_kind):
+    """The first rank of a deployment writes its pin; a later one only checks it (the
+    store may know it already), so the two saves have different statements."""
+    server, killer = killed_registry
+    dep = f"cut-{uuid.uuid4().hex[:8]}"
+    if rank_kind == "first rank":
+        deployment = lambda at: f"{dep}-{at}"   # noqa: E731 - a new deployment per cut point
+    else:
+        deployment = lambda at: dep             # noqa: E731
+        with RegistryClient(server.address, timeout=10) as c:
+            c.resolve_load_plan(runner_request(f"{dep}-r0", dep, 0))
+    n = _statements_of_one_save(server, killer, runner_request(f"{dep}-count", deployment("count"), 1))
+    assert n >= 1
+    outcomes = {}
+    with RegistryClient(server.address, timeout=10, max_attempts=1) as once, \
+            RegistryClient(server.address, timeout=20, max_attempts=20, backoff=0.02, max_backoff=0.2) as patient:
+        for rank, at in enumerate([*range(n), COMMIT], start=2):
+            rid = f"{dep}-at-{at}"
+            req = runner_request(rid, deployment(at), rank)
+            killer.arm(at)
+            try:
+                first = once.resolve_load_plan(req)
+            except RegistryCallError as e:
+                assert e.code == "UNAVAILABLE", f"cut before {at}: {e}"
+                first = None
+            assert killer.fired.is_set(), f"the save never reached point {at}"
+            # The retry (same request id) gets the one plan; a succeeded first call is replayed.
+            second = patient.resolve_load_plan(req)
+            if first is not None:
+                assert second.replayed and second.plan_id == first.plan_id
+            outcomes[at] = "ok" if first else "UNAVAILABLE"
+            stored = audit(pg_engine, decision_keys(), deployment_prefix=dep)
+            assert stored.request_counts[rid] == 1
+            assert stored.plan_of_request[rid] == second.plan_id
+            assert stored.decisions[second.plan_id] == {k: d.value for k, d in second.decisions.items()}
+    print(f"{rank_kind}: {n} statements; outcome per cut point: {outcomes}")
+    stored = audit(pg_engine, decision_keys(), deployment_prefix=dep)
+    assert len(stored.pins) == len({deployment(at) for at in ["count", *range(n), COMMIT]} | (
+        {dep} if rank_kind == "later rank" else set()))
+
+
+def test_commit_answer_lost_then_retry_replays(pg_proxy, pg_engine):
+    """The COMMIT reached PostgreSQL, its answer never came back: the plan exists, the
+    client heard UNAVAILABLE; its retry must get that very plan (replayed), not a second one."""
+    proxy, url = pg_proxy
+    engine = make_engine(url, connect_args={"connect_timeout": 3})
+    server = RegistryServer(SqlPlanStore(engine), ServerOptions(listen="127.0.0.1:0", max_workers=4,
+                                                                 readiness_interval_s=3600)).start()
+    dep = f"lost-{uuid.uuid4().hex[:8]}"
+    try:
+        with RegistryClient(server.address, timeout=10, max_attempts=1) as once:
+            once.resolve_load_plan(runner_request(f"{dep}-warm", dep, 0))   # warm the pool
+            proxy.lose_reply_to(b"COMMIT")
+            req = runner_request(f"{dep}-r1", dep, 1)
+            with pytest.raises(RegistryCallError) as info:
+                once.resolve_load_plan(req)
+            assert info.value.code == "UNAVAILABLE", info.value
+            assert proxy.ambushed.is_set()
+            committed = audit(pg_engine, decision_keys(), deployment_prefix=dep)
+            assert committed.request_counts.get(req.request_id) == 1, "the ambushed COMMIT did not land"
+            retry = once.resolve_load_plan(req)
+        assert retry.replayed
+        assert retry.plan_id == committed.plan_of_request[req.request_id]
+    finally:
+        server.stop(grace=1)
+        engine.dispose()
+    stored = audit(pg_engine, decision_keys(), deployment_prefix=dep)
+    assert stored.request_counts == {f"{dep}-warm": 1, f"{dep}-r1": 1}

@@ -1,0 +1,101 @@
+"""Registry killed with SIGKILL in the middle of a storm of resolves (issue 6).
+
+256 ranks (8 deployments x 32 ranks) resolve at once through `RegistryClient`, each
+with its own request id; once some of them have their plan, the `loadplan serve`
+process is SIGKILLed and started again on the same port while the clients keep
+retrying. Afterwards:
+- every plan a client received is the stored plan of its request id (same id, same
+  decisions): nothing a client acted on was lost;
+- every request id has exactly one plan; nothing is half-written (SQL audit);
+- the ranks of each deployment agree on the deployment-wide decisions, and each
+  deployment+role has exactly one pin.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import defaultdict
+
+from fault_helpers import ServeProcess, audit, decision_keys, deployment_wide, runner_request
+from loadplan.client import RegistryClient
+
+DEPLOYMENTS = 8
+RANKS = 32
+KILL_AFTER = 24          # plans received before the SIGKILL
+STORM_TIMEOUT_S = 45
+
+
+def test_sigkill_in_the_middle_of_a_storm(pg_db, pg_engine):
+    prefix = f"storm-{uuid.uuid4().hex[:6]}"
+    deployments = [f"{prefix}-d{i}" for i in range(DEPLOYMENTS)]
+    server = ServeProcess(pg_db).start()
+    # One client per deployment (its ranks share a channel, as processes of one host would
+    # share nothing; either way the request ids are what makes retries safe).
+    clients = {d: RegistryClient(server.address, timeout=STORM_TIMEOUT_S, max_attempts=400, backoff=0.05,
+                                 max_backoff=0.5) for d in deployments}
+    received: dict[str, object] = {}
+    errors: dict[str, BaseException] = {}
+    lock = threading.Lock()
+    got_some = threading.Event()
+    start = threading.Barrier(DEPLOYMENTS * RANKS + 1)
+
+    def rank(dep: str, r: int) -> None:
+        req = runner_request(f"{dep}-rank{r}", dep, r, ranks=RANKS)
+        start.wait()
+        try:
+            plan = clients[dep].resolve_load_plan(req)
+        except BaseException as e:  # noqa: BLE001 - asserted below, with the request id
+            with lock:
+                errors[req.request_id] = e
+            return
+        with lock:
+            received[req.request_id] = plan
+            if len(received) >= KILL_AFTER:
+                got_some.set()
+
+    threads = [threading.Thread(target=rank, args=(d, r), daemon=True) for d in deployments for r in range(RANKS)]
+    t0 = time.monotonic()
+    try:
+        for t in threads:
+            t.start()
+        start.wait()
+        assert got_some.wait(30), f"no {KILL_AFTER} plans before the kill: {len(received)}; errors: {errors}"
+        server.kill()
+        with lock:
+            at_kill = len(received)
+        killed_at = time.monotonic() - t0
+        server.start()   # same port: the clients' channels find it again
+        restarted_at = time.monotonic() - t0
+        for t in threads:
+            t.join(timeout=max(1.0, STORM_TIMEOUT_S - (time.monotonic() - t0)))
+        done_at = time.monotonic() - t0
+    finally:
+        for c in clients.values():
+            c.close()
+        server.stop()
+    print(f"storm: SIGKILL at {killed_at:.2f}s with {at_kill}/{len(threads)} plans received, "
+          f"serving again at {restarted_at:.2f}s, all done at {done_at:.2f}s; "
+          f"replayed after the restart: {sum(p.replayed for p in received.values())}")
+    assert not any(t.is_alive() for t in threads), "ranks still waiting"
+    assert not errors, {k: repr(v) for k, v in list(errors.items())[:5]}
+    assert at_kill < len(threads), "the storm was over before the kill: nothing tested"
+    assert len(received) == DEPLOYMENTS * RANKS
+
+    stored = audit(pg_engine, decision_keys(), deployment_prefix=prefix)
+    assert set(stored.plan_of_request) == set(received)
+    assert all(n == 1 for n in stored.request_counts.values())
+    for request_id, plan in received.items():
+        assert stored.plan_of_request[request_id] == plan.plan_id, f"{request_id}: client got a plan not on disk"
+        assert stored.decisions[plan.plan_id] == {k: d.value for k, d in plan.decisions.items()}, request_id
+    by_deployment = defaultdict(list)
+    for plan in received.values():
+        by_deployment[plan.request.deployment_id].append(deployment_wide(plan))
+    for dep, decisions in by_deployment.items():
+        assert all(d == decisions[0] for d in decisions), f"ranks of {dep} disagree"
+        assert len(decisions) == RANKS
+    assert sorted(stored.pins) == sorted((d, "target") for d in deployments)
+    # Rank-specific decisions still follow the rank: 4 pipeline stages, 4 layer ranges.
+    ranges = {tuple(p.value("pp.layer_range")) for p in received.values()}
+    assert len(ranges) == 4
