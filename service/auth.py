@@ -77,7 +77,8 @@ def check_table() -> list[str]:
     methods = set(SERVICE.methods_by_name)
     problems = [f"RPC {m} has no row in METHOD_ROLES (it is admin-only until it gets one)"
                 for m in sorted(methods - set(METHOD_ROLES))]
-    problems += [f"METHOD_ROLES names {m}, which the service does not have" for m in sorted(set(METHOD_ROLES) - methods)]
+    problems += [f"METHOD_ROLES names {m}, which the service does not have"
+                 for m in sorted(set(METHOD_ROLES) - methods)]
     problems += [f"METHOD_ROLES[{m}] names unknown roles {sorted(r - set(ROLES))}"
                  for m, r in METHOD_ROLES.items() if r - set(ROLES)]
     problems += [f"METHOD_ROLES[{m}] leaves out admin" for m, r in METHOD_ROLES.items() if ADMIN not in r]

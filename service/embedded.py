@@ -66,6 +66,10 @@ class EmbeddedRegistry:
             self._engine = None
 
     def client(self, **kwargs: Any) -> RegistryClient:
+        # The embedded server is plaintext and open: ignore $LOADPLAN_TOKEN / $LOADPLAN_TLS_*
+        # meant for a remote registry, which would make the client fail against it.
+        kwargs.setdefault("token", "")
+        kwargs.setdefault("tls", False)
         return RegistryClient(self.address, **kwargs)
 
     def __enter__(self) -> "EmbeddedRegistry":

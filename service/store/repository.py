@@ -671,7 +671,8 @@ class SqlPlanStore:
         processors = self._bind_processors.get(table.name)
         if processors is None:
             processors = self._bind_processors[table.name] = [
-                (i, p) for i, c in enumerate(table.columns) if (p := c.type.bind_processor(self.engine.dialect))]
+                (i, p) for i, c in enumerate(table.columns)
+                if (p := c.type.dialect_impl(self.engine.dialect).bind_processor(self.engine.dialect))]
         if not processors:
             return rows
         out = []
