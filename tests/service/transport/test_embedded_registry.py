@@ -34,3 +34,11 @@ def test_address_needs_a_started_registry(tmp_path):
 def test_bad_url_is_refused_before_anything_starts():
     with pytest.raises(ValueError):
         EmbeddedRegistry("mysql://nobody@nowhere/db").start()
+
+
+def test_embedded_client_ignores_credentials_meant_for_a_remote_registry(tmp_path, monkeypatch):
+    # A worker configured for a TLS, token-protected registry still runs the embedded default.
+    monkeypatch.setenv("LOADPLAN_TOKEN", "t" * 32)
+    monkeypatch.setenv("LOADPLAN_TLS_CA", str(tmp_path / "no-such-ca.pem"))
+    with EmbeddedRegistry(f"sqlite:///{tmp_path / 'e.db'}") as reg, reg.client() as client:
+        assert client.resolve_load_plan(request()).plan_id
