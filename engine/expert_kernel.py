@@ -31,6 +31,12 @@ import torch
 import torch.nn.functional as F
 
 
+# torch.nn.functional.grouped_mm runs on CPU from torch 2.9; before 2.11 it needs 16-byte aligned operands,
+# which memory-mapped checkpoint tensors do not guarantee.
+_HAS_GROUPED_MM = hasattr(F, "grouped_mm") and tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 11)
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[N, 2I] -> silu(gate) * up [N, I]."""
     I = gate_up.shape[-1] // 2
@@ -45,6 +51,13 @@ def grouped_expert_mlp(xs: torch.Tensor, counts: Sequence[int], gate_up: torch.T
     Row i of the result is down_s(silu(gate_s(xs[i])) * up_s(xs[i])), times row_weights[i] if given."""
     N = xs.shape[0]
     assert sum(counts) == N, f"counts sum to {sum(counts)}, xs has {N} rows"
+    if _HAS_GROUPED_MM and xs.dtype in _GROUPED_MM_DTYPES and len(counts) == gate_up.shape[0]:
+        # torch's CPU grouped_mm is the same loop of one matmul per slot, in C++: no Python dispatch per expert.
+        offs = torch.tensor(counts, dtype=torch.int64).cumsum_(0).to(torch.int32)
+        h = silu_mul(F.grouped_mm(xs, gate_up.transpose(1, 2), offs=offs))      # [N, I]
+        if row_weights is not None:
+            h.mul_(row_weights.to(h.dtype)[:, None])
+        return F.grouped_mm(h, down.transpose(1, 2), offs=offs)
     spans = []                                                   # (slot, start, end) of each hit slot
     start = 0
     for s, n in enumerate(counts):

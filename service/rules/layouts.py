@@ -12,6 +12,10 @@ from dataclasses import dataclass
 
 from .config_view import ConfigView
 
+# Layers are enumerated (ids, MoE ids, a stage's EPLB layers): an absurd count from a
+# config would make one request take the registry's memory. Real models have < 200.
+MAX_LAYERS = 4096
+
 
 @dataclass(frozen=True)
 class MoeLayout:
@@ -23,7 +27,7 @@ class MoeLayout:
 
 
 def deepseek_layout(cfg: ConfigView) -> MoeLayout:
-    n_layers = cfg.int("num_hidden_layers", minimum=1)
+    n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
     n_routed = cfg.int("n_routed_experts", minimum=1)
     n_shared = cfg.int("n_shared_experts", 0, minimum=0)
     top_k = cfg.int("num_experts_per_tok", minimum=1)
@@ -35,8 +39,8 @@ def deepseek_layout(cfg: ConfigView) -> MoeLayout:
 
 
 def deepseek_nextn_layout(cfg: ConfigView) -> MoeLayout:
-    n_target = cfg.int("num_hidden_layers", minimum=1)
-    n_nextn = cfg.int("num_nextn_predict_layers", 1, minimum=1)
+    n_target = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
+    n_nextn = cfg.int("num_nextn_predict_layers", 1, minimum=1, maximum=MAX_LAYERS)
     n_routed = cfg.int("n_routed_experts", minimum=1)
     n_shared = cfg.int("n_shared_experts", 0, minimum=0)
     top_k = cfg.int("num_experts_per_tok", minimum=1)
@@ -46,7 +50,7 @@ def deepseek_nextn_layout(cfg: ConfigView) -> MoeLayout:
 
 
 def qwen_moe_layout(cfg: ConfigView, *, shared: bool) -> MoeLayout:
-    n_layers = cfg.int("num_hidden_layers", minimum=1)
+    n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
     n_routed = cfg.int("num_experts", minimum=1)
     top_k = cfg.int("num_experts_per_tok", minimum=1)
     step = cfg.int("decoder_sparse_step", 1, minimum=1)

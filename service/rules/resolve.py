@@ -12,7 +12,7 @@ import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from ...plan import ROLES, Decision, Keys, ResolveRequest
 from ..errors import FailedPrecondition, InvalidArgument
@@ -25,6 +25,13 @@ from .gates import GateContext
 from .layouts import MoeLayout
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
+
+# What the store can hold, checked here so a request it cannot hold is refused by name
+# (INVALID_ARGUMENT) before anything is written, on every database:
+MAX_INT32 = 2**31 - 1        # parallel sizes are INTEGER columns (and int32 on the wire)
+MAX_NAME_LEN = 64            # a quantization name (a 128-character column)
+MAX_JSON_DEPTH = 64          # configs are walked recursively (fingerprint, store)
+MAX_INT_BITS = 14_000        # ~4300 digits, Python's int<->str limit: json cannot write more
 
 
 @dataclass(frozen=True)
@@ -57,21 +64,94 @@ def validate_request(req: ResolveRequest) -> None:
         raise InvalidArgument("role", f"{req.role!r} is not a role; expected one of {', '.join(ROLES)}")
     if len(req.host) > 255:
         raise InvalidArgument("host", "longer than 255 characters")
+    check_text("host", req.host)
+    if req.quantization is not None:
+        check_name("quantization", req.quantization)
     p = req.parallel
     for axis in ("tp", "ep", "pp", "dp"):
         size, rank = getattr(p, f"{axis}_size"), getattr(p, f"{axis}_rank")
         if size < 1:
             raise InvalidArgument(f"parallel.{axis}_size", f"must be >= 1, got {size}")
+        if size > MAX_INT32:
+            raise InvalidArgument(f"parallel.{axis}_size", f"must be <= {MAX_INT32}, got {size}")
         if not 0 <= rank < size:
             raise InvalidArgument(f"parallel.{axis}_rank", f"must be in [0, {axis}_size={size}), got {rank}")
     rt = req.runtime
     if rt.ep_num_redundant_experts < 0:
         raise InvalidArgument("runtime.ep_num_redundant_experts", f"must be >= 0, got {rt.ep_num_redundant_experts}")
+    if rt.ep_num_redundant_experts > MAX_INT32:
+        raise InvalidArgument("runtime.ep_num_redundant_experts",
+                              f"must be <= {MAX_INT32}, got {rt.ep_num_redundant_experts}")
     if rt.ep_num_redundant_experts and not rt.enable_eplb:
         raise InvalidArgument("runtime.ep_num_redundant_experts", "redundant experts need runtime.enable_eplb")
     check_runner(rt.moe_runner, parse_device(rt.device))
     if req.quantization_config is not None and not isinstance(req.quantization_config, dict):
         raise InvalidArgument("quantization_config", "must be a JSON object")
+    check_json_document("config", req.config)
+    if req.quantization_config is not None:
+        check_json_document("quantization_config", req.quantization_config)
+
+
+def check_text(field: str, value: str) -> None:
+    """Text the databases can store: no NUL (PostgreSQL text refuses it) and no unpaired
+    surrogate (not Unicode: no UTF-8 encoding exists)."""
+    if "\x00" in value:
+        raise InvalidArgument(field, "contains a NUL character")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidArgument(field, f"contains an unpaired surrogate {value[e.start]!r} (not Unicode text)") \
+            from None
+
+
+def check_name(field: str, value: str) -> None:
+    if len(value) > MAX_NAME_LEN:
+        raise InvalidArgument(field, f"longer than {MAX_NAME_LEN} characters")
+    check_text(field, value)
+    if not value.isprintable():
+        raise InvalidArgument(field, f"{value!r} contains control characters")
+
+
+def check_json_document(field: str, doc: Any) -> None:
+    """A config the registry can fingerprint and store: JSON types only, string keys,
+    nesting <= MAX_JSON_DEPTH, text without unpaired surrogates, integers json can write.
+    (NUL inside config strings is fine: JSON writes it as \\u0000.) Iterative, so a
+    pathologically deep document cannot exhaust the stack."""
+    stack: list[tuple[Any, str, int]] = [(doc, field, 1)]
+    while stack:
+        node, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise InvalidArgument(field, f"nested deeper than {MAX_JSON_DEPTH} levels (at {path})")
+        if isinstance(node, str):
+            _check_json_text(path, node)
+        elif isinstance(node, bool) or node is None or isinstance(node, float):
+            pass   # NaN and Infinity included: json reads and writes them, the fingerprint too
+        elif isinstance(node, int):
+            if node.bit_length() > MAX_INT_BITS:
+                raise InvalidArgument(path, "integer too large (more than ~4300 digits)")
+        elif isinstance(node, Mapping):
+            for k, v in node.items():
+                if not isinstance(k, str):
+                    raise InvalidArgument(path, f"keys must be strings, got {type(k).__name__}")
+                _check_json_text(f"{path}.<key>", k)
+                stack.append((v, f"{path[:160]}.{_printable(k[:40])}", depth + 1))   # paths stay short
+        elif isinstance(node, (list, tuple)):
+            stack.extend((v, f"{path[:160]}[{i}]", depth + 1) for i, v in enumerate(node))
+        else:
+            raise InvalidArgument(path, f"{type(node).__name__} is not a JSON value")
+
+
+def _printable(key: str) -> str:
+    # A key is part of the error's field path, which must be sendable text whatever the key.
+    return key.encode("unicode_escape").decode("ascii")
+
+
+def _check_json_text(path: str, value: str) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidArgument(path, f"contains an unpaired surrogate {value[e.start]!r} (not Unicode text)") \
+            from None
 
 
 def deployment_inputs(req: ResolveRequest, resolved: Resolved) -> dict[str, Any]:
@@ -101,6 +181,10 @@ def resolve_decisions(req: ResolveRequest) -> Resolution:
     cfg = ConfigView(req.config)
     entry_class = cfg.architecture()
     resolved = resolve_entry(entry_class, cfg, req.quantization, req.quantization_config)
+    if resolved.quantization.name is not None:
+        # From the request or from the config's quant_method: stored either way.
+        check_name("quantization" if req.quantization else "quantization_config.quant_method",
+                   resolved.quantization.name)
     layout = resolved.family.layout(resolved.cfg)
     row = backend(req.runtime.a2a_backend)
     device = parse_device(req.runtime.device)

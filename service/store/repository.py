@@ -81,29 +81,20 @@ _DECISION_COLUMNS = tuple(c.name for c in DECISIONS.columns)
 _PIN_COLUMNS = tuple(c.name for c in PINS.columns)
 
 
-def _pg_unnest(table: sa.Table) -> str:
-    """`SELECT * FROM unnest(%s::type[], ...)`: a whole batch of rows in one parameter per column.
-
-    Unsized array types: a cast to VARCHAR(n) would silently truncate, the insert
-    into the column refuses an over-long value as a single-row INSERT does."""
-    from sqlalchemy.dialects import postgresql
-
-    dialect = postgresql.dialect()
-    types = []
-    for c in table.columns:
-        name = c.type.compile(dialect=dialect)
-        types.append("text" if name.startswith("VARCHAR") or name == "TEXT" else name)
-    return f"SELECT * FROM unnest({', '.join(f'%b::{t}[]' for t in types)})"
+def _pg_from_json(table: sa.Table) -> str:
+    """`INSERT INTO t (cols) SELECT cols FROM json_populate_recordset(...)`: a whole batch of rows in
+    ONE parameter, a JSON array of row objects, typed and checked by the table's own column types
+    (an over-long value is refused, not truncated). One JSON text costs the client far less than
+    a parameter per value or an array per column."""
+    cols = ", ".join(c.name for c in table.columns)
+    return f"INSERT INTO {table.name} ({cols}) SELECT {cols} FROM json_populate_recordset(NULL::{table.name}, %s::json)"
 
 
 # PostgreSQL, one statement for the plans and their decisions (the foreign keys are checked
 # at the end of the statement) and one for the pins, so a batch is BEGIN, two statements, COMMIT.
-_PG_INSERT_PLANS = (
-    f"WITH new_plans AS (INSERT INTO plans ({', '.join(_PLAN_COLUMNS)}) {_pg_unnest(PLANS)} RETURNING 1) "
-    f"INSERT INTO decisions ({', '.join(_DECISION_COLUMNS)}) {_pg_unnest(DECISIONS)}")
-_PG_INSERT_PINS = (
-    f"INSERT INTO deployment_pins ({', '.join(_PIN_COLUMNS)}) {_pg_unnest(PINS)} "
-    f"ON CONFLICT (deployment_id, role) DO NOTHING RETURNING deployment_id, role")
+_PG_INSERT_PLANS = f"WITH new_plans AS ({_pg_from_json(PLANS)} RETURNING 1) {_pg_from_json(DECISIONS)}"
+_PG_INSERT_PINS = (f"{_pg_from_json(PINS)} ON CONFLICT (deployment_id, role) DO NOTHING "
+                   f"RETURNING deployment_id, role")
 _PG_SELECT_REQUESTS = "SELECT request_id, plan_id, request_fingerprint FROM plans WHERE request_id = ANY(%b::text[])"
 _PG_SELECT_PINS = (
     "SELECT p.deployment_id, p.role, p.plan_id, p.inputs_json FROM deployment_pins AS p "
@@ -208,8 +199,8 @@ def _short(err: BaseException) -> str:
     return (str(orig).strip().splitlines() or [type(orig).__name__])[0][:300]
 
 
-def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
+# One encoder for every row: `json.dumps` with a keyword argument builds a new one per call.
+_dumps = json.JSONEncoder(ensure_ascii=False).encode
 
 
 def _utc(value: dt.datetime, field: str) -> dt.datetime:
@@ -312,8 +303,20 @@ def _chunks(xs: Sequence[Any], n: int) -> Iterator[Sequence[Any]]:
         yield xs[i:i + n]
 
 
-def _columns(rows: list[tuple], width: int) -> tuple[list[Any], ...]:
-    return tuple(list(col) for col in zip(*rows)) if rows else tuple([] for _ in range(width))
+def _json_rows(columns: Sequence[str], rows: list[tuple]) -> str:
+    """Rows as the JSON array of objects `json_populate_recordset` reads; times in ISO 8601."""
+    times: dict[int, str] = {}   # the decisions of a plan share one time: format it once
+    docs = []
+    for row in rows:
+        doc = dict(zip(columns, row))
+        for name, value in doc.items():
+            if isinstance(value, dt.datetime):
+                text = times.get(id(value))
+                if text is None:
+                    text = times[id(value)] = value.isoformat()
+                doc[name] = text
+        docs.append(doc)
+    return _dumps(docs)
 
 
 def _aware(value: dt.datetime | None) -> None:
@@ -365,16 +368,26 @@ class _Item:
         return _Pin(self.group[0], self.group[1], self.new.plan.plan_id, self.inputs_json)
 
     def plan_row(self) -> tuple:
-        values = _plan_values(self.new)
-        return tuple(values[c] for c in _PLAN_COLUMNS)
+        # `_plan_values` as a tuple in `_PLAN_COLUMNS` order (checked below, at import).
+        plan, req, p, rt = self.new.plan, self.new.plan.request, self.new.plan.request.parallel, \
+            self.new.plan.request.runtime
+        qc = req.quantization_config
+        return (plan.plan_id, req.request_id, self.new.request_fingerprint, req.deployment_id, req.role, req.host,
+                p.tp_size, p.tp_rank, p.ep_size, p.ep_rank, p.pp_size, p.pp_rank, p.dp_size, p.dp_rank,
+                plan.entry_class, plan.config_fingerprint, _dumps(dict(req.config)), plan.quantization,
+                req.quantization, None if qc is None else _dumps(dict(qc)),
+                _dumps({f: getattr(rt, f) for f in _RUNTIME_FIELDS}), plan.ruleset_version, plan.created_at)
 
     def decision_rows(self) -> list[tuple]:
+        # `_decision_values` as tuples in `_DECISION_COLUMNS` order (checked below, at import).
         plan_id = self.new.plan.plan_id
         rows = []
         for d in self.new.plan.decisions.values():
+            if d.decided_at is None:
+                raise ValueError(f"decision {d.key} has no decided_at")
             _aware(d.decided_at)
-            values = _decision_values(plan_id, d, d.revision)
-            rows.append(tuple(values[c] for c in _DECISION_COLUMNS))
+            rows.append((plan_id, d.key, d.revision, _dumps(d.value), d.reason, d.rule, d.deployment_wide,
+                         d.decided_at))
         return rows
 
     def pin_row(self) -> tuple:
@@ -382,6 +395,9 @@ class _Item:
         values = dict(deployment_id=self.group[0], role=self.group[1], inputs_json=self.inputs_json,
                       ruleset_version=plan.ruleset_version, plan_id=plan.plan_id, created_at=plan.created_at)
         return tuple(values[c] for c in _PIN_COLUMNS)
+
+
+_RUNTIME_FIELDS = tuple(f.name for f in dataclasses.fields(Runtime))   # scalars: asdict == this
 
 
 def _pin_refusal(item: _Item, pin: _Pin) -> FailedPrecondition | None:
@@ -647,8 +663,8 @@ class SqlPlanStore:
         plans = [it.plan_row() for it in items]
         decisions = [row for it in items for row in it.decision_rows()]
         if self._pg:
-            conn.exec_driver_sql(_PG_INSERT_PLANS, _columns(plans, len(_PLAN_COLUMNS))
-                                 + _columns(decisions, len(_DECISION_COLUMNS)))
+            conn.exec_driver_sql(_PG_INSERT_PLANS, (_json_rows(_PLAN_COLUMNS, plans),
+                                                    _json_rows(_DECISION_COLUMNS, decisions)))
         else:
             conn.exec_driver_sql(_SQLITE_INSERT["plans"], self._sqlite_rows(PLANS, plans))
             conn.exec_driver_sql(_SQLITE_INSERT["decisions"], self._sqlite_rows(DECISIONS, decisions))
@@ -660,7 +676,7 @@ class SqlPlanStore:
         items = sorted(items, key=lambda it: it.group)
         rows = [it.pin_row() for it in items]
         if self._pg:
-            result = conn.exec_driver_sql(_PG_INSERT_PINS, _columns(rows, len(_PIN_COLUMNS)))
+            result = conn.exec_driver_sql(_PG_INSERT_PINS, (_json_rows(_PIN_COLUMNS, rows),))
             return {(r[0], r[1]) for r in result}
         # SQLite: the write lock is held and the pins were looked up in this transaction.
         conn.exec_driver_sql(_SQLITE_INSERT["deployment_pins"], self._sqlite_rows(PINS, rows))

@@ -33,6 +33,21 @@ STATUS_OF: dict[type[RegistryError], grpc.StatusCode] = {
 }
 
 
+# Status details and metadata travel in HTTP/2 trailers, which a client refuses beyond
+# 16 KiB ("received metadata size exceeds hard limit"): a refusal quoting a huge input
+# would reach the caller as RESOURCE_EXHAUSTED with its reason lost.
+MAX_MESSAGE_LEN = 2000
+MAX_FIELD_LEN = 256
+
+
+def _sendable(message: str) -> str:
+    """The message as valid UTF-8 (no unpaired surrogates), cut to MAX_MESSAGE_LEN characters."""
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    if len(message) > MAX_MESSAGE_LEN:
+        message = f"{message[:MAX_MESSAGE_LEN]}... (message cut, {len(message)} characters)"
+    return message
+
+
 def _status(err: RegistryError) -> grpc.StatusCode | None:
     for cls in type(err).__mro__:
         if cls in STATUS_OF:
@@ -49,10 +64,11 @@ def _rpc(method):
             code = _status(e)
             if code is None:  # a RegistryError subclass nobody mapped: a bug, not the caller's fault
                 return _internal(context, method.__name__, e)
-            if e.field:   # metadata values must be ASCII
-                field = e.field.encode("ascii", "backslashreplace").decode("ascii")
+            if e.field:
+                # printable ASCII only: control characters are invalid in metadata too
+                field = e.field.encode("unicode_escape").decode("ascii")[:MAX_FIELD_LEN]
                 context.set_trailing_metadata(((FIELD_METADATA_KEY, field),))
-            context.abort(code, e.message)
+            context.abort(code, _sendable(e.message))
         except Exception as e:  # noqa: BLE001 - the one place that turns bugs into INTERNAL
             return _internal(context, method.__name__, e)
     return handler

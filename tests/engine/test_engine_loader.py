@@ -136,7 +136,7 @@ class _ThreadAllReduce:
 
     def __init__(self, n):
         self.n, self.parts = n, [None] * n
-        self.barrier = threading.Barrier(n)
+        self.barrier = threading.Barrier(n, timeout=60)   # a failing rank breaks it, never hangs
 
     def for_rank(self, rank):
         def reduce(x):
@@ -158,11 +158,13 @@ def test_expert_parallel_ranks_with_the_planned_all_reduce_give_the_reference_lo
         for i in m.moe_layer_ids:
             m.model.layers[i].mlp.experts.reduce = ar.for_rank(r)
     out = [None, None]
-    threads = [threading.Thread(target=lambda r=r: out.__setitem__(r, _logits(ranks[r], ids))) for r in range(2)]
+    threads = [threading.Thread(target=lambda r=r: out.__setitem__(r, _logits(ranks[r], ids)), daemon=True)
+               for r in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
+    assert all(o is not None for o in out), "a rank failed (see the thread's traceback above)"
     for got in out:
         assert (got - want).abs().max().item() <= 1e-3
 

@@ -21,7 +21,7 @@ import uuid
 import grpc
 import pytest
 import sqlalchemy as sa
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from loadplan.client import convert
@@ -67,7 +67,8 @@ QUANT_FIELDS = ["quant_method", "quant_algo", "exclude_modules", "ignore", "modu
 # (the direct entrance only: the wire carries UTF-8), right-to-left, emoji.
 odd_text = st.one_of(st.text(max_size=12), st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,20}", fullmatch=True),
                      st.text(st.sampled_from("\x00\x01\n\t\u202e\ufeff\U0001f600é漢'\"\\%_"), max_size=8),
-                     st.sampled_from(["", " ", "x" * 300, "NaN", "../../etc", "'; DROP TABLE plans;--"]))
+                     st.sampled_from(["", " ", "x" * 300, "NaN", "../../etc", "'; DROP TABLE plans;--",
+                                      "\ud800", "a\udfffb", "y" * 100_000]))
 big_ints = st.one_of(st.integers(-3, 512), st.integers(),
                      st.sampled_from([2**31 - 1, 2**31, -2**31, 2**63, -2**63 - 1, 10**30, 10**300]))
 json_scalars = st.one_of(st.none(), st.booleans(), big_ints, st.floats(allow_nan=True, allow_infinity=True),
@@ -246,7 +247,7 @@ def _check_call(stub, engine, msg) -> str:
 def test_resolve_over_grpc_answers_a_status_never_a_crash(stub, engine, req):
     msg = _encode(req)
     assume(msg is not None)
-    _check_call(stub, engine, msg)
+    event(_check_call(stub, engine, msg))
 
 
 @FUZZ
@@ -254,7 +255,7 @@ def test_resolve_over_grpc_answers_a_status_never_a_crash(stub, engine, req):
 def test_config_json_text_over_grpc(stub, engine, text, qtext):
     msg = pb.ResolveLoadPlanRequest(request_id=f"fz-{uuid.uuid4().hex}", deployment_id=f"fz-{uuid.uuid4().hex[:8]}",
                                     config_json=text, quantization_config_json=qtext)
-    _check_call(stub, engine, msg)
+    event(_check_call(stub, engine, msg))
 
 
 @FUZZ
@@ -267,10 +268,12 @@ def test_registry_resolve_directly(engine, req):
         plan = registry.resolve(req)
     except (InvalidArgument, NotFound, FailedPrecondition) as e:
         assert str(e).strip()
+        event(type(e).__name__)
         assert rows(engine) == before, f"refused ({type(e).__name__}: {e}) but rows were written"
         return
     except RegistryError as e:
         pytest.fail(f"{type(e).__name__} ({e.code}) is not a request refusal: {e}")
+    event("OK")
     assert plan.request.request_id == req.request_id
     assert rows(engine)[0] == before[0] + (0 if plan.replayed else 1)
 
