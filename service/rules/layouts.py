@@ -51,7 +51,10 @@ def deepseek_nextn_layout(cfg: ConfigView) -> MoeLayout:
 
 def qwen_moe_layout(cfg: ConfigView, *, shared: bool) -> MoeLayout:
     n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
-    n_routed = cfg.int("num_experts", minimum=1)
+    # The Hub's Qwen checkpoints say num_experts; transformers 5's save_pretrained writes
+    # the same count as num_local_experts (an attribute alias). Both name one field.
+    n_routed = cfg.int("num_experts" if cfg.has("num_experts") or not cfg.has("num_local_experts")
+                       else "num_local_experts", minimum=1)
     top_k = cfg.int("num_experts_per_tok", minimum=1)
     step = cfg.int("decoder_sparse_step", 1, minimum=1)
     mlp_only = set(cfg.int_list("mlp_only_layers"))

@@ -83,10 +83,6 @@ def make_checkpoint(path: Path, arch: str, *, seed: int = 0, legacy_rope: bool =
     model.save_pretrained(path, **save_kw)
     f = path / "config.json"
     cfg = json.loads(f.read_text())
-    if "num_local_experts" in cfg:
-        # transformers 5 writes Qwen3-MoE's expert count as num_local_experts (an attribute_map alias);
-        # the Hub's checkpoints, which the registry's rules follow, spell it num_experts.
-        cfg["num_experts"] = cfg.pop("num_local_experts")
     if legacy_rope:
         params = cfg.pop("rope_parameters")
         cfg["rope_theta"] = params["rope_theta"]

@@ -84,3 +84,17 @@ def test_deepseek_minimums(field, value):
         deepseek_layout(ConfigView(deepseek(**{field: value})))
     assert e.value.field == f"config.{field}"
     assert ">=" in str(e.value)
+
+
+def test_qwen_expert_count_under_either_spelling():
+    # transformers 5's save_pretrained writes num_local_experts; the Hub's files say num_experts.
+    cfg = qwen3()
+    cfg["num_local_experts"] = cfg.pop("num_experts")
+    assert qwen_moe_layout(ConfigView(cfg), shared=False).n_routed == 128
+    both = qwen3(num_local_experts=7)
+    assert qwen_moe_layout(ConfigView(both), shared=False).n_routed == 128   # the Hub's spelling wins
+    neither = qwen3()
+    del neither["num_experts"]
+    with pytest.raises(InvalidArgument) as e:
+        qwen_moe_layout(ConfigView(neither), shared=False)
+    assert e.value.field == "config.num_experts"
