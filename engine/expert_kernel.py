@@ -16,9 +16,11 @@ fp32; bench/moe.py):
   index_add).
 - Otherwise rows are sorted by slot so each hit expert does ONE matmul over a
   contiguous slice (its weights are read once however many tokens chose it). The
-  two projections run in two passes over the hit experts with the activation in
-  between done once over all N rows: per expert only the two matmuls are
-  dispatched, which matters when ~60 experts hold 1-3 rows each (T=16).
+  two projections run in two passes over the slots with the activation in
+  between done once over all N rows: per expert only the two matmuls run, which
+  matters when ~60 experts hold 1-3 rows each (T=16). Each pass is one call of
+  torch's grouped_mm where it runs on CPU (the same per-slot loop, in C++), else
+  a Python loop of torch.mm into slices of one output.
 - The routing weight scales h [N, I] before the down projection (I < D, and the
   down projection is linear), and index_add_ sums each token's rows into y.
 """

@@ -1,39 +1,55 @@
 """The routed-experts layer: stacked expert weights, global -> local slots, the planned reduction.
 
 The arithmetic (tokens sorted by expert, one matmul pair per hit expert) is
-engine/expert_kernel.py's `fused_experts`.
+engine/expert_kernel.py's `fused_experts`; the token exchange of the `a2a` path is
+engine/parallel/a2a.py.
 
 Shapes: T tokens, K slots per token (top-k, plus fused shared slots), D hidden,
-I expert intermediate, E local routed experts, S fused shared slots.
+I expert intermediate, E local physical experts, S fused shared slots, P physical
+experts in all (= routed experts without EPLB redundancy).
 
     gate_up_proj [E + S, 2I, D]   rows [0, I) gate, [I, 2I) up  (HF's layout)
     down_proj    [E + S, D, I]
 
-Expert ids in `topk_ids` are GLOBAL: routed experts are [0, n_routed), the fused
-shared slots are n_routed, n_routed + 1, ... (DESIGN 5.3). This rank holds the
-routed experts [local_start, local_start + E) and every fused slot; tokens routed
-to other ranks' experts contribute nothing here (their owners compute them).
+Expert ids in `topk_ids` are GLOBAL LOGICAL ids: routed experts are [0, n_routed),
+the fused shared slots n_routed, n_routed + 1, ... (DESIGN 5.3). With EPLB they are
+first mapped to physical slots (`eplb.to_physical`: one replica per token; the
+fused slots become P, P + 1, ...). This rank holds physical slots
+[local_start, local_start + E) and every fused slot.
 
 What the layer keeps from the plan, at construction (never read during forward):
 - `num_fused_shared_experts`, `fused_shared_expert_scale` (moe.*): how many shared
   slots follow the routed ones and the multiplier of their routing weight;
-- `num_local_experts` (moe.num_local_routed_experts) -> the local expert range;
-- `post_experts_all_reduce`: whether `reduce` runs on the layer's output (DESIGN
-  5.4); `forward_path` ("normal" / "a2a").
-Expert-parallel execution across processes is a later issue: `reduce` defaults to
-torch.distributed's all-reduce and is an attribute so a test or an executor can
-replace it; the a2a dispatch/combine with ep_size > 1 is refused at build time.
+- `num_local_experts` (moe.num_local_routed_experts), `num_physical`
+  (eplb.num_physical_experts) -> the local slot range; with EPLB enabled a
+  `placement` (slot p holds expert p % n_routed until a rebalance) and a
+  `load_counter` (tokens per logical expert, recorded every forward);
+- `forward_path` and `post_experts_all_reduce` (DESIGN 5.4):
+    normal: every rank holds all tokens and computes its local experts' partial sums
+            (a fused global slot scaled by the plan's 1/ep_size), then `reduce` runs
+            iff the plan says so: ONE all-reduce over the EP group;
+    a2a:    with ep_size > 1 each rank dispatches its tokens to the ranks owning their
+            experts, the owners compute, combine returns complete rows; `reduce`
+            runs only if the plan says so, which it never does for a backend whose
+            combine already sums (the double-reduction bug, DESIGN 1).
+The EP group comes from the process's parallel context (engine/parallel/context.py)
+at construction. `reduce` is an attribute so a single-process test can replace it.
+An unfused shared expert is not this layer's: the model adds it after `forward`
+returns (after the reduction), computed replicated, never summed once per rank.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
 from torch import nn
 
 from ..plan import Keys
+from .eplb import ExpertLoadCounter, Placement, to_physical
 from .expert_kernel import fused_experts
+from .parallel import context as parallel_context
 
 
 def _dist_all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -52,29 +68,56 @@ class RoutedExperts(nn.Module):
         super().__init__()
         par = plan.request.parallel
         self.layer_id = layer_id
-        self.num_experts = num_experts                      # global routed experts
+        self.num_experts = num_experts                      # global routed (logical) experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
+        self.ep_size, self.ep_rank = par.ep_size, par.ep_rank
         self.num_fused_shared_experts = int(plan.decisions[Keys.NUM_FUSED_SHARED_EXPERTS].value)
         self.fused_shared_expert_scale = float(plan.decisions[Keys.FUSED_SHARED_EXPERT_SCALE].value)
         self.post_experts_all_reduce = bool(plan.decisions[Keys.POST_EXPERTS_ALL_REDUCE].value)
         self.forward_path = str(plan.decisions[Keys.FORWARD_PATH].value)
         self.num_local_experts = int(plan.decisions[Keys.NUM_LOCAL_EXPERTS].value)
-        if self.num_local_experts * par.ep_size != num_experts:
-            # EPLB's redundant (physical != logical) experts need a placement map: the EPLB issue.
-            raise NotImplementedError(
-                f"layer {layer_id}: {self.num_local_experts} local x ep_size={par.ep_size} physical experts != "
-                f"{num_experts} routed experts; redundant EPLB experts are not supported yet")
-        if self.forward_path != "normal" and par.ep_size > 1:
-            raise NotImplementedError(f"layer {layer_id}: moe.forward_path={self.forward_path!r} with ep_size="
-                                      f"{par.ep_size} needs a dispatch/combine executor, not implemented yet")
+        self.eplb_enabled = bool(plan.decisions[Keys.EPLB_ENABLED].value)
+        self.num_physical = int(plan.decisions[Keys.EPLB_NUM_PHYSICAL_EXPERTS].value)
+        if self.num_local_experts * par.ep_size != self.num_physical or self.num_physical < num_experts:
+            raise ValueError(f"layer {layer_id}: {self.num_local_experts} local x ep_size={par.ep_size} slots != "
+                             f"{self.num_physical} physical experts (>= {num_experts} routed) of the plan")
+        if self.num_physical != num_experts and not self.eplb_enabled:
+            raise ValueError(f"layer {layer_id}: {self.num_physical} physical slots for {num_experts} experts "
+                             f"without EPLB: nothing would map experts to their replicas")
         self.local_start = par.ep_rank * self.num_local_experts
         self.num_slots = self.num_local_experts + self.num_fused_shared_experts
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_slots, 2 * intermediate_size, hidden_size, dtype=dtype),
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(self.num_slots, hidden_size, intermediate_size, dtype=dtype),
                                       requires_grad=False)
+
+        # The EP group of this rank: from the worker's parallel context, fixed at build time.
+        ctx = parallel_context.current()
+        self.ep_group = None
         self.reduce: Callable[[torch.Tensor], torch.Tensor] = _dist_all_reduce
+        if par.ep_size > 1 and ctx is not None:
+            g = ctx.grid
+            if (g.ep_size, g.ep_rank) != (par.ep_size, par.ep_rank):
+                raise ValueError(f"layer {layer_id}: plan is for ep rank {par.ep_rank}/{par.ep_size} but this "
+                                 f"process is ep rank {g.ep_rank}/{g.ep_size}")
+            from .parallel.a2a import all_reduce_sum
+
+            self.ep_group = ctx.ep_group
+            self.reduce = functools.partial(all_reduce_sum, group=self.ep_group)
+        # a2a over several ranks moves tokens between processes: it needs the group now, not at the first forward.
+        self.dispatch_tokens = self.forward_path == "a2a" and par.ep_size > 1
+        if self.dispatch_tokens and ctx is None:
+            raise RuntimeError(f"layer {layer_id}: moe.forward_path='a2a' with ep_size={par.ep_size} needs an EP "
+                               f"process group: set engine.parallel.context before building (engine/worker.py does)")
+
+        # EPLB: plain tensors made on the CPU (the model is built on meta), moved on first use.
+        self.placement: Placement | None = None
+        self.load_counter: ExpertLoadCounter | None = None
+        if self.eplb_enabled:
+            with torch.device("cpu"):
+                self.placement = Placement.initial((layer_id,), num_experts, self.num_physical, par.ep_size)
+                self.load_counter = ExpertLoadCounter((layer_id,), num_experts, device="cpu")
 
     # -- routing helpers -----------------------------------------------------
     def append_shared_slots(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -90,25 +133,55 @@ class RoutedExperts(nn.Module):
         w = shared_weights.to(topk_weights.dtype) * self.fused_shared_expert_scale
         return torch.cat([topk_ids, ids], dim=1), torch.cat([topk_weights, w], dim=1)
 
-    def _local_slots(self, topk_ids: torch.Tensor) -> torch.Tensor:
-        """Global ids -> local slot ids; ids of other ranks' experts -> num_slots (dropped)."""
-        routed = topk_ids < self.num_experts
-        local = topk_ids - self.local_start
+    def _local_slots(self, phys_ids: torch.Tensor) -> torch.Tensor:
+        """Physical ids -> local slot ids; ids of other ranks' slots -> num_slots (dropped)."""
+        routed = phys_ids < self.num_physical
+        local = phys_ids - self.local_start
         in_range = routed & (local >= 0) & (local < self.num_local_experts)
-        shared = topk_ids - self.num_experts + self.num_local_experts   # fused slots follow the local experts
+        shared = phys_ids - self.num_physical + self.num_local_experts   # fused slots follow the local experts
         return torch.where(in_range, local, torch.where(routed, torch.full_like(local, self.num_slots), shared))
+
+    def set_placement(self, placement: Placement) -> None:
+        """Adopt this layer's row of `placement` (after its weights were moved to it)."""
+        if self.placement is None:
+            raise RuntimeError(f"layer {self.layer_id}: EPLB is not enabled by the plan")
+        if (placement.num_physical, placement.num_logical, placement.ep_size) != \
+                (self.num_physical, self.num_experts, self.ep_size):
+            raise ValueError(f"layer {self.layer_id}: placement of {placement.num_physical} slots / "
+                             f"{placement.num_logical} experts / ep_size={placement.ep_size} does not fit "
+                             f"{self.num_physical} / {self.num_experts} / {self.ep_size}")
+        row = placement.row(self.layer_id)
+        self.placement = Placement((self.layer_id,), placement.phy2log[row:row + 1].clone(), self.ep_size,
+                                   self.num_experts)
 
     # -- the kernel ----------------------------------------------------------
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """x [T, D], topk_ids [T, K] (global ids), topk_weights [T, K] -> [T, D].
-
-        Rows are sorted by local slot and each hit expert runs one matmul pair over its
-        contiguous slice (engine/expert_kernel.py); other ranks' experts are dropped."""
-        slots = self._local_slots(topk_ids)                                  # [T, K]
-        y = fused_experts(x, slots, topk_weights, self.gate_up_proj, self.down_proj)   # [T, D]
+        """x [T, D], topk_ids [T, K] (global logical ids), topk_weights [T, K] -> [T, D]."""
+        if self.load_counter is not None:
+            if self.load_counter.counts.device != topk_ids.device:
+                self.load_counter.counts = self.load_counter.counts.to(topk_ids.device)
+            self.load_counter.record(self.layer_id, topk_ids)       # fused slots are not counted
+        if self.placement is not None:
+            topk_ids = to_physical(topk_ids, self.placement, self.layer_id)
+        if self.dispatch_tokens:
+            y = self._dispatch_compute_combine(x, topk_ids, topk_weights)
+        else:
+            y = fused_experts(x, self._local_slots(topk_ids), topk_weights, self.gate_up_proj, self.down_proj)
         if self.post_experts_all_reduce:
             y = self.reduce(y)   # every rank calls it, even with no local rows: it is a collective
         return y
+
+    def _dispatch_compute_combine(self, x: torch.Tensor, phys_ids: torch.Tensor,
+                                  weights: torch.Tensor) -> torch.Tensor:
+        from .parallel.a2a import combine, dispatch
+
+        rx, rslots, rw, handle = dispatch(x, phys_ids, weights, self.num_local_experts, self.ep_group,
+                                          num_routed=self.num_physical)
+        if rx.shape[0]:
+            rows = fused_experts(rx, rslots[:, None], rw[:, None], self.gate_up_proj, self.down_proj)
+        else:
+            rows = rx.new_zeros((0, self.hidden_size))
+        return combine(rows, handle, weighted=True)                  # complete: no reduction may follow
 
     # -- EPLB ----------------------------------------------------------------
     def get_moe_weights(self) -> list[torch.Tensor]:
@@ -117,7 +190,8 @@ class RoutedExperts(nn.Module):
         return [self.gate_up_proj[:E], self.down_proj[:E]]
 
     def extra_repr(self) -> str:
-        return (f"layer={self.layer_id}, experts={self.num_experts} (local [{self.local_start}, "
-                f"{self.local_start + self.num_local_experts})), fused_shared={self.num_fused_shared_experts}"
-                f" x{self.fused_shared_expert_scale:g}, hidden={self.hidden_size}, inter={self.intermediate_size}, "
-                f"path={self.forward_path}, all_reduce={self.post_experts_all_reduce}")
+        return (f"layer={self.layer_id}, experts={self.num_experts} (physical {self.num_physical}, local "
+                f"[{self.local_start}, {self.local_start + self.num_local_experts})), fused_shared="
+                f"{self.num_fused_shared_experts} x{self.fused_shared_expert_scale:g}, hidden={self.hidden_size}, "
+                f"inter={self.intermediate_size}, path={self.forward_path}, all_reduce={self.post_experts_all_reduce}"
+                f"{', eplb' if self.eplb_enabled else ''}")

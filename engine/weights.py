@@ -55,7 +55,9 @@ class WeightLayout:
 
     n_routed: int                               # global routed experts per MoE layer
     num_fused_shared: int = 0                   # plan: moe.num_fused_shared_experts
-    local_experts: tuple[int, int] | None = None  # [start, end) of this rank's routed experts; None = all
+    local_experts: tuple[int, int] | None = None  # [start, end) of this rank's PHYSICAL routed slots; None = all
+    num_physical: int | None = None             # plan: eplb.num_physical_experts; slot p holds expert
+                                                # p % n_routed at load (EPLB replicas); None = n_routed
     layer_range: tuple[int, int] | None = None    # plan: pp.layer_range; None = all
     has_embed: bool = True                      # first pipeline stage
     has_head: bool = True                       # last pipeline stage (final norm + lm_head)
@@ -96,7 +98,8 @@ def _shared_target(m: re.Match, lay: WeightLayout) -> Target:
 
 
 def _embed_target(m: re.Match, lay: WeightLayout) -> Target:
-    return Target("lm_head.weight") if lay.lm_head_from_embed else Target(m.string)
+    # A wrapper keeps the text model under a prefix ("language_model."): its tied head is there too.
+    return Target(f"{m['prefix']}lm_head.weight") if lay.lm_head_from_embed else Target(m.string)
 
 
 # First match wins; anything unmatched keeps its name.
@@ -104,7 +107,7 @@ RULES: list[tuple[re.Pattern, Callable[[re.Match, WeightLayout], Target]]] = [
     (re.compile(rf"^{_MLP}\.experts\.(?P<e>\d+)\.(?P<part>gate|up)_proj\.weight$"), _expert_target("gate_up")),
     (re.compile(rf"^{_MLP}\.experts\.(?P<e>\d+)\.down_proj\.weight$"), _expert_target("down")),
     (re.compile(rf"^{_MLP}\.shared_experts?\.(?P<part>gate|up|down)_proj\.weight$"), _shared_target),
-    (re.compile(r"^model\.embed_tokens\.weight$"), _embed_target),
+    (re.compile(r"^(?P<prefix>(?:[A-Za-z_]\w*\.)*?)model\.embed_tokens\.weight$"), _embed_target),
 ]
 
 _LAYER_ID = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -132,28 +135,36 @@ def is_local(target: Target, layout: WeightLayout) -> bool:
     if not m and (target.param.endswith("lm_head.weight") or target.param.endswith("model.norm.weight")) \
             and not layout.has_head:
         return False
-    if target.expert is not None and target.expert < layout.n_routed and layout.local_experts is not None:
-        lo, hi = layout.local_experts
-        return lo <= target.expert < hi
+    if target.expert is not None and target.expert < layout.n_routed:
+        return bool(_slots(target.expert, layout))
     return True
 
 
-def _slot(expert: int, layout: WeightLayout) -> int:
-    """Global expert id -> index in the local stacked parameter (fused slots follow the local experts)."""
-    lo, hi = layout.local_experts or (0, layout.n_routed)
-    return expert - lo if expert < layout.n_routed else (hi - lo) + expert - layout.n_routed
+def _physical_range(layout: WeightLayout) -> tuple[int, int]:
+    return layout.local_experts or (0, layout.num_physical or layout.n_routed)
+
+
+def _slots(expert: int, layout: WeightLayout) -> list[int]:
+    """Global expert id -> its indices in the local stacked parameter: the local physical slots
+    holding it (slot p holds expert p % n_routed; several with EPLB replicas), or the fused slot
+    (fused slots follow the local experts)."""
+    lo, hi = _physical_range(layout)
+    if expert >= layout.n_routed:
+        return [(hi - lo) + expert - layout.n_routed]
+    first = lo + (expert - lo) % layout.n_routed          # the first physical slot >= lo holding it
+    return [p - lo for p in range(first, hi, layout.n_routed)]
 
 
 def _global_id(slot: int, layout: WeightLayout) -> int:
-    lo, hi = layout.local_experts or (0, layout.n_routed)
-    return lo + slot if slot < hi - lo else layout.n_routed + slot - (hi - lo)
+    lo, hi = _physical_range(layout)
+    return (lo + slot) % layout.n_routed if slot < hi - lo else layout.n_routed + slot - (hi - lo)
 
 
 def _checkpoint_name(param: str, expert: int | None, part: str | None, layout: WeightLayout) -> str:
     """The checkpoint name(s) a missing target would have had, for error messages."""
     if expert is None:
-        if param == "lm_head.weight" and layout.lm_head_from_embed:
-            return "model.embed_tokens.weight"
+        if param.endswith("lm_head.weight") and layout.lm_head_from_embed:
+            return param[: -len("lm_head.weight")] + "model.embed_tokens.weight"
         return param
     mlp = param.rsplit(".experts.", 1)[0]
     proj = part or "down"
@@ -211,21 +222,23 @@ def build_state_dict(names: list[str], get: Callable[[str], torch.Tensor], shape
         meta = expected[target.param]
         if target.param not in out:
             out[target.param] = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-        view = out[target.param]
+        views = [out[target.param]]
         if target.expert is not None:
-            slot = _slot(target.expert, layout)
-            if not 0 <= slot < view.shape[0]:
+            slots = _slots(target.expert, layout)
+            if not all(0 <= s < views[0].shape[0] for s in slots):
                 raise UnexpectedTensor(f"unexpected tensor {name!r}: expert {target.expert} has no slot in "
-                                       f"{target.param} ({view.shape[0]} slots)")
-            view = view[slot]
+                                       f"{target.param} ({views[0].shape[0]} slots)")
+            views = [views[0][s] for s in slots]      # every local replica of the expert
             if target.part is not None:
-                half = view.shape[0] // 2
-                view = view[:half] if target.part == "gate" else view[half:]
+                half = views[0].shape[0] // 2
+                views = [v[:half] if target.part == "gate" else v[half:] for v in views]
         shape = tuple(shape_of(name))
-        if shape != tuple(view.shape):
-            raise ShapeMismatch(f"tensor {name!r} has shape {list(shape)}, the model expects {list(view.shape)} "
+        if shape != tuple(views[0].shape):
+            raise ShapeMismatch(f"tensor {name!r} has shape {list(shape)}, the model expects {list(views[0].shape)} "
                                 f"for {target.param}" + (f" expert {target.expert}" if target.expert is not None else ""))
-        view.copy_(get(name))
+        tensor = get(name)
+        for view in views:
+            view.copy_(tensor)
         filled[key] = name
         report.loaded += 1
     missing = expected_targets(expected, layout) - filled.keys()
@@ -233,6 +246,7 @@ def build_state_dict(names: list[str], get: Callable[[str], torch.Tensor], shape
         first = sorted(missing, key=lambda k: (k[0], -1 if k[1] is None else k[1], k[2] or ""))
         names_ = [_checkpoint_name(*k, layout) for k in first[:5]]
         raise MissingTensor(f"{len(missing)} tensor(s) missing from the checkpoint, e.g. {', '.join(names_)}")
-    for prefix, n in report.ignored.items():
-        log.info("skipped %d checkpoint tensors under %r (not part of the text model)", n, prefix)
+    if report.ignored:   # one line for all skipped towers, however many prefixes
+        log.info("skipped %d checkpoint tensors not part of the text model (%s)", sum(report.ignored.values()),
+                 ", ".join(f"{p!r}: {n}" for p, n in sorted(report.ignored.items())))
     return out, report

@@ -244,14 +244,16 @@ class DeepseekV3ForCausalLM(nn.Module):
     # -- loading ---------------------------------------------------------------
     def weight_layout(self, prefix: str = "") -> WeightLayout:
         """`prefix`: where a wrapper keeps this model in its checkpoint (e.g. "language_model.")."""
-        n_fused, local = 0, None
+        n_fused, local, physical = 0, None, None
         if self.moe_layer_ids:
             ex = self.model.layers[self.moe_layer_ids[0]].mlp.experts
             n_fused, local = ex.num_fused_shared_experts, (ex.local_start, ex.local_start + ex.num_local_experts)
+            physical = ex.num_physical
         L = self.config.num_hidden_layers
         mtp = tuple(f"{prefix}model.layers.{L + i}." for i in range(self.config.num_nextn_predict_layers))
         return WeightLayout(
             n_routed=self.config.n_routed_experts, num_fused_shared=n_fused, local_experts=local,
+            num_physical=physical,
             layer_range=self.layer_range, has_embed=self.is_first_stage, has_head=self.is_last_stage,
             lm_head_from_embed=self.config.tie_word_embeddings and self.is_last_stage and not self.is_first_stage,
             ignore_prefixes=mtp)
@@ -323,6 +325,7 @@ class KimiK25ForConditionalGeneration(nn.Module):
         inner = self.language_model.weight_layout(prefix=self.TEXT_PREFIX)
         return WeightLayout(
             n_routed=inner.n_routed, num_fused_shared=inner.num_fused_shared, local_experts=inner.local_experts,
+            num_physical=inner.num_physical,
             layer_range=inner.layer_range, has_embed=inner.has_embed, has_head=inner.has_head,
             lm_head_from_embed=inner.lm_head_from_embed,
             ignore_prefixes=self.OTHER_TOWERS + inner.ignore_prefixes)

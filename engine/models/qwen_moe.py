@@ -230,12 +230,14 @@ class _QwenMoeForCausalLM(nn.Module):
 
     # -- loading ---------------------------------------------------------------
     def weight_layout(self) -> WeightLayout:
-        n_fused, local = 0, None
+        n_fused, local, physical = 0, None, None
         if self.moe_layer_ids:
             ex = self.model.layers[self.moe_layer_ids[0]].mlp.experts
             n_fused, local = ex.num_fused_shared_experts, (ex.local_start, ex.local_start + ex.num_local_experts)
+            physical = ex.num_physical
         return WeightLayout(
             n_routed=self.config.num_experts, num_fused_shared=n_fused, local_experts=local,
+            num_physical=physical,
             layer_range=self.layer_range, has_embed=self.is_first_stage, has_head=self.is_last_stage,
             lm_head_from_embed=self.config.tie_word_embeddings and self.is_last_stage and not self.is_first_stage)
 

@@ -35,7 +35,7 @@ COMMANDS: dict[str, Command] = {
     "coverage": Command("loadplan.cli.coverage", "check that every entry class reaches a fusion gate"),
     "generate": Command("loadplan.engine.cli", "greedy generation with a MoE checkpoint",
                         add_arguments="add_generate_arguments", run="run_generate", extra="engine"),
-    "demo": Command("loadplan.engine.cli", "make a small checkpoint and run the whole path on it",
+    "demo": Command("loadplan.engine.demo", "make tiny checkpoints and run the whole path on them",
                     add_arguments="add_demo_arguments", run="run_demo", extra="engine"),
 }
 

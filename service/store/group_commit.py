@@ -34,76 +34,98 @@ DEFER = object()   # outcome: retry this item in the next batch
 
 
 class _Slot:
-    __slots__ = ("item", "outcome", "done", "wake")
+    __slots__ = ("item", "outcome", "done", "lead", "wake")
 
     def __init__(self, item: Any):
         self.item = item
         self.outcome: Any = None
-        self.done = False
-        # Held until the slot's thread is woken, with its outcome or to lead; cheaper than an Event.
-        self.wake = threading.Lock()
-        self.wake.acquire()
+        self.done = False                 # outcome set            } both under GroupCommit._lock;
+        self.lead = False                 # asked to lead a batch  } `wake` is set after either
+        self.wake = threading.Event()
 
 
 class GroupCommit(Generic[T]):
-    def __init__(self, write_batch: Callable[[Sequence[T]], Sequence[Any]], *, max_batch: int = 256):
+    def __init__(self, write_batch: Callable[[Sequence[T]], Sequence[Any]], *, max_batch: int = 256,
+                 max_leaders: int = 1):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if max_leaders < 1:
+            raise ValueError(f"max_leaders must be >= 1, got {max_leaders}")
         self._write_batch = write_batch
         self.max_batch = max_batch
+        # Batches written at the same time: more than one lets a batch run its statements while
+        # the one before waits for its commit (write_batch must then be safe to run concurrently).
+        self.max_leaders = max_leaders
         self._lock = threading.Lock()
         self._queue: list[_Slot] = []
-        self._leading = False             # invariant: queue not empty => a leader is running or woken
-        # Counters for tests and tuning (read without the lock: approximate).
+        self._leaders = 0                 # leading or asked to; queue not empty => at least one
+        # Counters for tests and tuning (approximate when read without the lock).
         self.batches = 0
         self.items = 0
         self.largest_batch = 0
+
+    def pending(self) -> int:
+        """Items queued for a batch not started yet."""
+        with self._lock:
+            return len(self._queue)
 
     def submit(self, item: T) -> Any:
         """Write `item` in the next batch; return its outcome or raise its exception."""
         slot = _Slot(item)
         with self._lock:
             self._queue.append(slot)
-            lead = not self._leading
-            self._leading = True
-        if not lead:
-            slot.wake.acquire()           # sleep until the outcome, or the lead, comes
-        while not slot.done:
-            self._lead_one_batch()
-            if not slot.done:             # deferred: sleep until woken again (maybe to lead)
-                slot.wake.acquire()
+            if self._leaders < self.max_leaders:
+                self._leaders += 1
+                slot.lead = True
+        while True:
+            with self._lock:
+                lead = slot.lead
+                if lead:
+                    slot.lead = False
+                elif slot.done:
+                    break
+                else:
+                    slot.wake.clear()     # set again (after the lock) by an outcome or a lead
+            if lead:
+                self._lead_one_batch()
+            else:
+                slot.wake.wait()
         if isinstance(slot.outcome, BaseException):
             raise slot.outcome
         return slot.outcome
 
     def _lead_one_batch(self) -> None:
+        """Write what is queued (maybe nothing, if another leader took it), then pass the lead on."""
         with self._lock:
             batch = self._queue[:self.max_batch]
             del self._queue[:self.max_batch]
-        try:
-            outcomes = list(self._write_batch([s.item for s in batch]))
-            if len(outcomes) != len(batch):
-                raise RuntimeError(f"write_batch returned {len(outcomes)} outcomes for {len(batch)} items")
-        except BaseException as exc:  # noqa: BLE001 - every caller of the batch gets it
-            outcomes = [exc] * len(batch)
-        deferred = []
-        finished = []
-        for slot, outcome in zip(batch, outcomes):
-            if outcome is DEFER:
-                deferred.append(slot)
-            else:
-                slot.outcome, slot.done = outcome, True
-                finished.append(slot)
-        self.batches += 1
-        self.items += len(finished)
-        self.largest_batch = max(self.largest_batch, len(batch))
+        outcomes: list[Any] = []
+        if batch:
+            try:
+                outcomes = list(self._write_batch([s.item for s in batch]))
+                if len(outcomes) != len(batch):
+                    raise RuntimeError(f"write_batch returned {len(outcomes)} outcomes for {len(batch)} items")
+            except BaseException as exc:  # noqa: BLE001 - every caller of the batch gets it
+                outcomes = [exc] * len(batch)
+        woken = []
         with self._lock:
+            deferred = []
+            for slot, outcome in zip(batch, outcomes):
+                if outcome is DEFER:
+                    deferred.append(slot)
+                else:
+                    slot.outcome, slot.done = outcome, True
+                    woken.append(slot)
             self._queue[:0] = deferred
-            nxt = self._queue[0] if self._queue else None
+            nxt = next((s for s in self._queue if not s.lead), None)
             if nxt is None:
-                self._leading = False     # else the lead passes on to `nxt`: `_leading` stays True
-        for slot in finished:
-            if slot.wake.locked():
-                slot.wake.release()
-        if nxt is not None and nxt.wake.locked():
-            nxt.wake.release()
+                self._leaders -= 1
+            else:
+                nxt.lead = True           # the lead passes on; the count of leaders stays
+                woken.append(nxt)
+            if batch:
+                self.batches += 1
+                self.items += len(batch) - len(deferred)
+                self.largest_batch = max(self.largest_batch, len(batch))
+        for slot in woken:
+            slot.wake.set()

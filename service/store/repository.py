@@ -72,6 +72,9 @@ _RETRY_SQLSTATES = {"40001", "40P01"}
 
 # Most plans one group commit writes in one transaction.
 MAX_BATCH = 256
+# PostgreSQL: group commits written at the same time, so that one batch runs its statements
+# while the one before waits for its WAL flush.
+PG_BATCHES_IN_FLIGHT = 2
 # Pins this process remembers (they never change once written): a rank of a known
 # deployment is checked without a look-up. Oldest forgotten first.
 PIN_CACHE_SIZE = 65536
@@ -419,11 +422,16 @@ def _pin_refusal(item: _Item, pin: _Pin) -> FailedPrecondition | None:
 class SqlPlanStore:
     """`PlanStore` on SQLite or PostgreSQL; `engine` from `db.make_engine`, migrated to head."""
 
-    def __init__(self, engine: Engine, *, max_batch: int = MAX_BATCH, pin_cache_size: int = PIN_CACHE_SIZE):
+    def __init__(self, engine: Engine, *, max_batch: int = MAX_BATCH, max_batches_in_flight: int | None = None,
+                 pin_cache_size: int = PIN_CACHE_SIZE):
         self.engine = engine
         self._writer = writer(engine)
         self._pg = engine.dialect.name == "postgresql"
-        self._group: GroupCommit[NewPlan] = GroupCommit(self._save_batch, max_batch=max_batch)
+        if max_batches_in_flight is None:
+            # SQLite writes one transaction at a time anyway.
+            max_batches_in_flight = PG_BATCHES_IN_FLIGHT if self._pg else 1
+        self._group: GroupCommit[NewPlan] = GroupCommit(self._save_batch, max_batch=max_batch,
+                                                        max_leaders=max_batches_in_flight)
         self._pins = _PinCache(pin_cache_size)
         self._bind_processors: dict[str, list] = {}
 

@@ -48,6 +48,13 @@ def _sendable(message: str) -> str:
     return message
 
 
+def _metadata_text(text: str) -> str:
+    """Metadata values are printable ASCII: anything else written as its escape (\\x1f, \\u00e9)."""
+    if text.isascii() and text.isprintable():
+        return text
+    return "".join(c if " " <= c <= "~" else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def _status(err: RegistryError) -> grpc.StatusCode | None:
     for cls in type(err).__mro__:
         if cls in STATUS_OF:
@@ -65,8 +72,7 @@ def _rpc(method):
             if code is None:  # a RegistryError subclass nobody mapped: a bug, not the caller's fault
                 return _internal(context, method.__name__, e)
             if e.field:
-                # printable ASCII only: control characters are invalid in metadata too
-                field = e.field.encode("unicode_escape").decode("ascii")[:MAX_FIELD_LEN]
+                field = _metadata_text(e.field)[:MAX_FIELD_LEN]
                 context.set_trailing_metadata(((FIELD_METADATA_KEY, field),))
             context.abort(code, _sendable(e.message))
         except Exception as e:  # noqa: BLE001 - the one place that turns bugs into INTERNAL

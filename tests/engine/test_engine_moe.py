@@ -108,10 +108,10 @@ def test_no_reduction_unless_the_plan_says_so():
     ex(x, ids, w)
 
 
-def test_a2a_path_across_ranks_is_refused_at_build_time():
+def test_a2a_path_across_ranks_without_a_process_group_is_refused_at_build_time():
     plan = make_plan(qwen2_config(), ep_size=2, a2a_backend="deepep")
     assert plan.decisions["moe.forward_path"].value == "a2a"
-    with pytest.raises(NotImplementedError, match="forward_path='a2a'"):
+    with pytest.raises(RuntimeError, match="forward_path='a2a' with ep_size=2 needs an EP process group"):
         RoutedExperts(E, D, I, plan, layer_id=0)
 
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from loadplan.engine import expert_kernel
 from loadplan.engine.expert_kernel import fused_experts, grouped_expert_mlp, sort_by_slot
 
 D, I = 16, 8
@@ -26,6 +27,16 @@ def reference(x, slots, weights, gate_up, down):
             gate, up = gate_up[s, :I] @ x[t], gate_up[s, I:] @ x[t]
             y[t] += weights[t, k] * (down[s] @ (F.silu(gate) * up))
     return y
+
+
+@pytest.fixture(params=["grouped_mm", "loop"])
+def path(request, monkeypatch):
+    """Both ways of running the per-slot matmuls: torch's grouped_mm (where it exists) and the Python loop."""
+    if request.param == "loop":
+        monkeypatch.setattr(expert_kernel, "_HAS_GROUPED_MM", False)
+    elif not expert_kernel._HAS_GROUPED_MM:
+        pytest.skip("this torch has no CPU grouped_mm")
+    return request.param
 
 
 def make(S, T, seed=0, dtype=torch.float32):
@@ -49,7 +60,7 @@ def check(x, slots, weights, gate_up, down):
 
 
 @pytest.mark.parametrize("T", [1, 2, 5, 33])
-def test_routed_top_k(T):
+def test_routed_top_k(T, path):
     x, gate_up, down = make(S=8, T=T)
     slots = topk_slots(T, 8, 3, seed=T)
     weights = torch.rand(T, 3, generator=torch.Generator().manual_seed(T))
@@ -57,7 +68,7 @@ def test_routed_top_k(T):
 
 
 @pytest.mark.parametrize("T", [1, 4])
-def test_experts_with_no_tokens_contribute_nothing_and_cost_no_error(T):
+def test_experts_with_no_tokens_contribute_nothing(T, path):
     # 32 slots, at most 2 * T hit: most experts have zero rows
     x, gate_up, down = make(S=32, T=T)
     slots = topk_slots(T, 32, 2, seed=3)
@@ -68,7 +79,7 @@ def test_experts_with_no_tokens_contribute_nothing_and_cost_no_error(T):
 
 
 @pytest.mark.parametrize("T", [1, 6])
-def test_fused_shared_slot_selected_by_every_token(T):
+def test_fused_shared_slot_selected_by_every_token(T, path):
     E, K = 8, 2
     x, gate_up, down = make(S=E + 1, T=T)                        # slot E is the fused shared expert
     slots = torch.cat([topk_slots(T, E, K, seed=5), torch.full((T, 1), E)], dim=1)
@@ -81,7 +92,7 @@ def test_fused_shared_slot_selected_by_every_token(T):
 
 
 @pytest.mark.parametrize("T", [1, 7])
-def test_dropped_slots_contribute_nothing(T):
+def test_dropped_slots_contribute_nothing(T, path):
     S = 6
     x, gate_up, down = make(S=S, T=T)
     slots = topk_slots(T, S, 3, seed=7)
@@ -109,7 +120,7 @@ def test_repeated_slot_in_a_token_counts_twice():
     check(x[:1], slots[:1], torch.rand(1, 2), gate_up, down)
 
 
-def test_grouped_expert_mlp_rows_follow_counts():
+def test_grouped_expert_mlp_rows_follow_counts(path):
     S = 5
     x, gate_up, down = make(S=S, T=6)
     counts = [2, 0, 3, 0, 1]
@@ -131,13 +142,17 @@ def test_weights_in_another_dtype_and_float64_activations():
 
 
 @settings(max_examples=25, deadline=None)
-@given(T=st.integers(0, 9), S=st.integers(1, 7), K=st.integers(1, 4), seed=st.integers(0, 2 ** 16))
-def test_matches_reference_for_any_routing(T, S, K, seed):
+@given(T=st.integers(0, 9), S=st.integers(1, 7), K=st.integers(1, 4), seed=st.integers(0, 2 ** 16),
+       grouped_mm=st.booleans())
+def test_matches_reference_for_any_routing(T, S, K, seed, grouped_mm):
     x, gate_up, down = make(S=S, T=T, seed=seed)
     g = torch.Generator().manual_seed(seed)
     slots = torch.randint(0, S + 2, (T, K), generator=g)            # repeats and dropped ids included
     weights = torch.rand(T, K, generator=g)
-    check(x, slots, weights, gate_up, down)
+    with pytest.MonkeyPatch.context() as mp:
+        if not grouped_mm:
+            mp.setattr(expert_kernel, "_HAS_GROUPED_MM", False)
+        check(x, slots, weights, gate_up, down)
 
 
 def test_matches_transformers_eager_experts():

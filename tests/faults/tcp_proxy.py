@@ -70,6 +70,9 @@ class TcpProxy:
         self._pairs: set[_Pair] = set()
         self._threads: list[threading.Thread] = []
         self._up = True
+        self._flowing = threading.Event()           # cleared: a partition, nothing moves
+        self._flowing.set()
+        self._held: list[socket.socket] = []        # connections accepted during a partition
         self._closing = False
         self._ambush: bytes | None = None
         self.ambushed = threading.Event()           # set when an ambushed reply was swallowed
@@ -85,12 +88,27 @@ class TcpProxy:
         with self._lock:
             self._up = False
             pairs = list(self._pairs)
+            held, self._held = self._held, []
         for p in pairs:
             p.reset()
+        for client in held:
+            _reset(client)
+        self._flowing.set()   # a reset is news that gets through a partition
+
+    def partition(self) -> None:
+        """Network partition: open connections stay open but nothing moves either way, new
+        ones are accepted and never answered. No RST, no FIN: only a timeout can tell.
+        Bytes are not lost: TCP holds them, and they flow again on `restore()`."""
+        with self._lock:
+            self._flowing.clear()
 
     def restore(self) -> None:
         with self._lock:
             self._up = True
+            held, self._held = self._held, []
+            self._flowing.set()
+        for client in held:
+            self._connect(client)
 
     def lose_reply_to(self, marker: bytes) -> None:
         """Arm the ambush for the next client chunk containing `marker` (once)."""
@@ -107,6 +125,9 @@ class TcpProxy:
         with self._lock:
             self._closing = True
             pairs = list(self._pairs)
+            held, self._held = self._held, []
+        for s in held:
+            _reset(s)
         try:
             self._listener.shutdown(socket.SHUT_RDWR)   # wakes the blocked accept()
         except OSError:
@@ -114,6 +135,7 @@ class TcpProxy:
         self._listener.close()
         for p in pairs:
             p.reset()
+        self._flowing.set()
         self._acceptor.join(timeout=5)
         for t in list(self._threads):
             t.join(timeout=5)
@@ -136,38 +158,46 @@ class TcpProxy:
                 if self._closing:
                     _reset(client)
                     return
+                if not self._flowing.is_set() and len(self._held) < self.max_connections:
+                    self._held.append(client)
+                    continue
                 admit = self._up and len(self._pairs) < self.max_connections
             if not admit:
                 self.refused += 1
                 _reset(client)
                 continue
-            try:
-                server = socket.create_connection(self.target, timeout=5)
-                server.settimeout(None)
-            except OSError:
-                self.refused += 1
-                _reset(client)
-                continue
-            for s in (client, server):
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            pair = _Pair(client, server)
-            with self._lock:
-                self._pairs.add(pair)
-                self.accepted += 1
-                self._threads = [t for t in self._threads if t.is_alive()]
-                for direction in ("up", "down"):
-                    t = threading.Thread(target=self._pump, args=(pair, direction), daemon=True,
-                                         name=f"fault-proxy-{direction}")
-                    self._threads.append(t)
-                    t.start()
+            self._connect(client)
+
+    def _connect(self, client: socket.socket) -> None:
+        try:
+            server = socket.create_connection(self.target, timeout=5)
+            server.settimeout(None)
+        except OSError:
+            self.refused += 1
+            _reset(client)
+            return
+        for s in (client, server):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        pair = _Pair(client, server)
+        with self._lock:
+            self._pairs.add(pair)
+            self.accepted += 1
+            self._threads = [t for t in self._threads if t.is_alive()]
+            for direction in ("up", "down"):
+                t = threading.Thread(target=self._pump, args=(pair, direction), daemon=True,
+                                     name=f"fault-proxy-{direction}")
+                self._threads.append(t)
+                t.start()
 
     def _pump(self, pair: _Pair, direction: str) -> None:
         src, dst = (pair.client, pair.server) if direction == "up" else (pair.server, pair.client)
         try:
             while True:
+                self._flowing.wait()   # a partition: stop reading, TCP flow control holds the rest
                 data = src.recv(_CHUNK)
                 if not data:
                     break
+                self._flowing.wait()
                 if direction == "up":
                     with self._lock:
                         hit = self._ambush is not None and self._ambush in data

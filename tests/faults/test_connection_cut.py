@@ -13,14 +13,16 @@ every pin with its plan.
 
 from __future__ import annotations
 
+import random
 import threading
+import time
 import uuid
 
 import pytest
 import sqlalchemy as sa
 from sqlalchemy import event
 
-from fault_helpers import audit, decision_keys, runner_request, wait_for
+from fault_helpers import audit, decision_keys, deployment_wide, runner_request, wait_for
 from loadplan.client import RegistryClient
 from loadplan.client.errors import RegistryCallError
 from loadplan.service.server import RegistryServer, ServerOptions
@@ -45,7 +47,7 @@ class BackendKiller:
         event.listen(engine, "before_cursor_execute", self._before_execute)
         event.listen(engine, "commit", self._before_commit)
 
-    def arm(self, at: int | str) -> None:
+    def arm(self, at: int | str | None) -> None:
         with self._lock:
             self.at = at
             self.fired.clear()
@@ -164,7 +166,7 @@ def test_commit_answer_lost_then_retry_replays(pg_proxy, pg_engine):
     """The COMMIT reached PostgreSQL, its answer never came back: the plan exists, the
     client heard UNAVAILABLE; its retry must get that very plan (replayed), not a second one."""
     proxy, url = pg_proxy
-    engine = make_engine(url, connect_args={"connect_timeout": 3})
+    engine = make_engine(url)   # as `loadplan serve` makes it
     server = RegistryServer(SqlPlanStore(engine), ServerOptions(listen="127.0.0.1:0", max_workers=4,
                                                                  readiness_interval_s=3600)).start()
     dep = f"lost-{uuid.uuid4().hex[:8]}"
@@ -187,3 +189,79 @@ def test_commit_answer_lost_then_retry_replays(pg_proxy, pg_engine):
         engine.dispose()
     stored = audit(pg_engine, decision_keys(), deployment_prefix=dep)
     assert stored.request_counts == {f"{dep}-warm": 1, f"{dep}-r1": 1}
+
+
+def test_cuts_while_many_ranks_save_at_once(pg_proxy, pg_engine, admin):
+    """Concurrent saves share transactions (group commit): a backend terminated in the middle,
+    or a COMMIT whose answer is lost, hits several callers at once. Every rank still ends
+    with exactly one plan, the one on disk, and the ranks of a deployment agree."""
+    proxy, url = pg_proxy
+    engine = make_engine(url)
+    killer = BackendKiller(engine, admin)
+    server = RegistryServer(SqlPlanStore(engine), ServerOptions(listen="127.0.0.1:0", max_workers=16,
+                                                                 readiness_interval_s=3600)).start()
+    dep = f"many-{uuid.uuid4().hex[:6]}"
+    deployments = [f"{dep}-a", f"{dep}-b"]
+    received, errors = {}, {}
+    lock = threading.Lock()
+    stop = threading.Event()
+    fired = []
+
+    def chaos():
+        faults = [0, "lose COMMIT reply", COMMIT, 1, "lose COMMIT reply", 0, COMMIT]
+        for fault in faults:
+            if stop.is_set():
+                return
+            if fault == "lose COMMIT reply":
+                proxy.lose_reply_to(b"COMMIT")
+                hit = proxy.ambushed
+            else:
+                killer.arm(fault)
+                hit = killer.fired
+            while not hit.wait(0.05):
+                if stop.is_set():
+                    killer.arm(None)
+                    return
+            fired.append(fault)
+
+    def rank(client, d, r):
+        req = runner_request(f"{d}-rank{r}", d, r)
+        time.sleep(random.Random(r).uniform(0, 1.5))   # ranks come up over a second and a half
+        try:
+            plan = client.resolve_load_plan(req)
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            with lock:
+                errors[req.request_id] = e
+            return
+        with lock:
+            received[req.request_id] = plan
+
+    clients = [RegistryClient(server.address, timeout=40, max_attempts=100, backoff=0.02, max_backoff=0.3)
+               for _ in range(4)]
+    threads = [threading.Thread(target=rank, args=(clients[r % 4], d, r)) for d in deployments for r in range(32)]
+    monkey = threading.Thread(target=chaos)
+    try:
+        monkey.start()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=45)
+    finally:
+        stop.set()
+        monkey.join(timeout=5)
+        for c in clients:
+            c.close()
+        server.stop(grace=1)
+        engine.dispose()
+    print(f"faults that hit a save: {fired}")
+    assert len(fired) >= 3, f"too few faults hit a save to mean anything: {fired}"
+    assert not errors, {k: repr(v) for k, v in list(errors.items())[:5]}
+    assert len(received) == 64
+    stored = audit(pg_engine, decision_keys(), deployment_prefix=dep)
+    assert {rid: p.plan_id for rid, p in received.items()} == stored.plan_of_request
+    for rid, p in received.items():
+        assert stored.decisions[p.plan_id] == {k: d.value for k, d in p.decisions.items()}, rid
+    for d in deployments:
+        wide = [deployment_wide(p) for p in received.values() if p.request.deployment_id == d]
+        assert len(wide) == 32 and all(w == wide[0] for w in wide), f"ranks of {d} disagree"
+    assert sorted(stored.pins) == sorted((d, "target") for d in deployments)

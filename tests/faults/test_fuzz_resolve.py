@@ -36,7 +36,7 @@ from loadplan.v1 import registry_pb2 as pb
 from loadplan.v1 import registry_pb2_grpc as pb_grpc
 
 REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION}
-FUZZ = settings(max_examples=150, deadline=None, database=None,
+FUZZ = settings(max_examples=200, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                        HealthCheck.data_too_large])
 
@@ -59,7 +59,7 @@ BASE_CONFIGS = [
 READ_FIELDS = ["architectures", "num_hidden_layers", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
                "first_k_dense_replace", "moe_layer_freq", "num_nextn_predict_layers", "num_experts",
                "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size", "moe_intermediate_size",
-               "quantization_config", "text_config"]
+               "num_local_experts", "quantization_config", "text_config"]
 QUANT_FIELDS = ["quant_method", "quant_algo", "exclude_modules", "ignore", "modules_to_not_convert",
                 "ignored_layers"]
 
@@ -251,10 +251,12 @@ def test_resolve_over_grpc_answers_a_status_never_a_crash(stub, engine, req):
 
 
 @FUZZ
-@given(text=config_texts(), qtext=st.one_of(st.just(""), config_texts()))
-def test_config_json_text_over_grpc(stub, engine, text, qtext):
+@given(text=config_texts(), qtext=st.one_of(st.just(""), config_texts()),
+       role=st.one_of(st.sampled_from([pb.ROLE_TARGET, pb.ROLE_SPECULATIVE]), st.integers(-2**31, 2**31 - 1)))
+def test_config_json_text_over_grpc(stub, engine, text, qtext, role):
+    """The raw wire: config text as sent (truncated, NaN, deep, ...), any role number."""
     msg = pb.ResolveLoadPlanRequest(request_id=f"fz-{uuid.uuid4().hex}", deployment_id=f"fz-{uuid.uuid4().hex[:8]}",
-                                    config_json=text, quantization_config_json=qtext)
+                                    config_json=text, quantization_config_json=qtext, role=role)
     event(_check_call(stub, engine, msg))
 
 
@@ -294,3 +296,65 @@ def test_oversized_message_is_refused_and_leaves_no_row(stub, engine):
                                                config=cfg))
     assert stub.ResolveLoadPlan(msg, timeout=30).plan_id
     assert rows(engine)[0] == before[0] + 1
+
+
+# --- what the fuzzing found, pinned as examples ------------------------------------------
+# Each reached the database (or the HTTP/2 trailers) and came back INTERNAL, UNKNOWN or
+# RESOURCE_EXHAUSTED, or held the registry for seconds; each must be a refusal by name.
+
+def _wire(config=None, **fields) -> pb.ResolveLoadPlanRequest:
+    msg = pb.ResolveLoadPlanRequest(request_id=f"fz-{uuid.uuid4().hex}", deployment_id=f"fz-{uuid.uuid4().hex[:8]}",
+                                    **fields)
+    msg.config_json = config if isinstance(config, str) else json.dumps(config or _DEEPSEEK)
+    return msg
+
+
+KNOWN_BAD = {
+    # PostgreSQL text refuses NUL: DataError -> INTERNAL
+    "NUL in host": (_wire(host="node\x000"), "host"),
+    "NUL in quantization": (_wire(quantization="fp\x008"), "quantization"),
+    # a VARCHAR(128) column: DataError -> INTERNAL
+    "quantization name too long": (_wire(quantization="q" * 300), "quantization"),
+    "quant_method too long": (_wire(dict(_DEEPSEEK, quantization_config={"quant_method": "m" * 300})),
+                              "quantization_config.quant_method"),
+    # a lone surrogate escape is valid JSON text but no UTF-8 exists for it: UnicodeEncodeError -> INTERNAL
+    "unpaired surrogate in a config value": (_wire(json.dumps(_DEEPSEEK)[:-1] + ', "x": "\\ud800"}'), "config.x"),
+    "unpaired surrogate in a key": (_wire(json.dumps(_DEEPSEEK)[:-1] + ', "\\udfff": 1}'), "config.<key>"),
+    "unpaired surrogate in quantization_config": (_wire(quantization_config_json='{"quant_method": "\\ud800"}'),
+                                                  "quantization_config.quant_method"),
+    # 10**9 layers were enumerated: minutes and gigabytes for one request
+    "absurd layer count": (_wire(dict(_DEEPSEEK, num_hidden_layers=10**9)), "config.num_hidden_layers"),
+    # the refusal quoted the whole 100 kB value: trailers over 16 KiB -> RESOURCE_EXHAUSTED, reason lost
+    "huge value in a wrong-typed field": (_wire(dict(_DEEPSEEK, num_hidden_layers="x" * 100_000)),
+                                          "config.num_hidden_layers"),
+    "huge unknown entry class": (_wire(dict(_DEEPSEEK, architectures=["X" * 100_000])), "config.architectures"),
+    # a control character in the blamed field's path made the metadata invalid -> INTERNAL
+    "control character in a key": (_wire(quantization_config_json='{"\\u001f": "\\ud800"}'),
+                                   "quantization_config.\\x1f"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(KNOWN_BAD))
+def test_known_bad_inputs_are_refused_by_name(stub, engine, case):
+    msg, field = KNOWN_BAD[case]
+    before = rows(engine)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.ResolveLoadPlan(msg, timeout=30)
+    err = info.value
+    assert err.code() in REFUSALS, f"{err.code().name}: {err.details()}"
+    assert len(err.details()) <= 4096
+    blamed = dict(err.trailing_metadata() or ()).get("loadplan-field")
+    assert blamed == field, (blamed, err.details()[:200])
+    assert rows(engine) == before
+
+
+@pytest.mark.parametrize("value", [2**31, 2**40, 10**30])
+def test_parallel_sizes_beyond_int32_are_refused_directly(engine, value):
+    """The wire cannot carry them; a direct caller can, and PostgreSQL's INTEGER refused them (INTERNAL)."""
+    before = rows(engine)
+    with pytest.raises(InvalidArgument) as info:
+        Registry(SqlPlanStore(engine)).resolve(ResolveRequest(request_id=f"fz-{uuid.uuid4().hex}",
+                                                              deployment_id="fz-int", config=_DEEPSEEK,
+                                                              parallel=Parallel(tp_size=value)))
+    assert info.value.field == "parallel.tp_size"
+    assert rows(engine) == before

@@ -18,6 +18,8 @@ import time
 import uuid
 from collections import defaultdict
 
+import sqlalchemy as sa
+
 from fault_helpers import ServeProcess, audit, decision_keys, deployment_wide, runner_request
 from loadplan.client import RegistryClient
 
@@ -99,3 +101,59 @@ def test_sigkill_in_the_middle_of_a_storm(pg_db, pg_engine):
     # Rank-specific decisions still follow the rank: 4 pipeline stages, 4 layer ranges.
     ranges = {tuple(p.value("pp.layer_range")) for p in received.values()}
     assert len(ranges) == 4
+
+
+def test_database_failover_in_the_middle_of_a_storm(pg_db, pg_engine):
+    """PostgreSQL drops every connection of the registry at once (a restart or a failover),
+    twice, while 256 ranks resolve: the pool reconnects, callers retry, nothing is lost."""
+    prefix = f"failover-{uuid.uuid4().hex[:6]}"
+    deployments = [f"{prefix}-d{i}" for i in range(DEPLOYMENTS)]
+    database = pg_engine.url.database
+    admin = pg_engine.execution_options(isolation_level="AUTOCOMMIT")
+    received, errors = {}, {}
+    lock = threading.Lock()
+    terminated = []
+    with ServeProcess(pg_db) as server:
+        clients = {d: RegistryClient(server.address, timeout=STORM_TIMEOUT_S, max_attempts=400, backoff=0.05,
+                                     max_backoff=0.5) for d in deployments}
+
+        def rank(dep: str, r: int) -> None:
+            req = runner_request(f"{dep}-rank{r}", dep, r, ranks=RANKS)
+            time.sleep((r % 16) * 0.1)   # ranks come up over 1.6 s, so both failovers land mid-storm
+            try:
+                plan = clients[dep].resolve_load_plan(req)
+            except BaseException as e:  # noqa: BLE001 - asserted below
+                with lock:
+                    errors[req.request_id] = e
+                return
+            with lock:
+                received[req.request_id] = plan
+
+        threads = [threading.Thread(target=rank, args=(d, r), daemon=True) for d in deployments for r in range(RANKS)]
+        try:
+            for t in threads:
+                t.start()
+            for _ in range(2):
+                time.sleep(0.5)
+                with admin.connect() as c:
+                    # Every backend on this database but our own: the registry's whole pool.
+                    terminated.append(c.execute(sa.text(
+                        "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity "
+                        "WHERE datname = :db AND pid <> pg_backend_pid() AND backend_type = 'client backend'"),
+                        {"db": database}).scalar_one())
+            for t in threads:
+                t.join(timeout=STORM_TIMEOUT_S)
+        finally:
+            for c in clients.values():
+                c.close()
+    print(f"failover: backends terminated {terminated}, plans {len(received)}, "
+          f"errors {len(errors)}")
+    assert all(n > 0 for n in terminated), f"the failovers hit no registry connection: {terminated}"
+    assert not errors, {k: repr(v) for k, v in list(errors.items())[:5]}
+    assert len(received) == DEPLOYMENTS * RANKS
+    stored = audit(pg_engine, decision_keys(), deployment_prefix=prefix)
+    assert {rid: p.plan_id for rid, p in received.items()} == stored.plan_of_request
+    for dep in deployments:
+        wide = [deployment_wide(p) for p in received.values() if p.request.deployment_id == dep]
+        assert all(w == wide[0] for w in wide), f"ranks of {dep} disagree"
+    assert sorted(stored.pins) == sorted((d, "target") for d in deployments)

@@ -1,0 +1,153 @@
+"""Greedy speculative decoding: a draft runner proposes, the target runner verifies (gpt-fast style).
+
+Each round, with `cur` the last accepted token (not yet fed to the target) at position L-1:
+1. the draft feeds what its cache lacks (normally just `cur`; after a round where every
+   proposal was accepted also the last proposal) and then proposes d1..dk one token at a time;
+2. the target runs [cur, d1..dk] at positions L-1..L-1+k in ONE forward and takes its greedy
+   tokens g0..gk (g_i follows d1..d_i);
+3. the longest prefix with d_{i+1} == g_i is accepted, then the target's own g_n: every token
+   appended is a target greedy token, so the output is exactly `generate(target, ...)`'s.
+
+Rolling back costs nothing. Both runners use static KV caches indexed by absolute position,
+and a query at position p attends only keys at positions <= p (layers/attention.py, mla.py):
+entries a rejected proposal left beyond the accepted length are never seen, and the next
+forward overwrites them (test_speculative.py proves both attention kinds mask them).
+
+The runners only need the model conventions (engine/models/__init__.py): `model(input_ids
+[1, T], input_pos [T]) -> logits [1, T, V]`, `setup_caches`, `clear_caches`. On a worker with
+several ranks every rank runs this loop; `sync_tokens` (e.g. a broadcast from rank 0) makes all
+of them take the same tokens, so they run the same forwards with the same shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+
+class VocabMismatch(ValueError):
+    """Target and draft must share the vocabulary: the draft's token ids are fed to the target."""
+
+
+def vocab_size(model: nn.Module) -> int | None:
+    """The model's vocabulary size, as its config says (None if it does not say)."""
+    size = getattr(model, "vocab_size", None)
+    if size is None:
+        size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return int(size) if size is not None else None
+
+
+def _device(model: nn.Module) -> torch.device:
+    dev = getattr(model, "device", None)
+    if isinstance(dev, torch.device):
+        return dev
+    try:
+        return next(model.parameters()).device
+    except (StopIteration, AttributeError):
+        return torch.device("cpu")
+
+
+def _eos_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
+    if eos_token_id is None:
+        return frozenset()
+    return frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+
+
+@torch.no_grad()
+def speculative_generate(target: nn.Module, draft: nn.Module, prompt_ids: Sequence[int] | torch.Tensor,
+                         max_new_tokens: int, num_draft_tokens: int, *,
+                         eos_token_id: int | Sequence[int] | None = None,
+                         sync_tokens: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                         on_tokens: Callable[[int], None] | None = None) -> tuple[list[int], dict]:
+    """prompt_ids [T] (or [1, T]) -> (the target's greedy new tokens, stats).
+
+    Stops after `max_new_tokens` tokens or at the first EOS (included), like `engine.generate.generate`.
+    stats: proposed (draft tokens the target verified), accepted (those it agreed with),
+    acceptance_rate (accepted / proposed; 0.0 when nothing was proposed), target_forwards,
+    draft_forwards, rounds. `on_tokens(n)` is told each time n tokens are added (a progress bar).
+    """
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long)
+    if ids.dim() == 2:
+        if ids.shape[0] != 1:
+            raise ValueError(f"speculative decoding runs batch size 1, got a batch of {ids.shape[0]}")
+        ids = ids[0]
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError("prompt_ids must be a non-empty sequence of token ids")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+    vt, vd = vocab_size(target), vocab_size(draft)
+    if vt is None or vd is None or vt != vd:
+        raise VocabMismatch(f"target and draft must share the vocabulary: target vocab_size={vt}, draft "
+                            f"vocab_size={vd}; pick a draft checkpoint trained with the target's tokenizer")
+    eos = _eos_set(eos_token_id)
+    stats = {"proposed": 0, "accepted": 0, "acceptance_rate": 0.0, "target_forwards": 0, "draft_forwards": 0,
+             "rounds": 0}
+    if max_new_tokens == 0:
+        return [], stats
+    device = _device(target)
+    sync = sync_tokens or (lambda t: t)
+    told = on_tokens or (lambda n: None)
+    T = ids.numel()
+    seq = ids.tolist()                     # prompt + accepted tokens
+    # The deepest write: the target verifies k <= remaining - 1 proposals after a token at T + n_out - 1.
+    max_len = T + max_new_tokens
+    target.setup_caches(1, max_len)
+    draft.setup_caches(1, max_len)
+    try:
+        logits = target(ids[None].to(device), torch.arange(T, device=device))
+        stats["target_forwards"] += 1
+        out = [int(sync(logits[0, -1].argmax(dim=-1, keepdim=True))[0])]
+        seq.append(out[0])
+        told(1)
+        draft_len = 0                      # positions [0, draft_len) of the draft's cache hold `seq`
+        while len(out) < max_new_tokens and out[-1] not in eos:
+            L = len(seq)                   # seq[L-1] is `cur`: the target's cache holds [0, L-1)
+            k = min(num_draft_tokens, max_new_tokens - len(out) - 1)
+            proposals: list[int] = []
+            if k > 0:
+                feed, pos = seq[draft_len:], draft_len
+                while len(proposals) < k:
+                    dl = draft(torch.tensor([feed], device=device),
+                               torch.arange(pos, pos + len(feed), device=device))
+                    stats["draft_forwards"] += 1
+                    tok = int(sync(dl[0, -1].argmax(dim=-1, keepdim=True))[0])
+                    proposals.append(tok)
+                    pos += len(feed)
+                    feed = [tok]
+                    if tok in eos:         # the target will stop here if it agrees: propose no further
+                        break
+                draft_len = pos            # the draft fed seq[:L] then proposals[:-1]
+            verify = [seq[-1]] + proposals
+            vl = target(torch.tensor([verify], device=device), torch.arange(L - 1, L + len(proposals),
+                                                                               device=device))
+            stats["target_forwards"] += 1
+            greedy = sync(vl[0].argmax(dim=-1)).tolist()                       # g0..gk
+            n = 0
+            while n < len(proposals) and proposals[n] == greedy[n]:
+                n += 1
+            stats["proposed"] += len(proposals)
+            stats["accepted"] += n
+            stats["rounds"] += 1
+            new = proposals[:n] + [greedy[n]]
+            # The draft's cache is right only up to the first rejected proposal it fed.
+            draft_len = min(draft_len, L + n)
+            before = len(out)
+            for tok in new:
+                out.append(tok)
+                seq.append(tok)
+                if tok in eos or len(out) >= max_new_tokens:
+                    break
+            told(len(out) - before)
+        if stats["proposed"]:
+            stats["acceptance_rate"] = stats["accepted"] / stats["proposed"]
+        return out, stats
+    finally:
+        target.clear_caches()
+        draft.clear_caches()
+
+
+__all__ = ["speculative_generate", "VocabMismatch", "vocab_size"]

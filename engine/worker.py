@@ -1,0 +1,205 @@
+"""The multi-rank worker: every rank builds its runner(s) from its own plan and decodes in lockstep.
+
+    result = generate_distributed(WorkerSpec(model=DIR, prompt_ids=[...], max_new_tokens=8, ep_size=2), nproc=2)
+
+`generate_distributed` (the parent) starts ONE registry when none is given (the
+embedded server on the SQLite file, so all ranks share one registry and its
+deployment pins), makes a fresh deployment id when none is given, and launches the
+ranks (engine/parallel/launch.py: every collective has a timeout; the first rank
+that fails makes the run raise `RankFailed` with that rank's error, never hang).
+
+`run_rank` (each rank):
+1. the (pp, ep) grid and its groups, set as the process's parallel context BEFORE
+   any model is built (engine/parallel/context.py): the MoE layers take their EP
+   group from it at construction;
+2. `load_model` (the single instantiation point) for the target, role "target":
+   the rank resolves its OWN plan under the deployment id. Rank 0 resolves first
+   and the others after it, so the deployment is pinned by rank 0's inputs and a
+   rank whose inputs differ is the one refused (FAILED_PRECONDITION), not rank 0;
+3. with a draft, the same for it (role "speculative", the same parallel layout,
+   its own runtime flags): its own plan, so it can never rewrite the target's;
+4. each stage wrapped as a whole model (engine/parallel/pipeline.py: hidden states
+   between stages, logits broadcast from the last stage so every rank samples the
+   same token);
+5. greedy decoding (engine/generate.py) or `speculative_generate` with the draft;
+6. EPLB (plan eplb.enabled): a rebalance every `rebalance_every` target forwards, or
+   once after decoding when 0 (engine/rebalance.py), each recorded in the registry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+LOAD_FLAGS = ("disable_shared_experts_fusion", "enforce_shared_experts_fusion", "enable_sbo", "enable_tbo",
+              "moe_runner", "quantization", "weight_cache", "host")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    model: str                                  # target checkpoint folder
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    ep_size: int = 1
+    pp_size: int = 1
+    a2a_backend: str = "none"
+    deployment: str | None = None               # None: generate_distributed makes a fresh one for its ranks
+    registry: str | None = None                 # a registry address; None: the embedded one on db_url
+    db_url: str | None = None                   # None: $LOADPLAN_DB_URL, else sqlite:///loadplan.db
+    runtime: dict = field(default_factory=dict)          # target's load_model flags (LOAD_FLAGS)
+    draft: str | None = None                    # draft checkpoint folder (speculative decoding)
+    num_draft_tokens: int = 4
+    draft_runtime: dict = field(default_factory=dict)    # the draft's flags (its own quantization / fusion intent)
+    enable_eplb: bool = False
+    ep_num_redundant_experts: int = 0
+    rebalance_every: int = 0                    # target forwards between rebalances; 0: once after decoding
+    dtype: str = "float32"
+    stop_at_eos: bool = True                    # stop at the checkpoint's EOS ids, as `loadplan generate` does
+
+    def __post_init__(self):
+        for what, flags in (("runtime", self.runtime), ("draft_runtime", self.draft_runtime)):
+            bad = sorted(set(flags) - set(LOAD_FLAGS))
+            if bad:
+                raise ValueError(f"WorkerSpec.{what}: {bad} not supported; supported: {', '.join(LOAD_FLAGS)}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if not hasattr(torch, self.dtype) or not isinstance(getattr(torch, self.dtype), torch.dtype):
+            raise ValueError(f"dtype {self.dtype!r} is not a torch dtype")
+
+
+# -- one rank ------------------------------------------------------------------------
+
+def init_rank(spec: WorkerSpec):
+    """Create the grid (a collective) and make it the parallel context of the models built next."""
+    from .parallel.context import ParallelContext, set_parallel_context
+    from .parallel.groups import make_grid
+
+    grid = make_grid(spec.pp_size, spec.ep_size)
+    set_parallel_context(ParallelContext(grid))
+    return grid
+
+
+def _registry_of(spec: WorkerSpec) -> Any:
+    """What load_model takes: the address, or None (embedded on the SQLite file, a single-rank run)."""
+    if spec.registry is None and spec.db_url is not None:
+        os.environ["LOADPLAN_DB_URL"] = spec.db_url
+    return spec.registry
+
+
+def load_runner(spec: WorkerSpec, grid, role: str = "target", *, registry: Any = None):
+    """Build this rank's stage of the target (or the draft, role "speculative") from its own plan,
+    wrapped so it runs like the whole model. Rank 0 resolves first (see the module doc)."""
+    import torch.distributed as dist
+
+    from .loader import load_model
+    from .parallel.launch import rank_device
+    from .parallel.pipeline import PipelineModel
+
+    draft = role != "target"
+    flags = dict(spec.draft_runtime if draft else spec.runtime)
+    kwargs = dict(registry=registry if registry is not None else _registry_of(spec), role=role,
+                  deployment=spec.deployment, a2a_backend=spec.a2a_backend, device=rank_device(),
+                  ep_size=spec.ep_size, ep_rank=grid.ep_rank, pp_size=spec.pp_size, pp_rank=grid.pp_rank,
+                  enable_eplb=spec.enable_eplb and not draft,
+                  ep_num_redundant_experts=spec.ep_num_redundant_experts if not draft else 0,
+                  dtype=getattr(torch, spec.dtype), **flags)
+    path = spec.draft if draft else spec.model
+    distributed = dist.is_initialized() and grid.world_size > 1
+    model = None
+    if grid.rank == 0:
+        model = load_model(path, **kwargs)
+    if distributed:
+        dist.barrier()          # rank 0 pinned the deployment (or failed: then the launcher stops everyone)
+    if grid.rank != 0:
+        model = load_model(path, **kwargs)
+    return PipelineModel(model, grid)
+
+
+def _recorder(spec: WorkerSpec, stack: ExitStack):
+    if spec.registry is None:
+        return None
+    from ..client import RegistryClient
+
+    return stack.enter_context(RegistryClient(spec.registry))
+
+
+def run_rank(rank: int, world_size: int, spec: WorkerSpec) -> dict:
+    """One rank of `generate_distributed` (a launch target: fn(rank, world_size, spec))."""
+    from .generate import checkpoint_eos, generate
+    from .rebalance import rebalance
+
+    grid = init_rank(spec)
+    target = load_runner(spec, grid, "target")
+    draft = load_runner(spec, grid, "speculative") if spec.draft else None
+    eos = checkpoint_eos(spec.model) if spec.stop_at_eos else []
+    out: dict[str, Any] = {"rank": rank, "pp_rank": grid.pp_rank, "ep_rank": grid.ep_rank,
+                           "plan_id": target.plan.plan_id, "draft_plan_id": draft.plan.plan_id if draft else None,
+                           "acceptance_rate": None, "eplb": []}
+    with ExitStack() as stack:
+        recorder = _recorder(spec, stack)
+        eplb_on = bool(spec.enable_eplb and target.routed_experts_weights_of_layer)
+        if eplb_on and spec.rebalance_every > 0:
+            calls = [0]
+
+            def every_n(module, args, result):
+                calls[0] += 1
+                if calls[0] % spec.rebalance_every == 0:
+                    out["eplb"].append(rebalance(module, recorder=recorder).summary())
+            target.register_forward_hook(every_n)
+        prompt = list(spec.prompt_ids)
+        if draft is not None:
+            from .speculative import speculative_generate   # engine/speculative.py
+
+            tokens, stats = speculative_generate(target, draft, prompt, spec.max_new_tokens, spec.num_draft_tokens,
+                                                 eos_token_id=eos or None)
+            out["acceptance_rate"] = stats.get("acceptance_rate")
+        else:
+            tokens = generate(target, prompt, spec.max_new_tokens, eos_token_id=eos or None)[0].tolist()
+        if eplb_on and spec.rebalance_every == 0:
+            out["eplb"].append(rebalance(target, recorder=recorder).summary())
+    out["tokens"] = [int(t) for t in tokens]
+    return out
+
+
+# -- the launcher --------------------------------------------------------------------
+
+def generate_distributed(spec: WorkerSpec, nproc: int, *, timeout_s: float = 300) -> dict:
+    """Run `spec` on `nproc` = ep_size x pp_size ranks; the tokens, plan ids and EPLB figures.
+
+    Raises engine.parallel.launch.RankFailed (the failing rank and its error) if any rank fails."""
+    from .parallel.groups import check_sizes
+    from .parallel.launch import launch
+
+    check_sizes(nproc, spec.pp_size, spec.ep_size)
+    spec = dataclasses.replace(spec, deployment=spec.deployment or uuid.uuid4().hex)
+    with ExitStack() as stack:
+        if spec.registry is None:
+            from ..service.embedded import EmbeddedRegistry
+            from .loader import DB_URL_ENV, DEFAULT_DB_URL
+
+            db_url = spec.db_url or os.environ.get(DB_URL_ENV) or DEFAULT_DB_URL
+            reg = stack.enter_context(EmbeddedRegistry(db_url))
+            spec = dataclasses.replace(spec, registry=reg.address)
+        ranks = launch(nproc, run_rank, spec, timeout_s=timeout_s)
+    tokens = ranks[0]["tokens"]
+    for r in ranks[1:]:
+        if r["tokens"] != tokens:   # lockstep decoding makes this impossible unless a collective is wrong
+            raise RuntimeError(f"ranks disagree on the tokens: rank 0 {tokens}, rank {r['rank']} {r['tokens']}")
+    return {
+        "tokens": tokens,
+        "deployment": spec.deployment,
+        "plan_ids": [r["plan_id"] for r in ranks],
+        "draft_plan_ids": [r["draft_plan_id"] for r in ranks] if spec.draft else [],
+        "acceptance_rate": ranks[0]["acceptance_rate"],
+        "eplb": {r["rank"]: r["eplb"] for r in ranks} if spec.enable_eplb else {},
+        "ranks": ranks,
+    }
+
+
+__all__ = ["WorkerSpec", "run_rank", "generate_distributed", "init_rank", "load_runner"]

@@ -1,0 +1,101 @@
+"""`loadplan demo` end to end, as `make demo` runs it (a subprocess of the console script).
+
+It must leave in its SQLite history what it printed: one deployment, a target and a
+speculative plan for each of its EP ranks, pinned to the same deployment-wide
+decisions per role, and a report showing both runners' values and reasons.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(240)
+
+LOADPLAN = str(Path(sys.executable).parent / "loadplan")
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    proc = subprocess.run([LOADPLAN, "demo", "--dir", str(out / "demo-out"), "--max-new-tokens", "12"],
+                          capture_output=True, text=True, cwd=out, timeout=200)
+    assert proc.returncode == 0, f"loadplan demo failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    return out / "demo-out", proc
+
+
+def _plans(db: Path) -> list[dict]:
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(f"sqlite:///{db}")
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(sa.text("SELECT plan_id, deployment_id, role, ep_rank, ep_size, entry_class "
+                                        "FROM plans")).mappings().all()
+            decisions = conn.execute(sa.text("SELECT plan_id, key, value_json, reason FROM decisions")).all()
+    finally:
+        engine.dispose()
+    by_plan = {r["plan_id"]: dict(r, decisions={}) for r in rows}
+    for plan_id, key, value, reason in decisions:
+        by_plan[plan_id]["decisions"][key] = (json.loads(value), reason)
+    return list(by_plan.values())
+
+
+def test_demo_records_target_and_draft_plans_of_two_ep_ranks(demo):
+    root, proc = demo
+    plans = _plans(root / "loadplan.db")
+    assert len({p["deployment_id"] for p in plans}) == 1
+    roles = {}
+    for p in plans:
+        assert p["ep_size"] == 2
+        roles.setdefault(p["role"], set()).add(p["ep_rank"])
+    assert roles == {"target": {0, 1}, "speculative": {0, 1}}
+    target = [p for p in plans if p["role"] == "target"]
+    draft = [p for p in plans if p["role"] == "speculative"]
+    assert {p["entry_class"] for p in target} == {"DeepseekV3ForCausalLM"}
+    assert {p["entry_class"] for p in draft} == {"Qwen3MoeForCausalLM"}
+    # 256 routed experts + 1 shared: the target fuses; the draft has no shared expert to fuse.
+    for p in target:
+        assert p["decisions"]["moe.shared_experts_fusion"][0] is True
+        assert p["decisions"]["moe.fused_shared_expert_scale"][0] == 0.5      # 1/ep_size on the normal path
+        assert p["decisions"]["moe.post_experts_all_reduce"][0] is True
+    for p in draft:
+        assert p["decisions"]["moe.shared_experts_fusion"][0] is False
+    # the deployment id the report names is the one in the database
+    assert plans[0]["deployment_id"] in proc.stdout
+
+
+def test_demo_prints_both_runners_decisions_reasons_and_the_diff(demo):
+    root, proc = demo
+    out = proc.stdout
+    plans = {p["plan_id"]: p for p in _plans(root / "loadplan.db")}
+    row = re.search(r"^moe\.shared_experts_fusion\*?\s+true\s+false\s+target: (.+)$", out, re.M)
+    assert row, out
+    t0 = next(p for p in plans.values() if p["role"] == "target" and p["ep_rank"] == 0)
+    d0 = next(p for p in plans.values() if p["role"] == "speculative" and p["ep_rank"] == 0)
+    assert t0["decisions"]["moe.shared_experts_fusion"][1] in row.group(1)
+    assert f"draft:  {d0['decisions']['moe.shared_experts_fusion'][1]}" in out
+    assert f"loadplan plans diff {t0['plan_id']} {d0['plan_id']}" in out
+    diff = out[out.index("audit diff"):]
+    assert re.search(r"^moe\.shared_experts_fusion\s+true\s+false$", diff, re.M), diff
+    assert re.search(r"^role\s+\"target\"\s+\"speculative\"$", diff, re.M), diff
+    tokens = re.search(r"^\s+output\s+([\d ]+)$", out, re.M)
+    assert tokens and len(tokens.group(1).split()) == 12
+    # progress bars for loading and generation, on stderr
+    assert "loading" in proc.stderr and "generating" in proc.stderr
+
+
+def test_the_commands_the_demo_suggests_work(demo):
+    root, proc = demo
+    suggested = [line.strip() for line in proc.stdout.splitlines() if line.strip().startswith(".venv/bin/loadplan")]
+    assert len(suggested) == 3
+    for line in suggested:
+        argv = [LOADPLAN, *line.split()[1:]]
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=root.parent)
+        assert res.returncode == 0, f"{line}\n{res.stderr}"
+        assert res.stdout.strip()

@@ -1,0 +1,116 @@
+"""Expert parallelism on 2 gloo ranks: every backend of the registry's table gives the single-process
+logits and greedy tokens, fused and unfused where the plan allows; a forced post-experts all-reduce on
+the a2a path (the double-reduction bug of DESIGN 1) is visible in the logits.
+
+One launch per model: the ranks loop over the backends (a launch costs seconds, a load a fraction)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loadplan.engine.parallel.launch import launch
+from loadplan.plan import Keys
+from loadplan.service.rules.backends import BACKENDS
+
+from parallel_helpers import DEEPSEEK, QWEN3, make_model, single_process
+
+EP = 2
+N_NEW = 4
+TOL = 1e-4
+INTENTS = {"enforce": {"enforce_shared_experts_fusion": True}, "disable": {"disable_shared_experts_fusion": True}}
+
+
+def _ep_ranks(rank, world_size, path, ids, intents, double_reduce_backend):
+    """Each backend (x intent): load this rank's experts from its own plan, logits and greedy tokens."""
+    from loadplan.engine.generate import generate
+    from loadplan.engine.moe import RoutedExperts
+    from loadplan.engine.worker import WorkerSpec, init_rank, load_runner
+
+    from engine_helpers import LocalRegistry
+
+    grid = None
+    out = []
+    for backend in BACKENDS:
+        for intent in intents:
+            spec = WorkerSpec(model=path, prompt_ids=(), max_new_tokens=0, ep_size=world_size, a2a_backend=backend,
+                              runtime=INTENTS[intent] if intent else {})
+            grid = grid or init_rank(spec)
+            model = load_runner(spec, grid, registry=LocalRegistry())
+            d = model.plan.decisions
+            fused = bool(d[Keys.SHARED_EXPERTS_FUSION].value)
+            with torch.no_grad():
+                logits = model(ids)
+            case = dict(backend=backend, intent=intent, fused=fused, path=d[Keys.FORWARD_PATH].value,
+                        all_reduce=d[Keys.POST_EXPERTS_ALL_REDUCE].value,
+                        scale=d[Keys.FUSED_SHARED_EXPERT_SCALE].value, logits=logits,
+                        tokens=generate(model, ids[0], N_NEW)[0].tolist())
+            if backend == double_reduce_backend and intent == intents[0]:
+                # The seed bug: an all-reduce after a combine that already summed. Forced after build.
+                for m in model.modules():
+                    if isinstance(m, RoutedExperts):
+                        m.post_experts_all_reduce = True
+                with torch.no_grad():
+                    case["double_reduced"] = model(ids)
+            out.append(case)
+            if intent == "enforce" and not fused:
+                break          # the plan cannot fuse here: the disable case would be the same model
+    return out
+
+
+def _check(results, ref_logits, ref_tokens, expect_fused):
+    by_rank = [{(c["backend"], c["intent"]): c for c in r} for r in results]
+    assert set(by_rank[0]) == set(by_rank[1])
+    seen_backends = {b for b, _ in by_rank[0]}
+    assert seen_backends == set(BACKENDS)                # every row of the capability table ran
+    for key, case in by_rank[0].items():
+        backend, intent = key
+        assert case["path"] == BACKENDS[backend].forward_path
+        assert case["all_reduce"] == (BACKENDS[backend].forward_path == "normal")   # EP 2: partial sums
+        for r in (0, 1):
+            c = by_rank[r][key]
+            diff = (c["logits"] - ref_logits).abs().max().item()
+            assert diff <= TOL, f"{key} rank {r}: logits differ by {diff}"
+            assert c["tokens"] == ref_tokens, key
+    if expect_fused is not None:
+        fused = {b for (b, i), c in by_rank[0].items() if c["fused"]}
+        assert fused == expect_fused
+        assert all(by_rank[0][(b, "enforce")]["scale"] == (0.5 if b == "none" else 1.0) for b in fused)
+        assert all(not by_rank[0][(b, "disable")]["fused"] for b in fused)   # and the unfused twin ran
+    return by_rank
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("q3"), QWEN3)
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("ds"), DEEPSEEK)
+
+
+def test_qwen3_moe_every_backend_on_two_ranks_matches_one_process_and_sees_a_double_reduction(qwen3):
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(3))
+    ref_logits, ref_tokens = single_process(qwen3, ids, N_NEW)
+    results = launch(EP, _ep_ranks, qwen3, ids, (None,), "mori", timeout_s=180)
+    by_rank = _check(results, ref_logits, ref_tokens, None)
+    for r in (0, 1):
+        c = by_rank[r][("mori", None)]
+        assert c["path"] == "a2a" and c["all_reduce"] is False
+        wrong = (c["double_reduced"] - ref_logits).abs().max().item()
+        assert wrong > 1e-2, "an extra all-reduce after the a2a combine must change the logits"
+
+
+def test_deepseek_v3_every_backend_fused_and_unfused_on_two_ranks_matches_one_process(deepseek):
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(4))
+    ref_logits, ref_tokens = single_process(deepseek, ids, N_NEW, disable_shared_experts_fusion=True)
+    results = launch(EP, _ep_ranks, deepseek, ids, ("enforce", "disable"), "deepep", timeout_s=240)
+    # DESIGN 5.1/5.2 with ep_size=2 on the torch runner: fusion holds where a fused slot can live on every rank.
+    expect = {b for b, row in BACKENDS.items()
+              if not row.fusion_force_disabled and (row.forward_path == "normal" or row.per_rank_fused_slots)}
+    assert expect == {"none", "deepep", "mooncake", "mori", "megamoe"}
+    by_rank = _check(results, ref_logits, ref_tokens, expect)
+    for r in (0, 1):   # fused on the a2a path: the slot is computed once per token, an extra reduce doubles it
+        c = by_rank[r][("deepep", "enforce")]
+        assert c["fused"] and (c["double_reduced"] - ref_logits).abs().max().item() > 1e-2

@@ -1,0 +1,81 @@
+"""Pipeline parallelism on 2 gloo ranks (DESIGN 5.5): PP=2 gives PP=1's logits and greedy tokens for
+Qwen3-MoE and DeepSeek-V3; each stage holds only its layers (placeholders without mlp elsewhere), its
+EPLB descriptors hold only its MoE layers keyed by global id, and a rebalance on a stage moves only its
+own experts and leaves the logits unchanged (that it evens the load over EP ranks: test_worker.py). One launch for everything."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loadplan.engine.parallel.launch import launch
+from loadplan.plan import Keys
+
+from parallel_helpers import DEEPSEEK, QWEN3, make_model, single_process
+
+PP = 2
+N_NEW = 4
+
+
+def _stages(rank, world_size, paths, ids):
+    from loadplan.engine.generate import generate
+    from loadplan.engine.models import PPMissingLayer
+    from loadplan.engine.rebalance import rebalance
+    from loadplan.engine.worker import WorkerSpec, init_rank, load_runner
+
+    from engine_helpers import LocalRegistry
+
+    grid = None
+    out = {}
+    for arch, path in paths.items():
+        spec = WorkerSpec(model=path, prompt_ids=(), max_new_tokens=0, pp_size=world_size, enable_eplb=True,
+                          ep_num_redundant_experts=2)
+        grid = grid or init_rank(spec)
+        model = load_runner(spec, grid, registry=LocalRegistry())
+        stage = model.stage
+        lo, hi = (int(v) for v in model.plan.decisions[Keys.PP_LAYER_RANGE].value)
+        layers = stage.language_model.model.layers if hasattr(stage, "language_model") else stage.model.layers
+        with torch.no_grad():
+            logits = model(ids)
+            skewed = torch.full((1, 12), 5)             # one token repeated: every position routes alike
+            model(skewed)
+        report = rebalance(model)
+        with torch.no_grad():
+            after = model(ids)
+        out[arch] = dict(
+            layer_range=(lo, hi), eplb_layers=list(model.plan.decisions[Keys.EPLB_LAYERS].value),
+            descriptor=list(model.routed_experts_weights_of_layer), moe_layer_ids=list(stage.moe_layer_ids),
+            placeholders=[i for i, layer in enumerate(layers) if isinstance(layer, PPMissingLayer)],
+            placeholder_has_mlp=any(hasattr(layer, "mlp") for layer in layers if isinstance(layer, PPMissingLayer)),
+            has_embed=stage.model.embed_tokens is not None if hasattr(stage, "model") else None,
+            has_head=stage.lm_head is not None, logits=logits, logits_after_rebalance=after,
+            rebalanced_layers=list(report.layer_ids), before=report.max_over_mean_before,
+            after=report.max_over_mean_after, tokens=generate(model, ids[0], N_NEW)[0].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    return {QWEN3: make_model(tmp_path_factory.mktemp("q3"), QWEN3),
+            DEEPSEEK: make_model(tmp_path_factory.mktemp("ds"), DEEPSEEK)}
+
+
+def test_two_stages_give_one_stage_logits_and_tokens_and_keep_eplb_to_their_own_layers(paths):
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(5))
+    refs = {arch: single_process(path, ids, N_NEW) for arch, path in paths.items()}
+    results = launch(PP, _stages, paths, ids, timeout_s=180)
+    moe_layers = {QWEN3: [0, 1, 2], DEEPSEEK: [1, 2]}      # DeepSeek's layer 0 is dense (first_k_dense_replace)
+    for arch, (ref_logits, ref_tokens) in refs.items():
+        s0, s1 = results[0][arch], results[1][arch]
+        assert s0["layer_range"] == (0, 2) and s1["layer_range"] == (2, 3)
+        for s in (s0, s1):
+            assert (s["logits"] - ref_logits).abs().max().item() <= 1e-4
+            assert s["tokens"] == ref_tokens
+            lo, hi = s["layer_range"]
+            own = [i for i in moe_layers[arch] if lo <= i < hi]
+            assert s["descriptor"] == s["eplb_layers"] == s["moe_layer_ids"] == s["rebalanced_layers"] == own
+            assert s["placeholders"] == [i for i in range(3) if not lo <= i < hi] and not s["placeholder_has_mlp"]
+            # The replicas are copies: routing to any of them leaves the logits as they were.
+            assert (s["logits_after_rebalance"] - s["logits"]).abs().max().item() <= 1e-5
+            assert all(s["after"][i] <= s["before"][i] + 1e-9 for i in own)   # (one EP rank: trivially even)
+        assert (s0["has_embed"], s0["has_head"], s1["has_embed"], s1["has_head"]) == (True, False, False, True)
