@@ -117,9 +117,14 @@ def _torch_device(name: str):
         raise CliError("INVALID_ARGUMENT", f"--device {name}: generate runs on a torch device (cpu, cuda, cuda:N); "
                        f"the registry's spelling of it is derived from the device itself")
     try:
-        return torch.device(name)
+        device = torch.device(name)
     except (RuntimeError, ValueError) as e:
         raise CliError("INVALID_ARGUMENT", f"--device: {one_line(e)}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CliError("FAILED_PRECONDITION", f"--device {name}: this torch sees no CUDA device")
+    if device.type not in ("cpu", "cuda"):
+        raise CliError("INVALID_ARGUMENT", f"--device {name}: not supported; supported: cpu, cuda, cuda:N")
+    return device
 
 
 def _load_kwargs(args) -> dict[str, Any]:

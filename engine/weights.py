@@ -180,7 +180,8 @@ class LoadReport:
     ignored: dict[str, int] = field(default_factory=dict)
 
 
-def expected_targets(expected: Mapping[str, torch.Tensor], layout: WeightLayout) -> set[tuple[str, int | None, str | None]]:
+def expected_targets(expected: Mapping[str, torch.Tensor],
+                     layout: WeightLayout) -> set[tuple[str, int | None, str | None]]:
     """Every (param, expert, part) the checkpoint must fill for a model with these parameters."""
     need: set[tuple[str, int | None, str | None]] = set()
     for param, t in expected.items():
@@ -234,8 +235,9 @@ def build_state_dict(names: list[str], get: Callable[[str], torch.Tensor], shape
                 views = [v[:half] if target.part == "gate" else v[half:] for v in views]
         shape = tuple(shape_of(name))
         if shape != tuple(views[0].shape):
-            raise ShapeMismatch(f"tensor {name!r} has shape {list(shape)}, the model expects {list(views[0].shape)} "
-                                f"for {target.param}" + (f" expert {target.expert}" if target.expert is not None else ""))
+            raise ShapeMismatch(f"tensor {name!r} has shape {list(shape)}, the model expects "
+                                f"{list(views[0].shape)} for {target.param}"
+                                + (f" expert {target.expert}" if target.expert is not None else ""))
         tensor = get(name)
         for view in views:
             view.copy_(tensor)

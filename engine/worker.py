@@ -63,6 +63,7 @@ class WorkerSpec:
     stop_at_eos: bool = True                    # stop at the checkpoint's EOS ids, as `loadplan generate` does
 
     def __post_init__(self):
+        object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))   # any sequence in
         for what, flags in (("runtime", self.runtime), ("draft_runtime", self.draft_runtime)):
             bad = sorted(set(flags) - set(LOAD_FLAGS))
             if bad:

@@ -41,6 +41,23 @@ Running
   `hidden_states=[B, T, D]` instead; a stage that is not the last returns hidden states.
 - `setup_caches(max_batch_size, max_seq_len)` / `clear_caches()`: a static KV cache;
   with it, `input_pos` (absolute positions of the new tokens) is required.
+
+Several ranks (engine/worker.py)
+- A model never creates or looks up process groups. The worker sets the process's
+  parallel context (engine/parallel/context.py) before building; `RoutedExperts`
+  takes its EP group from it at construction, like a plan decision. The layer runs
+  the plan's path: `normal` = local partial sums + one all-reduce iff
+  `moe.post_experts_all_reduce`; `a2a` = dispatch / compute / combine, complete
+  rows, no further reduction. An unfused shared expert is the model's: add it
+  AFTER `self.experts(...)` returns (replicated, never summed once per rank).
+- A stage model runs only its own layers; `engine.parallel.pipeline.PipelineModel`
+  chains the stages (hidden states over p2p, logits broadcast from the last stage)
+  so decoding loops see one model on every rank. KV caches are per stage.
+- EPLB (plan `eplb.enabled`): each `RoutedExperts` keeps a `placement` (physical
+  slot -> logical expert; slot p holds expert p % n_routed at load) and a
+  `load_counter`; `weight_layout()` passes `num_physical` so the loader fills every
+  local replica. `engine.rebalance.rebalance(model)` moves weights through
+  `routed_experts_weights_of_layer` and records `eplb.placement` in the registry.
 """
 
 from __future__ import annotations

@@ -12,7 +12,10 @@ machine, and only that:
   caller's PostgreSQL instead of the `postgres` container) -> the given address;
 - a replica's own `0.0.0.0:PORT` / `127.0.0.1:PORT` -> 127.0.0.1 and a free port;
 - a named volume's mount point -> a folder under the work directory;
-- `loadplan` / `python` -> this virtual environment's.
+- `loadplan` / `python` -> this virtual environment's;
+- what an image does not install is made unimportable for the services built from
+  it (`absent`: Dockerfile -> module names), so a registry that imported torch, or a
+  worker that imported SQLAlchemy, fails here as it would in its container.
 
 A service whose condition is not met (a one-shot job that exits non-zero, a health
 check that never passes) raises ComposeError with the tail of its log.
@@ -123,6 +126,17 @@ def container_ports(service: dict[str, Any]) -> list[int]:
     return out
 
 
+def dockerfile_of(services: dict[str, Any], name: str) -> str | None:
+    """The Dockerfile of a service's image: its own build, or the build of the service that makes its image."""
+    build = services[name].get("build")
+    if build is None:
+        image = services[name].get("image")
+        build = next((s["build"] for s in services.values() if s.get("image") == image and s.get("build")), None)
+    if build is None:
+        return None
+    return "Dockerfile" if isinstance(build, str) else build.get("dockerfile", "Dockerfile")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -156,6 +170,7 @@ class LocalCompose:
     variables: dict[str, str]
     external: dict[str, tuple[str, int]]       # service -> (host, port) that stands in for its container
     path: Path = COMPOSE_FILE
+    absent: dict[str, tuple[str, ...]] = field(default_factory=dict)   # Dockerfile -> modules it lacks
     spec: dict[str, Any] = field(init=False)
     replicas: dict[str, list[Replica]] = field(init=False, default_factory=dict)
 
@@ -211,7 +226,23 @@ class LocalCompose:
         if isinstance(given, list):
             given = dict(item.split("=", 1) for item in given)
         env.update({k: self.localize(str(v), name, index) for k, v in given.items() if v is not None})
+        blocked = self._absent_modules_dir(name)
+        if blocked is not None:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(blocked), env.get("PYTHONPATH")]))
         return env
+
+    def _absent_modules_dir(self, name: str) -> Path | None:
+        dockerfile = dockerfile_of(self.services, name)
+        modules = self.absent.get(dockerfile or "", ())
+        if not modules:
+            return None
+        d = self.workdir / "absent" / str(dockerfile)
+        for mod in modules:
+            pkg = d / mod
+            pkg.mkdir(parents=True, exist_ok=True)
+            (pkg / "__init__.py").write_text(
+                f"raise ImportError({mod!r} + ' is not installed in the image of {dockerfile}')\n")
+        return d
 
     # --- running ----------------------------------------------------------------------
 

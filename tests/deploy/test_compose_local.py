@@ -10,13 +10,19 @@ POSTGRES_* variables.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from sqlalchemy.engine import make_url
 
-from compose_local import LocalCompose, depends_on, load
+from compose_local import ROOT, LocalCompose, depends_on, dockerfile_of, load
 
 pytestmark = pytest.mark.timeout(180)
+
+# What each image leaves out (its Dockerfile installs `.[service]` resp. `.[engine]`):
+# the services built from it run here without those modules.
+ABSENT = {"Dockerfile.registry": ("torch", "transformers", "safetensors"),
+          "Dockerfile.worker": ("sqlalchemy", "alembic", "psycopg")}
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +31,7 @@ def compose(make_postgres_database, tmp_path_factory):
     variables = {"POSTGRES_USER": url.username or "", "POSTGRES_PASSWORD": url.password or "",
                  "POSTGRES_DB": url.database}
     stack = LocalCompose(tmp_path_factory.mktemp("compose"), variables,
-                         external={"postgres": (url.host or "127.0.0.1", url.port or 5432)})
+                         external={"postgres": (url.host or "127.0.0.1", url.port or 5432)}, absent=ABSENT)
     stack.database_url = url.render_as_string(hide_password=False)
     try:
         yield stack
@@ -52,6 +58,18 @@ def test_the_file_wires_what_the_test_runs():
     assert "--draft" in worker
     # Defaults point at the compose network's service names, never at a local file.
     assert "@postgres:5432/" in services["registry"]["environment"]["LOADPLAN_DB_URL"]
+
+
+def test_the_images_install_what_absent_says():
+    registry = (ROOT / "Dockerfile.registry").read_text()
+    worker = (ROOT / "Dockerfile.worker").read_text()
+    assert "'.[service]'" in registry and "torch" not in registry.split("pip install")[-1].split("&&")[0]
+    assert "'.[engine]'" in worker and "service" not in re.findall(r"'\.\[([a-z,]+)\]'", worker)[0]
+    services = load({})["services"]
+    for name in ("migrate", "registry"):
+        assert dockerfile_of(services, name) == "Dockerfile.registry"
+    for name in ("checkpoints", "worker"):
+        assert dockerfile_of(services, name) == "Dockerfile.worker"
 
 
 def test_migrate_then_two_registry_replicas_pass_their_health_check(compose):

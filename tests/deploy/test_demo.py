@@ -15,18 +15,16 @@ from pathlib import Path
 
 import pytest
 
+from deploy_helpers import DEMO_MAX_NEW_TOKENS, clean_env
+
 pytestmark = pytest.mark.timeout(240)
 
 LOADPLAN = str(Path(sys.executable).parent / "loadplan")
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo")
-    proc = subprocess.run([LOADPLAN, "demo", "--dir", str(out / "demo-out"), "--max-new-tokens", "12"],
-                          capture_output=True, text=True, cwd=out, timeout=200)
-    assert proc.returncode == 0, f"loadplan demo failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-3000:]}"
-    return out / "demo-out", proc
+def demo(demo_run):
+    return demo_run
 
 
 def _plans(db: Path) -> list[dict]:
@@ -85,7 +83,7 @@ def test_demo_prints_both_runners_decisions_reasons_and_the_diff(demo):
     assert re.search(r"^moe\.shared_experts_fusion\s+true\s+false$", diff, re.M), diff
     assert re.search(r"^role\s+\"target\"\s+\"speculative\"$", diff, re.M), diff
     tokens = re.search(r"^\s+output\s+([\d ]+)$", out, re.M)
-    assert tokens and len(tokens.group(1).split()) == 12
+    assert tokens and len(tokens.group(1).split()) == DEMO_MAX_NEW_TOKENS
     # progress bars for loading and generation, on stderr
     assert "loading" in proc.stderr and "generating" in proc.stderr
 
@@ -96,6 +94,6 @@ def test_the_commands_the_demo_suggests_work(demo):
     assert len(suggested) == 3
     for line in suggested:
         argv = [LOADPLAN, *line.split()[1:]]
-        res = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=root.parent)
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=root.parent, env=clean_env())
         assert res.returncode == 0, f"{line}\n{res.stderr}"
         assert res.stdout.strip()

@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-import os
+import functools
 import re
 import shlex
 import subprocess
@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from deploy_helpers import clean_env
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -67,9 +69,14 @@ def help_argv(line: str) -> list[str]:
     raise AssertionError(f"no --help for {line!r}")
 
 
+@functools.lru_cache(maxsize=None)
+def _help(argv: tuple[str, ...]) -> subprocess.CompletedProcess:
+    return subprocess.run(list(argv), capture_output=True, text=True, timeout=60, env=_env())
+
+
 def check_help(line: str) -> None:
     argv = help_argv(line)
-    res = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=_env())
+    res = _help(tuple(argv))
     assert res.returncode == 0, f"{' '.join(argv)}: {res.stderr}"
     flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", line)) - {"--help"}
     missing = [f for f in sorted(flags) if f not in res.stdout]
@@ -77,7 +84,7 @@ def check_help(line: str) -> None:
 
 
 def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("LOADPLAN_")}
+    return clean_env()
 
 
 def _compose() -> dict:
@@ -127,13 +134,9 @@ def test_compose_tables_match_the_file():
 
 
 @pytest.fixture(scope="module")
-def sandbox(tmp_path_factory):
-    """A directory laid out like the repository root for the README's relative paths."""
-    d = tmp_path_factory.mktemp("readme")
-    (d / ".venv").symlink_to(VENV)
-    for name in ("tests", "bench"):
-        (d / name).symlink_to(ROOT / name)
-    return d
+def sandbox(repo_like, demo_run):
+    """The repository root after `make demo`, as the README's commands expect it."""
+    return repo_like
 
 
 @pytest.fixture(scope="module")

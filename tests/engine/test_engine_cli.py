@@ -65,6 +65,18 @@ def test_runtime_flags_reach_the_plan(ckpt, db, capsys):
     assert shown["runtime"]["a2a_backend"] == "deepep" and shown["deployment_id"] == "dep-flags"
 
 
+def test_a_running_registry_by_address(ckpt, want, tmp_path, capsys):
+    from loadplan.service.embedded import EmbeddedRegistry
+
+    with EmbeddedRegistry(f"sqlite:///{tmp_path / 'remote.db'}") as reg, reg.client() as client:
+        rc, out, err = generate(capsys, "--model", ckpt, "--prompt-ids", ",".join(map(str, PROMPT)),
+                                "--max-new-tokens", 3, "--registry", reg.address, "--json")
+        assert rc == 0, err
+        doc = json.loads(out)
+        assert doc["tokens"] == want[:3]
+        assert client.get_plan(doc["plan_id"]).request.deployment_id == doc["deployment_id"]
+
+
 def test_with_a_draft_the_tokens_stay_the_targets(ckpt, want, db, capsys):
     # the target's own checkpoint as its draft: every proposal is accepted
     rc, out, err = generate(capsys, "--model", ckpt, "--prompt-ids", ",".join(map(str, PROMPT)),
@@ -119,6 +131,8 @@ def test_stops_at_the_checkpoints_eos(ckpt, want, db, tmp_path, capsys):
     (["--model", "{ckpt}", "--prompt-ids", "1", "--draft", "{small_vocab}"], "INVALID_ARGUMENT"),
     (["--model", "{ckpt}", "--prompt-ids", "1", "--draft", "{missing}"], "INVALID_ARGUMENT"),
     (["--model", "{no_weights}", "--prompt-ids", "1"], "INVALID_ARGUMENT"),
+    (["--model", "{ckpt}", "--prompt-ids", "1", "--device", "tpu"], "INVALID_ARGUMENT"),
+    (["--model", "{ckpt}", "--prompt-ids", "1", "--tp-rank", "1"], "INVALID_ARGUMENT"),
 ])
 def test_errors_are_one_line_without_traceback(args, status, ckpt, db, tmp_path, capsys):
     no_weights = tmp_path / "no_weights"

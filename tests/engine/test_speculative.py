@@ -145,8 +145,8 @@ def test_stops_at_eos_like_greedy(target, random_draft, target_path, greedy):
 
 
 def test_budget_edges(target, random_draft, greedy):
-    assert speculative_generate(target, random_draft, PROMPT, 0, 3) == ([], speculative_generate(
-        target, random_draft, PROMPT, 0, 3)[1])
+    tokens, stats = speculative_generate(target, random_draft, PROMPT, 0, 3)
+    assert tokens == [] and stats["target_forwards"] == 0
     assert speculative_generate(target, random_draft, PROMPT, 1, 3)[0] == greedy[:1]
     assert speculative_generate(target, random_draft, torch.tensor([PROMPT]), 2, 3)[0] == greedy[:2]
     with pytest.raises(ValueError, match="num_draft_tokens"):

@@ -53,7 +53,9 @@ class BackendKiller:
             self.fired.clear()
 
     def _begin(self, conn) -> None:
+        # conn.info outlives the transaction (it belongs to the pooled connection): reset it.
         conn.info["fault_statement"] = 0
+        conn.info.pop("fault_log", None)
         if self.counting:
             self.statements.append([])
             conn.info["fault_log"] = self.statements[-1]

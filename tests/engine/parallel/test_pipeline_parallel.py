@@ -1,7 +1,8 @@
 """Pipeline parallelism on 2 gloo ranks (DESIGN 5.5): PP=2 gives PP=1's logits and greedy tokens for
 Qwen3-MoE and DeepSeek-V3; each stage holds only its layers (placeholders without mlp elsewhere), its
 EPLB descriptors hold only its MoE layers keyed by global id, and a rebalance on a stage moves only its
-own experts and leaves the logits unchanged (that it evens the load over EP ranks: test_worker.py). One launch for everything."""
+own experts and leaves the logits unchanged (that it evens the load over EP ranks: test_worker.py).
+One launch for everything."""
 
 from __future__ import annotations
 

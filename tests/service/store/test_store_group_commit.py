@@ -124,7 +124,8 @@ def _rows(engine, deployments):
     return plans, pins
 
 
-def test_one_batch_answers_each_caller_like_plans_saved_one_by_one(store, db_engine, db_url, reference):
+def test_one_batch_answers_each_caller_like_plans_saved_one_by_one(db_engine, db_url, reference):
+    store = SqlPlanStore(db_engine, max_batches_in_flight=1)   # one batch at a time: the held one, then ours
     tag = uuid.uuid4().hex[:8]
     a, b, c, d = (f"{name}-{tag}" for name in "abcd")
     none = Runtime(a2a_backend="none")
