@@ -5,8 +5,9 @@
 Qwen3-MoE shape: hidden 1024, 64 experts, top-8, expert intermediate 256, fp32, on
 all cores. For each T it measures, on the same weights and the same inputs:
 - `engine_ms`: the engine's Qwen3-MoE block (router + engine/moe.py RoutedExperts)
-  as it is on disk; `engine_proposed_ms`: the same block with RoutedExperts.forward
-  replaced by engine/expert_kernel.fused_experts (the change proposed for moe.py);
+  as it is on disk; `engine_proposed_ms`: the same with the change still proposed
+  for moe.py (see `propose`); `engine_loop_ms`: with moe.py's kernel from before
+  engine/expert_kernel.py (per-expert Python loop, see `loop_kernel`);
 - transformers' Qwen3MoeSparseMoeBlock with each experts implementation that runs
   on CPU ("eager", "batched_mm", "grouped_mm"): `hf_default_ms` is the one
   from_pretrained picks by default, `hf_best_ms` the fastest here;
@@ -37,7 +38,6 @@ import random
 import statistics
 import sys
 import time
-import types
 import warnings
 
 import torch
@@ -82,25 +82,48 @@ def param(t: torch.Tensor) -> torch.nn.Parameter:
     return torch.nn.Parameter(t, requires_grad=False)
 
 
-def proposed_forward(self: RoutedExperts, x, topk_ids, topk_weights):
-    """RoutedExperts.forward with the kernel of engine/expert_kernel.py (the patch this bench argues for)."""
-    if self.local_start == 0 and self.num_local_experts == self.num_experts:
-        slots = topk_ids                 # one rank holds every expert: global ids are the slots
-    else:
-        slots = self._local_slots(topk_ids)
-    y = fused_experts(x, slots, topk_weights, self.gate_up_proj, self.down_proj)
-    if self.post_experts_all_reduce:
-        y = self.reduce(y)
-    return y
-
-
 def propose(experts: RoutedExperts) -> RoutedExperts:
-    experts.forward = types.MethodType(proposed_forward, experts)
+    """The change still proposed for moe.py: when this rank holds every physical slot (ep_size 1), the
+    (physical) ids already are the slot ids and _local_slots' six elementwise ops can be skipped."""
+    if experts.local_start == 0 and experts.num_local_experts == getattr(experts, "num_physical",
+                                                                            experts.num_experts):
+        experts._local_slots = lambda ids: ids
     return experts
 
 
+def loop_kernel(experts: RoutedExperts) -> RoutedExperts:
+    """RoutedExperts' kernel before engine/expert_kernel.py, to show what the kernel gained: argsort and
+    bincount, then per hit expert one gate_up matmul, silu * up and one down matmul, weights on the output."""
+    I = experts.intermediate_size
+
+    def forward(x, topk_ids, topk_weights):
+        T, K = topk_ids.shape
+        slots = experts._local_slots(topk_ids).reshape(-1)
+        order = torch.argsort(slots, stable=True)
+        counts = torch.bincount(slots, minlength=experts.num_slots + 1).tolist()
+        order = order[:sum(counts[:experts.num_slots])]
+        token = order // K
+        xs = x.index_select(0, token)
+        out = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts[:experts.num_slots]):
+            if n:
+                gate_up = xs[start:start + n] @ experts.gate_up_proj[e].t()
+                h = torch.nn.functional.silu(gate_up[:, :I]) * gate_up[:, I:]
+                torch.mm(h, experts.down_proj[e].t(), out=out[start:start + n])
+                start += n
+        w = topk_weights.reshape(-1).index_select(0, order).to(out.dtype)
+        return torch.zeros_like(x).index_add_(0, token, out * w[:, None])
+
+    experts.forward = forward
+    return experts
+
+
+VARIANTS = {"engine": lambda ex: ex, "engine_proposed": propose, "engine_loop": loop_kernel}
+
+
 def qwen_layers(n_layers: int, seed: int):
-    """n_layers weight sets, each as: engine block, engine block with the proposed kernel, HF block."""
+    """n_layers weight sets, each as: the engine block in each VARIANTS, and transformers' block."""
     import transformers
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
@@ -115,12 +138,11 @@ def qwen_layers(n_layers: int, seed: int):
         gate_up = torch.randn(E, 2 * I, D, generator=g) / D ** 0.5
         down = torch.randn(E, D, I, generator=g) / I ** 0.5
         blocks = {}
-        for name in ("engine", "engine_proposed"):
+        for name, variant in VARIANTS.items():
             b = QwenSparseMoeBlock(cfg, plan, layer_id=0, dtype=torch.float32)
             b.gate.weight = param(router)
             b.experts.gate_up_proj, b.experts.down_proj = param(gate_up), param(down)
-            if name == "engine_proposed":
-                propose(b.experts)
+            variant(b.experts)
             blocks[name] = b.eval()
         hf = Qwen3MoeSparseMoeBlock(hf_cfg)
         hf.gate.weight = param(router)
@@ -142,7 +164,7 @@ def hf_default_impl() -> str:
 
 
 def deepseek_layers(n_layers: int, seed: int):
-    """n_layers weight sets, each: {fused, unfused} x {engine, proposed} on the same weights (views)."""
+    """n_layers weight sets, each: the engine's layer fused and unfused, on the same weights (views)."""
     fused_plan = make_plan(DEEPSEEK)
     unfused_plan = make_plan(DEEPSEEK, disable_shared_experts_fusion=True)
     g = torch.Generator().manual_seed(seed)
@@ -154,24 +176,20 @@ def deepseek_layers(n_layers: int, seed: int):
         down = torch.randn(DS_E + 1, D, I, generator=g) / I ** 0.5
         variants = {}
         for fused, plan in ((True, fused_plan), (False, unfused_plan)):
-            for proposed in (False, True):
-                ex = RoutedExperts(DS_E, D, I, plan, layer_id=1)
-                assert ex.num_fused_shared_experts == (1 if fused else 0), "plan did not (un)fuse as asked"
-                n = ex.num_slots
-                ex.gate_up_proj, ex.down_proj = param(gate_up[:n]), param(down[:n])
-                if proposed:
-                    propose(ex)
-                r = DeepseekV3Router(D, DS_E, K, DS_GROUPS, DS_TOPK_GROUP, True, DS_RSF,
-                                     ex.num_fused_shared_experts, ex.fused_shared_expert_scale)
-                r.weight, r.e_score_correction_bias = param(router), param(bias)
-                shared = None
-                if not fused:
-                    shared = GatedMLP(D, I, "silu", torch.float32)
-                    shared.gate_proj.weight = param(gate_up[DS_E, :I])
-                    shared.up_proj.weight = param(gate_up[DS_E, I:])
-                    shared.down_proj.weight = param(down[DS_E])
-                variants[("fused" if fused else "unfused") + ("_proposed" if proposed else "")] = \
-                    _deepseek_forward(r, ex, shared)
+            ex = RoutedExperts(DS_E, D, I, plan, layer_id=1)
+            assert ex.num_fused_shared_experts == (1 if fused else 0), "plan did not (un)fuse as asked"
+            n = ex.num_slots
+            ex.gate_up_proj, ex.down_proj = param(gate_up[:n]), param(down[:n])
+            r = DeepseekV3Router(D, DS_E, K, DS_GROUPS, DS_TOPK_GROUP, True, DS_RSF,
+                                 ex.num_fused_shared_experts, ex.fused_shared_expert_scale)
+            r.weight, r.e_score_correction_bias = param(router), param(bias)
+            shared = None
+            if not fused:
+                shared = GatedMLP(D, I, "silu", torch.float32)
+                shared.gate_proj.weight = param(gate_up[DS_E, :I])
+                shared.up_proj.weight = param(gate_up[DS_E, I:])
+                shared.down_proj.weight = param(down[DS_E])
+            variants["fused" if fused else "unfused"] = _deepseek_forward(r, ex, shared)
         layers.append(variants)
     return layers
 
@@ -258,7 +276,7 @@ def bench_qwen(tokens: list[int], n_layers: int, scale: float) -> list[dict]:
         hf_cfg._experts_implementation = "eager"
         ref = layers[0]["hf"](x[None])[0]
         diffs = {}
-        for name in ("engine", "engine_proposed"):
+        for name in VARIANTS:
             diffs[name] = (layers[0][name](x) - ref).abs().max().item()
         for impl in impls:
             hf_cfg._experts_implementation = impl
@@ -271,8 +289,7 @@ def bench_qwen(tokens: list[int], n_layers: int, scale: float) -> list[dict]:
         dense_a = torch.randn(T * K, D)
         dense_b = torch.randn(D, 3 * I)
         contenders = {
-            "engine": lambda i: (lambda b, x: b["engine"](x))(*inp(i)),
-            "engine_proposed": lambda i: (lambda b, x: b["engine_proposed"](x))(*inp(i)),
+            **{name: (lambda i, name=name: (lambda b, x: b[name](x))(*inp(i))) for name in VARIANTS},
             "stream": lambda i: torch.mv(stream_w, stream_x),
             "dense": lambda i: torch.mm(dense_a, dense_b),
         }
@@ -299,6 +316,7 @@ def bench_qwen(tokens: list[int], n_layers: int, scale: float) -> list[dict]:
             "tokens": T,
             "engine_ms": round(ms["engine"], 3),
             "engine_proposed_ms": round(ms["engine_proposed"], 3),
+            "engine_loop_ms": round(ms["engine_loop"], 3),
             "hf_default_ms": hf.get(default),
             "hf_default_impl": default,
             "hf_best_ms": hf[best],
@@ -332,8 +350,7 @@ def bench_qwen(tokens: list[int], n_layers: int, scale: float) -> list[dict]:
 def bench_deepseek(tokens: list[int], n_layers: int, scale: float) -> dict:
     layers = deepseek_layers(n_layers, seed=1)
     out = {"kind": "deepseek_shared", "routed_experts": DS_E, "top_k": K, "shared_experts": 1, "hidden": D,
-           "moe_intermediate": I, "tokens": tokens, "fused_ms": [], "unfused_ms": [], "fused_proposed_ms": [],
-           "unfused_proposed_ms": [], "noise": [], "min_ms": []}
+           "moe_intermediate": I, "tokens": tokens, "fused_ms": [], "unfused_ms": [], "noise": [], "min_ms": []}
     for T in tokens:
         g = torch.Generator().manual_seed(100 + T)
         xs = [[torch.randn(T, D, generator=g) for _ in range(INPUTS_PER_LAYER)] for _ in layers]
@@ -353,7 +370,7 @@ def bench_deepseek(tokens: list[int], n_layers: int, scale: float) -> dict:
 
         with torch.inference_mode():
             times = measure({n: runner(n) for n in layers[0]}, reps_for(T, scale))
-        for n in ("fused", "unfused", "fused_proposed", "unfused_proposed"):
+        for n in ("fused", "unfused"):
             out[f"{n}_ms"].append(round(med_ms(times[n]), 3))
         out["noise"].append({n: noise(ts) for n, ts in times.items()})
         out["min_ms"].append({n: round(min(ts) * 1e3, 3) for n, ts in times.items()})
@@ -367,14 +384,14 @@ def _progress(row: dict) -> None:
 def print_table(rows: list[dict], ds: dict | None) -> None:
     print(f"Qwen3-MoE layer: hidden {D}, {E} experts, top-{K}, expert size {I}, fp32, "
           f"{torch.get_num_threads()} threads; medians in ms")
-    print(f"{'T':>5} {'engine':>9} {'proposed':>9} {'hf default':>24} {'hf best':>24} {'roofline':>9} {'hit':>6} "
-          f"{'eng/best':>9} {'eng/roof':>9} {'prop/roof':>9}")
+    print(f"{'T':>5} {'engine':>9} {'proposed':>9} {'loop':>9} {'hf default':>24} {'hf best':>24} "
+          f"{'roofline':>9} {'hit':>6} {'eng/best':>9} {'eng/roof':>9} {'prop/roof':>9}")
     for r in rows:
         dflt = f"{r['hf_default_ms']:.3f} ({r['hf_default_impl']})"
         best = f"{r['hf_best_ms']:.3f} ({r['hf_best_impl']})"
-        print(f"{r['tokens']:>5} {r['engine_ms']:>9.3f} {r['engine_proposed_ms']:>9.3f} {dflt:>24} {best:>24} "
-              f"{r['roofline_ms']:>9.3f} {r['experts_hit']:>6.1f} {r['engine_over_hf_best']:>9.3f} "
-              f"{r['engine_over_roofline']:>9.3f} {r['proposed_over_roofline']:>9.3f}")
+        print(f"{r['tokens']:>5} {r['engine_ms']:>9.3f} {r['engine_proposed_ms']:>9.3f} {r['engine_loop_ms']:>9.3f} "
+              f"{dflt:>24} {best:>24} {r['roofline_ms']:>9.3f} {r['experts_hit']:>6.1f} "
+              f"{r['engine_over_hf_best']:>9.3f} {r['engine_over_roofline']:>9.3f} {r['proposed_over_roofline']:>9.3f}")
         print(f"      transformers {r['hf_ms']} skipped {r['hf_skipped']}; stream {r['bandwidth_gb_s']} GB/s, "
               f"dense {r['dense_gflop_s']} GFLOP/s")
         print(f"      noise {r['noise']}")
@@ -382,10 +399,9 @@ def print_table(rows: list[dict], ds: dict | None) -> None:
               f"{r['engine_min_over_roofline_min']}, proposed/roof {r['proposed_min_over_roofline_min']}")
     if ds:
         print(f"\nDeepSeek-style layer ({ds['routed_experts']} routed + 1 shared expert, top-{K}), medians in ms:")
-        print(f"{'T':>5} " + " ".join(f"{n:>17}" for n in ("fused", "unfused", "fused_proposed", "unfused_proposed")))
+        print(f"{'T':>5} {'fused':>9} {'unfused':>9}")
         for i, T in enumerate(ds["tokens"]):
-            print(f"{T:>5} " + " ".join(f"{ds[n + '_ms'][i]:>17.3f}"
-                                        for n in ("fused", "unfused", "fused_proposed", "unfused_proposed")))
+            print(f"{T:>5} {ds['fused_ms'][i]:>9.3f} {ds['unfused_ms'][i]:>9.3f}")
 
 
 def main(argv=None) -> None:

@@ -51,7 +51,11 @@ def run_demo(args: argparse.Namespace) -> int:
         raise CliError("INVALID_ARGUMENT", f"--prompt-ids: expected comma-separated token ids, got "
                        f"{args.prompt_ids!r}") from None
     from ..service.embedded import EmbeddedRegistry
-    from .make_checkpoints import make_checkpoints
+    from .make_checkpoints import VOCAB, make_checkpoints
+
+    if not prompt or not all(0 <= t < VOCAB for t in prompt):
+        raise CliError("INVALID_ARGUMENT", f"--prompt-ids: token ids must be in [0, {VOCAB}) (the demo "
+                       f"checkpoints' vocabulary), got {args.prompt_ids!r}")
 
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -116,8 +120,10 @@ def run_worker(*, target: str, draft: str, prompt: list[int], max_new_tokens: in
     try:
         ranks = launch(nproc, demo_rank, spec, progress)
     except RankFailed as e:
-        raise CliError("INTERNAL", f"rank {e.rank} of {nproc} failed: {one_line(e.error.strip().splitlines()[-1])}") \
-            from None
+        from .cli import rank_error
+
+        status, message = rank_error(e.error)
+        raise CliError(status, f"rank {e.rank} of {nproc} failed: {message}") from None
     tokens = ranks[0]["tokens"]
     if any(r["tokens"] != tokens for r in ranks):
         raise CliError("INTERNAL", f"the ranks disagree on the tokens: {[r['tokens'] for r in ranks]}")

@@ -53,7 +53,8 @@ def grouped_expert_mlp(xs: torch.Tensor, counts: Sequence[int], gate_up: torch.T
     Row i of the result is down_s(silu(gate_s(xs[i])) * up_s(xs[i])), times row_weights[i] if given."""
     N = xs.shape[0]
     assert sum(counts) == N, f"counts sum to {sum(counts)}, xs has {N} rows"
-    if _HAS_GROUPED_MM and xs.dtype in _GROUPED_MM_DTYPES and len(counts) == gate_up.shape[0]:
+    if (_HAS_GROUPED_MM and xs.device.type == "cpu" and xs.dtype in _GROUPED_MM_DTYPES
+            and len(counts) == gate_up.shape[0]):
         # torch's CPU grouped_mm is the same loop of one matmul per slot, in C++: no Python dispatch per expert.
         offs = torch.tensor(counts, dtype=torch.int64).cumsum_(0).to(torch.int32)
         h = silu_mul(F.grouped_mm(xs, gate_up.transpose(1, 2), offs=offs))      # [N, I]
@@ -80,7 +81,8 @@ def grouped_expert_mlp(xs: torch.Tensor, counts: Sequence[int], gate_up: torch.T
 
 def _decode(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
             down: torch.Tensor) -> torch.Tensor:
-    """One token: its K slots are K distinct experts, so no grouping is needed."""
+    """One token: its K slots are (normally) K distinct experts, so no grouping is needed (a repeated slot
+    is computed twice)."""
     S = gate_up.shape[0]
     ids = slots.reshape(-1).tolist()
     keep = [k for k, s in enumerate(ids) if s < S]

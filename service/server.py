@@ -42,7 +42,9 @@ class ServerStartError(RuntimeError):
 class ServerOptions:
     listen: str = "127.0.0.1:50051"
     max_receive_message_bytes: int = DEFAULT_MAX_RECEIVE_BYTES   # larger requests: RESOURCE_EXHAUSTED
-    max_workers: int = 16
+    # RPC worker threads. Resolves wait for their group commit on these threads, so they bound
+    # how many plans one commit can carry: sized for 64 ranks resolving at once.
+    max_workers: int = 64
     readiness_interval_s: float = 1.0
     grace_s: float = 5.0
     tokens: TokenStore | None = None     # bearer tokens and roles (service/auth.py); None: open
