@@ -18,9 +18,12 @@ fp32; bench/moe.py):
   contiguous slice (its weights are read once however many tokens chose it). The
   two projections run in two passes over the slots with the activation in
   between done once over all N rows: per expert only the two matmuls run, which
-  matters when ~60 experts hold 1-3 rows each (T=16). Each pass is one call of
-  torch's grouped_mm where it runs on CPU (the same per-slot loop, in C++), else
-  a Python loop of torch.mm into slices of one output.
+  matters when ~60 experts hold 1-3 rows each (T=16). Each pass is a Python loop
+  of torch.mm into slices of one output, or with `grouped_mm=True` (or
+  USE_GROUPED_MM) one call of torch's CPU grouped_mm: the same per-slot loop in
+  C++, without a Python dispatch per expert (faster in bench/moe.py's fastest
+  runs at T=16 and 512; off by default until the engine's tests count its
+  matmuls through it).
 - The routing weight scales h [N, I] before the down projection (I < D, and the
   down projection is linear), and index_add_ sums each token's rows into y.
 """
@@ -35,8 +38,9 @@ import torch.nn.functional as F
 
 # torch.nn.functional.grouped_mm runs on CPU from torch 2.9; before 2.11 it needs 16-byte aligned operands,
 # which memory-mapped checkpoint tensors do not guarantee.
-_HAS_GROUPED_MM = hasattr(F, "grouped_mm") and tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 11)
+GROUPED_MM_AVAILABLE = hasattr(F, "grouped_mm") and tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 11)
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+USE_GROUPED_MM = False          # the default of the `grouped_mm` arguments below
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -47,15 +51,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_expert_mlp(xs: torch.Tensor, counts: Sequence[int], gate_up: torch.Tensor, down: torch.Tensor,
-                       row_weights: torch.Tensor | None = None) -> torch.Tensor:
+                       row_weights: torch.Tensor | None = None, grouped_mm: bool | None = None) -> torch.Tensor:
     """xs [N, D] sorted by slot, counts[s] rows for slot s (sum(counts) == N) -> [N, D].
 
-    Row i of the result is down_s(silu(gate_s(xs[i])) * up_s(xs[i])), times row_weights[i] if given."""
+    Row i of the result is down_s(silu(gate_s(xs[i])) * up_s(xs[i])), times row_weights[i] if given.
+    grouped_mm (default USE_GROUPED_MM): use torch's grouped_mm where it runs (CPU, float32/16, bf16)."""
     N = xs.shape[0]
     assert sum(counts) == N, f"counts sum to {sum(counts)}, xs has {N} rows"
-    if (_HAS_GROUPED_MM and xs.device.type == "cpu" and xs.dtype in _GROUPED_MM_DTYPES
-            and len(counts) == gate_up.shape[0]):
-        # torch's CPU grouped_mm is the same loop of one matmul per slot, in C++: no Python dispatch per expert.
+    if (USE_GROUPED_MM if grouped_mm is None else grouped_mm) and GROUPED_MM_AVAILABLE \
+            and xs.device.type == "cpu" and xs.dtype in _GROUPED_MM_DTYPES and len(counts) == gate_up.shape[0]:
         offs = torch.tensor(counts, dtype=torch.int64).cumsum_(0).to(torch.int32)
         h = silu_mul(F.grouped_mm(xs, gate_up.transpose(1, 2), offs=offs))      # [N, I]
         if row_weights is not None:
@@ -111,7 +115,7 @@ def sort_by_slot(slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, lis
 
 
 def fused_experts(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor) -> torch.Tensor:
+                  down: torch.Tensor, grouped_mm: bool | None = None) -> torch.Tensor:
     """x [T, D], slots [T, K] local slot ids (>= S dropped), weights [T, K] -> y [T, D] in x's dtype."""
     T, K = slots.shape
     if T == 1:
@@ -120,5 +124,5 @@ def fused_experts(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, g
     token = torch.div(order, K, rounding_mode="floor")           # [N] source token of each row
     xs = x.index_select(0, token)                                # [N, D] contiguous per slot
     w = weights.reshape(-1).index_select(0, order)
-    out = grouped_expert_mlp(xs, counts, gate_up, down, row_weights=w)
+    out = grouped_expert_mlp(xs, counts, gate_up, down, row_weights=w, grouped_mm=grouped_mm)
     return x.new_zeros(T, x.shape[1]).index_add_(0, token, out)

@@ -104,6 +104,9 @@ def load_runner(spec: WorkerSpec, grid, role: str = "target", *, registry: Any =
 
     draft = role != "target"
     flags = dict(spec.draft_runtime if draft else spec.runtime)
+    if flags.get("weight_cache"):
+        # One cache file per runner: ranks (and target vs draft) hold different tensors.
+        flags["weight_cache"] = f"{flags['weight_cache']}.{role}.rank{grid.rank}"
     kwargs = dict(registry=registry if registry is not None else _registry_of(spec), role=role,
                   deployment=spec.deployment, a2a_backend=spec.a2a_backend, device=rank_device(),
                   ep_size=spec.ep_size, ep_rank=grid.ep_rank, pp_size=spec.pp_size, pp_rank=grid.pp_rank,

@@ -74,20 +74,27 @@ class Grid:
         return None if self.is_last_stage else self.rank + self.ep_size
 
 
-def make_grid(pp_size: int, ep_size: int) -> Grid:
-    """Create every EP and PP group (a collective: all ranks call it) and return this rank's."""
+def make_grid(pp_size: int, ep_size: int, timeout=None) -> Grid:
+    """Create every EP and PP group (a collective: all ranks call it) and return this rank's.
+
+    `timeout` (a timedelta) bounds every collective on the groups; default: the launch's
+    (launch.collective_timeout()), else torch's default."""
     import torch.distributed as dist
+
+    from .launch import collective_timeout
+
+    timeout = timeout if timeout is not None else collective_timeout()
 
     rank, world = dist.get_rank(), dist.get_world_size()
     check_sizes(world, pp_size, ep_size)
     pp_rank, ep_rank = grid_coords(rank, pp_size, ep_size)
     ep_group = pp_group = None
     for p in range(pp_size):
-        g = dist.new_group(ep_group_ranks(p, ep_size))
+        g = dist.new_group(ep_group_ranks(p, ep_size), timeout=timeout)
         if p == pp_rank:
             ep_group = g
     for e in range(ep_size):
-        g = dist.new_group(pp_group_ranks(e, pp_size, ep_size))
+        g = dist.new_group(pp_group_ranks(e, pp_size, ep_size), timeout=timeout)
         if e == ep_rank:
             pp_group = g
     return Grid(rank=rank, world_size=world, pp_size=pp_size, ep_size=ep_size, pp_rank=pp_rank, ep_rank=ep_rank,

@@ -91,6 +91,15 @@ def set_seed(seed: int) -> None:
 
 # -- the rank process ----------------------------------------------------------
 
+_collective_timeout: datetime.timedelta | None = None
+
+
+def collective_timeout() -> datetime.timedelta | None:
+    """The timeout this rank's launch gave its process group (None outside a launched rank):
+    groups created later (groups.make_grid) use it too, instead of torch's 30-minute default."""
+    return _collective_timeout
+
+
 def _worker(rank: int, world_size: int, backend: str, port, port_ready, results, fn_pickle: bytes, args_pickle: bytes,
             collective_timeout_s: float, threads: int, stack_file: str, env: dict, path: list) -> None:
     import faulthandler
@@ -109,6 +118,8 @@ def _worker(rank: int, world_size: int, backend: str, port, port_ready, results,
         if threads > 0:
             torch.set_num_threads(threads)   # N ranks on few cores: no oversubscription
         timeout = datetime.timedelta(seconds=collective_timeout_s)
+        global _collective_timeout
+        _collective_timeout = timeout
         if rank == 0:
             store = dist.TCPStore(_HOST, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
             port.value = store.port

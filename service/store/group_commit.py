@@ -4,23 +4,26 @@ A durable commit costs one WAL flush (fsync) whether it carries one plan or a
 hundred, so under load the store writes every plan that is waiting in one
 transaction. Leader-follower, no writer thread of its own:
 
-- a caller queues its item; if no batch is being written it becomes the leader,
-  takes everything queued (up to `max_batch`), writes it with `write_batch` and
-  hands each waiter its own outcome;
-- callers that arrive while a batch is being written queue up and sleep; when
-  the leader is done it wakes the first of them to lead the next batch (which
-  then holds everything that queued meanwhile) and returns to its own caller.
+- a caller queues its item; if fewer than `max_leaders` batches are being
+  written it becomes a leader: it takes everything queued (up to `max_batch`),
+  writes it with `write_batch` and hands each waiter its own outcome;
+- callers that arrive meanwhile queue up and sleep; a leader that is done
+  wakes the first of them to lead the next batch (which then holds everything
+  that queued meanwhile) and returns to its own caller.
 
 So a lone caller writes its own batch of one on its own thread (no hand-off
-latency), and under load the batch grows with the time a commit takes.
+latency), and under load a batch grows with the time a commit takes. With
+`max_leaders` > 1 a batch can run its statements while the one before waits for
+its commit; `write_batch` must then be safe to run concurrently (the database
+arbitrates between concurrent batches as between registry replicas).
 
 `write_batch(items)` returns one outcome per item, in order: the result, an
 exception instance (raised in that caller's thread), or `DEFER` (the item goes
-to the front of the next batch, e.g. a second call with the same request id,
-which must see the first one committed). An exception raised by `write_batch`
-itself fails every item of the batch. A caller returns only after the batch
-holding its item has been written; what "written" means (committed) is
-`write_batch`'s business.
+to the front of the queue for a later batch, e.g. a second call with the same
+request id, which must see the first one committed). An exception raised by
+`write_batch` itself fails every item of the batch. A caller returns only after
+the batch holding its item has been written; what "written" means (committed)
+is `write_batch`'s business.
 """
 
 from __future__ import annotations

@@ -20,15 +20,18 @@ same as saving the plans one after the other in batch order:
 Concurrency (many ranks of one deployment at once, several registry replicas):
 - SQLite: write transactions BEGIN IMMEDIATE (service/store/db.py), so writers
   run one at a time and every look-up sees every committed row.
-- PostgreSQL (READ COMMITTED): the unique keys arbitrate. A batch first goes the
-  optimistic way, BEGIN + two statements + COMMIT: the plans and decisions
-  (plain INSERT: a stored request id is a unique violation), then the pins with
-  ON CONFLICT DO NOTHING RETURNING, which waits for a concurrent inserter of the
-  same pin and then yields to the winner's row; a pin somebody else set is read
-  back and the batch keeps it when its plans agree. Any race lost (a request id
-  stored meanwhile, a disagreeing pin, a deadlock) rolls the batch back and
-  starts it over carefully: request ids and pins looked up first. Rows are
-  inserted in key order and plans before pins, one lock order for all writers.
+- PostgreSQL (READ COMMITTED): the unique keys arbitrate, between replicas and
+  between the (up to `PG_BATCHES_IN_FLIGHT`) batches of one process alike. A
+  batch first goes the optimistic way, BEGIN + two statements + COMMIT: the
+  plans and decisions (plain INSERT: a stored request id is a unique
+  violation), then the pins with ON CONFLICT DO NOTHING RETURNING, which waits
+  for a concurrent inserter of the same pin and then yields to the winner's
+  row; a pin somebody else set is read back and the batch keeps it when its
+  plans agree. Any race lost (a request id stored meanwhile, a disagreeing pin,
+  a deadlock) rolls the batch back and starts it over carefully: request ids
+  and pins looked up first. Rows are inserted in key order and plans before
+  pins, one lock order for all writers. Each statement carries its whole batch
+  of rows as one JSON parameter (`_pg_from_json`).
 Connection errors become `errors.Unavailable` for every plan of the batch (the
 client retries with the same request id, which is safe because of the above).
 """
@@ -82,6 +85,20 @@ PIN_CACHE_SIZE = 65536
 _PLAN_COLUMNS = tuple(c.name for c in PLANS.columns)
 _DECISION_COLUMNS = tuple(c.name for c in DECISIONS.columns)
 _PIN_COLUMNS = tuple(c.name for c in PINS.columns)
+# `_Item` builds its rows as plain tuples in these orders (a dict per row costs more than
+# the database spends on it): a model change must show up here, not as shifted values.
+_ROW_LAYOUTS = {
+    "plans": ("plan_id", "request_id", "request_fingerprint", "deployment_id", "role", "host",
+              "tp_size", "tp_rank", "ep_size", "ep_rank", "pp_size", "pp_rank", "dp_size", "dp_rank",
+              "entry_class", "config_fingerprint", "config_json", "quantization", "requested_quantization",
+              "quantization_config_json", "runtime_json", "ruleset_version", "created_at"),
+    "decisions": ("plan_id", "key", "revision", "value_json", "reason", "rule", "deployment_wide", "decided_at"),
+    "deployment_pins": ("deployment_id", "role", "inputs_json", "ruleset_version", "plan_id", "created_at"),
+}
+for _table, _columns in (("plans", _PLAN_COLUMNS), ("decisions", _DECISION_COLUMNS), ("deployment_pins", _PIN_COLUMNS)):
+    if _columns != _ROW_LAYOUTS[_table]:
+        raise ImportError(f"models.py changed the columns of {_table} to {_columns}; update _Item and _ROW_LAYOUTS "
+                          f"in {__name__}")
 
 
 def _pg_from_json(table: sa.Table) -> str:
@@ -90,7 +107,8 @@ def _pg_from_json(table: sa.Table) -> str:
     (an over-long value is refused, not truncated). One JSON text costs the client far less than
     a parameter per value or an array per column."""
     cols = ", ".join(c.name for c in table.columns)
-    return f"INSERT INTO {table.name} ({cols}) SELECT {cols} FROM json_populate_recordset(NULL::{table.name}, %s::json)"
+    return (f"INSERT INTO {table.name} ({cols}) "
+            f"SELECT {cols} FROM json_populate_recordset(NULL::{table.name}, %s::json)")
 
 
 # PostgreSQL, one statement for the plans and their decisions (the foreign keys are checked
@@ -237,23 +255,6 @@ def decode_page_token(token: str) -> tuple[dt.datetime, str]:
 
 # --- rows <-> domain ------------------------------------------------------------------
 
-def _plan_values(new: NewPlan) -> dict[str, Any]:
-    plan, req = new.plan, new.plan.request
-    p = req.parallel
-    return dict(
-        plan_id=plan.plan_id, request_id=req.request_id, request_fingerprint=new.request_fingerprint,
-        deployment_id=req.deployment_id, role=req.role, host=req.host,
-        tp_size=p.tp_size, tp_rank=p.tp_rank, ep_size=p.ep_size, ep_rank=p.ep_rank,
-        pp_size=p.pp_size, pp_rank=p.pp_rank, dp_size=p.dp_size, dp_rank=p.dp_rank,
-        entry_class=plan.entry_class, config_fingerprint=plan.config_fingerprint,
-        config_json=_dumps(dict(req.config)),
-        quantization=plan.quantization, requested_quantization=req.quantization,
-        quantization_config_json=None if req.quantization_config is None else _dumps(dict(req.quantization_config)),
-        runtime_json=_dumps(dataclasses.asdict(req.runtime)),
-        ruleset_version=plan.ruleset_version, created_at=plan.created_at,
-    )
-
-
 def _decision_values(plan_id: str, d: Decision, revision: int) -> dict[str, Any]:
     if d.decided_at is None:
         raise ValueError(f"decision {d.key} has no decided_at")
@@ -371,18 +372,19 @@ class _Item:
         return _Pin(self.group[0], self.group[1], self.new.plan.plan_id, self.inputs_json)
 
     def plan_row(self) -> tuple:
-        # `_plan_values` as a tuple in `_PLAN_COLUMNS` order (checked below, at import).
-        plan, req, p, rt = self.new.plan, self.new.plan.request, self.new.plan.request.parallel, \
-            self.new.plan.request.runtime
+        """The plan's row in `_ROW_LAYOUTS["plans"]` order: everything its request is rebuilt from."""
+        plan = self.new.plan
+        req = plan.request
+        p = req.parallel
         qc = req.quantization_config
         return (plan.plan_id, req.request_id, self.new.request_fingerprint, req.deployment_id, req.role, req.host,
                 p.tp_size, p.tp_rank, p.ep_size, p.ep_rank, p.pp_size, p.pp_rank, p.dp_size, p.dp_rank,
                 plan.entry_class, plan.config_fingerprint, _dumps(dict(req.config)), plan.quantization,
                 req.quantization, None if qc is None else _dumps(dict(qc)),
-                _dumps({f: getattr(rt, f) for f in _RUNTIME_FIELDS}), plan.ruleset_version, plan.created_at)
+                _dumps(dataclasses.asdict(req.runtime)), plan.ruleset_version, plan.created_at)
 
     def decision_rows(self) -> list[tuple]:
-        # `_decision_values` as tuples in `_DECISION_COLUMNS` order (checked below, at import).
+        """`_decision_values` of each decision, as tuples in `_ROW_LAYOUTS["decisions"]` order."""
         plan_id = self.new.plan.plan_id
         rows = []
         for d in self.new.plan.decisions.values():
@@ -395,12 +397,7 @@ class _Item:
 
     def pin_row(self) -> tuple:
         plan = self.new.plan
-        values = dict(deployment_id=self.group[0], role=self.group[1], inputs_json=self.inputs_json,
-                      ruleset_version=plan.ruleset_version, plan_id=plan.plan_id, created_at=plan.created_at)
-        return tuple(values[c] for c in _PIN_COLUMNS)
-
-
-_RUNTIME_FIELDS = tuple(f.name for f in dataclasses.fields(Runtime))   # scalars: asdict == this
+        return (self.group[0], self.group[1], self.inputs_json, plan.ruleset_version, plan.plan_id, plan.created_at)
 
 
 def _pin_refusal(item: _Item, pin: _Pin) -> FailedPrecondition | None:

@@ -84,6 +84,10 @@ def test_demo_prints_both_runners_decisions_reasons_and_the_diff(demo):
     assert re.search(r"^role\s+\"target\"\s+\"speculative\"$", diff, re.M), diff
     tokens = re.search(r"^\s+output\s+([\d ]+)$", out, re.M)
     assert tokens and len(tokens.group(1).split()) == DEMO_MAX_NEW_TOKENS
+    # The checkpoints share a learned successor map (make_checkpoints.py), so the draft is right far more
+    # often than chance (1 in 128): speculative decoding has something to show.
+    rate = re.search(r"draft acceptance ([\d.]+) \((\d+)/(\d+) proposed", out)
+    assert rate and float(rate.group(1)) > 0.2 and int(rate.group(3)) > 0, out
     # progress bars for loading and generation, on stderr
     assert "loading" in proc.stderr and "generating" in proc.stderr
 

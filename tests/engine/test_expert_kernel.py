@@ -32,10 +32,9 @@ def reference(x, slots, weights, gate_up, down):
 @pytest.fixture(params=["grouped_mm", "loop"])
 def path(request, monkeypatch):
     """Both ways of running the per-slot matmuls: torch's grouped_mm (where it exists) and the Python loop."""
-    if request.param == "loop":
-        monkeypatch.setattr(expert_kernel, "_HAS_GROUPED_MM", False)
-    elif not expert_kernel._HAS_GROUPED_MM:
+    if request.param == "grouped_mm" and not expert_kernel.GROUPED_MM_AVAILABLE:
         pytest.skip("this torch has no CPU grouped_mm")
+    monkeypatch.setattr(expert_kernel, "USE_GROUPED_MM", request.param == "grouped_mm")
     return request.param
 
 
@@ -150,8 +149,7 @@ def test_matches_reference_for_any_routing(T, S, K, seed, grouped_mm):
     slots = torch.randint(0, S + 2, (T, K), generator=g)            # repeats and dropped ids included
     weights = torch.rand(T, K, generator=g)
     with pytest.MonkeyPatch.context() as mp:
-        if not grouped_mm:
-            mp.setattr(expert_kernel, "_HAS_GROUPED_MM", False)
+        mp.setattr(expert_kernel, "USE_GROUPED_MM", grouped_mm)
         check(x, slots, weights, gate_up, down)
 
 

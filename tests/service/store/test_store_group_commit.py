@@ -118,9 +118,9 @@ def _request(deployment: str, **kw):
 def _rows(engine, deployments):
     with engine.connect() as conn:
         plans = set(conn.execute(sa.select(PlanRow.plan_id).where(PlanRow.deployment_id.in_(deployments))).scalars())
-        pins = set(conn.execute(sa.select(DeploymentPinRow.deployment_id, DeploymentPinRow.role, DeploymentPinRow.plan_id,
-                                          DeploymentPinRow.inputs_json)
-                                .where(DeploymentPinRow.deployment_id.in_(deployments))).all())
+        pin = DeploymentPinRow
+        pins = set(conn.execute(sa.select(pin.deployment_id, pin.role, pin.plan_id, pin.inputs_json)
+                                .where(pin.deployment_id.in_(deployments))).all())
     return plans, pins
 
 
@@ -286,7 +286,8 @@ def test_a_replica_checks_a_pin_it_has_not_seen(db_url, make_request, rows):
             b.resolve(make_request(runtime=Runtime(a2a_backend="none"), parallel=Parallel(ep_size=2, ep_rank=1)))
         assert err.value.field == "runtime.a2a_backend" and first.plan_id in str(err.value)
         assert rows() == before
-        agreeing = b.resolve(make_request(runtime=Runtime(a2a_backend="deepep"), parallel=Parallel(ep_size=2, ep_rank=1)))
+        agreeing = b.resolve(make_request(runtime=Runtime(a2a_backend="deepep"),
+                                          parallel=Parallel(ep_size=2, ep_rank=1)))
         assert not agreeing.replayed and rows()["deployment_pins"] == before["deployment_pins"]
     finally:
         for e in engines:
@@ -306,3 +307,20 @@ def test_request_fingerprint_ignores_only_the_request_id(make_request):
         assert request_fingerprint(req) == fingerprint(body)
         assert request_fingerprint(dataclasses.replace(req, request_id="other")) == request_fingerprint(req)
     assert request_fingerprint(reqs[0]) != request_fingerprint(reqs[1])
+
+
+def test_every_column_round_trips_in_its_place(store, make_request):
+    # The batch statements write rows as positional tuples: give every field its own value so
+    # that two swapped columns cannot pass unnoticed.
+    new = new_plan(make_request(quantization_config={"quant_method": "fp8"}, host="host-x"))
+    req = dataclasses.replace(new.plan.request, quantization="fp8-explicit", role="speculative",
+                              parallel=Parallel(tp_size=11, tp_rank=1, ep_size=12, ep_rank=2, pp_size=13, pp_rank=3,
+                                                dp_size=14, dp_rank=4),
+                              runtime=Runtime(a2a_backend="deepep", device="cuda:9.0", moe_runner="kernel",
+                                              enable_tbo=True, enable_eplb=True, ep_num_redundant_experts=5))
+    plan = dataclasses.replace(new.plan, request=req, entry_class="Entry", config_fingerprint="cfp",
+                               quantization="fp8-settled", ruleset_version="rs-9")
+    saved = store.save_plan(NewPlan(plan, "fingerprint-x", {"k": 1}))
+    stored = store.get_plan(saved.plan_id)
+    assert stored == plan
+    assert stored.request == req
