@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from dataclasses import dataclass
 from typing import Sequence
@@ -101,6 +102,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: CANCELLED: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`loadplan plans list | head`): not an error worth a traceback.
+        # Point stdout at /dev/null so the interpreter's final flush does not raise again.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 141
     except Exception as e:  # noqa: BLE001 - the client's errors, without importing grpc up front
         from ..client import RegistryCallError
 

@@ -79,3 +79,14 @@ def test_help_lists_commands_without_importing_them(capsys):
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert all(name in out for name in cli_main.COMMANDS)
+
+
+def test_closed_stdout_pipe_is_not_a_traceback(tmp_path):
+    # `loadplan backends | head -c 1`: the reader leaves early; the command ends quietly.
+    exe = [sys.executable, "-c", "import sys, loadplan.cli.main as m; sys.exit(m.main(sys.argv[1:]))"]
+    proc = subprocess.Popen(exe + ["backends"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc.stdout.close()                      # nobody reads: the first write breaks the pipe
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141
+    assert "Traceback" not in err and "BrokenPipeError" not in err

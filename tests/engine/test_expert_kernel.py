@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from loadplan.engine import expert_kernel
 from loadplan.engine.expert_kernel import fused_experts, grouped_expert_mlp, sort_by_slot
@@ -168,3 +169,27 @@ def test_matches_transformers_eager_experts():
         weights = torch.rand(9, 2)
         torch.testing.assert_close(fused_experts(x, slots, weights, gate_up, down), hf(x, slots, weights),
                                    rtol=1e-5, atol=1e-5)
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("grouped_mm", [False, True])
+def test_one_matmul_pair_per_hit_slot_or_two_grouped_calls(grouped_mm):
+    if grouped_mm and not expert_kernel.GROUPED_MM_AVAILABLE:
+        pytest.skip("this torch has no CPU grouped_mm")
+    x, gate_up, down = make(S=8, T=40)
+    slots = torch.tensor([[1, 6]]).expand(40, 2)                   # 40 tokens, 2 slots hit
+    with _CountOps() as c:
+        fused_experts(x, slots, torch.rand(40, 2), gate_up, down, grouped_mm=grouped_mm)
+    if grouped_mm:
+        assert c.calls.count("_grouped_mm") == 2 and "mm" not in c.calls
+    else:
+        assert c.calls.count("mm") == 4 and "_grouped_mm" not in c.calls
