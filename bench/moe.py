@@ -42,7 +42,7 @@ import warnings
 
 import torch
 
-from loadplan.engine.expert_kernel import fused_experts
+from loadplan.engine import expert_kernel
 from loadplan.engine.layers.deepseek_router import DeepseekV3Router
 from loadplan.engine.layers.mlp import GatedMLP
 from loadplan.engine.models.qwen_moe import QwenMoeConfig, QwenSparseMoeBlock
@@ -83,11 +83,22 @@ def param(t: torch.Tensor) -> torch.nn.Parameter:
 
 
 def propose(experts: RoutedExperts) -> RoutedExperts:
-    """The change still proposed for moe.py: when this rank holds every physical slot (ep_size 1), the
-    (physical) ids already are the slot ids and _local_slots' six elementwise ops can be skipped."""
+    """The changes still proposed for moe.py: (1) when this rank holds every physical slot (ep_size 1) the
+    (physical) ids already are the slot ids, so _local_slots' six elementwise ops can go; (2) the per-slot
+    matmuls through torch's grouped_mm (expert_kernel's `grouped_mm=True`)."""
     if experts.local_start == 0 and experts.num_local_experts == getattr(experts, "num_physical",
                                                                             experts.num_experts):
         experts._local_slots = lambda ids: ids
+    on_disk = experts.forward
+
+    def forward(*args):
+        before, expert_kernel.USE_GROUPED_MM = expert_kernel.USE_GROUPED_MM, True
+        try:
+            return on_disk(*args)
+        finally:
+            expert_kernel.USE_GROUPED_MM = before
+
+    experts.forward = forward
     return experts
 
 
