@@ -609,16 +609,16 @@ class SqlPlanStore:
                 # not seen). Ours agree with it: keep them. One does not: start over, refusing it.
                 read = self._select_pins(conn, lost)
                 self._pins.remember(read.values())
-                if any(_pin_refusal(items[k], read[items[k].group]) is not None
-                       for k in writes if items[k].group in read):
+                if len(read) < len(lost) or any(_pin_refusal(items[k], read[items[k].group]) is not None
+                                                for k in writes if items[k].group in read):
                     raise _Retry()
             written = [it.as_pin() for it in setter_items if it.group in inserted]
             for k in writes:
                 results[k] = items[k].new.plan
         if replays:
-            stored = self._load_plans(conn, sorted(set(replays.values())), replayed=True)
+            loaded = self._load_plans(conn, sorted(set(replays.values())), replayed=True)
             for k, plan_id in replays.items():
-                results[k] = stored[plan_id]
+                results[k] = loaded[plan_id]
         return results, written
 
     # --- the statements of a batch --------------------------------------------------

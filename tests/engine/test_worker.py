@@ -103,12 +103,17 @@ def test_ep_rebalance_moves_experts_across_ranks_and_keeps_the_logits(qwen3, db_
                     results[1][backend]["summary"]["per_layer_after"]
 
 
-def test_draft_with_another_fusion_intent_never_changes_the_target(tmp_path_factory, db_url):
+def test_draft_with_another_fusion_intent_never_changes_the_target(tmp_path_factory, tmp_path, db_url):
     target = str(make_checkpoint(tmp_path_factory.mktemp("q2t"), QWEN2, seed=0))
     draft = str(make_checkpoint(tmp_path_factory.mktemp("q2d"), QWEN2, seed=1))
+    cache = str(tmp_path / "wc")         # one weight-cache flag for everyone, as the CLI passes it
     spec = WorkerSpec(model=target, prompt_ids=(3, 1, 4, 1, 5), max_new_tokens=6, ep_size=2, db_url=db_url,
-                      draft=draft, num_draft_tokens=3, draft_runtime={"disable_shared_experts_fusion": True})
+                      draft=draft, num_draft_tokens=3, runtime={"weight_cache": cache},
+                      draft_runtime={"disable_shared_experts_fusion": True, "weight_cache": cache})
     out = generate_distributed(spec, 2, timeout_s=180)
+    # each runner (rank x role) holds other tensors: one cache file each, never one shared
+    assert sorted(f.name for f in tmp_path.glob("wc.*")) == \
+        ["wc.speculative.rank0", "wc.speculative.rank1", "wc.target.rank0", "wc.target.rank1"]
     assert out["tokens"] == _greedy(target, spec.prompt_ids, 6)       # exactly the target's greedy tokens
     assert 0.0 <= out["acceptance_rate"] <= 1.0
     with EmbeddedRegistry(db_url) as reg, reg.client() as client:

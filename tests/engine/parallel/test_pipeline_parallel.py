@@ -26,8 +26,10 @@ def _stages(rank, world_size, paths, ids):
 
     from engine_helpers import LocalRegistry
 
+    from loadplan.engine.parallel.launch import collective_timeout
+
     grid = None
-    out = {}
+    out = {"timeout_s": collective_timeout().total_seconds()}   # what make_grid gives the EP/PP groups
     for arch, path in paths.items():
         spec = WorkerSpec(model=path, prompt_ids=(), max_new_tokens=0, pp_size=world_size, enable_eplb=True,
                           ep_num_redundant_experts=2)
@@ -65,6 +67,7 @@ def test_two_stages_give_one_stage_logits_and_tokens_and_keep_eplb_to_their_own_
     ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(5))
     refs = {arch: single_process(path, ids, N_NEW) for arch, path in paths.items()}
     results = launch(PP, _stages, paths, ids, timeout_s=180)
+    assert results[0]["timeout_s"] == results[1]["timeout_s"] == 180
     moe_layers = {QWEN3: [0, 1, 2], DEEPSEEK: [1, 2]}      # DeepSeek's layer 0 is dense (first_k_dense_replace)
     for arch, (ref_logits, ref_tokens) in refs.items():
         s0, s1 = results[0][arch], results[1][arch]
