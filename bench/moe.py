@@ -84,19 +84,19 @@ def param(t: torch.Tensor) -> torch.nn.Parameter:
 
 def propose(experts: RoutedExperts) -> RoutedExperts:
     """The changes still proposed for moe.py: (1) when this rank holds every physical slot (ep_size 1) the
-    (physical) ids already are the slot ids, so _local_slots' six elementwise ops can go; (2) the per-slot
-    matmuls through torch's grouped_mm (expert_kernel's `grouped_mm=True`)."""
+    (physical) ids already are the slot ids, so _local_slots' six elementwise ops can go; (2) whole experts
+    per core (expert_kernel's `expert_parallel=True`) instead of every matmul split over the cores."""
     if experts.local_start == 0 and experts.num_local_experts == getattr(experts, "num_physical",
                                                                             experts.num_experts):
         experts._local_slots = lambda ids: ids
     on_disk = experts.forward
 
     def forward(*args):
-        before, expert_kernel.USE_GROUPED_MM = expert_kernel.USE_GROUPED_MM, True
+        before, expert_kernel.EXPERT_PARALLEL = expert_kernel.EXPERT_PARALLEL, True
         try:
             return on_disk(*args)
         finally:
-            expert_kernel.USE_GROUPED_MM = before
+            expert_kernel.EXPERT_PARALLEL = before
 
     experts.forward = forward
     return experts

@@ -9,7 +9,9 @@ server, Echo and ResolveLoadPlan sequentially (1 in flight) and with 64 in
 flight. Every resolve has its own request id AND its own deployment id, so each
 one validates, decides, pins a new deployment and commits a new plan: no replay
 and no pinned-deployment shortcut is measured. The load generator is a separate
-process (this one) using grpc.aio.
+process (this one) using grpc.aio; it serializes requests before and parses
+answers after the timed window (for both methods alike), since it shares the
+CPUs with the server.
 
 It also measures `commit_p50_ms`: the p50 of a bare single-row INSERT + COMMIT on
 the same database, the floor a durable resolve cannot beat.
@@ -37,7 +39,6 @@ import grpc
 from loadplan.client import convert
 from loadplan.plan import Parallel, ResolveRequest, Runtime
 from loadplan.v1 import registry_pb2 as pb
-from loadplan.v1 import registry_pb2_grpc as pb_grpc
 
 CONFIG = {
     "architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 61, "hidden_size": 7168,
@@ -131,27 +132,45 @@ def _resolve_message(i: int) -> pb.ResolveLoadPlanRequest:
     return convert.request_to_pb(req)
 
 
+_METHODS = {"echo": ("/loadplan.v1.ModelRegistry/Echo", pb.EchoResponse),
+            "resolve": ("/loadplan.v1.ModelRegistry/ResolveLoadPlan", pb.LoadPlan)}
+
+
 async def _run(address: str, method: str, n: int, inflight: int) -> tuple[float, list[float]]:
-    """Issue n calls with `inflight` outstanding; return (wall seconds, per-call latencies)."""
+    """Issue n calls with `inflight` outstanding; return (wall seconds, per-call latencies).
+
+    The load generator shares the machine's CPUs with the server (and the database), so it
+    spends as little as it can inside the timed window, the same way for both methods:
+    requests are serialized beforehand and the answers are kept as the bytes the server
+    sent; after the window every answer is parsed and checked (a plan for its own request)."""
     if method == "echo":
         messages = [pb.EchoRequest(payload=b"x" * 64) for _ in range(n)]
     else:
         messages = [_resolve_message(i) for i in range(n)]
+    payloads = [m.SerializeToString() for m in messages]
+    path, reply_type = _METHODS[method]
     latencies: list[float] = []
+    replies: list[bytes | None] = [None] * n
     async with grpc.aio.insecure_channel(address) as channel:
-        stub = pb_grpc.ModelRegistryStub(channel)
-        call = stub.Echo if method == "echo" else stub.ResolveLoadPlan
-        queue = iter(messages)
+        call = channel.unary_unary(path, request_serializer=None, response_deserializer=None)
+        queue = iter(range(n))
 
         async def worker() -> None:
-            for msg in queue:
+            for i in queue:
                 t = time.perf_counter()
-                await call(msg, timeout=30)
+                replies[i] = await call(payloads[i], timeout=30)
                 latencies.append(time.perf_counter() - t)
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(inflight)))
         wall = time.perf_counter() - start
+    for msg, raw in zip(messages, replies):
+        reply = reply_type.FromString(raw)
+        if method == "echo":
+            assert reply.payload == msg.payload, "echo answered something else"
+        else:
+            assert reply.plan_id and reply.request_id == msg.request_id and not reply.replayed, \
+                "resolve answered something else than a new plan for its request"
     return wall, latencies
 
 

@@ -55,14 +55,19 @@ def check_token(token: str, what: str = "token") -> str:
     return token
 
 
-def read_token_file(path: str | os.PathLike, what: str = "token file") -> str:
+def read_text_file(path: str | os.PathLike, what: str) -> str:
+    """A UTF-8 file's text; AuthConfigError naming `what` and the path (never the content) otherwise."""
     try:
-        text = pathlib.Path(path).read_text(encoding="utf-8")
+        return pathlib.Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise AuthConfigError(f"{what} {os.fspath(path)}: cannot read it ({e.strerror or type(e).__name__})") \
             from None
     except UnicodeDecodeError:
         raise AuthConfigError(f"{what} {os.fspath(path)} is not UTF-8 text") from None
+
+
+def read_token_file(path: str | os.PathLike, what: str = "token file") -> str:
+    text = read_text_file(path, what)
     return check_token(text.strip(), f"the token in {what} {os.fspath(path)}")
 
 

@@ -18,29 +18,29 @@ fp32; bench/moe.py):
   contiguous slice (its weights are read once however many tokens chose it). The
   two projections run in two passes over the slots with the activation in
   between done once over all N rows: per expert only the two matmuls run, which
-  matters when ~60 experts hold 1-3 rows each (T=16). Each pass is a Python loop
-  of torch.mm into slices of one output, or with `grouped_mm=True` (or
-  USE_GROUPED_MM) one call of torch's CPU grouped_mm: the same per-slot loop in
-  C++, without a Python dispatch per expert (faster in bench/moe.py's fastest
-  runs at T=16 and 512; off by default until the engine's tests count its
-  matmuls through it).
+  matters when ~60 experts hold 1-3 rows each (T=16). Each pass is a loop of
+  torch.mm into slices of one output.
+- With expert_parallel (T > 1), whole experts go to each core instead of each
+  matmul being split over the cores: one synchronisation per layer instead of two
+  per expert. torch's CPU grouped_mm (the same loop in C++) was measured too: no
+  better than the Python loop, and behind expert_parallel.
 - The routing weight scales h [N, I] before the down projection (I < D, and the
   down projection is linear), and index_add_ sums each token's rows into y.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
 
-# torch.nn.functional.grouped_mm runs on CPU from torch 2.9; before 2.11 it needs 16-byte aligned operands,
-# which memory-mapped checkpoint tensors do not guarantee.
-GROUPED_MM_AVAILABLE = hasattr(F, "grouped_mm") and tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 11)
-_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-USE_GROUPED_MM = False          # the default of the `grouped_mm` arguments below
+# Default of the `expert_parallel` arguments below. Off until the engine's tests, which count matmuls with a
+# (thread-local) TorchDispatchMode, follow the matmuls into the worker thread.
+EXPERT_PARALLEL = False
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -51,36 +51,88 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_expert_mlp(xs: torch.Tensor, counts: Sequence[int], gate_up: torch.Tensor, down: torch.Tensor,
-                       row_weights: torch.Tensor | None = None, grouped_mm: bool | None = None) -> torch.Tensor:
+                       row_weights: torch.Tensor | None = None, expert_parallel: bool | None = None) -> torch.Tensor:
     """xs [N, D] sorted by slot, counts[s] rows for slot s (sum(counts) == N) -> [N, D].
 
     Row i of the result is down_s(silu(gate_s(xs[i])) * up_s(xs[i])), times row_weights[i] if given.
-    grouped_mm (default USE_GROUPED_MM): use torch's grouped_mm where it runs (CPU, float32/16, bf16)."""
+    expert_parallel (default EXPERT_PARALLEL): whole slots per thread, see _expert_parallel."""
     N = xs.shape[0]
     assert sum(counts) == N, f"counts sum to {sum(counts)}, xs has {N} rows"
-    if (USE_GROUPED_MM if grouped_mm is None else grouped_mm) and GROUPED_MM_AVAILABLE \
-            and xs.device.type == "cpu" and xs.dtype in _GROUPED_MM_DTYPES and len(counts) == gate_up.shape[0]:
-        offs = torch.tensor(counts, dtype=torch.int64).cumsum_(0).to(torch.int32)
-        h = silu_mul(F.grouped_mm(xs, gate_up.transpose(1, 2), offs=offs))      # [N, I]
-        if row_weights is not None:
-            h.mul_(row_weights.to(h.dtype)[:, None])
-        return F.grouped_mm(h, down.transpose(1, 2), offs=offs)
     spans = []                                                   # (slot, start, end) of each hit slot
     start = 0
     for s, n in enumerate(counts):
         if n:
             spans.append((s, start, start + n))
             start += n
-    g = xs.new_empty(N, gate_up.shape[1])
-    for s, a, b in spans:
-        torch.mm(xs[a:b], gate_up[s].t(), out=g[a:b])
-    h = silu_mul(g)                                              # [N, I]
-    if row_weights is not None:
-        h.mul_(row_weights.to(h.dtype)[:, None])
     out = xs.new_empty(N, down.shape[1])
-    for s, a, b in spans:
-        torch.mm(h[a:b], down[s].t(), out=out[a:b])
+    if not spans:
+        return out
+    threads = torch.get_num_threads()
+    if (EXPERT_PARALLEL if expert_parallel is None else expert_parallel) and threads > 1 and len(spans) > 1:
+        _expert_parallel(spans, threads, xs, gate_up, down, row_weights, out)
+    else:
+        _slot_range(spans, xs, gate_up, down, row_weights, out)
     return out
+
+
+def _slot_range(spans, xs, gate_up, down, row_weights, out) -> None:
+    """Both projections for the rows of `spans` (consecutive), written into `out`."""
+    a0, b0 = spans[0][1], spans[-1][2]
+    g = xs.new_empty(b0 - a0, gate_up.shape[1])
+    for s, a, b in spans:
+        torch.mm(xs[a:b], gate_up[s].t(), out=g[a - a0:b - a0])
+    h = silu_mul(g)                                              # [rows, I]
+    if row_weights is not None:
+        h.mul_(row_weights[a0:b0].to(h.dtype)[:, None])
+    for s, a, b in spans:
+        torch.mm(h[a - a0:b - a0], down[s].t(), out=out[a:b])
+
+
+def _in_modes(modes, *args) -> None:
+    grad, inference = modes
+    with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+        _slot_range(*args)
+
+
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_POOL_SIZE = 0
+_POOL_LOCK = threading.Lock()
+
+
+def _expert_parallel(spans, threads, xs, gate_up, down, row_weights, out) -> None:
+    """Slots split over `threads` Python threads, each running its matmuls on one core.
+
+    One 2-thread matmul per expert synchronises its threads ~2x per expert; whole experts per thread
+    synchronise once per layer, which keeps small matmuls efficient and does not collapse when
+    the cores are shared. The BLAS runs single-threaded meanwhile (torch.set_num_threads is
+    process-wide: restored on exit)."""
+    global _POOL, _POOL_SIZE
+    with _POOL_LOCK:
+        if _POOL is None or _POOL_SIZE < threads - 1:
+            _POOL, _POOL_SIZE = concurrent.futures.ThreadPoolExecutor(threads - 1, "expert-kernel"), threads - 1
+    total = spans[-1][2] - spans[0][1]
+    chunks, cur, done = [], [], 0                                 # consecutive spans, ~equal rows each
+    for span in spans:
+        cur.append(span)
+        done += span[2] - span[1]
+        if done * threads >= total * (len(chunks) + 1) and len(chunks) < threads - 1:
+            chunks.append(cur)
+            cur = []
+    if cur:
+        chunks.append(cur)
+    # grad and inference mode are thread-local: the workers take this thread's
+    modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+    torch.set_num_threads(1)
+    try:
+        futures = [_POOL.submit(_in_modes, modes, c, xs, gate_up, down, row_weights, out) for c in chunks[1:]]
+        try:
+            _slot_range(chunks[0], xs, gate_up, down, row_weights, out)
+        finally:
+            concurrent.futures.wait(futures)                      # never leave a worker writing into `out`
+        for f in futures:
+            f.result()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _decode(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
@@ -115,7 +167,7 @@ def sort_by_slot(slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, lis
 
 
 def fused_experts(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor, grouped_mm: bool | None = None) -> torch.Tensor:
+                  down: torch.Tensor, expert_parallel: bool | None = None) -> torch.Tensor:
     """x [T, D], slots [T, K] local slot ids (>= S dropped), weights [T, K] -> y [T, D] in x's dtype."""
     T, K = slots.shape
     if T == 1:
@@ -124,5 +176,5 @@ def fused_experts(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, g
     token = torch.div(order, K, rounding_mode="floor")           # [N] source token of each row
     xs = x.index_select(0, token)                                # [N, D] contiguous per slot
     w = weights.reshape(-1).index_select(0, order)
-    out = grouped_expert_mlp(xs, counts, gate_up, down, row_weights=w, grouped_mm=grouped_mm)
+    out = grouped_expert_mlp(xs, counts, gate_up, down, row_weights=w, expert_parallel=expert_parallel)
     return x.new_zeros(T, x.shape[1]).index_add_(0, token, out)

@@ -12,6 +12,13 @@ import torch
 from torch import nn
 
 
+def eos_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
+    """The token ids that end generation (none: run to max_new_tokens)."""
+    if eos_token_id is None:
+        return frozenset()
+    return frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+
+
 @torch.no_grad()
 def generate(model: nn.Module, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, *,
              eos_token_id: int | Sequence[int] | None = None) -> torch.Tensor:
@@ -29,20 +36,22 @@ def generate(model: nn.Module, prompt_ids: Sequence[int] | torch.Tensor, max_new
     B, T = ids.shape
     if max_new_tokens == 0:
         return ids.new_zeros((B, 0))
-    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+    eos = eos_set(eos_token_id)
     model.setup_caches(B, T + max_new_tokens)
     try:
         logits = model(ids, torch.arange(T, device=device))               # [B, T, V]
         nxt = logits[:, -1].argmax(dim=-1)                                 # [B]
         out = [nxt]
-        done = torch.tensor([t in eos for t in nxt.tolist()], device=device)
+        # Rows that have produced an EOS, kept on the host: without EOS ids there is nothing to sync per step.
+        done = [t in eos for t in nxt.tolist()] if eos else [False] * B
         for pos in range(T, T + max_new_tokens - 1):
-            if eos and bool(done.all()):
+            if eos and all(done):
                 break
             logits = model(nxt[:, None], torch.tensor([pos], device=device))
             nxt = logits[:, -1].argmax(dim=-1)
             out.append(nxt)
-            done |= torch.tensor([t in eos for t in nxt.tolist()], device=device)
+            if eos:
+                done = [d or t in eos for d, t in zip(done, nxt.tolist())]
         return torch.stack(out, dim=1)
     finally:
         model.clear_caches()

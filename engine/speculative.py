@@ -26,6 +26,8 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from .generate import eos_set
+
 
 class VocabMismatch(ValueError):
     """Target and draft must share the vocabulary: the draft's token ids are fed to the target."""
@@ -47,12 +49,6 @@ def _device(model: nn.Module) -> torch.device:
         return next(model.parameters()).device
     except (StopIteration, AttributeError):
         return torch.device("cpu")
-
-
-def _eos_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
-    if eos_token_id is None:
-        return frozenset()
-    return frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
 
 
 @torch.no_grad()
@@ -83,7 +79,7 @@ def speculative_generate(target: nn.Module, draft: nn.Module, prompt_ids: Sequen
     if vt is None or vd is None or vt != vd:
         raise VocabMismatch(f"target and draft must share the vocabulary: target vocab_size={vt}, draft "
                             f"vocab_size={vd}; pick a draft checkpoint trained with the target's tokenizer")
-    eos = _eos_set(eos_token_id)
+    eos = eos_set(eos_token_id)
     stats = {"proposed": 0, "accepted": 0, "acceptance_rate": 0.0, "target_forwards": 0, "draft_forwards": 0,
              "rounds": 0}
     if max_new_tokens == 0:

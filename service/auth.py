@@ -35,14 +35,13 @@ import hmac
 import ipaddress
 import logging
 import os
-import pathlib
 import re
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 import grpc
 
-from ..client.auth import AUTHORIZATION_KEY, AuthConfigError, check_token
+from ..client.auth import AUTHORIZATION_KEY, AuthConfigError, check_token, read_text_file
 from ..v1 import registry_pb2 as pb
 
 log = logging.getLogger("loadplan.service.auth")
@@ -164,12 +163,9 @@ def parse_entries(entries: Iterable[tuple[str, str]]) -> TokenStore:
 
 def _file_entries(path: str | os.PathLike) -> list[tuple[str, str]]:
     try:
-        text = pathlib.Path(path).read_text(encoding="utf-8")
-    except OSError as e:
-        raise TokenConfigError(f"tokens file {os.fspath(path)}: cannot read it ({e.strerror or type(e).__name__})") \
-            from None
-    except UnicodeDecodeError:
-        raise TokenConfigError(f"tokens file {os.fspath(path)} is not UTF-8 text") from None
+        text = read_text_file(path, "tokens file")
+    except AuthConfigError as e:
+        raise TokenConfigError(str(e)) from None
     return [(f"tokens file {os.fspath(path)} line {n}", line.strip())
             for n, line in enumerate(text.splitlines(), 1) if line.strip() and not line.lstrip().startswith("#")]
 

@@ -102,8 +102,9 @@ class Registry:
         self.store = store
         self.clock = clock
 
-    def resolve(self, req: ResolveRequest) -> LoadPlan:
-        res = resolve_decisions(req)
+    def resolve(self, req: ResolveRequest, inputs_key: Any = None) -> LoadPlan:
+        """`inputs_key`: see `resolve_decisions` (the transport passes the raw JSON texts)."""
+        res = resolve_decisions(req, inputs_key)
         now = self.clock()
         plan = LoadPlan(
             plan_id=uuid.uuid4().hex,

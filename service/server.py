@@ -46,9 +46,38 @@ class ServerOptions:
     # how many plans one commit can carry: sized for 64 ranks resolving at once.
     max_workers: int = 64
     readiness_interval_s: float = 1.0
+    # A store that has not answered readiness within this is NOT_SERVING (a stalled database).
+    readiness_timeout_s: float = 2.0
     grace_s: float = 5.0
     tokens: TokenStore | None = None     # bearer tokens and roles (service/auth.py); None: open
     tls: ServerTls | None = None         # TLS / mutual TLS (service/tls.py); None: plaintext
+
+
+class _Probe:
+    """One readiness question on its own daemon thread."""
+
+    def __init__(self, ask):
+        self._ask = ask
+        self._answer: bool | BaseException = False
+        self._done = threading.Event()
+        threading.Thread(target=self._run, name="loadplan-readiness-probe", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self._answer = bool(self._ask())
+        except BaseException as e:  # noqa: BLE001 - handed to the asker
+            self._answer = e
+        self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float) -> bool:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"no answer within {timeout}s")
+        if isinstance(self._answer, BaseException):
+            raise self._answer
+        return self._answer
 
 
 class RegistryServer:
@@ -88,6 +117,8 @@ class RegistryServer:
         host = options.listen.rsplit(":", 1)[0]
         self.address = f"{host}:{self.port}"
         self._stop = threading.Event()
+        self._probe_lock = threading.Lock()
+        self._probe: _Probe | None = None
         self._watcher: threading.Thread | None = None
         self.serving = False
 
@@ -97,10 +128,22 @@ class RegistryServer:
         for name in (SERVICE_NAME, ""):
             self.health.set(name, status)
 
+    def _ask_store(self) -> bool:
+        """`store.ready()`, but at most `readiness_timeout_s`: a database that stops answering
+        leaves the question on a helper thread (asked again only once it returns)."""
+        with self._probe_lock:
+            probe = self._probe
+            if probe is None or probe.done():
+                probe = self._probe = _Probe(self.store.ready)
+        return probe.result(self.options.readiness_timeout_s)
+
     def check_ready(self) -> bool:
         """Ask the store once and publish the answer on the health service."""
         try:
-            ready = bool(self.store.ready())
+            ready = self._ask_store()
+        except TimeoutError:
+            log.warning("store readiness check did not answer within %.1fs", self.options.readiness_timeout_s)
+            ready = False
         except Exception:  # noqa: BLE001 - a store that cannot answer is not ready
             log.exception("store readiness check failed")
             ready = False

@@ -32,6 +32,11 @@ class GQAttention(nn.Module):
         self.k_norm = RMSNorm(head_dim, rms_norm_eps, dtype) if qk_norm else None
         self.kv_cache: KVCache | None = None   # set by the model's setup_caches
 
+    def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype,
+                    device: torch.device | str) -> KVCache:
+        self.kv_cache = KVCache(batch_size, self.n_kv_heads, max_seq_len, self.head_dim, dtype, device)
+        return self.kv_cache
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 input_pos: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, D], cos/sin [T, hd], input_pos [T] (needed with a cache) -> [B, T, D]."""

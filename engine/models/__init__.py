@@ -1,6 +1,10 @@
 """The engine's model files, one per family (gpt-fast / nanoGPT style).
 
-Conventions every entry class follows (the loader relies on them; see qwen_moe.py):
+Conventions every entry class follows (the loader relies on them; see qwen_moe.py).
+`causal_lm.CausalLM` implements the shared part (stage, embedding/norm/head, rotary
+tables, expert-weights view, weight_layout, caches, forward across stages); a family
+file writes its config (`config.get_field` / `ConfigError`), its attention and MLP/MoE
+blocks, and a `causal_lm.DecoderLayer` subclass that builds them:
 
 Construction
 - `Cls(hf_config: dict, plan: GuardedPlan, *, dtype=torch.float32)`: `hf_config`

@@ -19,39 +19,20 @@ Shapes: B batch, T tokens, D hidden, E routed experts, K top-k, V vocab.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ...plan import Keys
 from ..layers.deepseek_router import DeepseekV3Router
 from ..layers.mla import MultiHeadLatentAttention
 from ..layers.mlp import GatedMLP, activation
-from ..layers.norm import RMSNorm
-from ..layers.rope import RopeConfig, RotaryEmbedding, rope_config_from_hf
+from ..layers.rope import RopeConfig, rope_config_from_hf
 from ..moe import RoutedExperts
 from ..weights import WeightLayout
-from . import ExpertWeightsView, PPMissingLayer
-
-
-class ConfigError(ValueError):
-    pass
-
-
-_MISSING = object()
-
-
-def _get(d: dict, name: str, default=_MISSING, kind=None):
-    v = d.get(name)
-    if v is None:
-        if default is _MISSING:
-            raise ConfigError(f"config.{name}: missing")
-        return default
-    if kind is not None and (not isinstance(v, kind) or (kind is not bool and isinstance(v, bool))):
-        raise ConfigError(f"config.{name}: expected {getattr(kind, '__name__', kind)}, got {v!r}")
-    return v
+from .causal_lm import CausalLM, DecoderLayer
+from .config import ConfigError, get_field as _get
 
 
 @dataclass(frozen=True)
@@ -181,124 +162,29 @@ class DeepseekV3MoE(nn.Module):
         return y
 
 
-class DeepseekV3DecoderLayer(nn.Module):
+class DeepseekV3DecoderLayer(DecoderLayer):
     def __init__(self, cfg: DeepseekV3Config, plan, layer_id: int, dtype: torch.dtype):
-        super().__init__()
-        self.layer_id = layer_id
-        self.self_attn = MultiHeadLatentAttention(
+        attn = MultiHeadLatentAttention(
             cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
             cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.rope, rope_interleave=cfg.rope_interleave,
             attention_bias=cfg.attention_bias, dtype=dtype)
         if layer_id in cfg.moe_layers:
-            self.mlp = DeepseekV3MoE(cfg, plan, layer_id, dtype)
+            mlp = DeepseekV3MoE(cfg, plan, layer_id, dtype)
         else:
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-
-    def forward(self, x, cos, sin, input_pos=None):
-        """x [B, T, D] -> [B, T, D]"""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos)
-        B, T, D = x.shape
-        h = self.post_attention_layernorm(x).reshape(B * T, D)
-        return x + self.mlp(h).view(B, T, D)
+            mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype)
+        super().__init__(layer_id, attn, mlp, cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
-class DeepseekV3Model(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, plan, layer_range: tuple[int, int], first: bool, last: bool,
-                 dtype: torch.dtype):
-        super().__init__()
-        lo, hi = layer_range
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype) if first else None
-        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(cfg, plan, i, dtype) if lo <= i < hi else PPMissingLayer(i)
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if last else None
-
-
-class DeepseekV3ForCausalLM(nn.Module):
+class DeepseekV3ForCausalLM(CausalLM):
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        super().__init__()
         cfg = DeepseekV3Config.from_hf(hf_config)
-        self.config = cfg
-        self.plan = plan
-        self.dtype = dtype
-        lo, hi = (int(v) for v in plan.decisions[Keys.PP_LAYER_RANGE].value)
-        if not 0 <= lo < hi <= cfg.num_hidden_layers:
-            raise ValueError(f"plan's pp.layer_range [{lo}, {hi}) is outside the config's "
-                             f"{cfg.num_hidden_layers} layers")
-        self.layer_range = (lo, hi)
-        self.is_first_stage, self.is_last_stage = lo == 0, hi == cfg.num_hidden_layers
-        self.model = DeepseekV3Model(cfg, plan, self.layer_range, self.is_first_stage, self.is_last_stage, dtype)
-        separate_head = self.is_last_stage and not (cfg.tie_word_embeddings and self.is_first_stage)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype) if separate_head else None
-        self.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope, cfg.max_position_embeddings)
-        self.moe_layer_ids = tuple(i for i in cfg.moe_layers if lo <= i < hi)
-        self.routed_experts_weights_of_layer = ExpertWeightsView(
-            {i: self.model.layers[i].mlp.experts for i in self.moe_layer_ids})
-        if plan.decisions[Keys.EPLB_ENABLED].value:
-            eplb_layers = [int(i) for i in plan.decisions[Keys.EPLB_LAYERS].value]
-            if eplb_layers != list(self.moe_layer_ids):
-                raise ValueError(f"plan's eplb.layers {eplb_layers} differ from this stage's MoE layers "
-                                 f"{list(self.moe_layer_ids)}")
+        super().__init__(cfg, plan, DeepseekV3DecoderLayer, n_routed=cfg.n_routed_experts,
+                         rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype)
 
-    # -- loading ---------------------------------------------------------------
-    def weight_layout(self, prefix: str = "") -> WeightLayout:
-        """`prefix`: where a wrapper keeps this model in its checkpoint (e.g. "language_model.")."""
-        n_fused, local, physical = 0, None, None
-        if self.moe_layer_ids:
-            ex = self.model.layers[self.moe_layer_ids[0]].mlp.experts
-            n_fused, local = ex.num_fused_shared_experts, (ex.local_start, ex.local_start + ex.num_local_experts)
-            physical = ex.num_physical
+    def ignore_prefixes(self, prefix: str) -> tuple[str, ...]:
+        """The Multi-Token-Prediction layers stored after the last decoder layer."""
         L = self.config.num_hidden_layers
-        mtp = tuple(f"{prefix}model.layers.{L + i}." for i in range(self.config.num_nextn_predict_layers))
-        return WeightLayout(
-            n_routed=self.config.n_routed_experts, num_fused_shared=n_fused, local_experts=local,
-            num_physical=physical,
-            layer_range=self.layer_range, has_embed=self.is_first_stage, has_head=self.is_last_stage,
-            lm_head_from_embed=self.config.tie_word_embeddings and self.is_last_stage and not self.is_first_stage,
-            ignore_prefixes=mtp)
-
-    def tie_weights(self) -> None:
-        pass  # a tied head reads model.embed_tokens.weight directly (see _head)
-
-    # -- running ---------------------------------------------------------------
-    def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
-        device = next(self.parameters()).device
-        for layer in self.model.layers:
-            if isinstance(layer, DeepseekV3DecoderLayer):
-                layer.self_attn.setup_cache(max_batch_size, max_seq_len, self.dtype, device)
-
-    def clear_caches(self) -> None:
-        for layer in self.model.layers:
-            if isinstance(layer, DeepseekV3DecoderLayer):
-                layer.self_attn.kv_cache = None
-
-    def _head(self, h: torch.Tensor) -> torch.Tensor:
-        w = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        return F.linear(h, w)
-
-    def forward(self, input_ids: torch.Tensor | None = None, input_pos: torch.Tensor | None = None, *,
-                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids [B, T] (first stage) or hidden_states [B, T, D] -> logits [B, T, V] (last stage)."""
-        with self.plan.forward_running():
-            if self.is_first_stage:
-                if input_ids is None:
-                    raise ValueError("the first pipeline stage takes input_ids")
-                x = self.model.embed_tokens(input_ids)                     # [B, T, D]
-            else:
-                if hidden_states is None:
-                    raise ValueError(f"pipeline stage {self.layer_range} takes hidden_states")
-                x = hidden_states
-            T = x.shape[1]
-            if input_pos is None:
-                input_pos = torch.arange(T, device=x.device)
-            cos, sin = self.rotary(input_pos)                              # [T, qk_rope_head_dim] each
-            lo, hi = self.layer_range
-            for layer in self.model.layers[lo:hi]:
-                x = layer(x, cos, sin, input_pos)
-            if not self.is_last_stage:
-                return x
-            return self._head(self.model.norm(x))                          # [B, T, V]
+        return tuple(f"{prefix}model.layers.{L + i}." for i in range(self.config.num_nextn_predict_layers))
 
 
 class KimiK25ForConditionalGeneration(nn.Module):
@@ -323,12 +209,7 @@ class KimiK25ForConditionalGeneration(nn.Module):
 
     def weight_layout(self) -> WeightLayout:
         inner = self.language_model.weight_layout(prefix=self.TEXT_PREFIX)
-        return WeightLayout(
-            n_routed=inner.n_routed, num_fused_shared=inner.num_fused_shared, local_experts=inner.local_experts,
-            num_physical=inner.num_physical,
-            layer_range=inner.layer_range, has_embed=inner.has_embed, has_head=inner.has_head,
-            lm_head_from_embed=inner.lm_head_from_embed,
-            ignore_prefixes=self.OTHER_TOWERS + inner.ignore_prefixes)
+        return dataclasses.replace(inner, ignore_prefixes=self.OTHER_TOWERS + inner.ignore_prefixes)
 
     def tie_weights(self) -> None:
         self.language_model.tie_weights()

@@ -26,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--migrate", action="store_true", help="upgrade the database to head before serving")
     parser.add_argument("--max-message-bytes", type=int, default=4 * 1024 * 1024, metavar="N",
                         help="largest request accepted (default 4 MiB)")
-    parser.add_argument("--workers", type=int, default=16, metavar="N", help="RPC worker threads")
+    parser.add_argument("--workers", type=int, default=None, metavar="N",
+                        help="RPC worker threads (default: ServerOptions.max_workers, sized for 64 ranks at once)")
     sec = parser.add_argument_group("security")
     sec.add_argument("--tokens-file", metavar="FILE", default=None,
                      help="ROLE:TOKEN lines (roles worker, reader, admin); default $LOADPLAN_TOKENS_FILE, plus "
@@ -66,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("UNAVAILABLE", f"database {redact(url)}: {short_error(e)}") from None
     try:
         server = RegistryServer(SqlPlanStore(engine), ServerOptions(
-            listen=args.listen, max_receive_message_bytes=args.max_message_bytes, max_workers=args.workers,
+            listen=args.listen, max_receive_message_bytes=args.max_message_bytes,
+            **({} if args.workers is None else {"max_workers": args.workers}),
             tokens=tokens, tls=tls))
     except ServerStartError as e:
         raise CliError("FAILED_PRECONDITION", one_line(e)) from None

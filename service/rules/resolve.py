@@ -11,8 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from typing import Any, Hashable, Mapping
 
 from ...plan import ROLES, Decision, Keys, ResolveRequest
 from ..errors import FailedPrecondition, InvalidArgument
@@ -51,8 +53,10 @@ def fingerprint(obj: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def validate_request(req: ResolveRequest) -> None:
-    """Field-level checks that need no table look-up."""
+def validate_request(req: ResolveRequest, *, deployment_checked: bool = False) -> None:
+    """Field-level checks that need no table look-up. `deployment_checked`: the fields of the
+    deployment cache's key (quantization, sizes, runtime, configs) passed already, skip them;
+    the rest run in the same order, so the first refusal is the same."""
     for name in ("request_id", "deployment_id"):
         value = getattr(req, name)
         if not value:
@@ -65,9 +69,15 @@ def validate_request(req: ResolveRequest) -> None:
     if len(req.host) > 255:
         raise InvalidArgument("host", "longer than 255 characters")
     check_text("host", req.host)
+    p = req.parallel
+    if deployment_checked:
+        for axis in ("tp", "ep", "pp", "dp"):
+            size, rank = getattr(p, f"{axis}_size"), getattr(p, f"{axis}_rank")
+            if not 0 <= rank < size:
+                raise InvalidArgument(f"parallel.{axis}_rank", f"must be in [0, {axis}_size={size}), got {rank}")
+        return
     if req.quantization is not None:
         check_name("quantization", req.quantization)
-    p = req.parallel
     for axis in ("tp", "ep", "pp", "dp"):
         size, rank = getattr(p, f"{axis}_size"), getattr(p, f"{axis}_rank")
         if size < 1:
@@ -176,8 +186,105 @@ def diff_deployment_inputs(pinned: dict[str, Any], mine: dict[str, Any]) -> list
     return sorted(k for k in pinned.keys() | mine.keys() if pinned.get(k) != mine.get(k))
 
 
-def resolve_decisions(req: ResolveRequest) -> Resolution:
-    validate_request(req)
+def resolve_decisions(req: ResolveRequest, inputs_key: Hashable | None = None) -> Resolution:
+    """The decisions for `req`, validated.
+
+    `inputs_key`, when given, must determine `req.config` and `req.quantization_config`
+    exactly (the transport passes the raw JSON texts they were parsed from): the
+    deployment-wide part (config parsing, gating, fingerprints, most decisions) is then
+    computed once per (texts, quantization, runtime, sizes) and kept in a bounded LRU, and
+    each call adds only its own rank's decisions. Same answer as without the key: both
+    paths run `_deployment_part` and `_Part.for_rank`, the cache only skips recomputing the
+    first (and the checks of fields in its key, which passed when it was computed;
+    refusals are never cached)."""
+    if inputs_key is None:
+        validate_request(req)
+        return _deployment_part(req).for_rank(req)
+    p = req.parallel
+    key = (inputs_key, req.quantization, req.runtime, p.tp_size, p.ep_size, p.pp_size, p.dp_size)
+    try:
+        part = DEPLOYMENT_CACHE.get(key)
+    except TypeError:   # something unhashable in the request: no caching for it
+        return resolve_decisions(req)
+    if part is None:
+        validate_request(req)
+        part = _deployment_part(req)
+        DEPLOYMENT_CACHE.put(key, part)
+    else:
+        validate_request(req, deployment_checked=True)
+    return part.for_rank(req)
+
+
+class _Part:
+    """What every rank of one deployment gets (a `Resolution` without the rank's decisions)."""
+
+    __slots__ = ("entry_class", "chain", "family", "config_fingerprint", "quantization", "head", "eplb_head",
+                 "n_layers", "first_layer", "moe_layers", "enable_eplb", "inputs")
+
+    def for_rank(self, req: ResolveRequest) -> Resolution:
+        p = req.parallel
+        start, end = stage_range(self.n_layers, p.pp_size, p.pp_rank)
+        layer_range = [self.first_layer + start, self.first_layer + end]
+        d = dict(self.head)
+        d[Keys.PP_LAYER_RANGE] = Decision(
+            Keys.PP_LAYER_RANGE, layer_range,
+            f"stage {p.pp_rank} of {p.pp_size} owns layers [{layer_range[0]}, {layer_range[1]})", "pp.tiling",
+            False)
+        d.update(self.eplb_head)
+        if self.enable_eplb:
+            local_moe = [i for i in self.moe_layers if layer_range[0] <= i < layer_range[1]]
+            d[Keys.EPLB_LAYERS] = Decision(
+                Keys.EPLB_LAYERS, local_moe,
+                f"the MoE layers of stage {p.pp_rank} (global ids); fused shared slots are not movable",
+                "eplb.local_layers", False)
+        else:
+            d[Keys.EPLB_LAYERS] = Decision(Keys.EPLB_LAYERS, [], "EPLB not enabled", "eplb.local_layers", False)
+        return Resolution(self.entry_class, self.chain, self.family, self.config_fingerprint, self.quantization,
+                          d, dict(self.inputs))
+
+
+class _LruCache:
+    """A bounded, thread-safe LRU map (RPC threads share it)."""
+
+    def __init__(self, maxsize: int):
+        self.maxsize = maxsize
+        self._data: OrderedDict[Hashable, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def get(self, key: Hashable) -> Any:
+        with self._lock:
+            value = self._data.get(key)
+            if value is None:
+                self.misses += 1
+            else:
+                self.hits += 1
+                self._data.move_to_end(key)
+            return value
+
+    def put(self, key: Hashable, value: Any) -> None:
+        with self._lock:
+            self._data[key] = value
+            self._data.move_to_end(key)
+            while len(self._data) > self.maxsize:
+                self._data.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._data.clear()
+
+
+# Distinct deployment-wide inputs remembered per process: a fleet has a handful of configs.
+DEPLOYMENT_CACHE_SIZE = 256
+DEPLOYMENT_CACHE = _LruCache(DEPLOYMENT_CACHE_SIZE)
+
+
+def _deployment_part(req: ResolveRequest) -> _Part:
+    """Everything but the rank's own decisions. Reads the rank only through the gate context,
+    whose gates are deployment-wide by contract (tests/service/rules: ranks agree)."""
     cfg = ConfigView(req.config)
     entry_class = cfg.architecture()
     resolved = resolve_entry(entry_class, cfg, req.quantization, req.quantization_config)
@@ -236,32 +343,31 @@ def resolve_decisions(req: ResolveRequest) -> Resolution:
     put(Keys.NUM_LOCAL_EXPERTS, physical // p.ep_size,
         f"{physical} physical experts over ep_size={p.ep_size}", "sharding.experts")
 
-    # --- pipeline stage (DESIGN 5.5) ---------------------------------------
-    start, end = stage_range(len(layout.layer_ids), p.pp_size, p.pp_rank)
-    first = layout.layer_ids[0]
-    layer_range = [first + start, first + end]
-    put(Keys.PP_LAYER_RANGE, layer_range,
-        f"stage {p.pp_rank} of {p.pp_size} owns layers [{layer_range[0]}, {layer_range[1]})", "pp.tiling",
-        deployment_wide=False)
-
-    # --- EPLB ---------------------------------------------------------------
-    local_moe = [i for i in layout.moe_layers if layer_range[0] <= i < layer_range[1]]
+    # --- pipeline stage (DESIGN 5.5) and EPLB: the rank's part in `_Part.for_rank` ---
+    part = _Part()
+    part.head = d
+    d = {}
     if rt.enable_eplb:
         put(Keys.EPLB_ENABLED, True, "enable_eplb requested", "eplb.intent")
         put(Keys.EPLB_NUM_PHYSICAL_EXPERTS, physical,
             f"{layout.n_routed} routed + {rt.ep_num_redundant_experts} redundant", "eplb.physical")
-        put(Keys.EPLB_LAYERS, local_moe,
-            f"the MoE layers of stage {p.pp_rank} (global ids); fused shared slots are not movable",
-            "eplb.local_layers", deployment_wide=False)
     else:
         put(Keys.EPLB_ENABLED, False, "EPLB not enabled (runtime.enable_eplb is false)", "eplb.intent")
         put(Keys.EPLB_NUM_PHYSICAL_EXPERTS, layout.n_routed, "EPLB not enabled: one copy of each expert",
             "eplb.physical")
-        put(Keys.EPLB_LAYERS, [], "EPLB not enabled", "eplb.local_layers", deployment_wide=False)
-
+    part.eplb_head = d
+    part.enable_eplb = rt.enable_eplb
+    part.n_layers = len(layout.layer_ids)
+    part.first_layer = layout.layer_ids[0] if layout.layer_ids else 0
+    part.moe_layers = tuple(layout.moe_layers)
     inputs = deployment_inputs(req, resolved)
-    return Resolution(entry_class, resolved.chain, resolved.family.name, inputs["config_fingerprint"],
-                      resolved.quantization.name, d, inputs)
+    part.inputs = inputs
+    part.entry_class = entry_class
+    part.chain = resolved.chain
+    part.family = resolved.family.name
+    part.config_fingerprint = inputs["config_fingerprint"]
+    part.quantization = resolved.quantization.name
+    return part
 
 
 def stage_range(n_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:

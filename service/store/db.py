@@ -7,7 +7,16 @@
   can fail with "database is locked" when another writer got in between; with
   IMMEDIATE concurrent writers queue on the busy timeout instead.
 - PostgreSQL through psycopg 3 (`postgresql+psycopg://`; `postgresql://` and
-  `postgres://` are rewritten to it).
+  `postgres://` are rewritten to it), with every wait bounded: a database that
+  stops answering (a partition: connections open, no reply, no RST) must turn
+  into errors (UNAVAILABLE, NOT_SERVING) within seconds, not hang the registry.
+  libpq's connect_timeout bounds connecting, TCP keepalives and
+  tcp_user_timeout let the kernel drop a dead peer, statement_timeout bounds the
+  server's side; and since none of these fires when the bytes are acknowledged
+  but never answered (a stalled server, a proxy), a watchdog shuts down the
+  socket of any statement, commit, rollback or ping that runs longer than
+  `operation_timeout_s` (the blocked call then fails at once with a connection
+  error, and the pool drops that connection).
 
 `migrate(url)` upgrades to head programmatically (the CLI's `loadplan migrate`);
 `is_at_head(engine)` is what readiness asks.
@@ -16,7 +25,11 @@
 from __future__ import annotations
 
 import functools
+import os
 import pathlib
+import socket
+import threading
+import time
 from typing import Any
 
 import sqlalchemy as sa
@@ -26,6 +39,14 @@ from sqlalchemy.engine import Engine, make_url
 # Connection option that marks a write transaction (see `_sqlite_begin`).
 WRITE_OPTION = "loadplan_write"
 SQLITE_BUSY_TIMEOUT_S = 30
+# PostgreSQL: longest a statement, commit, rollback or ping may take before its connection is
+# shut down (and the call fails UNAVAILABLE); a client's deadline is typically 10 s or more.
+DEFAULT_OPERATION_TIMEOUT_S = 5.0
+CONNECT_TIMEOUT_S = 3                 # libpq: integer seconds, at least 2
+# A pooled connection idle longer than this is pinged (under the watchdog) before use; one used
+# more recently is trusted, saving a round trip per transaction under load. A connection that
+# died meanwhile fails its first statement UNAVAILABLE, and the pool drops every older one.
+PING_IF_IDLE_S = 1.0
 SUPPORTED_URLS = "sqlite:///PATH, postgresql+psycopg://USER@HOST:PORT/DB (postgresql:// and postgres:// also accepted)"
 
 
@@ -42,8 +63,12 @@ def normalize_url(url: str | sa.URL) -> sa.URL:
     raise ValueError(f"database {u.drivername!r} not supported; supported: {SUPPORTED_URLS}")
 
 
-def make_engine(url: str | sa.URL, **kwargs: Any) -> Engine:
-    """An engine configured for the registry; `kwargs` go to `create_engine` (e.g. pool sizes)."""
+def make_engine(url: str | sa.URL, *, operation_timeout_s: float | None = DEFAULT_OPERATION_TIMEOUT_S,
+                **kwargs: Any) -> Engine:
+    """An engine configured for the registry; `kwargs` go to `create_engine` (e.g. pool sizes).
+
+    PostgreSQL: `operation_timeout_s` bounds every statement, commit, rollback and ping (the
+    server's statement_timeout and this process's watchdog); None: unbounded (migrations)."""
     u = normalize_url(url)
     if u.get_backend_name() == "sqlite":
         connect_args = kwargs.pop("connect_args", {})
@@ -51,8 +76,155 @@ def make_engine(url: str | sa.URL, **kwargs: Any) -> Engine:
         engine = sa.create_engine(u, connect_args=connect_args, **kwargs)
         _install_sqlite_hooks(engine)
         return engine
-    kwargs.setdefault("pool_pre_ping", True)
-    return sa.create_engine(u, **kwargs)
+    connect_args = dict(kwargs.pop("connect_args", {}))
+    if "connect_timeout" not in u.query:
+        connect_args.setdefault("connect_timeout", CONNECT_TIMEOUT_S)
+    if operation_timeout_s is None:
+        kwargs.setdefault("pool_pre_ping", True)
+        return sa.create_engine(u, connect_args=connect_args, **kwargs)
+    if operation_timeout_s <= 0:
+        raise ValueError(f"operation_timeout_s must be > 0 or None, got {operation_timeout_s}")
+    for key, value in (("keepalives", 1), ("keepalives_idle", 5), ("keepalives_interval", 2),
+                       ("keepalives_count", 3), ("tcp_user_timeout", int(operation_timeout_s * 1000))):
+        if key not in u.query:
+            connect_args.setdefault(key, value)
+    timeout_ms = int(operation_timeout_s * 1000)
+    options = connect_args.get("options") or u.query.get("options") or ""
+    if "statement_timeout" not in options:
+        connect_args["options"] = f"{options} -c statement_timeout={timeout_ms}".strip()
+    # The ping is ours (`_install_pg_guards`): under the watchdog, and only for idle connections.
+    kwargs["pool_pre_ping"] = False
+    engine = sa.create_engine(u, connect_args=connect_args, **kwargs)
+    _install_pg_guards(engine, operation_timeout_s)
+    return engine
+
+
+class _Watchdog:
+    """Shuts down the socket of a database call that overran its deadline.
+
+    `arm(conn, seconds)` before a call, `disarm(conn)` after it (a dict store each: cheap
+    enough for every statement). One daemon thread for the process looks about 5 times a
+    second; a socket shut down under a blocked psycopg call wakes it with a connection
+    error, which SQLAlchemy and the store treat as the database being unavailable."""
+
+    TICK_S = 0.2
+
+    def __init__(self):
+        self._armed: dict[int, tuple[float, Any]] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.fired = 0                    # calls cut short (for tests and logs)
+
+    def arm(self, dbapi_conn: Any, seconds: float) -> None:
+        self._armed[id(dbapi_conn)] = (time.monotonic() + seconds, dbapi_conn)
+        if self._thread is None:
+            self._start()
+
+    def disarm(self, dbapi_conn: Any) -> None:
+        self._armed.pop(id(dbapi_conn), None)
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="loadplan-db-watchdog", daemon=True)
+                self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(self.TICK_S)
+            now = time.monotonic()
+            for key, (deadline, conn) in list(self._armed.items()):
+                if deadline <= now and self._armed.get(key, (None,))[0] == deadline:
+                    self._armed.pop(key, None)
+                    self.fired += 1
+                    _shut_down(conn)
+
+
+def _shut_down(dbapi_conn: Any) -> None:
+    """Shut the connection's socket down both ways (not close: the fd stays psycopg's)."""
+    try:
+        fd = dbapi_conn.pgconn.socket
+    except Exception:  # noqa: BLE001 - closed already, or not psycopg: nothing to cut
+        return
+    try:
+        dup = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return
+    try:
+        dup.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        dup.close()
+
+
+WATCHDOG = _Watchdog()
+
+
+def arm_watchdog(engine: Engine, dbapi_conn: Any) -> None:
+    """Bound a wait on the raw connection that SQLAlchemy's events do not see (a pipeline's sync);
+    `WATCHDOG.disarm(dbapi_conn)` after it."""
+    seconds = operation_timeout(engine)
+    if seconds is not None:
+        WATCHDOG.arm(dbapi_conn, seconds)
+
+
+def _install_pg_guards(engine: Engine, seconds: float) -> None:
+    """The watchdog over every statement, commit, rollback and ping of `engine`."""
+    dialect = engine.dialect
+    dialect.loadplan_operation_timeout_s = seconds
+
+    def guarded(method):
+        @functools.wraps(method)
+        def call(dbapi_conn, *args, **kwargs):
+            WATCHDOG.arm(dbapi_conn, seconds)
+            try:
+                return method(dbapi_conn, *args, **kwargs)
+            finally:
+                WATCHDOG.disarm(dbapi_conn)
+        return call
+
+    # Commits and rollbacks have no before/after event pair; the dialect's own methods do.
+    dialect.do_commit = guarded(dialect.do_commit)
+    dialect.do_rollback = guarded(dialect.do_rollback)
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def _arm(conn, cursor, statement, parameters, context, executemany):
+        WATCHDOG.arm(cursor.connection, seconds)
+
+    @event.listens_for(engine, "after_cursor_execute")
+    def _disarm(conn, cursor, statement, parameters, context, executemany):
+        WATCHDOG.disarm(cursor.connection)
+
+    @event.listens_for(engine, "handle_error")
+    def _disarm_failed(ctx):
+        cursor = getattr(ctx.execution_context, "cursor", None)
+        if cursor is not None:
+            WATCHDOG.disarm(cursor.connection)
+
+    @event.listens_for(engine, "checkin")
+    def _checked_in(dbapi_conn, record):
+        WATCHDOG.disarm(dbapi_conn)
+        record.info["loadplan_idle_since"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _checked_out(dbapi_conn, record, proxy):
+        since = record.info.get("loadplan_idle_since")
+        if since is None or time.monotonic() - since < PING_IF_IDLE_S:
+            return   # brand new, or used a moment ago
+        WATCHDOG.arm(dbapi_conn, seconds)
+        try:
+            cur = dbapi_conn.cursor()
+            try:
+                cur.execute("SELECT 1")
+            finally:
+                cur.close()
+            dbapi_conn.rollback()   # the ping opened a transaction (not autocommit)
+        except Exception as err:
+            # The pool retries the checkout on a fresh connection (SQLAlchemy's pessimistic recipe).
+            raise sa.exc.DisconnectionError(f"pooled connection failed its ping: {err}") from err
+        finally:
+            WATCHDOG.disarm(dbapi_conn)
 
 
 def _install_sqlite_hooks(engine: Engine) -> None:
@@ -74,6 +246,11 @@ def _install_sqlite_hooks(engine: Engine) -> None:
     def _sqlite_begin(conn):
         immediate = conn.get_execution_options().get(WRITE_OPTION, False)
         conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+
+def operation_timeout(engine: Engine) -> float | None:
+    """The bound `make_engine` put on each database call of `engine` (None: unbounded)."""
+    return getattr(engine.dialect, "loadplan_operation_timeout_s", None)
 
 
 def writer(engine: Engine) -> Engine:
@@ -110,7 +287,9 @@ def head_revisions() -> frozenset[str]:
 
 
 def _run(url_or_engine: str | sa.URL | Engine, fn) -> None:
-    engine = url_or_engine if isinstance(url_or_engine, Engine) else make_engine(url_or_engine)
+    # Unbounded: a migration's DDL may legitimately run long.
+    engine = url_or_engine if isinstance(url_or_engine, Engine) else make_engine(url_or_engine,
+                                                                                  operation_timeout_s=None)
     try:
         with writer(engine).begin() as conn:
             if conn.dialect.name == "postgresql":

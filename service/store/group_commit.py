@@ -24,16 +24,31 @@ request id, which must see the first one committed). An exception raised by
 `write_batch` itself fails every item of the batch. A caller returns only after
 the batch holding its item has been written; what "written" means (committed)
 is `write_batch`'s business.
+
+With `timeout`, a follower waits at most that long for its outcome and then
+raises `GroupCommitTimeout`: its item is withdrawn if no batch took it yet, else
+its batch may still commit (the caller cannot know; a retry with the same
+request id replays it). A leader is bounded by `write_batch` alone.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Callable, Generic, Sequence, TypeVar
 
 T = TypeVar("T")
 
 DEFER = object()   # outcome: retry this item in the next batch
+
+
+class GroupCommitTimeout(TimeoutError):
+    """No outcome within the timeout; `withdrawn`: the item was never handed to a batch."""
+
+    def __init__(self, seconds: float, withdrawn: bool):
+        state = "not written" if withdrawn else "its batch still running (it may commit)"
+        super().__init__(f"no outcome within {seconds:g}s ({state})")
+        self.withdrawn = withdrawn
 
 
 class _Slot:
@@ -49,12 +64,15 @@ class _Slot:
 
 class GroupCommit(Generic[T]):
     def __init__(self, write_batch: Callable[[Sequence[T]], Sequence[Any]], *, max_batch: int = 256,
-                 max_leaders: int = 1):
+                 max_leaders: int = 1, timeout: float | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_leaders < 1:
             raise ValueError(f"max_leaders must be >= 1, got {max_leaders}")
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout must be > 0 or None, got {timeout}")
         self._write_batch = write_batch
+        self.timeout = timeout
         self.max_batch = max_batch
         # Batches written at the same time: more than one lets a batch run its statements while
         # the one before waits for its commit (write_batch must then be safe to run concurrently).
@@ -75,6 +93,7 @@ class GroupCommit(Generic[T]):
     def submit(self, item: T) -> Any:
         """Write `item` in the next batch; return its outcome or raise its exception."""
         slot = _Slot(item)
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
         with self._lock:
             self._queue.append(slot)
             if self._leaders < self.max_leaders:
@@ -91,8 +110,16 @@ class GroupCommit(Generic[T]):
                     slot.wake.clear()     # set again (after the lock) by an outcome or a lead
             if lead:
                 self._lead_one_batch()
-            else:
+            elif deadline is None:
                 slot.wake.wait()
+            elif not slot.wake.wait(max(0.0, deadline - time.monotonic())):
+                with self._lock:
+                    if slot.lead or slot.done:
+                        continue          # the answer (or the lead) came just now: take it
+                    withdrawn = slot in self._queue
+                    if withdrawn:
+                        self._queue.remove(slot)
+                raise GroupCommitTimeout(self.timeout, withdrawn)
         if isinstance(slot.outcome, BaseException):
             raise slot.outcome
         return slot.outcome

@@ -31,7 +31,8 @@ Concurrency (many ranks of one deployment at once, several registry replicas):
   a deadlock) rolls the batch back and starts it over carefully: request ids
   and pins looked up first. Rows are inserted in key order and plans before
   pins, one lock order for all writers. Each statement carries its whole batch
-  of rows as one JSON parameter (`_pg_from_json`).
+  of rows as one JSON parameter (`_pg_from_json`). The statements of a batch go out in one
+  round trip with the transaction's BEGIN (psycopg pipeline mode, `_pg_insert`).
 Connection errors become `errors.Unavailable` for every plan of the batch (the
 client retries with the same request id, which is safe because of the above).
 """
@@ -55,9 +56,9 @@ from ...plan import Decision, LoadPlan, Parallel, ResolveRequest, Runtime
 from ..errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from ..registry import NewPlan, PlanFilter
 from ..rules.resolve import diff_deployment_inputs, fingerprint
-from .db import is_at_head, writer
-from .group_commit import DEFER, GroupCommit
-from .models import DecisionAppendRow, DecisionRow, DeploymentPinRow, PlanRow
+from .db import WATCHDOG, arm_watchdog, is_at_head, operation_timeout, writer
+from .group_commit import DEFER, GroupCommit, GroupCommitTimeout
+from .models import DecisionAppendRow, DecisionRow, DeploymentPinRow, PlanRow, UTCDateTime
 
 # Core tables: the hot path writes a plan in a handful of statements, without the
 # ORM unit of work (a resolve is a few inserts; identity maps buy nothing here).
@@ -78,6 +79,8 @@ MAX_BATCH = 256
 # PostgreSQL: group commits written at the same time, so that one batch runs its statements
 # while the one before waits for its WAL flush.
 PG_BATCHES_IN_FLIGHT = 2
+# Database calls' worth of time (db.operation_timeout) a plan waits for its group commit.
+WAIT_TIMEOUT_CALLS = 2
 # Pins this process remembers (they never change once written): a rank of a known
 # deployment is checked without a look-up. Oldest forgotten first.
 PIN_CACHE_SIZE = 65536
@@ -95,6 +98,10 @@ _ROW_LAYOUTS = {
     "decisions": ("plan_id", "key", "revision", "value_json", "reason", "rule", "deployment_wide", "decided_at"),
     "deployment_pins": ("deployment_id", "role", "inputs_json", "ruleset_version", "plan_id", "created_at"),
 }
+# Positions of the time columns of each layout (the values `_json_rows` writes as ISO 8601).
+_TIME_COLUMNS = {tuple(c.name for c in t.columns): tuple(i for i, c in enumerate(t.columns)
+                                                         if isinstance(c.type, UTCDateTime))
+                 for t in (PLANS, DECISIONS, PINS)}
 for _table, _columns in (("plans", _PLAN_COLUMNS), ("decisions", _DECISION_COLUMNS), ("deployment_pins", _PIN_COLUMNS)):
     if _columns != _ROW_LAYOUTS[_table]:
         raise ImportError(f"models.py changed the columns of {_table} to {_columns}; update _Item and _ROW_LAYOUTS "
@@ -102,13 +109,28 @@ for _table, _columns in (("plans", _PLAN_COLUMNS), ("decisions", _DECISION_COLUM
 
 
 def _pg_from_json(table: sa.Table) -> str:
-    """`INSERT INTO t (cols) SELECT cols FROM json_populate_recordset(...)`: a whole batch of rows in
-    ONE parameter, a JSON array of row objects, typed and checked by the table's own column types
-    (an over-long value is refused, not truncated). One JSON text costs the client far less than
-    a parameter per value or an array per column."""
+    """`INSERT INTO t (cols) SELECT ... FROM json_array_elements(%s::json) AS r`: a whole batch of
+    rows in ONE parameter, a JSON array of row arrays (in the table's column order). Text values
+    are assigned to their columns as they are, so an over-long value is refused, not truncated
+    (an explicit cast to varchar(n) would truncate); the others are cast to their column's type.
+    One JSON text of arrays is what the client builds fastest (no dict per row, one C encoder
+    call per batch): a batch holds thousands of values, built under the GIL of every RPC thread."""
     cols = ", ".join(c.name for c in table.columns)
-    return (f"INSERT INTO {table.name} ({cols}) "
-            f"SELECT {cols} FROM json_populate_recordset(NULL::{table.name}, %s::json)")
+    fields = ", ".join(_pg_field(i, c) for i, c in enumerate(table.columns))
+    return f"INSERT INTO {table.name} ({cols}) SELECT {fields} FROM json_array_elements(%s::json) AS r"
+
+
+def _pg_field(i: int, column: sa.Column) -> str:
+    if isinstance(column.type, UTCDateTime):
+        return f"(r->>{i})::timestamptz"
+    if isinstance(column.type, sa.Boolean):
+        return f"(r->>{i})::boolean"
+    if isinstance(column.type, sa.Integer):
+        return f"(r->>{i})::integer"
+    if isinstance(column.type, (sa.String, sa.Text)):
+        return f"r->>{i}"
+    raise ImportError(f"{column.table.name}.{column.name}: no JSON field conversion for {column.type!r}; "
+                      f"add one to _pg_field in {__name__}")
 
 
 # PostgreSQL, one statement for the plans and their decisions (the foreign keys are checked
@@ -308,25 +330,38 @@ def _chunks(xs: Sequence[Any], n: int) -> Iterator[Sequence[Any]]:
 
 
 def _json_rows(columns: Sequence[str], rows: list[tuple]) -> str:
-    """Rows as the JSON array of objects `json_populate_recordset` reads; times in ISO 8601."""
+    """Rows as the JSON array of row arrays `_pg_from_json` reads; times in ISO 8601.
+    Only the time columns (by `_TIME_COLUMNS`, else every value) are looked at."""
     times: dict[int, str] = {}   # the decisions of a plan share one time: format it once
-    docs = []
+    positions = _TIME_COLUMNS.get(tuple(columns))
+    if positions is None:
+        positions = tuple(range(len(columns)))
+    out = []
     for row in rows:
-        doc = dict(zip(columns, row))
-        for name, value in doc.items():
+        row = list(row)
+        for i in positions:
+            value = row[i]
             if isinstance(value, dt.datetime):
                 text = times.get(id(value))
                 if text is None:
                     text = times[id(value)] = value.isoformat()
-                doc[name] = text
-        docs.append(doc)
-    return _dumps(docs)
+                row[i] = text
+        out.append(row)
+    return _dumps(out)
 
 
 def _aware(value: dt.datetime | None) -> None:
     # What models.UTCDateTime refuses; the PostgreSQL batch statements bypass its bind step.
     if value is not None and (value.tzinfo is None or value.utcoffset() is None):
         raise ValueError(f"naive datetime {value!r}: the store keeps timezone-aware UTC times only")
+
+
+_RUNTIME_FIELDS = tuple(f.name for f in dataclasses.fields(Runtime))
+
+
+def _runtime_dict(rt: Runtime) -> dict[str, Any]:
+    """`dataclasses.asdict(rt)` without its deep copies (Runtime holds scalars)."""
+    return {f: getattr(rt, f) for f in _RUNTIME_FIELDS}
 
 
 class _Pin(NamedTuple):
@@ -381,7 +416,7 @@ class _Item:
                 p.tp_size, p.tp_rank, p.ep_size, p.ep_rank, p.pp_size, p.pp_rank, p.dp_size, p.dp_rank,
                 plan.entry_class, plan.config_fingerprint, _dumps(dict(req.config)), plan.quantization,
                 req.quantization, None if qc is None else _dumps(dict(qc)),
-                _dumps(dataclasses.asdict(req.runtime)), plan.ruleset_version, plan.created_at)
+                _dumps(_runtime_dict(req.runtime)), plan.ruleset_version, plan.created_at)
 
     def decision_rows(self) -> list[tuple]:
         """`_decision_values` of each decision, as tuples in `_ROW_LAYOUTS["decisions"]` order."""
@@ -420,15 +455,21 @@ class SqlPlanStore:
     """`PlanStore` on SQLite or PostgreSQL; `engine` from `db.make_engine`, migrated to head."""
 
     def __init__(self, engine: Engine, *, max_batch: int = MAX_BATCH, max_batches_in_flight: int | None = None,
-                 pin_cache_size: int = PIN_CACHE_SIZE):
+                 pin_cache_size: int = PIN_CACHE_SIZE, wait_timeout_s: float | None = -1.0):
         self.engine = engine
         self._writer = writer(engine)
         self._pg = engine.dialect.name == "postgresql"
         if max_batches_in_flight is None:
             # SQLite writes one transaction at a time anyway.
             max_batches_in_flight = PG_BATCHES_IN_FLIGHT if self._pg else 1
+        if wait_timeout_s is not None and wait_timeout_s < 0:
+            # A plan waiting behind a batch that hangs gives up (UNAVAILABLE) once that batch and
+            # its own would have been cut short by the engine's bound on each database call.
+            bound = operation_timeout(engine)
+            wait_timeout_s = None if bound is None else WAIT_TIMEOUT_CALLS * bound
+        self.wait_timeout_s = wait_timeout_s
         self._group: GroupCommit[NewPlan] = GroupCommit(self._save_batch, max_batch=max_batch,
-                                                        max_leaders=max_batches_in_flight)
+                                                        max_leaders=max_batches_in_flight, timeout=wait_timeout_s)
         self._pins = _PinCache(pin_cache_size)
         self._bind_processors: dict[str, list] = {}
 
@@ -479,7 +520,11 @@ class SqlPlanStore:
 
     def save_plan(self, new: NewPlan) -> LoadPlan:
         """One plan, written in the group commit of every plan saved at the same time."""
-        return self._group.submit(new)
+        try:
+            return self._group.submit(new)
+        except GroupCommitTimeout as err:
+            raise Unavailable(f"database not answering while saving a plan ({err}); retry with the same "
+                              f"request id") from None
 
     def _save_batch(self, news: Sequence[NewPlan]) -> list[Any]:
         """The `GroupCommit` writer: one outcome (plan, exception or DEFER) per plan, after COMMIT."""
@@ -600,9 +645,12 @@ class SqlPlanStore:
 
         written: list[_Pin] = []
         if writes:
-            self._insert_plans(conn, [items[k] for k in writes])
             setter_items = [items[k] for k in setters.values()]
-            inserted = self._insert_pins(conn, setter_items)
+            if self._pg:
+                inserted = self._pg_insert(conn, [items[k] for k in writes], setter_items)
+            else:
+                self._insert_plans(conn, [items[k] for k in writes])
+                inserted = self._insert_pins(conn, setter_items)
             lost = [it.group for it in setter_items if it.group not in inserted]
             if lost:
                 # Another writer pinned these since we looked (or before: a pin this process had
@@ -673,6 +721,37 @@ class SqlPlanStore:
         else:
             conn.exec_driver_sql(_SQLITE_INSERT["plans"], self._sqlite_rows(PLANS, plans))
             conn.exec_driver_sql(_SQLITE_INSERT["decisions"], self._sqlite_rows(DECISIONS, decisions))
+
+    def _pg_insert(self, conn: Connection, items: list["_Item"], setters: list["_Item"]) -> set[tuple[str, str]]:
+        """PostgreSQL: `_insert_plans` and `_insert_pins` in ONE round trip (psycopg pipeline mode:
+        the transaction's BEGIN and both statements go out together, the answers come back
+        together). The statements still go through SQLAlchemy (its events, its error types);
+        the pins' RETURNING rows are read from the cursor once the pipeline has synced."""
+        import psycopg
+
+        raw = conn.connection.dbapi_connection
+        try:
+            with raw.pipeline():
+                self._insert_plans(conn, items)
+                result = self._send_pins(conn, setters)
+                # The statements returned at once; the wait is at the sync this block ends with.
+                arm_watchdog(self.engine, raw)
+        except psycopg.Error as err:
+            # Raised when the pipeline syncs, outside SQLAlchemy's execute: translated the same way.
+            raise sa_exc.DBAPIError.instance(None, None, err, psycopg.Error,
+                                             connection_invalidated=raw.closed or raw.broken) from err
+        finally:
+            WATCHDOG.disarm(raw)
+        if result is None:
+            return set()
+        res = result.context.cursor.pgresult   # SQLAlchemy closed its cursor before the rows came
+        return {(res.get_value(i, 0).decode(), res.get_value(i, 1).decode()) for i in range(res.ntuples)}
+
+    def _send_pins(self, conn: Connection, items: list["_Item"]):
+        if not items:
+            return None
+        rows = [it.pin_row() for it in sorted(items, key=lambda it: it.group)]
+        return conn.exec_driver_sql(_PG_INSERT_PINS, (_json_rows(_PIN_COLUMNS, rows),))
 
     def _insert_pins(self, conn: Connection, items: list["_Item"]) -> set[tuple[str, str]]:
         """Pin each item's (deployment, role) to its inputs unless pinned already; the ones it pinned."""

@@ -8,6 +8,7 @@ INVALID_ARGUMENT naming the field, filters, diffs, backends and coverage.
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 from ...client.convert import (WireError, datetime_of, decision_from_pb, decision_to_pb, parallel_from_pb,
@@ -35,9 +36,25 @@ def _json_object(text: str, field: str, *, required: bool) -> dict[str, Any] | N
         raise InvalidArgument(field, "nested too deeply") from None
     if not isinstance(value, dict):
         raise InvalidArgument(field, f"must be a JSON object, got {type(value).__name__}")
-    if _depth(value) > MAX_JSON_DEPTH:
-        raise InvalidArgument(field, f"nested deeper than {MAX_JSON_DEPTH} levels")
+    if text not in _SHALLOW_TEXTS:
+        if _depth(value) > MAX_JSON_DEPTH:
+            raise InvalidArgument(field, f"nested deeper than {MAX_JSON_DEPTH} levels")
+        _remember_shallow(text)
     return value
+
+
+# Texts known to parse to documents within MAX_JSON_DEPTH: every rank of a deployment sends the
+# same config.json, walked once. Bounded, oldest forgotten first.
+SHALLOW_TEXTS_SIZE = 256
+_SHALLOW_TEXTS: dict[str, None] = {}
+_shallow_lock = threading.Lock()
+
+
+def _remember_shallow(text: str) -> None:
+    with _shallow_lock:
+        _SHALLOW_TEXTS[text] = None
+        while len(_SHALLOW_TEXTS) > SHALLOW_TEXTS_SIZE:
+            del _SHALLOW_TEXTS[next(iter(_SHALLOW_TEXTS))]
 
 
 # Real checkpoint configs nest a few levels; the rules, fingerprints and the store walk

@@ -92,7 +92,9 @@ class ModelRegistryServicer(pb_grpc.ModelRegistryServicer):
 
     @_rpc
     def ResolveLoadPlan(self, request, context):
-        return convert.plan_to_pb(self.registry.resolve(convert.request_from_pb(request)))
+        # The config texts determine the parsed configs: the rules' deployment cache key.
+        return convert.plan_to_pb(self.registry.resolve(
+            convert.request_from_pb(request), (request.config_json, request.quantization_config_json)))
 
     @_rpc
     def GetPlan(self, request, context):

@@ -91,6 +91,30 @@ def make_checkpoint(path: Path, arch: str, *, seed: int = 0, legacy_rope: bool =
     return path
 
 
+# DeepSeek-V3 with 256 routed experts, so that the registry's fusion gate passes (DESIGN 5.2); everything else
+# tiny. No rope settings: the caller adds them.
+DEEPSEEK_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                     num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=256,
+                     n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4, first_k_dense_replace=1,
+                     q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+                     max_position_embeddings=256, routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-6)
+
+
+def make_deepseek_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random DeepSeek-V3 of `config` (transformers' DeepseekV3Config kwargs), routing bias included."""
+    transformers = _transformers()
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**config))
+    randomize(model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):   # a buffer in transformers: randomize() skips it
+                b.copy_(0.3 * torch.randn(b.shape, generator=g))
+    model.save_pretrained(path)
+    return path
+
+
 def hf_reference(path: Path, arch: str):
     """transformers' model from the checkpoint, with its eager (default loop) experts and attention."""
     cls = getattr(_transformers(), arch)

@@ -20,17 +20,12 @@ from loadplan.engine.loader import load_model
 from loadplan.engine.speculative import speculative_generate
 from loadplan.service.embedded import EmbeddedRegistry
 
-from engine_helpers import hf_reference, prompt, randomize
+from engine_helpers import DEEPSEEK_TINY, hf_reference, prompt, randomize
 
 transformers = pytest.importorskip("transformers")
 
 FUSION = "moe.shared_experts_fusion"
-TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=2, n_routed_experts=256, n_shared_experts=1,
-            num_experts_per_tok=8, n_group=8, topk_group=4, first_k_dense_replace=1, q_lora_rank=16,
-            kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=256,
-            routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-6,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+TINY = dict(DEEPSEEK_TINY, num_hidden_layers=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 
 
 def make_deepseek(path, *, seed, **overrides):

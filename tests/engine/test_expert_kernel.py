@@ -30,13 +30,15 @@ def reference(x, slots, weights, gate_up, down):
     return y
 
 
-@pytest.fixture(params=["grouped_mm", "loop"])
+@pytest.fixture(params=["serial", "expert_parallel"])
 def path(request, monkeypatch):
-    """Both ways of running the per-slot matmuls: torch's grouped_mm (where it exists) and the Python loop."""
-    if request.param == "grouped_mm" and not expert_kernel.GROUPED_MM_AVAILABLE:
-        pytest.skip("this torch has no CPU grouped_mm")
-    monkeypatch.setattr(expert_kernel, "USE_GROUPED_MM", request.param == "grouped_mm")
-    return request.param
+    """Both ways of running the per-slot matmuls: all on this thread, or whole slots per thread."""
+    monkeypatch.setattr(expert_kernel, "EXPERT_PARALLEL", request.param == "expert_parallel")
+    threads = torch.get_num_threads()
+    if request.param == "expert_parallel" and threads < 2:
+        torch.set_num_threads(2)                                  # the split needs more than one thread
+    yield request.param
+    torch.set_num_threads(threads)
 
 
 def make(S, T, seed=0, dtype=torch.float32):
@@ -143,14 +145,14 @@ def test_weights_in_another_dtype_and_float64_activations():
 
 @settings(max_examples=25, deadline=None)
 @given(T=st.integers(0, 9), S=st.integers(1, 7), K=st.integers(1, 4), seed=st.integers(0, 2 ** 16),
-       grouped_mm=st.booleans())
-def test_matches_reference_for_any_routing(T, S, K, seed, grouped_mm):
+       expert_parallel=st.booleans())
+def test_matches_reference_for_any_routing(T, S, K, seed, expert_parallel):
     x, gate_up, down = make(S=S, T=T, seed=seed)
     g = torch.Generator().manual_seed(seed)
     slots = torch.randint(0, S + 2, (T, K), generator=g)            # repeats and dropped ids included
     weights = torch.rand(T, K, generator=g)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(expert_kernel, "USE_GROUPED_MM", grouped_mm)
+        mp.setattr(expert_kernel, "EXPERT_PARALLEL", expert_parallel)
         check(x, slots, weights, gate_up, down)
 
 
@@ -181,15 +183,39 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("grouped_mm", [False, True])
-def test_one_matmul_pair_per_hit_slot_or_two_grouped_calls(grouped_mm):
-    if grouped_mm and not expert_kernel.GROUPED_MM_AVAILABLE:
-        pytest.skip("this torch has no CPU grouped_mm")
+def test_one_matmul_pair_per_hit_slot():
     x, gate_up, down = make(S=8, T=40)
     slots = torch.tensor([[1, 6]]).expand(40, 2)                   # 40 tokens, 2 slots hit
     with _CountOps() as c:
-        fused_experts(x, slots, torch.rand(40, 2), gate_up, down, grouped_mm=grouped_mm)
-    if grouped_mm:
-        assert c.calls.count("_grouped_mm") == 2 and "mm" not in c.calls
-    else:
-        assert c.calls.count("mm") == 4 and "_grouped_mm" not in c.calls
+        fused_experts(x, slots, torch.rand(40, 2), gate_up, down, expert_parallel=False)
+    assert c.calls.count("mm") == 4
+
+
+def test_expert_parallel_restores_the_thread_count_even_on_error():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x, gate_up, down = make(S=8, T=40)
+        slots = torch.tensor([[1, 6]]).expand(40, 2)
+        y = fused_experts(x, slots, torch.rand(40, 2), gate_up, down, expert_parallel=True)
+        assert torch.get_num_threads() == 2 and y.shape == x.shape
+        with pytest.raises(RuntimeError):                             # a down of the wrong width fails
+            fused_experts(x, slots, torch.rand(40, 2), gate_up, down[:, :, :3], expert_parallel=True)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+def test_expert_parallel_runs_in_the_callers_grad_mode(mode):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x, gate_up, down = make(S=8, T=40)
+        slots = topk_slots(40, 8, 2)
+        weights = torch.rand(40, 2)
+        with getattr(torch, mode)():
+            y = fused_experts(x, slots, weights, gate_up, down, expert_parallel=True)
+        torch.testing.assert_close(y.double(), reference(x, slots, weights, gate_up, down), rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -140,6 +141,25 @@ def runner_request(request_id: str, deployment_id: str, rank: int, *, role: str 
 def decision_keys(role: str = ROLE_TARGET) -> frozenset[str]:
     """The keys every resolved plan of this fleet carries (asked of the rules, not copied)."""
     return frozenset(resolve_decisions(runner_request("probe", "probe", 0, role=role)).decisions)
+
+
+class Outcomes:
+    """What concurrent ranks got back, by request id: `received` plans, or `errors` (the test asserts none)."""
+
+    def __init__(self):
+        self.received: dict[str, object] = {}
+        self.errors: dict[str, BaseException] = {}
+        self.lock = threading.Lock()
+
+    def resolve(self, client, req: ResolveRequest) -> None:
+        try:
+            plan = client.resolve_load_plan(req)
+        except BaseException as e:  # noqa: BLE001 - asserted by the test, with the request id
+            with self.lock:
+                self.errors[req.request_id] = e
+            return
+        with self.lock:
+            self.received[req.request_id] = plan
 
 
 ROLES = (ROLE_TARGET, ROLE_SPECULATIVE)

@@ -22,7 +22,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy import event
 
-from fault_helpers import audit, decision_keys, deployment_wide, runner_request, wait_for
+from fault_helpers import Outcomes, audit, decision_keys, deployment_wide, runner_request, wait_for
 from loadplan.client import RegistryClient
 from loadplan.client.errors import RegistryCallError
 from loadplan.service.server import RegistryServer, ServerOptions
@@ -204,8 +204,8 @@ def test_cuts_while_many_ranks_save_at_once(pg_proxy, pg_engine, admin):
                                                                  readiness_interval_s=3600)).start()
     dep = f"many-{uuid.uuid4().hex[:6]}"
     deployments = [f"{dep}-a", f"{dep}-b"]
-    received, errors = {}, {}
-    lock = threading.Lock()
+    outcomes = Outcomes()
+    received, errors = outcomes.received, outcomes.errors
     stop = threading.Event()
     fired = []
 
@@ -229,14 +229,7 @@ def test_cuts_while_many_ranks_save_at_once(pg_proxy, pg_engine, admin):
     def rank(client, d, r):
         req = runner_request(f"{d}-rank{r}", d, r)
         time.sleep(random.Random(r).uniform(0, 1.5))   # ranks come up over a second and a half
-        try:
-            plan = client.resolve_load_plan(req)
-        except BaseException as e:  # noqa: BLE001 - asserted below
-            with lock:
-                errors[req.request_id] = e
-            return
-        with lock:
-            received[req.request_id] = plan
+        outcomes.resolve(client, req)
 
     clients = [RegistryClient(server.address, timeout=40, max_attempts=100, backoff=0.02, max_backoff=0.3)
                for _ in range(4)]

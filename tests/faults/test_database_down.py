@@ -118,12 +118,6 @@ def test_other_calls_are_unavailable_too_while_down(registry):
         assert c.get_plan(plan.plan_id).plan_id == plan.plan_id
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "KNOWN BUG (reported): a database that stops answering (connections open, no reply) blocks "
-    "resolves until the caller's deadline (DEADLINE_EXCEEDED, which the client does not retry) and "
-    "the readiness probe with them (health stays SERVING): nothing bounds the time the store waits "
-    "on PostgreSQL (no connect_timeout, pooled connections pre-pinged without a timeout, "
-    "GroupCommit.submit waits forever, server.check_ready calls store.ready() without a timeout)"))
 def test_database_that_stops_answering_is_unavailable_not_a_hang(registry, pg_engine):
     """A partition / a stalled database, not a refused one: only timeouts can tell. The
     registry must still answer UNAVAILABLE (retryable) well within a client's deadline and

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import sqlalchemy as sa
 
-from fault_helpers import ServeProcess, audit, decision_keys, deployment_wide, runner_request
+from fault_helpers import Outcomes, ServeProcess, audit, decision_keys, deployment_wide, runner_request
 from loadplan.client import RegistryClient
 
 DEPLOYMENTS = 8
@@ -38,23 +38,16 @@ def test_sigkill_in_the_middle_of_a_storm(pg_db, pg_engine):
     # share nothing; either way the request ids are what makes retries safe).
     clients = {d: RegistryClient(server.address, timeout=STORM_TIMEOUT_S, max_attempts=400, backoff=0.05,
                                  max_backoff=0.5) for d in deployments}
-    received: dict[str, object] = {}
-    errors: dict[str, BaseException] = {}
-    lock = threading.Lock()
+    outcomes = Outcomes()
+    received, errors, lock = outcomes.received, outcomes.errors, outcomes.lock
     got_some = threading.Event()
     start = threading.Barrier(DEPLOYMENTS * RANKS + 1)
 
     def rank(dep: str, r: int) -> None:
         req = runner_request(f"{dep}-rank{r}", dep, r, ranks=RANKS)
         start.wait()
-        try:
-            plan = clients[dep].resolve_load_plan(req)
-        except BaseException as e:  # noqa: BLE001 - asserted below, with the request id
-            with lock:
-                errors[req.request_id] = e
-            return
+        outcomes.resolve(clients[dep], req)
         with lock:
-            received[req.request_id] = plan
             if len(received) >= KILL_AFTER:
                 got_some.set()
 
@@ -121,8 +114,8 @@ def test_database_failover_in_the_middle_of_a_storm(pg_db, pg_engine):
     deployments = [f"{prefix}-d{i}" for i in range(DEPLOYMENTS)]
     database = pg_engine.url.database
     admin = pg_engine.execution_options(isolation_level="AUTOCOMMIT")
-    received, errors = {}, {}
-    lock = threading.Lock()
+    outcomes = Outcomes()
+    received, errors = outcomes.received, outcomes.errors
     terminated = []
     with ServeProcess(pg_db) as server:
         clients = {d: RegistryClient(server.address, timeout=STORM_TIMEOUT_S, max_attempts=400, backoff=0.05,
@@ -131,14 +124,7 @@ def test_database_failover_in_the_middle_of_a_storm(pg_db, pg_engine):
         def rank(dep: str, r: int) -> None:
             req = runner_request(f"{dep}-rank{r}", dep, r, ranks=RANKS)
             time.sleep((r % 16) * 0.1)   # ranks come up over 1.6 s, so both failovers land mid-storm
-            try:
-                plan = clients[dep].resolve_load_plan(req)
-            except BaseException as e:  # noqa: BLE001 - asserted below
-                with lock:
-                    errors[req.request_id] = e
-                return
-            with lock:
-                received[req.request_id] = plan
+            outcomes.resolve(clients[dep], req)
 
         threads = [threading.Thread(target=rank, args=(d, r), daemon=True) for d in deployments for r in range(RANKS)]
         try:

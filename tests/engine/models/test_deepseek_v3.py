@@ -18,7 +18,8 @@ from loadplan.engine.loader import load_model
 from loadplan.engine.models.deepseek_v3 import ConfigError, DeepseekV3Config, DeepseekV3MoE
 from loadplan.engine.weights import LayoutMismatch
 
-from engine_helpers import LocalRegistry, hf_logits, hf_reference, make_plan, prompt, randomize
+from engine_helpers import DEEPSEEK_TINY as TINY
+from engine_helpers import LocalRegistry, hf_logits, hf_reference, make_deepseek_checkpoint, make_plan, prompt
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,25 +27,12 @@ ARCH = "DeepseekV3ForCausalLM"
 ATOL = 1e-3
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
-TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
-            num_attention_heads=2, num_key_value_heads=2, n_routed_experts=256, n_shared_experts=1,
-            num_experts_per_tok=8, n_group=8, topk_group=4, first_k_dense_replace=1, q_lora_rank=16,
-            kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=256,
-            routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-6)
 
 
 def make_deepseek(path, *, seed=0, legacy_rope=False, **overrides):
     kw = dict(TINY, rope_parameters=dict(YARN))
     kw.update(overrides)
-    torch.manual_seed(seed)
-    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**kw))
-    randomize(model, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):   # a buffer in transformers: randomize() skips it
-                b.copy_(0.3 * torch.randn(b.shape, generator=g))
-    model.save_pretrained(path)
+    make_deepseek_checkpoint(path, seed=seed, **kw)
     f = path / "config.json"
     cfg = json.loads(f.read_text())
     if legacy_rope:

@@ -1,0 +1,152 @@
+"""The causal-LM shell the model families share (conventions: engine/models/__init__.py).
+
+A family file writes its config dataclass, its attention and MLP/MoE blocks and a
+`DecoderLayer` subclass that builds them; `CausalLM` does the rest the same way for
+every family: the plan's pipeline stage (`pp.layer_range`), `model.{embed_tokens,
+layers, norm}` for that stage, the (tied) head, the rotary tables, the expert-weights
+view, the loading layout, the KV caches and the forward across stages.
+
+The config dataclass names at least: vocab_size, hidden_size, num_hidden_layers,
+rms_norm_eps, tie_word_embeddings, rope, max_position_embeddings, moe_layers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...plan import Keys
+from ..layers.norm import RMSNorm
+from ..layers.rope import RotaryEmbedding
+from ..weights import WeightLayout
+from . import ExpertWeightsView, PPMissingLayer
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); the mlp sees the tokens flattened [B*T, D].
+    `self_attn` has `setup_cache(batch, max_seq_len, dtype, device)` and a `kv_cache` attribute."""
+
+    def __init__(self, layer_id: int, self_attn: nn.Module, mlp: nn.Module, hidden_size: int,
+                 rms_norm_eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.layer_id = layer_id
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps, dtype)
+
+    def forward(self, x, cos, sin, input_pos=None):
+        """x [B, T, D] -> [B, T, D]"""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos)
+        B, T, D = x.shape
+        h = self.post_attention_layernorm(x).reshape(B * T, D)
+        return x + self.mlp(h).view(B, T, D)
+
+
+class DecoderModel(nn.Module):
+    """`model.`: embed_tokens (first stage only), one entry per config layer (this stage's built by
+    `decoder_layer(cfg, plan, layer_id, dtype)`, the others PPMissingLayer), norm (last stage only)."""
+
+    def __init__(self, cfg, plan, decoder_layer: type[DecoderLayer], layer_range: tuple[int, int], first: bool,
+                 last: bool, dtype: torch.dtype):
+        super().__init__()
+        lo, hi = layer_range
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype) if first else None
+        self.layers = nn.ModuleList(decoder_layer(cfg, plan, i, dtype) if lo <= i < hi else PPMissingLayer(i)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if last else None
+
+
+class CausalLM(nn.Module):
+    """One pipeline stage of a decoder-only MoE LM. A family's entry class parses its config and calls
+    `super().__init__(cfg, plan, its DecoderLayer, n_routed=..., rope_head_dim=..., dtype=dtype)`."""
+
+    def __init__(self, cfg, plan, decoder_layer: type[DecoderLayer], *, n_routed: int, rope_head_dim: int,
+                 dtype: torch.dtype):
+        super().__init__()
+        self.config = cfg
+        self.plan = plan
+        self.dtype = dtype
+        self.n_routed = n_routed
+        lo, hi = (int(v) for v in plan.decisions[Keys.PP_LAYER_RANGE].value)
+        if not 0 <= lo < hi <= cfg.num_hidden_layers:
+            raise ValueError(f"plan's pp.layer_range [{lo}, {hi}) is outside the config's "
+                             f"{cfg.num_hidden_layers} layers")
+        self.layer_range = (lo, hi)
+        self.is_first_stage, self.is_last_stage = lo == 0, hi == cfg.num_hidden_layers
+        self.model = DecoderModel(cfg, plan, decoder_layer, self.layer_range, self.is_first_stage,
+                                  self.is_last_stage, dtype)
+        # Tied embeddings on a single stage: the head reads the embedding's weight (no lm_head parameter).
+        separate_head = self.is_last_stage and not (cfg.tie_word_embeddings and self.is_first_stage)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype) if separate_head else None
+        self.rotary = RotaryEmbedding(rope_head_dim, cfg.rope, cfg.max_position_embeddings)
+        self.moe_layer_ids = tuple(i for i in cfg.moe_layers if lo <= i < hi)
+        self.routed_experts_weights_of_layer = ExpertWeightsView(
+            {i: self.model.layers[i].mlp.experts for i in self.moe_layer_ids})
+        if plan.decisions[Keys.EPLB_ENABLED].value:
+            eplb_layers = [int(i) for i in plan.decisions[Keys.EPLB_LAYERS].value]
+            if eplb_layers != list(self.moe_layer_ids):
+                raise ValueError(f"plan's eplb.layers {eplb_layers} differ from this stage's MoE layers "
+                                 f"{list(self.moe_layer_ids)}")
+
+    # -- loading ---------------------------------------------------------------
+    def ignore_prefixes(self, prefix: str) -> tuple[str, ...]:
+        """Checkpoint name prefixes that are not part of this model (a family overrides)."""
+        return ()
+
+    def weight_layout(self, prefix: str = "") -> WeightLayout:
+        """`prefix`: where a wrapper keeps this model in its checkpoint (e.g. "language_model.")."""
+        n_fused, local, physical = 0, None, None
+        if self.moe_layer_ids:
+            ex = self.model.layers[self.moe_layer_ids[0]].mlp.experts
+            n_fused, local = ex.num_fused_shared_experts, (ex.local_start, ex.local_start + ex.num_local_experts)
+            physical = ex.num_physical
+        return WeightLayout(
+            n_routed=self.n_routed, num_fused_shared=n_fused, local_experts=local,
+            num_physical=physical,
+            layer_range=self.layer_range, has_embed=self.is_first_stage, has_head=self.is_last_stage,
+            lm_head_from_embed=self.config.tie_word_embeddings and self.is_last_stage and not self.is_first_stage,
+            ignore_prefixes=self.ignore_prefixes(prefix))
+
+    def tie_weights(self) -> None:
+        pass  # a tied head reads model.embed_tokens.weight directly (see _head)
+
+    # -- running ---------------------------------------------------------------
+    def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
+        device = next(self.parameters()).device
+        lo, hi = self.layer_range
+        for layer in self.model.layers[lo:hi]:
+            layer.self_attn.setup_cache(max_batch_size, max_seq_len, self.dtype, device)
+
+    def clear_caches(self) -> None:
+        lo, hi = self.layer_range
+        for layer in self.model.layers[lo:hi]:
+            layer.self_attn.kv_cache = None
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        w = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
+        return F.linear(h, w)
+
+    def forward(self, input_ids: torch.Tensor | None = None, input_pos: torch.Tensor | None = None, *,
+                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] (first stage) or hidden_states [B, T, D] -> logits [B, T, V] (last stage)."""
+        with self.plan.forward_running():
+            if self.is_first_stage:
+                if input_ids is None:
+                    raise ValueError("the first pipeline stage takes input_ids")
+                x = self.model.embed_tokens(input_ids)                     # [B, T, D]
+            else:
+                if hidden_states is None:
+                    raise ValueError(f"pipeline stage {self.layer_range} takes hidden_states")
+                x = hidden_states
+            T = x.shape[1]
+            if input_pos is None:
+                input_pos = torch.arange(T, device=x.device)
+            cos, sin = self.rotary(input_pos)                              # [T, rotary_dim] each
+            lo, hi = self.layer_range
+            for layer in self.model.layers[lo:hi]:
+                x = layer(x, cos, sin, input_pos)
+            if not self.is_last_stage:
+                return x
+            return self._head(self.model.norm(x))                          # [B, T, V]
