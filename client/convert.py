@@ -79,9 +79,6 @@ def datetime_of(msg: Any, name: str) -> dt.datetime | None:
 
 # --- parallelism and runtime ---------------------------------------------------
 
-_AXES = ("tp", "ep", "pp", "dp")
-
-
 def parallel_to_pb(p: Parallel) -> pb.Parallelism:
     return pb.Parallelism(tp_size=p.tp_size, tp_rank=p.tp_rank, ep_size=p.ep_size, ep_rank=p.ep_rank,
                           pp_size=p.pp_size, pp_rank=p.pp_rank, dp_size=p.dp_size, dp_rank=p.dp_rank)

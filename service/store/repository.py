@@ -56,7 +56,7 @@ from ...plan import Decision, LoadPlan, Parallel, ResolveRequest, Runtime
 from ..errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from ..registry import NewPlan, PlanFilter
 from ..rules.resolve import diff_deployment_inputs, fingerprint
-from .db import WATCHDOG, arm_watchdog, is_at_head, operation_timeout, writer
+from .db import WATCHDOG, arm_watchdog, borrow_autocommit, is_at_head, operation_timeout, writer
 from .group_commit import DEFER, GroupCommit, GroupCommitTimeout
 from .models import DecisionAppendRow, DecisionRow, DeploymentPinRow, PlanRow, UTCDateTime
 
@@ -731,7 +731,10 @@ class SqlPlanStore:
 
         raw = conn.connection.dbapi_connection
         try:
+            begin = borrow_autocommit(raw)
             with raw.pipeline():
+                if begin:
+                    raw.execute("BEGIN")
                 self._insert_plans(conn, items)
                 result = self._send_pins(conn, setters)
                 # The statements returned at once; the wait is at the sync this block ends with.

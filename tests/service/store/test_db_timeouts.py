@@ -3,13 +3,17 @@ watchdog that cuts a call the server does not answer in time; the engine recover
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
+from loadplan.service.errors import FailedPrecondition
+from loadplan.service.registry import Registry
 from loadplan.service.store.db import WATCHDOG, make_engine, operation_timeout
+from loadplan.service.store.repository import SqlPlanStore
 
 
 def test_statement_timeout_is_set_and_configurable(postgres_url):
@@ -73,5 +77,32 @@ def test_fast_calls_are_not_cut(postgres_url):
             time.sleep(0.7)            # nor is holding a connection after its commit
             assert c.exec_driver_sql("SELECT 2").scalar() == 2
         assert WATCHDOG.fired == fired
+    finally:
+        engine.dispose()
+
+
+def test_pipelined_saves_leave_their_connection_as_they_found_it(postgres_url, make_request):
+    """A batch runs its transaction in autocommit mode with its own pipelined BEGIN
+    (db.borrow_autocommit); committed, refused or rolled back, the connection goes back to the
+    pool out of autocommit mode, so the next transaction is one transaction again."""
+    engine = make_engine(postgres_url, pool_size=1, max_overflow=0)
+    try:
+        registry = Registry(SqlPlanStore(engine))
+
+        def autocommit() -> bool:
+            with engine.connect() as c:
+                return c.connection.dbapi_connection.autocommit
+
+        first = make_request()
+        plan = registry.resolve(first)
+        assert autocommit() is False
+        # The same request id again: the optimistic batch fails inside its pipeline (unique
+        # violation), rolls back and replays carefully.
+        assert registry.resolve(first).plan_id == plan.plan_id
+        assert autocommit() is False
+        with pytest.raises(FailedPrecondition):
+            registry.resolve(dataclasses.replace(first, host="elsewhere"))
+        assert autocommit() is False
+        assert registry.get_plan(plan.plan_id).plan_id == plan.plan_id
     finally:
         engine.dispose()
