@@ -166,7 +166,9 @@ class RoutedExperts(nn.Module):
         if self.dispatch_tokens:
             y = self._dispatch_compute_combine(x, topk_ids, topk_weights)
         else:
-            y = fused_experts(x, self._local_slots(topk_ids), topk_weights, self.gate_up_proj, self.down_proj)
+            # One rank holding every physical slot: physical ids already are slot ids (fused slots follow).
+            slots = topk_ids if self.num_local_experts == self.num_physical else self._local_slots(topk_ids)
+            y = fused_experts(x, slots, topk_weights, self.gate_up_proj, self.down_proj)
         if self.post_experts_all_reduce:
             y = self.reduce(y)   # every rank calls it, even with no local rows: it is a collective
         return y
