@@ -38,9 +38,9 @@ import torch
 import torch.nn.functional as F
 
 
-# Default of the `expert_parallel` arguments below. Off until the engine's tests, which count matmuls with a
-# (thread-local) TorchDispatchMode, follow the matmuls into the worker thread.
-EXPERT_PARALLEL = False
+# Default of the `expert_parallel` arguments below: whole experts per core (bench/moe.py measures both).
+# A test that counts matmuls with a thread-local TorchDispatchMode turns it off for itself.
+EXPERT_PARALLEL = True
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -70,7 +70,11 @@ class _CountMatmuls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_one_matmul_pair_per_hit_expert_not_per_token():
+def test_one_matmul_pair_per_hit_expert_not_per_token(monkeypatch):
+    import loadplan.engine.expert_kernel as kernel
+
+    # The dispatch-mode counter is thread-local: keep the matmuls on this thread to count them.
+    monkeypatch.setattr(kernel, "EXPERT_PARALLEL", False)
     ex = _experts(make_plan(qwen2_config(), disable_shared_experts_fusion=True))
     x, ids, w = _routing(64)
     ids[:, 0], ids[:, 1] = 2, 5                 # 64 tokens, 2 experts hit
