@@ -25,6 +25,5 @@ def model_dir(tmp_path, config, name="model"):
 
 def real_model(name: str) -> str:
     d = CONFIGS / name
-    if not (d / "config.json").is_file():
-        pytest.skip(f"tests/data/configs/{name} not present")
+    assert (d / "config.json").is_file(), f"tests/data/configs/{name}/config.json is missing"
     return str(d)

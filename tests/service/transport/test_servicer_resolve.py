@@ -35,8 +35,7 @@ def test_resolve_round_trip_equals_the_stored_domain_plan(client, store):
 @pytest.mark.parametrize("name", ["deepseek-v3", "kimi-k2", "glm-4.5", "qwen3-30b-a3b", "qwen1.5-moe-a2.7b"])
 def test_real_configs_resolve_through_the_wire(client, store, name):
     cfg = real_config(name)
-    if cfg is None:
-        pytest.skip(f"tests/data/configs/{name} not present")
+    assert cfg is not None, f"tests/data/configs/{name}/config.json is missing"
     req = request(cfg, quantization_config=cfg.get("quantization_config"))
     plan = client.resolve_load_plan(req)
     assert plan == store.plans[plan.plan_id]
