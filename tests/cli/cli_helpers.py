@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from sample_requests import CONFIGS
 
 from loadplan.cli.main import main
