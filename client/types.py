@@ -3,17 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from ..plan import Decision, LoadPlan
-
-
-@dataclass(frozen=True)
-class PlanDiff:
-    a: LoadPlan
-    b: LoadPlan
-    decisions: list[tuple[str, Decision | None, Decision | None]]   # key, in a, in b
-    inputs: list[tuple[str, Any, Any]]                              # field, a, b
+from ..plan import PlanDiff  # noqa: F401 - re-exported: the client API returns it from diff_plans
 
 
 @dataclass(frozen=True)

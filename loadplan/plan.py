@@ -116,3 +116,13 @@ class LoadPlan:
                 for k, d in sorted(self.decisions.items())
             },
         }
+
+
+@dataclass(frozen=True)
+class PlanDiff:
+    """Two plans and what differs between them (the audit's target-vs-draft view)."""
+
+    a: LoadPlan
+    b: LoadPlan
+    decisions: list[tuple[str, Decision | None, Decision | None]]   # key, in a, in b
+    inputs: list[tuple[str, Any, Any]]                              # field, a, b

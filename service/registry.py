@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
-from ..plan import Decision, LoadPlan, Parallel, ResolveRequest, Runtime
+from ..plan import Decision, LoadPlan, Parallel, PlanDiff, ResolveRequest, Runtime
 from .errors import InvalidArgument
 from .rules import RULESET_VERSION
 from .rules.resolve import diff_deployment_inputs, fingerprint, resolve_decisions
@@ -150,14 +150,6 @@ class Registry:
         now = self.clock()
         return self.store.append_decisions(request_id, plan_id,
                                            [dataclasses.replace(d, decided_at=now) for d in decisions])
-
-
-@dataclass(frozen=True)
-class PlanDiff:
-    a: LoadPlan
-    b: LoadPlan
-    decisions: list[tuple[str, Decision | None, Decision | None]]   # key, in a, in b
-    inputs: list[tuple[str, Any, Any]]                              # field, a, b
 
 
 def _plan_inputs(p: LoadPlan) -> dict[str, Any]:
