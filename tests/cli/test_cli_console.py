@@ -84,8 +84,8 @@ def test_help_lists_commands_without_importing_them(capsys):
 def test_closed_stdout_pipe_is_not_a_traceback(tmp_path):
     # `loadplan backends | head -c 1`: the reader leaves early; the command ends quietly.
     exe = [sys.executable, "-c", "import sys, loadplan.cli.main as m; sys.exit(m.main(sys.argv[1:]))"]
-    proc = subprocess.Popen(exe + ["backends"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = subprocess.Popen(exe + ["backends"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))   # its embedded default DB lands in tmp
     proc.stdout.close()                      # nobody reads: the first write breaks the pipe
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141
