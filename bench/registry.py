@@ -1,14 +1,17 @@
 """Registry throughput and latency: a bare echo RPC vs ResolveLoadPlan with durable writes.
 
-    python bench/registry.py [--postgres-url URL] [--json] [--requests N]
+    python bench/registry.py [--postgres-url URL] [--json] [--requests N] [--ranks-per-deployment N]
 
 For each database (SQLite file; PostgreSQL when --postgres-url or
 LOADPLAN_TEST_POSTGRES_URL is given) it starts one registry server process
 (`loadplan serve`) on a fresh, migrated database and measures, on the same
 server, Echo and ResolveLoadPlan sequentially (1 in flight) and with 64 in
-flight. Every resolve has its own request id AND its own deployment id, so each
-one validates, decides, pins a new deployment and commits a new plan: no replay
-and no pinned-deployment shortcut is measured. The load generator is a separate
+flight. Every resolve has its own request id, so each one validates, decides and
+commits a new plan (no replay is measured). By default every resolve also has its
+own deployment id, so each one pins a new deployment too: no pinned-deployment
+shortcut. With `--ranks-per-deployment N` consecutive requests are the N ranks of
+one deployment (EP N), as workers come up in a fleet: the first pins it, the
+others are checked against the pin; rows then carry `ranks_per_deployment`. The load generator is a separate
 process (this one) using grpc.aio; it serializes requests before and parses
 answers after the timed window (for both methods alike), since it shares the
 CPUs with the server.
@@ -124,9 +127,20 @@ class Server:
         self.proc.wait(timeout=30)
 
 
-def _resolve_message(i: int) -> pb.ResolveLoadPlanRequest:
-    req = ResolveRequest(request_id=f"bench-{uuid.uuid4().hex}", deployment_id=f"bench-dep-{uuid.uuid4().hex}",
-                         parallel=Parallel(ep_size=8, ep_rank=i % 8), host="bench", config=CONFIG,
+def _resolve_messages(n: int, ranks_per_deployment: int) -> list[pb.ResolveLoadPlanRequest]:
+    """n requests: runs of `ranks_per_deployment` ranks of one deployment (1: a deployment each)."""
+    out, deployment = [], ""
+    for i in range(n):
+        if i % ranks_per_deployment == 0:
+            deployment = f"bench-dep-{uuid.uuid4().hex}"
+        out.append(_resolve_message(deployment, i % ranks_per_deployment if ranks_per_deployment > 1 else i % 8,
+                                    max(8, ranks_per_deployment)))
+    return out
+
+
+def _resolve_message(deployment: str, rank: int, ep_size: int) -> pb.ResolveLoadPlanRequest:
+    req = ResolveRequest(request_id=f"bench-{uuid.uuid4().hex}", deployment_id=deployment,
+                         parallel=Parallel(ep_size=ep_size, ep_rank=rank), host="bench", config=CONFIG,
                          quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]},
                          runtime=Runtime())
     return convert.request_to_pb(req)
@@ -136,7 +150,8 @@ _METHODS = {"echo": ("/loadplan.v1.ModelRegistry/Echo", pb.EchoResponse),
             "resolve": ("/loadplan.v1.ModelRegistry/ResolveLoadPlan", pb.LoadPlan)}
 
 
-async def _run(address: str, method: str, n: int, inflight: int) -> tuple[float, list[float]]:
+async def _run(address: str, method: str, n: int, inflight: int,
+               ranks_per_deployment: int = 1) -> tuple[float, list[float]]:
     """Issue n calls with `inflight` outstanding; return (wall seconds, per-call latencies).
 
     The load generator shares the machine's CPUs with the server (and the database), so it
@@ -146,7 +161,7 @@ async def _run(address: str, method: str, n: int, inflight: int) -> tuple[float,
     if method == "echo":
         messages = [pb.EchoRequest(payload=b"x" * 64) for _ in range(n)]
     else:
-        messages = [_resolve_message(i) for i in range(n)]
+        messages = _resolve_messages(n, ranks_per_deployment)
     payloads = [m.SerializeToString() for m in messages]
     path, reply_type = _METHODS[method]
     latencies: list[float] = []
@@ -174,11 +189,13 @@ async def _run(address: str, method: str, n: int, inflight: int) -> tuple[float,
     return wall, latencies
 
 
-def measure(address: str, inflight: int, n: int) -> dict:
+def measure(address: str, inflight: int, n: int, ranks_per_deployment: int = 1) -> dict:
     row: dict = {"inflight": inflight}
+    if ranks_per_deployment > 1:
+        row["ranks_per_deployment"] = ranks_per_deployment
     for method in ("echo", "resolve"):
-        asyncio.run(_run(address, method, min(50, n), inflight))  # warm-up
-        wall, lat = asyncio.run(_run(address, method, n, inflight))
+        asyncio.run(_run(address, method, min(50, n), inflight, ranks_per_deployment))  # warm-up
+        wall, lat = asyncio.run(_run(address, method, n, inflight, ranks_per_deployment))
         row[f"{method}_qps"] = round(n / wall, 1)
         row[f"{method}_p50_ms"] = round(_percentile(lat, 0.50) * 1e3, 3)
         row[f"{method}_p99_ms"] = round(_percentile(lat, 0.99) * 1e3, 3)
@@ -191,7 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--requests", type=int, default=1000, help="calls per measurement (64 in flight)")
     ap.add_argument("--sequential-requests", type=int, default=300, help="calls per sequential measurement")
+    ap.add_argument("--ranks-per-deployment", type=int, default=1,
+                    help="consecutive resolves that are ranks of one deployment (1: each its own deployment)")
     args = ap.parse_args(argv)
+    if args.ranks_per_deployment < 1:
+        ap.error(f"--ranks-per-deployment must be >= 1, got {args.ranks_per_deployment}")
 
     targets: list[tuple[str, str, callable]] = []
     tmp = tempfile.TemporaryDirectory()
@@ -207,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 commit = round(_commit_p50_ms(url), 3)
                 for inflight, n in ((1, args.sequential_requests), (64, args.requests)):
-                    row = {"db": name, **measure(server.address, inflight, n), "commit_p50_ms": commit}
+                    row = {"db": name, **measure(server.address, inflight, n, args.ranks_per_deployment),
+                           "commit_p50_ms": commit}
                     row["resolve_vs_echo_qps"] = round(row["resolve_qps"] / row["echo_qps"], 3)
                     rows.append(row)
                     if args.json:

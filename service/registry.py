@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import uuid
+import hashlib
+import operator
+import os
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 from ..plan import Decision, LoadPlan, Parallel, PlanDiff, ResolveRequest, Runtime
 from .errors import InvalidArgument
@@ -37,6 +39,11 @@ class NewPlan:
     plan: LoadPlan
     request_fingerprint: str                    # the whole request but its request id
     deployment_inputs: dict[str, Any]           # pinned by the first rank of (deployment, role)
+    # The request's config and quantization config as the store writes them (`client.convert.
+    # config_to_json` / `quantization_config_to_json` of plan.request): computed once per distinct
+    # config by the caller when it can; None: the store encodes them itself.
+    config_json: str | None = None
+    quantization_config_json: str | None = None
 
 
 class PlanStore(Protocol):
@@ -66,35 +73,72 @@ MAX_PAGE_SIZE = 500
 DEFAULT_PAGE_SIZE = 50
 
 
-def request_fingerprint(req: ResolveRequest) -> str:
-    # `asdict(req)` without its deep copy of the config (the hot path of every resolve): the
-    # fields as they are, Parallel and Runtime (scalars only) as dicts. The same JSON, so the
-    # same fingerprint; should the body hold something JSON cannot encode (a dataclass inside
-    # the config), the plain `asdict` route decides.
-    body = {f: getattr(req, f) for f in _REQUEST_FIELDS}
-    body["parallel"] = {f: getattr(req.parallel, f) for f in _PARALLEL_FIELDS}
-    body["runtime"] = {f: getattr(req.runtime, f) for f in _RUNTIME_FIELDS}
-    try:
-        return fingerprint(body)
-    except TypeError:
-        body = dataclasses.asdict(req)
-        body.pop("request_id")
-        return fingerprint(body)
+def request_fingerprint(req: ResolveRequest, config_fingerprint: str | None = None,
+                        quantization_config_fingerprint: str | None = None) -> str:
+    """sha256 of everything in `req` but its request id: equal for requests equal up to
+    request_id, different otherwise (configs compared as `fingerprint` compares them: up to
+    key order).
+
+    The configs enter through their own fingerprints, which the rules compute once per
+    deployment (`Resolution.deployment_inputs`), so a resolve does not encode the whole config
+    again: pass them when known (`fingerprint(dict(config))` of `req`'s configs); None computes
+    them here. The other fields enter as they are, every field of the dataclasses (so a field
+    added later is covered without touching this)."""
+    if config_fingerprint is None:
+        config_fingerprint = fingerprint(dict(req.config))
+    if req.quantization_config is None:
+        # Not `fingerprint({})`: no quantization config and an empty one are different requests
+        # (the deployment inputs treat them alike, a different question).
+        quantization_config_fingerprint = None
+    elif quantization_config_fingerprint is None:
+        quantization_config_fingerprint = fingerprint(dict(req.quantization_config))
+    body = ("request/2", config_fingerprint, quantization_config_fingerprint, _request_scalars(req),
+            _parallel_fields(req.parallel), _runtime_fields(req.runtime))
+    # repr, not JSON (twice the cost): these are strings, integers, booleans and None, whose
+    # repr is their literal, so different bodies have different texts.
+    return hashlib.sha256(repr(body).encode()).hexdigest()
 
 
-_REQUEST_FIELDS = tuple(f.name for f in dataclasses.fields(ResolveRequest) if f.name != "request_id")
-_PARALLEL_FIELDS = tuple(f.name for f in dataclasses.fields(Parallel))
-_RUNTIME_FIELDS = tuple(f.name for f in dataclasses.fields(Runtime))
+_request_scalars = operator.attrgetter(*(f.name for f in dataclasses.fields(ResolveRequest) if f.name not in
+                                         ("request_id", "parallel", "runtime", "config", "quantization_config")))
+_parallel_fields = operator.attrgetter(*(f.name for f in dataclasses.fields(Parallel)))
+_runtime_fields = operator.attrgetter(*(f.name for f in dataclasses.fields(Runtime)))
 
 
-def _stamped(d: Decision, at: dt.datetime) -> Decision:
-    """`dataclasses.replace(d, decided_at=at)` at a fraction of its cost (a dozen per resolve)."""
-    try:
-        stamped = object.__new__(Decision)
-        stamped.__dict__.update(d.__dict__, decided_at=at)
-        return stamped
-    except AttributeError:   # a Decision with __slots__: the general way
-        return dataclasses.replace(d, decided_at=at)
+def _stamp(decisions: Mapping[str, Decision], at: dt.datetime) -> dict[str, Decision]:
+    """`{k: dataclasses.replace(d, decided_at=at)}` at a fraction of its cost (a dozen per
+    resolve): each decision's fields copied with `at` in place, without `__init__` (the fields
+    were checked when the decision was made)."""
+    stamped = {}
+    for k, d in decisions.items():
+        copy = _new(Decision)
+        fields = copy.__dict__
+        fields.update(d.__dict__)
+        fields["decided_at"] = at
+        stamped[k] = copy
+    return stamped
+
+
+_new = object.__new__
+assert not hasattr(Decision, "__slots__"), "_stamp copies a Decision's __dict__"
+
+
+def new_plan_id() -> str:
+    """`uuid.uuid4().hex` without building the UUID (a third of the cost, every resolve): 122
+    random bits with the version (4) and variant (RFC 4122) bits of a random UUID."""
+    n = int.from_bytes(os.urandom(16), "big")
+    return f"{n & ~(0xF000 << 64) & ~(0xC000 << 48) | 0x4000 << 64 | 0x8000 << 48:032x}"
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A resolve's outcome with what a transport may reuse to encode it (`Registry.resolve_new`)."""
+
+    plan: LoadPlan                      # what the store answered: `new.plan`, or a stored plan (replayed)
+    new: NewPlan                        # what was handed to the store
+    # new.plan.decisions before stamping with new.plan.created_at: objects the rules cache
+    # shares between the plans of a deployment (per pipeline stage for the rank's own ones).
+    unstamped: Mapping[str, Decision]
 
 
 class Registry:
@@ -104,19 +148,31 @@ class Registry:
 
     def resolve(self, req: ResolveRequest, inputs_key: Any = None) -> LoadPlan:
         """`inputs_key`: see `resolve_decisions` (the transport passes the raw JSON texts)."""
+        return self.resolve_new(req, inputs_key).plan
+
+    def resolve_new(self, req: ResolveRequest, inputs_key: Any = None,
+                    config_texts: tuple[str, str | None] | None = None) -> Resolved:
+        """`resolve`, answering with what was saved too. `config_texts`: `NewPlan.config_json` and
+        `quantization_config_json` when the caller has them (the transport keeps them per config
+        text): the texts `client.convert.config_to_json(req.config)` and
+        `quantization_config_to_json(req.quantization_config)` write."""
         res = resolve_decisions(req, inputs_key)
         now = self.clock()
         plan = LoadPlan(
-            plan_id=uuid.uuid4().hex,
+            plan_id=new_plan_id(),
             ruleset_version=RULESET_VERSION,
             request=req,
             entry_class=res.entry_class,
             config_fingerprint=res.config_fingerprint,
             quantization=res.quantization,
-            decisions={k: _stamped(v, now) for k, v in res.decisions.items()},
+            decisions=_stamp(res.decisions, now),
             created_at=now,
         )
-        return self.store.save_plan(NewPlan(plan, request_fingerprint(req), res.deployment_inputs))
+        inputs = res.deployment_inputs
+        fp = request_fingerprint(req, inputs["config_fingerprint"], inputs["quantization_config_fingerprint"])
+        config_json, quantization_config_json = config_texts or (None, None)
+        new = NewPlan(plan, fp, inputs, config_json, quantization_config_json)
+        return Resolved(self.store.save_plan(new), new, res.decisions)
 
     def get_plan(self, plan_id: str, include_history: bool = False) -> LoadPlan:
         if not plan_id:

@@ -18,13 +18,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ..v1 import registry_pb2 as pb
-from ..v1 import registry_pb2_grpc as pb_grpc
 from . import auth
 from .auth import TokenStore
 from .registry import PlanStore, Registry
 from .rules import entries
 from .tls import ServerTls, add_port
-from .transport.servicer import ModelRegistryServicer
+from .transport.servicer import ModelRegistryServicer, add_to_server
 
 log = logging.getLogger("loadplan.service")
 
@@ -101,7 +100,7 @@ class RegistryServer:
                      ("grpc.so_reuseport", 0)],
             interceptors=auth.interceptors(options.tokens),
         )
-        pb_grpc.add_ModelRegistryServicer_to_server(ModelRegistryServicer(Registry(store)), self._server)
+        add_to_server(ModelRegistryServicer(Registry(store)), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),

@@ -219,10 +219,19 @@ class _Part:
     """What every rank of one deployment gets (a `Resolution` without the rank's decisions)."""
 
     __slots__ = ("entry_class", "chain", "family", "config_fingerprint", "quantization", "head", "eplb_head",
-                 "n_layers", "first_layer", "moe_layers", "enable_eplb", "inputs")
+                 "n_layers", "first_layer", "moe_layers", "enable_eplb", "inputs", "stages")
 
     def for_rank(self, req: ResolveRequest) -> Resolution:
-        p = req.parallel
+        # pp_size is the part's (it is in the cache key), so the stage alone settles the
+        # rank's decisions: made once per stage, shared like the deployment-wide ones (and so,
+        # like them, never changed by anyone, their list values included).
+        d = self.stages.get(req.parallel.pp_rank)
+        if d is None:
+            d = self.stages[req.parallel.pp_rank] = self._stage_decisions(req.parallel)
+        return Resolution(self.entry_class, self.chain, self.family, self.config_fingerprint, self.quantization,
+                          dict(d), dict(self.inputs))
+
+    def _stage_decisions(self, p) -> dict[str, Decision]:
         start, end = stage_range(self.n_layers, p.pp_size, p.pp_rank)
         layer_range = [self.first_layer + start, self.first_layer + end]
         d = dict(self.head)
@@ -239,8 +248,7 @@ class _Part:
                 "eplb.local_layers", False)
         else:
             d[Keys.EPLB_LAYERS] = Decision(Keys.EPLB_LAYERS, [], "EPLB not enabled", "eplb.local_layers", False)
-        return Resolution(self.entry_class, self.chain, self.family, self.config_fingerprint, self.quantization,
-                          d, dict(self.inputs))
+        return d
 
 
 class _LruCache:
@@ -345,6 +353,7 @@ def _deployment_part(req: ResolveRequest) -> _Part:
 
     # --- pipeline stage (DESIGN 5.5) and EPLB: the rank's part in `_Part.for_rank` ---
     part = _Part()
+    part.stages = {}
     part.head = d
     d = {}
     if rt.enable_eplb:

@@ -111,6 +111,12 @@ class PlanRow(Base):
 
     ruleset_version: Mapped[str] = mapped_column(String(32))
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
+    # The decisions the plan was resolved with (revision 0 of each key, decided at created_at),
+    # as one JSON array of [key, value, reason, rule, deployment_wide]: written with the plan
+    # row, so a resolve is one row, not one per decision (revision 0002). Later revisions
+    # (AppendDecisions) are rows of `decisions`; so are the resolved decisions of plans written
+    # before 0002, whose decisions_json is NULL.
+    decisions_json: Mapped[Optional[str]] = mapped_column(Text)
 
     __table_args__ = (
         # ListPlans filters, each ending in the keyset order (created_at desc, plan_id desc).
@@ -121,6 +127,9 @@ class PlanRow(Base):
 
 
 class DecisionRow(Base):
+    """A revision of a plan's decision: the appended ones (AppendDecisions, revision >= 1), and
+    the resolved ones (revision 0) of plans written before revision 0002 (see decisions_json)."""
+
     __tablename__ = "decisions"
 
     # The primary key is the unique (plan_id, key, revision): two writers that

@@ -22,17 +22,20 @@ Concurrency (many ranks of one deployment at once, several registry replicas):
   run one at a time and every look-up sees every committed row.
 - PostgreSQL (READ COMMITTED): the unique keys arbitrate, between replicas and
   between the (up to `PG_BATCHES_IN_FLIGHT`) batches of one process alike. A
-  batch first goes the optimistic way, BEGIN + two statements + COMMIT: the
-  plans and decisions (plain INSERT: a stored request id is a unique
-  violation), then the pins with ON CONFLICT DO NOTHING RETURNING, which waits
-  for a concurrent inserter of the same pin and then yields to the winner's
-  row; a pin somebody else set is read back and the batch keeps it when its
-  plans agree. Any race lost (a request id stored meanwhile, a disagreeing pin,
-  a deadlock) rolls the batch back and starts it over carefully: request ids
-  and pins looked up first. Rows are inserted in key order and plans before
-  pins, one lock order for all writers. Each statement carries its whole batch
-  of rows as one JSON parameter (`_pg_from_json`). The statements of a batch go out in one
-  round trip with the transaction's BEGIN (psycopg pipeline mode, `_pg_insert`).
+  batch first goes the optimistic way (`_pg_fast`): ONE autocommitted statement,
+  one round trip with its commit, inserting the plans (a stored request id is a
+  unique violation that fails it whole) and the new pins (ON CONFLICT DO
+  NOTHING, which waits for a concurrent inserter of the same pin and then
+  yields to the winner's row), and only the plans whose pin is known to agree
+  or was set by the statement itself. What it leaves (a pin set elsewhere,
+  inputs whose JSON differs from the pin's) or refuses as a whole (a stored
+  request id, a deadlock) goes the careful way: in a transaction, request ids
+  and pins looked up first, then BEGIN + plans + pins in one round trip (psycopg
+  pipeline mode, `_pg_insert`) and COMMIT. Rows are inserted in key order.
+  Each statement carries its whole batch of rows as one JSON parameter
+  (`_pg_from_json`).
+A plan is ONE row: its resolved decisions are a JSON column (`decisions_json`,
+migration 0002); `decisions` rows hold the revisions AppendDecisions adds.
 Connection errors become `errors.Unavailable` for every plan of the batch (the
 client retries with the same request id, which is safe because of the above).
 """
@@ -94,7 +97,7 @@ _ROW_LAYOUTS = {
     "plans": ("plan_id", "request_id", "request_fingerprint", "deployment_id", "role", "host",
               "tp_size", "tp_rank", "ep_size", "ep_rank", "pp_size", "pp_rank", "dp_size", "dp_rank",
               "entry_class", "config_fingerprint", "config_json", "quantization", "requested_quantization",
-              "quantization_config_json", "runtime_json", "ruleset_version", "created_at"),
+              "quantization_config_json", "runtime_json", "ruleset_version", "created_at", "decisions_json"),
     "decisions": ("plan_id", "key", "revision", "value_json", "reason", "rule", "deployment_wide", "decided_at"),
     "deployment_pins": ("deployment_id", "role", "inputs_json", "ruleset_version", "plan_id", "created_at"),
 }
@@ -108,16 +111,18 @@ for _table, _columns in (("plans", _PLAN_COLUMNS), ("decisions", _DECISION_COLUM
                           f"in {__name__}")
 
 
-def _pg_from_json(table: sa.Table) -> str:
-    """`INSERT INTO t (cols) SELECT ... FROM json_array_elements(%s::json) AS r`: a whole batch of
-    rows in ONE parameter, a JSON array of row arrays (in the table's column order). Text values
+def _pg_from_json(table: sa.Table, where: str = "") -> str:
+    """`INSERT INTO t (cols) SELECT ... FROM jsonb_array_elements(%s::jsonb) AS r`: a whole batch of
+    rows in ONE parameter, a JSON array of row arrays (in the table's column order). jsonb, not
+    json: the document is parsed once, where json re-parses a row's text for every `->>` (6x the
+    database's time for a batch of plans, measured). Text values
     are assigned to their columns as they are, so an over-long value is refused, not truncated
     (an explicit cast to varchar(n) would truncate); the others are cast to their column's type.
     One JSON text of arrays is what the client builds fastest (no dict per row, one C encoder
     call per batch): a batch holds thousands of values, built under the GIL of every RPC thread."""
     cols = ", ".join(c.name for c in table.columns)
     fields = ", ".join(_pg_field(i, c) for i, c in enumerate(table.columns))
-    return f"INSERT INTO {table.name} ({cols}) SELECT {fields} FROM json_array_elements(%s::json) AS r"
+    return f"INSERT INTO {table.name} ({cols}) SELECT {fields} FROM jsonb_array_elements(%s::jsonb) AS r{where}"
 
 
 def _pg_field(i: int, column: sa.Column) -> str:
@@ -133,11 +138,36 @@ def _pg_field(i: int, column: sa.Column) -> str:
                       f"add one to _pg_field in {__name__}")
 
 
-# PostgreSQL, one statement for the plans and their decisions (the foreign keys are checked
-# at the end of the statement) and one for the pins, so a batch is BEGIN, two statements, COMMIT.
-_PG_INSERT_PLANS = f"WITH new_plans AS ({_pg_from_json(PLANS)} RETURNING 1) {_pg_from_json(DECISIONS)}"
+# PostgreSQL, the careful path: one statement for the plans (their decisions are a column) and
+# one for the pins, so a batch is BEGIN, two statements, COMMIT.
+_PG_INSERT_PLANS = _pg_from_json(PLANS)
 _PG_INSERT_PINS = (f"{_pg_from_json(PINS)} ON CONFLICT (deployment_id, role) DO NOTHING "
                    f"RETURNING deployment_id, role")
+
+
+def _group_of(layout: str, alias: str) -> str:
+    """`alias->>i, alias->>j`: the (deployment_id, role) of a JSON row of `layout`."""
+    cols = _ROW_LAYOUTS[layout]
+    return f"{alias}->>{cols.index('deployment_id')}, {alias}->>{cols.index('role')}"
+
+
+# PostgreSQL, the optimistic path: a whole batch in ONE autocommitted statement (one round
+# trip, its commit included). Parameters: the pins to set (JSON rows), the plans, the pins again.
+# A pin somebody already set is not overwritten (DO NOTHING, after waiting for a concurrent
+# inserter), and the plans of its (deployment, role) are then left out: only the plans whose
+# pin is known (checked in Python) or set by this very statement are inserted. The statement
+# returns the ids of the plans it inserted; the others go the careful way. A stored request id
+# fails the whole statement (unique violation): nothing written, the batch goes the careful way.
+# The pins' foreign keys to their plans are checked at the end of the statement.
+_PLAN_GROUP = _group_of("plans", "r")
+_PG_SAVE = (
+    f"WITH new_pins AS ({_PG_INSERT_PINS}), "
+    f"new_plans AS ("
+    + _pg_from_json(PLANS, where=(
+        f" WHERE ({_PLAN_GROUP}) NOT IN (SELECT {_group_of('deployment_pins', 'p')} "
+        f"FROM jsonb_array_elements(%s::jsonb) AS p) "
+        f"OR ({_PLAN_GROUP}) IN (SELECT deployment_id, role FROM new_pins)"))
+    + " RETURNING plan_id) SELECT plan_id FROM new_plans")
 _PG_SELECT_REQUESTS = "SELECT request_id, plan_id, request_fingerprint FROM plans WHERE request_id = ANY(%b::text[])"
 _PG_SELECT_PINS = (
     "SELECT p.deployment_id, p.role, p.plan_id, p.inputs_json FROM deployment_pins AS p "
@@ -295,9 +325,20 @@ def _decision(row: Row) -> Decision:
                     deployment_wide=row.deployment_wide, revision=row.revision, decided_at=row.decided_at)
 
 
+def _resolved_decisions(row: Row) -> list[Decision]:
+    """The decisions a plan was resolved with, from its decisions_json (none for a plan written
+    before revision 0002: those are rows of `decisions`)."""
+    if row.decisions_json is None:
+        return []
+    return [Decision(key=key, value=value, reason=reason, rule=rule, deployment_wide=wide, revision=0,
+                     decided_at=row.created_at)
+            for key, value, reason, rule, wide in json.loads(row.decisions_json)]
+
+
 def _load_plan(row: Row, decision_rows: Iterable[Row], *, include_history: bool,
                replayed: bool = False) -> LoadPlan:
-    every = sorted((_decision(r) for r in decision_rows), key=lambda d: (d.key, d.revision))
+    every = sorted([*_resolved_decisions(row), *(_decision(r) for r in decision_rows)],
+                   key=lambda d: (d.key, d.revision))
     latest: dict[str, Decision] = {}
     for d in every:
         latest[d.key] = d   # sorted by revision: the last one wins
@@ -407,32 +448,41 @@ class _Item:
         return _Pin(self.group[0], self.group[1], self.new.plan.plan_id, self.inputs_json)
 
     def plan_row(self) -> tuple:
-        """The plan's row in `_ROW_LAYOUTS["plans"]` order: everything its request is rebuilt from."""
-        plan = self.new.plan
+        """The plan's row in `_ROW_LAYOUTS["plans"]` order: everything its request is rebuilt from,
+        and its decisions (`decisions_json`)."""
+        new = self.new
+        plan = new.plan
         req = plan.request
         p = req.parallel
         qc = req.quantization_config
-        return (plan.plan_id, req.request_id, self.new.request_fingerprint, req.deployment_id, req.role, req.host,
+        config_json = new.config_json if new.config_json is not None else _dumps(dict(req.config))
+        qc_json = (new.quantization_config_json if new.quantization_config_json is not None
+                   else None if qc is None else _dumps(dict(qc)))
+        return (plan.plan_id, req.request_id, new.request_fingerprint, req.deployment_id, req.role, req.host,
                 p.tp_size, p.tp_rank, p.ep_size, p.ep_rank, p.pp_size, p.pp_rank, p.dp_size, p.dp_rank,
-                plan.entry_class, plan.config_fingerprint, _dumps(dict(req.config)), plan.quantization,
-                req.quantization, None if qc is None else _dumps(dict(qc)),
-                _dumps(_runtime_dict(req.runtime)), plan.ruleset_version, plan.created_at)
-
-    def decision_rows(self) -> list[tuple]:
-        """`_decision_values` of each decision, as tuples in `_ROW_LAYOUTS["decisions"]` order."""
-        plan_id = self.new.plan.plan_id
-        rows = []
-        for d in self.new.plan.decisions.values():
-            if d.decided_at is None:
-                raise ValueError(f"decision {d.key} has no decided_at")
-            _aware(d.decided_at)
-            rows.append((plan_id, d.key, d.revision, _dumps(d.value), d.reason, d.rule, d.deployment_wide,
-                         d.decided_at))
-        return rows
+                plan.entry_class, plan.config_fingerprint, config_json, plan.quantization,
+                req.quantization, qc_json, _dumps(_runtime_dict(req.runtime)), plan.ruleset_version,
+                plan.created_at, _decisions_json(plan))
 
     def pin_row(self) -> tuple:
         plan = self.new.plan
         return (self.group[0], self.group[1], self.inputs_json, plan.ruleset_version, plan.plan_id, plan.created_at)
+
+
+def _decisions_json(plan: LoadPlan) -> str:
+    """`plans.decisions_json` of a new plan: [[key, value, reason, rule, deployment_wide], ...].
+    A resolved decision is revision 0, decided when its plan was created: what the column
+    leaves out, so a decision that is not is refused rather than stored altered."""
+    at = plan.created_at
+    out = []
+    for d in plan.decisions.values():
+        if d.decided_at is None:
+            raise ValueError(f"decision {d.key} has no decided_at")
+        if d.decided_at != at or d.revision != 0:
+            raise ValueError(f"decision {d.key}: a new plan's decisions are revision 0 decided at its created_at "
+                             f"({at}), got revision {d.revision} decided at {d.decided_at}")
+        out.append([d.key, d.value, d.reason, d.rule, d.deployment_wide])
+    return _dumps(out)
 
 
 def _pin_refusal(item: _Item, pin: _Pin) -> FailedPrecondition | None:
@@ -565,26 +615,77 @@ class SqlPlanStore:
             return err
 
     def _write_batch(self, items: list["_Item"]) -> list[Any]:
-        """Write `items` in one transaction; retried as a whole when it lost a race to another writer."""
-        # SQLite holds the database's write lock for the whole transaction (BEGIN IMMEDIATE), so
-        # its checks are exact from the start. PostgreSQL first tries the optimistic path (no
-        # look-up of request ids, new pins assumed new) and looks everything up on a retry.
-        careful = not self._pg
+        """Write `items`; one outcome each. PostgreSQL first tries the optimistic way (`_pg_fast`:
+        one statement, no look-ups); what it leaves, and everything on SQLite (whose write lock,
+        BEGIN IMMEDIATE, makes its look-ups exact), goes the careful way (`_write_carefully`)."""
+        if not self._pg:
+            return self._write_carefully(items)
+        try:
+            with _translate_errors("saving a plan"):
+                results, pinned, left = self._pg_fast(items)
+        except _Retry:   # a stored request id, a deadlock: nothing of the statement was written
+            return self._write_carefully(items)
+        self._pins.remember(pinned)   # committed with the statement
+        if left:
+            for k, result in zip(left, self._write_carefully([items[k] for k in left])):
+                results[k] = result
+        return results
+
+    def _pg_fast(self, items: list["_Item"]) -> tuple[list[Any], list[_Pin], list[int]]:
+        """The optimistic way on PostgreSQL: `_PG_SAVE`, one autocommitted statement for the batch.
+        Returns (outcomes, the pins it set, the items it left to the careful way: every one that
+        might be refused or replayed, and the plans of a pin somebody else set meanwhile)."""
+        results: list[Any] = [None] * len(items)
+        left: list[int] = []
+        setters: dict[tuple[str, str], int] = {}   # group -> the item that sets its pin
+        writes: list[int] = []
+        for k, item in enumerate(items):
+            pin = self._pins.get(item.group)
+            if pin is not None:
+                ok = item.inputs_json == pin.inputs_json
+            elif item.group in setters:
+                ok = item.inputs_json == items[setters[item.group]].inputs_json
+            else:
+                setters[item.group] = k
+                ok = True
+            # Inputs that are not the same JSON may still be the same inputs (or be refused, or
+            # be a replay): the careful way decides.
+            (writes if ok else left).append(k)
+        if not writes:
+            return results, [], left
+        plans = sorted((items[k] for k in writes), key=lambda it: it.request_id)
+        pins = sorted((items[k] for k in setters.values()), key=lambda it: it.group)
+        pins_json = _json_rows(_PIN_COLUMNS, [it.pin_row() for it in pins])
+        with self.engine.connect() as conn:
+            conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+            inserted = {r[0] for r in conn.exec_driver_sql(
+                _PG_SAVE, (pins_json, _json_rows(_PLAN_COLUMNS, [it.plan_row() for it in plans]), pins_json))}
+        for k in writes:
+            plan = items[k].new.plan
+            if plan.plan_id in inserted:
+                results[k] = plan
+            else:
+                left.append(k)
+        return results, [it.as_pin() for it in pins if it.new.plan.plan_id in inserted], sorted(left)
+
+    def _write_carefully(self, items: list["_Item"]) -> list[Any]:
+        """Write `items` in one transaction after looking up their request ids and pins; started over
+        as a whole when it lost a race to another writer."""
         last: BaseException | None = None
         for _ in range(MAX_ATTEMPTS):
             try:
                 with _translate_errors("saving a plan"), self.unit_of_work(write=True) as uow:
-                    results, pinned = self._attempt(uow.conn, items, careful=careful)
+                    results, pinned = self._attempt(uow.conn, items)
                     uow.commit()
             except _Retry as err:
-                careful, last = True, err.__cause__ or err
+                last = err.__cause__ or err
                 continue
             self._pins.remember(pinned)   # only now: they are committed
             return results
         raise Unavailable(f"database contention while saving a plan: gave up after {MAX_ATTEMPTS} attempts "
                           f"({_short(last) if last else 'unknown'}); retry with the same request id")
 
-    def _attempt(self, conn: Connection, items: list["_Item"], *, careful: bool):
+    def _attempt(self, conn: Connection, items: list["_Item"]):
         """One try of a batch in the open transaction of `conn`: (outcomes, pins it wrote).
 
         Equivalent to saving the plans one after the other in batch order: a stored request id
@@ -593,10 +694,8 @@ class SqlPlanStore:
         anything is written, so a refused plan costs the others nothing."""
         results: list[Any] = [None] * len(items)
         replays: dict[int, str] = {}             # item -> stored plan id
-        live = list(range(len(items)))
-        if careful:
-            self._classify_stored(conn, items, live, results, replays)
-            live = [k for k in live if results[k] is None and k not in replays]
+        self._classify_stored(conn, items, list(range(len(items))), results, replays)
+        live = [k for k in range(len(items)) if results[k] is None and k not in replays]
 
         pins: dict[tuple[str, str], _Pin] = {}
         missing = []
@@ -608,14 +707,13 @@ class SqlPlanStore:
                     missing.append(g)
                 else:
                     pins[g] = pin
-        if careful and missing:
+        if missing:
             read = self._select_pins(conn, missing)
             self._pins.remember(read.values())   # committed by someone: safe to keep
             pins.update(read)
 
         setters: dict[tuple[str, str], int] = {}   # group -> the item that sets its pin
         writes: list[int] = []
-        refused: list[int] = []
         for k in live:
             item = items[k]
             pin = pins.get(item.group)
@@ -631,17 +729,6 @@ class SqlPlanStore:
                 writes.append(k)
             else:
                 results[k] = refusal
-                refused.append(k)
-        if refused and not careful:
-            # Not looked up yet: a stored request id answers before the pin does (a replay,
-            # or the refusal of a reused id), as it would saving one plan alone.
-            stored: list[Any] = [None] * len(items)
-            self._classify_stored(conn, items, refused, stored, replays)
-            for k in refused:
-                if stored[k] is not None:
-                    results[k] = stored[k]
-                elif k in replays:
-                    results[k] = None
 
         written: list[_Pin] = []
         if writes:
@@ -714,13 +801,10 @@ class SqlPlanStore:
         the batch starts over carefully and replays that plan."""
         items = sorted(items, key=lambda it: it.request_id)   # one lock order for every writer
         plans = [it.plan_row() for it in items]
-        decisions = [row for it in items for row in it.decision_rows()]
         if self._pg:
-            conn.exec_driver_sql(_PG_INSERT_PLANS, (_json_rows(_PLAN_COLUMNS, plans),
-                                                    _json_rows(_DECISION_COLUMNS, decisions)))
+            conn.exec_driver_sql(_PG_INSERT_PLANS, (_json_rows(_PLAN_COLUMNS, plans),))
         else:
             conn.exec_driver_sql(_SQLITE_INSERT["plans"], self._sqlite_rows(PLANS, plans))
-            conn.exec_driver_sql(_SQLITE_INSERT["decisions"], self._sqlite_rows(DECISIONS, decisions))
 
     def _pg_insert(self, conn: Connection, items: list["_Item"], setters: list["_Item"]) -> set[tuple[str, str]]:
         """PostgreSQL: `_insert_plans` and `_insert_pins` in ONE round trip (psycopg pipeline mode:
@@ -841,10 +925,12 @@ class SqlPlanStore:
 
         # Lock the plan row (PostgreSQL; SQLite already holds the write lock) so
         # concurrent appends to one plan take revisions one after the other.
-        locked = conn.execute(sa.select(PLANS.c.plan_id).where(PLANS.c.plan_id == plan_id).with_for_update()).first()
+        locked = conn.execute(sa.select(PLANS.c.plan_id, PLANS.c.decisions_json, PLANS.c.created_at)
+                              .where(PLANS.c.plan_id == plan_id).with_for_update()).first()
         if locked is None:
             raise NotFound("plan", plan_id, field="plan_id")
-        current = dict(conn.execute(
+        current = {d.key: d.revision for d in _resolved_decisions(locked)}
+        current.update(conn.execute(
             sa.select(DECISIONS.c.key, sa.func.max(DECISIONS.c.revision))
             .where(DECISIONS.c.plan_id == plan_id).group_by(DECISIONS.c.key)).all())
         values = []

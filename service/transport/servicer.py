@@ -21,7 +21,7 @@ from .. import coverage
 from ..errors import FailedPrecondition, InvalidArgument, NotFound, RegistryError, Unavailable
 from ..registry import Registry
 from ..rules.backends import BACKENDS
-from . import convert
+from . import convert, plan_wire
 
 log = logging.getLogger("loadplan.service")
 
@@ -92,9 +92,15 @@ class ModelRegistryServicer(pb_grpc.ModelRegistryServicer):
 
     @_rpc
     def ResolveLoadPlan(self, request, context):
+        """Answers with the plan's wire bytes (`plan_wire`; `add_to_server` sends them as they are)."""
+        req = convert.request_from_pb(request)
+        texts = convert.stored_config_texts(request)
         # The config texts determine the parsed configs: the rules' deployment cache key.
-        return convert.plan_to_pb(self.registry.resolve(
-            convert.request_from_pb(request), (request.config_json, request.quantization_config_json)))
+        got = self.registry.resolve_new(req, (request.config_json, request.quantization_config_json), texts)
+        if got.plan is got.new.plan:   # the plan made here (not a stored one replayed): its parts are known
+            return plan_wire.plan_bytes(got.plan, config_json=texts[0], quantization_config_json=texts[1],
+                                        unstamped=got.unstamped)
+        return plan_wire.plan_bytes(got.plan)
 
     @_rpc
     def GetPlan(self, request, context):
@@ -128,3 +134,22 @@ class ModelRegistryServicer(pb_grpc.ModelRegistryServicer):
     @_rpc
     def Echo(self, request, context):
         return pb.EchoResponse(payload=request.payload)
+
+
+def _serialize(response) -> bytes:
+    # ResolveLoadPlan answers with bytes already encoded; every other call with a message.
+    return response if response.__class__ is bytes else response.SerializeToString()
+
+
+def add_to_server(servicer: ModelRegistryServicer, server: grpc.Server) -> None:
+    """`pb_grpc.add_ModelRegistryServicer_to_server`, but every answer goes through `_serialize`,
+    so that a method may answer with pre-encoded bytes."""
+    service = pb.DESCRIPTOR.services_by_name["ModelRegistry"]
+    handlers = {}
+    for method in service.methods:
+        assert not (method.client_streaming or method.server_streaming), f"{method.name}: unary calls only"
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, method.name), request_deserializer=getattr(pb, method.input_type.name).FromString,
+            response_serializer=_serialize)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)

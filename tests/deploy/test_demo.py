@@ -7,7 +7,6 @@ decisions per role, and a report showing both runners' values and reasons.
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -28,20 +27,20 @@ def demo(demo_run):
 
 
 def _plans(db: Path) -> list[dict]:
-    import sqlalchemy as sa
+    """Every plan of the demo's database, read back through the store."""
+    from loadplan.service.registry import PlanFilter
+    from loadplan.service.store import SqlPlanStore
+    from loadplan.service.store.db import make_engine
 
-    engine = sa.create_engine(f"sqlite:///{db}")
+    engine = make_engine(f"sqlite:///{db}")
     try:
-        with engine.connect() as conn:
-            rows = conn.execute(sa.text("SELECT plan_id, deployment_id, role, ep_rank, ep_size, entry_class "
-                                        "FROM plans")).mappings().all()
-            decisions = conn.execute(sa.text("SELECT plan_id, key, value_json, reason FROM decisions")).all()
+        plans, _ = SqlPlanStore(engine).list_plans(PlanFilter(), 500, None)
     finally:
         engine.dispose()
-    by_plan = {r["plan_id"]: dict(r, decisions={}) for r in rows}
-    for plan_id, key, value, reason in decisions:
-        by_plan[plan_id]["decisions"][key] = (json.loads(value), reason)
-    return list(by_plan.values())
+    return [{"plan_id": p.plan_id, "deployment_id": p.request.deployment_id, "role": p.request.role,
+             "ep_rank": p.request.parallel.ep_rank, "ep_size": p.request.parallel.ep_size,
+             "entry_class": p.entry_class,
+             "decisions": {k: (d.value, d.reason) for k, d in p.decisions.items()}} for p in plans]
 
 
 def test_demo_records_target_and_draft_plans_of_two_ep_ranks(demo):

@@ -181,7 +181,7 @@ class Stored:
 def read_stored(engine, deployment_prefix: str = "") -> Stored:
     like = f"{deployment_prefix}%"
     with engine.connect() as c:
-        plans = c.execute(sa.text("SELECT plan_id, request_id, deployment_id, role FROM plans "
+        plans = c.execute(sa.text("SELECT plan_id, request_id, deployment_id, role, decisions_json FROM plans "
                                   "WHERE deployment_id LIKE :p"), {"p": like}).all()
         decs = c.execute(sa.text("SELECT d.plan_id, d.key, d.value_json FROM decisions d JOIN plans p "
                                  "ON p.plan_id = d.plan_id WHERE d.revision = 0 AND p.deployment_id LIKE :p"),
@@ -192,7 +192,11 @@ def read_stored(engine, deployment_prefix: str = "") -> Stored:
     for p in plans:
         counts[p.request_id] += 1
     decisions: dict[str, dict[str, object]] = defaultdict(dict)
-    for d in decs:
+    for p in plans:   # resolved decisions live in the plan row (migration 0002)...
+        for key, value, *_ in json.loads(p.decisions_json or "[]"):
+            decisions[p.plan_id][key] = value
+    for d in decs:    # ...or, for plans written before it, in revision-0 rows
+
         decisions[d.plan_id][d.key] = json.loads(d.value_json)
     return Stored(plan_of_request={p.request_id: p.plan_id for p in plans}, decisions=dict(decisions),
                   deployment_of={p.plan_id: (p.deployment_id, p.role) for p in plans},

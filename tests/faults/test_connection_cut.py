@@ -68,6 +68,8 @@ class BackendKiller:
         self._maybe_kill(conn, n)
 
     def _before_commit(self, conn) -> None:
+        if "fault_log" in conn.info:
+            conn.info["fault_log"].append(COMMIT)
         self._maybe_kill(conn, COMMIT)
 
     def _maybe_kill(self, conn, where) -> None:
@@ -108,8 +110,10 @@ def killed_registry(pg_db, admin):
         engine.dispose()
 
 
-def _statements_of_one_save(server, killer, req) -> int:
-    """How many statements saving `req` runs (asked of the store in use, not assumed)."""
+def _points_of_one_save(server, killer, req) -> list[int | str]:
+    """Where saving `req` can be cut: before each of its statements, and before its COMMIT if it
+    commits a transaction (an autocommitted statement commits itself). Asked of the store in
+    use, not assumed."""
     killer.counting = True
     killer.statements.clear()
     try:
@@ -119,7 +123,8 @@ def _statements_of_one_save(server, killer, req) -> int:
         killer.counting = False
     writes = [t for t in killer.statements if t]   # the readiness poll is off: only the save runs
     assert len(writes) == 1, killer.statements
-    return len(writes[0])
+    n = sum(1 for s in writes[0] if s != COMMIT)
+    return [*range(n), *([COMMIT] if COMMIT in writes[0] else [])]
 
 
 @pytest.mark.parametrize("rank_kind", ["first rank", "later rank"])
@@ -134,12 +139,12 @@ def test_backend_terminated_at_every_point_of_a_save(killed_registry, pg_engine,
         deployment = lambda at: dep             # noqa: E731
         with RegistryClient(server.address, timeout=10) as c:
             c.resolve_load_plan(runner_request(f"{dep}-r0", dep, 0))
-    n = _statements_of_one_save(server, killer, runner_request(f"{dep}-count", deployment("count"), 1))
-    assert n >= 1
+    points = _points_of_one_save(server, killer, runner_request(f"{dep}-count", deployment("count"), 1))
+    assert points and points[0] == 0
     outcomes = {}
     with RegistryClient(server.address, timeout=10, max_attempts=1) as once, \
             RegistryClient(server.address, timeout=20, max_attempts=20, backoff=0.02, max_backoff=0.2) as patient:
-        for rank, at in enumerate([*range(n), COMMIT], start=2):
+        for rank, at in enumerate(points, start=2):
             rid = f"{dep}-at-{at}"
             req = runner_request(rid, deployment(at), rank)
             killer.arm(at)
@@ -158,15 +163,16 @@ def test_backend_terminated_at_every_point_of_a_save(killed_registry, pg_engine,
             assert stored.request_counts[rid] == 1
             assert stored.plan_of_request[rid] == second.plan_id
             assert stored.decisions[second.plan_id] == {k: d.value for k, d in second.decisions.items()}
-    print(f"{rank_kind}: {n} statements; outcome per cut point: {outcomes}")
+    print(f"{rank_kind}: cut points {points}; outcome per cut point: {outcomes}")
     stored = audit(pg_engine, decision_keys(), deployment_prefix=dep)
-    assert len(stored.pins) == len({deployment(at) for at in ["count", *range(n), COMMIT]} | (
+    assert len(stored.pins) == len({deployment(at) for at in ["count", *points]} | (
         {dep} if rank_kind == "later rank" else set()))
 
 
 def test_commit_answer_lost_then_retry_replays(pg_proxy, pg_engine):
-    """The COMMIT reached PostgreSQL, its answer never came back: the plan exists, the
-    client heard UNAVAILABLE; its retry must get that very plan (replayed), not a second one."""
+    """The write of a plan reached PostgreSQL and committed (one autocommitted statement for a
+    rank of a pinned deployment), its answer never came back: the plan exists, the client
+    heard UNAVAILABLE; its retry must get that very plan (replayed), not a second one."""
     proxy, url = pg_proxy
     engine = make_engine(url)   # as `loadplan serve` makes it
     server = RegistryServer(SqlPlanStore(engine), ServerOptions(listen="127.0.0.1:0", max_workers=4,
@@ -175,8 +181,8 @@ def test_commit_answer_lost_then_retry_replays(pg_proxy, pg_engine):
     try:
         with RegistryClient(server.address, timeout=10, max_attempts=1) as once:
             once.resolve_load_plan(runner_request(f"{dep}-warm", dep, 0))   # warm the pool
-            proxy.lose_reply_to(b"COMMIT")
             req = runner_request(f"{dep}-r1", dep, 1)
+            proxy.lose_reply_to(req.request_id.encode())   # in the parameters of the plan's write
             with pytest.raises(RegistryCallError) as info:
                 once.resolve_load_plan(req)
             assert info.value.code == "UNAVAILABLE", info.value
@@ -210,12 +216,14 @@ def test_cuts_while_many_ranks_save_at_once(pg_proxy, pg_engine, admin):
     fired = []
 
     def chaos():
-        faults = [0, "lose COMMIT reply", COMMIT, 1, "lose COMMIT reply", 0, COMMIT]
+        # A save is one autocommitted statement when nothing needs looking up, a transaction
+        # (look-ups, inserts, COMMIT) after a fault (its retries replay): the faults hit either.
+        faults = [0, "lose a save's reply", 0, "lose a save's reply", 0]
         for fault in faults:
             if stop.is_set():
                 return
-            if fault == "lose COMMIT reply":
-                proxy.lose_reply_to(b"COMMIT")
+            if fault == "lose a save's reply":
+                proxy.lose_reply_to(dep.encode())   # in every save's parameters (its deployment)
                 hit = proxy.ambushed
             else:
                 killer.arm(fault)

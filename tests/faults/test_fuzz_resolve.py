@@ -236,7 +236,12 @@ def _check_call(stub, engine, msg) -> str:
     if reply.replayed:
         assert after == before
     else:
-        assert after[0] == before[0] + 1 and after[1] == before[1] + len(reply.decisions)
+        # One plan row holding all its decisions (decisions rows are for appended revisions).
+        assert after[0] == before[0] + 1 and after[1] == before[1]
+        with engine.connect() as c:
+            stored = c.execute(sa.text("SELECT decisions_json FROM plans WHERE plan_id = :p"),
+                               {"p": reply.plan_id}).scalar_one()
+        assert sorted(d[0] for d in json.loads(stored)) == sorted(d.key for d in reply.decisions)
     return "OK"
 
 

@@ -14,7 +14,7 @@ import sqlalchemy as sa
 
 from loadplan.plan import Decision, LoadPlan, Parallel, Runtime
 from loadplan.service.errors import FailedPrecondition, RegistryError
-from loadplan.service.registry import NewPlan, Registry, request_fingerprint
+from loadplan.service.registry import NewPlan, Registry
 from loadplan.service.store.db import make_engine, migrate
 from loadplan.service.store.group_commit import DEFER
 from loadplan.service.store.models import DeploymentPinRow, PlanRow
@@ -292,21 +292,6 @@ def test_a_replica_checks_a_pin_it_has_not_seen(db_url, make_request, rows):
     finally:
         for e in engines:
             e.dispose()
-
-
-def test_request_fingerprint_ignores_only_the_request_id(make_request):
-    # The fast path of request_fingerprint must hash exactly what dataclasses.asdict(req) holds.
-    from loadplan.service.rules.resolve import fingerprint
-
-    reqs = [make_request(), make_request(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]},
-                                         parallel=Parallel(tp_size=2, tp_rank=1, ep_size=4, ep_rank=3),
-                                         runtime=Runtime(enable_eplb=True, ep_num_redundant_experts=8), host="n-1")]
-    for req in reqs:
-        body = dataclasses.asdict(req)
-        body.pop("request_id")
-        assert request_fingerprint(req) == fingerprint(body)
-        assert request_fingerprint(dataclasses.replace(req, request_id="other")) == request_fingerprint(req)
-    assert request_fingerprint(reqs[0]) != request_fingerprint(reqs[1])
 
 
 def test_every_column_round_trips_in_its_place(store, make_request):

@@ -1,0 +1,129 @@
+"""Registry.resolve_new and request_fingerprint: what the store is handed for one resolve.
+
+The request fingerprint decides replay (same request id, same fingerprint) or refusal (same
+id, different request), so it must be equal exactly when two requests are equal but for their
+request id, whichever way it is computed (from the configs, or from their fingerprints)."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import uuid
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loadplan.plan import Parallel, ResolveRequest, Runtime
+from loadplan.service.registry import NewPlan, Registry, new_plan_id, request_fingerprint
+from loadplan.service.rules.resolve import fingerprint, resolve_decisions
+
+CONFIG = {"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 8, "n_routed_experts": 256,
+          "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 1}
+NOW = dt.datetime(2026, 11, 29, 10, 0, 0, 5, tzinfo=dt.timezone.utc)
+
+# Few values per field, so that drawn pairs are often equal in some fields and not in others.
+configs = st.sampled_from([CONFIG, dict(reversed(CONFIG.items())), {**CONFIG, "num_hidden_layers": 9}, {"a": [1]}])
+qconfigs = st.sampled_from([None, {}, {"quant_method": "fp8"}, {"quant_method": "fp8", "weight_block_size": [128]}])
+small = st.sampled_from([0, 1, 2])
+requests = st.builds(
+    ResolveRequest, request_id=st.sampled_from(["r1", "r2"]), deployment_id=st.sampled_from(["d1", "d2"]),
+    role=st.sampled_from(["target", "speculative"]),
+    parallel=st.builds(Parallel, **{f.name: small for f in dataclasses.fields(Parallel)}),
+    host=st.sampled_from(["", "h"]), config=configs, quantization_config=qconfigs,
+    quantization=st.sampled_from([None, "", "fp8"]),
+    runtime=st.builds(Runtime, a2a_backend=st.sampled_from(["none", "deepep"]), enable_eplb=st.booleans(),
+                      enable_tbo=st.booleans(), ep_num_redundant_experts=small))
+
+
+def same_but_request_id(a: ResolveRequest, b: ResolveRequest) -> bool:
+    return a == dataclasses.replace(b, request_id=a.request_id)
+
+
+def given_fingerprints(req: ResolveRequest) -> str:
+    # As Registry.resolve_new computes it: the configs' fingerprints from the rules' deployment inputs.
+    return request_fingerprint(req, fingerprint(dict(req.config)), fingerprint(req.quantization_config or {}))
+
+
+@settings(max_examples=400, deadline=None)
+@given(a=requests, b=requests, shared=st.sets(st.sampled_from([f.name for f in dataclasses.fields(ResolveRequest)])))
+def test_fingerprints_are_equal_exactly_when_requests_are_equal_but_for_their_id(a, b, shared):
+    b = dataclasses.replace(b, **{name: getattr(a, name) for name in shared})   # often equal, or nearly
+    assert (request_fingerprint(a) == request_fingerprint(b)) == same_but_request_id(a, b)
+    assert given_fingerprints(a) == request_fingerprint(a)
+
+
+def _changed(value):
+    """A different value of the same kind, for every kind of field a request has."""
+    if dataclasses.is_dataclass(value):
+        return None   # its fields are changed one by one
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, str):
+        return value + "x"
+    if value is None:
+        return "x"
+    if isinstance(value, dict):
+        return {**value, "extra": 1}
+    raise AssertionError(f"no change known for {value!r}: teach _changed this kind of field")
+
+
+def test_every_field_but_the_request_id_changes_the_fingerprint():
+    # Goes through the dataclasses' fields, so a field added later is covered too.
+    base = ResolveRequest("r1", "d1", config=CONFIG, quantization_config={"quant_method": "fp8"})
+    seen = {request_fingerprint(base)}
+    variants = [dataclasses.replace(base, quantization_config=None), dataclasses.replace(base, quantization_config={})]
+    for f in dataclasses.fields(ResolveRequest):
+        value = getattr(base, f.name)
+        if f.name == "request_id":
+            assert request_fingerprint(dataclasses.replace(base, request_id="other")) == request_fingerprint(base)
+        elif dataclasses.is_dataclass(value):
+            variants += [dataclasses.replace(base, **{f.name: dataclasses.replace(value, **{
+                g.name: _changed(getattr(value, g.name))})}) for g in dataclasses.fields(value)]
+        else:
+            variants.append(dataclasses.replace(base, **{f.name: _changed(value)}))
+    for v in variants:
+        fp = request_fingerprint(v)
+        assert fp not in seen, v
+        assert given_fingerprints(v) == fp
+        seen.add(fp)
+
+
+class RecordingStore:
+    def __init__(self):
+        self.saved: list[NewPlan] = []
+
+    def save_plan(self, new: NewPlan):
+        self.saved.append(new)
+        return new.plan
+
+
+def test_resolve_new_hands_the_store_the_plan_its_fingerprint_and_the_config_texts():
+    store = RecordingStore()
+    registry = Registry(store, clock=lambda: NOW)
+    req = ResolveRequest("r1", "d1", parallel=Parallel(ep_size=2, ep_rank=1), config=CONFIG,
+                         quantization_config={"quant_method": "fp8"})
+    got = registry.resolve_new(req, ("key-of", "these configs"), ("config text", "quantization text"))
+    new = store.saved[-1]
+    assert got.plan is new.plan and got.new is new
+    assert new.request_fingerprint == request_fingerprint(req)
+    assert (new.config_json, new.quantization_config_json) == ("config text", "quantization text")
+    assert new.deployment_inputs == resolve_decisions(req).deployment_inputs
+    plan = new.plan
+    assert plan.created_at == NOW and all(d.decided_at == NOW for d in plan.decisions.values())
+    assert got.unstamped == resolve_decisions(req).decisions
+    assert {k: dataclasses.replace(d, decided_at=None) for k, d in plan.decisions.items()} == got.unstamped
+
+    # Without texts the store encodes the configs itself; resolve answers the plan alone.
+    plan = registry.resolve(dataclasses.replace(req, request_id="r2"))
+    assert store.saved[-1].plan is plan
+    assert (store.saved[-1].config_json, store.saved[-1].quantization_config_json) == (None, None)
+
+
+def test_plan_ids_are_random_uuid4_hex():
+    ids = [new_plan_id() for _ in range(2000)]
+    assert len(set(ids)) == len(ids)
+    for plan_id in ids:
+        u = uuid.UUID(hex=plan_id)
+        assert u.hex == plan_id and u.version == 4 and u.variant == uuid.RFC_4122
