@@ -10,22 +10,54 @@ Slot ids >= S mean "not here" (another rank's expert) and are dropped.
 
 Why it is shaped like this (measured on 2 cores, D=1024, I=256, 64 experts, top-8,
 fp32; bench/moe.py):
-- Decode (T=1) reads K experts' weights once, so it is bound by memory bandwidth:
-  one matrix-vector product per kept slot, straight into preallocated rows, and
-  the down projection accumulates into y with addmv (no sort, no bincount, no
-  index_add).
-- Otherwise rows are sorted by slot so each hit expert does ONE matmul over a
-  contiguous slice (its weights are read once however many tokens chose it). The
-  two projections run in two passes over the slots with the activation in
-  between done once over all N rows: per expert only the two matmuls run, which
-  matters when ~60 experts hold 1-3 rows each (T=16). Each pass is a loop of
-  torch.mm into slices of one output.
-- With expert_parallel (T > 1), whole experts go to each core instead of each
+- Every expert goes to engine/expert_native.py when it applies (float32, contiguous,
+  sizes multiples of 16, a compiler, no autograd): one C++ call per layer that hands
+  the experts (split at 96 rows) to torch's OpenMP threads one at a time (dynamic: a
+  core taken by another process does not hold up the layer), fuses silu(gate) * up *
+  weight, and for T > 1 reads each row straight from x by token and writes it to its
+  (token, k) row of [T*K, D], summed over k (`_native`: no gathered copy of x, no
+  index_add). Why, per row count m of an expert:
+  - m <= 4 (T=1: 8 experts, 1 row each; T=16: ~56 experts, 1-3 rows each): a handful
+    of matrix-vector products over 3 MB of weights from memory. Through torch.mm /
+    torch.mv they cost ~480 us per expert and core at m~2 where streaming the weights
+    alone takes ~260 us: the BLAS (MKL; ~20 GFLOP/s per core at m=2 even from the
+    cache) packs the weight for a small GEMM and computes at roughly the cache's speed,
+    so the memory reads and the arithmetic do not overlap (single core, 64 experts
+    from memory: m=1 18 ms, m=2 23 ms, m=4 27 ms; the kernel's dot products, which
+    stream each weight row once with a prefetch ahead: 14-16 ms for any m <= 4).
+    Bench medians before -> after that kernel: T=1 2.75 -> 2.12 ms (roofline 1.86);
+    T=16 17.5 -> 9.7 ms (roofline 11.9, so 0.81x: two cores streaming with prefetch
+    read faster than the probe's one matrix-vector product).
+  - m > 4 (T=512: ~64 rows per expert): compute bound, but per expert the BLAS packs
+    the 2 MB weight for only m rows and cannot prefetch the next expert, so ~0.4 ms of
+    each expert's ~1.55 ms per core waited on memory (69 GFLOP/s per core at m=64 from
+    memory). The kernel's transposed tiles (the expert's rows transposed once, one
+    weight at a time broadcast against 48 rows in registers, each weight read once
+    from memory with the next rows prefetched) reach 98-104 GFLOP/s per core at
+    m >= 64, above MKL's dense matmul on one core (91-95): single core, 64 experts
+    from memory, m=64 65.7 vs 93.2 ms, m=17 26.6 vs 44.0, m=512 494 vs 571. At T=512
+    the layer's experts went 48 -> 37 ms (2 cores, fused_experts alone; router and
+    top-k are ~1.1 ms more). bench/moe.py --tokens 512, alternating runs on the shared
+    machine: engine/roofline 1.36, 1.56, 1.66 before (engine 58-64 ms) -> 1.05, 0.98,
+    1.18 after (engine ~40 ms; 0.98 in a run where the load slowed the dense probe as
+    much), 1.10-1.12 in other runs; from each probe's fastest call, 1.53-1.58 -> 1.10-1.15.
+  The tiles need AVX-512; a build without it takes only experts with <= 2 rows
+  (expert_native.max_rows()) and leaves the others to the torch path below, which also
+  serves other dtypes, odd sizes, autograd, and when no compiler can build the kernel.
+- The torch path: rows are sorted by slot so each hit expert does ONE matmul over a
+  contiguous slice (its weights are read once however many tokens chose it). The two
+  projections run in two passes over the slots with the activation in between done
+  once over all their rows. At T=512 it measured 1.42-1.51x the dense-matmul roofline
+  on the loaded machine (1.95x on a quiet one). oneDNN's matmul (AVX-512) was ~2%
+  faster end to end: not worth a private op.
+- Torch path with expert_parallel (T > 1): whole experts go to each core instead of each
   matmul being split over the cores: one synchronisation per layer instead of two
   per expert. torch's CPU grouped_mm (the same loop in C++) was measured too: no
   better than the Python loop, and behind expert_parallel.
 - The routing weight scales h [N, I] before the down projection (I < D, and the
   down projection is linear), and index_add_ sums each token's rows into y.
+- Decode (T=1) without the compiled kernel: one matrix-vector product per kept
+  slot, the down projection accumulating into y with addmv (no sort, no index_add).
 """
 
 from __future__ import annotations
@@ -37,10 +69,16 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from . import expert_native
+
 
 # Default of the `expert_parallel` arguments below: whole experts per core (bench/moe.py measures both).
 # A test that counts matmuls with a thread-local TorchDispatchMode turns it off for itself.
 EXPERT_PARALLEL = True
+# Experts (with at most expert_native.max_rows() rows: all where the kernel has AVX-512) go to the compiled
+# kernel when it applies (float32, contiguous, sizes multiples of 16, a compiler to build it): see
+# engine/expert_native.py.
+NATIVE = True
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -67,6 +105,15 @@ def grouped_expert_mlp(xs: torch.Tensor, counts: Sequence[int], gate_up: torch.T
     out = xs.new_empty(N, down.shape[1])
     if not spans:
         return out
+    if NATIVE and expert_native.applies(xs, gate_up, down):
+        cap = expert_native.max_rows()
+        mine = [(s, a, a, b - a) for s, a, b in spans if cap is None or b - a <= cap]
+        if mine:
+            w = None if row_weights is None else row_weights.to(torch.float32).contiguous()
+            expert_native.run_spans(xs.contiguous(), gate_up, down, w, out, mine)
+            spans = [span for span in spans if cap is not None and span[2] - span[1] > cap]
+            if not spans:
+                return out
     threads = torch.get_num_threads()
     if (EXPERT_PARALLEL if expert_parallel is None else expert_parallel) and threads > 1 and len(spans) > 1:
         _expert_parallel(spans, threads, xs, gate_up, down, row_weights, out)
@@ -76,16 +123,25 @@ def grouped_expert_mlp(xs: torch.Tensor, counts: Sequence[int], gate_up: torch.T
 
 
 def _slot_range(spans, xs, gate_up, down, row_weights, out) -> None:
-    """Both projections for the rows of `spans` (consecutive), written into `out`."""
+    """Both projections for the rows of `spans` (ascending, consecutive where the compiled kernel took none
+    in between), written into `out`."""
     a0, b0 = spans[0][1], spans[-1][2]
-    g = xs.new_empty(b0 - a0, gate_up.shape[1])
-    for s, a, b in spans:
-        torch.mm(xs[a:b], gate_up[s].t(), out=g[a - a0:b - a0])
+    rows = sum(b - a for _, a, b in spans)
+    if rows == b0 - a0:                                          # consecutive: g's rows are xs' rows - a0
+        at = [a - a0 for _, a, _ in spans]
+    else:
+        at = [0]
+        for _, a, b in spans[:-1]:
+            at.append(at[-1] + b - a)
+    g = xs.new_empty(rows, gate_up.shape[1])
+    for (s, a, b), i in zip(spans, at):
+        torch.mm(xs[a:b], gate_up[s].t(), out=g[i:i + b - a])
     h = silu_mul(g)                                              # [rows, I]
     if row_weights is not None:
-        h.mul_(row_weights[a0:b0].to(h.dtype)[:, None])
-    for s, a, b in spans:
-        torch.mm(h[a - a0:b - a0], down[s].t(), out=out[a:b])
+        w = row_weights[a0:b0] if rows == b0 - a0 else torch.cat([row_weights[a:b] for _, a, b in spans])
+        h.mul_(w.to(h.dtype)[:, None])
+    for (s, a, b), i in zip(spans, at):
+        torch.mm(h[i:i + b - a], down[s].t(), out=out[a:b])
 
 
 def _in_modes(modes, *args) -> None:
@@ -110,7 +166,7 @@ def _expert_parallel(spans, threads, xs, gate_up, down, row_weights, out) -> Non
     with _POOL_LOCK:
         if _POOL is None or _POOL_SIZE < threads - 1:
             _POOL, _POOL_SIZE = concurrent.futures.ThreadPoolExecutor(threads - 1, "expert-kernel"), threads - 1
-    total = spans[-1][2] - spans[0][1]
+    total = sum(b - a for _, a, b in spans)
     chunks, cur, done = [], [], 0                                 # consecutive spans, ~equal rows each
     for span in spans:
         cur.append(span)
@@ -148,6 +204,11 @@ def _decode(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up
     w = weights.reshape(-1)
     if len(keep) < len(ids):
         w = w[keep]
+    if NATIVE and expert_native.applies(x, gate_up, down):
+        rows = x.new_empty(len(keep), x.shape[1])                # [n, D] one row per kept slot, summed below
+        expert_native.run_spans(x.contiguous(), gate_up, down, w.to(torch.float32).contiguous(), rows,
+                                [(ids[k], 0, j, 1) for j, k in enumerate(keep)])
+        return rows.sum(0, keepdim=True)
     g = x.new_empty(len(keep), gate_up.shape[1])
     x0 = x[0]
     for j, k in enumerate(keep):
@@ -174,7 +235,30 @@ def fused_experts(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, g
         return _decode(x, slots, weights, gate_up, down)
     order, counts = sort_by_slot(slots, gate_up.shape[0])
     token = torch.div(order, K, rounding_mode="floor")           # [N] source token of each row
+    if NATIVE and expert_native.applies(x, gate_up, down) and expert_native.max_rows() is None:
+        return _native(x, order, token, counts, weights, gate_up, down)
     xs = x.index_select(0, token)                                # [N, D] contiguous per slot
     w = weights.reshape(-1).index_select(0, order)
     out = grouped_expert_mlp(xs, counts, gate_up, down, row_weights=w, expert_parallel=expert_parallel)
     return x.new_zeros(T, x.shape[1]).index_add_(0, token, out)
+
+
+def _native(x, order, token, counts, weights, gate_up, down) -> torch.Tensor:
+    """fused_experts in one call of the compiled kernel, which reads each row's token from x itself (no
+    gathered copy). Every slot kept: it writes row (t, k) of [T * K, D], summed over k here; some dropped
+    (another rank's experts): it writes the N kept rows in slot order, index_add_ sums them."""
+    T, K = weights.shape
+    spans, N = [], 0                                              # (slot, first position, first position, rows)
+    for s, n in enumerate(counts):
+        if n:
+            spans.append((s, N, N, n))
+            N += n
+    w = weights.reshape(-1).to(torch.float32)
+    if N == T * K:
+        rows = x.new_empty(T * K, x.shape[1])
+        expert_native.run_spans(x.contiguous(), gate_up, down, w.contiguous(), rows, spans, x_rows=token,
+                                out_rows=order)
+        return rows.view(T, K, -1).sum(1)                        # [T, D]
+    rows = x.new_empty(N, x.shape[1])
+    expert_native.run_spans(x.contiguous(), gate_up, down, w.index_select(0, order), rows, spans, x_rows=token)
+    return x.new_zeros(T, x.shape[1]).index_add_(0, token, rows)
