@@ -7,27 +7,12 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from loadplan.engine import expert_kernel
 from loadplan.engine.expert_kernel import fused_experts, grouped_expert_mlp, sort_by_slot
+from kernel_helpers import CountOps, expert_reference, make_experts
 
 D, I = 16, 8
-
-
-def reference(x, slots, weights, gate_up, down):
-    """y[t] = sum over kept k of w[t,k] * down_s(silu(gate_s x[t]) * up_s x[t]), in float64."""
-    S = gate_up.shape[0]
-    x, weights, gate_up, down = (a.double() for a in (x, weights, gate_up, down))
-    y = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for k in range(slots.shape[1]):
-            s = int(slots[t, k])
-            if s >= S:
-                continue
-            gate, up = gate_up[s, :I] @ x[t], gate_up[s, I:] @ x[t]
-            y[t] += weights[t, k] * (down[s] @ (F.silu(gate) * up))
-    return y
 
 
 @pytest.fixture(params=["serial", "expert_parallel"])
@@ -42,11 +27,7 @@ def path(request, monkeypatch):
 
 
 def make(S, T, seed=0, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, D, generator=g, dtype=dtype)
-    gate_up = torch.randn(S, 2 * I, D, generator=g, dtype=dtype) / D ** 0.5
-    down = torch.randn(S, D, I, generator=g, dtype=dtype) / I ** 0.5
-    return x, gate_up, down
+    return make_experts(S, T, seed, dtype, D=D, I=I)
 
 
 def topk_slots(T, n_routed, K, seed=0):
@@ -57,7 +38,7 @@ def topk_slots(T, n_routed, K, seed=0):
 def check(x, slots, weights, gate_up, down):
     y = fused_experts(x, slots, weights, gate_up, down)
     assert y.shape == x.shape and y.dtype == x.dtype
-    torch.testing.assert_close(y.double(), reference(x, slots, weights, gate_up, down), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y.double(), expert_reference(x, slots, weights, gate_up, down), rtol=1e-5, atol=1e-5)
     return y
 
 
@@ -130,7 +111,7 @@ def test_grouped_expert_mlp_rows_follow_counts(path):
     out = grouped_expert_mlp(x, counts, gate_up, down, row_weights=w)
     slot_of_row = [0, 0, 2, 2, 2, 4]
     for i, s in enumerate(slot_of_row):
-        ref = reference(x[i:i + 1], torch.tensor([[s]]), w[i:i + 1, None], gate_up, down)
+        ref = expert_reference(x[i:i + 1], torch.tensor([[s]]), w[i:i + 1, None], gate_up, down)
         torch.testing.assert_close(out[i:i + 1].double(), ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(AssertionError):
         grouped_expert_mlp(x, [2, 2], gate_up, down)
@@ -173,20 +154,10 @@ def test_matches_transformers_eager_experts():
                                    rtol=1e-5, atol=1e-5)
 
 
-class _CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 def test_one_matmul_pair_per_hit_slot():
     x, gate_up, down = make(S=8, T=40)
     slots = torch.tensor([[1, 6]]).expand(40, 2)                   # 40 tokens, 2 slots hit
-    with _CountOps() as c:
+    with CountOps() as c:
         fused_experts(x, slots, torch.rand(40, 2), gate_up, down, expert_parallel=False)
     assert c.calls.count("mm") == 4
 
@@ -216,6 +187,6 @@ def test_expert_parallel_runs_in_the_callers_grad_mode(mode):
         weights = torch.rand(40, 2)
         with getattr(torch, mode)():
             y = fused_experts(x, slots, weights, gate_up, down, expert_parallel=True)
-        torch.testing.assert_close(y.double(), reference(x, slots, weights, gate_up, down), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(y.double(), expert_reference(x, slots, weights, gate_up, down), rtol=1e-5, atol=1e-5)
     finally:
         torch.set_num_threads(threads)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from loadplan.engine import expert_kernel, expert_native
 from loadplan.engine.expert_kernel import fused_experts, grouped_expert_mlp
+from kernel_helpers import CountOps, expert_reference, make_experts
 
 D, I = 32, 16                      # the smallest sizes the kernel takes (multiples of 16)
 
@@ -17,24 +17,7 @@ pytestmark = pytest.mark.skipif(expert_native.library() is None, reason="no C++ 
 
 
 def make(S, T, seed=0, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, D, generator=g, dtype=dtype)
-    gate_up = torch.randn(S, 2 * I, D, generator=g, dtype=dtype) / D ** 0.5
-    down = torch.randn(S, D, I, generator=g, dtype=dtype) / I ** 0.5
-    return x, gate_up, down
-
-
-def ref(x, slots, weights, gate_up, down):
-    """y[t] = sum over kept k of w[t,k] * down_s(silu(gate_s x[t]) * up_s x[t]), in float64."""
-    S = gate_up.shape[0]
-    x, weights, gate_up, down = (a.double() for a in (x, weights, gate_up, down))
-    y = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for k in range(slots.shape[1]):
-            s = int(slots[t, k])
-            if s < S:
-                y[t] += weights[t, k] * (down[s] @ (F.silu(gate_up[s, :I] @ x[t]) * (gate_up[s, I:] @ x[t])))
-    return y
+    return make_experts(S, T, seed, dtype, D=D, I=I)
 
 
 @pytest.fixture(params=[1, 2])
@@ -64,14 +47,14 @@ def test_matches_reference(T, threads):
     slots = torch.stack([torch.randperm(S, generator=g)[:K] for _ in range(T)])
     weights = torch.rand(T, K, generator=g)
     y = fused_experts(x, slots, weights, gate_up, down)
-    torch.testing.assert_close(y.double(), ref(x, slots, weights, gate_up, down), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y.double(), expert_reference(x, slots, weights, gate_up, down), rtol=1e-5, atol=1e-5)
 
 
 def rows_ref(x, counts, w, gate_up, down):
     """Row i of grouped_expert_mlp's result, in float64."""
     S = gate_up.shape[0]
     slot_of_row = torch.repeat_interleave(torch.arange(S), torch.tensor(counts))
-    return torch.cat([ref(x[i:i + 1], slot_of_row[i:i + 1, None], w[i:i + 1, None], gate_up, down)
+    return torch.cat([expert_reference(x[i:i + 1], slot_of_row[i:i + 1, None], w[i:i + 1, None], gate_up, down)
                       for i in range(x.shape[0])])
 
 
@@ -98,7 +81,7 @@ def test_experts_above_max_rows_go_to_torch(cap, monkeypatch):
     S, N = len(counts), sum(counts)
     x, gate_up, down = make(S=S, T=N, seed=cap)
     w = torch.rand(N, generator=torch.Generator().manual_seed(cap))
-    with _CountOps() as ops:
+    with CountOps() as ops:
         out = grouped_expert_mlp(x, counts, gate_up, down, row_weights=w)
     assert ops.calls.count("mm") == 2 * sum(n > cap for n in counts)
     torch.testing.assert_close(out.double(), rows_ref(x, counts, w, gate_up, down), rtol=1e-5, atol=1e-5)
@@ -106,7 +89,7 @@ def test_experts_above_max_rows_go_to_torch(cap, monkeypatch):
     slots = torch.stack([torch.randperm(S, generator=g)[:3] for _ in range(40)])
     weights = torch.rand(40, 3, generator=g)
     torch.testing.assert_close(fused_experts(x[:40], slots, weights, gate_up, down).double(),
-                               ref(x[:40], slots, weights, gate_up, down), rtol=1e-5, atol=1e-5)
+                               expert_reference(x[:40], slots, weights, gate_up, down), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("T", [1, 6, 150])
@@ -117,17 +100,7 @@ def test_dropped_slots_and_repeats(T, threads):
     slots = torch.tensor([[1, S, 1, 4], [0, 0, S + 3, 5]]).repeat(75, 1)[:T]
     weights = torch.rand(T, 4)
     y = fused_experts(x, slots, weights, gate_up, down)
-    torch.testing.assert_close(y.double(), ref(x, slots, weights, gate_up, down), rtol=1e-5, atol=1e-5)
-
-
-class _CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
+    torch.testing.assert_close(y.double(), expert_reference(x, slots, weights, gate_up, down), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("T", [1, 9, 100])
@@ -136,7 +109,7 @@ def test_same_as_the_torch_path(T, monkeypatch):
     x, gate_up, down = make(S=S, T=T, seed=5)
     slots = torch.stack([torch.randperm(S)[:K] for _ in range(T)])
     weights = torch.rand(T, K)
-    with _CountOps() as ops:
+    with CountOps() as ops:
         native = fused_experts(x, slots, weights, gate_up, down)
     assert not {"mm", "mv", "addmv"} & set(ops.calls), "the experts' products ran in torch, not the kernel"
     monkeypatch.setattr(expert_kernel, "NATIVE", False)
@@ -149,8 +122,8 @@ def test_large_activations_stay_finite():
     x = x * 1e3
     y = fused_experts(x, torch.tensor([[0, 1], [1, 0]]), torch.ones(2, 2), gate_up, down)
     assert torch.isfinite(y).all()
-    torch.testing.assert_close(y.double(), ref(x, torch.tensor([[0, 1], [1, 0]]), torch.ones(2, 2), gate_up, down),
-                               rtol=1e-4, atol=1e-3)
+    want = expert_reference(x, torch.tensor([[0, 1], [1, 0]]), torch.ones(2, 2), gate_up, down)
+    torch.testing.assert_close(y.double(), want, rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.parametrize("counts", [[70, 0, 5], [8, 130, 33]])
