@@ -655,11 +655,15 @@ class SqlPlanStore:
             return results, [], left
         plans = sorted((items[k] for k in writes), key=lambda it: it.request_id)
         pins = sorted((items[k] for k in setters.values()), key=lambda it: it.group)
-        pins_json = _json_rows(_PIN_COLUMNS, [it.pin_row() for it in pins])
+        plans_json = _json_rows(_PLAN_COLUMNS, [it.plan_row() for it in plans])
         with self.engine.connect() as conn:
             conn = conn.execution_options(isolation_level="AUTOCOMMIT")
-            inserted = {r[0] for r in conn.exec_driver_sql(
-                _PG_SAVE, (pins_json, _json_rows(_PLAN_COLUMNS, [it.plan_row() for it in plans]), pins_json))}
+            if pins:
+                pins_json = _json_rows(_PIN_COLUMNS, [it.pin_row() for it in pins])
+                inserted = {r[0] for r in conn.exec_driver_sql(_PG_SAVE, (pins_json, plans_json, pins_json))}
+            else:   # ranks of known deployments only (the common case): the plans alone
+                conn.exec_driver_sql(_PG_INSERT_PLANS, (plans_json,))
+                inserted = {it.new.plan.plan_id for it in plans}
         for k in writes:
             plan = items[k].new.plan
             if plan.plan_id in inserted:
