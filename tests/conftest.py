@@ -21,8 +21,10 @@ PG_ENV = "LOADPLAN_TEST_POSTGRES_URL"
 def _admin_engine(server_url: str):
     from loadplan.service.store.db import make_engine
 
-    return make_engine(server_url, connect_args={"connect_timeout": 5}).execution_options(
-        isolation_level="AUTOCOMMIT")   # CREATE/DROP DATABASE cannot run in a transaction
+    # CREATE/DROP DATABASE cannot run in a transaction; they are bounded, but not by the
+    # registry's 5 s per statement, which a busy CI machine could exceed copying a template.
+    return make_engine(server_url, operation_timeout_s=60, connect_args={"connect_timeout": 5}).execution_options(
+        isolation_level="AUTOCOMMIT")
 
 
 @pytest.fixture(scope="session")
