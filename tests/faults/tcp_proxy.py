@@ -42,6 +42,7 @@ class _Pair:
         self.client = client
         self.server = server
         self.swallow_replies = threading.Event()   # set: server->client bytes are dropped
+        self.ambush: bytes | None = None           # the marker whose statement this pair carried
         self.reply_swallowed = threading.Event()   # set once a swallowed reply arrived
         self.closed = False
         self.lock = threading.Lock()
@@ -202,7 +203,7 @@ class TcpProxy:
                     with self._lock:
                         hit = self._ambush is not None and self._ambush in data
                         if hit:
-                            self._ambush = None
+                            pair.ambush, self._ambush = self._ambush, None
                     if hit:
                         # Deliver the statement, then drop whatever the server answers.
                         pair.swallow_replies.set()
@@ -217,6 +218,12 @@ class TcpProxy:
         except OSError:
             pass
         finally:
+            if direction == "down" and pair.ambush is not None and not self.ambushed.is_set():
+                # The server side ended without answering the ambushed statement (its backend
+                # was terminated just before): nothing was swallowed, so the ambush stays armed.
+                with self._lock:
+                    if self._ambush is None:
+                        self._ambush = pair.ambush
             pair.reset()
             with self._lock:
                 self._pairs.discard(pair)
