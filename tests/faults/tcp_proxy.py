@@ -218,12 +218,14 @@ class TcpProxy:
         except OSError:
             pass
         finally:
-            if direction == "down" and pair.ambush is not None and not self.ambushed.is_set():
-                # The server side ended without answering the ambushed statement (its backend
-                # was terminated just before): nothing was swallowed, so the ambush stays armed.
-                with self._lock:
+            with self._lock:
+                if pair.ambush is not None and not self.ambushed.is_set():
+                    # The pair ended without the server answering the ambushed statement (its
+                    # backend was terminated just before, or the statement never reached it):
+                    # nothing was swallowed, so the ambush stays armed for the next statement.
                     if self._ambush is None:
                         self._ambush = pair.ambush
+                    pair.ambush = None
             pair.reset()
             with self._lock:
                 self._pairs.discard(pair)
