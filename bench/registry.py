@@ -1,6 +1,6 @@
 """Registry throughput and latency: a bare echo RPC vs ResolveLoadPlan with durable writes.
 
-    python bench/registry.py [--postgres-url URL] [--json] [--requests N] [--ranks-per-deployment N]
+    python bench/registry.py [--postgres-url URL] [--json] [--requests N] [--rounds N] [--ranks-per-deployment N]
 
 For each database (SQLite file; PostgreSQL when --postgres-url or
 LOADPLAN_TEST_POSTGRES_URL is given) it starts one registry server process
@@ -11,10 +11,13 @@ commits a new plan (no replay is measured). By default every resolve also has it
 own deployment id, so each one pins a new deployment too: no pinned-deployment
 shortcut. With `--ranks-per-deployment N` consecutive requests are the N ranks of
 one deployment (EP N), as workers come up in a fleet: the first pins it, the
-others are checked against the pin; rows then carry `ranks_per_deployment`. The load generator is a separate
-process (this one) using grpc.aio; it serializes requests before and parses
-answers after the timed window (for both methods alike), since it shares the
-CPUs with the server.
+others are checked against the pin; rows then carry `ranks_per_deployment`.
+Echo and resolve run in `--rounds` adjacent pairs, the order swapped each round,
+so a machine whose speed drifts slows both alike; qps are medians over the rounds
+and `resolve_vs_echo_qps` is the median of each round's own ratio. The load
+generator is a separate process (this one) using grpc.aio; it serializes requests
+before and parses answers after the timed window (for both methods alike), since
+it shares the CPUs with the server.
 
 It also measures `commit_p50_ms`: the p50 of a bare single-row INSERT + COMMIT on
 the same database, the floor a durable resolve cannot beat.
@@ -189,16 +192,28 @@ async def _run(address: str, method: str, n: int, inflight: int,
     return wall, latencies
 
 
-def measure(address: str, inflight: int, n: int, ranks_per_deployment: int = 1) -> dict:
+def measure(address: str, inflight: int, n: int, ranks_per_deployment: int = 1, rounds: int = 3) -> dict:
+    """Echo and resolve in `rounds` adjacent pairs, the order swapped every round, so a machine
+    whose speed drifts (a shared VM) slows both alike: qps are the medians over the rounds,
+    `resolve_vs_echo_qps` the median of each round's own ratio, latencies over every call."""
     row: dict = {"inflight": inflight}
     if ranks_per_deployment > 1:
         row["ranks_per_deployment"] = ranks_per_deployment
-    for method in ("echo", "resolve"):
+    qps: dict[str, list[float]] = {"echo": [], "resolve": []}
+    lat: dict[str, list[float]] = {"echo": [], "resolve": []}
+    for method in qps:
         asyncio.run(_run(address, method, min(50, n), inflight, ranks_per_deployment))  # warm-up
-        wall, lat = asyncio.run(_run(address, method, n, inflight, ranks_per_deployment))
-        row[f"{method}_qps"] = round(n / wall, 1)
-        row[f"{method}_p50_ms"] = round(_percentile(lat, 0.50) * 1e3, 3)
-        row[f"{method}_p99_ms"] = round(_percentile(lat, 0.99) * 1e3, 3)
+    for r in range(rounds):
+        for method in (("echo", "resolve") if r % 2 == 0 else ("resolve", "echo")):
+            wall, latencies = asyncio.run(_run(address, method, n, inflight, ranks_per_deployment))
+            qps[method].append(n / wall)
+            lat[method] += latencies
+    for method in qps:
+        row[f"{method}_qps"] = round(statistics.median(qps[method]), 1)
+        row[f"{method}_p50_ms"] = round(_percentile(lat[method], 0.50) * 1e3, 3)
+        row[f"{method}_p99_ms"] = round(_percentile(lat[method], 0.99) * 1e3, 3)
+    row["resolve_vs_echo_qps"] = round(statistics.median(
+        [res / echo for res, echo in zip(qps["resolve"], qps["echo"])]), 3)
     return row
 
 
@@ -208,11 +223,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--requests", type=int, default=1000, help="calls per measurement (64 in flight)")
     ap.add_argument("--sequential-requests", type=int, default=300, help="calls per sequential measurement")
+    ap.add_argument("--rounds", type=int, default=3, help="adjacent echo/resolve pairs per measurement")
     ap.add_argument("--ranks-per-deployment", type=int, default=1,
                     help="consecutive resolves that are ranks of one deployment (1: each its own deployment)")
     args = ap.parse_args(argv)
     if args.ranks_per_deployment < 1:
         ap.error(f"--ranks-per-deployment must be >= 1, got {args.ranks_per_deployment}")
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
 
     targets: list[tuple[str, str, callable]] = []
     tmp = tempfile.TemporaryDirectory()
@@ -228,9 +246,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 commit = round(_commit_p50_ms(url), 3)
                 for inflight, n in ((1, args.sequential_requests), (64, args.requests)):
-                    row = {"db": name, **measure(server.address, inflight, n, args.ranks_per_deployment),
-                           "commit_p50_ms": commit}
-                    row["resolve_vs_echo_qps"] = round(row["resolve_qps"] / row["echo_qps"], 3)
+                    row = {"db": name, **measure(server.address, inflight, n, args.ranks_per_deployment,
+                                                 args.rounds), "commit_p50_ms": commit}
                     rows.append(row)
                     if args.json:
                         print(json.dumps(row), flush=True)
