@@ -89,7 +89,6 @@ WAIT_TIMEOUT_CALLS = 2
 PIN_CACHE_SIZE = 65536
 
 _PLAN_COLUMNS = tuple(c.name for c in PLANS.columns)
-_DECISION_COLUMNS = tuple(c.name for c in DECISIONS.columns)
 _PIN_COLUMNS = tuple(c.name for c in PINS.columns)
 # `_Item` builds its rows as plain tuples in these orders (a dict per row costs more than
 # the database spends on it): a model change must show up here, not as shifted values.
@@ -98,14 +97,13 @@ _ROW_LAYOUTS = {
               "tp_size", "tp_rank", "ep_size", "ep_rank", "pp_size", "pp_rank", "dp_size", "dp_rank",
               "entry_class", "config_fingerprint", "config_json", "quantization", "requested_quantization",
               "quantization_config_json", "runtime_json", "ruleset_version", "created_at", "decisions_json"),
-    "decisions": ("plan_id", "key", "revision", "value_json", "reason", "rule", "deployment_wide", "decided_at"),
     "deployment_pins": ("deployment_id", "role", "inputs_json", "ruleset_version", "plan_id", "created_at"),
 }
 # Positions of the time columns of each layout (the values `_json_rows` writes as ISO 8601).
 _TIME_COLUMNS = {tuple(c.name for c in t.columns): tuple(i for i, c in enumerate(t.columns)
                                                          if isinstance(c.type, UTCDateTime))
-                 for t in (PLANS, DECISIONS, PINS)}
-for _table, _columns in (("plans", _PLAN_COLUMNS), ("decisions", _DECISION_COLUMNS), ("deployment_pins", _PIN_COLUMNS)):
+                 for t in (PLANS, PINS)}
+for _table, _columns in (("plans", _PLAN_COLUMNS), ("deployment_pins", _PIN_COLUMNS)):
     if _columns != _ROW_LAYOUTS[_table]:
         raise ImportError(f"models.py changed the columns of {_table} to {_columns}; update _Item and _ROW_LAYOUTS "
                           f"in {__name__}")
@@ -175,7 +173,7 @@ _PG_SELECT_PINS = (
     "ON p.deployment_id = k.deployment_id AND p.role = k.role")
 # SQLite: executemany of one-row INSERTs (in-process: no round trips to save); look-ups by IN lists.
 _SQLITE_INSERT = {t.name: f"INSERT INTO {t.name} ({', '.join(c.name for c in t.columns)}) "
-                          f"VALUES ({', '.join('?' * len(t.columns))})" for t in (PLANS, DECISIONS, PINS)}
+                          f"VALUES ({', '.join('?' * len(t.columns))})" for t in (PLANS, PINS)}
 _SQLITE_SELECT_REQUESTS = "SELECT request_id, plan_id, request_fingerprint FROM plans WHERE request_id IN ({})"
 _SQLITE_SELECT_PINS = ("SELECT deployment_id, role, plan_id, inputs_json FROM deployment_pins "
                        "WHERE (deployment_id, role) IN (VALUES {})")
