@@ -191,14 +191,15 @@ def load_tokens(tokens_file: str | os.PathLike | None = None,
 _PREFIX = f"/{SERVICE.full_name}/"
 
 
-class AuthInterceptor(grpc.ServerInterceptor):
-    """Checks the bearer token of every ModelRegistry call against `tokens` and the method's roles."""
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Checks the bearer token of every ModelRegistry call against `tokens` and the method's roles
+    (the registry serves with grpc.aio)."""
 
     def __init__(self, tokens: TokenStore):
         self.tokens = tokens
 
-    def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
         full = handler_call_details.method or ""
         if handler is None or not full.startswith(_PREFIX):
             return handler          # health, reflection, unknown methods (UNIMPLEMENTED): no token needed
@@ -235,9 +236,9 @@ def _bearer(metadata) -> tuple[str | None, str]:
 
 def _refusal(handler, code: grpc.StatusCode, method: str, message: str):
     """A handler of the same shape that refuses; the request is never deserialized, the servicer never runs."""
-    def refuse(request_or_iterator, context):
+    async def refuse(request_or_iterator, context):
         log.warning("%s refused: %s (peer %s)", method, code.name, context.peer())
-        context.abort(code, message)
+        await context.abort(code, message)
 
     if handler.request_streaming and handler.response_streaming:
         factory = grpc.stream_stream_rpc_method_handler
@@ -250,7 +251,7 @@ def _refusal(handler, code: grpc.StatusCode, method: str, message: str):
     return factory(refuse, request_deserializer=None, response_serializer=None)
 
 
-def interceptors(tokens: TokenStore | None) -> list[grpc.ServerInterceptor]:
+def interceptors(tokens: TokenStore | None) -> list[grpc.aio.ServerInterceptor]:
     return [AuthInterceptor(tokens)] if tokens else []
 
 

@@ -14,7 +14,7 @@ import hashlib
 import operator
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence
 
 from ..plan import Decision, LoadPlan, Parallel, PlanDiff, ResolveRequest, Runtime
 from .errors import InvalidArgument
@@ -156,6 +156,20 @@ class Registry:
         `quantization_config_json` when the caller has them (the transport keeps them per config
         text): the texts `client.convert.config_to_json(req.config)` and
         `quantization_config_to_json(req.quantization_config)` write."""
+        new, unstamped = self.new_plan(req, inputs_key, config_texts)
+        return Resolved(self.store.save_plan(new), new, unstamped)
+
+    async def resolve_new_async(self, req: ResolveRequest, save: Callable[[NewPlan], Awaitable[LoadPlan]],
+                                inputs_key: Any = None,
+                                config_texts: tuple[str, str | None] | None = None) -> Resolved:
+        """`resolve_new` for a caller on an event loop: the store's `save_plan` is `save`, awaited
+        (the server's: `PgAsyncWriter.save`, or `save_plan` on a worker thread)."""
+        new, unstamped = self.new_plan(req, inputs_key, config_texts)
+        return Resolved(await save(new), new, unstamped)
+
+    def new_plan(self, req: ResolveRequest, inputs_key: Any = None,
+                 config_texts: tuple[str, str | None] | None = None) -> tuple[NewPlan, Mapping[str, Decision]]:
+        """Validate and decide (no store involved): the plan to save, and its decisions unstamped."""
         res = resolve_decisions(req, inputs_key)
         now = self.clock()
         plan = LoadPlan(
@@ -171,8 +185,7 @@ class Registry:
         inputs = res.deployment_inputs
         fp = request_fingerprint(req, inputs["config_fingerprint"], inputs["quantization_config_fingerprint"])
         config_json, quantization_config_json = config_texts or (None, None)
-        new = NewPlan(plan, fp, inputs, config_json, quantization_config_json)
-        return Resolved(self.store.save_plan(new), new, res.decisions)
+        return NewPlan(plan, fp, inputs, config_json, quantization_config_json), res.decisions
 
     def get_plan(self, plan_id: str, include_history: bool = False) -> LoadPlan:
         if not plan_id:

@@ -1,5 +1,12 @@
 """Server wiring: the registry servicer, health, reflection, limits, readiness.
 
+The server is grpc.aio on an event loop of its own thread: RPCs are coroutines,
+so a resolve that waits for its group commit holds no thread (service/store/
+pg_async_writer.py writes PostgreSQL batches from the same loop). Blocking work
+(the store's reads, SQLite, the careful write path) runs on `max_workers`
+threads. The class is used from ordinary threads: `start`, `stop` and `wait`
+block their caller and run what they must on the loop.
+
 Health (grpc.health.v1) says NOT_SERVING until the store is ready (database
 reachable and migrated) and follows it afterwards: a background thread asks
 `store.ready()` about once a second, so a load balancer drains a replica whose
@@ -8,10 +15,13 @@ database went away and brings it back when the database returns.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import threading
 from concurrent import futures
 from dataclasses import dataclass
+from typing import Any, Coroutine
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -41,8 +51,9 @@ class ServerStartError(RuntimeError):
 class ServerOptions:
     listen: str = "127.0.0.1:50051"
     max_receive_message_bytes: int = DEFAULT_MAX_RECEIVE_BYTES   # larger requests: RESOURCE_EXHAUSTED
-    # RPC worker threads. Resolves wait for their group commit on these threads, so they bound
-    # how many plans one commit can carry: sized for 64 ranks resolving at once.
+    # Threads for the store's blocking calls (reads, SQLite's writes, PostgreSQL's careful path).
+    # On SQLite a resolve waits for its group commit on one, so they bound how many plans one
+    # commit carries: sized for 64 ranks resolving at once.
     max_workers: int = 64
     readiness_interval_s: float = 1.0
     # A store that has not answered readiness within this is NOT_SERVING (a stalled database).
@@ -90,29 +101,18 @@ class RegistryServer:
             raise ServerStartError("RPC role table is inconsistent: " + "; ".join(auth.check_table()))
         self.store = store
         self.options = options
-        self.health = health.HealthServicer()
-        self._set_health(NOT_SERVING)
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=options.max_workers, thread_name_prefix="loadplan-rpc"),
-            options=[("grpc.max_receive_message_length", options.max_receive_message_bytes),
-                     # Without this, Linux lets a second server bind the same port and
-                     # silently share its traffic; a busy port must be an error.
-                     ("grpc.so_reuseport", 0)],
-            interceptors=auth.interceptors(options.tokens),
-        )
-        add_to_server(ModelRegistryServicer(Registry(store)), self._server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self._server)
+        self._executor = futures.ThreadPoolExecutor(max_workers=options.max_workers,
+                                                    thread_name_prefix="loadplan-rpc")
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="loadplan-grpc", daemon=True)
+        self._loop_thread.start()
+        self.writer = None                    # PgAsyncWriter on PostgreSQL (`store.async_writer`)
+        self._stopped = False
         try:
-            self.port = add_port(self._server, options.listen, options.tls)
-        except RuntimeError as e:
-            self._server.stop(None)
-            raise ServerStartError(f"cannot listen on {options.listen}: {e}") from None
-        if not self.port:
-            self._server.stop(None)
-            raise ServerStartError(f"cannot listen on {options.listen}")
+            self.port = self._call(self._build())
+        except BaseException:
+            self._close_loop()
+            raise
         host = options.listen.rsplit(":", 1)[0]
         self.address = f"{host}:{self.port}"
         self._stop = threading.Event()
@@ -121,11 +121,54 @@ class RegistryServer:
         self._watcher: threading.Thread | None = None
         self.serving = False
 
+    async def _build(self) -> int:
+        """On the loop: the aio server, its services, its port (the port bound)."""
+        options = self.options
+        self.health = health.aio.HealthServicer()
+        await self._publish(NOT_SERVING)
+        self._server = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", options.max_receive_message_bytes),
+                     # Without this, Linux lets a second server bind the same port and
+                     # silently share its traffic; a busy port must be an error.
+                     ("grpc.so_reuseport", 0)],
+            interceptors=auth.interceptors(options.tokens),
+        )
+        make_writer = getattr(self.store, "async_writer", None)
+        self.writer = make_writer(self._executor) if make_writer is not None else None
+        add_to_server(ModelRegistryServicer(Registry(self.store), blocking=self._blocking,
+                                            save=self.writer.save if self.writer is not None else None),
+                      self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self._server)
+        try:
+            port = add_port(self._server, options.listen, options.tls)
+        except RuntimeError as e:
+            await self._server.stop(None)
+            raise ServerStartError(f"cannot listen on {options.listen}: {e}") from None
+        if not port:
+            await self._server.stop(None)
+            raise ServerStartError(f"cannot listen on {options.listen}")
+        return port
+
+    def _blocking(self, fn, *args: Any) -> asyncio.Future:
+        """Run `fn(*args)` on a worker thread; awaitable on the loop."""
+        return self._loop.run_in_executor(self._executor, functools.partial(fn, *args))
+
+    def _call(self, coro: Coroutine, timeout: float | None = None) -> Any:
+        """Run `coro` on the loop and wait for its result (from any thread but the loop's)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _publish(self, status) -> None:
+        for name in (SERVICE_NAME, ""):
+            await self.health.set(name, status)
+
     # --- readiness -------------------------------------------------------------
 
     def _set_health(self, status) -> None:
-        for name in (SERVICE_NAME, ""):
-            self.health.set(name, status)
+        if not self._stopped:
+            self._call(self._publish(status), timeout=10)
 
     def _ask_store(self) -> bool:
         """`store.ready()`, but at most `readiness_timeout_s`: a database that stops answering
@@ -159,7 +202,7 @@ class RegistryServer:
     # --- lifecycle -------------------------------------------------------------
 
     def start(self) -> "RegistryServer":
-        self._server.start()
+        self._call(self._server.start())
         auth.announce(self.options.tokens, self.address)
         self.check_ready()
         self._watcher = threading.Thread(target=self._watch, name="loadplan-readiness", daemon=True)
@@ -167,15 +210,34 @@ class RegistryServer:
         return self
 
     def wait(self) -> None:
-        self._server.wait_for_termination()
+        """Block until the server has stopped (`stop` from another thread)."""
+        self._loop_thread.join()
 
     def stop(self, grace: float | None = None) -> None:
         """Report NOT_SERVING, refuse new calls, let in-flight ones finish within `grace`."""
+        if self._stopped:
+            return
+        self._stopped = True
         self._stop.set()
-        self.health.enter_graceful_shutdown()
-        self._server.stop(self.options.grace_s if grace is None else grace).wait()
         if self._watcher is not None:
             self._watcher.join(timeout=5)
+        try:
+            self._call(self._shutdown(self.options.grace_s if grace is None else grace))
+        finally:
+            self._close_loop()
+
+    async def _shutdown(self, grace: float) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self._server.stop(grace)
+        if self.writer is not None:
+            await self.writer.aclose()
+
+    def _close_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._loop_thread.join(timeout=10)
+        if not self._loop.is_running():
+            self._loop.close()
+        self._executor.shutdown(wait=False)
 
     def __enter__(self) -> "RegistryServer":
         return self.start()

@@ -82,7 +82,9 @@ def make_engine(url: str | sa.URL, *, operation_timeout_s: float | None = DEFAUL
         connect_args.setdefault("connect_timeout", CONNECT_TIMEOUT_S)
     if operation_timeout_s is None:
         kwargs.setdefault("pool_pre_ping", True)
-        return sa.create_engine(u, connect_args=connect_args, **kwargs)
+        engine = sa.create_engine(u, connect_args=connect_args, **kwargs)
+        engine.dialect.loadplan_connect_args = connect_args
+        return engine
     if operation_timeout_s <= 0:
         raise ValueError(f"operation_timeout_s must be > 0 or None, got {operation_timeout_s}")
     for key, value in (("keepalives", 1), ("keepalives_idle", 5), ("keepalives_interval", 2),
@@ -96,8 +98,18 @@ def make_engine(url: str | sa.URL, *, operation_timeout_s: float | None = DEFAUL
     # The ping is ours (`_install_pg_guards`): under the watchdog, and only for idle connections.
     kwargs["pool_pre_ping"] = False
     engine = sa.create_engine(u, connect_args=connect_args, **kwargs)
+    engine.dialect.loadplan_connect_args = connect_args
     _install_pg_guards(engine, operation_timeout_s)
     return engine
+
+
+def psycopg_connect_kwargs(engine: Engine) -> dict[str, Any]:
+    """The keyword arguments `engine`'s pool gives `psycopg.connect` (its URL, and the timeouts and
+    keepalives `make_engine` adds): for a connection of one's own to the same database, bounded
+    the same way (`PgAsyncWriter`)."""
+    _, params = engine.dialect.create_connect_args(engine.url)
+    params.pop("context", None)   # SQLAlchemy's adapters for its own connections
+    return {**params, **getattr(engine.dialect, "loadplan_connect_args", {})}
 
 
 class _Watchdog:
@@ -138,10 +150,10 @@ class _Watchdog:
                 if deadline <= now and self._armed.get(key, (None,))[0] == deadline:
                     self._armed.pop(key, None)
                     self.fired += 1
-                    _shut_down(conn)
+                    shut_down_socket(conn)
 
 
-def _shut_down(dbapi_conn: Any) -> None:
+def shut_down_socket(dbapi_conn: Any) -> None:
     """Shut the connection's socket down both ways (not close: the fd stays psycopg's)."""
     try:
         fd = dbapi_conn.pgconn.socket

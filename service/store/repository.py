@@ -184,6 +184,20 @@ class _Retry(Exception):
     """Internal: the transaction lost a race; run it again."""
 
 
+class FastStatement(NamedTuple):
+    """The optimistic statement of a batch (`SqlPlanStore.fast_statement`)."""
+
+    writes: list[int]          # the items it writes
+    left: list[int]            # the items for the careful way, whatever it does
+    pins: list["_Item"]        # the items whose pin it sets
+    sql: str | None            # None: nothing to write
+    params: tuple
+
+    @property
+    def returns_plan_ids(self) -> bool:
+        return bool(self.pins)   # `_PG_SAVE` returns the plans it wrote; a plain insert writes all
+
+
 class UnitOfWork:
     """One transaction on one connection: rolled back on exit unless `commit()` ran."""
 
@@ -213,7 +227,8 @@ class UnitOfWork:
 
 
 def _sqlstate(err: BaseException) -> str | None:
-    orig = getattr(err, "orig", None)
+    """The SQLSTATE of a driver error, raw (psycopg) or wrapped by SQLAlchemy (`.orig`)."""
+    orig = getattr(err, "orig", None) or err
     return getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
 
 
@@ -259,6 +274,13 @@ def _translate_errors(what: str) -> Iterator[None]:
                 from err
         raise
     except Exception as err:
+        # Raw psycopg errors (`PgAsyncWriter`, a pipeline's sync): the same translation.
+        state = _sqlstate(err)
+        if state == "23505" or state in _RETRY_SQLSTATES:
+            raise _Retry() from err
+        if state == "42P01":
+            raise Unavailable(f"database not migrated while {what}: {_short(err)}; run `loadplan migrate --db URL`") \
+                from err
         if _is_unavailable(err):
             raise Unavailable(f"database unavailable while {what}: {_short(err)}; retry with the same request id") \
                 from err
@@ -521,6 +543,16 @@ class SqlPlanStore:
         self._pins = _PinCache(pin_cache_size)
         self._bind_processors: dict[str, list] = {}
 
+    def async_writer(self, executor=None):
+        """A `PgAsyncWriter` of this store for the running event loop (PostgreSQL), else None: the
+        server then saves through `save_plan` on its worker threads. `executor` runs the careful
+        path's transactions."""
+        if not self._pg:
+            return None
+        from .pg_async_writer import PgAsyncWriter   # psycopg's asyncio side: only where it is used
+
+        return PgAsyncWriter(self, executor, max_leaders=self._group.max_leaders, max_batch=self._group.max_batch)
+
     # --- plumbing ---------------------------------------------------------------
 
     def unit_of_work(self, *, write: bool = False) -> UnitOfWork:
@@ -576,20 +608,7 @@ class SqlPlanStore:
 
     def _save_batch(self, news: Sequence[NewPlan]) -> list[Any]:
         """The `GroupCommit` writer: one outcome (plan, exception or DEFER) per plan, after COMMIT."""
-        outcomes: list[Any] = [DEFER] * len(news)
-        firsts: dict[str, int] = {}
-        for i, new in enumerate(news):
-            # A second call with a request id already in this batch waits for the next one,
-            # where it sees the first one's outcome in the database (a replay or a refusal).
-            firsts.setdefault(new.plan.request.request_id, i)
-        todo = sorted(firsts.values())
-        items = []
-        for i in list(todo):
-            try:
-                items.append(_Item(news[i]))
-            except Exception as err:  # noqa: BLE001 - e.g. a naive time: this caller's own error
-                outcomes[i] = err
-                todo.remove(i)
+        outcomes, todo, items = self._batch_items(news)
         if not items:
             return outcomes
         try:
@@ -598,13 +617,30 @@ class SqlPlanStore:
             # Nothing of the batch is known committed: each caller retries with its request id.
             results = [Unavailable(err.message) for _ in items]
         except Exception as err:  # noqa: BLE001 - a plan the database refuses must not fail the others
-            if len(items) == 1:
-                results = [err]
-            else:
-                results = [self._write_alone(item) for item in items]
+            results = [err] if len(items) == 1 else [self._write_alone(item) for item in items]
         for i, result in zip(todo, results):
             outcomes[i] = result
         return outcomes
+
+    @staticmethod
+    def _batch_items(news: Sequence[NewPlan]) -> tuple[list[Any], list[int], list["_Item"]]:
+        """(outcomes, the positions to write, their items): the first plan of each request id; a
+        second one with the same id is DEFERred to the next batch, where it sees the first one's
+        outcome in the database (a replay or a refusal); a plan whose item cannot be built (e.g. a
+        naive time) gets its own error."""
+        outcomes: list[Any] = [DEFER] * len(news)
+        firsts: dict[str, int] = {}
+        for i, new in enumerate(news):
+            firsts.setdefault(new.plan.request.request_id, i)
+        todo, items = [], []
+        for i in sorted(firsts.values()):
+            try:
+                items.append(_Item(news[i]))
+            except Exception as err:  # noqa: BLE001 - this caller's own error
+                outcomes[i] = err
+                continue
+            todo.append(i)
+        return outcomes, todo, items
 
     def _write_alone(self, item: "_Item") -> Any:
         try:
@@ -633,7 +669,21 @@ class SqlPlanStore:
         """The optimistic way on PostgreSQL: `_PG_SAVE`, one autocommitted statement for the batch.
         Returns (outcomes, the pins it set, the items it left to the careful way: every one that
         might be refused or replayed, and the plans of a pin somebody else set meanwhile)."""
-        results: list[Any] = [None] * len(items)
+        fast = self.fast_statement(items)
+        inserted = None
+        if fast.sql is not None:
+            with self.engine.connect() as conn:
+                conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+                result = conn.exec_driver_sql(fast.sql, fast.params)
+                if fast.returns_plan_ids:
+                    inserted = {r[0] for r in result}
+        return self.fast_outcomes(items, fast, inserted)
+
+    def fast_statement(self, items: list["_Item"]) -> "FastStatement":
+        """The optimistic statement for `items` (what `_pg_fast` runs; `PgAsyncWriter` too): the
+        plans whose pin is known to agree (`_PinCache`) or set by this batch, and the pins it sets.
+        Inputs whose JSON differs from the pin's may still be the same inputs, or be refused, or
+        replay: those are left to the careful way. `sql` is None when nothing is left to write."""
         left: list[int] = []
         setters: dict[tuple[str, str], int] = {}   # group -> the item that sets its pin
         writes: list[int] = []
@@ -646,29 +696,32 @@ class SqlPlanStore:
             else:
                 setters[item.group] = k
                 ok = True
-            # Inputs that are not the same JSON may still be the same inputs (or be refused, or
-            # be a replay): the careful way decides.
             (writes if ok else left).append(k)
         if not writes:
-            return results, [], left
-        plans = sorted((items[k] for k in writes), key=lambda it: it.request_id)
+            return FastStatement(writes, left, [], None, ())
+        plans = sorted((items[k] for k in writes), key=lambda it: it.request_id)   # one lock order
         pins = sorted((items[k] for k in setters.values()), key=lambda it: it.group)
         plans_json = _json_rows(_PLAN_COLUMNS, [it.plan_row() for it in plans])
-        with self.engine.connect() as conn:
-            conn = conn.execution_options(isolation_level="AUTOCOMMIT")
-            if pins:
-                pins_json = _json_rows(_PIN_COLUMNS, [it.pin_row() for it in pins])
-                inserted = {r[0] for r in conn.exec_driver_sql(_PG_SAVE, (pins_json, plans_json, pins_json))}
-            else:   # ranks of known deployments only (the common case): the plans alone
-                conn.exec_driver_sql(_PG_INSERT_PLANS, (plans_json,))
-                inserted = {it.new.plan.plan_id for it in plans}
-        for k in writes:
+        if not pins:   # ranks of known deployments only (the common case): the plans alone
+            return FastStatement(writes, left, [], _PG_INSERT_PLANS, (plans_json,))
+        pins_json = _json_rows(_PIN_COLUMNS, [it.pin_row() for it in pins])
+        return FastStatement(writes, left, pins, _PG_SAVE, (pins_json, plans_json, pins_json))
+
+    @staticmethod
+    def fast_outcomes(items: list["_Item"], fast: "FastStatement",
+                      inserted: set[str] | None) -> tuple[list[Any], list[_Pin], list[int]]:
+        """After `fast` ran (committed): (outcomes, the pins it set, the items left to the careful
+        way). `inserted`: the plan ids `_PG_SAVE` returned (None: a plain insert, all of them)."""
+        results: list[Any] = [None] * len(items)
+        left = list(fast.left)
+        for k in fast.writes:
             plan = items[k].new.plan
-            if plan.plan_id in inserted:
+            if inserted is None or plan.plan_id in inserted:
                 results[k] = plan
             else:
                 left.append(k)
-        return results, [it.as_pin() for it in pins if it.new.plan.plan_id in inserted], sorted(left)
+        pinned = [it.as_pin() for it in fast.pins if inserted is None or it.new.plan.plan_id in inserted]
+        return results, pinned, sorted(left)
 
     def _write_carefully(self, items: list["_Item"]) -> list[Any]:
         """Write `items` in one transaction after looking up their request ids and pins; started over

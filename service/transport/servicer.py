@@ -8,9 +8,11 @@ that id, so no internals leak to callers.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import uuid
+from typing import Any, Awaitable, Callable, TypeVar
 
 import grpc
 
@@ -19,11 +21,13 @@ from ...v1 import registry_pb2 as pb
 from ...v1 import registry_pb2_grpc as pb_grpc
 from .. import coverage
 from ..errors import FailedPrecondition, InvalidArgument, NotFound, RegistryError, Unavailable
-from ..registry import Registry
+from ...plan import LoadPlan
+from ..registry import NewPlan, Registry
 from ..rules.backends import BACKENDS
 from . import convert, plan_wire
 
 log = logging.getLogger("loadplan.service")
+T = TypeVar("T")
 
 STATUS_OF: dict[type[RegistryError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -64,75 +68,92 @@ def _status(err: RegistryError) -> grpc.StatusCode | None:
 
 def _rpc(method):
     @functools.wraps(method)
-    def handler(self, request, context):
+    async def handler(self, request, context):
         try:
-            return method(self, request, context)
+            return await method(self, request, context)
         except RegistryError as e:
             code = _status(e)
             if code is None:  # a RegistryError subclass nobody mapped: a bug, not the caller's fault
-                return _internal(context, method.__name__, e)
+                return await _internal(context, method.__name__, e)
             if e.field:
                 field = _metadata_text(e.field)[:MAX_FIELD_LEN]
                 context.set_trailing_metadata(((FIELD_METADATA_KEY, field),))
-            context.abort(code, _sendable(e.message))
+            await context.abort(code, _sendable(e.message))
         except Exception as e:  # noqa: BLE001 - the one place that turns bugs into INTERNAL
-            return _internal(context, method.__name__, e)
+            return await _internal(context, method.__name__, e)
     return handler
 
 
-def _internal(context, name: str, err: BaseException):
+async def _internal(context, name: str, err: BaseException):
     incident = uuid.uuid4().hex[:12]
     log.error("%s failed (incident %s)", name, incident, exc_info=err)
-    context.abort(grpc.StatusCode.INTERNAL, f"internal error (incident {incident}; see the registry log)")
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error (incident {incident}; see the registry log)")
+
+
+async def _to_thread(fn: Callable[..., T], *args: Any) -> T:
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
 class ModelRegistryServicer(pb_grpc.ModelRegistryServicer):
-    def __init__(self, registry: Registry):
+    """For a grpc.aio server: every method is a coroutine on the server's event loop.
+
+    Work that blocks (the store's reads and writes) runs through `blocking(fn, *args)` (the
+    server's: its worker threads); the rules are pure CPU and run on the loop. A resolve's
+    plan is saved by `save` (the server's: `PgAsyncWriter.save` on PostgreSQL, which awaits
+    its group commit on the loop; else the store's `save_plan` through `blocking`)."""
+
+    def __init__(self, registry: Registry, *, blocking: Callable[..., Awaitable[Any]] | None = None,
+                 save: Callable[[NewPlan], Awaitable[LoadPlan]] | None = None):
         self.registry = registry
+        self._blocking = blocking or _to_thread
+        self._save = save or functools.partial(self._blocking, registry.store.save_plan)
 
     @_rpc
-    def ResolveLoadPlan(self, request, context):
+    async def ResolveLoadPlan(self, request, context):
         """Answers with the plan's wire bytes (`plan_wire`; `add_to_server` sends them as they are)."""
         req = convert.request_from_pb(request)
         texts = convert.stored_config_texts(request)
         # The config texts determine the parsed configs: the rules' deployment cache key.
-        got = self.registry.resolve_new(req, (request.config_json, request.quantization_config_json), texts)
+        got = await self.registry.resolve_new_async(req, self._save,
+                                                    (request.config_json, request.quantization_config_json), texts)
         if got.plan is got.new.plan:   # the plan made here (not a stored one replayed): its parts are known
             return plan_wire.plan_bytes(got.plan, config_json=texts[0], quantization_config_json=texts[1],
                                         unstamped=got.unstamped)
         return plan_wire.plan_bytes(got.plan)
 
     @_rpc
-    def GetPlan(self, request, context):
-        return convert.plan_to_pb(self.registry.get_plan(request.plan_id, request.include_history))
+    async def GetPlan(self, request, context):
+        plan = await self._blocking(self.registry.get_plan, request.plan_id, request.include_history)
+        return convert.plan_to_pb(plan)
 
     @_rpc
-    def ListPlans(self, request, context):
-        plans, token = self.registry.list_plans(convert.filter_from_pb(request), request.page_size,
-                                                request.page_token or None)
+    async def ListPlans(self, request, context):
+        plans, token = await self._blocking(self.registry.list_plans, convert.filter_from_pb(request),
+                                            request.page_size, request.page_token or None)
         return pb.ListPlansResponse(plans=[convert.plan_to_pb(p) for p in plans], next_page_token=token or "")
 
     @_rpc
-    def DiffPlans(self, request, context):
-        return convert.diff_to_pb(self.registry.diff_plans(request.plan_a, request.plan_b))
+    async def DiffPlans(self, request, context):
+        return convert.diff_to_pb(await self._blocking(self.registry.diff_plans, request.plan_a, request.plan_b))
 
     @_rpc
-    def AppendDecisions(self, request, context):
-        return convert.plan_to_pb(self.registry.append_decisions(
-            request.request_id, request.plan_id, convert.decisions_from_pb(request.decisions)))
+    async def AppendDecisions(self, request, context):
+        decisions = convert.decisions_from_pb(request.decisions)
+        return convert.plan_to_pb(await self._blocking(self.registry.append_decisions, request.request_id,
+                                                       request.plan_id, decisions))
 
     @_rpc
-    def ListBackends(self, request, context):
+    async def ListBackends(self, request, context):
         return pb.ListBackendsResponse(backends=[convert.backend_to_pb(row) for row in BACKENDS.values()])
 
     @_rpc
-    def CheckCoverage(self, request, context):
+    async def CheckCoverage(self, request, context):
         entries = coverage.check_coverage(request.entry_classes)
         return pb.CheckCoverageResponse(entries=[convert.coverage_to_pb(e) for e in entries],
                                         ok=all(e.ok for e in entries))
 
     @_rpc
-    def Echo(self, request, context):
+    async def Echo(self, request, context):
         return pb.EchoResponse(payload=request.payload)
 
 
@@ -141,7 +162,7 @@ def _serialize(response) -> bytes:
     return response if response.__class__ is bytes else response.SerializeToString()
 
 
-def add_to_server(servicer: ModelRegistryServicer, server: grpc.Server) -> None:
+def add_to_server(servicer: ModelRegistryServicer, server: grpc.aio.Server) -> None:
     """`pb_grpc.add_ModelRegistryServicer_to_server`, but every answer goes through `_serialize`,
     so that a method may answer with pre-encoded bytes."""
     service = pb.DESCRIPTOR.services_by_name["ModelRegistry"]

@@ -34,7 +34,9 @@ COMMIT = "commit"
 
 class BackendKiller:
     """Arms itself for one transaction: before its statement number `at` (0-based), or
-    before its COMMIT, the backend serving that connection is terminated and gone."""
+    before its COMMIT, the backend serving that connection is terminated and gone. Watches
+    the engine's transactions, and (`watch`) the statements of the registry's PgAsyncWriter,
+    each a transaction of its own (autocommitted: no COMMIT to cut)."""
 
     def __init__(self, engine, admin):
         self.admin = admin
@@ -46,6 +48,15 @@ class BackendKiller:
         event.listen(engine, "begin", self._begin)
         event.listen(engine, "before_cursor_execute", self._before_execute)
         event.listen(engine, "commit", self._before_commit)
+
+    def watch(self, server) -> None:
+        if server.writer is not None:
+            server.writer.before_statement.append(self._before_own_statement)
+
+    def _before_own_statement(self, conn, statement: str) -> None:
+        if self.counting:
+            self.statements.append([_summary(statement)])
+        self._maybe_kill(lambda: conn.info.backend_pid, 0)
 
     def arm(self, at: int | str | None) -> None:
         with self._lock:
@@ -64,20 +75,20 @@ class BackendKiller:
         n = conn.info.get("fault_statement", 0)
         conn.info["fault_statement"] = n + 1
         if "fault_log" in conn.info:
-            conn.info["fault_log"].append(statement.split()[0] + " " + " ".join(statement.split()[1:3]))
-        self._maybe_kill(conn, n)
+            conn.info["fault_log"].append(_summary(statement))
+        self._maybe_kill(lambda: conn.connection.dbapi_connection.info.backend_pid, n)
 
     def _before_commit(self, conn) -> None:
         if "fault_log" in conn.info:
             conn.info["fault_log"].append(COMMIT)
-        self._maybe_kill(conn, COMMIT)
+        self._maybe_kill(lambda: conn.connection.dbapi_connection.info.backend_pid, COMMIT)
 
-    def _maybe_kill(self, conn, where) -> None:
+    def _maybe_kill(self, backend_pid, where) -> None:
         with self._lock:
             if self.at is None or self.at != where:
                 return
             self.at = None
-        pid = conn.connection.dbapi_connection.info.backend_pid
+        pid = backend_pid()
         with self.admin.connect() as c:
             assert c.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid}).scalar_one()
         wait_for(lambda: not self._alive(pid), 5, 0.01, f"backend {pid} gone")
@@ -87,6 +98,11 @@ class BackendKiller:
         with self.admin.connect() as c:
             return bool(c.execute(sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :pid"),
                                   {"pid": pid}).scalar_one())
+
+
+def _summary(statement: str) -> str:
+    words = statement.split()
+    return words[0] + " " + " ".join(words[1:3])
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +119,7 @@ def killed_registry(pg_db, admin):
     # No readiness polling during the test: its transactions would take the armed slot.
     server = RegistryServer(SqlPlanStore(engine), ServerOptions(listen="127.0.0.1:0", max_workers=4,
                                                                  readiness_interval_s=3600)).start()
+    killer.watch(server)
     try:
         yield server, killer
     finally:
@@ -208,6 +225,7 @@ def test_cuts_while_many_ranks_save_at_once(pg_proxy, pg_engine, admin):
     killer = BackendKiller(engine, admin)
     server = RegistryServer(SqlPlanStore(engine), ServerOptions(listen="127.0.0.1:0", max_workers=16,
                                                                  readiness_interval_s=3600)).start()
+    killer.watch(server)
     dep = f"many-{uuid.uuid4().hex[:6]}"
     deployments = [f"{dep}-a", f"{dep}-b"]
     outcomes = Outcomes()

@@ -3,6 +3,7 @@ shared between requests, the texts the store is handed, and the answer written a
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import uuid
@@ -31,6 +32,11 @@ def message(rank: int = 0, deployment: str = "dep-a", **kw) -> pb.ResolveLoadPla
     return msg
 
 
+def resolve(servicer: ModelRegistryServicer, msg: pb.ResolveLoadPlanRequest):
+    """One ResolveLoadPlan on an event loop of its own (no context: nothing is refused here)."""
+    return asyncio.run(servicer.ResolveLoadPlan(msg, None))
+
+
 class RecordingStore:
     def __init__(self):
         self.saved: list[NewPlan] = []
@@ -46,7 +52,7 @@ def test_ranks_share_one_parsed_document_that_stays_as_parsed():
     store = RecordingStore()
     servicer = ModelRegistryServicer(Registry(store))
     for rank in range(8):
-        servicer.ResolveLoadPlan(message(rank), None)
+        resolve(servicer, message(rank))
     configs = [new.plan.request.config for new in store.saved]
     assert all(c is configs[0] for c in configs)
     assert configs[0] == json.loads(CONFIG_TEXT)          # nothing on the way changed it
@@ -56,8 +62,8 @@ def test_ranks_share_one_parsed_document_that_stays_as_parsed():
 def test_the_store_gets_the_config_texts_plan_to_pb_writes():
     store = RecordingStore()
     servicer = ModelRegistryServicer(Registry(store))
-    servicer.ResolveLoadPlan(message(), None)
-    servicer.ResolveLoadPlan(message(quantization_config_json=""), None)
+    resolve(servicer, message())
+    resolve(servicer, message(quantization_config_json=""))
     with_q, without_q = store.saved
     req = with_q.plan.request
     assert with_q.config_json == config_to_json(req.config) != CONFIG_TEXT
@@ -70,10 +76,10 @@ def test_the_answer_is_the_plan_as_plan_to_pb_writes_it_fresh_or_replayed():
     store = RecordingStore()
     servicer = ModelRegistryServicer(Registry(store))
     msg = message(request_id=f"r-{uuid.uuid4().hex}")
-    fresh = servicer.ResolveLoadPlan(msg, None)
+    fresh = resolve(servicer, msg)
     assert isinstance(fresh, bytes)   # sent as it is (servicer.add_to_server)
     assert pb.LoadPlan.FromString(fresh) == plan_to_pb(store.saved[0].plan)
-    again = pb.LoadPlan.FromString(servicer.ResolveLoadPlan(msg, None))
+    again = pb.LoadPlan.FromString(resolve(servicer, msg))
     assert again == plan_to_pb(dataclasses.replace(store.saved[0].plan, replayed=True)) and again.replayed
 
 

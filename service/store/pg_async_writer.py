@@ -1,0 +1,255 @@
+"""`PgAsyncWriter`: new plans written to PostgreSQL from the server's event loop.
+
+The registry serves gRPC with grpc.aio: every call is a coroutine on one thread.
+A resolve awaits its plan's group commit here, and the batch goes out on a
+psycopg `AsyncConnection` of the same loop. So a plan costs no thread hand-off
+(the sync server parked an RPC thread per resolve and woke it after the
+commit: under load, waking threads under the GIL cost as much as the rest of
+the resolve) and a batch no SQLAlchemy round of its own.
+
+What is written, and how refusals and races are decided, is `SqlPlanStore`'s,
+unchanged (service/store/repository.py):
+- group commit: the plans that arrive while a batch is being written go in the
+  next one; at most `max_leaders` batches at once, each on its own connection;
+- each batch first runs the optimistic statement (`SqlPlanStore.fast_statement`):
+  one autocommitted statement, one round trip with its commit;
+- what it leaves (a pin set elsewhere, inputs whose JSON differs from the pin's)
+  or refuses as a whole (a stored request id, a deadlock) goes the careful way,
+  `SqlPlanStore._write_carefully`, on a thread of `executor`;
+- a plan answers only after the statement (or transaction) holding it committed.
+
+Every wait is bounded like the engine's (service/store/db.py): libpq's connect
+and TCP timeouts and the server's statement_timeout come with the engine's
+connection parameters, and each statement also runs under the engine's
+operation timeout here (a stalled server or proxy). A connection that failed or
+overran is closed; its batch's callers get UNAVAILABLE and retry with the same
+request id. A connection idle longer than `PING_IF_IDLE_S` is pinged before use
+(as the engine's pool does), so a database that restarted meanwhile costs no
+caller an error. A caller waits at most `SqlPlanStore.wait_timeout_s` in all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import Executor
+from typing import Any, Callable, Sequence
+
+import psycopg
+
+from ...plan import LoadPlan
+from ..errors import Unavailable
+from ..registry import NewPlan
+from .db import PING_IF_IDLE_S, shut_down_socket, operation_timeout, psycopg_connect_kwargs
+from .group_commit import DEFER
+from .repository import MAX_BATCH, PG_BATCHES_IN_FLIGHT, SqlPlanStore, _Item, _Retry, _translate_errors
+
+_IDLE = psycopg.pq.TransactionStatus.IDLE
+
+
+class _Waiter:
+    __slots__ = ("new", "future", "taken")
+
+    def __init__(self, new: NewPlan, future: asyncio.Future):
+        self.new = new
+        self.future = future
+        self.taken = False       # handed to a batch (it may commit even if its caller gave up)
+
+
+class PgAsyncWriter:
+    """`save(new)`: `SqlPlanStore.save_plan` for coroutines of ONE event loop (the one it is used on)."""
+
+    def __init__(self, store: SqlPlanStore, executor: Executor | None = None, *,
+                 max_leaders: int = PG_BATCHES_IN_FLIGHT, max_batch: int = MAX_BATCH):
+        if store.engine.dialect.name != "postgresql":
+            raise ValueError(f"PgAsyncWriter writes to PostgreSQL, not {store.engine.dialect.name}")
+        self.store = store
+        self.max_leaders = max_leaders
+        self.max_batch = max_batch
+        self._executor = executor
+        self._connect_kwargs = psycopg_connect_kwargs(store.engine)
+        self._timeout = operation_timeout(store.engine)
+        self._queue: list[_Waiter] = []
+        self._leaders = 0
+        self._tasks: set[asyncio.Task] = set()          # the leaders running (a reference keeps them)
+        self._idle: list[tuple[psycopg.AsyncConnection, float]] = []
+        self._closed = False
+        # Called as hook(connection, sql) right before each statement of a batch (tests cut
+        # connections there, as SQLAlchemy's before_cursor_execute event lets them on the engine).
+        self.before_statement: list[Callable[[psycopg.AsyncConnection, str], None]] = []
+        # Counters for tests and tuning.
+        self.batches = 0
+        self.items = 0
+
+    # --- callers -------------------------------------------------------------------
+
+    async def save(self, new: NewPlan) -> LoadPlan:
+        """Write `new` in the next batch; its plan, a stored one replayed, or the refusal raised."""
+        if self._closed:
+            raise Unavailable("registry shutting down; retry with the same request id")
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(new, loop.create_future())
+        self._queue.append(waiter)
+        if self._leaders < self.max_leaders:
+            self._leaders += 1
+            task = loop.create_task(self._lead())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        limit = self.store.wait_timeout_s
+        expiry = None if limit is None else loop.call_later(limit, self._expire, waiter, limit)
+        try:
+            return await waiter.future
+        finally:
+            if expiry is not None:
+                expiry.cancel()
+
+    def _expire(self, waiter: _Waiter, seconds: float) -> None:
+        if waiter.future.done():
+            return
+        if not waiter.taken:
+            self._queue.remove(waiter)
+        state = "its batch still running (it may commit)" if waiter.taken else "not written"
+        waiter.future.set_exception(Unavailable(
+            f"database not answering while saving a plan (no outcome within {seconds:g}s, {state}); retry with "
+            f"the same request id"))
+
+    async def aclose(self) -> None:
+        """Refuse new plans, let the batches being written finish, close the connections."""
+        self._closed = True
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        idle, self._idle = self._idle, []
+        for conn, _ in idle:
+            await conn.close()
+
+    # --- batches -------------------------------------------------------------------
+
+    async def _lead(self) -> None:
+        """Write batches while plans are queued (those that queued meanwhile make the next one)."""
+        try:
+            while self._queue:
+                batch = self._queue[:self.max_batch]
+                del self._queue[:self.max_batch]
+                for w in batch:
+                    w.taken = True
+                try:
+                    outcomes = await self._write([w.new for w in batch])
+                except BaseException as err:  # noqa: BLE001 - every caller of the batch gets it
+                    outcomes = [err] * len(batch)
+                deferred = []
+                for w, outcome in zip(batch, outcomes):
+                    if outcome is DEFER:
+                        w.taken = False
+                        deferred.append(w)
+                    elif w.future.done():
+                        pass                      # its caller gave up waiting
+                    elif isinstance(outcome, BaseException):
+                        w.future.set_exception(outcome)
+                    else:
+                        w.future.set_result(outcome)
+                self._queue[:0] = [w for w in deferred if not w.future.done()]
+                self.batches += 1
+                self.items += len(batch) - len(deferred)
+                if any(isinstance(o, asyncio.CancelledError) for o in outcomes):
+                    raise asyncio.CancelledError()
+        finally:
+            self._leaders -= 1
+
+    async def _write(self, news: Sequence[NewPlan]) -> list[Any]:
+        """One outcome per plan (a plan, an exception, or DEFER), as `SqlPlanStore._save_batch`."""
+        store = self.store
+        outcomes, todo, items = store._batch_items(news)
+        if not items:
+            return outcomes
+        try:
+            results = await self._write_items(items)
+        except Unavailable as err:
+            # Nothing of the batch is known committed: each caller retries with its request id.
+            results = [Unavailable(err.message) for _ in items]
+        except Exception as err:  # noqa: BLE001 - a plan the database refuses must not fail the others
+            results = [err] if len(items) == 1 else await self._blocking(
+                lambda: [store._write_alone(item) for item in items])
+        for i, result in zip(todo, results):
+            outcomes[i] = result
+        return outcomes
+
+    async def _write_items(self, items: list[_Item]) -> list[Any]:
+        store = self.store
+        fast = store.fast_statement(items)
+        inserted = None
+        if fast.sql is not None:
+            try:
+                with _translate_errors("saving a plan"):
+                    inserted = await self._execute(fast.sql, fast.params, fast.returns_plan_ids)
+            except _Retry:   # a stored request id, a deadlock: nothing of the statement was written
+                return await self._blocking(store._write_carefully, items)
+        results, pinned, left = store.fast_outcomes(items, fast, inserted)
+        store._pins.remember(pinned)   # committed with the statement
+        if left:
+            careful = await self._blocking(store._write_carefully, [items[k] for k in left])
+            for k, result in zip(left, careful):
+                results[k] = result
+        return results
+
+    async def _blocking(self, fn: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    # --- connections ---------------------------------------------------------------
+
+    async def _execute(self, sql: str, params: tuple, returns_rows: bool) -> set[str] | None:
+        """Run one autocommitted statement; the first column of its rows when `returns_rows`."""
+        conn = await self._connection()
+        healthy = False
+        try:
+            for hook in self.before_statement:
+                hook(conn, sql)
+            cursor = await self._bounded(conn, conn.execute(sql, params))
+            rows = {r[0] for r in await cursor.fetchall()} if returns_rows else None
+            healthy = True
+            return rows
+        except psycopg.OperationalError:
+            raise                 # cut, or shut down by `_bounded`: its state is unknown, drop it
+        except psycopg.Error:
+            # A refusal (say a unique violation) leaves the connection idle and usable.
+            healthy = not conn.broken and conn.info.transaction_status == _IDLE
+            raise
+        finally:
+            if healthy:
+                self._idle.append((conn, time.monotonic()))
+            else:
+                await self._discard(conn)
+
+    async def _connection(self) -> psycopg.AsyncConnection:
+        """An idle connection (pinged if idle for long), else a new one; errors translated by the caller."""
+        while self._idle:
+            conn, since = self._idle.pop()
+            if conn.closed or conn.broken:
+                continue
+            if time.monotonic() - since < PING_IF_IDLE_S:
+                return conn
+            try:
+                await self._bounded(conn, conn.execute("SELECT 1"))
+                return conn
+            except psycopg.Error:
+                await self._discard(conn)
+        # libpq's connect_timeout (in the engine's parameters) bounds this.
+        return await psycopg.AsyncConnection.connect(autocommit=True, **self._connect_kwargs)
+
+    async def _bounded(self, conn: psycopg.AsyncConnection, awaitable):
+        """Await a call on `conn`, at most the operation timeout: then its socket is shut down, which
+        fails the call at once with a connection error. (Cancelling it instead makes psycopg send
+        the server a cancel request and wait for its answer: no bound against a stalled server.)"""
+        if self._timeout is None:
+            return await awaitable
+        timer = asyncio.get_running_loop().call_later(self._timeout, shut_down_socket, conn)
+        try:
+            return await awaitable
+        finally:
+            timer.cancel()
+
+    @staticmethod
+    async def _discard(conn: psycopg.AsyncConnection) -> None:
+        try:
+            await conn.close()
+        except Exception:  # noqa: BLE001 - it is being dropped anyway
+            pass
