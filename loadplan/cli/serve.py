@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-message-bytes", type=int, default=4 * 1024 * 1024, metavar="N",
                         help="largest request accepted (default 4 MiB)")
     parser.add_argument("--workers", type=int, default=None, metavar="N",
-                        help="RPC worker threads (default: ServerOptions.max_workers, sized for 64 ranks at once)")
+                        help="worker threads for the database calls that block (default 64: reads, SQLite writes)")
     sec = parser.add_argument_group("security")
     sec.add_argument("--tokens-file", metavar="FILE", default=None,
                      help="ROLE:TOKEN lines (roles worker, reader, admin); default $LOADPLAN_TOKENS_FILE, plus "

@@ -9,8 +9,9 @@ the resolve) and a batch no SQLAlchemy round of its own.
 
 What is written, and how refusals and races are decided, is `SqlPlanStore`'s,
 unchanged (service/store/repository.py):
-- group commit: the plans that arrive while a batch is being written go in the
-  next one; at most `max_leaders` batches at once, each on its own connection;
+- group commit (`AsyncPlanWriter`, service/store/async_writer.py): the plans that
+  arrive while a batch is being written go in the next one; at most
+  `max_leaders` batches at once, each on its own connection;
 - each batch first runs the optimistic statement (`SqlPlanStore.fast_statement`):
   one autocommitted statement, one round trip with its commit;
 - what it leaves (a pin set elsewhere, inputs whose JSON differs from the pin's)
@@ -25,7 +26,7 @@ operation timeout here (a stalled server or proxy). A connection that failed or
 overran is closed; its batch's callers get UNAVAILABLE and retry with the same
 request id. A connection idle longer than `PING_IF_IDLE_S` is pinged before use
 (as the engine's pool does), so a database that restarted meanwhile costs no
-caller an error. A caller waits at most `SqlPlanStore.wait_timeout_s` in all.
+caller an error.
 """
 
 from __future__ import annotations
@@ -37,123 +38,37 @@ from typing import Any, Callable, Sequence
 
 import psycopg
 
-from ...plan import LoadPlan
 from ..errors import Unavailable
 from ..registry import NewPlan
-from .db import PING_IF_IDLE_S, shut_down_socket, operation_timeout, psycopg_connect_kwargs
-from .group_commit import DEFER
+from .async_writer import AsyncPlanWriter
+from .db import PING_IF_IDLE_S, operation_timeout, psycopg_connect_kwargs, shut_down_socket
 from .repository import MAX_BATCH, PG_BATCHES_IN_FLIGHT, SqlPlanStore, _Item, _Retry, _translate_errors
 
 _IDLE = psycopg.pq.TransactionStatus.IDLE
 
 
-class _Waiter:
-    __slots__ = ("new", "future", "taken")
-
-    def __init__(self, new: NewPlan, future: asyncio.Future):
-        self.new = new
-        self.future = future
-        self.taken = False       # handed to a batch (it may commit even if its caller gave up)
-
-
-class PgAsyncWriter:
+class PgAsyncWriter(AsyncPlanWriter):
     """`save(new)`: `SqlPlanStore.save_plan` for coroutines of ONE event loop (the one it is used on)."""
 
     def __init__(self, store: SqlPlanStore, executor: Executor | None = None, *,
                  max_leaders: int = PG_BATCHES_IN_FLIGHT, max_batch: int = MAX_BATCH):
         if store.engine.dialect.name != "postgresql":
             raise ValueError(f"PgAsyncWriter writes to PostgreSQL, not {store.engine.dialect.name}")
-        self.store = store
-        self.max_leaders = max_leaders
-        self.max_batch = max_batch
+        super().__init__(store, self._write, max_leaders=max_leaders, max_batch=max_batch)
         self._executor = executor
         self._connect_kwargs = psycopg_connect_kwargs(store.engine)
         self._timeout = operation_timeout(store.engine)
-        self._queue: list[_Waiter] = []
-        self._leaders = 0
-        self._tasks: set[asyncio.Task] = set()          # the leaders running (a reference keeps them)
         self._idle: list[tuple[psycopg.AsyncConnection, float]] = []
-        self._closed = False
         # Called as hook(connection, sql) right before each statement of a batch (tests cut
         # connections there, as SQLAlchemy's before_cursor_execute event lets them on the engine).
         self.before_statement: list[Callable[[psycopg.AsyncConnection, str], None]] = []
-        # Counters for tests and tuning.
-        self.batches = 0
-        self.items = 0
 
-    # --- callers -------------------------------------------------------------------
-
-    async def save(self, new: NewPlan) -> LoadPlan:
-        """Write `new` in the next batch; its plan, a stored one replayed, or the refusal raised."""
-        if self._closed:
-            raise Unavailable("registry shutting down; retry with the same request id")
-        loop = asyncio.get_running_loop()
-        waiter = _Waiter(new, loop.create_future())
-        self._queue.append(waiter)
-        if self._leaders < self.max_leaders:
-            self._leaders += 1
-            task = loop.create_task(self._lead())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-        limit = self.store.wait_timeout_s
-        expiry = None if limit is None else loop.call_later(limit, self._expire, waiter, limit)
-        try:
-            return await waiter.future
-        finally:
-            if expiry is not None:
-                expiry.cancel()
-
-    def _expire(self, waiter: _Waiter, seconds: float) -> None:
-        if waiter.future.done():
-            return
-        if not waiter.taken:
-            self._queue.remove(waiter)
-        state = "its batch still running (it may commit)" if waiter.taken else "not written"
-        waiter.future.set_exception(Unavailable(
-            f"database not answering while saving a plan (no outcome within {seconds:g}s, {state}); retry with "
-            f"the same request id"))
-
-    async def aclose(self) -> None:
-        """Refuse new plans, let the batches being written finish, close the connections."""
-        self._closed = True
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+    async def _release(self) -> None:
         idle, self._idle = self._idle, []
         for conn, _ in idle:
-            await conn.close()
+            await self._discard(conn)
 
     # --- batches -------------------------------------------------------------------
-
-    async def _lead(self) -> None:
-        """Write batches while plans are queued (those that queued meanwhile make the next one)."""
-        try:
-            while self._queue:
-                batch = self._queue[:self.max_batch]
-                del self._queue[:self.max_batch]
-                for w in batch:
-                    w.taken = True
-                try:
-                    outcomes = await self._write([w.new for w in batch])
-                except BaseException as err:  # noqa: BLE001 - every caller of the batch gets it
-                    outcomes = [err] * len(batch)
-                deferred = []
-                for w, outcome in zip(batch, outcomes):
-                    if outcome is DEFER:
-                        w.taken = False
-                        deferred.append(w)
-                    elif w.future.done():
-                        pass                      # its caller gave up waiting
-                    elif isinstance(outcome, BaseException):
-                        w.future.set_exception(outcome)
-                    else:
-                        w.future.set_result(outcome)
-                self._queue[:0] = [w for w in deferred if not w.future.done()]
-                self.batches += 1
-                self.items += len(batch) - len(deferred)
-                if any(isinstance(o, asyncio.CancelledError) for o in outcomes):
-                    raise asyncio.CancelledError()
-        finally:
-            self._leaders -= 1
 
     async def _write(self, news: Sequence[NewPlan]) -> list[Any]:
         """One outcome per plan (a plan, an exception, or DEFER), as `SqlPlanStore._save_batch`."""

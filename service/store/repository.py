@@ -544,11 +544,14 @@ class SqlPlanStore:
         self._bind_processors: dict[str, list] = {}
 
     def async_writer(self, executor=None):
-        """A `PgAsyncWriter` of this store for the running event loop (PostgreSQL), else None: the
-        server then saves through `save_plan` on its worker threads. `executor` runs the careful
-        path's transactions."""
+        """`save_plan` for the coroutines of the running event loop (service/store/async_writer.py):
+        on PostgreSQL a `PgAsyncWriter`, which writes from the loop; on SQLite, whose driver
+        blocks, batches written by `_save_batch` on a thread of `executor` (one hand-off per batch).
+        `executor` also runs PostgreSQL's careful path."""
+        from .async_writer import AsyncPlanWriter
+
         if not self._pg:
-            return None
+            return AsyncPlanWriter.threaded(self, executor, max_batch=self._group.max_batch)
         from .pg_async_writer import PgAsyncWriter   # psycopg's asyncio side: only where it is used
 
         return PgAsyncWriter(self, executor, max_leaders=self._group.max_leaders, max_batch=self._group.max_batch)

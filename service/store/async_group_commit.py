@@ -1,0 +1,142 @@
+"""`AsyncGroupCommit`: group commit for the coroutines of one event loop.
+
+The registry's server is grpc.aio: a resolve is a coroutine, and it awaits its
+plan's batch here instead of parking a thread (service/store/group_commit.py is
+the same idea for threads, with the same `write_batch` contract):
+
+- `submit(item)` queues the item; while fewer than `max_leaders` batches are
+  being written, a leader task starts, which writes what is queued (up to
+  `max_batch`) with `await write_batch(items)` and then the next batch, while
+  anything is queued;
+- `write_batch` returns one outcome per item, in order: the result, an
+  exception instance (raised to that caller), or `DEFER` (the item goes back to
+  the front of the queue for a later batch). An exception raised by
+  `write_batch` itself fails every item of the batch;
+- a caller returns once the batch holding its item has been written; what
+  "written" means (committed) is `write_batch`'s business.
+
+Leaders are tasks of their own, not the callers' coroutines: a caller whose RPC
+is cancelled (its client gave up) must not cancel the batch it shares with
+others. With `timeout`, a caller waits at most that long and then gets
+`GroupCommitTimeout`: `withdrawn` when no batch had taken its item (it will never
+be written), else its batch may still commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Awaitable, Callable, Generic, Sequence, TypeVar
+
+from .group_commit import DEFER, GroupCommitTimeout
+
+T = TypeVar("T")
+
+
+class _Waiter:
+    __slots__ = ("item", "future", "taken")
+
+    def __init__(self, item: Any, future: asyncio.Future):
+        self.item = item
+        self.future = future
+        self.taken = False       # handed to a batch: it may commit even if its caller gave up
+
+
+class AsyncGroupCommit(Generic[T]):
+    def __init__(self, write_batch: Callable[[Sequence[T]], Awaitable[Sequence[Any]]], *, max_batch: int = 256,
+                 max_leaders: int = 1, timeout: float | None = None):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if max_leaders < 1:
+            raise ValueError(f"max_leaders must be >= 1, got {max_leaders}")
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout must be > 0 or None, got {timeout}")
+        self._write_batch = write_batch
+        self.max_batch = max_batch
+        self.max_leaders = max_leaders
+        self.timeout = timeout
+        self._queue: list[_Waiter] = []
+        # Leaders started and not yet returned, counted when they return (not when their task's
+        # done callback runs, a loop iteration later, which would strand an item queued between).
+        self._leading = 0
+        self._tasks: set[asyncio.Task] = set()
+        # Counters for tests and tuning.
+        self.batches = 0
+        self.items = 0
+        self.largest_batch = 0
+
+    def pending(self) -> int:
+        """Items queued for a batch not started yet."""
+        return len(self._queue)
+
+    def leaders(self) -> int:
+        """Batches being written (leader tasks running)."""
+        return self._leading
+
+    async def submit(self, item: T) -> Any:
+        """Write `item` in the next batch; return its outcome or raise its exception."""
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(item, loop.create_future())
+        self._queue.append(waiter)
+        if self._leading < self.max_leaders:
+            self._leading += 1
+            task = loop.create_task(self._lead())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        expiry = None if self.timeout is None else loop.call_later(self.timeout, self._expire, waiter)
+        try:
+            return await waiter.future
+        finally:
+            if expiry is not None:
+                expiry.cancel()
+
+    def _expire(self, waiter: _Waiter) -> None:
+        if waiter.future.done():
+            return
+        if not waiter.taken:
+            self._queue.remove(waiter)
+        waiter.future.set_exception(GroupCommitTimeout(self.timeout, withdrawn=not waiter.taken))
+
+    async def drain(self) -> None:
+        """Wait until the batches being written are done (and whatever queued meanwhile)."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _lead(self) -> None:
+        try:
+            await self._lead_batches()
+        finally:
+            self._leading -= 1
+
+    async def _lead_batches(self) -> None:
+        while self._queue:
+            batch = self._queue[:self.max_batch]
+            del self._queue[:self.max_batch]
+            for w in batch:
+                w.taken = True
+            try:
+                outcomes = list(await self._write_batch([w.item for w in batch]))
+                if len(outcomes) != len(batch):
+                    raise RuntimeError(f"write_batch returned {len(outcomes)} outcomes for {len(batch)} items")
+            except Exception as exc:  # noqa: BLE001 - every caller of the batch gets it
+                outcomes = [exc] * len(batch)
+            except BaseException as exc:  # cancelled (the loop is shutting down): the callers hear it
+                for w in batch:
+                    if not w.future.done():
+                        w.future.set_exception(exc)
+                raise
+            deferred = []
+            for w, outcome in zip(batch, outcomes):
+                if outcome is DEFER:
+                    w.taken = False
+                    if not w.future.done():
+                        deferred.append(w)
+                elif w.future.done():
+                    pass                          # its caller gave up waiting
+                elif isinstance(outcome, BaseException):
+                    w.future.set_exception(outcome)
+                else:
+                    w.future.set_result(outcome)
+            self._queue[:0] = deferred
+            self.batches += 1
+            self.items += len(batch) - len(deferred)
+            self.largest_batch = max(self.largest_batch, len(batch))

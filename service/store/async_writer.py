@@ -1,0 +1,66 @@
+"""`AsyncPlanWriter`: a store's `save_plan` for the coroutines of the server's event loop.
+
+The plans saved at the same time are group-committed on the loop
+(`AsyncGroupCommit`): a resolve awaits its batch and holds no thread. How a batch
+is written is the store's (`SqlPlanStore._save_batch` semantics: one outcome
+per plan, DEFER for a second plan of the same request id):
+- `AsyncPlanWriter.threaded(store, executor)` runs `store._save_batch` for the
+  whole batch on one worker thread: one thread hand-off per batch, not per plan
+  (SQLite, whose driver blocks);
+- `PgAsyncWriter` (service/store/pg_async_writer.py) writes PostgreSQL batches
+  from the loop itself.
+A caller waits at most the store's `wait_timeout_s` (then UNAVAILABLE: retry with
+the same request id, which replays a plan that did commit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Executor
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
+
+from ...plan import LoadPlan
+from ..errors import Unavailable
+from ..registry import NewPlan
+from .async_group_commit import AsyncGroupCommit
+from .group_commit import GroupCommitTimeout
+
+if TYPE_CHECKING:
+    from .repository import SqlPlanStore
+
+
+class AsyncPlanWriter:
+    def __init__(self, store: "SqlPlanStore", write_batch: Callable[[Sequence[NewPlan]], Awaitable[Sequence[Any]]],
+                 *, max_leaders: int, max_batch: int):
+        self.store = store
+        self.group: AsyncGroupCommit[NewPlan] = AsyncGroupCommit(
+            write_batch, max_batch=max_batch, max_leaders=max_leaders, timeout=store.wait_timeout_s)
+        self._closed = False
+
+    @classmethod
+    def threaded(cls, store: "SqlPlanStore", executor: Executor | None = None, *, max_leaders: int = 1,
+                 max_batch: int) -> "AsyncPlanWriter":
+        """Batches written by `store._save_batch` on a thread of `executor`."""
+        async def write_batch(news: Sequence[NewPlan]) -> Sequence[Any]:
+            return await asyncio.get_running_loop().run_in_executor(executor, store._save_batch, news)
+
+        return cls(store, write_batch, max_leaders=max_leaders, max_batch=max_batch)
+
+    async def save(self, new: NewPlan) -> LoadPlan:
+        """Write `new` in the next batch: its plan, a stored one replayed, or the refusal raised."""
+        if self._closed:
+            raise Unavailable("registry shutting down; retry with the same request id")
+        try:
+            return await self.group.submit(new)
+        except GroupCommitTimeout as err:
+            raise Unavailable(f"database not answering while saving a plan ({err}); retry with the same "
+                              f"request id") from None
+
+    async def aclose(self) -> None:
+        """Refuse new plans, let the batches being written finish, release what the writer holds."""
+        self._closed = True
+        await self.group.drain()
+        await self._release()
+
+    async def _release(self) -> None:
+        """What a subclass holds (connections)."""
