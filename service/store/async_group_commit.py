@@ -43,17 +43,27 @@ class _Waiter:
 
 class AsyncGroupCommit(Generic[T]):
     def __init__(self, write_batch: Callable[[Sequence[T]], Awaitable[Sequence[Any]]], *, max_batch: int = 256,
-                 max_leaders: int = 1, timeout: float | None = None):
+                 max_leaders: int = 1, timeout: float | None = None, fill_wait_s: float = 0.0,
+                 fill_step_s: float = 0.0005):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_leaders < 1:
             raise ValueError(f"max_leaders must be >= 1, got {max_leaders}")
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout must be > 0 or None, got {timeout}")
+        if fill_wait_s < 0 or fill_step_s <= 0:
+            raise ValueError(f"fill_wait_s must be >= 0 and fill_step_s > 0, got {fill_wait_s}, {fill_step_s}")
         self._write_batch = write_batch
         self.max_batch = max_batch
         self.max_leaders = max_leaders
         self.timeout = timeout
+        # A batch's cost is mostly per batch (a round trip, a WAL flush, the database's per-statement
+        # work: 0.18 ms of PostgreSQL CPU for a batch of 1, 0.04 ms a plan in batches of 16), so under
+        # load a leader lets the batch fill a little before writing it (`_let_the_batch_fill`); a lone
+        # caller (nothing else queued, the last batch a single plan) is written at once.
+        self.fill_wait_s = fill_wait_s
+        self.fill_step_s = fill_step_s
+        self._last_batch = 0
         self._queue: list[_Waiter] = []
         # Leaders started and not yet returned, counted when they return (not when their task's
         # done callback runs, a loop iteration later, which would strand an item queued between).
@@ -109,6 +119,8 @@ class AsyncGroupCommit(Generic[T]):
 
     async def _lead_batches(self) -> None:
         while self._queue:
+            if self.fill_wait_s and (len(self._queue) > 1 or self._last_batch > 1):
+                await self._let_the_batch_fill()
             batch = self._queue[:self.max_batch]
             del self._queue[:self.max_batch]
             for w in batch:
@@ -140,3 +152,15 @@ class AsyncGroupCommit(Generic[T]):
             self.batches += 1
             self.items += len(batch) - len(deferred)
             self.largest_batch = max(self.largest_batch, len(batch))
+            self._last_batch = len(batch)
+
+    async def _let_the_batch_fill(self) -> None:
+        """Under load, wait while plans keep arriving (the queue grew during the last
+        `fill_step_s`), at most `fill_wait_s` in all or until a batch is full."""
+        waited = 0.0
+        while waited < self.fill_wait_s and len(self._queue) < self.max_batch:
+            before = len(self._queue)
+            await asyncio.sleep(self.fill_step_s)
+            waited += self.fill_step_s
+            if len(self._queue) == before:
+                return

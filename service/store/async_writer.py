@@ -31,20 +31,21 @@ if TYPE_CHECKING:
 
 class AsyncPlanWriter:
     def __init__(self, store: "SqlPlanStore", write_batch: Callable[[Sequence[NewPlan]], Awaitable[Sequence[Any]]],
-                 *, max_leaders: int, max_batch: int):
+                 *, max_leaders: int, max_batch: int, fill_wait_s: float = 0.0):
         self.store = store
         self.group: AsyncGroupCommit[NewPlan] = AsyncGroupCommit(
-            write_batch, max_batch=max_batch, max_leaders=max_leaders, timeout=store.wait_timeout_s)
+            write_batch, max_batch=max_batch, max_leaders=max_leaders, timeout=store.wait_timeout_s,
+            fill_wait_s=fill_wait_s)
         self._closed = False
 
     @classmethod
     def threaded(cls, store: "SqlPlanStore", executor: Executor | None = None, *, max_leaders: int = 1,
-                 max_batch: int) -> "AsyncPlanWriter":
+                 max_batch: int, fill_wait_s: float = 0.0) -> "AsyncPlanWriter":
         """Batches written by `store._save_batch` on a thread of `executor`."""
         async def write_batch(news: Sequence[NewPlan]) -> Sequence[Any]:
             return await asyncio.get_running_loop().run_in_executor(executor, store._save_batch, news)
 
-        return cls(store, write_batch, max_leaders=max_leaders, max_batch=max_batch)
+        return cls(store, write_batch, max_leaders=max_leaders, max_batch=max_batch, fill_wait_s=fill_wait_s)
 
     async def save(self, new: NewPlan) -> LoadPlan:
         """Write `new` in the next batch: its plan, a stored one replayed, or the refusal raised."""

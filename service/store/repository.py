@@ -543,18 +543,18 @@ class SqlPlanStore:
         self._pins = _PinCache(pin_cache_size)
         self._bind_processors: dict[str, list] = {}
 
-    def async_writer(self, executor=None):
+    def async_writer(self, executor=None, **options):
         """`save_plan` for the coroutines of the running event loop (service/store/async_writer.py):
         on PostgreSQL a `PgAsyncWriter`, which writes from the loop; on SQLite, whose driver
         blocks, batches written by `_save_batch` on a thread of `executor` (one hand-off per batch).
-        `executor` also runs PostgreSQL's careful path."""
+        `executor` also runs PostgreSQL's careful path; `options` go to the writer."""
         from .async_writer import AsyncPlanWriter
 
         if not self._pg:
-            return AsyncPlanWriter.threaded(self, executor, max_batch=self._group.max_batch)
+            return AsyncPlanWriter.threaded(self, executor, max_batch=self._group.max_batch, **options)
         from .pg_async_writer import PgAsyncWriter   # psycopg's asyncio side: only where it is used
 
-        return PgAsyncWriter(self, executor, max_leaders=self._group.max_leaders, max_batch=self._group.max_batch)
+        return PgAsyncWriter(self, executor, max_batch=self._group.max_batch, **options)
 
     # --- plumbing ---------------------------------------------------------------
 

@@ -191,7 +191,44 @@ def test_a_queued_caller_times_out_and_is_withdrawn():
     run(main())
 
 
-@pytest.mark.parametrize("kw", [{"max_batch": 0}, {"max_leaders": 0}, {"timeout": 0}, {"timeout": -1}])
+@pytest.mark.parametrize("kw", [{"max_batch": 0}, {"max_leaders": 0}, {"timeout": 0}, {"timeout": -1},
+                                {"fill_wait_s": -1}, {"fill_step_s": 0}])
 def test_bad_settings_are_refused(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
         AsyncGroupCommit(FakeWriter(), **kw)
+
+
+def test_under_load_a_batch_fills_while_callers_keep_arriving():
+    async def main():
+        w = FakeWriter()
+        w.gate = asyncio.Event()
+        g = AsyncGroupCommit(w, fill_wait_s=2.0, fill_step_s=0.05)
+        first = asyncio.ensure_future(g.submit(0))            # batch [0], held open
+        await asyncio.sleep(0.01)
+        queued = [asyncio.ensure_future(g.submit(i)) for i in range(1, 4)]
+        await asyncio.sleep(0.01)
+
+        async def trickle():                                   # more callers, well within a step apart
+            for i in range(4, 9):
+                await asyncio.sleep(0.01)
+                queued.append(asyncio.ensure_future(g.submit(i)))
+
+        started = asyncio.get_running_loop().time()
+        w.gate.set()
+        await asyncio.gather(first, trickle())
+        await asyncio.gather(*queued)
+        took = asyncio.get_running_loop().time() - started
+        assert w.batches == [[0], list(range(1, 9))]           # the second batch waited for the trickle
+        assert took < 1.0                                      # and stopped once the queue stopped growing
+    run(main())
+
+
+def test_a_lone_caller_is_not_made_to_wait_for_company():
+    async def main():
+        g = AsyncGroupCommit(FakeWriter(), fill_wait_s=5.0, fill_step_s=1.0)
+        loop = asyncio.get_running_loop()
+        for i in range(3):
+            started = loop.time()
+            assert await g.submit(i) == i * 10
+            assert loop.time() - started < 0.5
+    run(main())

@@ -90,11 +90,11 @@ def table_lock(engine):
     lock.close()
 
 
-def run_writer(store: SqlPlanStore, executor, body):
-    """asyncio.run(body(writer)) with a writer made in that loop and closed after."""
+def run_writer(store: SqlPlanStore, executor, body, **options):
+    """asyncio.run(body(writer)) with a writer made in that loop (`options` for it) and closed after."""
 
     async def main():
-        writer = store.async_writer(executor)
+        writer = store.async_writer(executor, **options)
         try:
             return await body(writer)
         finally:
@@ -430,7 +430,7 @@ def test_callers_stop_waiting_and_say_whether_their_plan_may_commit(postgres_url
             lock.release()                                    # the batches in flight now commit
             return outcomes, waited, queue_after
 
-        outcomes, waited, queue_after = run_writer(store, executor, body)
+        outcomes, waited, queue_after = run_writer(store, executor, body, max_leaders=2)
         assert all(isinstance(o, Unavailable) for o in outcomes), outcomes
         taken_first, taken_second, withdrawn = (str(o) for o in outcomes)
         assert "may commit" in taken_first and "may commit" in taken_second
