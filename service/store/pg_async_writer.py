@@ -40,7 +40,7 @@ import psycopg
 
 from ..errors import Unavailable
 from ..registry import NewPlan
-from .async_writer import AsyncPlanWriter
+from .async_writer import FILL_WAIT_S, AsyncPlanWriter
 from .db import PING_IF_IDLE_S, operation_timeout, psycopg_connect_kwargs, shut_down_socket
 from .repository import MAX_BATCH, SqlPlanStore, _Item, _Retry, _translate_errors
 
@@ -48,10 +48,8 @@ _IDLE = psycopg.pq.TransactionStatus.IDLE
 
 # One batch at a time: a batch is one statement, so there is nothing of the next batch to overlap
 # with this one's commit, and the plans that arrive meanwhile make the next batch bigger (cheaper
-# per plan). Under load a batch may wait this long for more plans (`AsyncGroupCommit`): measured
-# on 2 cores at 64 resolves in flight, 2-4 ms gave the best throughput, none or 8 ms less.
+# per plan).
 PG_ASYNC_LEADERS = 1
-PG_FILL_WAIT_S = 0.003
 
 
 class PgAsyncWriter(AsyncPlanWriter):
@@ -59,7 +57,7 @@ class PgAsyncWriter(AsyncPlanWriter):
 
     def __init__(self, store: SqlPlanStore, executor: Executor | None = None, *,
                  max_leaders: int = PG_ASYNC_LEADERS, max_batch: int = MAX_BATCH,
-                 fill_wait_s: float = PG_FILL_WAIT_S):
+                 fill_wait_s: float = FILL_WAIT_S):
         if store.engine.dialect.name != "postgresql":
             raise ValueError(f"PgAsyncWriter writes to PostgreSQL, not {store.engine.dialect.name}")
         super().__init__(store, self._write, max_leaders=max_leaders, max_batch=max_batch, fill_wait_s=fill_wait_s)
