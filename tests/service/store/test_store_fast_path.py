@@ -6,6 +6,7 @@ autocommit mode the path borrows must not leak into the pool's later transaction
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 import pytest
@@ -87,3 +88,62 @@ def test_a_pin_set_elsewhere_sends_the_plan_the_careful_way(postgres_url, make_r
     finally:
         a.dispose()
         b.dispose()
+
+
+_IDENTITY = ("plan_id", "request_id", "request_fingerprint", "deployment_id", "created_at")
+
+
+def _stored_rows(engine, deployment_ids) -> dict[str, dict]:
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT * FROM plans WHERE deployment_id = ANY(:d)"),
+                            {"d": list(deployment_ids)}).mappings().all()
+    return {r["deployment_id"]: {k: v for k, v in r.items() if k not in _IDENTITY} for r in rows}
+
+
+def test_a_plan_written_alone_is_stored_as_one_written_in_a_batch(engine, make_request, deployment):
+    """A batch of one plan has statements of its own (plain parameters, no JSON document): the
+    row they store must be the one the batch statements store for the same request."""
+    store = SqlPlanStore(engine)
+    registry = Registry(store)
+    qc = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    like = dict(parallel=Parallel(ep_size=2, ep_rank=1), host="node-\u00e9", quantization_config=qc)
+    news = [registry.new_plan(make_request(deployment_id=f"{deployment}-{x}", **like))[0] for x in "abc"]
+    sent = _statements(engine)
+    assert not store.save_plan(news[0]).replayed                  # alone: a batch of one
+    outcomes = store._save_batch(news[1:])                         # together: one JSON statement
+    assert [o.plan_id for o in outcomes] == [n.plan.plan_id for n in news[1:]]
+    assert sent == ["WITH new_pins AS (INSERT", "WITH new_pins AS (INSERT"], sent
+    rows = _stored_rows(engine, [n.plan.request.deployment_id for n in news])
+    assert len(rows) == 3
+    alone, *batched = rows.values()
+    assert all(row == alone for row in batched), (alone, batched)
+    # and a rank of a known pin, alone, by the plain single-row INSERT
+    rank = registry.new_plan(make_request(deployment_id=f"{deployment}-a", request_id=f"req-{uuid.uuid4().hex}",
+                                          **{**like, "parallel": Parallel(ep_size=2, ep_rank=0)}))[0]
+    sent.clear()
+    assert store.save_plan(rank).plan_id == rank.plan.plan_id
+    assert sent == ["INSERT INTO plans (plan_id,"], sent
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["alone", "in a batch"])
+def test_an_over_long_value_is_refused_not_truncated(engine, make_request, deployment, together):
+    store = SqlPlanStore(engine)
+    registry = Registry(store)
+    # plans.host is VARCHAR(255); the rules refuse longer ones before, so the plan is altered after
+    valid = registry.new_plan(make_request())[0]
+    request = dataclasses.replace(valid.plan.request, host="h" * 300)
+    bad = dataclasses.replace(valid, plan=dataclasses.replace(valid.plan, request=request))
+    if together:
+        good = registry.new_plan(make_request(deployment_id=f"{deployment}-ok"))[0]
+        outcomes = store._save_batch([bad, good])
+        assert outcomes[1].plan_id == good.plan.plan_id            # the other plan is not failed with it
+        refusal = outcomes[0]
+        assert isinstance(refusal, Exception)
+    else:
+        with pytest.raises(Exception) as info:
+            store.save_plan(bad)
+        refusal = info.value
+    assert "too long" in str(refusal)
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM plans WHERE deployment_id = :d"),
+                            {"d": deployment}).scalar_one() == 0
