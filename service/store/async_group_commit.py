@@ -25,6 +25,7 @@ be written), else its batch may still commit.
 from __future__ import annotations
 
 import asyncio
+import collections
 from typing import Any, Awaitable, Callable, Generic, Sequence, TypeVar
 
 from .group_commit import DEFER, GroupCommitTimeout
@@ -33,12 +34,13 @@ T = TypeVar("T")
 
 
 class _Waiter:
-    __slots__ = ("item", "future", "taken")
+    __slots__ = ("item", "future", "taken", "deadline")
 
-    def __init__(self, item: Any, future: asyncio.Future):
+    def __init__(self, item: Any, future: asyncio.Future, deadline: float):
         self.item = item
         self.future = future
         self.taken = False       # handed to a batch: it may commit even if its caller gave up
+        self.deadline = deadline
 
 
 class AsyncGroupCommit(Generic[T]):
@@ -69,6 +71,9 @@ class AsyncGroupCommit(Generic[T]):
         # done callback runs, a loop iteration later, which would strand an item queued between).
         self._leading = 0
         self._tasks: set[asyncio.Task] = set()
+        # Callers with a deadline, in arrival order (done ones dropped as the sweep meets them).
+        self._waiting: collections.deque[_Waiter] = collections.deque()
+        self._sweep: asyncio.TimerHandle | None = None
         # Counters for tests and tuning.
         self.batches = 0
         self.items = 0
@@ -85,26 +90,37 @@ class AsyncGroupCommit(Generic[T]):
     async def submit(self, item: T) -> Any:
         """Write `item` in the next batch; return its outcome or raise its exception."""
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(item, loop.create_future())
+        waiter = _Waiter(item, loop.create_future(), 0.0 if self.timeout is None else loop.time() + self.timeout)
         self._queue.append(waiter)
         if self._leading < self.max_leaders:
             self._leading += 1
             task = loop.create_task(self._lead())
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        expiry = None if self.timeout is None else loop.call_later(self.timeout, self._expire, waiter)
-        try:
-            return await waiter.future
-        finally:
-            if expiry is not None:
-                expiry.cancel()
+        if self.timeout is not None:
+            waiting = self._waiting
+            while waiting and waiting[0].future.done():   # answered: nothing to time out (nor to keep)
+                waiting.popleft()
+            waiting.append(waiter)
+            if self._sweep is None:
+                self._sweep = loop.call_at(waiter.deadline, self._expire)
+        return await waiter.future
 
-    def _expire(self, waiter: _Waiter) -> None:
-        if waiter.future.done():
-            return
-        if not waiter.taken:
-            self._queue.remove(waiter)
-        waiter.future.set_exception(GroupCommitTimeout(self.timeout, withdrawn=not waiter.taken))
+    def _expire(self) -> None:
+        """Fail the callers whose wait is over; then sleep until the next one's deadline.
+        One timer for the whole group, not one per caller (a heap push and a cancel per resolve):
+        callers wait in arrival order, so the oldest one still waiting is the next to expire."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        waiting = self._waiting
+        while waiting and (waiting[0].future.done() or waiting[0].deadline <= now):
+            waiter = waiting.popleft()
+            if waiter.future.done():
+                continue
+            if not waiter.taken:
+                self._queue.remove(waiter)
+            waiter.future.set_exception(GroupCommitTimeout(self.timeout, withdrawn=not waiter.taken))
+        self._sweep = loop.call_at(waiting[0].deadline, self._expire) if waiting else None
 
     async def drain(self) -> None:
         """Wait until the batches being written are done (and whatever queued meanwhile)."""

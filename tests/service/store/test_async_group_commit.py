@@ -232,3 +232,34 @@ def test_a_lone_caller_is_not_made_to_wait_for_company():
             assert await g.submit(i) == i * 10
             assert loop.time() - started < 0.5
     run(main())
+
+
+def test_answered_callers_are_not_kept_for_their_deadline():
+    async def main():
+        g = AsyncGroupCommit(FakeWriter(), timeout=60)
+        for i in range(200):
+            await g.submit(i)
+        assert len(g._waiting) <= 1           # each new caller drops the answered ones before it
+    run(main())
+
+
+def test_callers_time_out_in_arrival_order_each_at_its_own_deadline():
+    async def main():
+        w = FakeWriter()
+        w.gate = asyncio.Event()
+        g = AsyncGroupCommit(w, timeout=0.2)
+        loop = asyncio.get_running_loop()
+        first = asyncio.ensure_future(g.submit(1))
+        await asyncio.sleep(0.1)
+        second = asyncio.ensure_future(g.submit(2))
+        started = loop.time()
+        with pytest.raises(GroupCommitTimeout):
+            await first
+        first_at = loop.time() - started
+        with pytest.raises(GroupCommitTimeout):
+            await second
+        second_at = loop.time() - started
+        assert first_at < 0.15 <= second_at < 1.0, (first_at, second_at)
+        w.gate.set()
+        await g.drain()
+    run(main())
