@@ -106,7 +106,7 @@ class RegistryServer:
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="loadplan-grpc", daemon=True)
         self._loop_thread.start()
-        self.writer = None                    # PgAsyncWriter on PostgreSQL (`store.async_writer`)
+        self.writer = None                    # the store's AsyncPlanWriter (`store.async_writer`), if it has one
         self._stopped = False
         try:
             self.port = self._call(self._build())
