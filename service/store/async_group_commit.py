@@ -28,7 +28,7 @@ import asyncio
 import collections
 from typing import Any, Awaitable, Callable, Generic, Sequence, TypeVar
 
-from .group_commit import DEFER, GroupCommitTimeout
+from .group_commit import DEFER, GroupCommitTimeout, check_settings
 
 T = TypeVar("T")
 
@@ -47,12 +47,7 @@ class AsyncGroupCommit(Generic[T]):
     def __init__(self, write_batch: Callable[[Sequence[T]], Awaitable[Sequence[Any]]], *, max_batch: int = 256,
                  max_leaders: int = 1, timeout: float | None = None, fill_wait_s: float = 0.0,
                  fill_step_s: float = 0.0005):
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        if max_leaders < 1:
-            raise ValueError(f"max_leaders must be >= 1, got {max_leaders}")
-        if timeout is not None and timeout <= 0:
-            raise ValueError(f"timeout must be > 0 or None, got {timeout}")
+        check_settings(max_batch, max_leaders, timeout)
         if fill_wait_s < 0 or fill_step_s <= 0:
             raise ValueError(f"fill_wait_s must be >= 0 and fill_step_s > 0, got {fill_wait_s}, {fill_step_s}")
         self._write_batch = write_batch

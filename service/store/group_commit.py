@@ -73,15 +73,20 @@ def _wake(slot: _Slot) -> None:
         slot.wake.release()
 
 
+def check_settings(max_batch: int, max_leaders: int, timeout: float | None) -> None:
+    """ValueError naming the setting of a group commit (this one or AsyncGroupCommit) that is wrong."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    if max_leaders < 1:
+        raise ValueError(f"max_leaders must be >= 1, got {max_leaders}")
+    if timeout is not None and timeout <= 0:
+        raise ValueError(f"timeout must be > 0 or None, got {timeout}")
+
+
 class GroupCommit(Generic[T]):
     def __init__(self, write_batch: Callable[[Sequence[T]], Sequence[Any]], *, max_batch: int = 256,
                  max_leaders: int = 1, timeout: float | None = None):
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        if max_leaders < 1:
-            raise ValueError(f"max_leaders must be >= 1, got {max_leaders}")
-        if timeout is not None and timeout <= 0:
-            raise ValueError(f"timeout must be > 0 or None, got {timeout}")
+        check_settings(max_batch, max_leaders, timeout)
         self._write_batch = write_batch
         self.timeout = timeout
         self.max_batch = max_batch
