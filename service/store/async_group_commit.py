@@ -17,9 +17,15 @@ the same idea for threads, with the same `write_batch` contract):
 
 Leaders are tasks of their own, not the callers' coroutines: a caller whose RPC
 is cancelled (its client gave up) must not cancel the batch it shares with
-others. With `timeout`, a caller waits at most that long and then gets
+others. The exception is a lone caller (nothing queued, nothing being written,
+the last batch a single item): it writes its batch of one on its own coroutine,
+saving a task start and a switch (a sequential caller's latency); cancelled, it
+cuts short only that batch, and whoever queued meanwhile gets a leader.
+
+With `timeout`, a queued caller waits at most that long and then gets
 `GroupCommitTimeout`: `withdrawn` when no batch had taken its item (it will never
-be written), else its batch may still commit.
+be written), else its batch may still commit. A lone caller is bounded by its
+own `write_batch`, as a leader is.
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ class AsyncGroupCommit(Generic[T]):
         # done callback runs, a loop iteration later, which would strand an item queued between).
         self._leading = 0
         self._tasks: set[asyncio.Task] = set()
+        self._alone = 0                   # callers writing their own batch (`_write_alone`)
         # Callers with a deadline, in arrival order (done ones dropped as the sweep meets them).
         self._waiting: collections.deque[_Waiter] = collections.deque()
         self._sweep: asyncio.TimerHandle | None = None
@@ -84,14 +91,13 @@ class AsyncGroupCommit(Generic[T]):
 
     async def submit(self, item: T) -> Any:
         """Write `item` in the next batch; return its outcome or raise its exception."""
+        if not self._queue and self._leading < self.max_leaders and self._last_batch <= 1:
+            return await self._write_alone(item)
         loop = asyncio.get_running_loop()
         waiter = _Waiter(item, loop.create_future(), 0.0 if self.timeout is None else loop.time() + self.timeout)
         self._queue.append(waiter)
         if self._leading < self.max_leaders:
-            self._leading += 1
-            task = loop.create_task(self._lead())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._start_leader(loop)
         if self.timeout is not None:
             waiting = self._waiting
             while waiting and waiting[0].future.done():   # answered: nothing to time out (nor to keep)
@@ -117,10 +123,46 @@ class AsyncGroupCommit(Generic[T]):
             waiter.future.set_exception(GroupCommitTimeout(self.timeout, withdrawn=not waiter.taken))
         self._sweep = loop.call_at(waiting[0].deadline, self._expire) if waiting else None
 
+    async def _write_alone(self, item: T) -> Any:
+        """Nothing queued, nothing being written: the caller writes its batch of one on its own
+        coroutine, with no leader task to start and switch to (a lone caller's latency). Bounded
+        by `write_batch` alone, as a leader is; whoever queued meanwhile gets a leader after it.
+        A caller cancelled meanwhile cuts short its own batch only."""
+        self._leading += 1
+        self._alone += 1
+        try:
+            outcomes = list(await self._write_batch([item]))
+            if len(outcomes) != 1:
+                raise RuntimeError(f"write_batch returned {len(outcomes)} outcomes for 1 items")
+        finally:
+            self._leading -= 1
+            self._alone -= 1
+            if self._queue and self._leading < self.max_leaders:
+                self._start_leader(asyncio.get_running_loop())
+        (outcome,) = outcomes
+        self._last_batch = 1
+        self.batches += 1
+        self.largest_batch = max(self.largest_batch, 1)
+        if outcome is DEFER:
+            return await self.submit(item)
+        self.items += 1
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def _start_leader(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._leading += 1
+        task = loop.create_task(self._lead())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def drain(self) -> None:
         """Wait until the batches being written are done (and whatever queued meanwhile)."""
-        while self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        while self._tasks or self._alone:
+            if self._tasks:
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+            else:
+                await asyncio.sleep(0.005)   # a caller writing its own batch: no task to wait on
 
     async def _lead(self) -> None:
         try:

@@ -15,7 +15,8 @@ from loadplan.service.store.group_commit import DEFER, GroupCommitTimeout
 
 class FakeWriter:
     """Answers item * 10; `fail` items get their own error; `defer_once` items are deferred once;
-    while `gate` is set up and not open, a batch waits for it."""
+    while `gate` is set up and not open, a batch waits for it; batch number n also waits for
+    `holds[n]` when there is one."""
 
     def __init__(self, fail=(), defer_once=(), raise_batch=None):
         self.batches: list[list[int]] = []
@@ -23,17 +24,21 @@ class FakeWriter:
         self.defer_once = set(defer_once)
         self.raise_batch = raise_batch
         self.gate: asyncio.Event | None = None
+        self.holds: dict[int, asyncio.Event] = {}
         self.in_batch = 0
         self.most_at_once = 0
 
     async def __call__(self, items):
+        number = len(self.batches)
         self.batches.append(list(items))
         self.in_batch += 1
         self.most_at_once = max(self.most_at_once, self.in_batch)
         try:
+            if number in self.holds:
+                await self.holds[number].wait()
             if self.gate is not None:
                 await self.gate.wait()
-            else:
+            elif number not in self.holds:
                 await asyncio.sleep(0)
             if self.raise_batch is not None:
                 raise self.raise_batch
@@ -61,6 +66,7 @@ def test_a_lone_caller_writes_its_own_batch():
         g = AsyncGroupCommit(w)
         assert await g.submit(3) == 30
         assert w.batches == [[3]] and g.batches == 1 and g.leaders() == 0 and g.pending() == 0
+        assert not g._tasks                               # on the caller's own coroutine: no task
     run(main())
 
 
@@ -106,10 +112,10 @@ def test_a_failing_batch_fails_each_of_its_callers_and_the_next_batch_runs():
 def test_a_batch_answering_the_wrong_number_of_outcomes_fails_its_callers():
     async def main():
         async def short(items):
-            return [1]
+            return []
         g = AsyncGroupCommit(short)
-        results = await asyncio.gather(g.submit(1), g.submit(2), return_exceptions=True)
-        assert all(isinstance(r, RuntimeError) and "1 outcomes for" in str(r) for r in results)
+        results = await asyncio.gather(g.submit(1), g.submit(2), g.submit(3), return_exceptions=True)
+        assert all(isinstance(r, RuntimeError) and "0 outcomes for" in str(r) for r in results), results
     run(main())
 
 
@@ -118,8 +124,12 @@ def test_deferred_items_go_to_a_later_batch():
         w = FakeWriter(defer_once={1})
         g = AsyncGroupCommit(w)
         assert await asyncio.gather(*(g.submit(i) for i in range(3))) == [0, 10, 20]
-        assert [1] in w.batches[1:] and 1 in w.batches[0]
+        assert w.batches == [[0], [1, 2], [1]]           # 0 alone; 1 deferred from [1, 2] to its own
         assert g.items == 3
+        alone = FakeWriter(defer_once={5})
+        g = AsyncGroupCommit(alone)
+        assert await g.submit(5) == 50                   # deferred when alone too: written again later
+        assert alone.batches == [[5], [5]]
     run(main())
 
 
@@ -156,19 +166,38 @@ def test_a_caller_that_arrives_as_the_last_leader_returns_is_written():
     run(main())
 
 
-def test_a_cancelled_caller_does_not_cancel_its_batch():
+def test_a_cancelled_caller_does_not_cancel_the_batch_it_shares():
     async def main():
         w = FakeWriter()
-        w.gate = asyncio.Event()
+        w.holds = {1: asyncio.Event()}
         g = AsyncGroupCommit(w)
-        mine = asyncio.ensure_future(g.submit(1))
+        alone = asyncio.ensure_future(g.submit(0))       # nothing queued: writes its own batch
+        mine = asyncio.ensure_future(g.submit(1))        # queued meanwhile: a leader's batch [1, 2]
         other = asyncio.ensure_future(g.submit(2))
+        assert await alone == 0
+        await asyncio.sleep(0.01)                        # batch [1, 2] is being written, held
+        mine.cancel()                                    # its client gave up
         await asyncio.sleep(0.01)
-        mine.cancel()                            # its client gave up
-        await asyncio.sleep(0.01)
-        w.gate.set()
+        w.holds[1].set()
         assert await other == 20
-        assert w.batches == [[1, 2]]             # the batch ran whole
+        assert w.batches == [[0], [1, 2]]                # the shared batch ran whole
+    run(main())
+
+
+def test_a_lone_caller_cancelled_cuts_its_own_batch_only_and_the_queued_ones_get_a_leader():
+    async def main():
+        w = FakeWriter()
+        w.holds = {0: asyncio.Event()}
+        g = AsyncGroupCommit(w)
+        alone = asyncio.ensure_future(g.submit(0))       # writes its own batch, held
+        queued = [asyncio.ensure_future(g.submit(i)) for i in (1, 2)]
+        await asyncio.sleep(0.01)
+        alone.cancel()
+        assert await asyncio.wait_for(asyncio.gather(*queued), 5) == [10, 20]
+        assert w.batches == [[0], [1, 2]]
+        assert g.leaders() == 0
+        with pytest.raises(asyncio.CancelledError):
+            await alone
     run(main())
 
 
@@ -177,17 +206,32 @@ def test_a_queued_caller_times_out_and_is_withdrawn():
         w = FakeWriter()
         w.gate = asyncio.Event()
         g = AsyncGroupCommit(w, timeout=0.1)
-        first = asyncio.ensure_future(g.submit(1))        # its batch hangs
+        first = asyncio.ensure_future(g.submit(1))        # writes its own batch, which hangs
         await asyncio.sleep(0.01)
         with pytest.raises(GroupCommitTimeout) as info:
             await g.submit(2)                             # queued behind it
         assert info.value.withdrawn and g.pending() == 0
-        with pytest.raises(GroupCommitTimeout) as info:
-            await first
-        assert not info.value.withdrawn                   # its batch may still commit
         w.gate.set()
+        assert await first == 10                          # a caller writing alone: bounded by its write
         await g.drain()
         assert w.batches == [[1]]                         # 2 was never written
+    run(main())
+
+
+def test_a_caller_whose_shared_batch_hangs_times_out_not_withdrawn():
+    async def main():
+        w = FakeWriter()
+        w.holds = {1: asyncio.Event()}
+        g = AsyncGroupCommit(w, timeout=0.2)
+        alone = asyncio.ensure_future(g.submit(0))
+        taken = asyncio.ensure_future(g.submit(1))        # a leader's batch [1], which hangs
+        assert await alone == 0
+        with pytest.raises(GroupCommitTimeout) as info:
+            await taken
+        assert not info.value.withdrawn                   # its batch may still commit
+        w.holds[1].set()
+        await g.drain()
+        assert w.batches == [[0], [1]]
     run(main())
 
 
@@ -246,9 +290,11 @@ def test_answered_callers_are_not_kept_for_their_deadline():
 def test_callers_time_out_in_arrival_order_each_at_its_own_deadline():
     async def main():
         w = FakeWriter()
-        w.gate = asyncio.Event()
+        w.holds = {0: asyncio.Event()}
         g = AsyncGroupCommit(w, timeout=0.2)
         loop = asyncio.get_running_loop()
+        alone = asyncio.ensure_future(g.submit(0))        # holds the only leader slot
+        await asyncio.sleep(0.01)
         first = asyncio.ensure_future(g.submit(1))
         await asyncio.sleep(0.1)
         second = asyncio.ensure_future(g.submit(2))
@@ -260,6 +306,8 @@ def test_callers_time_out_in_arrival_order_each_at_its_own_deadline():
             await second
         second_at = loop.time() - started
         assert first_at < 0.15 <= second_at < 1.0, (first_at, second_at)
-        w.gate.set()
+        w.holds[0].set()
+        assert await alone == 0
         await g.drain()
+        assert w.batches == [[0]]                          # both withdrawn before any batch took them
     run(main())

@@ -399,47 +399,55 @@ def test_aclose_waits_for_the_batch_in_flight_then_refuses(store, executor, obse
 
 def test_callers_stop_waiting_and_say_whether_their_plan_may_commit(postgres_url, executor, observer,
                                                                     make_request, deployment):
+    """A lone caller writes its own batch (bounded by its statement alone); callers that queue
+    behind it share the next batch. Held by a table lock, a queued caller whose batch has not
+    started gives up "not written"; callers whose shared batch hangs give up "may commit"."""
     # A large operation timeout: only the callers' wait (0.3 s) ends the waits below.
     engine = make_engine(postgres_url, operation_timeout_s=10)
     lock = TableLock(engine)
     try:
         store = SqlPlanStore(engine, wait_timeout_s=0.3)
-        # Deployments of their own: the two batches in flight never wait for each other's pin.
-        first, second, queued = (new_plan(store, make_request(deployment_id=f"{deployment}-{x}"))
-                                 for x in "abc")
+        # Deployments of their own: no batch waits for another's pin.
+        alone, queued, shared_a, shared_b = (new_plan(store, make_request(deployment_id=f"{deployment}-{x}"))
+                                             for x in "abcd")
 
         async def body(writer):
-            assert writer.group.max_leaders == 2
-            entered = [asyncio.Event(), asyncio.Event()]
+            assert writer.group.max_leaders == 1
+            statements = []
 
             def hold(conn, sql):
-                if not lock.held:
+                statements.append(sql)
+                if len(statements) in (1, 3) and not lock.held:
                     lock.take()
-                entered[sum(e.is_set() for e in entered)].set()   # one statement per batch here
 
             writer.before_statement.append(hold)
-            saves = [asyncio.create_task(writer.save(first))]
-            await entered[0].wait()
-            saves.append(asyncio.create_task(writer.save(second)))   # the second leader takes it
-            await entered[1].wait()
+            # 1. The lone caller's statement is held; a caller queued behind it gives up unwritten.
+            first = asyncio.create_task(writer.save(alone))
+            await asyncio.sleep(0.05)
             started = time.monotonic()
-            saves.append(asyncio.create_task(writer.save(queued)))   # no leader free: it queues
-            outcomes = await asyncio.gather(*saves, return_exceptions=True)
+            withdrawn = await asyncio.gather(writer.save(queued), return_exceptions=True)
             waited = time.monotonic() - started
             queue_after = writer.group.pending()
-            lock.release()                                    # the batches in flight now commit
-            return outcomes, waited, queue_after
+            lock.release()
+            plan = await first                                # bounded by its own statement: written
+            # 2. Two callers queued behind a lone one share the next batch, which is held.
+            lone = new_plan(store, make_request(deployment_id=f"{deployment}-e"))
+            saves = [asyncio.create_task(writer.save(x)) for x in (lone, shared_a, shared_b)]
+            outcomes = await asyncio.gather(*saves, return_exceptions=True)
+            lock.release()
+            return plan, withdrawn[0], waited, queue_after, outcomes
 
-        outcomes, waited, queue_after = run_writer(store, executor, body, max_leaders=2)
-        assert all(isinstance(o, Unavailable) for o in outcomes), outcomes
-        taken_first, taken_second, withdrawn = (str(o) for o in outcomes)
-        assert "may commit" in taken_first and "may commit" in taken_second
-        assert "not written" in withdrawn
+        plan, withdrawn, waited, queue_after, outcomes = run_writer(store, executor, body)
+        assert plan.plan_id == alone.plan.plan_id
+        assert isinstance(withdrawn, Unavailable) and "not written" in str(withdrawn), withdrawn
         assert 0.25 <= waited < 2, waited
         assert queue_after == 0                               # withdrawn from the queue
-        # aclose waited for both batches: they committed although their callers gave up.
-        assert plan_rows(observer, request_id=first.plan.request.request_id) == [first.plan.plan_id]
-        assert plan_rows(observer, request_id=second.plan.request.request_id) == [second.plan.plan_id]
+        lone_plan, *shared = outcomes
+        assert not isinstance(lone_plan, BaseException), lone_plan
+        assert all(isinstance(o, Unavailable) and "may commit" in str(o) for o in shared), shared
+        # aclose waited for the shared batch: it committed although its callers gave up.
+        for new in (alone, shared_a, shared_b):
+            assert plan_rows(observer, request_id=new.plan.request.request_id) == [new.plan.plan_id]
         assert plan_rows(observer, request_id=queued.plan.request.request_id) == []
     finally:
         lock.close()
