@@ -129,3 +129,34 @@ def test_graceful_stop_lets_in_flight_calls_finish():
     srv.stop(grace=5)
     t.join(5)
     assert len(results) == 1 and store.count() == 1
+
+
+def test_resolves_are_saved_through_the_stores_async_writer(db_url):
+    """The server saves plans through the store's AsyncPlanWriter on its event loop (PostgreSQL:
+    PgAsyncWriter, from the loop itself), not through `save_plan` on a worker thread."""
+    from loadplan.service.store.async_writer import AsyncPlanWriter
+    from loadplan.service.store.db import make_engine
+    from loadplan.service.store.pg_async_writer import PgAsyncWriter
+    from loadplan.service.store.repository import SqlPlanStore
+
+    engine = make_engine(db_url)
+    store = SqlPlanStore(engine)
+    store.save_plan = None      # the sync way must not be taken: it would fail the call
+    try:
+        with RegistryServer(store, ServerOptions(listen="127.0.0.1:0")) as srv, \
+                RegistryClient(srv.address, timeout=10) as client:
+            on_pg = engine.dialect.name == "postgresql"
+            assert isinstance(srv.writer, PgAsyncWriter if on_pg else AsyncPlanWriter)
+            plans = [client.resolve_load_plan(request_for(rank)) for rank in range(3)]
+            assert srv.writer.group.items == 3
+            assert [client.get_plan(p.plan_id).plan_id for p in plans] == [p.plan_id for p in plans]
+    finally:
+        engine.dispose()
+
+
+def request_for(rank: int):
+    import uuid
+
+    from loadplan.plan import Parallel
+    return request(request_id=f"wired-{uuid.uuid4().hex}", deployment_id=f"wired-{uuid.uuid4().hex[:8]}",
+                   parallel=Parallel(ep_size=8, ep_rank=rank))
