@@ -252,7 +252,7 @@ class _Part:
 
 
 class _LruCache:
-    """A bounded, thread-safe LRU map (RPC threads share it)."""
+    """A bounded, thread-safe LRU map (the server's event loop and in-process callers share it)."""
 
     def __init__(self, maxsize: int):
         self.maxsize = maxsize

@@ -117,7 +117,7 @@ def _pg_from_json(table: sa.Table, where: str = "") -> str:
     are assigned to their columns as they are, so an over-long value is refused, not truncated
     (an explicit cast to varchar(n) would truncate); the others are cast to their column's type.
     One JSON text of arrays is what the client builds fastest (no dict per row, one C encoder
-    call per batch): a batch holds thousands of values, built under the GIL of every RPC thread."""
+    call per batch): a batch holds thousands of values, built on the server's one event-loop thread."""
     cols = ", ".join(c.name for c in table.columns)
     fields = ", ".join(_pg_field(i, c) for i, c in enumerate(table.columns))
     return f"INSERT INTO {table.name} ({cols}) SELECT {fields} FROM jsonb_array_elements(%s::jsonb) AS r{where}"
