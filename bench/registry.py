@@ -16,8 +16,8 @@ Echo and resolve run in `--rounds` adjacent pairs, the order swapped each round,
 so a machine whose speed drifts slows both alike; qps are medians over the rounds
 and `resolve_vs_echo_qps` is the median of each round's own ratio. The load
 generator is a separate process (this one) using grpc.aio; it serializes requests
-before and parses answers after the timed window (for both methods alike), since
-it shares the CPUs with the server.
+before and parses answers after the timed window, and holds its garbage collection
+until after it (for both methods alike), since it shares the CPUs with the server.
 
 It also measures `commit_p50_ms`: the p50 of a bare single-row INSERT + COMMIT on
 the same database, the floor a durable resolve cannot beat.
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import pathlib
@@ -179,9 +180,15 @@ async def _run(address: str, method: str, n: int, inflight: int,
                 replies[i] = await call(payloads[i], timeout=30)
                 latencies.append(time.perf_counter() - t)
 
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(inflight)))
-        wall = time.perf_counter() - start
+        # Nor does it stop for the cyclic garbage collector inside the window (a full collection of
+        # this process takes 20-30 ms, a stall of every call in flight): it runs after.
+        gc.disable()
+        try:
+            start = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(inflight)))
+            wall = time.perf_counter() - start
+        finally:
+            gc.enable()
     for msg, raw in zip(messages, replies):
         reply = reply_type.FromString(raw)
         if method == "echo":

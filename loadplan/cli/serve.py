@@ -9,6 +9,7 @@ makes it mutual TLS (clients need a certificate that CA signed).
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import signal
 import sys
@@ -73,6 +74,11 @@ def run(args: argparse.Namespace) -> int:
     except ServerStartError as e:
         raise CliError("FAILED_PRECONDITION", one_line(e)) from None
     server.start()
+    # Everything made so far (modules, tables, the rules) lives as long as the process: take it out
+    # of the cyclic collector's sight. Otherwise every full collection walks it all, a 30-40 ms
+    # stall of the event loop (every call in flight waits: the p99 at 64 resolves in flight was
+    # these stalls, measured with gc.callbacks).
+    gc.freeze()
     print(f"loadplan registry listening on {server.address} (database {redact(url)}; {describe(tls)}, "
           f"{'bearer tokens' if tokens else 'no authentication'})", flush=True)
     if not server.serving:
