@@ -42,9 +42,8 @@ from ..errors import Unavailable
 from ..registry import NewPlan
 from .async_writer import FILL_WAIT_S, AsyncPlanWriter
 from .db import PING_IF_IDLE_S, operation_timeout, psycopg_connect_kwargs, shut_down_socket
+from . import pq_statement
 from .repository import MAX_BATCH, SqlPlanStore, _Item, _Retry, _translate_errors
-
-_IDLE = psycopg.pq.TransactionStatus.IDLE
 
 # One batch at a time: a batch is one statement, so there is nothing of the next batch to overlap
 # with this one's commit, and the plans that arrive meanwhile make the next batch bigger (cheaper
@@ -118,27 +117,30 @@ class PgAsyncWriter(AsyncPlanWriter):
     # --- connections ---------------------------------------------------------------
 
     async def _execute(self, sql: str, params: tuple, returns_rows: bool) -> set[str] | None:
-        """Run one autocommitted statement; the first column of its rows when `returns_rows`."""
+        """Run one autocommitted statement (`pq_statement`, prepared once per connection); the
+        first column of its rows when `returns_rows`. A connection whose statement failed is
+        dropped, whatever the failure: a refusal is rare (a replay, a race) and a fresh
+        connection is never in doubt."""
         conn = await self._connection()
         healthy = False
         try:
             for hook in self.before_statement:
                 hook(conn, sql)
-            cursor = await self._bounded(conn, conn.execute(sql, params))
-            rows = {r[0] for r in await cursor.fetchall()} if returns_rows else None
+            rows = await self._bounded(conn, pq_statement.run(conn, self._prepared(conn), sql, params))
             healthy = True
-            return rows
-        except psycopg.OperationalError:
-            raise                 # cut, or shut down by `_bounded`: its state is unknown, drop it
-        except psycopg.Error:
-            # A refusal (say a unique violation) leaves the connection idle and usable.
-            healthy = not conn.broken and conn.info.transaction_status == _IDLE
-            raise
+            return set(rows) if returns_rows else None
         finally:
             if healthy:
                 self._idle.append((conn, time.monotonic()))
             else:
                 await self._discard(conn)
+
+    def _prepared(self, conn: psycopg.AsyncConnection) -> set[bytes]:
+        """The names of the statements prepared on `conn` (kept on the connection object)."""
+        names = getattr(conn, "_loadplan_prepared", None)
+        if names is None:
+            names = conn._loadplan_prepared = set()
+        return names
 
     async def _connection(self) -> psycopg.AsyncConnection:
         """An idle connection (pinged if idle for long), else a new one; errors translated by the caller."""
