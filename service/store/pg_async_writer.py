@@ -2,7 +2,9 @@
 
 The registry serves gRPC with grpc.aio: every call is a coroutine on one thread.
 A resolve awaits its plan's group commit here, and the batch goes out on a
-psycopg `AsyncConnection` of the same loop. So a plan costs no thread hand-off
+psycopg `AsyncConnection` of the same loop (its statement prepared once per
+connection and run on libpq directly: service/store/pq_statement.py). So a plan
+costs no thread hand-off
 (the sync server parked an RPC thread per resolve and woke it after the
 commit: under load, waking threads under the GIL cost as much as the rest of
 the resolve) and a batch no SQLAlchemy round of its own.
