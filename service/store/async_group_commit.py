@@ -34,7 +34,7 @@ import asyncio
 import collections
 from typing import Any, Awaitable, Callable, Generic, Sequence, TypeVar
 
-from .group_commit import DEFER, GroupCommitTimeout, check_settings
+from .group_commit import DEFER, GroupCommitTimeout, check_settings, checked_outcomes
 
 T = TypeVar("T")
 
@@ -72,7 +72,6 @@ class AsyncGroupCommit(Generic[T]):
         # done callback runs, a loop iteration later, which would strand an item queued between).
         self._leading = 0
         self._tasks: set[asyncio.Task] = set()
-        self._alone = 0                   # callers writing their own batch (`_write_alone`)
         # Callers with a deadline, in arrival order (done ones dropped as the sweep meets them).
         self._waiting: collections.deque[_Waiter] = collections.deque()
         self._sweep: asyncio.TimerHandle | None = None
@@ -129,23 +128,15 @@ class AsyncGroupCommit(Generic[T]):
         by `write_batch` alone, as a leader is; whoever queued meanwhile gets a leader after it.
         A caller cancelled meanwhile cuts short its own batch only."""
         self._leading += 1
-        self._alone += 1
         try:
-            outcomes = list(await self._write_batch([item]))
-            if len(outcomes) != 1:
-                raise RuntimeError(f"write_batch returned {len(outcomes)} outcomes for 1 items")
+            (outcome,) = checked_outcomes(await self._write_batch([item]), 1)
         finally:
             self._leading -= 1
-            self._alone -= 1
             if self._queue and self._leading < self.max_leaders:
                 self._start_leader(asyncio.get_running_loop())
-        (outcome,) = outcomes
-        self._last_batch = 1
-        self.batches += 1
-        self.largest_batch = max(self.largest_batch, 1)
+        self._count(1, deferred=int(outcome is DEFER))
         if outcome is DEFER:
             return await self.submit(item)
-        self.items += 1
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
@@ -158,7 +149,7 @@ class AsyncGroupCommit(Generic[T]):
 
     async def drain(self) -> None:
         """Wait until the batches being written are done (and whatever queued meanwhile)."""
-        while self._tasks or self._alone:
+        while self._leading:
             if self._tasks:
                 await asyncio.gather(*self._tasks, return_exceptions=True)
             else:
@@ -179,9 +170,7 @@ class AsyncGroupCommit(Generic[T]):
             for w in batch:
                 w.taken = True
             try:
-                outcomes = list(await self._write_batch([w.item for w in batch]))
-                if len(outcomes) != len(batch):
-                    raise RuntimeError(f"write_batch returned {len(outcomes)} outcomes for {len(batch)} items")
+                outcomes = checked_outcomes(await self._write_batch([w.item for w in batch]), len(batch))
             except Exception as exc:  # noqa: BLE001 - every caller of the batch gets it
                 outcomes = [exc] * len(batch)
             except BaseException as exc:  # cancelled (the loop is shutting down): the callers hear it
@@ -202,10 +191,13 @@ class AsyncGroupCommit(Generic[T]):
                 else:
                     w.future.set_result(outcome)
             self._queue[:0] = deferred
-            self.batches += 1
-            self.items += len(batch) - len(deferred)
-            self.largest_batch = max(self.largest_batch, len(batch))
-            self._last_batch = len(batch)
+            self._count(len(batch), len(deferred))
+
+    def _count(self, size: int, deferred: int) -> None:
+        self.batches += 1
+        self.items += size - deferred
+        self.largest_batch = max(self.largest_batch, size)
+        self._last_batch = size
 
     async def _let_the_batch_fill(self) -> None:
         """Under load, wait while plans keep arriving (the queue grew during the last

@@ -4,9 +4,9 @@ The plans saved at the same time are group-committed on the loop
 (`AsyncGroupCommit`): a resolve awaits its batch and holds no thread. How a batch
 is written is the store's (`SqlPlanStore._save_batch` semantics: one outcome
 per plan, DEFER for a second plan of the same request id):
-- `AsyncPlanWriter.threaded(store, executor)` runs `store._save_batch` for the
-  whole batch on one worker thread: one thread hand-off per batch, not per plan
-  (SQLite, whose driver blocks);
+- `ThreadedPlanWriter` runs `store._save_batch` for the whole batch on one
+  worker thread: one thread hand-off per batch, not per plan (SQLite, whose
+  driver blocks);
 - `PgAsyncWriter` (service/store/pg_async_writer.py) writes PostgreSQL batches
   from the loop itself.
 A caller waits at most the store's `wait_timeout_s` (then UNAVAILABLE: retry with
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ...plan import LoadPlan
 from ..errors import Unavailable
@@ -36,22 +36,17 @@ FILL_WAIT_S = 0.003
 
 
 class AsyncPlanWriter:
-    def __init__(self, store: "SqlPlanStore", write_batch: Callable[[Sequence[NewPlan]], Awaitable[Sequence[Any]]],
-                 *, max_leaders: int, max_batch: int, fill_wait_s: float = FILL_WAIT_S):
+    """The group commit and its bounds; a subclass writes a batch (`_write`, the `write_batch` of
+    `AsyncGroupCommit`) and releases what it holds (`_release`)."""
+
+    def __init__(self, store: "SqlPlanStore", executor: Executor | None = None, *, max_leaders: int,
+                 max_batch: int, fill_wait_s: float = FILL_WAIT_S):
         self.store = store
+        self._executor = executor
         self.group: AsyncGroupCommit[NewPlan] = AsyncGroupCommit(
-            write_batch, max_batch=max_batch, max_leaders=max_leaders, timeout=store.wait_timeout_s,
+            self._write, max_batch=max_batch, max_leaders=max_leaders, timeout=store.wait_timeout_s,
             fill_wait_s=fill_wait_s)
         self._closed = False
-
-    @classmethod
-    def threaded(cls, store: "SqlPlanStore", executor: Executor | None = None, *, max_leaders: int = 1,
-                 max_batch: int, fill_wait_s: float = FILL_WAIT_S) -> "AsyncPlanWriter":
-        """Batches written by `store._save_batch` on a thread of `executor`."""
-        async def write_batch(news: Sequence[NewPlan]) -> Sequence[Any]:
-            return await asyncio.get_running_loop().run_in_executor(executor, store._save_batch, news)
-
-        return cls(store, write_batch, max_leaders=max_leaders, max_batch=max_batch, fill_wait_s=fill_wait_s)
 
     async def save(self, new: NewPlan) -> LoadPlan:
         """Write `new` in the next batch: its plan, a stored one replayed, or the refusal raised."""
@@ -69,5 +64,23 @@ class AsyncPlanWriter:
         await self.group.drain()
         await self._release()
 
+    async def _write(self, news: Sequence[NewPlan]) -> Sequence[Any]:
+        raise NotImplementedError
+
     async def _release(self) -> None:
         """What a subclass holds (connections)."""
+
+    async def _blocking(self, fn: Callable, *args: Any) -> Any:
+        """`fn(*args)` on a thread of the executor."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+
+class ThreadedPlanWriter(AsyncPlanWriter):
+    """Batches written by `store._save_batch` on a thread of the executor (SQLite)."""
+
+    def __init__(self, store: "SqlPlanStore", executor: Executor | None = None, *, max_leaders: int = 1,
+                 max_batch: int, fill_wait_s: float = FILL_WAIT_S):
+        super().__init__(store, executor, max_leaders=max_leaders, max_batch=max_batch, fill_wait_s=fill_wait_s)
+
+    async def _write(self, news: Sequence[NewPlan]) -> Sequence[Any]:
+        return await self._blocking(self.store._save_batch, news)

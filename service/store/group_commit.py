@@ -83,6 +83,14 @@ def check_settings(max_batch: int, max_leaders: int, timeout: float | None) -> N
         raise ValueError(f"timeout must be > 0 or None, got {timeout}")
 
 
+def checked_outcomes(outcomes: Sequence[Any], items: int) -> list[Any]:
+    """`write_batch`'s outcomes as a list, one per item, or RuntimeError (a `write_batch` bug)."""
+    outcomes = list(outcomes)
+    if len(outcomes) != items:
+        raise RuntimeError(f"write_batch returned {len(outcomes)} outcomes for {items} items")
+    return outcomes
+
+
 class GroupCommit(Generic[T]):
     def __init__(self, write_batch: Callable[[Sequence[T]], Sequence[Any]], *, max_batch: int = 256,
                  max_leaders: int = 1, timeout: float | None = None):
@@ -148,9 +156,7 @@ class GroupCommit(Generic[T]):
         outcomes: list[Any] = []
         if batch:
             try:
-                outcomes = list(self._write_batch([s.item for s in batch]))
-                if len(outcomes) != len(batch):
-                    raise RuntimeError(f"write_batch returned {len(outcomes)} outcomes for {len(batch)} items")
+                outcomes = checked_outcomes(self._write_batch([s.item for s in batch]), len(batch))
             except BaseException as exc:  # noqa: BLE001 - every caller of the batch gets it
                 outcomes = [exc] * len(batch)
         woken = []

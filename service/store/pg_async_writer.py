@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from concurrent.futures import Executor
 from typing import Any, Callable, Sequence
 
@@ -42,9 +43,9 @@ import psycopg
 
 from ..errors import Unavailable
 from ..registry import NewPlan
+from . import pq_statement
 from .async_writer import FILL_WAIT_S, AsyncPlanWriter
 from .db import PING_IF_IDLE_S, operation_timeout, psycopg_connect_kwargs, shut_down_socket
-from . import pq_statement
 from .repository import MAX_BATCH, SqlPlanStore, _Item, _Retry, _translate_errors
 
 # One batch at a time: a batch is one statement, so there is nothing of the next batch to overlap
@@ -61,11 +62,12 @@ class PgAsyncWriter(AsyncPlanWriter):
                  fill_wait_s: float = FILL_WAIT_S):
         if store.engine.dialect.name != "postgresql":
             raise ValueError(f"PgAsyncWriter writes to PostgreSQL, not {store.engine.dialect.name}")
-        super().__init__(store, self._write, max_leaders=max_leaders, max_batch=max_batch, fill_wait_s=fill_wait_s)
-        self._executor = executor
+        super().__init__(store, executor, max_leaders=max_leaders, max_batch=max_batch, fill_wait_s=fill_wait_s)
         self._connect_kwargs = psycopg_connect_kwargs(store.engine)
         self._timeout = operation_timeout(store.engine)
         self._idle: list[tuple[psycopg.AsyncConnection, float]] = []
+        self._prepared_on: weakref.WeakKeyDictionary[psycopg.AsyncConnection, set[bytes]] = \
+            weakref.WeakKeyDictionary()
         # Called as hook(connection, sql) right before each statement of a batch (tests cut
         # connections there, as SQLAlchemy's before_cursor_execute event lets them on the engine).
         self.before_statement: list[Callable[[psycopg.AsyncConnection, str], None]] = []
@@ -113,9 +115,6 @@ class PgAsyncWriter(AsyncPlanWriter):
                 results[k] = result
         return results
 
-    async def _blocking(self, fn: Callable, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
     # --- connections ---------------------------------------------------------------
 
     async def _execute(self, sql: str, params: tuple, returns_rows: bool) -> set[str] | None:
@@ -138,11 +137,8 @@ class PgAsyncWriter(AsyncPlanWriter):
                 await self._discard(conn)
 
     def _prepared(self, conn: psycopg.AsyncConnection) -> set[bytes]:
-        """The names of the statements prepared on `conn` (kept on the connection object)."""
-        names = getattr(conn, "_loadplan_prepared", None)
-        if names is None:
-            names = conn._loadplan_prepared = set()
-        return names
+        """The names of the statements prepared on `conn` (forgotten with the connection)."""
+        return self._prepared_on.setdefault(conn, set())
 
     async def _connection(self) -> psycopg.AsyncConnection:
         """An idle connection (pinged if idle for long), else a new one; errors translated by the caller."""

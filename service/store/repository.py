@@ -123,23 +123,29 @@ def _pg_from_json(table: sa.Table, where: str = "") -> str:
     return f"INSERT INTO {table.name} ({cols}) SELECT {fields} FROM jsonb_array_elements(%s::jsonb) AS r{where}"
 
 
-def _pg_field(i: int, column: sa.Column) -> str:
+def _pg_cast(column: sa.Column) -> str | None:
+    """The type a text value is cast to for `column` (None: text, assigned as it is)."""
     if isinstance(column.type, UTCDateTime):
-        return f"(r->>{i})::timestamptz"
+        return "timestamptz"
     if isinstance(column.type, sa.Boolean):
-        return f"(r->>{i})::boolean"
+        return "boolean"
     if isinstance(column.type, sa.Integer):
-        return f"(r->>{i})::integer"
+        return "integer"
     if isinstance(column.type, (sa.String, sa.Text)):
-        return f"r->>{i}"
-    raise ImportError(f"{column.table.name}.{column.name}: no JSON field conversion for {column.type!r}; "
-                      f"add one to _pg_field in {__name__}")
+        return None
+    raise ImportError(f"{column.table.name}.{column.name}: no conversion from text for {column.type!r}; "
+                      f"add one to _pg_cast in {__name__}")
+
+
+def _pg_field(i: int, column: sa.Column) -> str:
+    """Field `i` of a JSON row `r`, as `column`'s type."""
+    cast = _pg_cast(column)
+    return f"(r->>{i})::{cast}" if cast else f"r->>{i}"
 
 
 def _pg_param(column: sa.Column) -> str:
-    """A parameter placeholder cast to `column`'s type (`_pg_field`'s casts, for a plain value)."""
-    field = _pg_field(0, column)
-    return "%s" + field[field.index(")") + 1:] if field.startswith("(") else "%s::text"
+    """A parameter placeholder cast to `column`'s type (a SELECT list does not infer it)."""
+    return f"%s::{_pg_cast(column) or 'text'}"
 
 
 # PostgreSQL, the careful path: one statement for the plans (their decisions are a column) and
@@ -567,10 +573,10 @@ class SqlPlanStore:
         on PostgreSQL a `PgAsyncWriter`, which writes from the loop; on SQLite, whose driver
         blocks, batches written by `_save_batch` on a thread of `executor` (one hand-off per batch).
         `executor` also runs PostgreSQL's careful path; `options` go to the writer."""
-        from .async_writer import AsyncPlanWriter
+        from .async_writer import ThreadedPlanWriter
 
         if not self._pg:
-            return AsyncPlanWriter.threaded(self, executor, max_batch=self._group.max_batch, **options)
+            return ThreadedPlanWriter(self, executor, max_batch=self._group.max_batch, **options)
         from .pg_async_writer import PgAsyncWriter   # psycopg's asyncio side: only where it is used
 
         return PgAsyncWriter(self, executor, max_batch=self._group.max_batch, **options)
