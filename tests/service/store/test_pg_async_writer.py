@@ -415,25 +415,36 @@ def test_callers_stop_waiting_and_say_whether_their_plan_may_commit(postgres_url
         async def body(writer):
             assert writer.group.max_leaders == 1
             statements = []
+            sent = [asyncio.Event() for _ in range(3)]
 
             def hold(conn, sql):
+                # Statements 1 (the lone caller's) and 3 (the shared batch's) take the table lock.
                 statements.append(sql)
                 if len(statements) in (1, 3) and not lock.held:
                     lock.take()
+                sent[len(statements) - 1].set()
 
             writer.before_statement.append(hold)
             # 1. The lone caller's statement is held; a caller queued behind it gives up unwritten.
             first = asyncio.create_task(writer.save(alone))
-            await asyncio.sleep(0.05)
+            await sent[0].wait()
             started = time.monotonic()
             withdrawn = await asyncio.gather(writer.save(queued), return_exceptions=True)
             waited = time.monotonic() - started
             queue_after = writer.group.pending()
             lock.release()
             plan = await first                                # bounded by its own statement: written
-            # 2. Two callers queued behind a lone one share the next batch, which is held.
+            # 2. Two callers queued behind a lone one share the next batch, which is held. The lone
+            # statement waits for the lock while they queue (else, answered before they come, it
+            # would leave them nobody to queue behind).
             lone = new_plan(store, make_request(deployment_id=f"{deployment}-e"))
-            saves = [asyncio.create_task(writer.save(x)) for x in (lone, shared_a, shared_b)]
+            lock.take()
+            saves = [asyncio.create_task(writer.save(lone))]
+            await sent[1].wait()
+            saves += [asyncio.create_task(writer.save(x)) for x in (shared_a, shared_b)]
+            while writer.group.pending() < 2:
+                await asyncio.sleep(0.01)
+            lock.release()                                    # the lone one commits; [a, b] is taken
             outcomes = await asyncio.gather(*saves, return_exceptions=True)
             lock.release()
             return plan, withdrawn[0], waited, queue_after, outcomes
