@@ -44,6 +44,10 @@ class NewPlan:
     # config by the caller when it can; None: the store encodes them itself.
     config_json: str | None = None
     quantization_config_json: str | None = None
+    # plan.decisions as the rules made them, before `decided_at=plan.created_at` was set on each:
+    # objects the rules cache shares between the plans of a deployment, so a store or transport
+    # may encode them once (by identity) for every plan that carries them. None: unknown.
+    unstamped: Mapping[str, Decision] | None = None
 
 
 class PlanStore(Protocol):
@@ -135,10 +139,7 @@ class Resolved:
     """A resolve's outcome with what a transport may reuse to encode it (`Registry.resolve_new`)."""
 
     plan: LoadPlan                      # what the store answered: `new.plan`, or a stored plan (replayed)
-    new: NewPlan                        # what was handed to the store
-    # new.plan.decisions before stamping with new.plan.created_at: objects the rules cache
-    # shares between the plans of a deployment (per pipeline stage for the rank's own ones).
-    unstamped: Mapping[str, Decision]
+    new: NewPlan                        # what was handed to the store (`new.unstamped` included)
 
 
 class Registry:
@@ -156,20 +157,20 @@ class Registry:
         `quantization_config_json` when the caller has them (the transport keeps them per config
         text): the texts `client.convert.config_to_json(req.config)` and
         `quantization_config_to_json(req.quantization_config)` write."""
-        new, unstamped = self.new_plan(req, inputs_key, config_texts)
-        return Resolved(self.store.save_plan(new), new, unstamped)
+        new = self.new_plan(req, inputs_key, config_texts)
+        return Resolved(self.store.save_plan(new), new)
 
     async def resolve_new_async(self, req: ResolveRequest, save: Callable[[NewPlan], Awaitable[LoadPlan]],
                                 inputs_key: Any = None,
                                 config_texts: tuple[str, str | None] | None = None) -> Resolved:
         """`resolve_new` for a caller on an event loop: the store's `save_plan` is `save`, awaited
         (the server's: `PgAsyncWriter.save`, or `save_plan` on a worker thread)."""
-        new, unstamped = self.new_plan(req, inputs_key, config_texts)
-        return Resolved(await save(new), new, unstamped)
+        new = self.new_plan(req, inputs_key, config_texts)
+        return Resolved(await save(new), new)
 
     def new_plan(self, req: ResolveRequest, inputs_key: Any = None,
-                 config_texts: tuple[str, str | None] | None = None) -> tuple[NewPlan, Mapping[str, Decision]]:
-        """Validate and decide (no store involved): the plan to save, and its decisions unstamped."""
+                 config_texts: tuple[str, str | None] | None = None) -> NewPlan:
+        """Validate and decide (no store involved): the plan to save."""
         res = resolve_decisions(req, inputs_key)
         now = self.clock()
         plan = LoadPlan(
@@ -185,7 +186,7 @@ class Registry:
         inputs = res.deployment_inputs
         fp = request_fingerprint(req, inputs["config_fingerprint"], inputs["quantization_config_fingerprint"])
         config_json, quantization_config_json = config_texts or (None, None)
-        return NewPlan(plan, fp, inputs, config_json, quantization_config_json), res.decisions
+        return NewPlan(plan, fp, inputs, config_json, quantization_config_json, res.decisions)
 
     def get_plan(self, plan_id: str, include_history: bool = False) -> LoadPlan:
         if not plan_id:

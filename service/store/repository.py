@@ -49,7 +49,7 @@ import dataclasses
 import datetime as dt
 import json
 import threading
-from typing import Any, Iterable, Iterator, NamedTuple, Sequence
+from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
@@ -99,14 +99,18 @@ _ROW_LAYOUTS = {
               "quantization_config_json", "runtime_json", "ruleset_version", "created_at", "decisions_json"),
     "deployment_pins": ("deployment_id", "role", "inputs_json", "ruleset_version", "plan_id", "created_at"),
 }
-# Positions of the time columns of each layout (the values `_json_rows` writes as ISO 8601).
-_TIME_COLUMNS = {tuple(c.name for c in t.columns): tuple(i for i, c in enumerate(t.columns)
-                                                         if isinstance(c.type, UTCDateTime))
-                 for t in (PLANS, PINS)}
 for _table, _columns in (("plans", _PLAN_COLUMNS), ("deployment_pins", _PIN_COLUMNS)):
     if _columns != _ROW_LAYOUTS[_table]:
         raise ImportError(f"models.py changed the columns of {_table} to {_columns}; update _Item and _ROW_LAYOUTS "
                           f"in {__name__}")
+# A JSON row of `_pg_from_json` holds a row's values in its layout's order, except for the long
+# texts that repeat from plan to plan (a config, the decisions the rules share between ranks, a
+# deployment's inputs): those come last, where `_json_rows` appends their JSON literals encoded
+# once (`_literal`), instead of escaping kilobytes of text again for every plan of every batch.
+_LONG_TEXTS = {"plans": ("config_json", "quantization_config_json", "runtime_json", "decisions_json"),
+               "deployment_pins": ("inputs_json",)}
+_JSON_ORDER = {layout: tuple(c for c in cols if c not in _LONG_TEXTS[layout]) + _LONG_TEXTS[layout]
+               for layout, cols in _ROW_LAYOUTS.items()}
 
 
 def _pg_from_json(table: sa.Table, where: str = "") -> str:
@@ -119,7 +123,8 @@ def _pg_from_json(table: sa.Table, where: str = "") -> str:
     One JSON text of arrays is what the client builds fastest (no dict per row, one C encoder
     call per batch): a batch holds thousands of values, built on the server's one event-loop thread."""
     cols = ", ".join(c.name for c in table.columns)
-    fields = ", ".join(_pg_field(i, c) for i, c in enumerate(table.columns))
+    order = _JSON_ORDER[table.name]
+    fields = ", ".join(_pg_field(order.index(c.name), c) for c in table.columns)
     return f"INSERT INTO {table.name} ({cols}) SELECT {fields} FROM jsonb_array_elements(%s::jsonb) AS r{where}"
 
 
@@ -157,7 +162,7 @@ _PG_INSERT_PINS = (f"{_pg_from_json(PINS)} ON CONFLICT (deployment_id, role) DO 
 
 def _group_of(layout: str, alias: str) -> str:
     """`alias->>i, alias->>j`: the (deployment_id, role) of a JSON row of `layout`."""
-    cols = _ROW_LAYOUTS[layout]
+    cols = _JSON_ORDER[layout]
     return f"{alias}->>{cols.index('deployment_id')}, {alias}->>{cols.index('role')}"
 
 
@@ -415,25 +420,54 @@ def _chunks(xs: Sequence[Any], n: int) -> Iterator[Sequence[Any]]:
         yield xs[i:i + n]
 
 
-def _json_rows(columns: Sequence[str], rows: list[tuple]) -> str:
-    """Rows as the JSON array of row arrays `_pg_from_json` reads; times in ISO 8601.
-    Only the time columns (by `_TIME_COLUMNS`, else every value) are looked at."""
-    times: dict[int, str] = {}   # the decisions of a plan share one time: format it once
-    positions = _TIME_COLUMNS.get(tuple(columns))
-    if positions is None:
-        positions = tuple(range(len(columns)))
+def _json_rows(layout: str, rows: Iterable[tuple]) -> str:
+    """Rows (tuples in `_ROW_LAYOUTS[layout]` order) as the JSON array of row arrays that
+    `_pg_from_json` reads (values in `_JSON_ORDER[layout]`); times in ISO 8601."""
+    short, long, times = _JSON_POSITIONS[layout]
+    stamps: dict[int, str] = {}   # the rows of a batch share few times: each formatted once
     out = []
     for row in rows:
-        row = list(row)
-        for i in positions:
-            value = row[i]
+        values = [row[i] for i in short]
+        for k in times:
+            value = values[k]
             if isinstance(value, dt.datetime):
-                text = times.get(id(value))
+                text = stamps.get(id(value))
                 if text is None:
-                    text = times[id(value)] = value.isoformat()
-                row[i] = text
-        out.append(row)
-    return _dumps(out)
+                    text = stamps[id(value)] = value.isoformat()
+                values[k] = text
+        out.append(f"{_dumps(values)[:-1]},{','.join([_literal(row[i]) for i in long])}]")
+    return f"[{','.join(out)}]"
+
+
+def _json_positions(layout: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(the row positions of the short values, of the long texts, the time values' places among
+    the short ones), for `_json_rows`."""
+    cols = _ROW_LAYOUTS[layout]
+    table = {"plans": PLANS, "deployment_pins": PINS}[layout]
+    short = tuple(i for i, c in enumerate(cols) if c not in _LONG_TEXTS[layout])
+    long = tuple(cols.index(c) for c in _LONG_TEXTS[layout])
+    times = tuple(k for k, i in enumerate(short) if isinstance(table.columns[cols[i]].type, UTCDateTime))
+    return short, long, times
+
+
+_JSON_POSITIONS = {layout: _json_positions(layout) for layout in _ROW_LAYOUTS}
+# JSON string literals of long texts seen lately, by text (a str caches its hash, and the texts
+# that repeat are mostly the same objects: the transport's config texts, `_DECISIONS_JSON`'s).
+_LITERALS: dict[str, str] = {}
+_MAX_LITERALS = 4096
+
+
+def _literal(text: str | None) -> str:
+    """`_dumps(text)`, remembered for texts that repeat."""
+    if text is None:
+        return "null"
+    literal = _LITERALS.get(text)
+    if literal is None:
+        literal = _dumps(text)
+        if len(_LITERALS) >= _MAX_LITERALS:
+            _LITERALS.clear()   # rare: a fleet repeats few long texts
+        _LITERALS[text] = literal
+    return literal
 
 
 def _aware(value: dt.datetime | None) -> None:
@@ -507,7 +541,7 @@ class _Item:
                 p.tp_size, p.tp_rank, p.ep_size, p.ep_rank, p.pp_size, p.pp_rank, p.dp_size, p.dp_rank,
                 plan.entry_class, plan.config_fingerprint, config_json, plan.quantization,
                 req.quantization, qc_json, _dumps(_runtime_dict(req.runtime)), plan.ruleset_version,
-                plan.created_at, _decisions_json(plan))
+                plan.created_at, _new_decisions_json(new))
 
     def pin_row(self) -> tuple:
         plan = self.new.plan
@@ -526,8 +560,53 @@ def _decisions_json(plan: LoadPlan) -> str:
         if d.decided_at != at or d.revision != 0:
             raise ValueError(f"decision {d.key}: a new plan's decisions are revision 0 decided at its created_at "
                              f"({at}), got revision {d.revision} decided at {d.decided_at}")
-        out.append([d.key, d.value, d.reason, d.rule, d.deployment_wide])
+        out.append(_decision_fields(d))
     return _dumps(out)
+
+
+def _decision_fields(d: Decision) -> list:
+    return [d.key, d.value, d.reason, d.rule, d.deployment_wide]
+
+
+class _SharedDecisionsJson:
+    """`_decisions_json` of a new plan from its unstamped decisions (`NewPlan.unstamped`), by the
+    identity of the decision objects, which the rules cache shares between the plans of a
+    deployment (of every deployment of one config): encoded once, not for every plan. Each
+    entry holds its objects, so their ids cannot be reused while it is remembered."""
+
+    def __init__(self, maxsize: int = 4096):
+        self.maxsize = maxsize
+        self.memo: dict[tuple[int, ...], tuple[tuple[Decision, ...], str]] = {}
+
+    def __call__(self, unstamped: Mapping[str, Decision]) -> str:
+        decisions = tuple(unstamped.values())
+        key = tuple(map(id, decisions))
+        hit = self.memo.get(key)
+        if hit is not None:
+            return hit[1]
+        for d in decisions:
+            if d.decided_at is not None or d.revision != 0:
+                raise ValueError(f"decision {d.key}: unstamped decisions of a new plan are revision 0 without "
+                                 f"decided_at, got revision {d.revision} decided at {d.decided_at}")
+        text = _dumps([_decision_fields(d) for d in decisions])
+        if len(self.memo) >= self.maxsize:
+            self.memo.clear()
+        self.memo[key] = (decisions, text)
+        return text
+
+
+_DECISIONS_JSON = _SharedDecisionsJson()
+
+
+def _new_decisions_json(new: NewPlan) -> str:
+    """`plans.decisions_json` of `new`: its unstamped decisions' (remembered) when it has them,
+    which stamping leaves the same (the column has no decided_at), else its plan's."""
+    unstamped = new.unstamped
+    if unstamped is None:
+        return _decisions_json(new.plan)
+    if len(unstamped) != len(new.plan.decisions):
+        raise ValueError(f"NewPlan.unstamped has {len(unstamped)} decisions, its plan {len(new.plan.decisions)}")
+    return _DECISIONS_JSON(unstamped)
 
 
 def _pin_refusal(item: _Item, pin: _Pin) -> FailedPrecondition | None:
@@ -734,10 +813,10 @@ class SqlPlanStore:
             if not pins:
                 return FastStatement(writes, left, [], _PG_INSERT_ONE_PLAN, row)
             return FastStatement(writes, left, pins, _PG_SAVE_ONE, (*pins[0].pin_row(), *row))
-        plans_json = _json_rows(_PLAN_COLUMNS, [it.plan_row() for it in plans])
+        plans_json = _json_rows("plans", [it.plan_row() for it in plans])
         if not pins:   # ranks of known deployments only (the common case): the plans alone
             return FastStatement(writes, left, [], _PG_INSERT_PLANS, (plans_json,))
-        pins_json = _json_rows(_PIN_COLUMNS, [it.pin_row() for it in pins])
+        pins_json = _json_rows("deployment_pins", [it.pin_row() for it in pins])
         return FastStatement(writes, left, pins, _PG_SAVE, (pins_json, plans_json, pins_json))
 
     @staticmethod
@@ -890,7 +969,7 @@ class SqlPlanStore:
         items = sorted(items, key=lambda it: it.request_id)   # one lock order for every writer
         plans = [it.plan_row() for it in items]
         if self._pg:
-            conn.exec_driver_sql(_PG_INSERT_PLANS, (_json_rows(_PLAN_COLUMNS, plans),))
+            conn.exec_driver_sql(_PG_INSERT_PLANS, (_json_rows("plans", plans),))
         else:
             conn.exec_driver_sql(_SQLITE_INSERT["plans"], self._sqlite_rows(PLANS, plans))
 
@@ -926,7 +1005,7 @@ class SqlPlanStore:
         if not items:
             return None
         rows = [it.pin_row() for it in sorted(items, key=lambda it: it.group)]
-        return conn.exec_driver_sql(_PG_INSERT_PINS, (_json_rows(_PIN_COLUMNS, rows),))
+        return conn.exec_driver_sql(_PG_INSERT_PINS, (_json_rows("deployment_pins", rows),))
 
     def _insert_pins(self, conn: Connection, items: list["_Item"]) -> set[tuple[str, str]]:
         """Pin each item's (deployment, role) to its inputs unless pinned already; the ones it pinned."""
@@ -935,7 +1014,7 @@ class SqlPlanStore:
         items = sorted(items, key=lambda it: it.group)
         rows = [it.pin_row() for it in items]
         if self._pg:
-            result = conn.exec_driver_sql(_PG_INSERT_PINS, (_json_rows(_PIN_COLUMNS, rows),))
+            result = conn.exec_driver_sql(_PG_INSERT_PINS, (_json_rows("deployment_pins", rows),))
             return {(r[0], r[1]) for r in result}
         # SQLite: the write lock is held and the pins were looked up in this transaction.
         conn.exec_driver_sql(_SQLITE_INSERT["deployment_pins"], self._sqlite_rows(PINS, rows))

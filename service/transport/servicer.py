@@ -118,7 +118,7 @@ class ModelRegistryServicer(pb_grpc.ModelRegistryServicer):
                                                     (request.config_json, request.quantization_config_json), texts)
         if got.plan is got.new.plan:   # the plan made here (not a stored one replayed): its parts are known
             return plan_wire.plan_bytes(got.plan, config_json=texts[0], quantization_config_json=texts[1],
-                                        unstamped=got.unstamped)
+                                        unstamped=got.new.unstamped)
         return plan_wire.plan_bytes(got.plan)
 
     @_rpc

@@ -112,8 +112,8 @@ def test_resolve_new_hands_the_store_the_plan_its_fingerprint_and_the_config_tex
     assert new.deployment_inputs == resolve_decisions(req).deployment_inputs
     plan = new.plan
     assert plan.created_at == NOW and all(d.decided_at == NOW for d in plan.decisions.values())
-    assert got.unstamped == resolve_decisions(req).decisions
-    assert {k: dataclasses.replace(d, decided_at=None) for k, d in plan.decisions.items()} == got.unstamped
+    assert got.new.unstamped == resolve_decisions(req).decisions
+    assert {k: dataclasses.replace(d, decided_at=None) for k, d in plan.decisions.items()} == got.new.unstamped
 
     # Without texts the store encodes the configs itself; resolve answers the plan alone.
     plan = registry.resolve(dataclasses.replace(req, request_id="r2"))

@@ -105,7 +105,7 @@ def run_writer(store: SqlPlanStore, executor, body, **options):
 
 def new_plan(store: SqlPlanStore, request):
     """The NewPlan the registry hands its store for `request` (a fresh plan id each call)."""
-    return Registry(store).new_plan(request)[0]
+    return Registry(store).new_plan(request)
 
 
 def plan_rows(engine, *, request_id: str | None = None, deployment_id: str | None = None) -> list[str]:

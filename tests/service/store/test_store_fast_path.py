@@ -7,6 +7,7 @@ autocommit mode the path borrows must not leak into the pool's later transaction
 from __future__ import annotations
 
 import dataclasses
+import json
 import uuid
 
 import pytest
@@ -107,7 +108,7 @@ def test_a_plan_written_alone_is_stored_as_one_written_in_a_batch(engine, make_r
     registry = Registry(store)
     qc = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     like = dict(parallel=Parallel(ep_size=2, ep_rank=1), host="node-\u00e9", quantization_config=qc)
-    news = [registry.new_plan(make_request(deployment_id=f"{deployment}-{x}", **like))[0] for x in "abc"]
+    news = [registry.new_plan(make_request(deployment_id=f"{deployment}-{x}", **like)) for x in "abc"]
     sent = _statements(engine)
     assert not store.save_plan(news[0]).replayed                  # alone: a batch of one
     outcomes = store._save_batch(news[1:])                         # together: one JSON statement
@@ -119,10 +120,32 @@ def test_a_plan_written_alone_is_stored_as_one_written_in_a_batch(engine, make_r
     assert all(row == alone for row in batched), (alone, batched)
     # and a rank of a known pin, alone, by the plain single-row INSERT
     rank = registry.new_plan(make_request(deployment_id=f"{deployment}-a", request_id=f"req-{uuid.uuid4().hex}",
-                                          **{**like, "parallel": Parallel(ep_size=2, ep_rank=0)}))[0]
+                                          **{**like, "parallel": Parallel(ep_size=2, ep_rank=0)}))
     sent.clear()
     assert store.save_plan(rank).plan_id == rank.plan.plan_id
     assert sent == ["INSERT INTO plans (plan_id,"], sent
+
+
+def test_a_plan_is_stored_alike_with_or_without_its_unstamped_decisions(engine, make_request, deployment):
+    """`NewPlan.unstamped` lets the store encode the decisions the rules share once for every plan
+    carrying them: the row must be the one encoded from the plan's own stamped decisions, alone
+    and in a batch."""
+    store = SqlPlanStore(engine)
+    registry = Registry(store)
+    news = [registry.new_plan(make_request(deployment_id=f"{deployment}-{x}", parallel=Parallel(ep_size=2)))
+            for x in "abcdef"]
+    assert all(n.unstamped is not None for n in news)
+    plain = [dataclasses.replace(n, unstamped=None) for n in news[3:]]
+    assert not store.save_plan(news[0]).replayed and not store.save_plan(plain[0]).replayed   # alone
+    batched = news[1:3] + plain[1:]
+    outcomes = store._save_batch(news[1:3]) + store._save_batch(plain[1:])                   # in batches
+    assert [o.plan_id for o in outcomes] == [n.plan.plan_id for n in batched]
+    rows = _stored_rows(engine, [n.plan.request.deployment_id for n in news])
+    assert len(rows) == 6
+    first, *others = rows.values()
+    assert all(row == first for row in others), (first, others)
+    assert json.loads(first["decisions_json"]) == [[d.key, d.value, d.reason, d.rule, d.deployment_wide]
+                                                   for d in news[0].plan.decisions.values()]
 
 
 @pytest.mark.parametrize("together", [False, True], ids=["alone", "in a batch"])
@@ -130,11 +153,11 @@ def test_an_over_long_value_is_refused_not_truncated(engine, make_request, deplo
     store = SqlPlanStore(engine)
     registry = Registry(store)
     # plans.host is VARCHAR(255); the rules refuse longer ones before, so the plan is altered after
-    valid = registry.new_plan(make_request())[0]
+    valid = registry.new_plan(make_request())
     request = dataclasses.replace(valid.plan.request, host="h" * 300)
     bad = dataclasses.replace(valid, plan=dataclasses.replace(valid.plan, request=request))
     if together:
-        good = registry.new_plan(make_request(deployment_id=f"{deployment}-ok"))[0]
+        good = registry.new_plan(make_request(deployment_id=f"{deployment}-ok"))
         outcomes = store._save_batch([bad, good])
         assert outcomes[1].plan_id == good.plan.plan_id            # the other plan is not failed with it
         refusal = outcomes[0]

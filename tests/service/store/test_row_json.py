@@ -1,0 +1,69 @@
+"""The JSON documents the PostgreSQL batch statements read (`_json_rows`, `_pg_from_json`) and
+the decisions JSON remembered for the decisions the rules share (`_SharedDecisionsJson`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+
+import pytest
+
+from loadplan.plan import Decision
+from loadplan.service.store import repository as repo
+
+AT = dt.datetime(2026, 11, 29, 12, 0, 0, 123456, tzinfo=dt.timezone.utc)
+
+
+def _plan_row(**changes) -> tuple:
+    values = {c: f"{c}-value" for c in repo._ROW_LAYOUTS["plans"]}
+    values.update({c: i for i, c in enumerate(repo._ROW_LAYOUTS["plans"]) if c.endswith(("_size", "_rank"))})
+    values.update(created_at=AT, quantization=None, config_json='{"hidden_size": 7168, "name": "caf\u00e9 \\"x\\""}',
+                  decisions_json='[["k", [1, 2], "why", "rule", true]]')
+    values.update(changes)
+    return tuple(values[c] for c in repo._ROW_LAYOUTS["plans"])
+
+
+def test_a_json_row_holds_every_value_where_the_statement_reads_it():
+    rows = [_plan_row(), _plan_row(plan_id="other", quantization_config_json=None)]
+    doc = json.loads(repo._json_rows("plans", rows))
+    order = repo._JSON_ORDER["plans"]
+    assert sorted(order) == sorted(repo._ROW_LAYOUTS["plans"])
+    for row, got in zip(rows, doc):
+        expected = dict(zip(repo._ROW_LAYOUTS["plans"], row), created_at=AT.isoformat())
+        assert dict(zip(order, got)) == expected
+    # the statement reads each column at its place in the JSON row
+    for i, column in enumerate(repo.PLANS.columns):
+        assert f"r->>{order.index(column.name)}" in repo._PG_INSERT_PLANS.split(" SELECT ")[1].split(", ")[i]
+
+
+def test_long_texts_are_encoded_once_and_stay_exact():
+    text = '{"a": "\\u00e9\\n", "b": "caf\u00e9"}' * 50
+    first = repo._literal(text)
+    assert json.loads(first) == text
+    assert repo._literal(text) is first                      # remembered
+    assert repo._literal("".join(text)) == first             # an equal text, another object
+    assert repo._literal(None) == "null"
+
+
+def _decisions(n: int = 3) -> dict[str, Decision]:
+    return {f"k{i}": Decision(f"k{i}", [i, {"x": i}], f"reason {i}", "rule", i % 2 == 0) for i in range(n)}
+
+
+def test_shared_decisions_are_encoded_once_as_the_stamped_ones_are():
+    memo = repo._SharedDecisionsJson()
+    unstamped = _decisions()
+    stamped = {k: dataclasses.replace(d, decided_at=AT) for k, d in unstamped.items()}
+    plan = type("P", (), {"decisions": stamped, "created_at": AT})()
+    text = memo(unstamped)
+    assert text == repo._decisions_json(plan)
+    assert memo(dict(unstamped)) is text                     # the same objects in another mapping
+    assert memo(_decisions()) == text and memo(_decisions()) is not text   # equal objects: encoded again
+
+
+@pytest.mark.parametrize("change", [dict(revision=1), dict(decided_at=AT)], ids=["revised", "stamped"])
+def test_unstamped_decisions_of_another_kind_are_refused(change):
+    unstamped = _decisions()
+    unstamped["k1"] = dataclasses.replace(unstamped["k1"], **change)
+    with pytest.raises(ValueError, match="k1"):
+        repo._SharedDecisionsJson()(unstamped)
