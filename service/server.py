@@ -29,6 +29,8 @@ from grpc_reflection.v1alpha import reflection
 
 from ..v1 import registry_pb2 as pb
 from . import auth
+from .accept_ahead import DEFAULT_DEPTH as DEFAULT_ACCEPT_AHEAD
+from .accept_ahead import AcceptAhead
 from .auth import TokenStore
 from .registry import PlanStore, Registry
 from .rules import entries
@@ -61,6 +63,9 @@ class ServerOptions:
     grace_s: float = 5.0
     tokens: TokenStore | None = None     # bearer tokens and roles (service/auth.py); None: open
     tls: ServerTls | None = None         # TLS / mutual TLS (service/tls.py); None: plaintext
+    # Extra call requests kept outstanding per registry method (service/accept_ahead.py); 0:
+    # grpc's own accept loop alone, one call of a method accepted at a time.
+    accept_ahead: int = DEFAULT_ACCEPT_AHEAD
 
 
 class _Probe:
@@ -124,20 +129,24 @@ class RegistryServer:
     async def _build(self) -> int:
         """On the loop: the aio server, its services, its port (the port bound)."""
         options = self.options
+        if options.accept_ahead < 0:
+            raise ServerStartError(f"accept_ahead must be >= 0, got {options.accept_ahead}")
         self.health = health.aio.HealthServicer()
         await self._publish(NOT_SERVING)
+        interceptors = auth.interceptors(options.tokens)
         self._server = grpc.aio.server(
             options=[("grpc.max_receive_message_length", options.max_receive_message_bytes),
                      # Without this, Linux lets a second server bind the same port and
                      # silently share its traffic; a busy port must be an error.
                      ("grpc.so_reuseport", 0)],
-            interceptors=auth.interceptors(options.tokens),
+            interceptors=interceptors,
         )
         make_writer = getattr(self.store, "async_writer", None)
         self.writer = make_writer(self._executor) if make_writer is not None else None
-        add_to_server(ModelRegistryServicer(Registry(self.store), blocking=self._blocking,
-                                            save=self.writer.save if self.writer is not None else None),
-                      self._server)
+        handlers = add_to_server(ModelRegistryServicer(Registry(self.store), blocking=self._blocking,
+                                                       save=self.writer.save if self.writer is not None else None),
+                                 self._server)
+        self.accept_ahead = AcceptAhead(self._server, handlers, interceptors, options.accept_ahead)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
@@ -202,7 +211,7 @@ class RegistryServer:
     # --- lifecycle -------------------------------------------------------------
 
     def start(self) -> "RegistryServer":
-        self._call(self._server.start())
+        self._call(self._start())
         auth.announce(self.options.tokens, self.address)
         self.check_ready()
         self._watcher = threading.Thread(target=self._watch, name="loadplan-readiness", daemon=True)
@@ -226,9 +235,14 @@ class RegistryServer:
         finally:
             self._close_loop()
 
+    async def _start(self) -> None:
+        await self._server.start()
+        await self.accept_ahead.start()
+
     async def _shutdown(self, grace: float) -> None:
         await self.health.enter_graceful_shutdown()
         await self._server.stop(grace)
+        await self.accept_ahead.stop()
         if self.writer is not None:
             await self.writer.aclose()
 

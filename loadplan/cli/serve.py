@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest request accepted (default 4 MiB)")
     parser.add_argument("--workers", type=int, default=None, metavar="N",
                         help="worker threads for the database calls that block (default 64: reads, SQLite writes)")
+    parser.add_argument("--accept-ahead", type=int, default=None, metavar="N",
+                        help="extra calls of each registry method the server asks gRPC for ahead of time (default "
+                             "4; 0: gRPC's own accept loop, one call of a method at a time)")
     sec = parser.add_argument_group("security")
     sec.add_argument("--tokens-file", metavar="FILE", default=None,
                      help="ROLE:TOKEN lines (roles worker, reader, admin); default $LOADPLAN_TOKENS_FILE, plus "
@@ -70,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         server = RegistryServer(SqlPlanStore(engine), ServerOptions(
             listen=args.listen, max_receive_message_bytes=args.max_message_bytes,
             **({} if args.workers is None else {"max_workers": args.workers}),
+            **({} if args.accept_ahead is None else {"accept_ahead": args.accept_ahead}),
             tokens=tokens, tls=tls))
     except ServerStartError as e:
         raise CliError("FAILED_PRECONDITION", one_line(e)) from None

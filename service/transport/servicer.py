@@ -162,9 +162,9 @@ def _serialize(response) -> bytes:
     return response if response.__class__ is bytes else response.SerializeToString()
 
 
-def add_to_server(servicer: ModelRegistryServicer, server: grpc.aio.Server) -> None:
+def add_to_server(servicer: ModelRegistryServicer, server: grpc.aio.Server) -> dict[str, grpc.RpcMethodHandler]:
     """`pb_grpc.add_ModelRegistryServicer_to_server`, but every answer goes through `_serialize`,
-    so that a method may answer with pre-encoded bytes."""
+    so that a method may answer with pre-encoded bytes. Returns the handlers by method path."""
     service = pb.DESCRIPTOR.services_by_name["ModelRegistry"]
     handlers = {}
     for method in service.methods:
@@ -174,3 +174,4 @@ def add_to_server(servicer: ModelRegistryServicer, server: grpc.aio.Server) -> N
             response_serializer=_serialize)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     server.add_registered_method_handlers(service.full_name, handlers)
+    return {f"/{service.full_name}/{name}": handler for name, handler in handlers.items()}
