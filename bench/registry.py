@@ -1,6 +1,7 @@
 """Registry throughput and latency: a bare echo RPC vs ResolveLoadPlan with durable writes.
 
     python bench/registry.py [--postgres-url URL] [--json] [--requests N] [--rounds N] [--ranks-per-deployment N]
+                             [--accept-ahead N]
 
 For each database (SQLite file; PostgreSQL when --postgres-url or
 LOADPLAN_TEST_POSTGRES_URL is given) it starts one registry server process
@@ -109,14 +110,14 @@ def _commit_p50_ms(db_url: str, n: int = 200) -> float:
 
 
 class Server:
-    def __init__(self, db_url: str):
+    def __init__(self, db_url: str, serve_args: tuple[str, ...] = ()):
         self.port = _free_port()
         self.address = f"127.0.0.1:{self.port}"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         subprocess.run([sys.executable, "-m", "loadplan.cli.main", "migrate", "--db", db_url], check=True, env=env,
                        stdout=subprocess.DEVNULL)
         self.proc = subprocess.Popen([sys.executable, "-m", "loadplan.cli.main", "serve", "--db", db_url,
-                                      "--listen", self.address], env=env, stdout=subprocess.DEVNULL,
+                                      "--listen", self.address, *serve_args], env=env, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE)
         from loadplan.service.healthcheck import check
 
@@ -233,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="adjacent echo/resolve pairs per measurement")
     ap.add_argument("--ranks-per-deployment", type=int, default=1,
                     help="consecutive resolves that are ranks of one deployment (1: each its own deployment)")
+    ap.add_argument("--accept-ahead", type=int, default=None, metavar="N",
+                    help="the server's `serve --accept-ahead N` (default: the server's default)")
     args = ap.parse_args(argv)
     if args.ranks_per_deployment < 1:
         ap.error(f"--ranks-per-deployment must be >= 1, got {args.ranks_per_deployment}")
@@ -249,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         for name, url, _ in targets:
-            server = Server(url)
+            server = Server(url, () if args.accept_ahead is None else ("--accept-ahead", str(args.accept_ahead)))
             try:
                 commit = round(_commit_p50_ms(url), 3)
                 for inflight, n in ((1, args.sequential_requests), (64, args.requests)):
