@@ -29,7 +29,6 @@ from grpc_reflection.v1alpha import reflection
 
 from ..v1 import registry_pb2 as pb
 from . import auth
-from .accept_ahead import DEFAULT_DEPTH as DEFAULT_ACCEPT_AHEAD
 from .accept_ahead import AcceptAhead
 from .auth import TokenStore
 from .registry import PlanStore, Registry
@@ -63,9 +62,10 @@ class ServerOptions:
     grace_s: float = 5.0
     tokens: TokenStore | None = None     # bearer tokens and roles (service/auth.py); None: open
     tls: ServerTls | None = None         # TLS / mutual TLS (service/tls.py); None: plaintext
-    # Extra call requests kept outstanding per registry method (service/accept_ahead.py); 0:
-    # grpc's own accept loop alone, one call of a method accepted at a time.
-    accept_ahead: int = DEFAULT_ACCEPT_AHEAD
+    # Extra call requests kept outstanding per registry method (service/accept_ahead.py; it uses
+    # private parts of grpcio, so it is opt-in); 0: grpc's own accept loop alone, one call of a
+    # method accepted at a time.
+    accept_ahead: int = 0
 
 
 class _Probe:

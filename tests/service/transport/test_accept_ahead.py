@@ -43,7 +43,7 @@ def test_a_verified_grpc_has_what_accepting_ahead_uses_and_any_grpc_serves():
     """On a grpcio release `AcceptAhead` was checked against, it must be active (a silent fall
     back to one call of a method at a time would be a regression); on another, the server serves
     either way (and says which in its log)."""
-    server = _start()
+    server = _start(accept_ahead=accept_ahead.DEFAULT_DEPTH)
     try:
         answers = asyncio.run(_burst(server.address, ECHO, 20))
         assert all(isinstance(a, bytes) for a in answers), answers
@@ -93,7 +93,8 @@ def test_interceptors_judge_the_calls_accepted_ahead():
     assert accepted > 60, accepted
 
 
-def test_depth_zero_leaves_grpcs_own_accept_loop():
+def test_depth_zero_the_default_leaves_grpcs_own_accept_loop():
+    assert ServerOptions().accept_ahead == 0
     server = _start(accept_ahead=0)
     try:
         answers = asyncio.run(_burst(server.address, ECHO, 50))
