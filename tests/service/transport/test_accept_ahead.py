@@ -56,25 +56,19 @@ def test_a_verified_grpc_has_what_accepting_ahead_uses_and_any_grpc_serves():
         server.stop(grace=0.5)
 
 
-needs_verified_grpc = pytest.mark.skipif(
-    not grpc.__version__.startswith(accept_ahead.VERIFIED_GRPCIO),
-    reason=f"grpcio {grpc.__version__}: AcceptAhead not checked against it (the test above covers it)")
-
-
-@needs_verified_grpc
 def test_concurrent_calls_are_accepted_ahead_and_each_gets_its_own_answer():
     server = _start(accept_ahead=4)
     try:
         answers = asyncio.run(_burst(server.address, ECHO, 200))
         assert [pb.EchoResponse.FromString(a).payload for a in answers] == [f"call {i}".encode() for i in range(200)]
-        assert server.accept_ahead.accepted > 0
+        # (on a grpcio it does not support, grpc's own loop took them all: the first test covers that)
+        assert (server.accept_ahead.accepted > 0) == server.accept_ahead.active
     finally:
         server.stop(grace=0.5)
     assert not server.accept_ahead.active
     assert not server.accept_ahead._calls
 
 
-@needs_verified_grpc
 def test_interceptors_judge_the_calls_accepted_ahead():
     tokens = load_tokens(environ={"LOADPLAN_TOKENS": "worker:worker-token-0123456789,reader:reader-token-0123456789"})
     # Ahead-of-time requests outnumber grpc's own (8 to 1 per method): most calls go through them.
@@ -83,14 +77,14 @@ def test_interceptors_judge_the_calls_accepted_ahead():
         unauthenticated = asyncio.run(_burst(server.address, LIST_PLANS, 40))
         wrong_role = asyncio.run(_burst(server.address, LIST_PLANS, 40, metadata=(("authorization", "Bearer worker-token-0123456789"),)))
         allowed = asyncio.run(_burst(server.address, LIST_PLANS, 40, metadata=(("authorization", "Bearer reader-token-0123456789"),)))
-        accepted = server.accept_ahead.accepted
+        accepted, active = server.accept_ahead.accepted, server.accept_ahead.active
     finally:
         server.stop(grace=0.5)
     assert unauthenticated == [grpc.StatusCode.UNAUTHENTICATED] * 40
     assert wrong_role == [grpc.StatusCode.PERMISSION_DENIED] * 40
     assert all(isinstance(a, bytes) for a in allowed), allowed
     pb.ListPlansResponse.FromString(allowed[0])
-    assert accepted > 60, accepted
+    assert accepted > 60 if active else accepted == 0, accepted
 
 
 def test_depth_zero_the_default_leaves_grpcs_own_accept_loop():
