@@ -146,7 +146,7 @@ class AcceptAhead:
         the calls they started; cancel an acceptor still waiting (a server that never started)."""
         if not self._acceptors:
             return
-        done, pending = await asyncio.wait(self._acceptors, timeout=1.0)
+        _, pending = await asyncio.wait(self._acceptors, timeout=1.0)
         for task in pending:
             task.cancel()
         await asyncio.gather(*self._acceptors, *self._calls, return_exceptions=True)
