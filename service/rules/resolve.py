@@ -14,6 +14,7 @@ import re
 import threading
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
+from types import MappingProxyType
 from typing import Any, Hashable, Mapping
 
 from ...plan import ROLES, Decision, Keys, ResolveRequest
@@ -38,13 +39,17 @@ MAX_INT_BITS = 14_000        # ~4300 digits, Python's int<->str limit: json cann
 
 @dataclass(frozen=True)
 class Resolution:
+    """`decisions` and `deployment_inputs` are read-only views that every resolve of the same
+    deployment (and pipeline stage) shares, as `DEPLOYMENT_CACHE` keeps them: callers copy what
+    they want to change, and the store and transport may encode them once, by identity."""
+
     entry_class: str
     chain: tuple[str, ...]
     family: str
     config_fingerprint: str
     quantization: str | None
-    decisions: dict[str, Decision]
-    deployment_inputs: dict[str, Any]
+    decisions: Mapping[str, Decision]
+    deployment_inputs: Mapping[str, Any]
 
 
 def fingerprint(obj: Any) -> str:
@@ -224,12 +229,14 @@ class _Part:
     def for_rank(self, req: ResolveRequest) -> Resolution:
         # pp_size is the part's (it is in the cache key), so the stage alone settles the
         # rank's decisions: made once per stage, shared like the deployment-wide ones (and so,
-        # like them, never changed by anyone, their list values included).
+        # like them, never changed by anyone, their list values included). Both are handed out
+        # as read-only views, the same objects for every rank of the stage: no copy per resolve,
+        # and what encodes them (the store's rows, the answer's bytes) can do it once per view.
         d = self.stages.get(req.parallel.pp_rank)
         if d is None:
-            d = self.stages[req.parallel.pp_rank] = self._stage_decisions(req.parallel)
+            d = self.stages[req.parallel.pp_rank] = MappingProxyType(self._stage_decisions(req.parallel))
         return Resolution(self.entry_class, self.chain, self.family, self.config_fingerprint, self.quantization,
-                          dict(d), dict(self.inputs))
+                          d, self.inputs)
 
     def _stage_decisions(self, p) -> dict[str, Decision]:
         start, end = stage_range(self.n_layers, p.pp_size, p.pp_rank)
@@ -370,7 +377,7 @@ def _deployment_part(req: ResolveRequest) -> _Part:
     part.first_layer = layout.layer_ids[0] if layout.layer_ids else 0
     part.moe_layers = tuple(layout.moe_layers)
     inputs = deployment_inputs(req, resolved)
-    part.inputs = inputs
+    part.inputs = MappingProxyType(inputs)
     part.entry_class = entry_class
     part.chain = resolved.chain
     part.family = resolved.family.name

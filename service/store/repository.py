@@ -49,6 +49,7 @@ import dataclasses
 import datetime as dt
 import json
 import threading
+from types import MappingProxyType
 from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import sqlalchemy as sa
@@ -57,6 +58,7 @@ from sqlalchemy.engine import Connection, Engine, Row
 
 from ...plan import Decision, LoadPlan, Parallel, ResolveRequest, Runtime
 from ..errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from ..memo import ByIdentity, Memo
 from ..registry import NewPlan, PlanFilter
 from ..rules.resolve import diff_deployment_inputs, fingerprint
 from .db import WATCHDOG, arm_watchdog, borrow_autocommit, is_at_head, operation_timeout, writer
@@ -453,21 +455,12 @@ def _json_positions(layout: str) -> tuple[tuple[int, ...], tuple[int, ...], tupl
 _JSON_POSITIONS = {layout: _json_positions(layout) for layout in _ROW_LAYOUTS}
 # JSON string literals of long texts seen lately, by text (a str caches its hash, and the texts
 # that repeat are mostly the same objects: the transport's config texts, `_DECISIONS_JSON`'s).
-_LITERALS: dict[str, str] = {}
-_MAX_LITERALS = 4096
+_LITERALS: Memo[str] = Memo(lambda text: _dumps(text))
 
 
 def _literal(text: str | None) -> str:
     """`_dumps(text)`, remembered for texts that repeat."""
-    if text is None:
-        return "null"
-    literal = _LITERALS.get(text)
-    if literal is None:
-        literal = _dumps(text)
-        if len(_LITERALS) >= _MAX_LITERALS:
-            _LITERALS.clear()   # rare: a fleet repeats few long texts
-        _LITERALS[text] = literal
-    return literal
+    return "null" if text is None else _LITERALS(text)
 
 
 def _aware(value: dt.datetime | None) -> None:
@@ -479,9 +472,26 @@ def _aware(value: dt.datetime | None) -> None:
 _RUNTIME_FIELDS = tuple(f.name for f in dataclasses.fields(Runtime))
 
 
-def _runtime_dict(rt: Runtime) -> dict[str, Any]:
-    """`dataclasses.asdict(rt)` without its deep copies (Runtime holds scalars)."""
-    return {f: getattr(rt, f) for f in _RUNTIME_FIELDS}
+def _runtime_json(rt: Runtime) -> str:
+    """`plans.runtime_json`: `dataclasses.asdict(rt)` as JSON (Runtime holds scalars)."""
+    return _dumps({f: getattr(rt, f) for f in _RUNTIME_FIELDS})
+
+
+# Runtime is a frozen dataclass that the transport shares between the requests that carry the same one.
+_shared_runtime_json: ByIdentity[str] = ByIdentity(_runtime_json)
+
+
+def _inputs_json(inputs: Mapping[str, Any]) -> str:
+    """`deployment_pins.inputs_json` (and what a rank's inputs are compared with): the JSON of
+    `NewPlan.deployment_inputs`, remembered for the read-only views the rules cache shares
+    between the ranks of a deployment (`Resolution.deployment_inputs`), which nobody changes.
+    By identity, not by value: inputs equal as Python values (1 == 1.0 == True) may be different JSON."""
+    if inputs.__class__ is MappingProxyType:
+        return _shared_inputs_json(inputs)
+    return _dumps(inputs)
+
+
+_shared_inputs_json: ByIdentity[str] = ByIdentity(lambda view: _dumps(dict(view)))
 
 
 class _Pin(NamedTuple):
@@ -521,7 +531,7 @@ class _Item:
         self.new = new
         self.request_id = req.request_id
         self.group = (req.deployment_id, req.role)
-        self.inputs_json = _dumps(new.deployment_inputs)
+        self.inputs_json = _inputs_json(new.deployment_inputs)
 
     def as_pin(self) -> _Pin:
         return _Pin(self.group[0], self.group[1], self.new.plan.plan_id, self.inputs_json)
@@ -540,7 +550,7 @@ class _Item:
         return (plan.plan_id, req.request_id, new.request_fingerprint, req.deployment_id, req.role, req.host,
                 p.tp_size, p.tp_rank, p.ep_size, p.ep_rank, p.pp_size, p.pp_rank, p.dp_size, p.dp_rank,
                 plan.entry_class, plan.config_fingerprint, config_json, plan.quantization,
-                req.quantization, qc_json, _dumps(_runtime_dict(req.runtime)), plan.ruleset_version,
+                req.quantization, qc_json, _shared_runtime_json(req.runtime), plan.ruleset_version,
                 plan.created_at, _new_decisions_json(new))
 
     def pin_row(self) -> tuple:
@@ -572,27 +582,35 @@ class _SharedDecisionsJson:
     """`_decisions_json` of a new plan from its unstamped decisions (`NewPlan.unstamped`), by the
     identity of the decision objects, which the rules cache shares between the plans of a
     deployment (of every deployment of one config): encoded once, not for every plan. Each
-    entry holds its objects, so their ids cannot be reused while it is remembered."""
+    entry holds its objects, so their ids cannot be reused while it is remembered. The rules
+    cache's read-only view of them (`Resolution.decisions`) is remembered by its own identity."""
 
     def __init__(self, maxsize: int = 4096):
         self.maxsize = maxsize
         self.memo: dict[tuple[int, ...], tuple[tuple[Decision, ...], str]] = {}
+        self.views: ByIdentity[str] = ByIdentity(lambda view: self._encode(tuple(view.values())), maxsize)
 
     def __call__(self, unstamped: Mapping[str, Decision]) -> str:
+        if unstamped.__class__ is MappingProxyType:
+            return self.views(unstamped)
         decisions = tuple(unstamped.values())
         key = tuple(map(id, decisions))
         hit = self.memo.get(key)
         if hit is not None:
             return hit[1]
-        for d in decisions:
-            if d.decided_at is not None or d.revision != 0:
-                raise ValueError(f"decision {d.key}: unstamped decisions of a new plan are revision 0 without "
-                                 f"decided_at, got revision {d.revision} decided at {d.decided_at}")
-        text = _dumps([_decision_fields(d) for d in decisions])
+        text = self._encode(decisions)
         if len(self.memo) >= self.maxsize:
             self.memo.clear()
         self.memo[key] = (decisions, text)
         return text
+
+    @staticmethod
+    def _encode(decisions: tuple[Decision, ...]) -> str:
+        for d in decisions:
+            if d.decided_at is not None or d.revision != 0:
+                raise ValueError(f"decision {d.key}: unstamped decisions of a new plan are revision 0 without "
+                                 f"decided_at, got revision {d.revision} decided at {d.decided_at}")
+        return _dumps([_decision_fields(d) for d in decisions])
 
 
 _DECISIONS_JSON = _SharedDecisionsJson()

@@ -15,10 +15,12 @@ field, even an empty one, whenever it is set. Fields go in number order, as prot
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any, Callable, Mapping
+from types import MappingProxyType
+from typing import Mapping
 
 from ...client.convert import config_to_json, quantization_config_to_json, role_to_pb, timestamp, value_json
 from ...plan import Decision, LoadPlan, Parallel, Runtime
+from ..memo import ByIdentity, Memo
 
 _MIN_INT32, _MAX_INT32 = -2**31, 2**31 - 1
 _UTC = dt.timezone.utc
@@ -105,54 +107,42 @@ def _decision_body(d: Decision) -> bytes:
                      _bool(5, d.deployment_wide), _int(6, d.revision)))
 
 
-class _Memo:
-    """`compute(key)` remembered for keys that repeat from plan to plan; bounded: emptied when
-    full (rare: a fleet repeats few of them)."""
-
-    def __init__(self, compute: Callable[[Any], bytes], maxsize: int = 4096):
-        self.compute = compute
-        self.maxsize = maxsize
-        self.memo: dict[Any, Any] = {}
-
-    def __call__(self, key: Any) -> bytes:
-        value = self.memo.get(key)
-        if value is None:
-            value = self.compute(key)
-            if len(self.memo) >= self.maxsize:
-                self.memo.clear()
-            self.memo[key] = value
-        return value
-
-
-class _ByIdentity(_Memo):
-    """A `_Memo` by the object's identity, for objects nobody changes that the registry shares
-    between plans (frozen dataclasses from its caches), where hashing or comparing them would
-    cost about what encoding them does. Each entry holds its object, so its id cannot be reused
-    while it is remembered."""
-
-    def __call__(self, obj: Any) -> bytes:
-        hit = self.memo.get(id(obj))
-        if hit is not None and hit[0] is obj:
-            return hit[1]
-        value = self.compute(obj)
-        if len(self.memo) >= self.maxsize:
-            self.memo.clear()
-        self.memo[id(obj)] = (obj, value)
-        return value
-
-
-_parallel_field = _ByIdentity(_parallel)
-_shared_decision_body = _ByIdentity(_decision_body)
+_parallel_field = ByIdentity(_parallel)
+_shared_decision_body = ByIdentity(_decision_body)
 # Plans made in the same second share their timestamps' seconds field.
-_seconds_field = _Memo(lambda seconds: _VARINT_TAG[1] + _varint(seconds) if seconds else b"", maxsize=64)
+_seconds_field = Memo(lambda seconds: _VARINT_TAG[1] + _varint(seconds) if seconds else b"", maxsize=64)
 # Runs of fields that every plan of a deployment repeats, by their values (strings hash once
 # per string object; Runtime is a frozen dataclass, shared by the transport between requests).
-_ruleset_field = _Memo(lambda version: _text(2, version), maxsize=64)
-_deployment_fields = _Memo(lambda key: b"".join((_text(8, key[0]), _text(9, key[1]), _text(10, key[2] or ""),
+_ruleset_field = Memo(lambda version: _text(2, version), maxsize=64)
+_deployment_fields = Memo(lambda key: b"".join((_text(8, key[0]), _text(9, key[1]), _text(10, key[2] or ""),
                                                   _runtime(key[3]))))
-_config_fields = _Memo(lambda key: b"".join((_text(16, key[0]), _text(17, key[1]), _text(18, key[2] or ""))),
+_config_fields = Memo(lambda key: b"".join((_text(16, key[0]), _text(17, key[1]), _text(18, key[2] or ""))),
                        maxsize=256)
 _DECISION_TAG, _HISTORY_TAG = _LEN_TAG[12], _LEN_TAG[15]
+
+
+class _DecisionRuns:
+    """The decisions field (12, repeated) of every plan that carries one set of unstamped
+    decisions: each decision's tag, length and body in key order, then its decided_at, which is
+    the plan's own. By the stamp's length (a length prefix counts it), the runs between stamps
+    are made once, and a plan's field is `at.join(runs)`: one copy, no per-decision work."""
+
+    __slots__ = ("bodies", "runs")
+
+    def __init__(self, unstamped: Mapping[str, Decision]):
+        self.bodies = [_shared_decision_body(unstamped[key]) for key in sorted(unstamped)]
+        self.runs: dict[int, list[bytes]] = {}
+
+    def field(self, at: bytes) -> bytes:
+        runs = self.runs.get(len(at))
+        if runs is None:
+            runs = self.runs[len(at)] = [_DECISION_TAG + _varint(len(b) + len(at)) + b for b in self.bodies] + [b""]
+        return at.join(runs)
+
+
+# By the identity of the rules cache's read-only views (`Resolution.decisions`, shared by every
+# rank of a deployment stage), which nobody changes: a plain mapping is encoded decision by decision.
+_decision_runs = ByIdentity(_DecisionRuns, maxsize=1024)
 
 
 # --- the plan ----------------------------------------------------------------------------
@@ -166,7 +156,8 @@ def plan_bytes(plan: LoadPlan, *, config_json: str | None = None, quantization_c
       `quantization_config_to_json(plan.request.quantization_config)`, remembered by text;
     - `unstamped`: `plan.decisions` as they were before `decided_at=plan.created_at` was set on
       each (`Registry.resolve_new`): objects that the rules cache shares between the plans of a
-      deployment (its ranks' stages too), encoded once."""
+      deployment (its ranks' stages too), encoded once; the cache's read-only view of them
+      (`Resolution.decisions`) is encoded once as a whole."""
     req = plan.request
     # The times of one plan's decisions are mostly one (its creation): each encoded once.
     stamps: dict[dt.datetime, bytes] = {}
@@ -181,7 +172,9 @@ def plan_bytes(plan: LoadPlan, *, config_json: str | None = None, quantization_c
            _text(4, req.deployment_id), _int(5, role_to_pb(req.role)), _parallel_field(req.parallel),
            _text(7, req.host),
            _deployment_fields((plan.entry_class, plan.config_fingerprint, plan.quantization, req.runtime))]
-    if unstamped is not None:
+    if unstamped is not None and unstamped.__class__ is MappingProxyType:
+        out.append(_decision_runs(unstamped).field(b"" if plan.created_at is None else stamp(7, plan.created_at)))
+    elif unstamped is not None:
         at = b"" if plan.created_at is None else stamp(7, plan.created_at)
         remembered = _shared_decision_body.memo.get   # `_shared_decision_body`, inlined: 11 a plan
         for key in sorted(unstamped):

@@ -4,6 +4,7 @@ without one, on a miss and on every later hit, refusals included; the cache stay
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -81,11 +82,19 @@ def test_ranks_of_one_deployment_hit_the_cache_and_get_their_own_stage():
     assert len({tuple(p.decisions["pp.layer_range"].value) for p in plans}) == 4
 
 
-def test_a_cached_result_is_not_shared_mutable_state():
+def test_a_cached_result_is_shared_but_read_only():
+    """Every rank of a deployment stage gets the same decisions and inputs objects (the store and
+    the transport encode them once by identity), so nobody may change them."""
     req = request(qwen3())
     first = resolve_decisions(req, key_of(req))
-    first.decisions.clear()
-    first.deployment_inputs.clear()
+    again = resolve_decisions(dataclasses.replace(req, request_id="r-2"), key_of(req))
+    assert again.decisions is first.decisions and again.deployment_inputs is first.deployment_inputs
+    for mapping in (first.decisions, first.deployment_inputs):
+        with pytest.raises(TypeError):
+            mapping[next(iter(mapping))] = None
+        with pytest.raises(TypeError):
+            del mapping[next(iter(mapping))]
+        assert not hasattr(mapping, "clear") and not hasattr(mapping, "update")
     assert resolve_decisions(req, key_of(req)) == resolve_decisions(req)
 
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
+from types import MappingProxyType
 
 import pytest
 
-from loadplan.plan import Decision
+from loadplan.plan import Decision, Runtime
 from loadplan.service.store import repository as repo
 
 AT = dt.datetime(2026, 11, 29, 12, 0, 0, 123456, tzinfo=dt.timezone.utc)
@@ -67,3 +68,34 @@ def test_unstamped_decisions_of_another_kind_are_refused(change):
     unstamped["k1"] = dataclasses.replace(unstamped["k1"], **change)
     with pytest.raises(ValueError, match="k1"):
         repo._SharedDecisionsJson()(unstamped)
+
+
+def test_shared_decisions_views_are_remembered_by_identity():
+    memo = repo._SharedDecisionsJson()
+    view = MappingProxyType(_decisions())
+    text = memo(view)
+    assert text == memo(dict(view)) and memo(view) is text
+    assert memo(MappingProxyType(_decisions())) == text      # another view of equal decisions: equal JSON
+
+
+def test_deployment_inputs_json_is_remembered_for_the_rules_views_only():
+    inputs = {"parallel.ep_size": 8, "runtime.enable_eplb": False, "quantization": None}
+    view = MappingProxyType(dict(inputs))
+    text = repo._inputs_json(view)
+    assert json.loads(text) == inputs and text == repo._dumps(inputs)
+    assert repo._inputs_json(view) is text                   # the same view: remembered
+    # Equal as Python values is not equal as JSON: a view is never mistaken for an equal one.
+    assert repo._inputs_json(MappingProxyType({"runtime.enable_eplb": 0})) == '{"runtime.enable_eplb": 0}'
+    assert repo._inputs_json(MappingProxyType({"runtime.enable_eplb": False})) == '{"runtime.enable_eplb": false}'
+    # A plain dict may change between plans: encoded every time.
+    plain = dict(inputs)
+    first = repo._inputs_json(plain)
+    plain["parallel.ep_size"] = 16
+    assert json.loads(repo._inputs_json(plain))["parallel.ep_size"] == 16 and json.loads(first)["parallel.ep_size"] == 8
+
+
+def test_runtime_json_is_every_field_of_the_runtime():
+    rt = Runtime(a2a_backend="deepep", enable_eplb=True, ep_num_redundant_experts=32)
+    assert json.loads(repo._shared_runtime_json(rt)) == dataclasses.asdict(rt)
+    assert repo._shared_runtime_json(rt) is repo._shared_runtime_json(rt)
+    assert json.loads(repo._shared_runtime_json(Runtime())) == dataclasses.asdict(Runtime())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+from types import MappingProxyType
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -68,12 +69,27 @@ def test_a_resolved_plan_with_its_known_parts_parses_to_plan_to_pb(plan, created
                           "created_at": created_at})
     req = plan.request
     expected = plan_to_pb(stamped)
-    for _ in range(2):   # the second time from what the first remembered
-        got = plan_bytes(stamped, config_json=config_to_json(req.config),
-                         quantization_config_json=(None if req.quantization_config is None
-                                                   else quantization_config_to_json(req.quantization_config)),
-                         unstamped=unstamped)
-        assert parsed(got) == expected
+    # A plain mapping is encoded decision by decision; the rules cache's read-only view as a whole.
+    for known in (unstamped, MappingProxyType(dict(unstamped))):
+        for _ in range(2):   # the second time from what the first remembered
+            got = plan_bytes(stamped, config_json=config_to_json(req.config),
+                             quantization_config_json=(None if req.quantization_config is None
+                                                       else quantization_config_to_json(req.quantization_config)),
+                             unstamped=known)
+            assert parsed(got) == expected
+
+
+def test_one_shared_view_serves_plans_whose_stamps_differ_in_length():
+    """A decision's length prefix counts its decided_at, whose encoding is shorter for a whole
+    second (no nanos) than for one with microseconds: each plan gets its own lengths."""
+    view = MappingProxyType({k: Decision(k, [1, 2], "why " * 40, "r") for k in ("b", "a", "c")})
+    base = LoadPlan("p", "v", ResolveRequest("r", "d"), "E", "f", None, {})
+    for created_at in (dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc),
+                       dt.datetime(2026, 1, 1, 0, 0, 0, 5, tzinfo=dt.timezone.utc),
+                       dt.datetime(2026, 1, 1, 0, 0, 0, 999999, tzinfo=dt.timezone.utc), None):
+        stamped = dataclasses.replace(base, created_at=created_at, decisions={
+            k: dataclasses.replace(d, decided_at=created_at) for k, d in view.items()})
+        assert parsed(plan_bytes(stamped, unstamped=view)) == plan_to_pb(stamped), created_at
 
 
 def test_an_int32_out_of_range_is_refused_as_the_message_refuses_it():
