@@ -48,9 +48,10 @@ import contextlib
 import dataclasses
 import datetime as dt
 import json
+import operator
 import threading
 from types import MappingProxyType
-from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
@@ -324,8 +325,24 @@ def _short(err: BaseException) -> str:
     return (str(orig).strip().splitlines() or [type(orig).__name__])[0][:300]
 
 
+def _json_encoder(default: Callable[[Any], Any] | None = None) -> Callable[[Any], str]:
+    """`json.JSONEncoder(ensure_ascii=False, default=default).encode`, without building json's C
+    encoder again for every call, as `encode` does (a third of the time of a row's few values);
+    `encode` itself where json has no C encoder."""
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:
+        return json.JSONEncoder(ensure_ascii=False, default=default).encode
+    encode = make(None, default or _unserializable, json.encoder.encode_basestring, None, ": ", ", ", False, False,
+                  True)
+    return lambda value: "".join(encode(value, 0))
+
+
+def _unserializable(value: Any) -> Any:
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
 # One encoder for every row: `json.dumps` with a keyword argument builds a new one per call.
-_dumps = json.JSONEncoder(ensure_ascii=False).encode
+_dumps = _json_encoder()
 
 
 def _utc(value: dt.datetime, field: str) -> dt.datetime:
@@ -424,35 +441,32 @@ def _chunks(xs: Sequence[Any], n: int) -> Iterator[Sequence[Any]]:
 
 def _json_rows(layout: str, rows: Iterable[tuple]) -> str:
     """Rows (tuples in `_ROW_LAYOUTS[layout]` order) as the JSON array of row arrays that
-    `_pg_from_json` reads (values in `_JSON_ORDER[layout]`); times in ISO 8601."""
-    short, long, times = _JSON_POSITIONS[layout]
-    stamps: dict[int, str] = {}   # the rows of a batch share few times: each formatted once
-    out = []
-    for row in rows:
-        values = [row[i] for i in short]
-        for k in times:
-            value = values[k]
-            if isinstance(value, dt.datetime):
-                text = stamps.get(id(value))
-                if text is None:
-                    text = stamps[id(value)] = value.isoformat()
-                values[k] = text
-        out.append(f"{_dumps(values)[:-1]},{','.join([_literal(row[i]) for i in long])}]")
-    return f"[{','.join(out)}]"
+    `_pg_from_json` reads (values in `_JSON_ORDER[layout]`); times in ISO 8601. Per row, one
+    encoder call for its short values and one look-up for its long texts' literals."""
+    short_of, long_of = _JSON_GETTERS[layout]
+    return f"[{','.join([f'{_dumps_short(short_of(row))[:-1]},{_long_literals(long_of(row))}]' for row in rows])}]"
 
 
-def _json_positions(layout: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """(the row positions of the short values, of the long texts, the time values' places among
-    the short ones), for `_json_rows`."""
+def _json_getters(layout: str) -> tuple[Callable[[tuple], tuple], Callable[[tuple], tuple]]:
+    """(the short values of a row, its long texts), each as a tuple in `_JSON_ORDER` order, for `_json_rows`."""
     cols = _ROW_LAYOUTS[layout]
-    table = {"plans": PLANS, "deployment_pins": PINS}[layout]
-    short = tuple(i for i, c in enumerate(cols) if c not in _LONG_TEXTS[layout])
-    long = tuple(cols.index(c) for c in _LONG_TEXTS[layout])
-    times = tuple(k for k, i in enumerate(short) if isinstance(table.columns[cols[i]].type, UTCDateTime))
-    return short, long, times
+    short = [i for i, c in enumerate(cols) if c not in _LONG_TEXTS[layout]]
+    long = [cols.index(c) for c in _LONG_TEXTS[layout]]
+    assert len(short) > 1 and long, "itemgetter of one index answers the value, not a tuple"
+    return operator.itemgetter(*short), (operator.itemgetter(*long) if len(long) > 1
+                                         else lambda row, i=long[0]: (row[i],))
 
 
-_JSON_POSITIONS = {layout: _json_positions(layout) for layout in _ROW_LAYOUTS}
+_JSON_GETTERS = {layout: _json_getters(layout) for layout in _ROW_LAYOUTS}
+
+
+def _time_text(value: Any) -> str:
+    """What `_dumps_short` writes for a value JSON has no type for: a time as ISO 8601 (what the
+    statement casts to timestamptz); anything else is refused, as `json` refuses it."""
+    return value.isoformat() if isinstance(value, dt.datetime) else _unserializable(value)
+
+
+_dumps_short = _json_encoder(_time_text)
 # JSON string literals of long texts seen lately, by text (a str caches its hash, and the texts
 # that repeat are mostly the same objects: the transport's config texts, `_DECISIONS_JSON`'s).
 _LITERALS: Memo[str] = Memo(lambda text: _dumps(text))
@@ -461,6 +475,11 @@ _LITERALS: Memo[str] = Memo(lambda text: _dumps(text))
 def _literal(text: str | None) -> str:
     """`_dumps(text)`, remembered for texts that repeat."""
     return "null" if text is None else _LITERALS(text)
+
+
+# A row's long texts as its JSON row's tail, by the tuple of texts (the rows of a deployment, of
+# a config, repeat one tuple): one look-up per row instead of one per text.
+_long_literals: Memo[str] = Memo(lambda texts: ",".join([_literal(t) for t in texts]))
 
 
 def _aware(value: dt.datetime | None) -> None:

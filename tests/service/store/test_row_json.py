@@ -9,6 +9,8 @@ import json
 from types import MappingProxyType
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from loadplan.plan import Decision, Runtime
 from loadplan.service.store import repository as repo
@@ -99,3 +101,22 @@ def test_runtime_json_is_every_field_of_the_runtime():
     assert json.loads(repo._shared_runtime_json(rt)) == dataclasses.asdict(rt)
     assert repo._shared_runtime_json(rt) is repo._shared_runtime_json(rt)
     assert json.loads(repo._shared_runtime_json(Runtime())) == dataclasses.asdict(Runtime())
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4), max_leaves=12)
+
+
+@given(value=json_values)
+def test_the_store_encoder_writes_what_json_writes(value):
+    assert repo._dumps(value) == json.JSONEncoder(ensure_ascii=False).encode(value)
+    assert repo._dumps_short([value, AT]) == json.JSONEncoder(ensure_ascii=False).encode([value, AT.isoformat()])
+
+
+@pytest.mark.parametrize("value", [object(), {"k": {1, 2}}, [dt.date(2026, 1, 1)], b"bytes"])
+def test_the_store_encoder_refuses_what_json_refuses(value):
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        repo._dumps(value)
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        repo._dumps_short([value])
