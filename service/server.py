@@ -238,6 +238,8 @@ class RegistryServer:
     async def _start(self) -> None:
         await self._server.start()
         await self.accept_ahead.start()
+        if self.accept_ahead.active and self.writer is not None:
+            self.writer.accepting_ahead()
 
     async def _shutdown(self, grace: float) -> None:
         await self.health.enter_graceful_shutdown()

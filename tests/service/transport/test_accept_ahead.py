@@ -124,3 +124,27 @@ def test_a_changed_signature_is_not_used(monkeypatch):
     finally:
         monkeypatch.undo()
         server.stop(grace=0.5)
+
+
+@pytest.mark.parametrize("depth, unsupported", [(4, False), (0, False), (4, True)], ids=["ahead", "stock", "fallback"])
+def test_batches_fill_shorter_only_while_calls_are_accepted_ahead(tmp_path, monkeypatch, depth, unsupported):
+    """Calls accepted ahead reach the group commit as fast as clients send them: a 3 ms fill
+    would gather every call in flight into one batch, so the writer fills for 1 ms; with grpc's
+    own accept loop (asked for, or fallen back to) it keeps its 3 ms."""
+    from loadplan.service.store import SqlPlanStore, make_engine, migrate
+    from loadplan.service.store.async_writer import FILL_WAIT_AHEAD_S, FILL_WAIT_S
+
+    if unsupported:
+        monkeypatch.setattr(accept_ahead, "supported", lambda server: "a grpcio without it")
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    migrate(url)
+    engine = make_engine(url)
+    server = RegistryServer(SqlPlanStore(engine), ServerOptions(listen="127.0.0.1:0", max_workers=4,
+                                                                accept_ahead=depth)).start()
+    try:
+        assert server.accept_ahead.active == (depth > 0 and not unsupported)
+        assert server.writer.group.fill_wait_s == (FILL_WAIT_AHEAD_S if server.accept_ahead.active else FILL_WAIT_S)
+        assert FILL_WAIT_AHEAD_S < FILL_WAIT_S
+    finally:
+        server.stop(grace=0.5)
+        engine.dispose()
