@@ -469,7 +469,7 @@ def _time_text(value: Any) -> str:
 _dumps_short = _json_encoder(_time_text)
 # JSON string literals of long texts seen lately, by text (a str caches its hash, and the texts
 # that repeat are mostly the same objects: the transport's config texts, `_DECISIONS_JSON`'s).
-_LITERALS: Memo[str] = Memo(lambda text: _dumps(text))
+_LITERALS: Memo[str] = Memo(_dumps)
 
 
 def _literal(text: str | None) -> str:
