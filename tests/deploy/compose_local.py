@@ -173,6 +173,7 @@ class LocalCompose:
     absent: dict[str, tuple[str, ...]] = field(default_factory=dict)   # Dockerfile -> modules it lacks
     spec: dict[str, Any] = field(init=False)
     replicas: dict[str, list[Replica]] = field(init=False, default_factory=dict)
+    started: list[Replica] = field(init=False, default_factory=list)   # every replica ever started, for `down`
 
     def __post_init__(self):
         self.spec = load(self.variables, self.path)
@@ -258,8 +259,14 @@ class LocalCompose:
                 rep.proc = subprocess.Popen(rep.argv, env=rep.env, stdout=log, stderr=subprocess.STDOUT,
                                             cwd=self.workdir, start_new_session=True)
             out.append(rep)
+            self.started.append(rep)
         self.replicas[name] = out
         return out
+
+    def running(self, name: str) -> bool:
+        """Every replica of `name` was started and has not exited."""
+        reps = self.replicas.get(name)
+        return bool(reps) and all(rep.proc is not None and rep.proc.poll() is None for rep in reps)
 
     def healthcheck(self, rep: Replica) -> subprocess.CompletedProcess:
         """The service's healthcheck `test`, run once for this replica."""
@@ -310,7 +317,8 @@ class LocalCompose:
 
     def up(self, until: str | None = None, job_timeout: float = 120.0) -> list[str]:
         """Start the services in dependency order (up to and including `until`), each once its
-        dependencies meet their conditions; returns the names started."""
+        dependencies meet their conditions; returns the names started. As `docker compose up`, a
+        service that is running already is left alone (a finished job runs again)."""
         order = dependency_order(self.services)
         if until is not None:
             needed = self._closure(until)
@@ -319,6 +327,8 @@ class LocalCompose:
         for name in order:
             if name in self.external:
                 continue                    # stands in for the container; the caller checked it is up
+            if self.running(name):
+                continue
             for dep, condition in depends_on(self.services[name]).items():
                 if dep in self.external:
                     continue
@@ -342,15 +352,14 @@ class LocalCompose:
         return out
 
     def down(self) -> None:
-        for reps in self.replicas.values():
-            for rep in reps:
-                if rep.proc and rep.proc.poll() is None:
-                    rep.proc.terminate()
-        for reps in self.replicas.values():
-            for rep in reps:
-                if rep.proc:
-                    try:
-                        rep.proc.wait(timeout=10)
-                    except subprocess.TimeoutExpired:
-                        os.killpg(rep.proc.pid, 9)     # its own session: the ranks it launched go too
-                        rep.proc.wait()
+        """Stop every replica ever started (not only the latest of each service)."""
+        for rep in self.started:
+            if rep.proc and rep.proc.poll() is None:
+                rep.proc.terminate()
+        for rep in self.started:
+            if rep.proc:
+                try:
+                    rep.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    os.killpg(rep.proc.pid, 9)     # its own session: the ranks it launched go too
+                    rep.proc.wait()

@@ -37,6 +37,8 @@ def compose(make_postgres_database, tmp_path_factory):
         yield stack
     finally:
         stack.down()
+    left = [f"{rep.service}[{rep.index}] pid {rep.proc.pid}" for rep in stack.started if rep.proc.poll() is None]
+    assert not left, f"processes left running after down: {left}"
 
 
 def _arg(argv: list[str], flag: str) -> str:
@@ -83,6 +85,18 @@ def test_migrate_then_two_registry_replicas_pass_their_health_check(compose):
         assert res.returncode == 0, res.stdout + res.stderr
         assert res.stdout.strip() == "SERVING"
     assert "is at head" in compose.replicas["migrate"][0].output()
+
+
+def test_up_again_leaves_the_running_replicas_alone(compose):
+    """As `docker compose up`: bringing up a service whose dependencies run already starts only
+    what is not running (no second registry per port, no replica lost to `down`)."""
+    compose.up(until="registry")
+    compose.wait_completed("migrate")
+    before = [rep.proc.pid for rep in compose.replicas["registry"]]
+    assert compose.up(until="registry") == ["migrate"]          # the finished job runs again, as compose does
+    compose.wait_completed("migrate")
+    assert [rep.proc.pid for rep in compose.replicas["registry"]] == before
+    assert compose.running("registry")
 
 
 def test_checkpoint_job_writes_target_and_draft(compose):
