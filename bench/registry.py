@@ -229,11 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--postgres-url", default=os.environ.get("LOADPLAN_TEST_POSTGRES_URL"))
     ap.add_argument("--json", action="store_true")
-    # 1000 calls at 64 in flight is a window of about 0.15 s: the ratio of three such rounds spread
-    # over 0.63-0.82 from run to run on one machine; 3000 calls and 5 rounds, over 0.67-0.81.
-    ap.add_argument("--requests", type=int, default=3000, help="calls per measurement (64 in flight)")
+    ap.add_argument("--requests", type=int, default=1000, help="calls per measurement (64 in flight)")
     ap.add_argument("--sequential-requests", type=int, default=300, help="calls per sequential measurement")
-    ap.add_argument("--rounds", type=int, default=5, help="adjacent echo/resolve pairs per measurement")
+    ap.add_argument("--rounds", type=int, default=3, help="adjacent echo/resolve pairs per measurement")
     ap.add_argument("--ranks-per-deployment", type=int, default=1,
                     help="consecutive resolves that are ranks of one deployment (1: each its own deployment)")
     ap.add_argument("--accept-ahead", type=int, default=None, metavar="N",
