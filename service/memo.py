@@ -13,9 +13,18 @@ costs the encoding it would have cost anyway.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Generic, TypeVar
+from types import MappingProxyType
+from typing import Any, Callable, Generic, Mapping, TypeVar
 
 V = TypeVar("V")
+
+
+def is_shared_view(mapping: Mapping[Any, Any]) -> bool:
+    """A read-only view the rules cache hands out (`Resolution.decisions`, `deployment_inputs`):
+    the same object for every rank of a deployment, and nobody changes what it shows, so what is
+    encoded from it may be remembered by its identity (`ByIdentity`). A plain mapping may change
+    between plans and is encoded every time."""
+    return mapping.__class__ is MappingProxyType
 
 
 class Memo(Generic[V]):

@@ -50,7 +50,6 @@ import datetime as dt
 import json
 import operator
 import threading
-from types import MappingProxyType
 from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import sqlalchemy as sa
@@ -59,7 +58,7 @@ from sqlalchemy.engine import Connection, Engine, Row
 
 from ...plan import Decision, LoadPlan, Parallel, ResolveRequest, Runtime
 from ..errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from ..memo import ByIdentity, Memo
+from ..memo import ByIdentity, Memo, is_shared_view
 from ..registry import NewPlan, PlanFilter
 from ..rules.resolve import diff_deployment_inputs, fingerprint
 from .db import WATCHDOG, arm_watchdog, borrow_autocommit, is_at_head, operation_timeout, writer
@@ -505,7 +504,7 @@ def _inputs_json(inputs: Mapping[str, Any]) -> str:
     `NewPlan.deployment_inputs`, remembered for the read-only views the rules cache shares
     between the ranks of a deployment (`Resolution.deployment_inputs`), which nobody changes.
     By identity, not by value: inputs equal as Python values (1 == 1.0 == True) may be different JSON."""
-    if inputs.__class__ is MappingProxyType:
+    if is_shared_view(inputs):
         return _shared_inputs_json(inputs)
     return _dumps(inputs)
 
@@ -610,7 +609,7 @@ class _SharedDecisionsJson:
         self.views: ByIdentity[str] = ByIdentity(lambda view: self._encode(tuple(view.values())), maxsize)
 
     def __call__(self, unstamped: Mapping[str, Decision]) -> str:
-        if unstamped.__class__ is MappingProxyType:
+        if is_shared_view(unstamped):
             return self.views(unstamped)
         decisions = tuple(unstamped.values())
         key = tuple(map(id, decisions))

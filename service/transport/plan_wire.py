@@ -15,12 +15,11 @@ field, even an empty one, whenever it is set. Fields go in number order, as prot
 from __future__ import annotations
 
 import datetime as dt
-from types import MappingProxyType
 from typing import Mapping
 
 from ...client.convert import config_to_json, quantization_config_to_json, role_to_pb, timestamp, value_json
 from ...plan import Decision, LoadPlan, Parallel, Runtime
-from ..memo import ByIdentity, Memo
+from ..memo import ByIdentity, Memo, is_shared_view
 
 _MIN_INT32, _MAX_INT32 = -2**31, 2**31 - 1
 _UTC = dt.timezone.utc
@@ -172,16 +171,17 @@ def plan_bytes(plan: LoadPlan, *, config_json: str | None = None, quantization_c
            _text(4, req.deployment_id), _int(5, role_to_pb(req.role)), _parallel_field(req.parallel),
            _text(7, req.host),
            _deployment_fields((plan.entry_class, plan.config_fingerprint, plan.quantization, req.runtime))]
-    if unstamped is not None and unstamped.__class__ is MappingProxyType:
-        out.append(_decision_runs(unstamped).field(b"" if plan.created_at is None else stamp(7, plan.created_at)))
-    elif unstamped is not None:
+    if unstamped is not None:
         at = b"" if plan.created_at is None else stamp(7, plan.created_at)
-        remembered = _shared_decision_body.memo.get   # `_shared_decision_body`, inlined: 11 a plan
-        for key in sorted(unstamped):
-            d = unstamped[key]
-            hit = remembered(id(d))
-            body = hit[1] if hit is not None and hit[0] is d else _shared_decision_body(d)
-            out += (_DECISION_TAG, _varint(len(body) + len(at)), body, at)
+        if is_shared_view(unstamped):
+            out.append(_decision_runs(unstamped).field(at))
+        else:
+            remembered = _shared_decision_body.memo.get   # `_shared_decision_body`, inlined: 11 a plan
+            for key in sorted(unstamped):
+                d = unstamped[key]
+                hit = remembered(id(d))
+                body = hit[1] if hit is not None and hit[0] is d else _shared_decision_body(d)
+                out += (_DECISION_TAG, _varint(len(body) + len(at)), body, at)
     else:
         for key in sorted(plan.decisions):
             d = plan.decisions[key]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from loadplan.service.memo import ByIdentity, Memo
+from loadplan.service.memo import ByIdentity, Memo, is_shared_view
 
 
 def test_a_memo_computes_each_key_once_and_is_bounded():
@@ -38,3 +38,9 @@ def test_by_identity_is_bounded():
     for obj in keep:
         assert memo(obj) == id(obj)
     assert len(memo.memo) <= 5
+
+
+def test_only_read_only_views_count_as_shared():
+    assert is_shared_view(MappingProxyType({"a": 1}))
+    for mapping in ({"a": 1}, dict(MappingProxyType({"a": 1}))):
+        assert not is_shared_view(mapping)
