@@ -23,6 +23,16 @@ until after it (for both methods alike), since it shares the CPUs with the serve
 It also measures `commit_p50_ms`: the p50 of a bare single-row INSERT + COMMIT on
 the same database, the floor a durable resolve cannot beat.
 
+And the CPU each call costs, over the timed windows (Linux, from /proc): the
+server process's (`*_server_cpu_ms`), this load generator's (`*_client_cpu_ms`)
+and, for a PostgreSQL on this machine, its processes' (`*_db_cpu_ms`; None for a
+remote one; 0 for SQLite, which runs in the server's process), with
+`*_busy_cores`, the machine's CPUs in use meanwhile. Two ratios follow from them:
+`server_cpu_bound`, echo's server CPU over resolve's, is the resolve/echo ratio of
+a server whose one event loop is the bottleneck for both; `cpu_bound`, the same for
+server, client and database together, is the ratio of a machine whose CPUs are all
+busy for both. On a machine this small, resolve_vs_echo_qps stays below both.
+
 Prints one JSON object per (db, inflight) with --json, else a table.
 """
 
@@ -64,6 +74,89 @@ def _free_port() -> int:
 def _percentile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def _clock_ticks() -> int:
+    return os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _process_cpu_s(pids: list[int]) -> float | None:
+    """utime + stime of `pids` in seconds, from /proc (None where there is no /proc)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:      # a process that ended meanwhile (a PostgreSQL backend)
+            continue
+        except OSError:
+            return None
+        total += int(fields[11]) + int(fields[12])
+    return total / _clock_ticks()
+
+
+def _postgres_pids() -> list[int]:
+    """The PostgreSQL server processes of this machine that /proc shows ([] elsewhere)."""
+    pids = []
+    for entry in pathlib.Path("/proc").glob("[0-9]*"):
+        try:
+            if entry.joinpath("comm").read_text().strip() in ("postgres", "postmaster"):
+                pids.append(int(entry.name))
+        except OSError:
+            pass
+    return pids
+
+
+def _busy_ticks() -> tuple[int, int] | None:
+    """(busy, all) CPU ticks of the machine since boot, from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return None
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)      # idle and iowait are not busy
+
+
+def _local_postgres(url: str) -> bool:
+    """Whether the database of `url` is a PostgreSQL on this machine (its processes can be measured)."""
+    from sqlalchemy.engine import make_url
+
+    u = make_url(url)
+    return u.get_backend_name() == "postgresql" and (u.host or "localhost") in ("localhost", "127.0.0.1", "::1")
+
+
+class CpuMeter:
+    """CPU spent by the server, this process and the database over the windows it brackets. `database`:
+    "in-server" (SQLite), "local" (PostgreSQL processes of this machine) or "remote" (not measured)."""
+
+    def __init__(self, server_pid: int, database: str):
+        self.server_pid = server_pid
+        self.database = database
+        self.spent: dict[str, float | None] = {"server": 0.0, "client": 0.0,
+                                               "db": None if database == "remote" else 0.0}
+        self.busy = [0, 0]
+
+    def _read(self) -> tuple:
+        db = _process_cpu_s(_postgres_pids()) if self.database == "local" else 0.0
+        return (_process_cpu_s([self.server_pid]), time.process_time(), db, _busy_ticks())
+
+    def start(self) -> tuple:
+        return self._read()
+
+    def stop(self, before: tuple) -> None:
+        after = self._read()
+        for name, a, b in zip(("server", "client", "db"), before, after):
+            if self.spent[name] is not None:
+                self.spent[name] = None if a is None or b is None else self.spent[name] + b - a
+        if before[3] and after[3]:
+            self.busy[0] += after[3][0] - before[3][0]
+            self.busy[1] += after[3][1] - before[3][1]
+
+    def per_call_ms(self, calls: int) -> dict[str, float | None]:
+        return {name: None if v is None else round(v / calls * 1e3, 3) for name, v in self.spent.items()}
+
+    def busy_cores(self) -> float | None:
+        return round(self.busy[0] / self.busy[1] * (os.cpu_count() or 1), 2) if self.busy[1] else None
 
 
 def _fresh_postgres(url: str) -> tuple[str, callable]:
@@ -156,7 +249,7 @@ _METHODS = {"echo": ("/loadplan.v1.ModelRegistry/Echo", pb.EchoResponse),
 
 
 async def _run(address: str, method: str, n: int, inflight: int,
-               ranks_per_deployment: int = 1) -> tuple[float, list[float]]:
+               ranks_per_deployment: int = 1, meter: CpuMeter | None = None) -> tuple[float, list[float]]:
     """Issue n calls with `inflight` outstanding; return (wall seconds, per-call latencies).
 
     The load generator shares the machine's CPUs with the server (and the database), so it
@@ -185,9 +278,12 @@ async def _run(address: str, method: str, n: int, inflight: int,
         # this process takes 20-30 ms, a stall of every call in flight): it runs after.
         gc.disable()
         try:
+            cpu = meter.start() if meter is not None else None
             start = time.perf_counter()
             await asyncio.gather(*(worker() for _ in range(inflight)))
             wall = time.perf_counter() - start
+            if meter is not None:
+                meter.stop(cpu)
         finally:
             gc.enable()
     for msg, raw in zip(messages, replies):
@@ -200,10 +296,12 @@ async def _run(address: str, method: str, n: int, inflight: int,
     return wall, latencies
 
 
-def measure(address: str, inflight: int, n: int, ranks_per_deployment: int = 1, rounds: int = 3) -> dict:
+def measure(address: str, inflight: int, n: int, ranks_per_deployment: int = 1, rounds: int = 3,
+            meters: dict[str, CpuMeter] | None = None) -> dict:
     """Echo and resolve in `rounds` adjacent pairs, the order swapped every round, so a machine
     whose speed drifts (a shared VM) slows both alike: qps are the medians over the rounds,
-    `resolve_vs_echo_qps` the median of each round's own ratio, latencies over every call."""
+    `resolve_vs_echo_qps` the median of each round's own ratio, latencies over every call.
+    `meters` (by method): what the calls cost in CPU, over every round."""
     row: dict = {"inflight": inflight}
     if ranks_per_deployment > 1:
         row["ranks_per_deployment"] = ranks_per_deployment
@@ -213,7 +311,8 @@ def measure(address: str, inflight: int, n: int, ranks_per_deployment: int = 1, 
         asyncio.run(_run(address, method, min(50, n), inflight, ranks_per_deployment))  # warm-up
     for r in range(rounds):
         for method in (("echo", "resolve") if r % 2 == 0 else ("resolve", "echo")):
-            wall, latencies = asyncio.run(_run(address, method, n, inflight, ranks_per_deployment))
+            wall, latencies = asyncio.run(_run(address, method, n, inflight, ranks_per_deployment,
+                                               (meters or {}).get(method)))
             qps[method].append(n / wall)
             lat[method] += latencies
     for method in qps:
@@ -222,6 +321,25 @@ def measure(address: str, inflight: int, n: int, ranks_per_deployment: int = 1, 
         row[f"{method}_p99_ms"] = round(_percentile(lat[method], 0.99) * 1e3, 3)
     row["resolve_vs_echo_qps"] = round(statistics.median(
         [res / echo for res, echo in zip(qps["resolve"], qps["echo"])]), 3)
+    if meters:
+        row.update(cpu_figures(meters, n * rounds))
+    return row
+
+
+def cpu_figures(meters: dict[str, CpuMeter], calls: int) -> dict:
+    """Per method: CPU ms per call of the server, the client and the database, and the busy cores;
+    then `server_cpu_bound` and `cpu_bound` (see the module's docstring), where measured."""
+    row: dict = {}
+    per_call = {method: meter.per_call_ms(calls) for method, meter in meters.items()}
+    for method, meter in meters.items():
+        for part, ms in per_call[method].items():
+            row[f"{method}_{part}_cpu_ms"] = ms
+        row[f"{method}_busy_cores"] = meter.busy_cores()
+    echo, res = per_call["echo"], per_call["resolve"]
+    if echo["server"] and res["server"]:
+        row["server_cpu_bound"] = round(echo["server"] / res["server"], 3)
+    if None not in (*echo.values(), *res.values()) and sum(res.values()):
+        row["cpu_bound"] = round(sum(echo.values()) / sum(res.values()), 3)
     return row
 
 
@@ -256,8 +374,10 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 commit = round(_commit_p50_ms(url), 3)
                 for inflight, n in ((1, args.sequential_requests), (64, args.requests)):
+                    where = "in-server" if name == "sqlite" else "local" if _local_postgres(url) else "remote"
+                    meters = {method: CpuMeter(server.proc.pid, where) for method in ("echo", "resolve")}
                     row = {"db": name, **measure(server.address, inflight, n, args.ranks_per_deployment,
-                                                 args.rounds), "commit_p50_ms": commit}
+                                                 args.rounds, meters), "commit_p50_ms": commit}
                     rows.append(row)
                     if args.json:
                         print(json.dumps(row), flush=True)
@@ -269,11 +389,16 @@ def main(argv: list[str] | None = None) -> int:
         tmp.cleanup()
 
     if not args.json:
-        cols = ["db", "inflight", "echo_qps", "resolve_qps", "resolve_vs_echo_qps", "echo_p50_ms", "resolve_p50_ms",
-                "echo_p99_ms", "resolve_p99_ms", "commit_p50_ms"]
-        print("  ".join(f"{c:>14}" for c in cols))
-        for r in rows:
-            print("  ".join(f"{r[c]!s:>14}" for c in cols))
+        for cols in (["db", "inflight", "echo_qps", "resolve_qps", "resolve_vs_echo_qps", "echo_p50_ms",
+                      "resolve_p50_ms", "echo_p99_ms", "resolve_p99_ms", "commit_p50_ms"],
+                     ["db", "inflight", "echo_server_cpu_ms", "resolve_server_cpu_ms", "echo_client_cpu_ms",
+                      "resolve_client_cpu_ms", "resolve_db_cpu_ms", "echo_busy_cores", "resolve_busy_cores",
+                      "server_cpu_bound", "cpu_bound"]):
+            width = max(14, *(len(c) for c in cols[2:]))
+            print("  ".join(f"{c:>{width}}" for c in cols))
+            for r in rows:
+                print("  ".join(f"{r.get(c)!s:>{width}}" for c in cols))
+            print()
     return 0
 
 
