@@ -2,7 +2,10 @@
 
 Qwen2-MoE: bias on q/k/v (`qkv_bias`). Qwen3-MoE: bias on q/k/v/o (`attention_bias`)
 and RMSNorm on each head of q and k before the rotary embedding (`qk_norm`).
-Shapes: B batch, T new tokens, H heads, H_kv key/value heads, hd head_dim.
+GLM-4-MoE: bias on q/k/v, optional qk_norm, and partial rotary: only the first
+`rotary_dim` features of each head are rotated (the rest pass through), as
+transformers' apply_rotary_pos_emb does when cos/sin are narrower than the head.
+Shapes: B batch, T new tokens, H heads, H_kv key/value heads, hd head_dim, rd rotary_dim.
 """
 
 from __future__ import annotations
@@ -18,11 +21,15 @@ from .rope import apply_rotary
 
 class GQAttention(nn.Module):
     def __init__(self, hidden_size: int, n_heads: int, n_kv_heads: int, head_dim: int, *, qkv_bias: bool,
-                 o_bias: bool, qk_norm: bool, rms_norm_eps: float, dtype: torch.dtype | None = None):
+                 o_bias: bool, qk_norm: bool, rms_norm_eps: float, rotary_dim: int | None = None,
+                 dtype: torch.dtype | None = None):
         super().__init__()
         if n_heads % n_kv_heads:
             raise ValueError(f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv_heads}")
-        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if not (0 < rotary_dim <= head_dim and rotary_dim % 2 == 0):
+            raise ValueError(f"rotary_dim={rotary_dim} must be even and in (0, head_dim={head_dim}]")
+        self.n_heads, self.n_kv_heads, self.head_dim, self.rotary_dim = n_heads, n_kv_heads, head_dim, rotary_dim
         self.scale = head_dim ** -0.5
         self.q_proj = nn.Linear(hidden_size, n_heads * head_dim, bias=qkv_bias, dtype=dtype)
         self.k_proj = nn.Linear(hidden_size, n_kv_heads * head_dim, bias=qkv_bias, dtype=dtype)
@@ -39,7 +46,7 @@ class GQAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 input_pos: torch.Tensor | None = None) -> torch.Tensor:
-        """x [B, T, D], cos/sin [T, hd], input_pos [T] (needed with a cache) -> [B, T, D]."""
+        """x [B, T, D], cos/sin [T, rd], input_pos [T] (needed with a cache) -> [B, T, D]."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)       # [B, T, H, hd]
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)    # [B, T, H_kv, hd]
@@ -47,7 +54,7 @@ class GQAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, hd]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         gqa = self.n_heads != self.n_kv_heads
         if self.kv_cache is not None:
             if input_pos is None:
@@ -59,3 +66,10 @@ class GQAttention(nn.Module):
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scale, enable_gqa=gqa)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, H, T, hd]: its first rotary_dim features rotated, the others as they are."""
+        if self.rotary_dim == self.head_dim:
+            return apply_rotary(x, cos, sin)
+        rd = self.rotary_dim
+        return torch.cat([apply_rotary(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)

@@ -134,7 +134,8 @@ class DeepseekV3Config:
 
 
 class DeepseekV3MoE(nn.Module):
-    """gate (router), experts (stacked, + fused shared slot when the plan fuses), shared_experts (unfused)."""
+    """gate (router), experts (stacked, + fused shared slot when the plan fuses), shared_experts (unfused).
+    GLM-4-MoE's block too (glm4_moe.py): `cfg` is any config naming the MoE fields read here."""
 
     def __init__(self, cfg: DeepseekV3Config, plan, layer_id: int, dtype: torch.dtype):
         super().__init__()

@@ -102,17 +102,37 @@ DEEPSEEK_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_i
 
 def make_deepseek_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     """Save a random DeepSeek-V3 of `config` (transformers' DeepseekV3Config kwargs), routing bias included."""
+    return _save_biased_router_model(path, "DeepseekV3", seed, config)
+
+
+def _save_biased_router_model(path: Path, family: str, seed: int, config: dict) -> Path:
+    """transformers' `{family}ForCausalLM` of `{family}Config(**config)`, randomized, with a random
+    e_score_correction_bias (a buffer there, which randomize() skips), saved to `path`."""
     transformers = _transformers()
     torch.manual_seed(seed)
-    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**config))
+    model = getattr(transformers, f"{family}ForCausalLM")(getattr(transformers, f"{family}Config")(**config))
     randomize(model, seed)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):   # a buffer in transformers: randomize() skips it
+            if name.endswith("e_score_correction_bias"):
                 b.copy_(0.3 * torch.randn(b.shape, generator=g))
     model.save_pretrained(path)
     return path
+
+
+# GLM-4-MoE: 16 routed experts in 4 groups, one shared expert, q/k/v bias, qk norm, half-rotary heads (the
+# default partial_rotary_factor). The GLM gate has no expert-count condition, so fusion passes at this size.
+GLM4_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                 num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=16,
+                 n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
+                 max_position_embeddings=256, routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True,
+                 attention_bias=True, rms_norm_eps=1e-6)
+
+
+def make_glm4_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random GLM-4-MoE of `config` (transformers' Glm4MoeConfig kwargs), routing bias included."""
+    return _save_biased_router_model(path, "Glm4Moe", seed, config)
 
 
 def hf_reference(path: Path, arch: str):

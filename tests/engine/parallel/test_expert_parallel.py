@@ -13,7 +13,7 @@ from loadplan.engine.parallel.launch import launch
 from loadplan.plan import Keys
 from loadplan.service.rules.backends import BACKENDS
 
-from parallel_helpers import DEEPSEEK, QWEN3, make_model, single_process
+from parallel_helpers import DEEPSEEK, GLM4, QWEN3, make_model, single_process
 
 EP = 2
 N_NEW = 4
@@ -90,6 +90,11 @@ def deepseek(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("ds"), DEEPSEEK)
 
 
+@pytest.fixture(scope="module")
+def glm4(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("glm4"), GLM4)
+
+
 def test_qwen3_moe_every_backend_on_two_ranks_matches_one_process_and_sees_a_double_reduction(qwen3):
     ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(3))
     ref_logits, ref_tokens = single_process(qwen3, ids, N_NEW)
@@ -113,4 +118,17 @@ def test_deepseek_v3_every_backend_fused_and_unfused_on_two_ranks_matches_one_pr
     by_rank = _check(results, ref_logits, ref_tokens, expect)
     for r in (0, 1):   # fused on the a2a path: the slot is computed once per token, an extra reduce doubles it
         c = by_rank[r][("deepep", "enforce")]
+        assert c["fused"] and (c["double_reduced"] - ref_logits).abs().max().item() > 1e-2
+
+
+def test_glm4_moe_every_backend_fused_and_unfused_on_two_ranks_matches_one_process(glm4):
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(5))
+    ref_logits, ref_tokens = single_process(glm4, ids, N_NEW, disable_shared_experts_fusion=True)
+    results = launch(EP, _ep_ranks, glm4, ids, ("enforce", "disable"), "mooncake", timeout_s=240)
+    # The GLM gate (DESIGN 5.2) lets the torch runner fuse under EP; where a slot lives is the table's.
+    expect = {b for b, row in BACKENDS.items()
+              if not row.fusion_force_disabled and (row.forward_path == "normal" or row.per_rank_fused_slots)}
+    by_rank = _check(results, ref_logits, ref_tokens, expect)
+    for r in (0, 1):
+        c = by_rank[r][("mooncake", "enforce")]
         assert c["fused"] and (c["double_reduced"] - ref_logits).abs().max().item() > 1e-2

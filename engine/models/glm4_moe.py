@@ -1,0 +1,157 @@
+"""GLM-4-MoE (GLM-4.5, GLM-4.5-Air), gpt-fast style, following transformers' modeling_glm4_moe numerically.
+
+Shapes: B batch, T tokens, D hidden, E routed experts, K top-k, V vocab, H/H_kv heads.
+
+- Attention: grouped-query (layers/attention.py) with q/k/v bias (`attention_bias`; o_proj has
+  none), optional per-head RMSNorm on q and k (`use_qk_norm`), and partial rotary: the first
+  `partial_rotary_factor` of each head is rotated (rotate-half layout), the rest passes through.
+  transformers assumes 0.5 when a config does not say (GLM's released configs do).
+- Layer i is MoE iff i >= first_k_dense_replace (transformers has no moe_layer_freq here; the
+  registry's layout counts one, so a config that sets it to anything but 1 is refused).
+- MoE: DeepSeek-V3's block as it is (deepseek_v3.DeepseekV3MoE): the sigmoid router with
+  e_score_correction_bias and group-limited top-k, routed experts whose weights carry
+  routed_scaling_factor, and n_shared_experts shared experts, one MLP of n_shared x the width:
+    unfused: out = routed(x) + shared_experts(x)   (replicated, after any reduction)
+    fused (plan): the shared expert is slot n_routed_experts, counted x1 (DESIGN 5.3).
+- The Multi-Token-Prediction layers stored after the last decoder layer
+  (model.layers.{num_hidden_layers}...) are not part of the causal LM: skipped at load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..layers.attention import GQAttention
+from ..layers.mlp import GatedMLP, activation
+from ..layers.rope import RopeConfig, rope_config_from_hf
+from .causal_lm import CausalLM, DecoderLayer
+from .config import ConfigError, get_field as _get
+from .deepseek_v3 import DeepseekV3MoE
+
+# transformers' Glm4MoeConfig: "partial_rotary_factor" defaults to 0.5 (kept for older configs).
+DEFAULT_PARTIAL_ROTARY_FACTOR = 0.5
+
+
+@dataclass(frozen=True)
+class Glm4MoeConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int            # dense layers
+    moe_intermediate_size: int        # each routed expert; the shared MLP is n_shared_experts times wider
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rotary_dim: int                   # the rotated part of each head: head_dim * partial_rotary_factor
+    rope: RopeConfig
+    attention_bias: bool              # q/k/v projections carry a bias
+    use_qk_norm: bool
+    max_position_embeddings: int
+    rms_norm_eps: float
+    hidden_act: str
+    tie_word_embeddings: bool
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    first_k_dense_replace: int
+    num_nextn_predict_layers: int
+    moe_layers: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "Glm4MoeConfig":
+        hidden_act = _get(d, "hidden_act", "silu", str)
+        activation(hidden_act)  # refuses unknown activations by name
+        hidden = _get(d, "hidden_size", kind=int)
+        heads = _get(d, "num_attention_heads", kind=int)
+        n_layers = _get(d, "num_hidden_layers", kind=int)
+        n_routed = _get(d, "n_routed_experts", None, int)
+        if n_routed is None:   # transformers' alias, else the Hub's name is the one missing
+            n_routed = _get(d, "num_local_experts", None, int) or _get(d, "n_routed_experts", kind=int)
+        top_k = _get(d, "num_experts_per_tok", kind=int)
+        if not 0 < top_k <= n_routed:
+            raise ConfigError(f"config.num_experts_per_tok: {top_k} must be in [1, n_routed_experts={n_routed}]")
+        n_group = _get(d, "n_group", 1, int)
+        topk_group = _get(d, "topk_group", n_group, int)
+        if n_group < 1 or n_routed % n_group or not 0 < topk_group <= n_group:
+            raise ConfigError(f"config.n_group/topk_group: {n_group}/{topk_group} do not split "
+                              f"{n_routed} experts into groups")
+        if n_group > 1 and n_routed // n_group < 2:
+            raise ConfigError(f"config.n_group: groups of {n_routed // n_group} expert(s); group scores need 2")
+        freq = _get(d, "moe_layer_freq", 1, int)
+        if freq != 1:
+            raise ConfigError(f"config.moe_layer_freq: {freq} not supported; supported: 1 (GLM-4-MoE makes every "
+                              f"layer from first_k_dense_replace on an MoE layer)")
+        first_dense = _get(d, "first_k_dense_replace", 1, int)
+        if first_dense < 0:
+            raise ConfigError(f"config.first_k_dense_replace: must be >= 0, got {first_dense}")
+        head_dim = _get(d, "head_dim", None, int) or hidden // heads
+        params = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
+        scaling = d.get("rope_scaling") if isinstance(d.get("rope_scaling"), dict) else {}
+        if not any("partial_rotary_factor" in p for p in (d, params, scaling)):
+            d = {**d, "partial_rotary_factor": DEFAULT_PARTIAL_ROTARY_FACTOR}
+        try:
+            rope = rope_config_from_hf(d)
+        except ValueError as e:
+            raise ConfigError(f"config.rope_scaling/rope_parameters: {e}") from None
+        rotary_dim = int(head_dim * rope.partial_rotary_factor)
+        if not (0 < rotary_dim <= head_dim and rotary_dim % 2 == 0):
+            raise ConfigError(f"config.partial_rotary_factor: {rope.partial_rotary_factor} of head_dim={head_dim} "
+                              f"gives {rotary_dim} rotated features; needs an even number in (0, head_dim]")
+        return cls(
+            vocab_size=_get(d, "vocab_size", kind=int),
+            hidden_size=hidden,
+            intermediate_size=_get(d, "intermediate_size", kind=int),
+            moe_intermediate_size=_get(d, "moe_intermediate_size", kind=int),
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=_get(d, "num_key_value_heads", heads, int),
+            head_dim=head_dim,
+            rotary_dim=rotary_dim,
+            rope=rope,
+            attention_bias=bool(_get(d, "attention_bias", False, bool)),
+            use_qk_norm=bool(_get(d, "use_qk_norm", False, bool)),
+            max_position_embeddings=_get(d, "max_position_embeddings", 131072, int),
+            rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-5)),
+            hidden_act=hidden_act,
+            tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
+            n_routed_experts=n_routed,
+            n_shared_experts=_get(d, "n_shared_experts", 1, int),
+            num_experts_per_tok=top_k,
+            n_group=n_group,
+            topk_group=topk_group,
+            norm_topk_prob=bool(_get(d, "norm_topk_prob", True, bool)),
+            routed_scaling_factor=float(_get(d, "routed_scaling_factor", 1.0)),
+            first_k_dense_replace=first_dense,
+            num_nextn_predict_layers=_get(d, "num_nextn_predict_layers", 0, int),
+            moe_layers=tuple(range(first_dense, n_layers)),
+        )
+
+
+class Glm4MoeDecoderLayer(DecoderLayer):
+    def __init__(self, cfg: Glm4MoeConfig, plan, layer_id: int, dtype: torch.dtype):
+        attn = GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                           qkv_bias=cfg.attention_bias, o_bias=False, qk_norm=cfg.use_qk_norm,
+                           rms_norm_eps=cfg.rms_norm_eps, rotary_dim=cfg.rotary_dim, dtype=dtype)
+        if layer_id in cfg.moe_layers:
+            mlp = DeepseekV3MoE(cfg, plan, layer_id, dtype)
+        else:
+            mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype)
+        super().__init__(layer_id, attn, mlp, cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class Glm4MoeForCausalLM(CausalLM):
+    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
+        cfg = Glm4MoeConfig.from_hf(hf_config)
+        super().__init__(cfg, plan, Glm4MoeDecoderLayer, n_routed=cfg.n_routed_experts, rope_head_dim=cfg.head_dim,
+                         dtype=dtype)
+
+    def ignore_prefixes(self, prefix: str) -> tuple[str, ...]:
+        """The Multi-Token-Prediction layers stored after the last decoder layer."""
+        L = self.config.num_hidden_layers
+        return tuple(f"{prefix}model.layers.{L + i}." for i in range(self.config.num_nextn_predict_layers))
