@@ -24,6 +24,7 @@ from dataclasses import dataclass
 ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("loadplan.engine.models.qwen_moe", "Qwen3MoeForCausalLM"),
     "Qwen2MoeForCausalLM": ("loadplan.engine.models.qwen_moe", "Qwen2MoeForCausalLM"),
+    "DeepseekV2ForCausalLM": ("loadplan.engine.models.deepseek_v3", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("loadplan.engine.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "Glm4MoeForCausalLM": ("loadplan.engine.models.glm4_moe", "Glm4MoeForCausalLM"),
     "KimiK25ForConditionalGeneration": ("loadplan.engine.models.deepseek_v3", "KimiK25ForConditionalGeneration"),

@@ -1,4 +1,5 @@
 """DeepSeek-V3 (and the Kimi-K2.5 wrapper, text only), gpt-fast style, following transformers numerically.
+DeepSeek-V2 (`DeepseekV2ForCausalLM`, below) is the same model with V2's router.
 
 Shapes: B batch, T tokens, D hidden, E routed experts, K top-k, V vocab.
 
@@ -8,7 +9,8 @@ Shapes: B batch, T tokens, D hidden, E routed experts, K top-k, V vocab.
   original modeling code; the registry's layouts.py counts the same); the others
   are dense SwiGLU MLPs of intermediate_size.
 - MoE: sigmoid router with e_score_correction_bias and group-limited top-k
-  (layers/deepseek_router.py), routed experts (engine/moe.py) whose weights already
+  (layers/deepseek_router.py; V2: softmax, greedy or group-limited, layers/
+  deepseek_v2_router.py), routed experts (engine/moe.py) whose weights already
   carry routed_scaling_factor, and the shared expert:
     unfused: out = routed(x) + shared_experts(x)   (computed replicated, after any reduction)
     fused (plan): the shared expert is expert slot n_routed_experts, selected by every
@@ -26,6 +28,8 @@ import torch
 from torch import nn
 
 from ..layers.deepseek_router import DeepseekV3Router
+from ..layers.deepseek_v2_router import TOPK_METHODS as V2_TOPK_METHODS
+from ..layers.deepseek_v2_router import DeepseekV2Router
 from ..layers.mla import MultiHeadLatentAttention
 from ..layers.mlp import GatedMLP, activation
 from ..layers.rope import RopeConfig, rope_config_from_hf
@@ -66,15 +70,22 @@ class DeepseekV3Config:
     moe_layer_freq: int
     num_nextn_predict_layers: int
     moe_layers: tuple[int, ...]
+    scoring_func: str = "sigmoid"       # V2: softmax
+    topk_method: str = "noaux_tc"       # V2: greedy or group_limited_greedy
 
     @classmethod
-    def from_hf(cls, d: dict) -> "DeepseekV3Config":
-        scoring = _get(d, "scoring_func", "sigmoid", str)
-        if scoring != "sigmoid":
-            raise ConfigError(f"config.scoring_func: {scoring!r} not supported; supported: sigmoid")
-        method = _get(d, "topk_method", "noaux_tc", str)
-        if method != "noaux_tc":
-            raise ConfigError(f"config.topk_method: {method!r} not supported; supported: noaux_tc")
+    def from_hf(cls, d: dict, architecture: str = "DeepseekV3ForCausalLM") -> "DeepseekV3Config":
+        v2 = architecture == "DeepseekV2ForCausalLM"
+        scoring = _get(d, "scoring_func", "softmax" if v2 else "sigmoid", str)
+        if scoring != ("softmax" if v2 else "sigmoid"):
+            raise ConfigError(f"config.scoring_func: {scoring!r} not supported; supported: "
+                              f"{'softmax' if v2 else 'sigmoid'}")
+        method = _get(d, "topk_method", "greedy" if v2 else "noaux_tc", str)
+        methods = V2_TOPK_METHODS if v2 else ("noaux_tc",)
+        if method not in methods:
+            raise ConfigError(f"config.topk_method: {method!r} not supported; supported: {', '.join(methods)}")
+        if v2:
+            _refuse_where_v2_references_differ(d)
         hidden_act = _get(d, "hidden_act", "silu", str)
         activation(hidden_act)  # refuses unknown activations by name
         n_layers = _get(d, "num_hidden_layers", kind=int)
@@ -87,7 +98,7 @@ class DeepseekV3Config:
         if n_routed % n_group or not 0 < topk_group <= n_group:
             raise ConfigError(f"config.n_group/topk_group: {n_group}/{topk_group} do not split "
                               f"{n_routed} experts into groups")
-        if n_group > 1 and n_routed // n_group < 2:
+        if n_group > 1 and n_routed // n_group < 2 and not v2:
             raise ConfigError(f"config.n_group: groups of {n_routed // n_group} expert(s); group scores need 2")
         first_dense = _get(d, "first_k_dense_replace", 0, int)
         freq = _get(d, "moe_layer_freq", 1, int)
@@ -113,7 +124,8 @@ class DeepseekV3Config:
             qk_rope_head_dim=_get(d, "qk_rope_head_dim", kind=int),
             v_head_dim=_get(d, "v_head_dim", kind=int),
             rope=rope,
-            rope_interleave=bool(_get(d, "rope_interleave", True, bool)),
+            # V2 always rotates (even, odd) pairs (transformers multiplies them as complex numbers).
+            rope_interleave=True if v2 else bool(_get(d, "rope_interleave", True, bool)),
             attention_bias=bool(_get(d, "attention_bias", False, bool)),
             max_position_embeddings=_get(d, "max_position_embeddings", 4096, int),
             rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6)),
@@ -124,13 +136,28 @@ class DeepseekV3Config:
             num_experts_per_tok=top_k,
             n_group=n_group,
             topk_group=topk_group,
-            norm_topk_prob=bool(_get(d, "norm_topk_prob", True, bool)),
+            norm_topk_prob=bool(_get(d, "norm_topk_prob", not v2, bool)),
             routed_scaling_factor=float(_get(d, "routed_scaling_factor", 1.0)),
             first_k_dense_replace=first_dense,
             moe_layer_freq=freq,
             num_nextn_predict_layers=_get(d, "num_nextn_predict_layers", 0, int),
             moe_layers=tuple(i for i in range(n_layers) if i >= first_dense and i % freq == 0),
+            scoring_func=scoring,
+            topk_method=method,
         )
+
+
+def _refuse_where_v2_references_differ(d: dict) -> None:
+    """transformers' DeepSeek-V2 ignores these fields where DeepSeek's own V2 code honours them (or has no
+    bias-free MLP for them): a config that sets them has no single reference to match, so it is refused."""
+    if _get(d, "norm_topk_prob", False, bool):
+        raise ConfigError("config.norm_topk_prob: true not supported for DeepseekV2ForCausalLM (transformers does "
+                          "not renormalise V2's top-k weights); supported: false")
+    if _get(d, "moe_layer_freq", 1, int) != 1:
+        raise ConfigError(f"config.moe_layer_freq: {d['moe_layer_freq']} not supported for DeepseekV2ForCausalLM; "
+                          f"supported: 1")
+    if _get(d, "mlp_bias", False, bool):
+        raise ConfigError("config.mlp_bias: true not supported; supported: false")
 
 
 class DeepseekV3MoE(nn.Module):
@@ -146,11 +173,18 @@ class DeepseekV3MoE(nn.Module):
         if fused and (fused != 1 or cfg.n_shared_experts != 1):
             raise ValueError(f"layer {layer_id}: plan fuses {fused} shared expert slot(s) but the config has "
                              f"n_shared_experts={cfg.n_shared_experts}; only one shared expert can be a slot")
-        # The experts layer read the plan's fused-slot count and scale; the router writes that column.
-        self.gate = DeepseekV3Router(
-            D, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
-            cfg.routed_scaling_factor, num_fused_shared_experts=fused,
-            fused_shared_expert_scale=self.experts.fused_shared_expert_scale)
+        if cfg.scoring_func == "softmax":   # DeepSeek-V2
+            if fused:
+                raise ValueError(f"layer {layer_id}: plan fuses the shared experts but DeepSeek-V2's router has no "
+                                 f"fused slot (the registry never fuses V2: not the fused architecture)")
+            self.gate = DeepseekV2Router(D, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.topk_method,
+                                         cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
+        else:
+            # The experts layer read the plan's fused-slot count and scale; the router writes that column.
+            self.gate = DeepseekV3Router(
+                D, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
+                cfg.routed_scaling_factor, num_fused_shared_experts=fused,
+                fused_shared_expert_scale=self.experts.fused_shared_expert_scale)
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts
         self.shared_experts = GatedMLP(D, shared, cfg.hidden_act, dtype) if shared and not fused else None
 
@@ -177,8 +211,10 @@ class DeepseekV3DecoderLayer(DecoderLayer):
 
 
 class DeepseekV3ForCausalLM(CausalLM):
+    ARCHITECTURE = "DeepseekV3ForCausalLM"
+
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        cfg = DeepseekV3Config.from_hf(hf_config)
+        cfg = DeepseekV3Config.from_hf(hf_config, self.ARCHITECTURE)
         super().__init__(cfg, plan, DeepseekV3DecoderLayer, n_routed=cfg.n_routed_experts,
                          rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype)
 
@@ -186,6 +222,13 @@ class DeepseekV3ForCausalLM(CausalLM):
         """The Multi-Token-Prediction layers stored after the last decoder layer."""
         L = self.config.num_hidden_layers
         return tuple(f"{prefix}model.layers.{L + i}." for i in range(self.config.num_nextn_predict_layers))
+
+
+class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
+    """DeepSeek-V2 / V2-Lite: V3's model with a softmax router (greedy or group-limited top-k, no score bias,
+    no renormalisation), layer i MoE iff i >= first_k_dense_replace; shared experts never fused."""
+
+    ARCHITECTURE = "DeepseekV2ForCausalLM"
 
 
 class KimiK25ForConditionalGeneration(nn.Module):

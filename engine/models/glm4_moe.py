@@ -62,6 +62,7 @@ class Glm4MoeConfig:
     first_k_dense_replace: int
     num_nextn_predict_layers: int
     moe_layers: tuple[int, ...]
+    scoring_func: str = "sigmoid"     # DeepSeek-V3's router (what DeepseekV3MoE asks)
 
     @classmethod
     def from_hf(cls, d: dict) -> "Glm4MoeConfig":

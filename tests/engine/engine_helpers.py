@@ -102,12 +102,13 @@ DEEPSEEK_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_i
 
 def make_deepseek_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     """Save a random DeepSeek-V3 of `config` (transformers' DeepseekV3Config kwargs), routing bias included."""
-    return _save_biased_router_model(path, "DeepseekV3", seed, config)
+    return _save_random_model(path, "DeepseekV3", seed, config)
 
 
-def _save_biased_router_model(path: Path, family: str, seed: int, config: dict) -> Path:
+def _save_random_model(path: Path, family: str, seed: int, config: dict) -> Path:
     """transformers' `{family}ForCausalLM` of `{family}Config(**config)`, randomized, with a random
-    e_score_correction_bias (a buffer there, which randomize() skips), saved to `path`."""
+    e_score_correction_bias where the family's router has one (a buffer there, which randomize() skips),
+    saved to `path`."""
     transformers = _transformers()
     torch.manual_seed(seed)
     model = getattr(transformers, f"{family}ForCausalLM")(getattr(transformers, f"{family}Config")(**config))
@@ -132,7 +133,21 @@ GLM4_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_inter
 
 def make_glm4_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     """Save a random GLM-4-MoE of `config` (transformers' Glm4MoeConfig kwargs), routing bias included."""
-    return _save_biased_router_model(path, "Glm4Moe", seed, config)
+    return _save_random_model(path, "Glm4Moe", seed, config)
+
+
+# DeepSeek-V2: 16 routed experts in 4 groups, two shared experts (one MLP twice as wide), softmax routing.
+DEEPSEEK_V2_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                        num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=16,
+                        n_shared_experts=2, num_experts_per_tok=4, n_group=4, topk_group=2,
+                        topk_method="group_limited_greedy", first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
+                        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=256,
+                        routed_scaling_factor=2.5, rms_norm_eps=1e-6)
+
+
+def make_deepseek_v2_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random DeepSeek-V2 of `config` (transformers' DeepseekV2Config kwargs)."""
+    return _save_random_model(path, "DeepseekV2", seed, config)
 
 
 def hf_reference(path: Path, arch: str):

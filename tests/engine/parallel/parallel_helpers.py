@@ -12,12 +12,14 @@ from pathlib import Path
 import torch
 
 import engine_helpers
-from engine_helpers import LocalRegistry, make_checkpoint, make_deepseek_checkpoint, make_glm4_checkpoint
+from engine_helpers import (LocalRegistry, make_checkpoint, make_deepseek_checkpoint, make_deepseek_v2_checkpoint,
+                            make_glm4_checkpoint)
 
 QWEN3 = "Qwen3MoeForCausalLM"
 QWEN2 = "Qwen2MoeForCausalLM"
 DEEPSEEK = "DeepseekV3ForCausalLM"
 GLM4 = "Glm4MoeForCausalLM"
+DEEPSEEK_V2 = "DeepseekV2ForCausalLM"
 
 # engine_helpers' tiny DeepSeek-V3 (256 routed experts: the fusion gate passes) with the default rope.
 DEEPSEEK_TINY = dict(engine_helpers.DEEPSEEK_TINY, rope_theta=10000.0)
@@ -32,6 +34,8 @@ def make_model(path: Path, arch: str, seed: int = 0) -> str:
         make_deepseek(path, seed)
     elif arch == GLM4:
         make_glm4_checkpoint(path, seed=seed, **engine_helpers.GLM4_TINY)
+    elif arch == DEEPSEEK_V2:
+        make_deepseek_v2_checkpoint(path, seed=seed, **engine_helpers.DEEPSEEK_V2_TINY)
     else:
         make_checkpoint(path, arch, seed=seed)
     cfg = json.loads((path / "config.json").read_text())

@@ -13,7 +13,7 @@ from loadplan.engine.parallel.launch import launch
 from loadplan.plan import Keys
 from loadplan.service.rules.backends import BACKENDS
 
-from parallel_helpers import DEEPSEEK, GLM4, QWEN3, make_model, single_process
+from parallel_helpers import DEEPSEEK, DEEPSEEK_V2, GLM4, QWEN3, make_model, single_process
 
 EP = 2
 N_NEW = 4
@@ -91,6 +91,11 @@ def deepseek(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def deepseek_v2(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("dsv2"), DEEPSEEK_V2)
+
+
+@pytest.fixture(scope="module")
 def glm4(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("glm4"), GLM4)
 
@@ -132,3 +137,14 @@ def test_glm4_moe_every_backend_fused_and_unfused_on_two_ranks_matches_one_proce
     for r in (0, 1):
         c = by_rank[r][("mooncake", "enforce")]
         assert c["fused"] and (c["double_reduced"] - ref_logits).abs().max().item() > 1e-2
+
+
+def test_deepseek_v2_every_backend_on_two_ranks_matches_one_process_and_sees_a_double_reduction(deepseek_v2):
+    """Softmax routing, two shared experts (never fused: replicated and added after the reduction)."""
+    ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(6))
+    ref_logits, ref_tokens = single_process(deepseek_v2, ids, N_NEW)
+    results = launch(EP, _ep_ranks, deepseek_v2, ids, (None,), "nixl", timeout_s=180)
+    by_rank = _check(results, ref_logits, ref_tokens, set())
+    for r in (0, 1):
+        c = by_rank[r][("nixl", None)]
+        assert c["path"] == "a2a" and (c["double_reduced"] - ref_logits).abs().max().item() > 1e-2
