@@ -89,17 +89,8 @@ class DeepseekV3Config:
         hidden_act = _get(d, "hidden_act", "silu", str)
         activation(hidden_act)  # refuses unknown activations by name
         n_layers = _get(d, "num_hidden_layers", kind=int)
-        n_routed = _get(d, "n_routed_experts", kind=int)
-        top_k = _get(d, "num_experts_per_tok", kind=int)
-        if not 0 < top_k <= n_routed:
-            raise ConfigError(f"config.num_experts_per_tok: {top_k} must be in [1, n_routed_experts={n_routed}]")
-        n_group = _get(d, "n_group", 1, int)
-        topk_group = _get(d, "topk_group", n_group, int)
-        if n_routed % n_group or not 0 < topk_group <= n_group:
-            raise ConfigError(f"config.n_group/topk_group: {n_group}/{topk_group} do not split "
-                              f"{n_routed} experts into groups")
-        if n_group > 1 and n_routed // n_group < 2 and not v2:
-            raise ConfigError(f"config.n_group: groups of {n_routed // n_group} expert(s); group scores need 2")
+        routing = routing_fields(d, _get(d, "n_routed_experts", kind=int), n_shared_default=0,
+                                 norm_topk_prob_default=not v2, group_scores_of_two=not v2)
         first_dense = _get(d, "first_k_dense_replace", 0, int)
         freq = _get(d, "moe_layer_freq", 1, int)
         if freq < 1:
@@ -131,13 +122,7 @@ class DeepseekV3Config:
             rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6)),
             hidden_act=hidden_act,
             tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
-            n_routed_experts=n_routed,
-            n_shared_experts=_get(d, "n_shared_experts", 0, int),
-            num_experts_per_tok=top_k,
-            n_group=n_group,
-            topk_group=topk_group,
-            norm_topk_prob=bool(_get(d, "norm_topk_prob", not v2, bool)),
-            routed_scaling_factor=float(_get(d, "routed_scaling_factor", 1.0)),
+            **routing,
             first_k_dense_replace=first_dense,
             moe_layer_freq=freq,
             num_nextn_predict_layers=_get(d, "num_nextn_predict_layers", 0, int),
@@ -145,6 +130,27 @@ class DeepseekV3Config:
             scoring_func=scoring,
             topk_method=method,
         )
+
+
+def routing_fields(d: dict, n_routed: int, *, n_shared_default: int, norm_topk_prob_default: bool,
+                   group_scores_of_two: bool) -> dict:
+    """The routing fields of a DeepSeek-style MoE config (what DeepseekV3MoE reads), checked: n_routed_experts,
+    n_shared_experts, num_experts_per_tok, n_group, topk_group, norm_topk_prob, routed_scaling_factor.
+    `group_scores_of_two`: a group is scored by its two best experts (V3's router), so it needs two."""
+    top_k = _get(d, "num_experts_per_tok", kind=int)
+    if not 0 < top_k <= n_routed:
+        raise ConfigError(f"config.num_experts_per_tok: {top_k} must be in [1, n_routed_experts={n_routed}]")
+    n_group = _get(d, "n_group", 1, int)
+    topk_group = _get(d, "topk_group", n_group, int)
+    if n_group < 1 or n_routed % n_group or not 0 < topk_group <= n_group:
+        raise ConfigError(f"config.n_group/topk_group: {n_group}/{topk_group} do not split "
+                          f"{n_routed} experts into groups")
+    if group_scores_of_two and n_group > 1 and n_routed // n_group < 2:
+        raise ConfigError(f"config.n_group: groups of {n_routed // n_group} expert(s); group scores need 2")
+    return dict(n_routed_experts=n_routed, n_shared_experts=_get(d, "n_shared_experts", n_shared_default, int),
+                num_experts_per_tok=top_k, n_group=n_group, topk_group=topk_group,
+                norm_topk_prob=bool(_get(d, "norm_topk_prob", norm_topk_prob_default, bool)),
+                routed_scaling_factor=float(_get(d, "routed_scaling_factor", 1.0)))
 
 
 def _refuse_where_v2_references_differ(d: dict) -> None:

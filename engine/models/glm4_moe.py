@@ -28,7 +28,7 @@ from ..layers.mlp import GatedMLP, activation
 from ..layers.rope import RopeConfig, rope_config_from_hf
 from .causal_lm import CausalLM, DecoderLayer
 from .config import ConfigError, get_field as _get
-from .deepseek_v3 import DeepseekV3MoE
+from .deepseek_v3 import DeepseekV3MoE, routing_fields
 
 # transformers' Glm4MoeConfig: "partial_rotary_factor" defaults to 0.5 (kept for older configs).
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.5
@@ -74,16 +74,8 @@ class Glm4MoeConfig:
         n_routed = _get(d, "n_routed_experts", None, int)
         if n_routed is None:   # transformers' alias, else the Hub's name is the one missing
             n_routed = _get(d, "num_local_experts", None, int) or _get(d, "n_routed_experts", kind=int)
-        top_k = _get(d, "num_experts_per_tok", kind=int)
-        if not 0 < top_k <= n_routed:
-            raise ConfigError(f"config.num_experts_per_tok: {top_k} must be in [1, n_routed_experts={n_routed}]")
-        n_group = _get(d, "n_group", 1, int)
-        topk_group = _get(d, "topk_group", n_group, int)
-        if n_group < 1 or n_routed % n_group or not 0 < topk_group <= n_group:
-            raise ConfigError(f"config.n_group/topk_group: {n_group}/{topk_group} do not split "
-                              f"{n_routed} experts into groups")
-        if n_group > 1 and n_routed // n_group < 2:
-            raise ConfigError(f"config.n_group: groups of {n_routed // n_group} expert(s); group scores need 2")
+        routing = routing_fields(d, n_routed, n_shared_default=1, norm_topk_prob_default=True,
+                                 group_scores_of_two=True)
         freq = _get(d, "moe_layer_freq", 1, int)
         if freq != 1:
             raise ConfigError(f"config.moe_layer_freq: {freq} not supported; supported: 1 (GLM-4-MoE makes every "
@@ -121,13 +113,7 @@ class Glm4MoeConfig:
             rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-5)),
             hidden_act=hidden_act,
             tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
-            n_routed_experts=n_routed,
-            n_shared_experts=_get(d, "n_shared_experts", 1, int),
-            num_experts_per_tok=top_k,
-            n_group=n_group,
-            topk_group=topk_group,
-            norm_topk_prob=bool(_get(d, "norm_topk_prob", True, bool)),
-            routed_scaling_factor=float(_get(d, "routed_scaling_factor", 1.0)),
+            **routing,
             first_k_dense_replace=first_dense,
             num_nextn_predict_layers=_get(d, "num_nextn_predict_layers", 0, int),
             moe_layers=tuple(range(first_dense, n_layers)),

@@ -163,6 +163,26 @@ def hf_logits(path: Path, arch: str, ids: torch.Tensor) -> torch.Tensor:
         return hf_reference(path, arch)(ids).logits
 
 
+def load_local(path: Path, **kw):
+    """The engine's model of the checkpoint at `path`, planned by a LocalRegistry."""
+    from loadplan.engine.loader import load_model
+
+    return load_model(path, registry=LocalRegistry(), **kw)
+
+
+def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids)
+
+
+def hf_greedy(path: Path, arch: str, prompt_ids: list[int], n: int) -> list[int]:
+    """transformers' n greedy tokens after `prompt_ids` (no end-of-sequence stop)."""
+    with torch.no_grad():
+        out = hf_reference(path, arch).generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False,
+                                                eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
 def prompt(B: int = 2, T: int = 7, vocab: int = 128, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
 

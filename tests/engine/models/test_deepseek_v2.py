@@ -7,12 +7,12 @@ import torch
 
 from loadplan.engine.generate import generate
 from loadplan.engine.layers.deepseek_v2_router import DeepseekV2Router
-from loadplan.engine.loader import load_model
 from loadplan.engine.models.deepseek_v3 import ConfigError, DeepseekV3Config, DeepseekV3MoE
 
 from engine_helpers import GLM4_TINY
 from engine_helpers import DEEPSEEK_V2_TINY as TINY
-from engine_helpers import LocalRegistry, hf_logits, hf_reference, make_deepseek_v2_checkpoint, make_plan, prompt
+from engine_helpers import (hf_greedy, hf_logits, load_local, logits_of, make_deepseek_v2_checkpoint, make_plan,
+                            prompt)
 
 transformers = pytest.importorskip("transformers")
 
@@ -20,15 +20,6 @@ ARCH = "DeepseekV2ForCausalLM"
 ATOL = 1e-3
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
         "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
-
-
-def _load(path, **kw):
-    return load_model(path, registry=LocalRegistry(), **kw)
-
-
-def _logits(model, ids):
-    with torch.no_grad():
-        return model(ids)
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +35,14 @@ def ids():
 def test_group_limited_greedy_matches_transformers_and_is_never_fused(ckpt, ids):
     want = hf_logits(ckpt, ARCH, ids)
     assert 0.5 < want.abs().max() < 50   # O(1) logits: the tolerance means something
-    model = _load(ckpt)
+    model = load_local(ckpt)
     d = model.plan.decisions["moe.shared_experts_fusion"]
     assert d.value is False and d.rule == "deepseek.structural.architecture", d
     mlp = model.model.layers[1].mlp
     assert isinstance(mlp.gate, DeepseekV2Router) and mlp.gate.topk_method == "group_limited_greedy"
     assert mlp.experts.gate_up_proj.shape[0] == 16 and mlp.shared_experts.gate_proj.weight.shape == (32, 32)
     assert model.moe_layer_ids == (1, 2) and list(model.routed_experts_weights_of_layer) == [1, 2]
-    assert (_logits(model, ids) - want).abs().max().item() <= ATOL
+    assert (logits_of(model, ids) - want).abs().max().item() <= ATOL
 
 
 @pytest.mark.parametrize("overrides", [
@@ -62,17 +53,13 @@ def test_group_limited_greedy_matches_transformers_and_is_never_fused(ckpt, ids)
 def test_variants_match_transformers(tmp_path, ids, overrides):
     path = make_deepseek_v2_checkpoint(tmp_path, seed=2, **dict(TINY, **overrides))
     want = hf_logits(path, ARCH, ids)
-    assert (_logits(_load(path), ids) - want).abs().max().item() <= ATOL
+    assert (logits_of(load_local(path), ids) - want).abs().max().item() <= ATOL
 
 
 def test_greedy_generation_equals_transformers(ckpt):
     prompt_ids = [3, 17, 42, 9, 100]
-    ours = generate(_load(ckpt), prompt_ids, 6)[0].tolist()
-    ref = hf_reference(ckpt, ARCH)
-    with torch.no_grad():
-        out = ref.generate(torch.tensor([prompt_ids]), max_new_tokens=6, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)
-    assert ours == out[0, len(prompt_ids):].tolist()
+    ours = generate(load_local(ckpt), prompt_ids, 6)[0].tolist()
+    assert ours == hf_greedy(ckpt, ARCH, prompt_ids, 6)
 
 
 def test_a_plan_that_fuses_is_refused_by_the_v2_block():

@@ -14,12 +14,11 @@ from safetensors.torch import load_file, save_file
 
 from loadplan.engine.generate import generate
 from loadplan.engine.layers.mlp import GatedMLP
-from loadplan.engine.loader import load_model
 from loadplan.engine.models.deepseek_v3 import ConfigError, DeepseekV3Config, DeepseekV3MoE
 from loadplan.engine.weights import LayoutMismatch
 
 from engine_helpers import DEEPSEEK_TINY as TINY
-from engine_helpers import LocalRegistry, hf_logits, hf_reference, make_deepseek_checkpoint, make_plan, prompt
+from engine_helpers import hf_greedy, hf_logits, load_local, logits_of, make_deepseek_checkpoint, make_plan, prompt
 
 transformers = pytest.importorskip("transformers")
 
@@ -44,15 +43,6 @@ def make_deepseek(path, *, seed=0, legacy_rope=False, **overrides):
     return path
 
 
-def _load(path, **kw):
-    return load_model(path, registry=LocalRegistry(), **kw)
-
-
-def _logits(model, ids):
-    with torch.no_grad():
-        return model(ids)
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return make_deepseek(tmp_path_factory.mktemp("ds"))
@@ -71,7 +61,7 @@ def reference(ckpt, ids):
 
 
 def test_fused_and_unfused_match_transformers_and_each_other(ckpt, ids, reference):
-    fused, unfused = _load(ckpt), _load(ckpt, disable_shared_experts_fusion=True)
+    fused, unfused = load_local(ckpt), load_local(ckpt, disable_shared_experts_fusion=True)
     assert fused.plan.decisions["moe.shared_experts_fusion"].value is True
     assert unfused.plan.decisions["moe.shared_experts_fusion"].value is False
     mf, mu = fused.model.layers[1].mlp, unfused.model.layers[1].mlp
@@ -79,7 +69,7 @@ def test_fused_and_unfused_match_transformers_and_each_other(ckpt, ids, referenc
     assert mu.experts.gate_up_proj.shape[0] == 256 and mu.shared_experts is not None
     assert isinstance(fused.model.layers[0].mlp, GatedMLP)   # below first_k_dense_replace
     assert fused.moe_layer_ids == (1, 2) and list(fused.routed_experts_weights_of_layer) == [1, 2]
-    lf, lu = _logits(fused, ids), _logits(unfused, ids)
+    lf, lu = logits_of(fused, ids), logits_of(unfused, ids)
     assert (lf - reference).abs().max().item() <= ATOL
     assert (lu - reference).abs().max().item() <= ATOL
     assert (lf - lu).abs().max().item() <= 1e-4
@@ -89,8 +79,8 @@ def test_without_renormalisation_the_fused_shared_expert_still_counts_once(tmp_p
     """norm_topk_prob false: sum(routed)/rsf would make the shared expert count sum(routed) times."""
     path = make_deepseek(tmp_path, seed=3, norm_topk_prob=False, routed_scaling_factor=1.7)
     want = hf_logits(path, ARCH, ids)
-    lf = _logits(_load(path), ids)
-    lu = _logits(_load(path, disable_shared_experts_fusion=True), ids)
+    lf = logits_of(load_local(path), ids)
+    lu = logits_of(load_local(path, disable_shared_experts_fusion=True), ids)
     assert (lf - want).abs().max().item() <= ATOL
     assert (lu - want).abs().max().item() <= ATOL
 
@@ -98,22 +88,18 @@ def test_without_renormalisation_the_fused_shared_expert_still_counts_once(tmp_p
 def test_no_q_lora_legacy_rope_spelling_and_plain_rope(tmp_path, ids):
     a = make_deepseek(tmp_path / "a", seed=1, q_lora_rank=None, legacy_rope=True)
     assert "rope_scaling" in json.loads((a / "config.json").read_text())
-    model = _load(a)
+    model = load_local(a)
     assert not hasattr(model.model.layers[0].self_attn, "q_a_proj")
-    assert (_logits(model, ids) - hf_logits(a, ARCH, ids)).abs().max().item() <= ATOL
+    assert (logits_of(model, ids) - hf_logits(a, ARCH, ids)).abs().max().item() <= ATOL
     b = make_deepseek(tmp_path / "b", seed=2, rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
                       rope_interleave=False, n_group=1, topk_group=1)
-    assert (_logits(_load(b), ids) - hf_logits(b, ARCH, ids)).abs().max().item() <= ATOL
+    assert (logits_of(load_local(b), ids) - hf_logits(b, ARCH, ids)).abs().max().item() <= ATOL
 
 
 def test_greedy_generation_equals_transformers(ckpt):
     prompt_ids = [3, 17, 42, 9, 100]
-    ours = generate(_load(ckpt), prompt_ids, 6)[0].tolist()
-    ref = hf_reference(ckpt, ARCH)
-    with torch.no_grad():
-        out = ref.generate(torch.tensor([prompt_ids]), max_new_tokens=6, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)
-    assert ours == out[0, len(prompt_ids):].tolist()
+    ours = generate(load_local(ckpt), prompt_ids, 6)[0].tolist()
+    assert ours == hf_greedy(ckpt, ARCH, prompt_ids, 6)
 
 
 def test_prefused_checkpoint_into_an_unfused_model_is_refused(tmp_path, ckpt):
@@ -125,8 +111,8 @@ def test_prefused_checkpoint_into_an_unfused_model_is_refused(tmp_path, ckpt):
     state = {k.replace("mlp.shared_experts.", "mlp.experts.256."): v for k, v in state.items()}
     save_file(state, path / "model.safetensors")
     with pytest.raises(LayoutMismatch, match=r"experts\.256\..*fused layout"):
-        _load(path, disable_shared_experts_fusion=True)
-    _load(path)  # fused, the pre-fused slot is accepted
+        load_local(path, disable_shared_experts_fusion=True)
+    load_local(path)  # fused, the pre-fused slot is accepted
 
 
 def _moe_layers(cfg_dict, ranks, **runtime):
@@ -192,7 +178,7 @@ def _kimi_from(ckpt, path, text_overrides=None):
 def test_kimi_wrapper_runs_its_deepseek_body_text_only(tmp_path, ckpt, ids, reference, caplog):
     path = _kimi_from(ckpt, tmp_path / "kimi")
     with caplog.at_level(logging.INFO, logger="loadplan.engine.weights"):
-        model = _load(path)
+        model = load_local(path)
     assert model.plan.entry_class == "KimiK25ForConditionalGeneration"
     assert model.plan.decisions["moe.shared_experts_fusion"].value is True   # gate asked with text_config
     assert list(model.routed_experts_weights_of_layer) == [1, 2]
@@ -200,7 +186,7 @@ def test_kimi_wrapper_runs_its_deepseek_body_text_only(tmp_path, ckpt, ids, refe
     assert len(skipped) == 1, skipped                       # one line for all towers, counting them
     assert "skipped 3 checkpoint tensors" in skipped[0], skipped
     assert "'vision_tower.': 2" in skipped[0] and "'mm_projector.': 1" in skipped[0], skipped
-    assert (_logits(model, ids) - reference).abs().max().item() <= ATOL
+    assert (logits_of(model, ids) - reference).abs().max().item() <= ATOL
     assert generate(model, [1, 2, 3], 3).shape == (1, 3)
 
 
@@ -215,6 +201,8 @@ def test_config_refusals_name_the_field():
         DeepseekV3Config.from_hf({k: v for k, v in base.items() if k != "kv_lora_rank"})
     with pytest.raises(ConfigError, match="n_group"):
         DeepseekV3Config.from_hf({**base, "n_group": 7})
+    with pytest.raises(ConfigError, match="config.n_group/topk_group: 0/0"):    # not a ZeroDivisionError
+        DeepseekV3Config.from_hf({**base, "n_group": 0, "topk_group": 0})
     with pytest.raises(ConfigError, match="supported: default, linear, yarn"):
         DeepseekV3Config.from_hf({**base, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
     cfg = DeepseekV3Config.from_hf({**base, "num_hidden_layers": 6, "first_k_dense_replace": 1, "moe_layer_freq": 2})

@@ -10,11 +10,10 @@ import torch
 
 from loadplan.engine.generate import generate
 from loadplan.engine.layers.mlp import GatedMLP
-from loadplan.engine.loader import load_model
 from loadplan.engine.models.glm4_moe import ConfigError, Glm4MoeConfig
 
 from engine_helpers import GLM4_TINY as TINY
-from engine_helpers import LocalRegistry, hf_logits, hf_reference, make_glm4_checkpoint, prompt
+from engine_helpers import hf_greedy, hf_logits, load_local, logits_of, make_glm4_checkpoint, prompt
 
 transformers = pytest.importorskip("transformers")
 
@@ -31,15 +30,6 @@ def make_glm4(path, *, seed=0, drop_partial_rotary=False, **overrides):
         cfg.pop("partial_rotary_factor", None)
         f.write_text(json.dumps(cfg, indent=2))
     return path
-
-
-def _load(path, **kw):
-    return load_model(path, registry=LocalRegistry(), **kw)
-
-
-def _logits(model, ids):
-    with torch.no_grad():
-        return model(ids)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +50,7 @@ def reference(ckpt, ids):
 
 
 def test_fused_and_unfused_match_transformers_and_each_other(ckpt, ids, reference):
-    fused, unfused = _load(ckpt), _load(ckpt, disable_shared_experts_fusion=True)
+    fused, unfused = load_local(ckpt), load_local(ckpt, disable_shared_experts_fusion=True)
     d = fused.plan.decisions
     assert d["moe.shared_experts_fusion"].value is True and d["moe.num_fused_shared_experts"].value == 1
     assert unfused.plan.decisions["moe.shared_experts_fusion"].value is False
@@ -71,7 +61,7 @@ def test_fused_and_unfused_match_transformers_and_each_other(ckpt, ids, referenc
     assert fused.moe_layer_ids == (1, 2) and list(fused.routed_experts_weights_of_layer) == [1, 2]
     attn = fused.model.layers[0].self_attn
     assert attn.rotary_dim == 8 and attn.q_proj.bias is not None and attn.o_proj.bias is None
-    lf, lu = _logits(fused, ids), _logits(unfused, ids)
+    lf, lu = logits_of(fused, ids), logits_of(unfused, ids)
     assert (lf - reference).abs().max().item() <= ATOL
     assert (lu - reference).abs().max().item() <= ATOL
     assert (lf - lu).abs().max().item() <= 1e-4
@@ -79,12 +69,12 @@ def test_fused_and_unfused_match_transformers_and_each_other(ckpt, ids, referenc
 
 def test_the_rotary_part_matters(ckpt, ids, reference):
     """A model that rotated whole heads would differ: the parity above checks partial rotary for real."""
-    model = _load(ckpt)
+    model = load_local(ckpt)
     for layer in model.model.layers:
         layer.self_attn.rotary_dim = layer.self_attn.head_dim
     whole = dataclasses.replace(model.rotary.rope, partial_rotary_factor=1.0)
     model.rotary = type(model.rotary)(TINY["head_dim"], whole, TINY["max_position_embeddings"])
-    assert (_logits(model, ids) - reference).abs().max().item() > 1e-2
+    assert (logits_of(model, ids) - reference).abs().max().item() > 1e-2
 
 
 @pytest.mark.parametrize("overrides", [
@@ -96,37 +86,33 @@ def test_variants_match_transformers_fused_and_unfused(tmp_path, ids, overrides)
     path = make_glm4(tmp_path, seed=3, **overrides)
     want = hf_logits(path, ARCH, ids)
     for kw in ({}, {"disable_shared_experts_fusion": True}):
-        model = _load(path, **kw)
+        model = load_local(path, **kw)
         assert model.plan.decisions["moe.shared_experts_fusion"].value is not bool(kw)
-        assert (_logits(model, ids) - want).abs().max().item() <= ATOL, kw
+        assert (logits_of(model, ids) - want).abs().max().item() <= ATOL, kw
 
 
 def test_a_config_silent_on_partial_rotary_rotates_half_of_each_head(tmp_path, ids):
     path = make_glm4(tmp_path, seed=5, drop_partial_rotary=True)
     assert "partial_rotary_factor" not in (path / "config.json").read_text()
-    model = _load(path)
+    model = load_local(path)
     assert model.model.layers[0].self_attn.rotary_dim == TINY["head_dim"] // 2
-    assert (_logits(model, ids) - hf_logits(path, ARCH, ids)).abs().max().item() <= ATOL
+    assert (logits_of(model, ids) - hf_logits(path, ARCH, ids)).abs().max().item() <= ATOL
 
 
 def test_greedy_generation_equals_transformers(ckpt):
     prompt_ids = [3, 17, 42, 9, 100]
-    ours = generate(_load(ckpt), prompt_ids, 6)[0].tolist()
-    ref = hf_reference(ckpt, ARCH)
-    with torch.no_grad():
-        out = ref.generate(torch.tensor([prompt_ids]), max_new_tokens=6, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)
-    assert ours == out[0, len(prompt_ids):].tolist()
+    ours = generate(load_local(ckpt), prompt_ids, 6)[0].tolist()
+    assert ours == hf_greedy(ckpt, ARCH, prompt_ids, 6)
 
 
 def test_two_shared_experts_run_unfused_as_one_wider_mlp(tmp_path, ids):
     """The gate fuses exactly one shared expert (structural): two stay an MLP twice as wide, as in transformers."""
     path = make_glm4(tmp_path, seed=7, n_shared_experts=2)
-    model = _load(path)
+    model = load_local(path)
     d = model.plan.decisions["moe.shared_experts_fusion"]
     assert d.value is False and d.rule == "glm4_moe.structural.n_shared_experts"
     assert model.model.layers[1].mlp.shared_experts.gate_proj.weight.shape == (32, TINY["hidden_size"])
-    assert (_logits(model, ids) - hf_logits(path, ARCH, ids)).abs().max().item() <= ATOL
+    assert (logits_of(model, ids) - hf_logits(path, ARCH, ids)).abs().max().item() <= ATOL
 
 
 def test_config_refusals_name_the_field():
