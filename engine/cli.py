@@ -261,7 +261,7 @@ def _run_distributed(args) -> dict[str, Any]:
                               "deployment_id": res["deployment"], "plan_ids": res["plan_ids"]}
     if args.draft is not None:
         result.update(draft_plan_id=res["draft_plan_ids"][0], acceptance_rate=res["acceptance_rate"],
-                      draft_plan_ids=res["draft_plan_ids"])
+                      proposed=res["proposed"], accepted=res["accepted"], draft_plan_ids=res["draft_plan_ids"])
     return result
 
 
@@ -298,5 +298,5 @@ def _print_result(args, result: dict[str, Any]) -> None:
     line = f"tokens: {' '.join(map(str, result['tokens']))}  (plan {result['plan_id']}"
     if "draft_plan_id" in result:
         line += (f", draft plan {result['draft_plan_id']}, acceptance {result['acceptance_rate']:.2f} = "
-                 f"{result.get('accepted', '?')}/{result.get('proposed', '?')} draft tokens")
+                 f"{result['accepted']}/{result['proposed']} draft tokens")
     print(line + ")")

@@ -144,7 +144,7 @@ def run_rank(rank: int, world_size: int, spec: WorkerSpec) -> dict:
     eos = checkpoint_eos(spec.model) if spec.stop_at_eos else []
     out: dict[str, Any] = {"rank": rank, "pp_rank": grid.pp_rank, "ep_rank": grid.ep_rank,
                            "plan_id": target.plan.plan_id, "draft_plan_id": draft.plan.plan_id if draft else None,
-                           "acceptance_rate": None, "eplb": []}
+                           "acceptance_rate": None, "proposed": None, "accepted": None, "eplb": []}
     with ExitStack() as stack:
         recorder = _recorder(spec, stack)
         eplb_on = bool(spec.enable_eplb and target.routed_experts_weights_of_layer)
@@ -162,7 +162,8 @@ def run_rank(rank: int, world_size: int, spec: WorkerSpec) -> dict:
 
             tokens, stats = speculative_generate(target, draft, prompt, spec.max_new_tokens, spec.num_draft_tokens,
                                                  eos_token_id=eos or None)
-            out["acceptance_rate"] = stats.get("acceptance_rate")
+            out.update(acceptance_rate=stats["acceptance_rate"], proposed=stats["proposed"],
+                       accepted=stats["accepted"])
         else:
             tokens = generate(target, prompt, spec.max_new_tokens, eos_token_id=eos or None)[0].tolist()
         if eplb_on and spec.rebalance_every == 0:
@@ -201,6 +202,8 @@ def generate_distributed(spec: WorkerSpec, nproc: int, *, timeout_s: float = 300
         "plan_ids": [r["plan_id"] for r in ranks],
         "draft_plan_ids": [r["draft_plan_id"] for r in ranks] if spec.draft else [],
         "acceptance_rate": ranks[0]["acceptance_rate"],
+        "proposed": ranks[0]["proposed"],
+        "accepted": ranks[0]["accepted"],
         "eplb": {r["rank"]: r["eplb"] for r in ranks} if spec.enable_eplb else {},
         "ranks": ranks,
     }

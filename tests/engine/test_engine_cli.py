@@ -158,6 +158,7 @@ def test_two_ranks_with_a_draft(ckpt, want, db, capsys):
     assert rc == 0, err
     doc = json.loads(out)
     assert doc["tokens"] == want and doc["acceptance_rate"] == 1.0
+    assert doc["accepted"] == doc["proposed"] > 0          # the draft is the target: every proposal accepted
     assert len(set(doc["plan_ids"])) == 2 and len(set(doc["draft_plan_ids"])) == 2
     assert doc["plan_id"] == doc["plan_ids"][0] and doc["draft_plan_id"] == doc["draft_plan_ids"][0]
     assert main(["plans", "list", "--deployment", doc["deployment_id"], "--db", db, "--json"]) == 0
