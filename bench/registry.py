@@ -136,16 +136,18 @@ class CpuMeter:
                                                "db": None if database == "remote" else 0.0}
         self.busy = [0, 0]
 
-    def _read(self) -> tuple:
+    def _others(self) -> tuple:
+        """(server, database, machine) readings; the database's walks /proc, which costs this process CPU."""
         db = _process_cpu_s(_postgres_pids()) if self.database == "local" else 0.0
-        return (_process_cpu_s([self.server_pid]), time.process_time(), db, _busy_ticks())
+        return _process_cpu_s([self.server_pid]), db, _busy_ticks()
 
     def start(self) -> tuple:
-        return self._read()
+        others = self._others()
+        return time.process_time(), *others          # this process's clock last: the walk is not counted
 
     def stop(self, before: tuple) -> None:
-        after = self._read()
-        for name, a, b in zip(("server", "client", "db"), before, after):
+        after = (time.process_time(), *self._others())  # ... and first
+        for name, a, b in zip(("client", "server", "db"), before, after):
             if self.spent[name] is not None:
                 self.spent[name] = None if a is None or b is None else self.spent[name] + b - a
         if before[3] and after[3]:
