@@ -163,6 +163,13 @@ def hf_logits(path: Path, arch: str, ids: torch.Tensor) -> torch.Tensor:
         return hf_reference(path, arch)(ids).logits
 
 
+def hf_logits_of_order_one(path: Path, arch: str, ids: torch.Tensor) -> torch.Tensor:
+    """`hf_logits`, checked to be O(1), so that an absolute tolerance of 1e-3 means something."""
+    want = hf_logits(path, arch, ids)
+    assert 0.5 < want.abs().max() < 50, want.abs().max()
+    return want
+
+
 def load_local(path: Path, **kw):
     """The engine's model of the checkpoint at `path`, planned by a LocalRegistry."""
     from loadplan.engine.loader import load_model
