@@ -38,8 +38,9 @@ class RopeConfig:
     partial_rotary_factor: float = 1.0
 
 
-def rope_config_from_hf(hf_config: Mapping[str, Any]) -> RopeConfig:
-    """Read either spelling of a HF config.json (a dict) into a RopeConfig."""
+def rope_config_from_hf(hf_config: Mapping[str, Any], *, partial_rotary_factor: float = 1.0) -> RopeConfig:
+    """Read either spelling of a HF config.json (a dict) into a RopeConfig. `partial_rotary_factor`: the
+    family's value where the config does not give one (GLM-4-MoE: 0.5)."""
     params = hf_config.get("rope_parameters")
     scaling = hf_config.get("rope_scaling")
     # HF gives rope_scaling priority when both exist (convert_rope_params_to_dict).
@@ -49,7 +50,7 @@ def rope_config_from_hf(hf_config: Mapping[str, Any]) -> RopeConfig:
         p = dict(p["full_attention"])
     theta = p.get("rope_theta", hf_config.get("rope_theta", 10000.0))
     rope_type = p.get("rope_type", p.get("type", "default"))
-    partial = p.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0)) or 1.0
+    partial = p.get("partial_rotary_factor", hf_config.get("partial_rotary_factor")) or partial_rotary_factor
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope type {rope_type!r} not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     if rope_type == "default":

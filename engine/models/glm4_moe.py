@@ -28,7 +28,7 @@ from ..layers.mlp import GatedMLP, activation
 from ..layers.rope import RopeConfig, rope_config_from_hf
 from .causal_lm import CausalLM, DecoderLayer
 from .config import ConfigError, get_field as _get
-from .deepseek_v3 import DeepseekV3MoE, routing_fields
+from .deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE, routing_fields
 
 # transformers' Glm4MoeConfig: "partial_rotary_factor" defaults to 0.5 (kept for older configs).
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.5
@@ -84,12 +84,8 @@ class Glm4MoeConfig:
         if first_dense < 0:
             raise ConfigError(f"config.first_k_dense_replace: must be >= 0, got {first_dense}")
         head_dim = _get(d, "head_dim", None, int) or hidden // heads
-        params = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
-        scaling = d.get("rope_scaling") if isinstance(d.get("rope_scaling"), dict) else {}
-        if not any("partial_rotary_factor" in p for p in (d, params, scaling)):
-            d = {**d, "partial_rotary_factor": DEFAULT_PARTIAL_ROTARY_FACTOR}
         try:
-            rope = rope_config_from_hf(d)
+            rope = rope_config_from_hf(d, partial_rotary_factor=DEFAULT_PARTIAL_ROTARY_FACTOR)
         except ValueError as e:
             raise ConfigError(f"config.rope_scaling/rope_parameters: {e}") from None
         rotary_dim = int(head_dim * rope.partial_rotary_factor)
@@ -138,7 +134,5 @@ class Glm4MoeForCausalLM(CausalLM):
         super().__init__(cfg, plan, Glm4MoeDecoderLayer, n_routed=cfg.n_routed_experts, rope_head_dim=cfg.head_dim,
                          dtype=dtype)
 
-    def ignore_prefixes(self, prefix: str) -> tuple[str, ...]:
-        """The Multi-Token-Prediction layers stored after the last decoder layer."""
-        L = self.config.num_hidden_layers
-        return tuple(f"{prefix}model.layers.{L + i}." for i in range(self.config.num_nextn_predict_layers))
+    # The Multi-Token-Prediction layers stored after the last decoder layer, as DeepSeek-V3 stores them.
+    ignore_prefixes = DeepseekV3ForCausalLM.ignore_prefixes
