@@ -14,7 +14,17 @@ entries a rejected proposal left beyond the accepted length are never seen, and 
 forward overwrites them (test_speculative.py proves both attention kinds mask them).
 
 The runners only need the model conventions (engine/models/__init__.py): `model(input_ids
-[1, T], input_pos [T]) -> logits [1, T, V]`, `setup_caches`, `clear_caches`. On a worker with
+[1, T], input_pos [T]) -> logits [1, T, V]`, `setup_caches`, `clear_caches`.
+
+A Multi-Token-Prediction draft (`drafts_from_target_hidden`, e.g. models/deepseek_nextn.py)
+proposes from the target's final hidden states instead of from tokens alone: at position i
+it takes (h_i, t_{i+1}) and predicts t_{i+2}. Step 1 then feeds it, at positions
+[draft_len, L-1), the tokens seq[draft_len+1 : L] with the target's hidden states of those
+positions (from the prefill or the last verification, its accepted part only), so its
+first proposal follows `cur`; each further proposal feeds the previous one with the draft's
+own output at the previous position. Its cache is right only up to L-1: the next round
+starts feeding there, overwriting what the recursive steps wrote. The target must expose
+its hidden states (`logits_and_hidden`: models/causal_lm.py); a pipeline of stages does not. On a worker with
 several ranks every rank runs this loop; `sync_tokens` (e.g. a broadcast from rank 0) makes all
 of them take the same tokens, so they run the same forwards with the same shapes.
 """
@@ -84,9 +94,16 @@ def speculative_generate(target: nn.Module, draft: nn.Module, prompt_ids: Sequen
              "rounds": 0}
     if max_new_tokens == 0:
         return [], stats
+    if getattr(draft, "drafts_from_target_hidden", False) and not hasattr(target, "logits_and_hidden"):
+        raise ValueError(f"the draft ({type(draft).__name__}) drafts from the target's hidden states, which the "
+                         f"target ({type(target).__name__}) does not expose; a pipeline-parallel target "
+                         f"(pp_size > 1) cannot run a Multi-Token-Prediction draft")
     device = _device(target)
     sync = sync_tokens or (lambda t: t)
     told = on_tokens or (lambda n: None)
+    if getattr(draft, "drafts_from_target_hidden", False):
+        return _hidden_state_rounds(target, draft, ids, max_new_tokens, num_draft_tokens, eos, stats, device,
+                                    sync, told)
     T = ids.numel()
     seq = ids.tolist()                     # prompt + accepted tokens
     # The deepest write: the target verifies k <= remaining - 1 proposals after a token at T + n_out - 1.
@@ -133,6 +150,68 @@ def speculative_generate(target: nn.Module, draft: nn.Module, prompt_ids: Sequen
             draft_len = min(draft_len, L + n)
             before = len(out)
             for tok in new:
+                out.append(tok)
+                seq.append(tok)
+                if tok in eos or len(out) >= max_new_tokens:
+                    break
+            told(len(out) - before)
+        if stats["proposed"]:
+            stats["acceptance_rate"] = stats["accepted"] / stats["proposed"]
+        return out, stats
+    finally:
+        target.clear_caches()
+        draft.clear_caches()
+
+
+def _hidden_state_rounds(target, draft, ids, max_new_tokens, num_draft_tokens, eos, stats, device, sync, told):
+    """`speculative_generate`'s loop for a draft that takes the target's hidden states (module docstring)."""
+    T = ids.numel()
+    seq = ids.tolist()
+    max_len = T + max_new_tokens
+    target.setup_caches(1, max_len)
+    draft.setup_caches(1, max_len)
+    try:
+        logits, hidden = target.logits_and_hidden(ids[None].to(device), torch.arange(T, device=device))
+        stats["target_forwards"] += 1
+        out = [int(sync(logits[0, -1].argmax(dim=-1, keepdim=True))[0])]
+        seq.append(out[0])
+        told(1)
+        draft_len = 0                  # the draft's cache holds positions [0, draft_len) as the target saw them
+        pending = hidden               # [1, L-1-draft_len, D]: the target's h of positions [draft_len, L-1)
+        while len(out) < max_new_tokens and out[-1] not in eos:
+            L = len(seq)               # seq[L-1] is `cur`: the target's cache holds [0, L-1)
+            k = min(num_draft_tokens, max_new_tokens - len(out) - 1)
+            proposals: list[int] = []
+            if k > 0:
+                feed = seq[draft_len + 1:L]                                   # t_{i+1} for i in [draft_len, L-1)
+                pos, h = draft_len, pending
+                while len(proposals) < k:
+                    dl, dh = draft.logits_and_hidden(torch.tensor([feed], device=device),
+                                                     torch.arange(pos, pos + len(feed), device=device),
+                                                     hidden_states=h)
+                    stats["draft_forwards"] += 1
+                    tok = int(sync(dl[0, -1].argmax(dim=-1, keepdim=True))[0])
+                    proposals.append(tok)
+                    pos += len(feed)
+                    feed, h = [tok], dh[:, -1:]
+                    if tok in eos:
+                        break
+                draft_len, pending = L - 1, pending[:, :0]
+            verify = [seq[-1]] + proposals
+            vl, vh = target.logits_and_hidden(torch.tensor([verify], device=device),
+                                              torch.arange(L - 1, L + len(proposals), device=device))
+            stats["target_forwards"] += 1
+            greedy = sync(vl[0].argmax(dim=-1)).tolist()                       # g0..gk
+            n = 0
+            while n < len(proposals) and proposals[n] == greedy[n]:
+                n += 1
+            stats["proposed"] += len(proposals)
+            stats["accepted"] += n
+            stats["rounds"] += 1
+            # Positions L-1 .. L-1+n saw accepted inputs: their hidden states are the draft's next feed.
+            pending = torch.cat((pending, vh[:, :n + 1]), dim=1)
+            before = len(out)
+            for tok in proposals[:n] + [greedy[n]]:
                 out.append(tok)
                 seq.append(tok)
                 if tok in eos or len(out) >= max_new_tokens:

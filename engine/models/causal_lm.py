@@ -132,21 +132,36 @@ class CausalLM(nn.Module):
                 hidden_states: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, T] (first stage) or hidden_states [B, T, D] -> logits [B, T, V] (last stage)."""
         with self.plan.forward_running():
-            if self.is_first_stage:
-                if input_ids is None:
-                    raise ValueError("the first pipeline stage takes input_ids")
-                x = self.model.embed_tokens(input_ids)                     # [B, T, D]
-            else:
-                if hidden_states is None:
-                    raise ValueError(f"pipeline stage {self.layer_range} takes hidden_states")
-                x = hidden_states
-            T = x.shape[1]
-            if input_pos is None:
-                input_pos = torch.arange(T, device=x.device)
-            cos, sin = self.rotary(input_pos)                              # [T, rotary_dim] each
-            lo, hi = self.layer_range
-            for layer in self.model.layers[lo:hi]:
-                x = layer(x, cos, sin, input_pos)
+            x = self._layers(input_ids, input_pos, hidden_states)
             if not self.is_last_stage:
                 return x
             return self._head(self.model.norm(x))                          # [B, T, V]
+
+    def logits_and_hidden(self, input_ids: torch.Tensor | None = None, input_pos: torch.Tensor | None = None, *,
+                          hidden_states: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, also returning the final hidden states [B, T, D] (after the final norm): what a
+        Multi-Token-Prediction draft (models/deepseek_nextn.py) drafts from. Last stage only."""
+        if not self.is_last_stage:
+            raise ValueError(f"pipeline stage {self.layer_range} has no final hidden states (not the last stage)")
+        with self.plan.forward_running():
+            h = self.model.norm(self._layers(input_ids, input_pos, hidden_states))
+            return self._head(h), h
+
+    def _layers(self, input_ids, input_pos, hidden_states) -> torch.Tensor:
+        """This stage's layers over the embedded input_ids, or over hidden_states: [B, T, D]."""
+        if self.is_first_stage:
+            if input_ids is None:
+                raise ValueError("the first pipeline stage takes input_ids")
+            x = self.model.embed_tokens(input_ids)                         # [B, T, D]
+        else:
+            if hidden_states is None:
+                raise ValueError(f"pipeline stage {self.layer_range} takes hidden_states")
+            x = hidden_states
+        T = x.shape[1]
+        if input_pos is None:
+            input_pos = torch.arange(T, device=x.device)
+        cos, sin = self.rotary(input_pos)                                  # [T, rotary_dim] each
+        lo, hi = self.layer_range
+        for layer in self.model.layers[lo:hi]:
+            x = layer(x, cos, sin, input_pos)
+        return x

@@ -273,3 +273,7 @@ class KimiK25ForConditionalGeneration(nn.Module):
     def forward(self, input_ids: torch.Tensor | None = None, input_pos: torch.Tensor | None = None, *,
                 hidden_states: torch.Tensor | None = None) -> torch.Tensor:
         return self.language_model(input_ids, input_pos, hidden_states=hidden_states)
+
+    def logits_and_hidden(self, input_ids: torch.Tensor | None = None, input_pos: torch.Tensor | None = None, *,
+                          hidden_states: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.language_model.logits_and_hidden(input_ids, input_pos, hidden_states=hidden_states)

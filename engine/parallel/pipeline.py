@@ -47,6 +47,15 @@ class PipelineModel(nn.Module):
     def clear_caches(self) -> None:
         self.stage.clear_caches()
 
+    def logits_and_hidden(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None, *,
+                          hidden_states: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stage's `logits_and_hidden` (what a Multi-Token-Prediction draft drafts from): pp_size 1 only."""
+        if self.grid.pp_size != 1:
+            raise NotImplementedError(f"speculative decoding with a Multi-Token-Prediction draft takes the target's "
+                                      f"final hidden states on every rank; with pp_size {self.grid.pp_size} only the "
+                                      f"last stage holds them (run it with pp_size 1)")
+        return self.stage.logits_and_hidden(input_ids, input_pos, hidden_states=hidden_states)
+
     def forward(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
         g = self.grid
         if g.pp_size == 1:

@@ -122,6 +122,45 @@ def _save_random_model(path: Path, family: str, seed: int, config: dict) -> Path
     return path
 
 
+def make_deepseek_mtp_checkpoint(path: Path, *, seed: int = 0, **config) -> tuple[Path, Path]:
+    """A DeepSeek-V3 checkpoint in DeepSeek's own layout, with one Multi-Token-Prediction layer, and its NextN
+    draft folder: (target folder, draft folder). transformers' model of num_hidden_layers + 1 layers gives the
+    MTP layer's decoder part (layer L = num_hidden_layers, MoE); its MTP tensors (enorm, hnorm, eh_proj,
+    shared_head, its own embed_tokens) are added at random; config.json then says L layers and
+    num_nextn_predict_layers 1. The draft folder holds the same tensors (a link) and the config with
+    architectures ["DeepseekV3ForCausalLMNextN"]. `path / "hf_with_mtp_layer"` is the same checkpoint as
+    transformers' model of L + 1 layers (for a reference of the MTP layer's decoder part)."""
+    from safetensors.torch import load_file, save_file
+
+    L = config["num_hidden_layers"]
+    target = path / "target"
+    _save_random_model(target, "DeepseekV3", seed, dict(config, num_hidden_layers=L + 1))
+    weights = target / "model.safetensors"
+    tensors = load_file(weights)
+    D, V = config["hidden_size"], config["vocab_size"]
+    g = torch.Generator().manual_seed(seed + 2)
+    mtp = f"model.layers.{L}."
+    tensors.update({
+        mtp + "embed_tokens.weight": torch.randn(V, D, generator=g),
+        mtp + "enorm.weight": 1 + 0.1 * torch.randn(D, generator=g),
+        mtp + "hnorm.weight": 1 + 0.1 * torch.randn(D, generator=g),
+        mtp + "eh_proj.weight": torch.randn(D, 2 * D, generator=g) / math.sqrt(2 * D),
+        mtp + "shared_head.norm.weight": 1 + 0.1 * torch.randn(D, generator=g),
+        mtp + "shared_head.head.weight": torch.randn(V, D, generator=g) / math.sqrt(D),
+    })
+    save_file(tensors, weights, metadata={"format": "pt"})
+    cfg = json.loads((target / "config.json").read_text())
+    for folder, arch, layers in ((path / "hf_with_mtp_layer", "DeepseekV3ForCausalLM", L + 1),
+                                 (path / "draft", "DeepseekV3ForCausalLMNextN", L),
+                                 (target, "DeepseekV3ForCausalLM", L)):
+        folder.mkdir(exist_ok=True)
+        if folder != target:
+            (folder / "model.safetensors").symlink_to(weights)
+        (folder / "config.json").write_text(json.dumps(dict(cfg, architectures=[arch], num_hidden_layers=layers,
+                                                            num_nextn_predict_layers=1), indent=2))
+    return target, path / "draft"
+
+
 # GLM-4-MoE: 16 routed experts in 4 groups, one shared expert, q/k/v bias, qk norm, half-rotary heads (the
 # default partial_rotary_factor). The GLM gate has no expert-count condition, so fusion passes at this size.
 GLM4_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,

@@ -58,6 +58,39 @@ def _ep_ranks(rank, world_size, path, ids, intents, double_reduce_backend):
     return out
 
 
+def _nextn_ranks(rank, world_size, target_path, draft_path, ids, intents):
+    """Each backend x intent: this rank's target and NextN draft, the draft's logits from the target's hidden
+    states, and speculative decoding with it."""
+    from loadplan.engine.speculative import speculative_generate
+    from loadplan.engine.worker import WorkerSpec, init_rank, load_runner
+
+    from engine_helpers import LocalRegistry
+
+    grid = None
+    out = []
+    for backend in BACKENDS:
+        for intent in intents:
+            spec = WorkerSpec(model=target_path, prompt_ids=(), max_new_tokens=0, ep_size=world_size,
+                              a2a_backend=backend, draft=draft_path, draft_runtime=INTENTS[intent])
+            grid = grid or init_rank(spec)
+            registry = LocalRegistry()
+            target = load_runner(spec, grid, registry=registry)
+            draft = load_runner(spec, grid, "speculative", registry=registry)
+            d = draft.plan.decisions
+            with torch.no_grad():
+                _, hidden = target.logits_and_hidden(ids)
+                logits, _ = draft.logits_and_hidden(ids[:, 1:], hidden_states=hidden[:, :-1])
+            tokens, stats = speculative_generate(target, draft, ids[0], N_NEW + 2, 2)
+            fused = bool(d[Keys.SHARED_EXPERTS_FUSION].value)
+            out.append(dict(backend=backend, intent=intent, fused=fused, path=d[Keys.FORWARD_PATH].value,
+                            all_reduce=d[Keys.POST_EXPERTS_ALL_REDUCE].value,
+                            scale=d[Keys.FUSED_SHARED_EXPERT_SCALE].value, logits=logits, tokens=tokens,
+                            proposed=stats["proposed"]))
+            if intent == "enforce" and not fused:
+                break
+    return out
+
+
 def _check(results, ref_logits, ref_tokens, expect_fused):
     by_rank = [{(c["backend"], c["intent"]): c for c in r} for r in results]
     assert set(by_rank[0]) == set(by_rank[1])
@@ -124,6 +157,38 @@ def test_deepseek_v3_every_backend_fused_and_unfused_on_two_ranks_matches_one_pr
     for r in (0, 1):   # fused on the a2a path: the slot is computed once per token, an extra reduce doubles it
         c = by_rank[r][("deepep", "enforce")]
         assert c["fused"] and (c["double_reduced"] - ref_logits).abs().max().item() > 1e-2
+
+
+@pytest.fixture(scope="module")
+def deepseek_mtp(tmp_path_factory):
+    from parallel_helpers import DEEPSEEK_TINY
+
+    from engine_helpers import make_deepseek_mtp_checkpoint
+
+    return tuple(str(p) for p in make_deepseek_mtp_checkpoint(tmp_path_factory.mktemp("mtp"), **DEEPSEEK_TINY))
+
+
+def test_deepseek_nextn_draft_every_backend_fused_and_unfused_on_two_ranks_matches_one_process(deepseek_mtp):
+    """The MTP draft's own plan on every backend: its logits from the target's hidden states, and speculative
+    decoding (the target's greedy tokens), as in one process."""
+    from loadplan.engine.speculative import speculative_generate
+
+    from engine_helpers import load_local
+
+    target_path, draft_path = deepseek_mtp
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(7))
+    target = load_local(target_path)
+    draft = load_local(draft_path, role="speculative", disable_shared_experts_fusion=True)
+    with torch.no_grad():
+        _, hidden = target.logits_and_hidden(ids)
+        ref_logits = draft(ids[:, 1:], hidden_states=hidden[:, :-1])
+    ref_tokens, _ = speculative_generate(target, draft, ids[0], N_NEW + 2, 2)
+    assert ref_tokens == single_process(target_path, ids, N_NEW + 2)[1]
+    results = launch(EP, _nextn_ranks, target_path, draft_path, ids, ("enforce", "disable"), timeout_s=240)
+    expect = {b for b, row in BACKENDS.items()
+              if not row.fusion_force_disabled and (row.forward_path == "normal" or row.per_rank_fused_slots)}
+    by_rank = _check(results, ref_logits, ref_tokens, expect)
+    assert all(c["proposed"] > 0 for c in by_rank[0].values())
 
 
 def test_glm4_moe_every_backend_fused_and_unfused_on_two_ranks_matches_one_process(glm4):

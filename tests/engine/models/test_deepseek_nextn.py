@@ -1,0 +1,283 @@
+"""DeepSeek-V3's Multi-Token-Prediction layer as a NextN draft (engine/models/deepseek_nextn.py), and the
+speculative loop that drafts from the target's hidden states (engine/speculative.py).
+
+transformers has no MTP module. The reference is transformers' own pieces composed as the DeepSeek-V3
+report defines the module: its DeepseekV3DecoderLayer (layer L of the same checkpoint read as a model of
+L + 1 layers), its RMSNorm and rotary embedding, and the target's `last_hidden_state`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from loadplan.engine.generate import generate
+from loadplan.engine.models.config import ConfigError
+from loadplan.engine.speculative import speculative_generate
+from loadplan.engine.weights import MissingTensor
+
+from engine_helpers import DEEPSEEK_TINY as TINY
+from engine_helpers import hf_reference, load_local, make_deepseek_mtp_checkpoint, prompt
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm  # noqa: E402
+
+ARCH = "DeepseekV3ForCausalLM"
+L = TINY["num_hidden_layers"]
+ATOL = 1e-3
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mtp")
+    target, draft = make_deepseek_mtp_checkpoint(root, **dict(TINY, rope_parameters=dict(YARN)))
+    return root, target, draft
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return prompt(B=1, T=10)
+
+
+def _norm(weight: torch.Tensor) -> DeepseekV3RMSNorm:
+    norm = DeepseekV3RMSNorm(weight.shape[0], eps=TINY["rms_norm_eps"])
+    norm.weight.data.copy_(weight)
+    return norm
+
+
+@torch.no_grad()
+def hf_mtp(root, target, ids):
+    """transformers' pieces composed as the MTP module over every position of `ids` but the last:
+    (target's last_hidden_state [1, T, D], MTP logits [1, T-1, V], MTP output [1, T-1, D])."""
+    h = hf_reference(target, ARCH).model(ids).last_hidden_state             # after the target's final norm
+    full = hf_reference(root / "hf_with_mtp_layer", ARCH)                   # layer L = the MTP decoder layer
+    w = load_file(target / "model.safetensors")
+    p = f"model.layers.{L}."
+    tokens = ids[:, 1:]                                                     # t_{i+1} at position i
+    T = tokens.shape[1]
+    e = _norm(w[p + "enorm.weight"])(F.embedding(tokens, w[p + "embed_tokens.weight"]))
+    x = F.linear(torch.cat((e, _norm(w[p + "hnorm.weight"])(h[:, :-1])), dim=-1), w[p + "eh_proj.weight"])
+    pos = torch.arange(T)[None]
+    mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+    x = full.model.layers[L](x, attention_mask=mask, position_ids=pos,
+                             position_embeddings=full.model.rotary_emb(x, pos))
+    out = _norm(w[p + "shared_head.norm.weight"])(x)
+    return h, F.linear(out, w[p + "shared_head.head.weight"]), out
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt, ids):
+    h, logits, out = hf_mtp(*ckpt[:2], ids)
+    assert 0.5 < logits.abs().max() < 50, logits.abs().max()   # O(1): the tolerance means something
+    return h, logits, out
+
+
+def test_fused_and_unfused_match_transformers_composed_as_the_mtp_module(ckpt, ids, reference):
+    _, target_dir, draft_dir = ckpt
+    h_ref, logits_ref, out_ref = reference
+    target = load_local(target_dir)           # the same folder: the MTP layer's tensors are skipped
+    with torch.no_grad():
+        t_logits, h = target.logits_and_hidden(ids)
+    assert (h - h_ref).abs().max().item() <= ATOL
+    assert (t_logits - hf_reference(target_dir, ARCH)(ids).logits).abs().max().item() <= ATOL
+    got = {}
+    for fused in (True, False):
+        draft = load_local(draft_dir, role="speculative", disable_shared_experts_fusion=not fused)
+        d = draft.plan.decisions
+        assert draft.plan.entry_class == "DeepseekV3ForCausalLMNextN"
+        assert d["moe.shared_experts_fusion"].value is fused and d["pp.layer_range"].value == [L, L + 1]
+        assert draft.mtp.mlp.experts.gate_up_proj.shape[0] == (257 if fused else 256)
+        assert list(draft.routed_experts_weights_of_layer) == [L]
+        with torch.no_grad():
+            logits, out = draft.logits_and_hidden(ids[:, 1:], hidden_states=h[:, :-1])
+        assert (logits - logits_ref).abs().max().item() <= ATOL
+        assert (out - out_ref).abs().max().item() <= ATOL
+        got[fused] = logits
+    assert (got[True] - got[False]).abs().max().item() <= 1e-4
+
+
+def test_cached_steps_equal_one_pass(ckpt, ids, reference):
+    """The draft's static cache: a prefill of 5 positions, then one position at a time, as one full pass."""
+    h_ref, logits_ref, _ = reference
+    draft = load_local(ckpt[2], role="speculative")
+    tokens, h = ids[:, 1:], h_ref[:, :-1]
+    draft.setup_caches(1, 16)
+    try:
+        with torch.no_grad():
+            steps = [draft(tokens[:, :5], torch.arange(5), hidden_states=h[:, :5])]
+            steps += [draft(tokens[:, i:i + 1], torch.tensor([i]), hidden_states=h[:, i:i + 1])
+                      for i in range(5, tokens.shape[1])]
+    finally:
+        draft.clear_caches()
+    assert (torch.cat(steps, dim=1) - logits_ref).abs().max().item() <= ATOL
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_speculative_decoding_with_the_nextn_draft_gives_the_targets_greedy_tokens(ckpt, ids, k):
+    _, target_dir, draft_dir = ckpt
+    target, draft = load_local(target_dir), load_local(draft_dir, role="speculative")
+    want = generate(target, ids[0], 12)[0].tolist()
+    tokens, stats = speculative_generate(target, draft, ids[0], 12, k)
+    assert tokens == want
+    assert stats["proposed"] > 0 and stats["draft_forwards"] > 0
+
+
+class OracleDraft(torch.nn.Module):
+    """A fake hidden-state draft: proposes the true next token except where `wrong(position)`, and records
+    every call, so the loop's bookkeeping can be checked with proposals accepted and rejected."""
+
+    drafts_from_target_hidden = True
+
+    def __init__(self, truth: list[int], vocab: int, dim: int, wrong):
+        super().__init__()
+        self.truth, self.vocab, self.dim, self.wrong = truth, vocab, dim, wrong
+        self.config = type("C", (), {"vocab_size": vocab})
+        self.calls = []
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+
+    def setup_caches(self, *_):
+        pass
+
+    def clear_caches(self):
+        pass
+
+    def logits_and_hidden(self, input_ids, input_pos, *, hidden_states):
+        self.calls.append((input_ids[0].tolist(), input_pos.tolist(), hidden_states.clone()))
+        at = int(input_pos[-1]) + 2                  # position i predicts t_{i+2}
+        tok = self.truth[at] if not self.wrong(at) else (self.truth[at] + 1) % self.vocab
+        logits = torch.zeros(1, input_ids.shape[1], self.vocab)
+        logits[0, -1, tok] = 1.0
+        # An output a further step must be fed: recognisable by its position.
+        return logits, torch.full((1, input_ids.shape[1], self.dim), float(at))
+
+
+class MarkingTarget(torch.nn.Module):
+    """The target, marking each of its forwards in the draft's call log (a round ends with the verification)."""
+
+    def __init__(self, target, log: list):
+        super().__init__()
+        self.target, self.log, self.vocab_size = target, log, target.config.vocab_size
+
+    def setup_caches(self, *a):
+        self.target.setup_caches(*a)
+
+    def clear_caches(self):
+        self.target.clear_caches()
+
+    def logits_and_hidden(self, *a, **kw):
+        self.log.append(None)
+        return self.target.logits_and_hidden(*a, **kw)
+
+
+def test_the_loop_feeds_the_targets_hidden_states_of_accepted_positions(ckpt, ids):
+    target = load_local(ckpt[1])
+    T, n_new, k = ids.shape[1], 14, 3
+    seq = ids[0].tolist() + generate(target, ids[0], n_new)[0].tolist()
+    with torch.no_grad():
+        _, h_all = target.logits_and_hidden(torch.tensor([seq]))            # one pass over the final sequence
+    draft = OracleDraft(seq, TINY["vocab_size"], TINY["hidden_size"], wrong=lambda at: at % 4 == 0)
+    tokens, stats = speculative_generate(MarkingTarget(target, draft.calls), draft, ids[0], n_new, k)
+    assert tokens == seq[T:]
+    assert 0 < stats["accepted"] < stats["proposed"]
+    fed_upto = 0                                                           # positions fed from the target
+    for previous, call in zip(draft.calls, draft.calls[1:]):
+        if call is None:
+            continue
+        tokens_in, pos, hidden = call
+        if previous is None:                                               # a round's first call
+            assert pos == list(range(fed_upto, pos[-1] + 1))
+            assert tokens_in == seq[pos[0] + 1:pos[-1] + 2]
+            assert (hidden[0] - h_all[0, pos[0]:pos[-1] + 1]).abs().max().item() <= 1e-4
+            fed_upto = pos[-1] + 1
+        else:                                                              # a further step: its own output
+            assert len(pos) == 1 and pos[0] == prev_pos + 1
+            assert torch.all(hidden == float(prev_pos + 2))
+        prev_pos = pos[-1]
+    assert fed_upto > T                                                    # later rounds fed accepted tokens
+    # Each round accepts the proposals up to the first wrong one, then the target's own token.
+    proposed = accepted = 0
+    L, produced = T + 1, 1
+    while produced < n_new:
+        kk = min(k, n_new - produced - 1)
+        n = next((j for j in range(kk) if (L + j) % 4 == 0), kk)
+        proposed, accepted, L, produced = proposed + kk, accepted + n, L + n + 1, produced + n + 1
+    assert (stats["proposed"], stats["accepted"]) == (proposed, accepted)
+
+
+def test_config_and_checkpoint_refusals_name_what_is_wrong(ckpt, tmp_path):
+    _, target_dir, draft_dir = ckpt
+    bad = tmp_path / "two"
+    shutil.copytree(draft_dir, bad, symlinks=True)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(dict(cfg, num_nextn_predict_layers=2)))
+    with pytest.raises(ConfigError, match="num_nextn_predict_layers: 2"):
+        load_local(bad, role="speculative")
+    missing = tmp_path / "missing"
+    missing.mkdir()
+    (missing / "config.json").write_text((draft_dir / "config.json").read_text())
+    w = load_file(target_dir / "model.safetensors")
+    del w[f"model.layers.{L}.eh_proj.weight"]
+    save_file(w, missing / "model.safetensors")
+    with pytest.raises(MissingTensor, match=rf"model\.layers\.{L}\.eh_proj\.weight"):
+        load_local(missing, role="speculative")
+
+
+def test_a_target_without_hidden_states_is_refused_before_anything_runs(ckpt, ids):
+    class LogitsOnly(torch.nn.Module):
+        vocab_size = TINY["vocab_size"]
+
+        def forward(self, *_):
+            raise AssertionError("must not run")
+
+    draft = load_local(ckpt[2], role="speculative")
+    with pytest.raises(ValueError, match="hidden states"):
+        speculative_generate(LogitsOnly(), draft, ids[0], 4, 2)
+
+
+def _generate(capsys, *args):
+    from loadplan.cli.main import main
+
+    rc = main(["generate", *map(str, args)])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize("ranks", [[], ["--nproc", 2, "--ep-size", 2]], ids=["one process", "two ranks"])
+def test_loadplan_generate_with_the_nextn_draft(ckpt, tmp_path, capsys, ranks):
+    """The CLI: the target's tokens with or without the draft; the draft is its own runner, planned as
+    DeepseekV3ForCausalLMNextN with role speculative (and on two ranks, each rank its own)."""
+    from loadplan.cli.main import main
+
+    _, target_dir, draft_dir = ckpt
+    db = f"sqlite:///{tmp_path / 'plans.db'}"
+    common = ["--model", target_dir, "--prompt-ids", "5,17,99,3,8", "--max-new-tokens", 10, "--db", db, "--json",
+              *ranks]
+    rc, out, err = _generate(capsys, *common)
+    assert rc == 0, err
+    want = json.loads(out)["tokens"]
+    rc, out, err = _generate(capsys, *common, "--draft", draft_dir, "--num-draft-tokens", 3)
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["tokens"] == want and doc["proposed"] > 0
+    assert main(["plans", "list", "--deployment", doc["deployment_id"], "--db", db, "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)
+    assert {(p["role"], p["entry_class"]) for p in plans} == {("target", "DeepseekV3ForCausalLM"),
+                                                             ("speculative", "DeepseekV3ForCausalLMNextN")}
+    assert len(plans) == (4 if ranks else 2)
+
+
+def test_loadplan_generate_refuses_the_nextn_draft_with_pipeline_stages(ckpt, tmp_path, capsys):
+    _, target_dir, draft_dir = ckpt
+    rc, out, err = _generate(capsys, "--model", target_dir, "--prompt-ids", "5,17", "--max-new-tokens", 4,
+                             "--db", f"sqlite:///{tmp_path / 'plans.db'}", "--nproc", 2, "--pp-size", 2,
+                             "--draft", draft_dir, "--json")
+    # The one-layer draft cannot be split in two stages: the registry refuses its plan, by field.
+    assert rc == 2 and out == "" and "Traceback" not in err and err.count("\n") == 1
+    assert err.startswith("error: FAILED_PRECONDITION: rank 0 of 2 failed: parallel.pp_size: 2 stages for 1 layers")
