@@ -139,25 +139,11 @@ def speculative_generate(target: nn.Module, draft: nn.Module, prompt_ids: Sequen
                                                                                device=device))
             stats["target_forwards"] += 1
             greedy = sync(vl[0].argmax(dim=-1)).tolist()                       # g0..gk
-            n = 0
-            while n < len(proposals) and proposals[n] == greedy[n]:
-                n += 1
-            stats["proposed"] += len(proposals)
-            stats["accepted"] += n
-            stats["rounds"] += 1
-            new = proposals[:n] + [greedy[n]]
+            n = _accepted(proposals, greedy, stats)
             # The draft's cache is right only up to the first rejected proposal it fed.
             draft_len = min(draft_len, L + n)
-            before = len(out)
-            for tok in new:
-                out.append(tok)
-                seq.append(tok)
-                if tok in eos or len(out) >= max_new_tokens:
-                    break
-            told(len(out) - before)
-        if stats["proposed"]:
-            stats["acceptance_rate"] = stats["accepted"] / stats["proposed"]
-        return out, stats
+            told(_extend(out, seq, proposals[:n] + [greedy[n]], eos, max_new_tokens))
+        return out, _with_rate(stats)
     finally:
         target.clear_caches()
         draft.clear_caches()
@@ -202,27 +188,42 @@ def _hidden_state_rounds(target, draft, ids, max_new_tokens, num_draft_tokens, e
                                               torch.arange(L - 1, L + len(proposals), device=device))
             stats["target_forwards"] += 1
             greedy = sync(vl[0].argmax(dim=-1)).tolist()                       # g0..gk
-            n = 0
-            while n < len(proposals) and proposals[n] == greedy[n]:
-                n += 1
-            stats["proposed"] += len(proposals)
-            stats["accepted"] += n
-            stats["rounds"] += 1
+            n = _accepted(proposals, greedy, stats)
             # Positions L-1 .. L-1+n saw accepted inputs: their hidden states are the draft's next feed.
             pending = torch.cat((pending, vh[:, :n + 1]), dim=1)
-            before = len(out)
-            for tok in proposals[:n] + [greedy[n]]:
-                out.append(tok)
-                seq.append(tok)
-                if tok in eos or len(out) >= max_new_tokens:
-                    break
-            told(len(out) - before)
-        if stats["proposed"]:
-            stats["acceptance_rate"] = stats["accepted"] / stats["proposed"]
-        return out, stats
+            told(_extend(out, seq, proposals[:n] + [greedy[n]], eos, max_new_tokens))
+        return out, _with_rate(stats)
     finally:
         target.clear_caches()
         draft.clear_caches()
+
+
+def _accepted(proposals: list[int], greedy: list[int], stats: dict) -> int:
+    """How many proposals the target agrees with (the longest prefix with d_{i+1} == g_i), counted in stats."""
+    n = 0
+    while n < len(proposals) and proposals[n] == greedy[n]:
+        n += 1
+    stats["proposed"] += len(proposals)
+    stats["accepted"] += n
+    stats["rounds"] += 1
+    return n
+
+
+def _extend(out: list[int], seq: list[int], new: list[int], eos: frozenset[int], max_new_tokens: int) -> int:
+    """Append `new` to the output and the sequence, up to an EOS (included) or the token budget; how many."""
+    before = len(out)
+    for tok in new:
+        out.append(tok)
+        seq.append(tok)
+        if tok in eos or len(out) >= max_new_tokens:
+            break
+    return len(out) - before
+
+
+def _with_rate(stats: dict) -> dict:
+    if stats["proposed"]:
+        stats["acceptance_rate"] = stats["accepted"] / stats["proposed"]
+    return stats
 
 
 __all__ = ["speculative_generate", "VocabMismatch", "vocab_size"]
