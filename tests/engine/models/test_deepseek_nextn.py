@@ -154,8 +154,8 @@ class OracleDraft(torch.nn.Module):
         tok = self.truth[at] if not self.wrong(at) else (self.truth[at] + 1) % self.vocab
         logits = torch.zeros(1, input_ids.shape[1], self.vocab)
         logits[0, -1, tok] = 1.0
-        # An output a further step must be fed: recognisable by its position.
-        return logits, torch.full((1, input_ids.shape[1], self.dim), float(at))
+        # An output a further step must be fed: recognisable by its position (i + 2 at position i).
+        return logits, (input_pos.float() + 2)[None, :, None].expand(1, -1, self.dim).clone()
 
 
 class MarkingTarget(torch.nn.Module):
@@ -209,6 +209,49 @@ def test_the_loop_feeds_the_targets_hidden_states_of_accepted_positions(ckpt, id
         n = next((j for j in range(kk) if (L + j) % 4 == 0), kk)
         proposed, accepted, L, produced = proposed + kk, accepted + n, L + n + 1, produced + n + 1
     assert (stats["proposed"], stats["accepted"]) == (proposed, accepted)
+
+
+class CheckedDraft(torch.nn.Module):
+    """The real draft in the loop, each call checked against a cache-free pass of a second copy over every
+    position fed so far (later feeds overwrite a position, as the loop overwrites what recursive steps wrote)."""
+
+    drafts_from_target_hidden = True
+
+    def __init__(self, draft, fresh):
+        super().__init__()
+        self.draft, self.fresh, self.config = draft, fresh, draft.config
+        self.fed: dict[int, tuple[int, torch.Tensor]] = {}
+        self.checked = 0
+
+    def setup_caches(self, *a):
+        self.draft.setup_caches(*a)
+
+    def clear_caches(self):
+        self.draft.clear_caches()
+
+    def logits_and_hidden(self, input_ids, input_pos, *, hidden_states):
+        logits, out = self.draft.logits_and_hidden(input_ids, input_pos, hidden_states=hidden_states)
+        for j, p in enumerate(input_pos.tolist()):
+            self.fed[p] = (int(input_ids[0, j]), hidden_states[0, j])
+        end = int(input_pos[-1]) + 1
+        assert sorted(self.fed)[:end] == list(range(end))            # nothing unfed below the last position
+        tokens = torch.tensor([[self.fed[p][0] for p in range(end)]])
+        hidden = torch.stack([self.fed[p][1] for p in range(end)])[None]
+        want, want_out = self.fresh.logits_and_hidden(tokens, hidden_states=hidden)
+        T = input_ids.shape[1]
+        assert (logits - want[:, -T:]).abs().max().item() <= 1e-4
+        assert (out - want_out[:, -T:]).abs().max().item() <= 1e-4
+        self.checked += 1
+        return logits, out
+
+
+def test_the_drafts_cache_after_rounds_equals_a_pass_over_what_it_was_fed(ckpt, ids):
+    _, target_dir, draft_dir = ckpt
+    target = load_local(target_dir)
+    draft = CheckedDraft(load_local(draft_dir, role="speculative"), load_local(draft_dir, role="speculative"))
+    tokens, stats = speculative_generate(target, draft, ids[0], 12, 3)
+    assert tokens == generate(target, ids[0], 12)[0].tolist()
+    assert draft.checked == stats["draft_forwards"] > stats["rounds"]   # recursive steps were checked too
 
 
 def test_config_and_checkpoint_refusals_name_what_is_wrong(ckpt, tmp_path):
