@@ -24,6 +24,9 @@ def generate(model: nn.Module, prompt_ids: Sequence[int] | torch.Tensor, max_new
              eos_token_id: int | Sequence[int] | None = None) -> torch.Tensor:
     """prompt_ids [T] or [B, T] -> the new tokens [B, N] (N <= max_new_tokens; all rows stop at EOS together
     only when every row has produced one)."""
+    if getattr(model, "drafts_from_target_hidden", False):
+        raise ValueError(f"{type(model).__name__} predicts from a target's hidden states: it drafts for a target "
+                         f"(engine.speculative.speculative_generate), it does not generate alone")
     ids = torch.as_tensor(prompt_ids, dtype=torch.long)
     if ids.dim() == 1:
         ids = ids[None]

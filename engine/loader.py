@@ -26,7 +26,7 @@ from torch import nn
 from ..plan import LoadPlan, Parallel, ResolveRequest, Runtime
 from .checkpoint import Checkpoint, read_config
 from .plan_guard import GuardedPlan
-from .registry import engine_chain, model_class
+from .registry import ENGINE_ENTRY_CLASSES, engine_chain, model_class
 from .weights import build_state_dict
 
 log = logging.getLogger(__name__)
@@ -100,6 +100,17 @@ def load_weights(model: nn.Module, ckpt: Checkpoint, device: str | torch.device)
     log.info("loaded %d tensors (%d held by other ranks)", report.loaded, report.skipped_other_ranks)
 
 
+def _check_runner_role(hf_config: dict, role: str) -> None:
+    """A draft that predicts from a target's hidden states (a NextN / MTP layer) cannot be the target: refused
+    before its plan is resolved, so no plan is recorded for a runner that cannot run."""
+    entry = (hf_config.get("architectures") or [None])[0]
+    if role != "speculative" and entry in ENGINE_ENTRY_CLASSES \
+            and getattr(model_class(entry), "drafts_from_target_hidden", False):
+        raise ValueError(f"{entry} is a speculative draft (it predicts from a target's hidden states), not a "
+                         f"{role} runner: load it with role speculative, e.g. `loadplan generate --model TARGET "
+                         f"--draft DIR`")
+
+
 def load_model(path: str | Path, *, registry: Any = None, role: str = "target", deployment: str | None = None,
                request_id: str | None = None, a2a_backend: str = "none", device: str | torch.device = "cpu",
                tp_size: int = 1, ep_size: int = 1, pp_size: int = 1, tp_rank: int = 0, ep_rank: int = 0,
@@ -117,6 +128,7 @@ def load_model(path: str | Path, *, registry: Any = None, role: str = "target", 
     """
     hf_config = read_config(path)
     qconfig = hf_config.get("quantization_config")
+    _check_runner_role(hf_config, role)
     if tp_size != 1:
         raise NotImplementedError("tensor parallelism (tp_size > 1) is not implemented by the engine yet")
     request = ResolveRequest(

@@ -94,6 +94,9 @@ def speculative_generate(target: nn.Module, draft: nn.Module, prompt_ids: Sequen
              "rounds": 0}
     if max_new_tokens == 0:
         return [], stats
+    if getattr(target, "drafts_from_target_hidden", False):
+        raise ValueError(f"{type(target).__name__} is a draft that predicts from a target's hidden states; it "
+                         f"cannot be the target")
     if getattr(draft, "drafts_from_target_hidden", False) and not hasattr(target, "logits_and_hidden"):
         raise ValueError(f"the draft ({type(draft).__name__}) drafts from the target's hidden states, which the "
                          f"target ({type(target).__name__}) does not expose; a pipeline-parallel target "

@@ -324,3 +324,21 @@ def test_loadplan_generate_refuses_the_nextn_draft_with_pipeline_stages(ckpt, tm
     # The one-layer draft cannot be split in two stages: the registry refuses its plan, by field.
     assert rc == 2 and out == "" and "Traceback" not in err and err.count("\n") == 1
     assert err.startswith("error: FAILED_PRECONDITION: rank 0 of 2 failed: parallel.pp_size: 2 stages for 1 layers")
+
+
+def test_the_nextn_draft_is_refused_as_a_target_before_any_plan_is_recorded(ckpt, ids, tmp_path, capsys):
+    from loadplan.cli.main import main
+
+    _, target_dir, draft_dir = ckpt
+    db = f"sqlite:///{tmp_path / 'plans.db'}"
+    rc, out, err = _generate(capsys, "--model", draft_dir, "--prompt-ids", "5,17", "--max-new-tokens", 2,
+                             "--db", db)
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("error: INVALID_ARGUMENT: DeepseekV3ForCausalLMNextN is a speculative draft")
+    assert main(["plans", "list", "--db", db, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == []
+    draft = load_local(draft_dir, role="speculative")
+    with pytest.raises(ValueError, match="predicts from a target's hidden states"):
+        generate(draft, ids[0], 2)
+    with pytest.raises(ValueError, match="cannot be the target"):
+        speculative_generate(draft, load_local(draft_dir, role="speculative"), ids[0], 2, 1)
