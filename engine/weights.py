@@ -63,6 +63,9 @@ class WeightLayout:
     has_head: bool = True                       # last pipeline stage (final norm + lm_head)
     lm_head_from_embed: bool = False            # tied embeddings on a stage without the embedding
     ignore_prefixes: tuple[str, ...] = ()       # e.g. a wrapper's vision tower: skipped, counted, logged
+    # (name, source): a tensor the checkpoint holds as `name`, or else shares with `source` (then `source` is
+    # read as `name`). E.g. a Multi-Token-Prediction layer's embedding, which some exports keep only once.
+    shared_from: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -204,6 +207,12 @@ def build_state_dict(names: list[str], get: Callable[[str], torch.Tensor], shape
     out: dict[str, torch.Tensor] = {}
     filled: dict[tuple[str, int | None, str | None], str] = {}
     report = LoadReport()
+    held = set(names)
+    aliases = {name: source for name, source in layout.shared_from if name not in held and source in held}
+    if aliases:
+        names = [*names, *aliases]
+        get_, shape_of_ = get, shape_of
+        get, shape_of = (lambda n: get_(aliases.get(n, n))), (lambda n: shape_of_(aliases.get(n, n)))
     for name in names:
         prefix = next((p for p in layout.ignore_prefixes if name.startswith(p)), None)
         if prefix is not None:

@@ -21,7 +21,9 @@ one against transformers' own DeepSeek-V3 decoder layer, norms and rotary compos
 
 Checkpoint: DeepSeek's own layout, the target's folder. MTP layer j is
 `model.layers.{L + j}.*`: a DeepSeek-V3 decoder layer (always MoE) plus `enorm`,
-`hnorm`, `eh_proj`, `shared_head.{norm,head}` and its own `embed_tokens`. config.json is
+`hnorm`, `eh_proj`, `shared_head.{norm,head}` and its own `embed_tokens` (DeepSeek calls
+these two shared with the target's: without the layer's copies, the target's
+`model.embed_tokens` and `lm_head` are read). config.json is
 the target's with `architectures: ["DeepseekV3ForCausalLMNextN"]` (the registry plans it
 as its own runner, role `speculative`, with its own fusion decision). The target's own
 tensors in the folder are not this model's and are skipped. DeepSeek-V3/R1 ship one MTP
@@ -123,13 +125,18 @@ class DeepseekV3ForCausalLMNextN(nn.Module):
     # -- loading ---------------------------------------------------------------
     def weight_layout(self) -> WeightLayout:
         ex = self.mtp.mlp.experts
+        mtp = f"model.layers.{self.config.num_hidden_layers}."
         return WeightLayout(
             n_routed=self.n_routed, num_fused_shared=ex.num_fused_shared_experts,
             local_experts=(ex.local_start, ex.local_start + ex.num_local_experts), num_physical=ex.num_physical,
             # The target's decoder layers fall outside the range (the target runner holds them); its
             # embedding, final norm and head are named here: the MTP layer has its own.
             layer_range=self.layer_range, has_embed=True, has_head=False,
-            ignore_prefixes=("model.embed_tokens.", "model.norm.", "lm_head."))
+            ignore_prefixes=("model.embed_tokens.", "model.norm.", "lm_head."),
+            # DeepSeek describes the MTP layer's embedding and head as shared with the target's: a checkpoint
+            # without the layer's own copies gives the target's.
+            shared_from=((f"{mtp}embed_tokens.weight", "model.embed_tokens.weight"),
+                         (f"{mtp}shared_head.head.weight", "lm_head.weight")))
 
     def tie_weights(self) -> None:
         pass

@@ -179,3 +179,18 @@ def test_ignored_prefixes_are_counted_not_loaded():
     lay = WeightLayout(n_routed=E, ignore_prefixes=("vision_tower.",))
     _, report = _build(ck, _expected(fused=False), lay)
     assert report.ignored == {"vision_tower.": 2}
+
+
+def test_a_tensor_the_checkpoint_shares_is_read_from_its_source_only_when_absent():
+    ck = _checkpoint()
+    expected = dict(_expected(fused=False), **{"mtp.embed.weight": torch.empty(2, 3, device="meta")})
+    ck["main.embed.weight"] = torch.arange(6.0).view(2, 3)
+    lay = WeightLayout(n_routed=E, ignore_prefixes=("main.",), shared_from=(("mtp.embed.weight", "main.embed.weight"),))
+    sd, report = _build(ck, expected, lay)
+    assert torch.equal(sd["mtp.embed.weight"], ck["main.embed.weight"]) and report.ignored == {"main.": 1}
+    ck["mtp.embed.weight"] = -torch.arange(6.0).view(2, 3)          # its own copy: that one, the source unread
+    sd, _ = _build(ck, expected, lay)
+    assert torch.equal(sd["mtp.embed.weight"], ck["mtp.embed.weight"])
+    del ck["mtp.embed.weight"], ck["main.embed.weight"]              # neither: missing, by its own name
+    with pytest.raises(MissingTensor, match=r"mtp\.embed\.weight"):
+        _build(ck, expected, lay)

@@ -53,12 +53,13 @@ def _norm(weight: torch.Tensor) -> DeepseekV3RMSNorm:
 
 
 @torch.no_grad()
-def hf_mtp(root, target, ids):
+def hf_mtp(root, target, ids, w=None):
     """transformers' pieces composed as the MTP module over every position of `ids` but the last:
-    (target's last_hidden_state [1, T, D], MTP logits [1, T-1, V], MTP output [1, T-1, D])."""
+    (target's last_hidden_state [1, T, D], MTP logits [1, T-1, V], MTP output [1, T-1, D]). `w`: the
+    checkpoint's tensors (default: the target folder's), where the MTP layer's own ones are read."""
     h = hf_reference(target, ARCH).model(ids).last_hidden_state             # after the target's final norm
     full = hf_reference(root / "hf_with_mtp_layer", ARCH)                   # layer L = the MTP decoder layer
-    w = load_file(target / "model.safetensors")
+    w = load_file(target / "model.safetensors") if w is None else w
     p = f"model.layers.{L}."
     tokens = ids[:, 1:]                                                     # t_{i+1} at position i
     T = tokens.shape[1]
@@ -101,6 +102,26 @@ def test_fused_and_unfused_match_transformers_composed_as_the_mtp_module(ckpt, i
         assert (out - out_ref).abs().max().item() <= ATOL
         got[fused] = logits
     assert (got[True] - got[False]).abs().max().item() <= 1e-4
+
+
+def test_without_its_own_embedding_and_head_copies_the_mtp_layer_reads_the_targets(ckpt, ids, tmp_path):
+    """DeepSeek describes the MTP layer's embedding and head as shared with the target's; a checkpoint that
+    keeps them once is read that way."""
+    root, target_dir, draft_dir = ckpt
+    w = load_file(target_dir / "model.safetensors")
+    p = f"model.layers.{L}."
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "config.json").write_text((draft_dir / "config.json").read_text())
+    save_file({k: v for k, v in w.items() if k not in (p + "embed_tokens.weight", p + "shared_head.head.weight")},
+              shared / "model.safetensors")
+    h, want, _ = hf_mtp(root, target_dir, ids, dict(w, **{p + "embed_tokens.weight": w["model.embed_tokens.weight"],
+                                                          p + "shared_head.head.weight": w["lm_head.weight"]}))
+    assert not torch.equal(w[p + "shared_head.head.weight"], w["lm_head.weight"])   # the test can tell them apart
+    draft = load_local(shared, role="speculative")
+    with torch.no_grad():
+        got = draft(ids[:, 1:], hidden_states=h[:, :-1])
+    assert (got - want).abs().max().item() <= ATOL
 
 
 def test_cached_steps_equal_one_pass(ckpt, ids, reference):
