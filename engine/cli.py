@@ -268,7 +268,7 @@ def _run_distributed(args) -> dict[str, Any]:
 # A rank's exception class (the last line of its traceback) -> the status the CLI reports.
 _BAD_INPUT_ERRORS = frozenset({"ValueError", "FileNotFoundError", "ConfigError", "CheckpointError", "WeightError",
                                "MissingTensor", "UnexpectedTensor", "DuplicateTensor", "ShapeMismatch",
-                               "LayoutMismatch", "VocabMismatch", "UnsupportedModel"})
+                               "LayoutMismatch", "VocabMismatch", "UnsupportedModel", "Fp8ConfigError"})
 
 
 def rank_error(text: str) -> tuple[str, str]:

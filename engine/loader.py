@@ -1,6 +1,7 @@
 """`load_model`: the engine's single instantiation point (DESIGN 3, issue 3).
 
-1. read config.json (and its quantization);
+1. read config.json (and its quantization: unquantized, or block-quantized fp8 read
+   through engine/fp8.py);
 2. ask the registry for this runner's plan;
 3. build the model on `meta` with the (guarded) plan passed to its constructor;
 4. load the weights by the plan (engine/weights.py) and assign them, or assign a
@@ -25,6 +26,7 @@ from torch import nn
 
 from ..plan import LoadPlan, Parallel, ResolveRequest, Runtime
 from .checkpoint import Checkpoint, read_config
+from .fp8 import Fp8BlockCheckpoint, block_size
 from .plan_guard import GuardedPlan
 from .registry import ENGINE_ENTRY_CLASSES, engine_chain, model_class
 from .weights import build_state_dict
@@ -33,7 +35,9 @@ log = logging.getLogger(__name__)
 
 DB_URL_ENV = "LOADPLAN_DB_URL"
 DEFAULT_DB_URL = "sqlite:///loadplan.db"       # a file in the current directory
-SUPPORTED_QUANTIZATIONS = (None,)               # the torch runner computes in plain dtypes
+# The torch runner computes in plain dtypes: block-quantized fp8 checkpoints are dequantized as they are read
+# (engine/fp8.py); other quantizations are refused.
+SUPPORTED_QUANTIZATIONS = (None, "fp8")
 
 
 class PlanResolver(Protocol):
@@ -129,6 +133,9 @@ def load_model(path: str | Path, *, registry: Any = None, role: str = "target", 
     hf_config = read_config(path)
     qconfig = hf_config.get("quantization_config")
     _check_runner_role(hf_config, role)
+    fp8_block = None
+    if isinstance(qconfig, dict) and qconfig.get("quant_method") == "fp8":
+        fp8_block = block_size(qconfig)      # refused by field before any plan is resolved
     if tp_size != 1:
         raise NotImplementedError("tensor parallelism (tp_size > 1) is not implemented by the engine yet")
     request = ResolveRequest(
@@ -149,15 +156,20 @@ def load_model(path: str | Path, *, registry: Any = None, role: str = "target", 
     )
     plan = GuardedPlan(resolve_plan(request, registry))
     if plan.quantization not in SUPPORTED_QUANTIZATIONS:
-        raise NotImplementedError(f"quantization {plan.quantization!r} not supported by the engine; "
-                                  f"supported: none (unquantized checkpoints)")
+        raise NotImplementedError(f"quantization {plan.quantization!r} not supported by the engine; supported: none "
+                                  f"(unquantized checkpoints), fp8 (block-quantized checkpoints, dequantized at load)")
+    if (plan.quantization == "fp8") != (fp8_block is not None):
+        raise NotImplementedError(f"quantization {plan.quantization!r} for a checkpoint whose quantization_config is "
+                                  f"{qconfig!r}: the engine does not quantize online; it reads fp8 weights only from "
+                                  f"a checkpoint quantized with them")
     model = build_model(hf_config, plan, dtype)
     if weight_cache is not None and Path(weight_cache).exists():
         from .weight_cache import load_weight_cache
 
         load_weight_cache(model, weight_cache, device=device)
     else:
-        load_weights(model, Checkpoint(path), device)
+        ckpt = Checkpoint(path)
+        load_weights(model, ckpt if fp8_block is None else Fp8BlockCheckpoint(ckpt, fp8_block), device)
         if weight_cache is not None:
             from .weight_cache import save_weight_cache
 

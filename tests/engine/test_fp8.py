@@ -1,0 +1,154 @@
+"""Block-quantized FP8 checkpoints (engine/fp8.py): DeepSeek-V3 quantized the way DeepSeek ships it, loaded by the
+engine fused and unfused, against transformers on the same weights dequantized block by block in the test."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from loadplan.engine.fp8 import Fp8BlockCheckpoint, Fp8ConfigError, dequantize
+from loadplan.engine.loader import load_model
+from loadplan.engine.weights import MissingTensor, ShapeMismatch, UnexpectedTensor
+
+from engine_helpers import DEEPSEEK_TINY, LocalRegistry, hf_logits, load_local, make_deepseek_checkpoint, prompt
+
+pytest.importorskip("transformers")
+
+ARCH = "DeepseekV3ForCausalLM"
+BLOCK = [16, 8]           # not square; kv_b_proj [40, 16]: blocks that do not divide every matrix
+FP8_MAX = 448.0           # float8_e4m3fn
+QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": BLOCK}
+
+
+def _quantized(name: str, t: torch.Tensor) -> bool:
+    """What DeepSeek's FP8 checkpoint quantizes: the linear layers' matrices, not the router, embedding or head."""
+    return t.dim() == 2 and name.endswith("proj.weight")
+
+
+def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (fp8 [N, K], scale_inv [ceil(N/16), ceil(K/8)]) with each block's amax at FP8_MAX."""
+    N, K = w.shape
+    bn, bk = BLOCK
+    q = torch.empty(N, K, dtype=torch.float8_e4m3fn)
+    s = torch.empty(math.ceil(N / bn), math.ceil(K / bk))
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            blk = w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk]
+            s[i, j] = blk.abs().max().clamp(min=1e-12) / FP8_MAX
+            q[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = (blk / s[i, j]).to(torch.float8_e4m3fn)
+    return q, s
+
+
+def _dequantized_block_by_block(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    out = q.to(torch.float32)
+    bn, bk = BLOCK
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            out[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] *= s[i, j]
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """(fp8 checkpoint, the same weights dequantized as a plain one)."""
+    root = tmp_path_factory.mktemp("fp8")
+    plain = make_deepseek_checkpoint(root / "plain", **dict(DEEPSEEK_TINY, rope_theta=10000.0))
+    tensors = load_file(plain / "model.safetensors")
+    fp8, reference = {}, {}
+    for name, t in tensors.items():
+        if _quantized(name, t):
+            q, s = _quantize(t)
+            fp8[name], fp8[name + "_scale_inv"] = q, s
+            reference[name] = _dequantized_block_by_block(q, s)
+        else:
+            fp8[name] = reference[name] = t
+    cfg = json.loads((plain / "config.json").read_text())
+    for folder, weights, config in ((root / "fp8", fp8, dict(cfg, quantization_config=QUANTIZATION)),
+                                    (root / "dequantized", reference, cfg)):
+        folder.mkdir()
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+        (folder / "config.json").write_text(json.dumps(config))
+    assert sum(_quantized(n, t) for n, t in tensors.items()) > 500      # every expert's matrices, attention, MLPs
+    return root / "fp8", root / "dequantized"
+
+
+def test_fp8_checkpoint_fused_and_unfused_match_transformers_on_the_dequantized_weights(checkpoints):
+    fp8, dequantized = checkpoints
+    ids = prompt(T=9)
+    want = hf_logits(dequantized, ARCH, ids)
+    assert 0.5 < want.abs().max() < 50
+    got = {}
+    for fused in (True, False):
+        model = load_local(fp8, disable_shared_experts_fusion=not fused)
+        assert model.plan.quantization == "fp8"
+        assert model.plan.decisions["moe.shared_experts_fusion"].value is fused
+        assert model.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.float32
+        with torch.no_grad():
+            got[fused] = model(ids)
+        assert (got[fused] - want).abs().max().item() <= 1e-4
+    assert (got[True] - got[False]).abs().max().item() <= 1e-4
+
+
+def test_dequantize_crops_the_edge_blocks():
+    w = torch.arange(5 * 3, dtype=torch.float32).view(5, 3).to(torch.float8_e4m3fn)
+    s = torch.tensor([[2.0, 3.0], [5.0, 7.0]])          # blocks [4, 2]: rows 0-3 / 4, columns 0-1 / 2
+    out = dequantize(w, s, (4, 2))
+    assert out.shape == (5, 3)
+    assert torch.equal(out[:4, :2], w[:4, :2].float() * 2) and torch.equal(out[:4, 2:], w[:4, 2:].float() * 3)
+    assert torch.equal(out[4:, :2], w[4:, :2].float() * 5) and torch.equal(out[4:, 2:], w[4:, 2:].float() * 7)
+
+
+class _Dict:
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def names(self):
+        return list(self.tensors)
+
+    def shape(self, name):
+        return tuple(self.tensors[name].shape)
+
+    def get(self, name):
+        return self.tensors[name]
+
+
+def test_checkpoint_faults_name_the_tensor():
+    q = torch.zeros(32, 32, dtype=torch.float8_e4m3fn)
+    with pytest.raises(MissingTensor, match=r"'a\.weight_scale_inv' scales 'a\.weight'"):
+        Fp8BlockCheckpoint(_Dict({"a.weight_scale_inv": torch.ones(2, 2)}), (16, 16))
+    ck = Fp8BlockCheckpoint(_Dict({"a.weight": q, "a.weight_scale_inv": torch.ones(2, 3), "b.weight": q,
+                                   "c.weight": torch.ones(3)}), (16, 16))
+    assert ck.names() == ["a.weight", "b.weight", "c.weight"]           # scales are consumed, not loaded
+    with pytest.raises(ShapeMismatch, match=r"'a\.weight_scale_inv' has shape \[2, 3\], expected \[2, 2\]"):
+        ck.get("a.weight")
+    with pytest.raises(UnexpectedTensor, match=r"'b\.weight' is torch\.float8_e4m3fn without 'b\.weight_scale_inv'"):
+        ck.get("b.weight")
+    assert torch.equal(ck.get("c.weight"), torch.ones(3))
+
+
+@pytest.mark.parametrize("quantization, field", [
+    ({"quant_method": "fp8"}, "weight_block_size"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
+    (dict(QUANTIZATION, activation_scheme="static"), "activation_scheme"),
+])
+def test_config_refusals_come_before_any_plan(checkpoints, tmp_path, quantization, field):
+    fp8, _ = checkpoints
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "model.safetensors").symlink_to(fp8 / "model.safetensors")
+    cfg = json.loads((fp8 / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(dict(cfg, quantization_config=quantization)))
+    registry = LocalRegistry()
+    with pytest.raises(Fp8ConfigError, match=rf"config\.quantization_config\.{field}"):
+        load_model(bad, registry=registry)
+    assert registry.requests == []
+
+
+def test_fp8_asked_of_an_unquantized_checkpoint_is_refused(checkpoints):
+    _, dequantized = checkpoints
+    with pytest.raises(NotImplementedError, match="does not quantize online"):
+        load_local(dequantized, quantization="fp8")
