@@ -161,6 +161,62 @@ def make_deepseek_mtp_checkpoint(path: Path, *, seed: int = 0, **config) -> tupl
     return target, path / "draft"
 
 
+FP8_MAX = 448.0           # float8_e4m3fn
+
+
+def _quantized(name: str, t: torch.Tensor) -> bool:
+    """What DeepSeek's FP8 checkpoint quantizes: the linear layers' matrices, not the router, embedding or head."""
+    return t.dim() == 2 and name.endswith("proj.weight")
+
+
+def _quantize(w: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (fp8 [N, K], scale_inv [ceil(N/bn), ceil(K/bk)]) with each block's amax at FP8_MAX."""
+    N, K = w.shape
+    bn, bk = block
+    q = torch.empty(N, K, dtype=torch.float8_e4m3fn)
+    s = torch.empty(math.ceil(N / bn), math.ceil(K / bk))
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            blk = w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk]
+            s[i, j] = blk.abs().max().clamp(min=1e-12) / FP8_MAX
+            q[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = (blk / s[i, j]).to(torch.float8_e4m3fn)
+    return q, s
+
+
+def _dequantized_block_by_block(q: torch.Tensor, s: torch.Tensor, block: list[int]) -> torch.Tensor:
+    out = q.to(torch.float32)
+    bn, bk = block
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            out[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] *= s[i, j]
+    return out
+
+
+def make_fp8_copies(plain: Path, root: Path, block: list[int]) -> tuple[Path, Path, int]:
+    """`plain` (one model.safetensors) quantized as DeepSeek ships FP8 (root/"fp8", its config saying so) and the
+    same weights dequantized block by block here (root/"dequantized", a plain checkpoint): (fp8, dequantized,
+    how many matrices were quantized)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(plain / "model.safetensors")
+    fp8, reference = {}, {}
+    for name, t in tensors.items():
+        if _quantized(name, t):
+            q, s = _quantize(t, block)
+            fp8[name], fp8[name + "_scale_inv"] = q, s
+            reference[name] = _dequantized_block_by_block(q, s, block)
+        else:
+            fp8[name] = reference[name] = t
+    cfg = json.loads((plain / "config.json").read_text())
+    quantization = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": block}
+    for folder, weights, config in ((root / "fp8", fp8, dict(cfg, quantization_config=quantization)),
+                                    (root / "dequantized", reference, cfg)):
+        folder.mkdir()
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+        (folder / "config.json").write_text(json.dumps(config))
+    return root / "fp8", root / "dequantized", sum(_quantized(n, t) for n, t in tensors.items())
+
+
 # GLM-4-MoE: 16 routed experts in 4 groups, one shared expert, q/k/v bias, qk norm, half-rotary heads (the
 # default partial_rotary_factor). The GLM gate has no expert-count condition, so fusion passes at this size.
 GLM4_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,

@@ -3,8 +3,9 @@
 One worker, one deployment, one registry: the target is a tiny DeepSeek-V3 (256 routed experts,
 so the fusion gate fuses its shared expert under default flags); the draft is a runner of the
 same engine class whose gate answers differently: a smaller DeepSeek-V3 (8 routed experts:
-the gate's structural condition refuses fusion), or the target's own checkpoint with another
-fusion intent. After the draft is built, the target's plan, every baked attribute of its layers,
+the gate's structural condition refuses fusion), the target's own checkpoint with another
+fusion intent, or that checkpoint quantized to FP8 blocks with another intent (the two
+checkpoints quantized differently, as in DESIGN 1). After the draft is built, the target's plan, every baked attribute of its layers,
 its weights and its logits are what they were; the registry shows the two plans differ.
 """
 
@@ -20,7 +21,7 @@ from loadplan.engine.loader import load_model
 from loadplan.engine.speculative import speculative_generate
 from loadplan.service.embedded import EmbeddedRegistry
 
-from engine_helpers import DEEPSEEK_TINY, hf_reference, prompt, randomize
+from engine_helpers import DEEPSEEK_TINY, hf_reference, make_fp8_copies, prompt, randomize
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,6 +46,12 @@ def target_path(tmp_path_factory):
 def small_draft_path(tmp_path_factory):
     return make_deepseek(tmp_path_factory.mktemp("draft"), seed=1, n_routed_experts=8, n_group=1, topk_group=1,
                          num_experts_per_tok=2, num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def fp8_draft_path(target_path, tmp_path_factory):
+    """The target's checkpoint quantized to FP8 blocks: a draft of the same engine class, quantized differently."""
+    return make_fp8_copies(target_path, tmp_path_factory.mktemp("fp8"), [16, 8])[0]
 
 
 @pytest.fixture(scope="module")
@@ -80,17 +87,19 @@ def snapshot(model, ids):
 
 
 DRAFTS = {
-    "smaller-checkpoint": lambda target_path, small_draft_path: (small_draft_path, {}),
-    "other-fusion-intent": lambda target_path, small_draft_path: (target_path,
-                                                                  {"disable_shared_experts_fusion": True}),
+    "smaller-checkpoint": lambda paths: (paths["small"], {}),
+    "other-fusion-intent": lambda paths: (paths["target"], {"disable_shared_experts_fusion": True}),
+    # DESIGN 1's case: the two checkpoints quantized differently (the draft's FP8 weights are dequantized at load).
+    "fp8-quantized-other-intent": lambda paths: (paths["fp8"], {"disable_shared_experts_fusion": True}),
 }
 
 
 @pytest.mark.parametrize("kind", list(DRAFTS))
-def test_building_the_draft_leaves_the_target_untouched(kind, target_path, small_draft_path, registry, capsys):
+def test_building_the_draft_leaves_the_target_untouched(kind, target_path, small_draft_path, fp8_draft_path, registry,
+                                                        capsys):
     url, client = registry
     deployment = f"isolation-{kind}"
-    draft_path, draft_flags = DRAFTS[kind](target_path, small_draft_path)
+    draft_path, draft_flags = DRAFTS[kind](dict(target=target_path, small=small_draft_path, fp8=fp8_draft_path))
     target = load_model(target_path, registry=client, deployment=deployment)
     assert target.plan.decisions[FUSION].value is True
     assert target.model.layers[1].mlp.experts.num_fused_shared_experts == 1
@@ -112,6 +121,8 @@ def test_building_the_draft_leaves_the_target_untouched(kind, target_path, small
     assert draft.plan.plan_id != target.plan.plan_id
     assert draft.plan.decisions[FUSION].value is False
     assert target.plan.decisions[FUSION].value is True
+    assert target.plan.quantization is None
+    assert draft.plan.quantization == ("fp8" if draft_path == fp8_draft_path else None)
     # the registry's record of the target is unchanged too: one revision per decision
     stored = client.get_plan(target.plan.plan_id, include_history=True)
     assert {k: d.value for k, d in stored.decisions.items()} == {k: v[0] for k, v in before[1].items()}

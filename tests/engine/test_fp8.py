@@ -1,55 +1,25 @@
 """Block-quantized FP8 checkpoints (engine/fp8.py): DeepSeek-V3 quantized the way DeepSeek ships it, loaded by the
-engine fused and unfused, against transformers on the same weights dequantized block by block in the test."""
+engine fused and unfused, against transformers on the same weights dequantized block by block by the test helpers."""
 
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from loadplan.engine.fp8 import Fp8BlockCheckpoint, Fp8ConfigError, dequantize
 from loadplan.engine.loader import load_model
 from loadplan.engine.weights import MissingTensor, ShapeMismatch, UnexpectedTensor
 
-from engine_helpers import DEEPSEEK_TINY, LocalRegistry, hf_logits, load_local, make_deepseek_checkpoint, prompt
+from engine_helpers import (DEEPSEEK_TINY, LocalRegistry, hf_logits, load_local, make_deepseek_checkpoint,
+                            make_fp8_copies, prompt)
 
 pytest.importorskip("transformers")
 
 ARCH = "DeepseekV3ForCausalLM"
 BLOCK = [16, 8]           # not square; kv_b_proj [40, 16]: blocks that do not divide every matrix
-FP8_MAX = 448.0           # float8_e4m3fn
 QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": BLOCK}
-
-
-def _quantized(name: str, t: torch.Tensor) -> bool:
-    """What DeepSeek's FP8 checkpoint quantizes: the linear layers' matrices, not the router, embedding or head."""
-    return t.dim() == 2 and name.endswith("proj.weight")
-
-
-def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (fp8 [N, K], scale_inv [ceil(N/16), ceil(K/8)]) with each block's amax at FP8_MAX."""
-    N, K = w.shape
-    bn, bk = BLOCK
-    q = torch.empty(N, K, dtype=torch.float8_e4m3fn)
-    s = torch.empty(math.ceil(N / bn), math.ceil(K / bk))
-    for i in range(s.shape[0]):
-        for j in range(s.shape[1]):
-            blk = w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk]
-            s[i, j] = blk.abs().max().clamp(min=1e-12) / FP8_MAX
-            q[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = (blk / s[i, j]).to(torch.float8_e4m3fn)
-    return q, s
-
-
-def _dequantized_block_by_block(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    out = q.to(torch.float32)
-    bn, bk = BLOCK
-    for i in range(s.shape[0]):
-        for j in range(s.shape[1]):
-            out[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] *= s[i, j]
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -57,23 +27,9 @@ def checkpoints(tmp_path_factory):
     """(fp8 checkpoint, the same weights dequantized as a plain one)."""
     root = tmp_path_factory.mktemp("fp8")
     plain = make_deepseek_checkpoint(root / "plain", **dict(DEEPSEEK_TINY, rope_theta=10000.0))
-    tensors = load_file(plain / "model.safetensors")
-    fp8, reference = {}, {}
-    for name, t in tensors.items():
-        if _quantized(name, t):
-            q, s = _quantize(t)
-            fp8[name], fp8[name + "_scale_inv"] = q, s
-            reference[name] = _dequantized_block_by_block(q, s)
-        else:
-            fp8[name] = reference[name] = t
-    cfg = json.loads((plain / "config.json").read_text())
-    for folder, weights, config in ((root / "fp8", fp8, dict(cfg, quantization_config=QUANTIZATION)),
-                                    (root / "dequantized", reference, cfg)):
-        folder.mkdir()
-        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
-        (folder / "config.json").write_text(json.dumps(config))
-    assert sum(_quantized(n, t) for n, t in tensors.items()) > 500      # every expert's matrices, attention, MLPs
-    return root / "fp8", root / "dequantized"
+    fp8, dequantized, quantized = make_fp8_copies(plain, root, BLOCK)
+    assert quantized > 500                    # every expert's matrices, attention, the dense MLPs
+    return fp8, dequantized
 
 
 def test_fp8_checkpoint_fused_and_unfused_match_transformers_on_the_dequantized_weights(checkpoints):
