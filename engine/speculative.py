@@ -24,9 +24,11 @@ positions (from the prefill or the last verification, its accepted part only), s
 first proposal follows `cur`; each further proposal feeds the previous one with the draft's
 own output at the previous position. Its cache is right only up to L-1: the next round
 starts feeding there, overwriting what the recursive steps wrote. The target must expose
-its hidden states (`logits_and_hidden`: models/causal_lm.py); a pipeline of stages does not. On a worker with
-several ranks every rank runs this loop; `sync_tokens` (e.g. a broadcast from rank 0) makes all
-of them take the same tokens, so they run the same forwards with the same shapes.
+its hidden states (`logits_and_hidden`: models/causal_lm.py); a pipeline of stages does not.
+
+On a worker with several ranks every rank runs this loop; `sync_tokens` (e.g. a broadcast
+from rank 0) makes all of them take the same tokens, so they run the same forwards with the
+same shapes.
 """
 
 from __future__ import annotations

@@ -45,6 +45,10 @@ Running
   `hidden_states=[B, T, D]` instead; a stage that is not the last returns hidden states.
 - `setup_caches(max_batch_size, max_seq_len)` / `clear_caches()`: a static KV cache;
   with it, `input_pos` (absolute positions of the new tokens) is required.
+- `logits_and_hidden(input_ids, input_pos)` (causal_lm.CausalLM, last stage): the logits
+  and the final hidden states, what a Multi-Token-Prediction draft drafts from. Such a
+  draft (deepseek_nextn.py) says `drafts_from_target_hidden = True` and takes
+  `hidden_states=[B, T, D]` with its tokens; it is never a target.
 
 Several ranks (engine/worker.py)
 - A model never creates or looks up process groups. The worker sets the process's
