@@ -45,6 +45,9 @@ def _token_ids(text: str) -> list[int]:
     return ids
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, metavar="DIR", help="target checkpoint folder (config.json + "
                         "*.safetensors)")
@@ -57,6 +60,8 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="processes (ranks) to launch with torch.distributed (default 1: in this process)")
     parser.add_argument("--rank-timeout", type=float, default=300.0, metavar="SECONDS",
                         help="with --nproc: bound on the ranks' run and on each collective (default 300)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+                        help="the dtype the models are built and run in (default float32; checkpoints are cast)")
     add_registry_arguments(parser)
     add_runner_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print {tokens, plan_id, ...} as JSON")
@@ -161,11 +166,13 @@ def _bar(args, **kw):
 
 
 def _run_here(args) -> dict[str, Any]:
+    import torch
+
     from .generate import checkpoint_eos, generate
     from .loader import load_model
     from .speculative import speculative_generate
 
-    kw = _load_kwargs(args)
+    kw = dict(_load_kwargs(args), dtype=getattr(torch, args.dtype))
     with engine_errors():
         with open_client(args) as client, _bar(args, total=2 if args.draft else 1, desc="loading",
                                                unit="model") as bar:
@@ -245,7 +252,7 @@ def _run_distributed(args) -> dict[str, Any]:
                           max_new_tokens=args.max_new_tokens, ep_size=args.ep_size, pp_size=args.pp_size,
                           a2a_backend=args.a2a_backend, deployment=args.deployment, registry=args.registry,
                           db_url=args.db, runtime=flags, draft=str(args.draft) if args.draft else None,
-                          num_draft_tokens=args.num_draft_tokens, draft_runtime=flags,
+                          num_draft_tokens=args.num_draft_tokens, draft_runtime=flags, dtype=args.dtype,
                           enable_eplb=args.enable_eplb, ep_num_redundant_experts=args.ep_num_redundant_experts)
     except ValueError as e:
         raise CliError("INVALID_ARGUMENT", one_line(e)) from None

@@ -204,3 +204,40 @@ def test_rank_errors_map_to_statuses(text, status, message):
     from loadplan.engine.cli import rank_error
 
     assert rank_error(text) == (status, message)
+
+
+def test_dtype_builds_the_runner_in_it(ckpt, db, capsys):
+    """--dtype bfloat16: the tokens of the engine's bfloat16 model (not the float32 ones, where they differ)."""
+    from loadplan.engine.generate import generate as engine_generate
+
+    from engine_helpers import load_local
+
+    prompt = [58, 65, 102, 39, 87, 46]        # one whose bfloat16 tokens part from the float32 ones
+    rc, out, err = generate(capsys, "--model", ckpt, "--prompt-ids", ",".join(map(str, prompt)),
+                            "--max-new-tokens", 16, "--db", db, "--dtype", "bfloat16", "--json")
+    assert rc == 0, err
+    model = load_local(ckpt, dtype=torch.bfloat16)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    want = engine_generate(model, prompt, 16)[0].tolist()
+    assert want != engine_generate(load_local(ckpt), prompt, 16)[0].tolist()
+    assert json.loads(out)["tokens"] == want
+
+
+def test_dtype_reaches_every_rank(ckpt, db, capsys):
+    """Two ranks in bfloat16 sum partial expert outputs in bfloat16, so their tokens are those of the same ranks
+    launched with WorkerSpec(dtype="bfloat16"), not necessarily one process's."""
+    from loadplan.engine.worker import WorkerSpec, generate_distributed
+
+    prompt = [58, 65, 102, 39, 87, 46]
+    rc, out, err = generate(capsys, "--model", ckpt, "--prompt-ids", ",".join(map(str, prompt)),
+                            "--max-new-tokens", 16, "--db", db, "--dtype", "bfloat16", "--json", "--nproc", 2,
+                            "--ep-size", 2)
+    assert rc == 0, err
+    spec = WorkerSpec(model=str(ckpt), prompt_ids=prompt, max_new_tokens=16, ep_size=2, db_url=db, dtype="bfloat16")
+    assert json.loads(out)["tokens"] == generate_distributed(spec, 2)["tokens"]
+
+
+def test_an_unknown_dtype_is_refused_by_the_parser(ckpt, db, capsys):
+    rc, out, err = generate(capsys, "--model", ckpt, "--prompt-ids", "1", "--db", db, "--dtype", "float64")
+    assert rc == 2 and out == ""
+    assert err.startswith("error: INVALID_ARGUMENT: loadplan generate: argument --dtype: invalid choice: 'float64'")
