@@ -150,6 +150,17 @@ def test_speculative_decoding_with_the_nextn_draft_gives_the_targets_greedy_toke
     assert stats["proposed"] > 0 and stats["draft_forwards"] > 0
 
 
+def test_speculative_decoding_with_the_nextn_draft_stops_at_the_targets_eos(ckpt, ids):
+    _, target_dir, draft_dir = ckpt
+    target, draft = load_local(target_dir), load_local(draft_dir, role="speculative")
+    full = generate(target, ids[0], 12)[0].tolist()
+    eos = full[6]                                              # a token the target produces mid-way
+    want = generate(target, ids[0], 12, eos_token_id=eos)[0].tolist()
+    assert want == full[:full.index(eos) + 1]
+    tokens, _ = speculative_generate(target, draft, ids[0], 12, 3, eos_token_id=eos)
+    assert tokens == want
+
+
 class OracleDraft(torch.nn.Module):
     """A fake hidden-state draft: proposes the true next token except where `wrong(position)`, and records
     every call, so the loop's bookkeeping can be checked with proposals accepted and rejected."""
@@ -230,6 +241,14 @@ def test_the_loop_feeds_the_targets_hidden_states_of_accepted_positions(ckpt, id
         n = next((j for j in range(kk) if (L + j) % 4 == 0), kk)
         proposed, accepted, L, produced = proposed + kk, accepted + n, L + n + 1, produced + n + 1
     assert (stats["proposed"], stats["accepted"]) == (proposed, accepted)
+    # An EOS among the proposals: the draft proposes nothing after it, and the output ends with it.
+    eos = seq[T + 5]
+    draft = OracleDraft(seq, TINY["vocab_size"], TINY["hidden_size"], wrong=lambda at: False)
+    tokens, stats = speculative_generate(MarkingTarget(target, draft.calls), draft, ids[0], n_new, k, eos_token_id=eos)
+    assert tokens == seq[T:seq.index(eos, T) + 1]
+    after_eos = [nxt for call, nxt in zip(draft.calls, draft.calls[1:])
+                 if call is not None and seq[call[1][-1] + 2] == eos]
+    assert after_eos and all(nxt is None for nxt in after_eos)       # the target verifies right after an EOS
 
 
 class CheckedDraft(torch.nn.Module):
