@@ -7,7 +7,10 @@ experts and one shared expert, so the registry's fusion gate passes: DESIGN 5.2)
 and OUT_DIR/draft (a `Qwen3MoeForCausalLM`: another family, no shared experts,
 the same vocabulary: what speculative decoding needs). Both are saved by
 transformers' `save_pretrained`, so the engine reads them exactly as it reads a
-checkpoint from the Hub.
+checkpoint from the Hub. The target also holds a Multi-Token-Prediction layer in
+DeepSeek's layout (`model.layers.{num_hidden_layers}.*`, which transformers does not
+save), and OUT_DIR/nextn is its draft `DeepseekV3ForCausalLMNextN`: the target's
+tensors (a link) under that entry class (engine/models/deepseek_nextn.py).
 
 Random weights would make the draft guess the target's tokens by chance alone
 (1 in the vocabulary), so speculative decoding would show nothing. Both models are
@@ -15,7 +18,10 @@ therefore given the same small "skill": the head reads the token embedding back 
 the token's successor in one fixed permutation of the vocabulary, and each block's
 output projections are damped so that the residual stream still carries the input
 token. Both then mostly predict that successor; where their random blocks push
-them elsewhere they disagree, and the acceptance rate shows it.
+them elsewhere they disagree, and the acceptance rate shows it. The MTP layer has the
+same skill one token further: it reads t_{i+1}'s embedding (eh_proj passes the
+embedding half through) and its head is the target's, so it predicts t_{i+1}'s
+successor, the target's t_{i+2}.
 
 transformers is needed only here (it is a dev dependency; the worker image
 installs it for the `checkpoints` job).
@@ -27,6 +33,7 @@ import argparse
 import json
 import math
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -89,6 +96,65 @@ def _initialize(model: torch.nn.Module, seed: int) -> None:
         model.get_output_embeddings().weight.copy_(emb[inverse] / math.sqrt(emb.shape[1]))
 
 
+def add_mtp_layer(target: Path, seed: int = SEED + 2) -> None:
+    """Append one MTP layer (DeepSeek's layout) to the target checkpoint and say so in its config.json.
+
+    Its decoder layer is layer L of a model of L + 1 layers initialized like the others (so the target's
+    own tensors stay as they were); its embedding and head are the target's, its eh_proj passes the
+    embedding half through with a little of the hidden half."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    L = TARGET["num_hidden_layers"]
+    torch.manual_seed(seed)
+    donor = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**dict(TARGET, num_hidden_layers=L + 1)))
+    _initialize(donor, seed)
+    mtp = f"model.layers.{L}."
+    weights = target / "model.safetensors"
+    tensors = load_file(weights)
+    with tempfile.TemporaryDirectory() as tmp:
+        donor.save_pretrained(tmp)          # the Hub's tensor names (one per expert), as the target's
+        saved = {}
+        for f in Path(tmp).glob("*.safetensors"):
+            saved.update(load_file(f))
+    tensors.update({k: v for k, v in saved.items() if k.startswith(mtp)})
+    D = TARGET["hidden_size"]
+    g = torch.Generator().manual_seed(seed)
+    tensors.update({
+        mtp + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+        mtp + "shared_head.head.weight": tensors["lm_head.weight"].clone(),
+        mtp + "enorm.weight": 1 + 0.1 * torch.randn(D, generator=g),
+        mtp + "hnorm.weight": 1 + 0.1 * torch.randn(D, generator=g),
+        mtp + "shared_head.norm.weight": 1 + 0.1 * torch.randn(D, generator=g),
+        mtp + "eh_proj.weight": torch.cat((torch.eye(D), 0.1 * torch.randn(D, D, generator=g) / math.sqrt(D)), dim=1),
+    })
+    save_file(tensors, weights, metadata={"format": "pt"})
+    f = target / "config.json"
+    f.write_text(json.dumps(dict(json.loads(f.read_text()), num_nextn_predict_layers=1), indent=2) + "\n")
+
+
+def has_mtp_layer(target: Path) -> bool:
+    from safetensors import safe_open
+
+    name = f"model.layers.{TARGET['num_hidden_layers']}.eh_proj.weight"
+    files = list(target.glob("*.safetensors"))
+    return any(name in safe_open(str(f), framework="pt").keys() for f in files)
+
+
+def make_nextn(out: Path) -> Path:
+    """OUT/nextn: the target's tensors (a relative link, so the folder can move) as DeepseekV3ForCausalLMNextN."""
+    path = out / "nextn"
+    path.mkdir(parents=True, exist_ok=True)
+    link = path / "model.safetensors"
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(Path("..") / "target" / "model.safetensors")
+    cfg = json.loads((out / "target" / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(dict(cfg, architectures=["DeepseekV3ForCausalLMNextN"]),
+                                                 indent=2) + "\n")
+    return path
+
+
 def make_checkpoint(out: Path, name: str) -> Path:
     import transformers
 
@@ -110,16 +176,22 @@ def make_checkpoints(out: str | Path, *, force: bool = False) -> dict[str, Path]
     paths = {}
     for name in CHECKPOINTS:
         path = out / name
-        if force or not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+        # A target made before it carried the MTP layer is made again.
+        if force or not (path / "config.json").is_file() or not any(path.glob("*.safetensors")) \
+                or (name == "target" and not has_mtp_layer(path)):
             make_checkpoint(out, name)
+            if name == "target":
+                add_mtp_layer(path)
         paths[name] = path
+    paths["nextn"] = make_nextn(out)
     return paths
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadplan.engine.make_checkpoints",
                                      description="write tiny random checkpoints OUT_DIR/target (DeepSeek-V3 style, "
-                                                 "256 experts) and OUT_DIR/draft (Qwen3-MoE, same vocabulary)")
+                                                 "256 experts, with an MTP layer), OUT_DIR/draft (Qwen3-MoE, same "
+                                                 "vocabulary) and OUT_DIR/nextn (the target's MTP draft)")
     parser.add_argument("out_dir", metavar="OUT_DIR")
     parser.add_argument("--force", action="store_true", help="rewrite checkpoints that already exist")
     args = parser.parse_args(argv)

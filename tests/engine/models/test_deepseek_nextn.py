@@ -382,3 +382,24 @@ def test_the_nextn_draft_is_refused_as_a_target_before_any_plan_is_recorded(ckpt
         generate(draft, ids[0], 2)
     with pytest.raises(ValueError, match="cannot be the target"):
         speculative_generate(draft, load_local(draft_dir, role="speculative"), ids[0], 2, 1)
+
+
+@pytest.fixture(scope="module")
+def demo_checkpoints(tmp_path_factory):
+    from loadplan.engine.make_checkpoints import make_checkpoints
+
+    return make_checkpoints(tmp_path_factory.mktemp("demo"))
+
+
+def test_the_demo_targets_mtp_layer_drafts_well_and_its_cache_stays_right(demo_checkpoints, ids):
+    """make_checkpoints gives the demo target an MTP layer with the target's skill one token ahead: the real
+    draft is accepted often, and its cache, refed after every partly accepted round, equals a cache-free pass."""
+    target = load_local(demo_checkpoints["target"])
+    draft = CheckedDraft(load_local(demo_checkpoints["nextn"], role="speculative"),
+                         load_local(demo_checkpoints["nextn"], role="speculative"))
+    assert draft.draft.plan.entry_class == "DeepseekV3ForCausalLMNextN"
+    prompt_ids = [5, 17, 42]
+    tokens, stats = speculative_generate(target, draft, prompt_ids, 24, 3)
+    assert tokens == generate(target, prompt_ids, 24)[0].tolist()
+    assert stats["acceptance_rate"] > 0.3 and stats["accepted"] < stats["proposed"], stats   # some of each
+    assert draft.checked == stats["draft_forwards"]
