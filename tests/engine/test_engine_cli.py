@@ -212,14 +212,19 @@ def test_dtype_builds_the_runner_in_it(ckpt, db, capsys):
 
     from engine_helpers import load_local
 
-    prompt = [58, 65, 102, 39, 87, 46]        # one whose bfloat16 tokens part from the float32 ones
+    model, fp32 = load_local(ckpt, dtype=torch.bfloat16), load_local(ckpt)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):                       # a prompt whose bfloat16 tokens part from the float32 ones
+        prompt = torch.randint(0, 128, (6,), generator=g).tolist()
+        want = engine_generate(model, prompt, 16)[0].tolist()
+        if want != engine_generate(fp32, prompt, 16)[0].tolist():
+            break
+    else:
+        pytest.fail("no prompt of 20 tells bfloat16 from float32 here")
     rc, out, err = generate(capsys, "--model", ckpt, "--prompt-ids", ",".join(map(str, prompt)),
                             "--max-new-tokens", 16, "--db", db, "--dtype", "bfloat16", "--json")
     assert rc == 0, err
-    model = load_local(ckpt, dtype=torch.bfloat16)
-    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
-    want = engine_generate(model, prompt, 16)[0].tolist()
-    assert want != engine_generate(load_local(ckpt), prompt, 16)[0].tolist()
     assert json.loads(out)["tokens"] == want
 
 
