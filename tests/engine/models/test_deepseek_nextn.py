@@ -218,7 +218,8 @@ def test_the_loop_feeds_the_targets_hidden_states_of_accepted_positions(ckpt, id
     tokens, stats = speculative_generate(MarkingTarget(target, draft.calls), draft, ids[0], n_new, k)
     assert tokens == seq[T:]
     assert 0 < stats["accepted"] < stats["proposed"]
-    fed_upto = 0                                                           # positions fed from the target
+    fed_upto = prev_pos = 0                    # positions fed from the target; the last position fed
+    assert draft.calls[0] is None                                          # the prefill comes first
     for previous, call in zip(draft.calls, draft.calls[1:]):
         if call is None:
             continue
