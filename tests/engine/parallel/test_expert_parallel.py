@@ -191,6 +191,25 @@ def test_deepseek_nextn_draft_every_backend_fused_and_unfused_on_two_ranks_match
     assert all(c["proposed"] > 0 for c in by_rank[0].values())
 
 
+@pytest.fixture(scope="module")
+def deepseek_fp8(deepseek, tmp_path_factory):
+    from pathlib import Path
+
+    from engine_helpers import make_fp8_copies
+
+    return str(make_fp8_copies(Path(deepseek), tmp_path_factory.mktemp("fp8"), [16, 8])[0])
+
+
+def test_deepseek_v3_fp8_checkpoint_every_backend_fused_and_unfused_on_two_ranks_matches_one_process(deepseek_fp8):
+    """Block-FP8 weights dequantized per rank: each rank's experts and the fused shared slot (its scales with it)."""
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(8))
+    ref_logits, ref_tokens = single_process(deepseek_fp8, ids, N_NEW, disable_shared_experts_fusion=True)
+    results = launch(EP, _ep_ranks, deepseek_fp8, ids, ("enforce", "disable"), "deepep", timeout_s=240)
+    expect = {b for b, row in BACKENDS.items()
+              if not row.fusion_force_disabled and (row.forward_path == "normal" or row.per_rank_fused_slots)}
+    _check(results, ref_logits, ref_tokens, expect)
+
+
 def test_glm4_moe_every_backend_fused_and_unfused_on_two_ranks_matches_one_process(glm4):
     ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(5))
     ref_logits, ref_tokens = single_process(glm4, ids, N_NEW, disable_shared_experts_fusion=True)
