@@ -19,6 +19,10 @@ EP = 2
 N_NEW = 4
 TOL = 1e-4
 INTENTS = {"enforce": {"enforce_shared_experts_fusion": True}, "disable": {"disable_shared_experts_fusion": True}}
+# The backends where a gate that lets the torch runner fuse under EP does fuse at ep_size 2 (enforced where the
+# gate asks): where a fused slot can live on every rank (DESIGN 5.1/5.2).
+FUSED_UNDER_EP = {b for b, row in BACKENDS.items()
+                  if not row.fusion_force_disabled and (row.forward_path == "normal" or row.per_rank_fused_slots)}
 
 
 def _ep_ranks(rank, world_size, path, ids, intents, double_reduce_backend):
@@ -150,10 +154,8 @@ def test_deepseek_v3_every_backend_fused_and_unfused_on_two_ranks_matches_one_pr
     ref_logits, ref_tokens = single_process(deepseek, ids, N_NEW, disable_shared_experts_fusion=True)
     results = launch(EP, _ep_ranks, deepseek, ids, ("enforce", "disable"), "deepep", timeout_s=240)
     # DESIGN 5.1/5.2 with ep_size=2 on the torch runner: fusion holds where a fused slot can live on every rank.
-    expect = {b for b, row in BACKENDS.items()
-              if not row.fusion_force_disabled and (row.forward_path == "normal" or row.per_rank_fused_slots)}
-    assert expect == {"none", "deepep", "mooncake", "mori", "megamoe"}
-    by_rank = _check(results, ref_logits, ref_tokens, expect)
+    assert FUSED_UNDER_EP == {"none", "deepep", "mooncake", "mori", "megamoe"}
+    by_rank = _check(results, ref_logits, ref_tokens, FUSED_UNDER_EP)
     for r in (0, 1):   # fused on the a2a path: the slot is computed once per token, an extra reduce doubles it
         c = by_rank[r][("deepep", "enforce")]
         assert c["fused"] and (c["double_reduced"] - ref_logits).abs().max().item() > 1e-2
@@ -185,9 +187,7 @@ def test_deepseek_nextn_draft_every_backend_fused_and_unfused_on_two_ranks_match
     ref_tokens, _ = speculative_generate(target, draft, ids[0], N_NEW + 2, 2)
     assert ref_tokens == single_process(target_path, ids, N_NEW + 2)[1]
     results = launch(EP, _nextn_ranks, target_path, draft_path, ids, ("enforce", "disable"), timeout_s=240)
-    expect = {b for b, row in BACKENDS.items()
-              if not row.fusion_force_disabled and (row.forward_path == "normal" or row.per_rank_fused_slots)}
-    by_rank = _check(results, ref_logits, ref_tokens, expect)
+    by_rank = _check(results, ref_logits, ref_tokens, FUSED_UNDER_EP)
     assert all(c["proposed"] > 0 for c in by_rank[0].values())
 
 
@@ -205,9 +205,7 @@ def test_deepseek_v3_fp8_checkpoint_every_backend_fused_and_unfused_on_two_ranks
     ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(8))
     ref_logits, ref_tokens = single_process(deepseek_fp8, ids, N_NEW, disable_shared_experts_fusion=True)
     results = launch(EP, _ep_ranks, deepseek_fp8, ids, ("enforce", "disable"), "deepep", timeout_s=240)
-    expect = {b for b, row in BACKENDS.items()
-              if not row.fusion_force_disabled and (row.forward_path == "normal" or row.per_rank_fused_slots)}
-    _check(results, ref_logits, ref_tokens, expect)
+    _check(results, ref_logits, ref_tokens, FUSED_UNDER_EP)
 
 
 def test_glm4_moe_every_backend_fused_and_unfused_on_two_ranks_matches_one_process(glm4):
@@ -215,9 +213,7 @@ def test_glm4_moe_every_backend_fused_and_unfused_on_two_ranks_matches_one_proce
     ref_logits, ref_tokens = single_process(glm4, ids, N_NEW, disable_shared_experts_fusion=True)
     results = launch(EP, _ep_ranks, glm4, ids, ("enforce", "disable"), "mooncake", timeout_s=240)
     # The GLM gate (DESIGN 5.2) lets the torch runner fuse under EP; where a slot lives is the table's.
-    expect = {b for b, row in BACKENDS.items()
-              if not row.fusion_force_disabled and (row.forward_path == "normal" or row.per_rank_fused_slots)}
-    by_rank = _check(results, ref_logits, ref_tokens, expect)
+    by_rank = _check(results, ref_logits, ref_tokens, FUSED_UNDER_EP)
     for r in (0, 1):
         c = by_rank[r][("mooncake", "enforce")]
         assert c["fused"] and (c["double_reduced"] - ref_logits).abs().max().item() > 1e-2
