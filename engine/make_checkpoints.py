@@ -134,11 +134,9 @@ def add_mtp_layer(target: Path, seed: int = SEED + 2) -> None:
 
 
 def has_mtp_layer(target: Path) -> bool:
-    from safetensors import safe_open
+    from .checkpoint import Checkpoint
 
-    name = f"model.layers.{TARGET['num_hidden_layers']}.eh_proj.weight"
-    files = list(target.glob("*.safetensors"))
-    return any(name in safe_open(str(f), framework="pt").keys() for f in files)
+    return f"model.layers.{TARGET['num_hidden_layers']}.eh_proj.weight" in Checkpoint(target)
 
 
 def make_nextn(out: Path) -> Path:
