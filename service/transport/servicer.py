@@ -94,6 +94,43 @@ async def _to_thread(fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
+class _EarlyAnswer:
+    """A resolve's answer, encoded while the database commits its plan.
+
+    `saving(save)` is `save` that first schedules `_encode_early(new)` on the loop (`call_soon`).
+    A save yields to the loop only when it waits: by then the database has its statement (a lone
+    caller's batch is sent before the writer first waits) or the plan is queued for a batch. So
+    the encoding runs while the database works, not after the commit on the caller's latency
+    (0.1-0.24 ms off a sequential resolve's p50, measured with bench/registry.py's requests on
+    PostgreSQL: code run between idle waits runs several times slower than warm). An encoding
+    that did not run or failed is done again on the handler's own path, which reports its error."""
+
+    __slots__ = ("texts", "encoded")
+
+    def __init__(self, texts: tuple[str, str | None]):
+        self.texts = texts
+        self.encoded: bytes | None = None
+
+    def encode(self, new: NewPlan) -> bytes:
+        return plan_wire.plan_bytes(new.plan, config_json=self.texts[0], quantization_config_json=self.texts[1],
+                                    unstamped=new.unstamped)
+
+    def _encode_early(self, new: NewPlan) -> None:
+        try:
+            self.encoded = self.encode(new)
+        except Exception:  # noqa: BLE001 - encoded again on the handler's path, which reports it
+            pass
+
+    def saving(self, save: Callable[[NewPlan], Awaitable[LoadPlan]]) -> Callable[[NewPlan], Awaitable[LoadPlan]]:
+        async def save_and_encode(new: NewPlan) -> LoadPlan:
+            early = asyncio.get_running_loop().call_soon(self._encode_early, new)
+            try:
+                return await save(new)
+            finally:
+                early.cancel()   # not run yet (the save ended without waiting): nothing to encode
+        return save_and_encode
+
+
 class ModelRegistryServicer(pb_grpc.ModelRegistryServicer):
     """For a grpc.aio server: every method is a coroutine on the server's event loop.
 
@@ -113,12 +150,12 @@ class ModelRegistryServicer(pb_grpc.ModelRegistryServicer):
         """Answers with the plan's wire bytes (`plan_wire`; `add_to_server` sends them as they are)."""
         req = convert.request_from_pb(request)
         texts = convert.stored_config_texts(request)
+        answer = _EarlyAnswer(texts)
         # The config texts determine the parsed configs: the rules' deployment cache key.
-        got = await self.registry.resolve_new_async(req, self._save,
+        got = await self.registry.resolve_new_async(req, answer.saving(self._save),
                                                     (request.config_json, request.quantization_config_json), texts)
         if got.plan is got.new.plan:   # the plan made here (not a stored one replayed): its parts are known
-            return plan_wire.plan_bytes(got.plan, config_json=texts[0], quantization_config_json=texts[1],
-                                        unstamped=got.new.unstamped)
+            return answer.encoded or answer.encode(got.new)
         return plan_wire.plan_bytes(got.plan)
 
     @_rpc

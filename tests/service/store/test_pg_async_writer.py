@@ -22,7 +22,7 @@ from sqlalchemy import event
 from loadplan.plan import Parallel, Runtime
 from loadplan.service.errors import FailedPrecondition, Unavailable
 from loadplan.service.registry import Registry
-from loadplan.service.store import pg_async_writer
+from loadplan.service.store import pg_async_writer, pq_statement
 from loadplan.service.store.db import make_engine, psycopg_connect_kwargs
 from loadplan.service.store.pg_async_writer import PgAsyncWriter
 from loadplan.service.store.repository import SqlPlanStore
@@ -160,6 +160,37 @@ def test_a_save_returns_its_plan_committed(store, executor, observer, make_reque
     assert stored.decisions == plan.decisions
     assert (writer.group.batches, writer.group.items) == (1, 1)
     assert pins(observer, [request.deployment_id]) == {(request.deployment_id, "target"): [plan.plan_id]}
+
+
+def test_a_lone_save_yields_to_the_loop_only_once_its_statement_is_sent(store, executor, make_request, deployment,
+                                                                       monkeypatch):
+    """What is scheduled on the loop before a lone caller's save (the server's: the answer's
+    encoding, servicer._EarlyAnswer) runs while the database works on the plan, not before the
+    statement goes out nor after the commit."""
+    events = []
+    read_results = pq_statement._results
+
+    def results(pgconn):
+        events.append("sent")        # what the statement sent, flushed and read from here on
+        return read_results(pgconn)
+
+    def rank(deployment: str, r: int):
+        return new_plan(store, make_request(deployment_id=deployment, parallel=Parallel(ep_size=4, ep_rank=r)))
+
+    async def body(writer):
+        # Connects and prepares both statements: a deployment's first rank pins it, the next ranks
+        # are checked against the pin the store remembers.
+        for r in range(2):
+            await writer.save(rank(f"{deployment}-a", r))
+        writer.before_statement.append(lambda conn, sql: events.append("statement"))
+        monkeypatch.setattr(pq_statement, "_results", results)
+        for new in (rank(f"{deployment}-b", 0), rank(f"{deployment}-a", 2)):
+            asyncio.get_running_loop().call_soon(events.append, "callback")
+            await writer.save(new)
+            events.append("saved")
+
+    run_writer(store, executor, body)
+    assert events == ["statement", "sent", "callback", "saved"] * 2
 
 
 def test_concurrent_saves_are_group_committed_each_plan_once(store, executor, observer, make_request,

@@ -111,3 +111,83 @@ def test_the_documents_remembered_are_bounded(monkeypatch):
     big = json.dumps({**deepseek_config(), "big": "x" * len(texts[0])})
     assert convert.request_from_pb(message(config_json=big)).config["big"] == "x" * len(texts[0])
     assert big not in convert._DOCUMENTS
+
+
+class AbortContext:
+    """What `_rpc` uses of a grpc.aio context: the status it aborts with is raised."""
+
+    def set_trailing_metadata(self, metadata):
+        self.metadata = metadata
+
+    async def abort(self, code, details):
+        raise AssertionError(f"aborted {code}: {details}")
+
+
+def counting_plan_bytes(monkeypatch) -> list:
+    """plan_wire.plan_bytes, counting its calls in the list returned."""
+    from loadplan.service.transport import plan_wire
+
+    calls = []
+    real = plan_wire.plan_bytes
+    monkeypatch.setattr(plan_wire, "plan_bytes", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+def test_the_answer_is_encoded_while_the_store_saves_the_plan(monkeypatch):
+    """The new plan's answer is written while its save waits on the database (not after the commit,
+    on the caller's latency), once, and is the saved plan's."""
+    calls = counting_plan_bytes(monkeypatch)
+    saved, encoded_before_commit = [], []
+
+    async def save(new: NewPlan):
+        await asyncio.sleep(0)                      # the writer waits for the database's answer
+        encoded_before_commit.append(len(calls))
+        saved.append(new)
+        return new.plan
+
+    servicer = ModelRegistryServicer(Registry(RecordingStore()), save=save)
+    answer = resolve(servicer, message())
+    assert encoded_before_commit == [1] and len(calls) == 1
+    assert pb.LoadPlan.FromString(answer) == plan_to_pb(saved[0].plan)
+
+
+def test_a_replayed_plan_is_answered_not_the_one_encoded_early(monkeypatch):
+    stored = RecordingStore()
+    first = pb.LoadPlan.FromString(resolve(ModelRegistryServicer(Registry(stored)), message(request_id="r-1")))
+
+    async def save(new: NewPlan):
+        await asyncio.sleep(0)
+        return stored.save_plan(new)                # the request id is stored: its plan, replayed
+
+    again = pb.LoadPlan.FromString(resolve(ModelRegistryServicer(Registry(stored), save=save),
+                                           message(request_id="r-1")))
+    assert again.replayed and again.plan_id == first.plan_id != stored.saved[1].plan.plan_id
+
+
+def test_a_save_refused_before_it_waits_encodes_nothing(monkeypatch):
+    calls = counting_plan_bytes(monkeypatch)
+
+    async def save(new: NewPlan):
+        raise InvalidArgument("deployment_id", "refused by the store")
+
+    servicer = ModelRegistryServicer(Registry(RecordingStore()), save=save)
+    with pytest.raises(AssertionError, match="INVALID_ARGUMENT: deployment_id: refused by the store"):
+        asyncio.run(servicer.ResolveLoadPlan(message(), AbortContext()))
+    assert calls == []
+
+
+def test_an_early_encoding_that_fails_is_reported_on_the_handlers_path(monkeypatch):
+    from loadplan.service.transport import plan_wire
+
+    def broken(*a, **kw):
+        raise RuntimeError("encoder bug")
+
+    monkeypatch.setattr(plan_wire, "plan_bytes", broken)
+
+    async def save(new: NewPlan):
+        await asyncio.sleep(0)
+        return new.plan
+
+    servicer = ModelRegistryServicer(Registry(RecordingStore()), save=save)
+    with pytest.raises(AssertionError, match=r"INTERNAL: internal error \(incident"):
+        asyncio.run(servicer.ResolveLoadPlan(message(), AbortContext()))
