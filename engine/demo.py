@@ -1,8 +1,11 @@
 """`loadplan demo` (`make demo`): the whole path on the embedded default, in one command.
 
-1. make two tiny checkpoints (engine/make_checkpoints.py): a DeepSeek-V3-style target
-   with 256 routed experts (so the fusion gate passes) and a Qwen3-MoE draft with the
-   same vocabulary;
+1. make tiny checkpoints (engine/make_checkpoints.py): a DeepSeek-V3-style target with
+   256 routed experts (so the fusion gate passes) and its drafts: a Qwen3-MoE model with
+   the same vocabulary (another family: the runners' fusion decisions differ), or with
+   `--draft nextn` the target's own Multi-Token-Prediction layer, DeepSeek's draft (the
+   same architecture code: DESIGN 1's case, where both runners fuse and only the family
+   and the layers differ);
 2. start the registry in this process on a loopback port, on a SQLite file in the demo
    directory (the real server: DESIGN 3's embedded default);
 3. run a worker of 2 expert-parallel ranks (torch.distributed, gloo on CPU), each with the
@@ -28,6 +31,11 @@ from ..cli.errors import CliError, one_line
 
 DEFAULT_DIR = "demo-out"
 DEFAULT_PROMPT = "5,17,42"
+# --draft: (make_checkpoints' folder, what the report says of it).
+DRAFTS = {
+    "qwen3": ("draft", "Qwen3MoeForCausalLM, same vocabulary"),
+    "nextn": ("nextn", "DeepseekV3ForCausalLMNextN, the target's Multi-Token-Prediction layer"),
+}
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +44,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=2, metavar="N",
                         help="expert-parallel ranks of the worker (default 2)")
     parser.add_argument("--a2a-backend", default="none", metavar="NAME", help="a2a backend (see `loadplan backends`)")
+    parser.add_argument("--draft", default="qwen3", choices=sorted(DRAFTS),
+                        help="the speculative draft: qwen3 (a Qwen3-MoE model, the default) or nextn (the "
+                             "target's own MTP layer)")
     parser.add_argument("--prompt-ids", default=DEFAULT_PROMPT, metavar="IDS", help=f"default {DEFAULT_PROMPT}")
     parser.add_argument("--max-new-tokens", type=int, default=24, metavar="N", help="default 24")
     parser.add_argument("--num-draft-tokens", type=int, default=4, metavar="K", help="default 4")
@@ -70,14 +81,15 @@ def run_demo(args: argparse.Namespace) -> int:
         raise CliError("FAILED_PRECONDITION", f"the demo makes its checkpoints with transformers ({one_line(e)}); "
                        f"pip install 'loadplan[dev]'") from None
     say.line(f"target  {paths['target']}  DeepseekV3ForCausalLM, 256 routed experts + 1 shared")
-    say.line(f"draft   {paths['draft']}  Qwen3MoeForCausalLM, same vocabulary")
+    folder, what = DRAFTS[args.draft]
+    say.line(f"draft   {paths[folder]}  {what}")
 
     with EmbeddedRegistry(db_url) as registry, registry.client() as client:
         say.step("registry", f"embedded, {registry.address}, history in {db_url}")
         deployment = f"demo-{uuid.uuid4().hex[:8]}"
         say.step("worker", f"{args.nproc} EP rank(s) x (target + draft), a2a backend {args.a2a_backend}, "
                            f"deployment {deployment}")
-        result = run_worker(target=str(paths["target"]), draft=str(paths["draft"]), prompt=prompt,
+        result = run_worker(target=str(paths["target"]), draft=str(paths[folder]), prompt=prompt,
                             max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
                             nproc=args.nproc, a2a_backend=args.a2a_backend, deployment=deployment,
                             registry=registry.address, progress=not args.no_progress)

@@ -100,3 +100,41 @@ def test_the_commands_the_demo_suggests_work(demo):
         res = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=root.parent, env=clean_env())
         assert res.returncode == 0, f"{line}\n{res.stderr}"
         assert res.stdout.strip()
+
+
+def _output_tokens(stdout: str) -> list[str]:
+    tokens = re.search(r"^\s+output\s+([\d ]+)$", stdout, re.M)
+    assert tokens, stdout
+    return tokens.group(1).split()
+
+
+def test_demo_with_the_targets_own_nextn_draft(demo, tmp_path):
+    """`--draft nextn`: DeepSeek's own MTP draft, the same architecture code as its target (DESIGN 1).
+    Both runners fuse on every rank; the plans differ in family and layer range only; the output is
+    the target's greedy output, as with the Qwen3 draft."""
+    proc = subprocess.run([LOADPLAN, "demo", "--draft", "nextn", "--dir", str(tmp_path / "out"), "--no-progress",
+                           "--max-new-tokens", str(DEMO_MAX_NEW_TOKENS)],
+                          capture_output=True, text=True, timeout=200, env=clean_env())
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}"
+    plans = _plans(tmp_path / "out" / "loadplan.db")
+    by_role = {role: [p for p in plans if p["role"] == role] for role in ("target", "speculative")}
+    assert {p["entry_class"] for p in by_role["speculative"]} == {"DeepseekV3ForCausalLMNextN"}
+    assert {p["ep_rank"] for p in by_role["speculative"]} == {0, 1}
+    for p in plans:
+        assert p["decisions"]["moe.shared_experts_fusion"][0] is True
+        assert p["decisions"]["moe.fused_shared_expert_scale"][0] == 0.5
+    assert {tuple(p["decisions"]["pp.layer_range"][0]) for p in by_role["target"]} == {(0, 3)}
+    assert {tuple(p["decisions"]["pp.layer_range"][0]) for p in by_role["speculative"]} == {(3, 4)}
+    diff = proc.stdout[proc.stdout.index("audit diff"):]
+    decision_rows = diff.split("\n\n")[0].splitlines()[1:]     # after the step's own line: the decisions' table
+    assert [row.split()[0] for row in decision_rows] == ["KEY", "model.family", "pp.layer_range"], diff
+    assert _output_tokens(proc.stdout) == _output_tokens(demo[1].stdout)
+    rate = re.search(r"draft acceptance ([\d.]+) \((\d+)/(\d+) proposed", proc.stdout)
+    assert rate and float(rate.group(1)) > 0.2, proc.stdout
+
+
+def test_demo_refuses_an_unknown_draft():
+    proc = subprocess.run([LOADPLAN, "demo", "--draft", "llama"], capture_output=True, text=True, timeout=60,
+                          env=clean_env())
+    assert proc.returncode == 2
+    assert "--draft" in proc.stderr and "nextn" in proc.stderr and "qwen3" in proc.stderr
