@@ -21,7 +21,10 @@ before and parses answers after the timed window, and holds its garbage collecti
 until after it (for both methods alike), since it shares the CPUs with the server.
 
 It also measures `commit_p50_ms`: the p50 of a bare single-row INSERT + COMMIT on
-the same database, the floor a durable resolve cannot beat.
+the same database, the floor a durable resolve cannot beat. Each row then says its
+target (issue 6) and whether it is met (`target`, `target_met`): with 64 in flight
+resolve_vs_echo_qps >= 0.8; sequentially resolve_p50_ms <= echo_p50_ms +
+commit_p50_ms + 0.25.
 
 And the CPU each call costs, over the timed windows (Linux, from /proc): the
 server process's (`*_server_cpu_ms`), this load generator's (`*_client_cpu_ms`)
@@ -345,6 +348,20 @@ def cpu_figures(meters: dict[str, CpuMeter], calls: int) -> dict:
     return row
 
 
+# Issue 6's targets for ResolveLoadPlan on PostgreSQL, checked on every row (SQLite's too, for comparison).
+QPS_TARGET = 0.8            # at 64 in flight: resolve qps >= 0.8x echo qps
+SEQUENTIAL_SLACK_MS = 0.25  # sequentially: resolve p50 <= echo p50 + commit p50 + 0.25 ms
+
+
+def target_figures(row: dict) -> dict:
+    """The row's target and whether it is met: `target` says it in words (with the sequential
+    bound computed from the row's own echo and commit p50), `target_met` is True or False."""
+    if row["inflight"] == 1:
+        bound = row["echo_p50_ms"] + row["commit_p50_ms"] + SEQUENTIAL_SLACK_MS
+        return {"target": f"p50<={bound:.3f}", "target_met": row["resolve_p50_ms"] <= bound}
+    return {"target": f"qps>={QPS_TARGET}x", "target_met": row["resolve_vs_echo_qps"] >= QPS_TARGET}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--postgres-url", default=os.environ.get("LOADPLAN_TEST_POSTGRES_URL"))
@@ -380,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
                     meters = {method: CpuMeter(server.proc.pid, where) for method in ("echo", "resolve")}
                     row = {"db": name, **measure(server.address, inflight, n, args.ranks_per_deployment,
                                                  args.rounds, meters), "commit_p50_ms": commit}
+                    row.update(target_figures(row))
                     rows.append(row)
                     if args.json:
                         print(json.dumps(row), flush=True)
@@ -392,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.json:
         for cols in (["db", "inflight", "echo_qps", "resolve_qps", "resolve_vs_echo_qps", "echo_p50_ms",
-                      "resolve_p50_ms", "echo_p99_ms", "resolve_p99_ms", "commit_p50_ms"],
+                      "resolve_p50_ms", "echo_p99_ms", "resolve_p99_ms", "commit_p50_ms", "target", "target_met"],
                      ["db", "inflight", "echo_server_cpu_ms", "resolve_server_cpu_ms", "echo_client_cpu_ms",
                       "resolve_client_cpu_ms", "resolve_db_cpu_ms", "echo_busy_cores", "resolve_busy_cores",
                       "server_cpu_bound", "cpu_bound"]):

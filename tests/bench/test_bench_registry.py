@@ -99,3 +99,12 @@ def test_measure_reports_cpu_per_call_for_both_methods(bench, sqlite_url):
         tick_ms = 1e3 / os.sysconf("SC_CLK_TCK") / 40
         assert row[f"{method}_client_cpu_ms"] == pytest.approx(row[f"{method}_server_cpu_ms"], abs=2 * tick_ms)
     assert row["server_cpu_bound"] > 0 and row["cpu_bound"] > 0
+
+
+def test_each_row_says_its_target_and_whether_it_is_met(bench):
+    seq = {"inflight": 1, "echo_p50_ms": 0.7, "commit_p50_ms": 0.5, "resolve_p50_ms": 1.45}
+    assert bench.target_figures(seq) == {"target": "p50<=1.450", "target_met": True}
+    assert bench.target_figures({**seq, "resolve_p50_ms": 1.451})["target_met"] is False
+    loaded = {"inflight": 64, "resolve_vs_echo_qps": 0.8}
+    assert bench.target_figures(loaded) == {"target": "qps>=0.8x", "target_met": True}
+    assert bench.target_figures({**loaded, "resolve_vs_echo_qps": 0.799})["target_met"] is False
