@@ -105,11 +105,16 @@ class _EarlyAnswer:
     PostgreSQL: code run between idle waits runs several times slower than warm). An encoding
     that did not run or failed is done again on the handler's own path, which reports its error."""
 
-    __slots__ = ("texts", "encoded")
+    __slots__ = ("texts", "_early")
 
     def __init__(self, texts: tuple[str, str | None]):
         self.texts = texts
-        self.encoded: bytes | None = None
+        self._early: tuple[NewPlan, bytes] | None = None
+
+    def of(self, new: NewPlan) -> bytes:
+        """The answer for `new`: the one encoded early if it was `new`'s, else encoded now."""
+        early = self._early
+        return early[1] if early is not None and early[0] is new else self.encode(new)
 
     def encode(self, new: NewPlan) -> bytes:
         return plan_wire.plan_bytes(new.plan, config_json=self.texts[0], quantization_config_json=self.texts[1],
@@ -117,7 +122,7 @@ class _EarlyAnswer:
 
     def _encode_early(self, new: NewPlan) -> None:
         try:
-            self.encoded = self.encode(new)
+            self._early = (new, self.encode(new))
         except Exception:  # noqa: BLE001 - encoded again on the handler's path, which reports it
             pass
 
@@ -155,7 +160,7 @@ class ModelRegistryServicer(pb_grpc.ModelRegistryServicer):
         got = await self.registry.resolve_new_async(req, answer.saving(self._save),
                                                     (request.config_json, request.quantization_config_json), texts)
         if got.plan is got.new.plan:   # the plan made here (not a stored one replayed): its parts are known
-            return answer.encoded or answer.encode(got.new)
+            return answer.of(got.new)
         return plan_wire.plan_bytes(got.plan)
 
     @_rpc
