@@ -102,10 +102,14 @@ def _check_numbers(args) -> None:
         if getattr(args, f"{axis}_rank") != 0:
             raise CliError("INVALID_ARGUMENT", f"--{axis}-rank: generate launches every rank itself (--nproc); "
                            f"a rank is not chosen by hand")
-    ranks = args.tp_size * args.ep_size * args.pp_size
+    if args.tp_size != 1:   # before the rank count: asking for --nproc would lead nowhere
+        raise CliError("UNIMPLEMENTED", f"--tp-size {args.tp_size}: tensor parallelism is not implemented by the "
+                       f"engine (the registry plans it: `loadplan resolve --tp-size`); it runs expert and pipeline "
+                       f"parallelism (--ep-size, --pp-size)")
+    ranks = args.ep_size * args.pp_size
     if args.nproc == 1 and ranks > 1:
-        raise CliError("INVALID_ARGUMENT", f"--tp-size {args.tp_size} --ep-size {args.ep_size} --pp-size "
-                       f"{args.pp_size} make {ranks} ranks: pass --nproc {ranks}")
+        raise CliError("INVALID_ARGUMENT", f"--ep-size {args.ep_size} --pp-size {args.pp_size} make {ranks} "
+                       f"ranks: pass --nproc {ranks}")
 
 
 def _vocab_size(config: dict[str, Any]) -> int | None:
@@ -236,9 +240,6 @@ def _run_distributed(args) -> dict[str, Any]:
     except ImportError as e:
         raise CliError("FAILED_PRECONDITION", f"--nproc {args.nproc}: multi-rank generation is not available in "
                        f"this build ({one_line(e)})", EXIT_FAILURE) from None
-    if args.tp_size != 1:
-        raise CliError("INVALID_ARGUMENT", f"--tp-size {args.tp_size}: the multi-rank worker runs expert and "
-                       f"pipeline parallelism (--ep-size, --pp-size); tensor parallelism is not implemented")
     if args.request_id:
         raise CliError("INVALID_ARGUMENT", f"--request-id names one runner's request; with --nproc {args.nproc} "
                        f"every rank makes its own")

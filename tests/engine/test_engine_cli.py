@@ -246,3 +246,12 @@ def test_an_unknown_dtype_is_refused_by_the_parser(ckpt, db, capsys):
     rc, out, err = generate(capsys, "--model", ckpt, "--prompt-ids", "1", "--db", db, "--dtype", "float64")
     assert rc == 2 and out == ""
     assert err.startswith("error: INVALID_ARGUMENT: loadplan generate: argument --dtype: invalid choice: 'float64'")
+
+
+def test_tensor_parallelism_is_refused_as_not_implemented_whatever_the_ranks(ckpt, db, capsys):
+    """Not "pass --nproc 2" first and then a refusal: the one answer, naming the flag and what runs instead."""
+    for extra in ([], ["--nproc", 2], ["--nproc", 4, "--ep-size", 2]):
+        rc, out, err = generate(capsys, "--model", ckpt, "--prompt-ids", "1", "--tp-size", 2, "--db", db, *extra)
+        assert rc == 1 and out == ""         # not bad input (2): a request the engine cannot serve yet
+        assert err.count("\n") == 1 and err.startswith("error: UNIMPLEMENTED: --tp-size 2: tensor parallelism is not implemented"), err
+        assert "--ep-size" in err and "--pp-size" in err
