@@ -102,14 +102,10 @@ def _check_numbers(args) -> None:
         if getattr(args, f"{axis}_rank") != 0:
             raise CliError("INVALID_ARGUMENT", f"--{axis}-rank: generate launches every rank itself (--nproc); "
                            f"a rank is not chosen by hand")
-    if args.tp_size != 1:   # before the rank count: asking for --nproc would lead nowhere
-        raise CliError("UNIMPLEMENTED", f"--tp-size {args.tp_size}: tensor parallelism is not implemented by the "
-                       f"engine (the registry plans it: `loadplan resolve --tp-size`); it runs expert and pipeline "
-                       f"parallelism (--ep-size, --pp-size)")
-    ranks = args.ep_size * args.pp_size
+    ranks = args.tp_size * args.ep_size * args.pp_size
     if args.nproc == 1 and ranks > 1:
-        raise CliError("INVALID_ARGUMENT", f"--ep-size {args.ep_size} --pp-size {args.pp_size} make {ranks} "
-                       f"ranks: pass --nproc {ranks}")
+        raise CliError("INVALID_ARGUMENT", f"--tp-size {args.tp_size} --ep-size {args.ep_size} --pp-size "
+                       f"{args.pp_size} make {ranks} ranks: pass --nproc {ranks}")
 
 
 def _vocab_size(config: dict[str, Any]) -> int | None:
@@ -251,7 +247,8 @@ def _run_distributed(args) -> dict[str, Any]:
     try:
         spec = WorkerSpec(model=str(args.model), prompt_ids=tuple(args.prompt_ids),
                           max_new_tokens=args.max_new_tokens, ep_size=args.ep_size, pp_size=args.pp_size,
-                          a2a_backend=args.a2a_backend, deployment=args.deployment, registry=args.registry,
+                          tp_size=args.tp_size, a2a_backend=args.a2a_backend, deployment=args.deployment,
+                          registry=args.registry,
                           db_url=args.db, runtime=flags, draft=str(args.draft) if args.draft else None,
                           num_draft_tokens=args.num_draft_tokens, draft_runtime=flags, dtype=args.dtype,
                           enable_eplb=args.enable_eplb, ep_num_redundant_experts=args.ep_num_redundant_experts)

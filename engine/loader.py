@@ -115,6 +115,22 @@ def _check_runner_role(hf_config: dict, role: str) -> None:
                          f"--draft DIR`")
 
 
+def _check_tensor_parallel(hf_config: dict, tp_size: int, ep_size: int) -> None:
+    """Before any plan: only the families whose layers split themselves run with tp_size > 1, and
+    experts are split over TP ranks or EP ranks, not both."""
+    if ep_size != 1:
+        raise NotImplementedError(f"tp_size={tp_size} with ep_size={ep_size}: the engine splits the experts over "
+                                  f"tensor-parallel or expert-parallel ranks, not both")
+    entry = (hf_config.get("architectures") or [None])[0]
+    if entry not in ENGINE_ENTRY_CLASSES:
+        return                                   # refused when the plan's entry class is built
+    capable = sorted(e for e in ENGINE_ENTRY_CLASSES if getattr(model_class(e), "TENSOR_PARALLEL", False))
+    if not getattr(model_class(entry), "TENSOR_PARALLEL", False):
+        raise NotImplementedError(f"tensor parallelism (tp_size={tp_size}) is not implemented by the engine for "
+                                  f"{entry}; it is for: {', '.join(capable)} (or run expert and pipeline "
+                                  f"parallelism: ep_size, pp_size)")
+
+
 def load_model(path: str | Path, *, registry: Any = None, role: str = "target", deployment: str | None = None,
                request_id: str | None = None, a2a_backend: str = "none", device: str | torch.device = "cpu",
                tp_size: int = 1, ep_size: int = 1, pp_size: int = 1, tp_rank: int = 0, ep_rank: int = 0,
@@ -137,7 +153,7 @@ def load_model(path: str | Path, *, registry: Any = None, role: str = "target", 
     if isinstance(qconfig, dict) and qconfig.get("quant_method") == "fp8":
         fp8_block = block_size(qconfig)      # refused by field before any plan is resolved
     if tp_size != 1:
-        raise NotImplementedError("tensor parallelism (tp_size > 1) is not implemented by the engine yet")
+        _check_tensor_parallel(hf_config, tp_size, ep_size)
     request = ResolveRequest(
         request_id=request_id or uuid.uuid4().hex,
         deployment_id=deployment or uuid.uuid4().hex,   # None: a fresh deployment of its own

@@ -32,7 +32,12 @@ What the layer keeps from the plan, at construction (never read during forward):
             experts, the owners compute, combine returns complete rows; `reduce`
             runs only if the plan says so, which it never does for a backend whose
             combine already sums (the double-reduction bug, DESIGN 1).
-The EP group comes from the process's parallel context (engine/parallel/context.py)
+Tensor parallelism (plan parallel.tp_size > 1, ep_size 1): every expert's intermediate
+features are split over the TP ranks (gate/up rows, down columns), so each rank holds a
+partial sum of every token's output and the planned all-reduce runs over the TP group.
+A plan that leaves those partial sums unreduced (an a2a backend whose combine sums, where
+experts are never TP-split) is refused at construction: it would give wrong logits.
+The EP (or TP) group comes from the process's parallel context (engine/parallel/context.py)
 at construction. `reduce` is an attribute so a single-process test can replace it.
 An unfused shared expert is not this layer's: the model adds it after `forward`
 returns (after the reduction), computed replicated, never summed once per rank.
@@ -50,6 +55,7 @@ from ..plan import Keys
 from .eplb import ExpertLoadCounter, Placement, to_physical
 from .expert_kernel import fused_experts
 from .parallel import context as parallel_context
+from .parallel.tensor import TensorParallel
 
 
 def _dist_all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -70,12 +76,24 @@ class RoutedExperts(nn.Module):
         self.layer_id = layer_id
         self.num_experts = num_experts                      # global routed (logical) experts
         self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
         self.ep_size, self.ep_rank = par.ep_size, par.ep_rank
         self.num_fused_shared_experts = int(plan.decisions[Keys.NUM_FUSED_SHARED_EXPERTS].value)
         self.fused_shared_expert_scale = float(plan.decisions[Keys.FUSED_SHARED_EXPERT_SCALE].value)
         self.post_experts_all_reduce = bool(plan.decisions[Keys.POST_EXPERTS_ALL_REDUCE].value)
         self.forward_path = str(plan.decisions[Keys.FORWARD_PATH].value)
+        self.tp = TensorParallel.of(plan)
+        if self.tp.size > 1:
+            if par.ep_size > 1:
+                raise NotImplementedError(f"layer {layer_id}: tp_size={par.tp_size} with ep_size={par.ep_size}: the "
+                                          f"engine splits experts over one of the two, not both")
+            if not self.post_experts_all_reduce:
+                raise NotImplementedError(
+                    f"layer {layer_id}: the plan says moe.post_experts_all_reduce false "
+                    f"({plan.decisions[Keys.POST_EXPERTS_ALL_REDUCE].reason}), but tp_size={par.tp_size} splits "
+                    f"every expert's intermediate features: each rank would keep a partial sum. Run tensor "
+                    f"parallelism on a backend of the normal path")
+        intermediate_size = self.tp.split(intermediate_size, "moe_intermediate_size")
+        self.intermediate_size = intermediate_size
         self.num_local_experts = int(plan.decisions[Keys.NUM_LOCAL_EXPERTS].value)
         self.eplb_enabled = bool(plan.decisions[Keys.EPLB_ENABLED].value)
         self.num_physical = int(plan.decisions[Keys.EPLB_NUM_PHYSICAL_EXPERTS].value)
@@ -95,7 +113,7 @@ class RoutedExperts(nn.Module):
         # The EP group of this rank: from the worker's parallel context, fixed at build time.
         ctx = parallel_context.current()
         self.ep_group = None
-        self.reduce: Callable[[torch.Tensor], torch.Tensor] = _dist_all_reduce
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] = self.tp.reduce if self.tp.size > 1 else _dist_all_reduce
         if par.ep_size > 1 and ctx is not None:
             g = ctx.grid
             if (g.ep_size, g.ep_rank) != (par.ep_size, par.ep_rank):

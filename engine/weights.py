@@ -7,6 +7,10 @@ for one model: every expected tensor is loaded exactly once; a missing, unexpect
 duplicated or wrongly shaped tensor is an error naming it. Tensors owned by other
 ranks (layers of other pipeline stages, other ranks' experts) are skipped.
 
+Tensor parallelism (`WeightLayout.tp_size` > 1): the tensors of `TP_SPLITS` are cut
+along one dimension into tp_size equal parts and this rank reads part tp_rank (the
+shape checked is the part's); every other tensor is read whole (replicated).
+
 Fused layout (DESIGN 5.3): with `num_fused_shared > 0`, `mlp.shared_expert(s).*`
 goes to expert slot `n_routed` (a checkpoint that is already pre-fused, holding
 `mlp.experts.{n_routed}.*`, is accepted too: one or the other, not both). Unfused,
@@ -66,6 +70,8 @@ class WeightLayout:
     # (name, source): a tensor the checkpoint holds as `name`, or else shares with `source` (then `source` is
     # read as `name`). E.g. a Multi-Token-Prediction layer's embedding, which some exports keep only once.
     shared_from: tuple[tuple[str, str], ...] = ()
+    tp_size: int = 1                            # plan: parallel.tp_size / tp_rank (TP_SPLITS)
+    tp_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -112,6 +118,29 @@ RULES: list[tuple[re.Pattern, Callable[[re.Match, WeightLayout], Target]]] = [
     (re.compile(rf"^{_MLP}\.shared_experts?\.(?P<part>gate|up|down)_proj\.weight$"), _shared_target),
     (re.compile(r"^(?P<prefix>(?:[A-Za-z_]\w*\.)*?)model\.embed_tokens\.weight$"), _embed_target),
 ]
+
+# Tensor parallelism: (engine parameter, the dimension of the checkpoint tensor split over the TP ranks).
+# Megatron-style, as the layers split themselves (engine/parallel/tensor.py): the projections into
+# attention heads and into MLP / expert intermediate features by output rows, the projections out of
+# them by input columns. A stacked expert parameter is filled per expert: its checkpoint tensors are
+# gate_proj / up_proj [I, D] (rows split) and down_proj [D, I] (columns split). First match wins.
+TP_SPLITS: list[tuple[re.Pattern, int]] = [
+    (re.compile(r"\.self_attn\.[qkv]_proj\.(weight|bias)$"), 0),
+    (re.compile(r"\.self_attn\.o_proj\.weight$"), 1),
+    (re.compile(r"\.mlp\.(gate|up)_proj\.weight$"), 0),
+    (re.compile(r"\.mlp\.down_proj\.weight$"), 1),
+    (re.compile(r"\.mlp\.experts\.gate_up_proj$"), 0),
+    (re.compile(r"\.mlp\.experts\.down_proj$"), 1),
+]
+
+
+def tp_split_dim(param: str, layout: WeightLayout) -> int | None:
+    """The dimension along which `param`'s checkpoint tensors are split over the TP ranks; None:
+    read whole (replicated, or no tensor parallelism). Pure."""
+    if layout.tp_size == 1:
+        return None
+    return next((dim for pattern, dim in TP_SPLITS if pattern.search(param)), None)
+
 
 _LAYER_ID = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _STACKED = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
@@ -243,11 +272,19 @@ def build_state_dict(names: list[str], get: Callable[[str], torch.Tensor], shape
                 half = views[0].shape[0] // 2
                 views = [v[:half] if target.part == "gate" else v[half:] for v in views]
         shape = tuple(shape_of(name))
+        split = tp_split_dim(target.param, layout)
+        if split is not None:
+            if split >= len(shape) or shape[split] % layout.tp_size:
+                raise ShapeMismatch(f"tensor {name!r} of shape {list(shape)} does not split over tp_size="
+                                    f"{layout.tp_size} along dimension {split}")
+            shape = shape[:split] + (shape[split] // layout.tp_size,) + shape[split + 1:]
         if shape != tuple(views[0].shape):
             raise ShapeMismatch(f"tensor {name!r} has shape {list(shape)}, the model expects "
                                 f"{list(views[0].shape)} for {target.param}"
                                 + (f" expert {target.expert}" if target.expert is not None else ""))
         tensor = get(name)
+        if split is not None:       # this rank's part of the whole tensor
+            tensor = tensor.narrow(split, layout.tp_rank * shape[split], shape[split])
         for view in views:
             view.copy_(tensor)
         filled[key] = name

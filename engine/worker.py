@@ -9,9 +9,9 @@ ranks (engine/parallel/launch.py: every collective has a timeout; the first rank
 that fails makes the run raise `RankFailed` with that rank's error, never hang).
 
 `run_rank` (each rank):
-1. the (pp, ep) grid and its groups, set as the process's parallel context BEFORE
+1. the (pp, ep, tp) grid and its groups, set as the process's parallel context BEFORE
    any model is built (engine/parallel/context.py): the MoE layers take their EP
-   group from it at construction;
+   group from it at construction, the TP-split layers their TP group;
 2. `load_model` (the single instantiation point) for the target, role "target":
    the rank resolves its OWN plan under the deployment id. Rank 0 resolves first
    and the others after it, so the deployment is pinned by rank 0's inputs and a
@@ -48,6 +48,7 @@ class WorkerSpec:
     max_new_tokens: int
     ep_size: int = 1
     pp_size: int = 1
+    tp_size: int = 1
     a2a_backend: str = "none"
     deployment: str | None = None               # None: generate_distributed makes a fresh one for its ranks
     registry: str | None = None                 # a registry address; None: the embedded one on db_url
@@ -81,7 +82,7 @@ def init_rank(spec: WorkerSpec):
     from .parallel.context import ParallelContext, set_parallel_context
     from .parallel.groups import make_grid
 
-    grid = make_grid(spec.pp_size, spec.ep_size)
+    grid = make_grid(spec.pp_size, spec.ep_size, spec.tp_size)
     set_parallel_context(ParallelContext(grid))
     return grid
 
@@ -110,6 +111,7 @@ def load_runner(spec: WorkerSpec, grid, role: str = "target", *, registry: Any =
     kwargs = dict(registry=registry if registry is not None else _registry_of(spec), role=role,
                   deployment=spec.deployment, a2a_backend=spec.a2a_backend, device=rank_device(),
                   ep_size=spec.ep_size, ep_rank=grid.ep_rank, pp_size=spec.pp_size, pp_rank=grid.pp_rank,
+                  tp_size=spec.tp_size, tp_rank=grid.tp_rank,
                   enable_eplb=spec.enable_eplb and not draft,
                   ep_num_redundant_experts=spec.ep_num_redundant_experts if not draft else 0,
                   dtype=getattr(torch, spec.dtype), **flags)
@@ -142,7 +144,7 @@ def run_rank(rank: int, world_size: int, spec: WorkerSpec) -> dict:
     target = load_runner(spec, grid, "target")
     draft = load_runner(spec, grid, "speculative") if spec.draft else None
     eos = checkpoint_eos(spec.model) if spec.stop_at_eos else []
-    out: dict[str, Any] = {"rank": rank, "pp_rank": grid.pp_rank, "ep_rank": grid.ep_rank,
+    out: dict[str, Any] = {"rank": rank, "pp_rank": grid.pp_rank, "ep_rank": grid.ep_rank, "tp_rank": grid.tp_rank,
                            "plan_id": target.plan.plan_id, "draft_plan_id": draft.plan.plan_id if draft else None,
                            "acceptance_rate": None, "proposed": None, "accepted": None, "eplb": []}
     with ExitStack() as stack:
@@ -175,13 +177,13 @@ def run_rank(rank: int, world_size: int, spec: WorkerSpec) -> dict:
 # -- the launcher --------------------------------------------------------------------
 
 def generate_distributed(spec: WorkerSpec, nproc: int, *, timeout_s: float = 300) -> dict:
-    """Run `spec` on `nproc` = ep_size x pp_size ranks; the tokens, plan ids and EPLB figures.
+    """Run `spec` on `nproc` = pp_size x ep_size x tp_size ranks; the tokens, plan ids and EPLB figures.
 
     Raises engine.parallel.launch.RankFailed (the failing rank and its error) if any rank fails."""
     from .parallel.groups import check_sizes
     from .parallel.launch import launch
 
-    check_sizes(nproc, spec.pp_size, spec.ep_size)
+    check_sizes(nproc, spec.pp_size, spec.ep_size, spec.tp_size)
     spec = dataclasses.replace(spec, deployment=spec.deployment or uuid.uuid4().hex)
     with ExitStack() as stack:
         if spec.registry is None:

@@ -5,7 +5,11 @@ and RMSNorm on each head of q and k before the rotary embedding (`qk_norm`).
 GLM-4-MoE: bias on q/k/v, optional qk_norm, and partial rotary: only the first
 `rotary_dim` features of each head are rotated (the rest pass through), as
 transformers' apply_rotary_pos_emb does when cos/sin are narrower than the head.
-Shapes: B batch, T new tokens, H heads, H_kv key/value heads, hd head_dim, rd rotary_dim.
+Under tensor parallelism (`tp`, engine/parallel/tensor.py) a rank holds H / tp_size heads
+and H_kv / tp_size key/value heads (q/k/v split by output features, o_proj by input
+features): its o_proj output is a partial sum, all-reduced over the TP group before
+o_proj's bias is added (once).
+Shapes: B batch, T new tokens, H heads, H_kv key/value heads (this rank's), hd head_dim, rd rotary_dim.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..parallel.tensor import TensorParallel
 from .kv_cache import KVCache
 from .norm import RMSNorm
 from .rope import apply_rotary
@@ -22,13 +27,15 @@ from .rope import apply_rotary
 class GQAttention(nn.Module):
     def __init__(self, hidden_size: int, n_heads: int, n_kv_heads: int, head_dim: int, *, qkv_bias: bool,
                  o_bias: bool, qk_norm: bool, rms_norm_eps: float, rotary_dim: int | None = None,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, tp: TensorParallel | None = None):
         super().__init__()
         if n_heads % n_kv_heads:
             raise ValueError(f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv_heads}")
         rotary_dim = head_dim if rotary_dim is None else rotary_dim
         if not (0 < rotary_dim <= head_dim and rotary_dim % 2 == 0):
             raise ValueError(f"rotary_dim={rotary_dim} must be even and in (0, head_dim={head_dim}]")
+        self.tp = tp = tp or TensorParallel()
+        n_heads, n_kv_heads = tp.split(n_heads, "num_attention_heads"), tp.split(n_kv_heads, "num_key_value_heads")
         self.n_heads, self.n_kv_heads, self.head_dim, self.rotary_dim = n_heads, n_kv_heads, head_dim, rotary_dim
         self.scale = head_dim ** -0.5
         self.q_proj = nn.Linear(hidden_size, n_heads * head_dim, bias=qkv_bias, dtype=dtype)
@@ -65,7 +72,11 @@ class GQAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scale, enable_gqa=gqa)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)   # [B, T, H * hd]
+        if self.tp.size == 1:
+            return self.o_proj(y)
+        out = self.tp.reduce(F.linear(y, self.o_proj.weight))             # [B, T, D]: every rank's heads
+        return out if self.o_proj.bias is None else out + self.o_proj.bias
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, H, T, hd]: its first rotary_dim features rotated, the others as they are."""

@@ -60,7 +60,12 @@ class DecoderModel(nn.Module):
 
 class CausalLM(nn.Module):
     """One pipeline stage of a decoder-only MoE LM. A family's entry class parses its config and calls
-    `super().__init__(cfg, plan, its DecoderLayer, n_routed=..., rope_head_dim=..., dtype=dtype)`."""
+    `super().__init__(cfg, plan, its DecoderLayer, n_routed=..., rope_head_dim=..., dtype=dtype)`.
+    `TENSOR_PARALLEL`: the family's layers split themselves over the plan's TP ranks
+    (engine/parallel/tensor.py) and `weights.TP_SPLITS` names their split tensors; the loader
+    refuses tp_size > 1 for the others."""
+
+    TENSOR_PARALLEL = False
 
     def __init__(self, cfg, plan, decoder_layer: type[DecoderLayer], *, n_routed: int, rope_head_dim: int,
                  dtype: torch.dtype):
@@ -107,7 +112,8 @@ class CausalLM(nn.Module):
             num_physical=physical,
             layer_range=self.layer_range, has_embed=self.is_first_stage, has_head=self.is_last_stage,
             lm_head_from_embed=self.config.tie_word_embeddings and self.is_last_stage and not self.is_first_stage,
-            ignore_prefixes=self.ignore_prefixes(prefix))
+            ignore_prefixes=self.ignore_prefixes(prefix),
+            tp_size=self.plan.request.parallel.tp_size, tp_rank=self.plan.request.parallel.tp_rank)
 
     def tie_weights(self) -> None:
         pass  # a tied head reads model.embed_tokens.weight directly (see _head)

@@ -26,6 +26,7 @@ import torch
 from ..layers.attention import GQAttention
 from ..layers.mlp import GatedMLP, activation
 from ..layers.rope import RopeConfig, rope_config_from_hf
+from ..parallel.tensor import TensorParallel
 from .causal_lm import CausalLM, DecoderLayer
 from .config import ConfigError, get_field as _get
 from .deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE, routing_fields
@@ -118,17 +119,19 @@ class Glm4MoeConfig:
 
 class Glm4MoeDecoderLayer(DecoderLayer):
     def __init__(self, cfg: Glm4MoeConfig, plan, layer_id: int, dtype: torch.dtype):
+        tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
         attn = GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                            qkv_bias=cfg.attention_bias, o_bias=False, qk_norm=cfg.use_qk_norm,
-                           rms_norm_eps=cfg.rms_norm_eps, rotary_dim=cfg.rotary_dim, dtype=dtype)
+                           rms_norm_eps=cfg.rms_norm_eps, rotary_dim=cfg.rotary_dim, dtype=dtype, tp=tp)
         if layer_id in cfg.moe_layers:
-            mlp = DeepseekV3MoE(cfg, plan, layer_id, dtype)
+            mlp = DeepseekV3MoE(cfg, plan, layer_id, dtype)   # its unfused shared experts run replicated
         else:
-            mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype)
+            mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype, tp=tp)
         super().__init__(layer_id, attn, mlp, cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
 class Glm4MoeForCausalLM(CausalLM):
+    TENSOR_PARALLEL = True
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
         cfg = Glm4MoeConfig.from_hf(hf_config)
         super().__init__(cfg, plan, Glm4MoeDecoderLayer, n_routed=cfg.n_routed_experts, rope_head_dim=cfg.head_dim,

@@ -20,6 +20,7 @@ from ..layers.attention import GQAttention
 from ..layers.mlp import GatedMLP, activation
 from ..layers.rope import RopeConfig, rope_config_from_hf
 from ..moe import RoutedExperts
+from ..parallel.tensor import TensorParallel
 from .causal_lm import CausalLM, DecoderLayer
 from .config import ConfigError, get_field as _get
 
@@ -146,18 +147,20 @@ class QwenSparseMoeBlock(nn.Module):
 
 class QwenDecoderLayer(DecoderLayer):
     def __init__(self, cfg: QwenMoeConfig, plan, layer_id: int, dtype: torch.dtype):
+        tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
         attn = GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                            qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, qk_norm=cfg.qk_norm,
-                           rms_norm_eps=cfg.rms_norm_eps, dtype=dtype)
+                           rms_norm_eps=cfg.rms_norm_eps, dtype=dtype, tp=tp)
         if layer_id in cfg.moe_layers:
             mlp = QwenSparseMoeBlock(cfg, plan, layer_id, dtype)
         else:
-            mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype)
+            mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype, tp=tp)
         super().__init__(layer_id, attn, mlp, cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
 class _QwenMoeForCausalLM(CausalLM):
     ARCHITECTURE = ""
+    TENSOR_PARALLEL = True
 
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
         cfg = QwenMoeConfig.from_hf(hf_config, self.ARCHITECTURE)

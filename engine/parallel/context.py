@@ -1,4 +1,4 @@
-"""The process's parallel context: which EP/PP groups the layers being built use.
+"""The process's parallel context: which EP/PP/TP groups the layers being built use.
 
 Model code never creates process groups nor names a backend. A worker that runs on
 several ranks creates the grid (groups.py) and sets it here BEFORE building its
@@ -26,6 +26,10 @@ class ParallelContext:
     @property
     def pp_group(self):
         return self.grid.pp_group
+
+    @property
+    def tp_group(self):
+        return self.grid.tp_group
 
 
 _current: ParallelContext | None = None

@@ -127,6 +127,7 @@ def test_stops_at_the_checkpoints_eos(ckpt, want, db, tmp_path, capsys):
     (["--model", "{ckpt}", "--prompt-ids", "1", "--max-new-tokens", "-1"], "INVALID_ARGUMENT"),
     (["--model", "{ckpt}", "--prompt-ids", "1", "--a2a-backend", "bogus"], "NOT_FOUND"),
     (["--model", "{ckpt}", "--prompt-ids", "1", "--ep-size", "2"], "INVALID_ARGUMENT"),   # needs --nproc 2
+    (["--model", "{ckpt}", "--prompt-ids", "1", "--tp-size", "2"], "INVALID_ARGUMENT"),   # needs --nproc 2
     (["--model", "{ckpt}", "--prompt-ids", "1", "--draft", "{ckpt}", "--num-draft-tokens", "0"], "INVALID_ARGUMENT"),
     (["--model", "{ckpt}", "--prompt-ids", "1", "--draft", "{small_vocab}"], "INVALID_ARGUMENT"),
     (["--model", "{ckpt}", "--prompt-ids", "1", "--draft", "{missing}"], "INVALID_ARGUMENT"),
@@ -165,6 +166,20 @@ def test_two_ranks_with_a_draft(ckpt, want, db, capsys):
     plans = json.loads(capsys.readouterr().out)
     assert sorted((p["role"], p["parallel"]["ep_rank"]) for p in plans) == [
         ("speculative", 0), ("speculative", 1), ("target", 0), ("target", 1)]
+
+
+def test_two_tensor_parallel_ranks_with_a_draft(ckpt, want, db, capsys):
+    """--nproc 2 --tp-size 2: transformers' greedy tokens; each rank's target and draft plans say its TP rank."""
+    rc, out, err = generate(capsys, "--model", ckpt, "--prompt-ids", ",".join(map(str, PROMPT)),
+                            "--max-new-tokens", N, "--db", db, "--nproc", 2, "--tp-size", 2, "--draft", ckpt,
+                            "--num-draft-tokens", 3, "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["tokens"] == want and doc["acceptance_rate"] == 1.0
+    assert main(["plans", "list", "--deployment", doc["deployment_id"], "--db", db, "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)
+    assert sorted((p["role"], p["parallel"]["tp_size"], p["parallel"]["tp_rank"]) for p in plans) == [
+        ("speculative", 2, 0), ("speculative", 2, 1), ("target", 2, 0), ("target", 2, 1)]
 
 
 def test_a_failing_rank_is_one_line_with_its_status(ckpt, db, capsys):
@@ -247,11 +262,3 @@ def test_an_unknown_dtype_is_refused_by_the_parser(ckpt, db, capsys):
     assert rc == 2 and out == ""
     assert err.startswith("error: INVALID_ARGUMENT: loadplan generate: argument --dtype: invalid choice: 'float64'")
 
-
-def test_tensor_parallelism_is_refused_as_not_implemented_whatever_the_ranks(ckpt, db, capsys):
-    """Not "pass --nproc 2" first and then a refusal: the one answer, naming the flag and what runs instead."""
-    for extra in ([], ["--nproc", 2], ["--nproc", 4, "--ep-size", 2]):
-        rc, out, err = generate(capsys, "--model", ckpt, "--prompt-ids", "1", "--tp-size", 2, "--db", db, *extra)
-        assert rc == 1 and out == ""         # not bad input (2): a request the engine cannot serve yet
-        assert err.count("\n") == 1 and err.startswith("error: UNIMPLEMENTED: --tp-size 2: tensor parallelism is not implemented"), err
-        assert "--ep-size" in err and "--pp-size" in err

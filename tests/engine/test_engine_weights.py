@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from loadplan.engine.weights import (DuplicateTensor, LayoutMismatch, MissingTensor, ShapeMismatch, Target,
-                                     UnexpectedTensor, WeightLayout, build_state_dict, is_local, remap)
+                                     UnexpectedTensor, WeightLayout, build_state_dict, is_local, remap, tp_split_dim)
 
 UNFUSED = WeightLayout(n_routed=8)
 FUSED = WeightLayout(n_routed=8, num_fused_shared=1)
@@ -194,3 +194,64 @@ def test_a_tensor_the_checkpoint_shares_is_read_from_its_source_only_when_absent
     del ck["mtp.embed.weight"], ck["main.embed.weight"]              # neither: missing, by its own name
     with pytest.raises(MissingTensor, match=r"mtp\.embed\.weight"):
         _build(ck, expected, lay)
+
+
+# -- tensor parallelism: each rank reads its part of the split tensors -----------------------
+
+A = "model.layers.0.self_attn"
+M = "model.layers.0.mlp"
+
+
+@pytest.mark.parametrize("param, dim", [
+    (f"{A}.q_proj.weight", 0), (f"{A}.k_proj.bias", 0), (f"{A}.v_proj.weight", 0), (f"{A}.o_proj.weight", 1),
+    (f"{A}.o_proj.bias", None),                       # added once, after the all-reduce
+    (f"{M}.gate_proj.weight", 0), (f"{M}.up_proj.weight", 0), (f"{M}.down_proj.weight", 1),
+    (f"{L}.experts.gate_up_proj", 0), (f"{L}.experts.down_proj", 1),
+    (f"{L}.shared_expert.gate_proj.weight", None),    # an unfused shared expert runs replicated
+    (f"{L}.shared_experts.down_proj.weight", None),
+    (f"{L}.gate.weight", None), (f"{A}.q_norm.weight", None), ("model.embed_tokens.weight", None),
+    ("lm_head.weight", None),
+])
+def test_tp_split_dims(param, dim):
+    assert tp_split_dim(param, WeightLayout(n_routed=8, tp_size=2, tp_rank=1)) == dim
+    assert tp_split_dim(param, WeightLayout(n_routed=8)) is None       # no tensor parallelism: nothing split
+
+
+def test_a_tp_rank_reads_its_part_of_each_split_tensor_and_the_rest_whole():
+    g = torch.Generator().manual_seed(0)
+    ck = {f"{A}.q_proj.weight": torch.randn(8, D, generator=g), f"{A}.q_proj.bias": torch.randn(8, generator=g),
+          f"{A}.o_proj.weight": torch.randn(D, 8, generator=g), f"{A}.o_proj.bias": torch.randn(D, generator=g),
+          f"{L}.gate.weight": torch.randn(E, D, generator=g)}
+    for e in range(E):
+        ck[f"{L}.experts.{e}.gate_proj.weight"] = torch.randn(4, D, generator=g)
+        ck[f"{L}.experts.{e}.up_proj.weight"] = torch.randn(4, D, generator=g)
+        ck[f"{L}.experts.{e}.down_proj.weight"] = torch.randn(D, 4, generator=g)
+    expected = {f"{A}.q_proj.weight": torch.empty(4, D, device="meta"),
+                f"{A}.q_proj.bias": torch.empty(4, device="meta"),
+                f"{A}.o_proj.weight": torch.empty(D, 4, device="meta"),
+                f"{A}.o_proj.bias": torch.empty(D, device="meta"),
+                f"{L}.gate.weight": torch.empty(E, D, device="meta"),
+                f"{L}.experts.gate_up_proj": torch.empty(E, 4, D, device="meta"),
+                f"{L}.experts.down_proj": torch.empty(E, D, 2, device="meta")}
+    for rank in range(2):
+        sd, report = _build(ck, expected, WeightLayout(n_routed=E, tp_size=2, tp_rank=rank))
+        part = slice(4 * rank, 4 * rank + 4)
+        assert torch.equal(sd[f"{A}.q_proj.weight"], ck[f"{A}.q_proj.weight"][part])
+        assert torch.equal(sd[f"{A}.q_proj.bias"], ck[f"{A}.q_proj.bias"][part])
+        assert torch.equal(sd[f"{A}.o_proj.weight"], ck[f"{A}.o_proj.weight"][:, part])
+        assert torch.equal(sd[f"{A}.o_proj.bias"], ck[f"{A}.o_proj.bias"])
+        assert torch.equal(sd[f"{L}.gate.weight"], ck[f"{L}.gate.weight"])
+        half = slice(2 * rank, 2 * rank + 2)
+        for e in range(E):
+            gu = sd[f"{L}.experts.gate_up_proj"][e]
+            assert torch.equal(gu[:2], ck[f"{L}.experts.{e}.gate_proj.weight"][half])
+            assert torch.equal(gu[2:], ck[f"{L}.experts.{e}.up_proj.weight"][half])
+            assert torch.equal(sd[f"{L}.experts.down_proj"][e], ck[f"{L}.experts.{e}.down_proj.weight"][:, half])
+        assert report.loaded == len(ck)
+
+
+def test_a_tensor_that_does_not_split_over_the_tp_ranks_is_named():
+    ck = {f"{A}.q_proj.weight": torch.zeros(6, D)}
+    with pytest.raises(ShapeMismatch, match=rf"'{A}.q_proj.weight' of shape \[6, 4\] does not split over "
+                                            rf"tp_size=4 along dimension 0"):
+        _build(ck, {f"{A}.q_proj.weight": torch.empty(1, D, device="meta")}, WeightLayout(n_routed=E, tp_size=4))

@@ -1,11 +1,12 @@
-"""The (pp, ep) grid: pure rank arithmetic, and on 2 ranks the groups it builds."""
+"""The (pp, ep, tp) grid: pure rank arithmetic, and on 2 ranks the groups it builds."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from loadplan.engine.parallel.groups import ep_group_ranks, grid_coords, make_grid, pp_group_ranks
+from loadplan.engine.parallel.groups import (ep_group_ranks, grid_coords, grid_position, make_grid, pp_group_ranks,
+                                            tp_group_ranks)
 from loadplan.engine.parallel.launch import launch
 
 
@@ -17,6 +18,20 @@ def test_grid_coords_cover_every_rank_once():
         assert r in ep_group_ranks(p, ep) and r in pp_group_ranks(e, pp, ep)
     assert ep_group_ranks(1, ep) == [2, 3]          # a stage's EP ranks are contiguous
     assert pp_group_ranks(1, pp, ep) == [1, 3, 5]
+
+
+def test_a_stage_keeps_its_tp_ranks_neighbours_and_its_ranks_contiguous():
+    pp, ep, tp = 2, 2, 2
+    pos = [grid_position(r, pp, ep, tp) for r in range(pp * ep * tp)]
+    assert sorted(pos) == [(p, e, t) for p in range(pp) for e in range(ep) for t in range(tp)]
+    for r, (p, e, t) in enumerate(pos):
+        assert r in ep_group_ranks(p, ep, tp, t) and r in pp_group_ranks(e, pp, ep, tp, t)
+        assert r in tp_group_ranks(p, e, ep, tp)
+        assert all(4 * p <= m < 4 * (p + 1) for m in ep_group_ranks(p, ep, tp, t) + tp_group_ranks(p, e, ep, tp))
+    assert tp_group_ranks(1, 0, ep, tp) == [4, 5]            # a stage's TP ranks are neighbours
+    assert ep_group_ranks(1, ep, tp, 1) == [5, 7]
+    assert pp_group_ranks(1, pp, ep, tp, 0) == [2, 6]       # pipeline peers are ep * tp ranks apart
+    assert [grid_position(r, 3, 2) for r in range(6)] == [(*grid_coords(r, 3, 2), 0) for r in range(6)]
 
 
 def test_grid_refuses_sizes_that_do_not_fill_the_world():

@@ -1,0 +1,150 @@
+"""Tensor parallelism on gloo ranks: each rank holds its share of the attention heads, the dense MLP's
+and every expert's intermediate features (checked on the built layers), and TP=2 gives the single
+process's logits and greedy tokens for Qwen3-MoE (a dense layer and o_proj's bias included),
+Qwen2-MoE and GLM-4-MoE, their shared experts fused and unfused; TP=2 x PP=2 too. Refusals:
+families whose layers do not split, TP with EP, a plan that leaves TP partial sums unreduced,
+heads that do not divide."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loadplan.engine.parallel.launch import launch
+from loadplan.plan import Keys
+
+from engine_helpers import LocalRegistry, make_checkpoint
+from parallel_helpers import DEEPSEEK, GLM4, QWEN2, QWEN3, make_model, single_process
+
+N_NEW = 4
+TOL = 1e-4
+INTENTS = {None: {}, "enforce": {"enforce_shared_experts_fusion": True},
+           "disable": {"disable_shared_experts_fusion": True}}
+# (name, arch, fusion intent): Qwen3-MoE has no shared expert.
+CASES = [("qwen3", QWEN3, None), ("qwen2", QWEN2, "enforce"), ("qwen2", QWEN2, "disable"),
+         ("glm4", GLM4, "enforce"), ("glm4", GLM4, "disable")]
+
+
+def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
+    from loadplan.engine.generate import generate
+    from loadplan.engine.layers.attention import GQAttention
+    from loadplan.engine.layers.mlp import GatedMLP
+    from loadplan.engine.moe import RoutedExperts
+    from loadplan.engine.worker import WorkerSpec, init_rank, load_runner
+
+    from engine_helpers import LocalRegistry
+
+    grid = None
+    out = []
+    for name, arch, intent in CASES if pp_size == 1 else CASES[:1]:
+        spec = WorkerSpec(model=paths[name], prompt_ids=(), max_new_tokens=0, tp_size=tp_size, pp_size=pp_size,
+                          runtime=INTENTS[intent])
+        grid = grid or init_rank(spec)
+        model = load_runner(spec, grid, registry=LocalRegistry())
+        d = model.plan.decisions
+        stage = model.stage
+        mods = list(stage.modules())
+        with torch.no_grad():
+            logits = model(ids)
+        out.append(dict(
+            name=name, intent=intent, fused=bool(d[Keys.SHARED_EXPERTS_FUSION].value),
+            tp=(model.plan.request.parallel.tp_size, model.plan.request.parallel.tp_rank),
+            all_reduce=bool(d[Keys.POST_EXPERTS_ALL_REDUCE].value),
+            heads={(m.n_heads, m.n_kv_heads, m.q_proj.weight.shape[0]) for m in mods if isinstance(m, GQAttention)},
+            expert_inter={m.gate_up_proj.shape[1] // 2 for m in mods if isinstance(m, RoutedExperts)},
+            dense_inter={m.gate_proj.weight.shape[0] for m in mods if isinstance(m, GatedMLP)},
+            logits=logits, tokens=generate(model, ids[0], N_NEW)[0].tolist()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    return {
+        # layer 0 dense (mlp_only_layers), o_proj with a bias: both split or added once under TP
+        "qwen3": str(make_checkpoint(tmp_path_factory.mktemp("q3"), QWEN3, mlp_only_layers=[0], attention_bias=True)),
+        "qwen2": make_model(tmp_path_factory.mktemp("q2"), QWEN2),
+        "glm4": make_model(tmp_path_factory.mktemp("glm"), GLM4),
+    }
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.tensor([[3, 17, 42, 9, 101, 5, 77]])
+
+
+@pytest.fixture(scope="module")
+def references(paths, ids):
+    return {(name, intent): single_process(paths[name], ids, N_NEW, **INTENTS[intent]) for name, _, intent in CASES}
+
+
+def test_two_tp_ranks_give_the_single_process_logits_and_tokens(paths, ids, references):
+    ranks = launch(2, _tp_ranks, paths, ids, 2, 1, timeout_s=240)
+    for tp_rank, cases in enumerate(ranks):
+        assert len(cases) == len(CASES)
+        for case in cases:
+            want_logits, want_tokens = references[(case["name"], case["intent"])]
+            where = f"{case['name']} {case['intent']} tp rank {tp_rank}"
+            assert case["tp"] == (2, tp_rank), where
+            assert case["all_reduce"], where              # normal path, experts split: the plan reduces
+            if case["intent"]:
+                assert case["fused"] == (case["intent"] == "enforce"), where
+            torch.testing.assert_close(case["logits"], want_logits, atol=TOL, rtol=0, msg=where)
+            assert case["tokens"] == want_tokens, where
+    by_name = {c["name"]: c for c in ranks[0]}
+    # Each rank holds half: 4 heads and 2 key/value heads of head_dim 24 (Qwen3) -> 2 and 1; experts' 32
+    # intermediate features -> 16; the dense layer's 96 -> 48 (Qwen2's unfused shared expert stays whole).
+    assert by_name["qwen3"]["heads"] == {(2, 1, 48)}
+    assert by_name["qwen3"]["expert_inter"] == {16} and by_name["qwen3"]["dense_inter"] == {48}
+    assert ranks[0][2]["name"] == "qwen2" and ranks[0][2]["dense_inter"] == {32}      # replicated shared expert
+    assert by_name["glm4"]["expert_inter"] == {8}
+
+
+def test_tp_within_pipeline_stages(paths, ids, references):
+    ranks = launch(4, _tp_ranks, paths, ids, 2, 2, timeout_s=240)
+    want_logits, want_tokens = references[("qwen3", None)]
+    for rank, (case,) in enumerate(ranks):
+        assert case["tp"] == (2, rank % 2)
+        torch.testing.assert_close(case["logits"], want_logits, atol=TOL, rtol=0, msg=f"rank {rank}")
+        assert case["tokens"] == want_tokens
+
+
+# --- refusals (one process: they come before any collective) ----------------------------------
+
+
+def _load(path, **kw):
+    from loadplan.engine.loader import load_model
+
+    registry = LocalRegistry()
+    return registry, lambda: load_model(path, registry=registry, **kw)
+
+
+def test_a_family_whose_layers_do_not_split_is_refused_before_any_plan(tmp_path):
+    registry, load = _load(make_model(tmp_path, DEEPSEEK), tp_size=2, tp_rank=1)
+    with pytest.raises(NotImplementedError, match=r"tensor parallelism \(tp_size=2\) is not implemented by the "
+                                                  r"engine for DeepseekV3ForCausalLM; it is for: Glm4MoeForCausalLM, "
+                                                  r"Qwen2MoeForCausalLM, Qwen3MoeForCausalLM"):
+        load()
+    assert registry.requests == []
+
+
+def test_tp_with_ep_is_refused_before_any_plan(paths):
+    registry, load = _load(paths["qwen3"], tp_size=2, ep_size=2)
+    with pytest.raises(NotImplementedError, match="tp_size=2 with ep_size=2"):
+        load()
+    assert registry.requests == []
+
+
+def test_a_plan_without_the_reduction_is_refused_not_run(paths):
+    """An a2a backend whose combine sums (mori): the plan says no all-reduce after the experts, which is
+    right for EP-split experts and wrong for TP-split ones: the engine refuses to build, naming both."""
+    _, load = _load(paths["qwen3"], tp_size=2, a2a_backend="mori")
+    with pytest.raises(NotImplementedError, match=r"moe.post_experts_all_reduce false \(backend mori's combine "
+                                                  r"already sums.*tp_size=2 splits every expert"):
+        load()
+
+
+def test_heads_that_do_not_divide_are_named(tmp_path):
+    path = make_checkpoint(tmp_path, QWEN3, num_key_value_heads=1)
+    _, load = _load(str(path), tp_size=2)
+    with pytest.raises(ValueError, match="num_key_value_heads=1 does not divide over tp_size=2"):
+        load()
