@@ -151,10 +151,12 @@ def test_errors_are_one_line_without_traceback(args, status, ckpt, db, tmp_path,
     assert "Traceback" not in err
 
 
-def test_two_ranks_with_a_draft(ckpt, want, db, capsys):
-    """--nproc 2 --ep-size 2: each rank resolves its own target and draft plans under one deployment."""
+@pytest.mark.parametrize("axis", ["ep", "tp"])
+def test_two_ranks_with_a_draft(axis, ckpt, want, db, capsys):
+    """--nproc 2 with --ep-size 2 or --tp-size 2: each rank resolves its own target and draft plans under one
+    deployment, and the tokens are transformers' greedy ones."""
     rc, out, err = generate(capsys, "--model", ckpt, "--prompt-ids", ",".join(map(str, PROMPT)),
-                            "--max-new-tokens", N, "--db", db, "--nproc", 2, "--ep-size", 2, "--draft", ckpt,
+                            "--max-new-tokens", N, "--db", db, "--nproc", 2, f"--{axis}-size", 2, "--draft", ckpt,
                             "--num-draft-tokens", 3, "--json")
     assert rc == 0, err
     doc = json.loads(out)
@@ -164,21 +166,7 @@ def test_two_ranks_with_a_draft(ckpt, want, db, capsys):
     assert doc["plan_id"] == doc["plan_ids"][0] and doc["draft_plan_id"] == doc["draft_plan_ids"][0]
     assert main(["plans", "list", "--deployment", doc["deployment_id"], "--db", db, "--json"]) == 0
     plans = json.loads(capsys.readouterr().out)
-    assert sorted((p["role"], p["parallel"]["ep_rank"]) for p in plans) == [
-        ("speculative", 0), ("speculative", 1), ("target", 0), ("target", 1)]
-
-
-def test_two_tensor_parallel_ranks_with_a_draft(ckpt, want, db, capsys):
-    """--nproc 2 --tp-size 2: transformers' greedy tokens; each rank's target and draft plans say its TP rank."""
-    rc, out, err = generate(capsys, "--model", ckpt, "--prompt-ids", ",".join(map(str, PROMPT)),
-                            "--max-new-tokens", N, "--db", db, "--nproc", 2, "--tp-size", 2, "--draft", ckpt,
-                            "--num-draft-tokens", 3, "--json")
-    assert rc == 0, err
-    doc = json.loads(out)
-    assert doc["tokens"] == want and doc["acceptance_rate"] == 1.0
-    assert main(["plans", "list", "--deployment", doc["deployment_id"], "--db", db, "--json"]) == 0
-    plans = json.loads(capsys.readouterr().out)
-    assert sorted((p["role"], p["parallel"]["tp_size"], p["parallel"]["tp_rank"]) for p in plans) == [
+    assert sorted((p["role"], p["parallel"][f"{axis}_size"], p["parallel"][f"{axis}_rank"]) for p in plans) == [
         ("speculative", 2, 0), ("speculative", 2, 1), ("target", 2, 0), ("target", 2, 1)]
 
 
