@@ -108,6 +108,39 @@ def test_tp_within_pipeline_stages(paths, ids, references):
         assert case["tokens"] == want_tokens
 
 
+def _tp_eplb_ranks(rank, world_size, path, ids):
+    """EPLB on TP ranks: every rank counts the same loads (routing is replicated), so a rebalance moves
+    each rank's slices of the same experts to the same slots."""
+    from loadplan.engine.rebalance import rebalance
+    from loadplan.engine.worker import WorkerSpec, init_rank, load_runner
+
+    from engine_helpers import LocalRegistry
+
+    spec = WorkerSpec(model=path, prompt_ids=(), max_new_tokens=0, tp_size=world_size, enable_eplb=True,
+                      ep_num_redundant_experts=2)
+    model = load_runner(spec, init_rank(spec), registry=LocalRegistry())
+    with torch.no_grad():
+        before = model(ids)
+        model(torch.full((1, 12), 5))             # one token repeated: a skewed load to even out
+    report = rebalance(model)
+    with torch.no_grad():
+        after = model(ids)
+    placements = [m.placement.phy2log.tolist() for m in model.modules() if getattr(m, "placement", None) is not None]
+    return dict(before=before, after=after, moved=list(report.layer_ids), placements=placements,
+                physical=model.plan.decisions[Keys.EPLB_NUM_PHYSICAL_EXPERTS].value)
+
+
+def test_a_rebalance_on_tp_ranks_moves_the_same_experts_and_keeps_the_logits(paths, ids, references):
+    r0, r1 = launch(2, _tp_eplb_ranks, paths["qwen3"], ids, timeout_s=240)
+    want, _ = references[("qwen3", None)]
+    assert r0["physical"] == 10 and r0["moved"] == [1, 2]            # layer 0 is dense
+    initial = [p % 8 for p in range(10)]                          # slot p holds expert p % n_routed
+    assert r0["placements"] == r1["placements"] and r0["placements"] != [[initial]] * 2, r0["placements"]
+    for r in (r0, r1):
+        torch.testing.assert_close(r["before"], want, atol=TOL, rtol=0)
+        torch.testing.assert_close(r["after"], want, atol=TOL, rtol=0)
+
+
 # --- refusals (one process: they come before any collective) ----------------------------------
 
 
