@@ -126,6 +126,7 @@ RULES: list[tuple[re.Pattern, Callable[[re.Match, WeightLayout], Target]]] = [
 # gate_proj / up_proj [I, D] (rows split) and down_proj [D, I] (columns split). First match wins.
 TP_SPLITS: list[tuple[re.Pattern, int]] = [
     (re.compile(r"\.self_attn\.[qkv]_proj\.(weight|bias)$"), 0),
+    (re.compile(r"\.self_attn\.(q_b|kv_b)_proj\.weight$"), 0),      # MLA: latent -> heads (the latent stays whole)
     (re.compile(r"\.self_attn\.o_proj\.weight$"), 1),
     (re.compile(r"\.mlp\.(gate|up)_proj\.weight$"), 0),
     (re.compile(r"\.mlp\.down_proj\.weight$"), 1),

@@ -12,6 +12,12 @@ per token instead of heads * (qk_head_dim + v_head_dim)) and re-expands it each 
 simple, exact, and the memory saving MLA exists for. Like the engine's other
 attention, the cache is an attribute the model sets up (`setup_cache`), and a
 forward with a cache takes the positions `input_pos` of its tokens.
+
+Under tensor parallelism (`tp`, engine/parallel/tensor.py) a rank holds num_heads / tp_size
+query heads: q_proj / q_b_proj and kv_b_proj are split by output rows (whole heads), o_proj
+by input columns; the latent projections (q_a_proj, kv_a_proj_with_mqa) and their norms are
+whole on every rank, and so is the latent cache. o_proj's output is all-reduced over the TP
+group before its bias is added (once).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..parallel.tensor import TensorParallel
 from .norm import RMSNorm
 from .rope import RopeConfig, apply_rotary, softmax_scale
 
@@ -69,8 +76,11 @@ class MultiHeadLatentAttention(nn.Module):
         rope_interleave: bool = True,
         attention_bias: bool = False,
         dtype: torch.dtype | None = None,
+        tp: TensorParallel | None = None,
     ):
         super().__init__()
+        self.tp = tp = tp or TensorParallel()
+        num_heads = tp.split(num_heads, "num_attention_heads")    # this rank's heads
         self.num_heads = num_heads
         self.q_lora_rank = q_lora_rank
         self.kv_lora_rank = kv_lora_rank
@@ -152,4 +162,8 @@ class MultiHeadLatentAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scale)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, H * self.v_head_dim))
+        out = out.transpose(1, 2).reshape(B, T, H * self.v_head_dim)       # [B, T, H * v]
+        if self.tp.size == 1:
+            return self.o_proj(out)
+        out = self.tp.reduce(F.linear(out, self.o_proj.weight))           # [B, T, D]: every rank's heads
+        return out if self.o_proj.bias is None else out + self.o_proj.bias

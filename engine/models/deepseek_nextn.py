@@ -93,6 +93,7 @@ class DeepseekV3ForCausalLMNextN(nn.Module):
     ARCHITECTURE = "DeepseekV3ForCausalLMNextN"
     # engine/speculative.py: this draft takes the target's final hidden states with the tokens.
     drafts_from_target_hidden = True
+    TENSOR_PARALLEL = True            # its DeepSeek-V3 decoder layer's; eh_proj, norms, embedding and head whole
 
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -136,7 +137,8 @@ class DeepseekV3ForCausalLMNextN(nn.Module):
             # DeepSeek describes the MTP layer's embedding and head as shared with the target's: a checkpoint
             # without the layer's own copies gives the target's.
             shared_from=((f"{mtp}embed_tokens.weight", "model.embed_tokens.weight"),
-                         (f"{mtp}shared_head.head.weight", "lm_head.weight")))
+                         (f"{mtp}shared_head.head.weight", "lm_head.weight")),
+            tp_size=self.plan.request.parallel.tp_size, tp_rank=self.plan.request.parallel.tp_rank)
 
     def tie_weights(self) -> None:
         pass

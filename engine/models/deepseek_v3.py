@@ -34,6 +34,7 @@ from ..layers.mla import MultiHeadLatentAttention
 from ..layers.mlp import GatedMLP, activation
 from ..layers.rope import RopeConfig, rope_config_from_hf
 from ..moe import RoutedExperts
+from ..parallel.tensor import TensorParallel
 from ..weights import WeightLayout
 from .causal_lm import CausalLM, DecoderLayer
 from .config import ConfigError, get_field as _get
@@ -205,19 +206,21 @@ class DeepseekV3MoE(nn.Module):
 
 class DeepseekV3DecoderLayer(DecoderLayer):
     def __init__(self, cfg: DeepseekV3Config, plan, layer_id: int, dtype: torch.dtype):
+        tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
         attn = MultiHeadLatentAttention(
             cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
             cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.rope, rope_interleave=cfg.rope_interleave,
-            attention_bias=cfg.attention_bias, dtype=dtype)
+            attention_bias=cfg.attention_bias, dtype=dtype, tp=tp)
         if layer_id in cfg.moe_layers:
-            mlp = DeepseekV3MoE(cfg, plan, layer_id, dtype)
+            mlp = DeepseekV3MoE(cfg, plan, layer_id, dtype)   # its unfused shared experts run replicated
         else:
-            mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype)
+            mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype, tp=tp)
         super().__init__(layer_id, attn, mlp, cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
 class DeepseekV3ForCausalLM(CausalLM):
     ARCHITECTURE = "DeepseekV3ForCausalLM"
+    TENSOR_PARALLEL = True
 
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
         cfg = DeepseekV3Config.from_hf(hf_config, self.ARCHITECTURE)
@@ -242,6 +245,7 @@ class KimiK25ForConditionalGeneration(nn.Module):
     `language_model.` as in the checkpoint; the vision tower and projector weights are skipped."""
 
     TEXT_PREFIX = "language_model."
+    TENSOR_PARALLEL = True            # its DeepSeek-V3 body's
     OTHER_TOWERS = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
 
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):

@@ -1,9 +1,10 @@
 """Tensor parallelism on gloo ranks: each rank holds its share of the attention heads, the dense MLP's
 and every expert's intermediate features (checked on the built layers), and TP=2 gives the single
 process's logits and greedy tokens for Qwen3-MoE (a dense layer and o_proj's bias included),
-Qwen2-MoE and GLM-4-MoE, their shared experts fused and unfused; TP=2 x PP=2 too. Refusals:
-families whose layers do not split, TP with EP, a plan that leaves TP partial sums unreduced,
-heads that do not divide."""
+Qwen2-MoE, GLM-4-MoE, DeepSeek-V3 and DeepSeek-V2 (Multi-head Latent Attention), shared experts
+fused and unfused; TP=2 x PP=2 too; DeepSeek-V3's NextN draft on TP ranks drafts as on one process.
+Refusals: a family whose layers do not split, TP with EP, a plan that leaves TP partial sums
+unreduced, heads that do not divide."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from loadplan.engine.parallel.launch import launch
 from loadplan.plan import Keys
 
 from engine_helpers import LocalRegistry, make_checkpoint
-from parallel_helpers import DEEPSEEK, GLM4, QWEN2, QWEN3, make_model, single_process
+from parallel_helpers import DEEPSEEK, DEEPSEEK_V2, GLM4, QWEN2, QWEN3, make_model, single_process
 
 N_NEW = 4
 TOL = 1e-4
@@ -22,12 +23,14 @@ INTENTS = {None: {}, "enforce": {"enforce_shared_experts_fusion": True},
            "disable": {"disable_shared_experts_fusion": True}}
 # (name, arch, fusion intent): Qwen3-MoE has no shared expert.
 CASES = [("qwen3", QWEN3, None), ("qwen2", QWEN2, "enforce"), ("qwen2", QWEN2, "disable"),
-         ("glm4", GLM4, "enforce"), ("glm4", GLM4, "disable")]
+         ("glm4", GLM4, "enforce"), ("glm4", GLM4, "disable"), ("deepseek", DEEPSEEK, "enforce"),
+         ("deepseek", DEEPSEEK, "disable"), ("deepseek_v2", DEEPSEEK_V2, None)]
 
 
 def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
     from loadplan.engine.generate import generate
     from loadplan.engine.layers.attention import GQAttention
+    from loadplan.engine.layers.mla import MultiHeadLatentAttention
     from loadplan.engine.layers.mlp import GatedMLP
     from loadplan.engine.moe import RoutedExperts
     from loadplan.engine.worker import WorkerSpec, init_rank, load_runner
@@ -51,6 +54,8 @@ def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
             tp=(model.plan.request.parallel.tp_size, model.plan.request.parallel.tp_rank),
             all_reduce=bool(d[Keys.POST_EXPERTS_ALL_REDUCE].value),
             heads={(m.n_heads, m.n_kv_heads, m.q_proj.weight.shape[0]) for m in mods if isinstance(m, GQAttention)},
+            mla_heads={(m.num_heads, m.kv_b_proj.weight.shape[0], m.kv_a_proj_with_mqa.weight.shape[0])
+                       for m in mods if isinstance(m, MultiHeadLatentAttention)},
             expert_inter={m.gate_up_proj.shape[1] // 2 for m in mods if isinstance(m, RoutedExperts)},
             dense_inter={m.gate_proj.weight.shape[0] for m in mods if isinstance(m, GatedMLP)},
             logits=logits, tokens=generate(model, ids[0], N_NEW)[0].tolist()))
@@ -64,6 +69,8 @@ def paths(tmp_path_factory):
         "qwen3": str(make_checkpoint(tmp_path_factory.mktemp("q3"), QWEN3, mlp_only_layers=[0], attention_bias=True)),
         "qwen2": make_model(tmp_path_factory.mktemp("q2"), QWEN2),
         "glm4": make_model(tmp_path_factory.mktemp("glm"), GLM4),
+        "deepseek": make_model(tmp_path_factory.mktemp("ds"), DEEPSEEK),
+        "deepseek_v2": make_model(tmp_path_factory.mktemp("ds2"), DEEPSEEK_V2),
     }
 
 
@@ -97,6 +104,9 @@ def test_two_tp_ranks_give_the_single_process_logits_and_tokens(paths, ids, refe
     assert by_name["qwen3"]["expert_inter"] == {16} and by_name["qwen3"]["dense_inter"] == {48}
     assert ranks[0][2]["name"] == "qwen2" and ranks[0][2]["dense_inter"] == {32}      # replicated shared expert
     assert by_name["glm4"]["expert_inter"] == {8}
+    # MLA: half the heads and their kv_b_proj rows; the latent projection stays whole.
+    (heads, kv_b_rows, kv_a_rows), = by_name["deepseek"]["mla_heads"]
+    assert (heads, kv_b_rows, kv_a_rows) == (1, 1 * (8 + 12), 16 + 8)     # of 2 heads; nope 8 + v 12; lora 16 + rope 8
 
 
 def test_tp_within_pipeline_stages(paths, ids, references):
@@ -151,13 +161,33 @@ def _load(path, **kw):
     return registry, lambda: load_model(path, registry=registry, **kw)
 
 
-def test_a_family_whose_layers_do_not_split_is_refused_before_any_plan(tmp_path):
-    registry, load = _load(make_model(tmp_path, DEEPSEEK), tp_size=2, tp_rank=1)
+def test_a_family_whose_layers_do_not_split_is_refused_before_any_plan(paths, monkeypatch):
+    from loadplan.engine.models.qwen_moe import Qwen3MoeForCausalLM
+
+    monkeypatch.setattr(Qwen3MoeForCausalLM, "TENSOR_PARALLEL", False)   # as a family added without TP would be
+    registry, load = _load(paths["qwen3"], tp_size=2, tp_rank=1)
     with pytest.raises(NotImplementedError, match=r"tensor parallelism \(tp_size=2\) is not implemented by the "
-                                                  r"engine for DeepseekV3ForCausalLM; it is for: Glm4MoeForCausalLM, "
-                                                  r"Qwen2MoeForCausalLM, Qwen3MoeForCausalLM"):
+                                                  r"engine for Qwen3MoeForCausalLM; it is for: DeepseekV2ForCausalLM, ") \
+            as err:
         load()
+    assert "Qwen3MoeForCausalLM" not in str(err.value).split("it is for:")[1]
     assert registry.requests == []
+
+
+def test_the_nextn_draft_on_tp_ranks_drafts_as_on_one_process(tmp_path):
+    """DeepSeek-V3 with its own MTP draft: the same tokens and the same accepted/proposed counts."""
+    from loadplan.engine.make_checkpoints import make_checkpoints
+    from loadplan.engine.worker import WorkerSpec, generate_distributed
+
+    paths = make_checkpoints(tmp_path / "ck")
+    runs = {}
+    for tp in (1, 2):
+        spec = WorkerSpec(model=str(paths["target"]), draft=str(paths["nextn"]), num_draft_tokens=2,
+                          prompt_ids=(5, 17, 42), max_new_tokens=12, tp_size=tp, db_url=f"sqlite:///{tmp_path}/p.db")
+        runs[tp] = generate_distributed(spec, nproc=tp, timeout_s=240)
+    assert runs[2]["tokens"] == runs[1]["tokens"]
+    assert (runs[2]["accepted"], runs[2]["proposed"]) == (runs[1]["accepted"], runs[1]["proposed"])
+    assert runs[2]["accepted"] > 0
 
 
 def test_tp_with_ep_is_refused_before_any_plan(paths):
