@@ -115,12 +115,8 @@ def _check_runner_role(hf_config: dict, role: str) -> None:
                          f"--draft DIR`")
 
 
-def _check_tensor_parallel(hf_config: dict, tp_size: int, ep_size: int) -> None:
-    """Before any plan: only the families whose layers split themselves run with tp_size > 1, and
-    experts are split over TP ranks or EP ranks, not both."""
-    if ep_size != 1:
-        raise NotImplementedError(f"tp_size={tp_size} with ep_size={ep_size}: the engine splits the experts over "
-                                  f"tensor-parallel or expert-parallel ranks, not both")
+def _check_tensor_parallel(hf_config: dict, tp_size: int) -> None:
+    """Before any plan: only the families whose layers split themselves run with tp_size > 1."""
     entry = (hf_config.get("architectures") or [None])[0]
     if entry not in ENGINE_ENTRY_CLASSES:
         return                                   # refused when the plan's entry class is built
@@ -153,7 +149,7 @@ def load_model(path: str | Path, *, registry: Any = None, role: str = "target", 
     if isinstance(qconfig, dict) and qconfig.get("quant_method") == "fp8":
         fp8_block = block_size(qconfig)      # refused by field before any plan is resolved
     if tp_size != 1:
-        _check_tensor_parallel(hf_config, tp_size, ep_size)
+        _check_tensor_parallel(hf_config, tp_size)
     request = ResolveRequest(
         request_id=request_id or uuid.uuid4().hex,
         deployment_id=deployment or uuid.uuid4().hex,   # None: a fresh deployment of its own

@@ -32,11 +32,13 @@ What the layer keeps from the plan, at construction (never read during forward):
             experts, the owners compute, combine returns complete rows; `reduce`
             runs only if the plan says so, which it never does for a backend whose
             combine already sums (the double-reduction bug, DESIGN 1).
-Tensor parallelism (plan parallel.tp_size > 1, ep_size 1): every expert's intermediate
-features are split over the TP ranks (gate/up rows, down columns), so each rank holds a
-partial sum of every token's output and the planned all-reduce runs over the TP group.
-A plan that leaves those partial sums unreduced (an a2a backend whose combine sums, where
-experts are never TP-split) is refused at construction: it would give wrong logits.
+Tensor parallelism (plan parallel.tp_size > 1): every expert's intermediate features are
+split over the TP ranks (gate/up rows, down columns), so each rank holds a partial sum of
+every token's output and the planned all-reduce runs over the TP group; with ep_size > 1
+too, over the whole stage (its experts split both ways; the fused slot's 1/ep_size scale
+still counts it once). The normal path only: a plan that leaves the partial sums
+unreduced (an a2a backend whose combine sums, where experts are never TP-split) is
+refused at construction, as is token dispatch on TP ranks: either would give wrong logits.
 The EP (or TP) group comes from the process's parallel context (engine/parallel/context.py)
 at construction. `reduce` is an attribute so a single-process test can replace it.
 An unfused shared expert is not this layer's: the model adds it after `forward`
@@ -83,9 +85,10 @@ class RoutedExperts(nn.Module):
         self.forward_path = str(plan.decisions[Keys.FORWARD_PATH].value)
         self.tp = TensorParallel.of(plan)
         if self.tp.size > 1:
-            if par.ep_size > 1:
-                raise NotImplementedError(f"layer {layer_id}: tp_size={par.tp_size} with ep_size={par.ep_size}: the "
-                                          f"engine splits experts over one of the two, not both")
+            if self.forward_path == "a2a" and par.ep_size > 1:
+                raise NotImplementedError(f"layer {layer_id}: tp_size={par.tp_size} with token dispatch over "
+                                          f"ep_size={par.ep_size} ranks (moe.forward_path a2a): the engine splits "
+                                          f"experts over both on the normal path only")
             if not self.post_experts_all_reduce:
                 raise NotImplementedError(
                     f"layer {layer_id}: the plan says moe.post_experts_all_reduce false "
@@ -122,7 +125,8 @@ class RoutedExperts(nn.Module):
             from .parallel.a2a import all_reduce_sum
 
             self.ep_group = ctx.ep_group
-            self.reduce = functools.partial(all_reduce_sum, group=self.ep_group)
+            # Experts split by EP rank, and by TP rank within each: the partial sums of the whole stage.
+            self.reduce = functools.partial(all_reduce_sum, group=g.experts_group)
         # a2a over several ranks moves tokens between processes: it needs the group now, not at the first forward.
         self.dispatch_tokens = self.forward_path == "a2a" and par.ep_size > 1
         if self.dispatch_tokens and ctx is None:

@@ -63,7 +63,7 @@ Several ranks (engine/worker.py)
   and dense MLPs take `TensorParallel.of(plan)` (engine/parallel/tensor.py: heads and
   intermediate features split, one all-reduce over the TP group after the last
   projection); `RoutedExperts` splits every expert's intermediate features and runs the
-  planned all-reduce over the TP group; embedding, router, norms, lm_head and unfused
+  planned all-reduce over the TP group (with EP too: over the stage, `Grid.experts_group`); embedding, router, norms, lm_head and unfused
   shared experts stay whole. `engine.weights.TP_SPLITS` names the split checkpoint tensors.
 - A stage model runs only its own layers; `engine.parallel.pipeline.PipelineModel`
   chains the stages (hidden states over p2p, logits broadcast from the last stage)

@@ -75,6 +75,15 @@ class Grid:
     tp_rank: int = 0
     tp_group: Any = None   # torch.distributed ProcessGroup over tp_ranks
     tp_ranks: tuple[int, ...] = ()
+    stage_group: Any = None  # over every rank of this stage (made when both ep_size and tp_size are > 1)
+
+    @property
+    def experts_group(self) -> Any:
+        """The ranks a MoE layer's experts are split over (by expert and/or by feature), whose partial
+        sums the normal path's all-reduce adds up: EP, TP, or both (the stage)."""
+        if self.ep_size > 1 and self.tp_size > 1:
+            return self.stage_group
+        return self.tp_group if self.tp_size > 1 else self.ep_group
 
     @property
     def is_first_stage(self) -> bool:
@@ -96,7 +105,7 @@ class Grid:
 
 
 def make_grid(pp_size: int, ep_size: int, tp_size: int = 1, timeout=None) -> Grid:
-    """Create every EP, PP and TP group (a collective: all ranks call it) and return this rank's.
+    """Create every EP, PP, TP (and stage) group (a collective: all ranks call it) and return this rank's.
 
     `timeout` (a timedelta) bounds every collective on the groups; default: the launch's
     (launch.collective_timeout()), else torch's default."""
@@ -126,9 +135,14 @@ def make_grid(pp_size: int, ep_size: int, tp_size: int = 1, timeout=None) -> Gri
                 g = dist.new_group(tp_group_ranks(p, e, ep_size, tp_size), timeout=timeout)
                 if (p, e) == (pp_rank, ep_rank):
                     mine["tp"] = g
+    if tp_size > 1 and ep_size > 1:
+        for p in range(pp_size):
+            g = dist.new_group(list(range(p * ep_size * tp_size, (p + 1) * ep_size * tp_size)), timeout=timeout)
+            if p == pp_rank:
+                mine["stage"] = g
     return Grid(rank=rank, world_size=world, pp_size=pp_size, ep_size=ep_size, pp_rank=pp_rank, ep_rank=ep_rank,
                 ep_group=mine["ep"], pp_group=mine["pp"],
                 ep_ranks=tuple(ep_group_ranks(pp_rank, ep_size, tp_size, tp_rank)),
                 pp_ranks=tuple(pp_group_ranks(ep_rank, pp_size, ep_size, tp_size, tp_rank)),
                 tp_size=tp_size, tp_rank=tp_rank, tp_group=mine.get("tp"),
-                tp_ranks=tuple(tp_group_ranks(pp_rank, ep_rank, ep_size, tp_size)))
+                tp_ranks=tuple(tp_group_ranks(pp_rank, ep_rank, ep_size, tp_size)), stage_group=mine.get("stage"))

@@ -3,8 +3,8 @@ and every expert's intermediate features (checked on the built layers), and TP=2
 process's logits and greedy tokens for Qwen3-MoE (a dense layer and o_proj's bias included),
 Qwen2-MoE, GLM-4-MoE, DeepSeek-V3 and DeepSeek-V2 (Multi-head Latent Attention), shared experts
 fused and unfused; TP=2 x PP=2 too; DeepSeek-V3's NextN draft on TP ranks drafts as on one process.
-Refusals: a family whose layers do not split, TP with EP, a plan that leaves TP partial sums
-unreduced, heads that do not divide."""
+EP 2 x TP 2 on 4 ranks too. Refusals: a family whose layers do not split, TP with token dispatch,
+a plan that leaves TP partial sums unreduced, heads that do not divide."""
 
 from __future__ import annotations
 
@@ -109,6 +109,45 @@ def test_two_tp_ranks_give_the_single_process_logits_and_tokens(paths, ids, refe
     assert (heads, kv_b_rows, kv_a_rows) == (1, 1 * (8 + 12), 16 + 8)     # of 2 heads; nope 8 + v 12; lora 16 + rope 8
 
 
+def _ep_tp_ranks(rank, world_size, paths, ids):
+    from loadplan.engine.moe import RoutedExperts
+    from loadplan.engine.worker import WorkerSpec, init_rank, load_runner
+
+    from engine_helpers import LocalRegistry
+
+    grid, out = None, []
+    for name, intent in (("qwen3", None), ("deepseek", "enforce"), ("deepseek", "disable")):
+        spec = WorkerSpec(model=paths[name], prompt_ids=(), max_new_tokens=0, ep_size=2, tp_size=2,
+                          runtime=INTENTS[intent])
+        grid = grid or init_rank(spec)
+        model = load_runner(spec, grid, registry=LocalRegistry())
+        experts = next(m for m in model.modules() if isinstance(m, RoutedExperts))
+        with torch.no_grad():
+            logits = model(ids)
+        d = model.plan.decisions
+        out.append(dict(name=name, intent=intent, logits=logits, fused=bool(d[Keys.SHARED_EXPERTS_FUSION].value),
+                        scale=d[Keys.FUSED_SHARED_EXPERT_SCALE].value, ranks=(grid.ep_rank, grid.tp_rank),
+                        experts=(experts.local_start, experts.num_local_experts, experts.intermediate_size)))
+    return out
+
+
+def test_ep_and_tp_together_give_the_single_process_logits(paths, ids, references):
+    """4 ranks, EP 2 x TP 2: each holds half the experts, each of them half its features; the experts'
+    all-reduce spans the stage, the attention's its TP pair; a fused slot (on every EP rank) counts once."""
+    ranks = launch(4, _ep_tp_ranks, paths, ids, timeout_s=240)
+    assert sorted(case["ranks"] for r in ranks for case in r[:1]) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for cases in ranks:
+        for case in cases:
+            where = f"{case['name']} {case['intent']} ranks {case['ranks']}"
+            want, _ = references[(case["name"], case["intent"] if case["name"] == "deepseek" else None)]
+            torch.testing.assert_close(case["logits"], want, atol=TOL, rtol=0, msg=where)
+            if case["intent"]:
+                assert case["fused"] == (case["intent"] == "enforce"), where
+                assert case["scale"] == (0.5 if case["fused"] else 1.0), where
+        qwen3 = cases[0]
+        assert qwen3["experts"] == (4 * qwen3["ranks"][0], 4, 16)     # 8 experts over EP 2; 32 features over TP 2
+
+
 def test_tp_within_pipeline_stages(paths, ids, references):
     ranks = launch(4, _tp_ranks, paths, ids, 2, 2, timeout_s=240)
     want_logits, want_tokens = references[("qwen3", None)]
@@ -190,11 +229,11 @@ def test_the_nextn_draft_on_tp_ranks_drafts_as_on_one_process(tmp_path):
     assert runs[2]["accepted"] > 0
 
 
-def test_tp_with_ep_is_refused_before_any_plan(paths):
-    registry, load = _load(paths["qwen3"], tp_size=2, ep_size=2)
-    with pytest.raises(NotImplementedError, match="tp_size=2 with ep_size=2"):
+def test_tp_with_token_dispatch_is_refused(paths):
+    _, load = _load(paths["qwen3"], tp_size=2, ep_size=2, a2a_backend="deepep")
+    with pytest.raises(NotImplementedError, match=r"tp_size=2 with token dispatch over ep_size=2 ranks "
+                                                  r"\(moe.forward_path a2a\)"):
         load()
-    assert registry.requests == []
 
 
 def test_a_plan_without_the_reduction_is_refused_not_run(paths):
