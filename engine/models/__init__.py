@@ -59,12 +59,13 @@ Several ranks (engine/worker.py)
   rows, no further reduction. An unfused shared expert is the model's: add it
   AFTER `self.experts(...)` returns (replicated, never summed once per rank).
 - Tensor parallelism (plan tp_size > 1): a family whose layers split themselves says
-  `TENSOR_PARALLEL = True` (the loader refuses the others before any plan). Its attention
-  and dense MLPs take `TensorParallel.of(plan)` (engine/parallel/tensor.py: heads and
-  intermediate features split, one all-reduce over the TP group after the last
+  `TENSOR_PARALLEL = True` (the loader refuses the others before any plan). Its
+  attention and dense MLPs take `TensorParallel.of(plan)` (engine/parallel/tensor.py:
+  heads and intermediate features split, one all-reduce over the TP group after the last
   projection); `RoutedExperts` splits every expert's intermediate features and runs the
-  planned all-reduce over the TP group (with EP too: over the stage, `Grid.experts_group`); embedding, router, norms, lm_head and unfused
-  shared experts stay whole. `engine.weights.TP_SPLITS` names the split checkpoint tensors.
+  planned all-reduce over the TP group (with EP too: over the stage,
+  `Grid.experts_group`); embedding, router, norms, lm_head and unfused shared experts
+  stay whole. `engine.weights.TP_SPLITS` names the split checkpoint tensors.
 - A stage model runs only its own layers; `engine.parallel.pipeline.PipelineModel`
   chains the stages (hidden states over p2p, logits broadcast from the last stage)
   so decoding loops see one model on every rank. KV caches are per stage.

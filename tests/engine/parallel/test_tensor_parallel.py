@@ -157,16 +157,17 @@ def test_tp_within_pipeline_stages(paths, ids, references):
         assert case["tokens"] == want_tokens
 
 
-def _tp_eplb_ranks(rank, world_size, path, ids):
+def _tp_eplb_ranks(rank, world_size, path, ids, ep_size):
     """EPLB on TP ranks: every rank counts the same loads (routing is replicated), so a rebalance moves
-    each rank's slices of the same experts to the same slots."""
+    each rank's slices of the same experts to the same slots (between EP ranks: each TP rank's slices
+    over its own EP group)."""
     from loadplan.engine.rebalance import rebalance
     from loadplan.engine.worker import WorkerSpec, init_rank, load_runner
 
     from engine_helpers import LocalRegistry
 
-    spec = WorkerSpec(model=path, prompt_ids=(), max_new_tokens=0, tp_size=world_size, enable_eplb=True,
-                      ep_num_redundant_experts=2)
+    spec = WorkerSpec(model=path, prompt_ids=(), max_new_tokens=0, tp_size=world_size // ep_size, ep_size=ep_size,
+                      enable_eplb=True, ep_num_redundant_experts=2)
     model = load_runner(spec, init_rank(spec), registry=LocalRegistry())
     with torch.no_grad():
         before = model(ids)
@@ -179,13 +180,15 @@ def _tp_eplb_ranks(rank, world_size, path, ids):
                 physical=model.plan.decisions[Keys.EPLB_NUM_PHYSICAL_EXPERTS].value)
 
 
-def test_a_rebalance_on_tp_ranks_moves_the_same_experts_and_keeps_the_logits(paths, ids, references):
-    r0, r1 = launch(2, _tp_eplb_ranks, paths["qwen3"], ids, timeout_s=240)
+@pytest.mark.parametrize("ep_size, world", [(1, 2), (2, 4)])
+def test_a_rebalance_on_tp_ranks_moves_the_same_experts_and_keeps_the_logits(paths, ids, references, ep_size,
+                                                                             world):
+    ranks = launch(world, _tp_eplb_ranks, paths["qwen3"], ids, ep_size, timeout_s=240)
     want, _ = references[("qwen3", None)]
-    assert r0["physical"] == 10 and r0["moved"] == [1, 2]            # layer 0 is dense
     initial = [p % 8 for p in range(10)]                          # slot p holds expert p % n_routed
-    assert r0["placements"] == r1["placements"] and r0["placements"] != [[initial]] * 2, r0["placements"]
-    for r in (r0, r1):
+    for r in ranks:
+        assert r["physical"] == 10 and r["moved"] == [1, 2]        # layer 0 is dense
+        assert r["placements"] == ranks[0]["placements"] != [[initial]] * 2, r["placements"]
         torch.testing.assert_close(r["before"], want, atol=TOL, rtol=0)
         torch.testing.assert_close(r["after"], want, atol=TOL, rtol=0)
 
@@ -205,9 +208,9 @@ def test_a_family_whose_layers_do_not_split_is_refused_before_any_plan(paths, mo
 
     monkeypatch.setattr(Qwen3MoeForCausalLM, "TENSOR_PARALLEL", False)   # as a family added without TP would be
     registry, load = _load(paths["qwen3"], tp_size=2, tp_rank=1)
-    with pytest.raises(NotImplementedError, match=r"tensor parallelism \(tp_size=2\) is not implemented by the "
-                                                  r"engine for Qwen3MoeForCausalLM; it is for: DeepseekV2ForCausalLM, ") \
-            as err:
+    refusal = (r"tensor parallelism \(tp_size=2\) is not implemented by the engine for Qwen3MoeForCausalLM; "
+               r"it is for: DeepseekV2ForCausalLM, ")
+    with pytest.raises(NotImplementedError, match=refusal) as err:
         load()
     assert "Qwen3MoeForCausalLM" not in str(err.value).split("it is for:")[1]
     assert registry.requests == []
