@@ -76,7 +76,7 @@ def resolve_plan(request: ResolveRequest, registry: Any = None) -> LoadPlan:
 def build_model(hf_config: dict, plan: GuardedPlan, dtype: torch.dtype) -> nn.Module:
     """Construct the plan's entry class on `meta` (no memory, no init)."""
     entry = plan.entry_class
-    declared = (hf_config.get("architectures") or [None])[0]
+    declared = _declared_entry(hf_config)
     if entry != declared:
         raise ValueError(f"plan {plan.plan_id} is for {entry!r} but config.json declares {declared!r}")
     engine_chain(entry)  # refuses an entry class the engine cannot build, listing the supported ones
@@ -104,12 +104,23 @@ def load_weights(model: nn.Module, ckpt: Checkpoint, device: str | torch.device)
     log.info("loaded %d tensors (%d held by other ranks)", report.loaded, report.skipped_other_ranks)
 
 
+def _declared_entry(hf_config: dict) -> str | None:
+    """The entry class config.json declares (architectures[0])."""
+    return (hf_config.get("architectures") or [None])[0]
+
+
+def _declared_class_says(hf_config: dict, attribute: str) -> bool:
+    """Does the engine class of the declared entry class set `attribute`? False when the engine does not
+    build that class (it is refused, by name, when the plan's entry class is built)."""
+    entry = _declared_entry(hf_config)
+    return entry in ENGINE_ENTRY_CLASSES and bool(getattr(model_class(entry), attribute, False))
+
+
 def _check_runner_role(hf_config: dict, role: str) -> None:
     """A draft that predicts from a target's hidden states (a NextN / MTP layer) cannot be the target: refused
     before its plan is resolved, so no plan is recorded for a runner that cannot run."""
-    entry = (hf_config.get("architectures") or [None])[0]
-    if role != "speculative" and entry in ENGINE_ENTRY_CLASSES \
-            and getattr(model_class(entry), "drafts_from_target_hidden", False):
+    if role != "speculative" and _declared_class_says(hf_config, "drafts_from_target_hidden"):
+        entry = _declared_entry(hf_config)
         raise ValueError(f"{entry} is a speculative draft (it predicts from a target's hidden states), not a "
                          f"{role} runner: load it with role speculative, e.g. `loadplan generate --model TARGET "
                          f"--draft DIR`")
@@ -117,11 +128,9 @@ def _check_runner_role(hf_config: dict, role: str) -> None:
 
 def _check_tensor_parallel(hf_config: dict, tp_size: int) -> None:
     """Before any plan: only the families whose layers split themselves run with tp_size > 1."""
-    entry = (hf_config.get("architectures") or [None])[0]
-    if entry not in ENGINE_ENTRY_CLASSES:
-        return                                   # refused when the plan's entry class is built
-    capable = sorted(e for e in ENGINE_ENTRY_CLASSES if getattr(model_class(e), "TENSOR_PARALLEL", False))
-    if not getattr(model_class(entry), "TENSOR_PARALLEL", False):
+    entry = _declared_entry(hf_config)
+    if entry in ENGINE_ENTRY_CLASSES and not _declared_class_says(hf_config, "TENSOR_PARALLEL"):
+        capable = sorted(e for e in ENGINE_ENTRY_CLASSES if getattr(model_class(e), "TENSOR_PARALLEL", False))
         raise NotImplementedError(f"tensor parallelism (tp_size={tp_size}) is not implemented by the engine for "
                                   f"{entry}; it is for: {', '.join(capable)} (or run expert and pipeline "
                                   f"parallelism: ep_size, pp_size)")

@@ -73,10 +73,7 @@ class GQAttention(nn.Module):
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scale, enable_gqa=gqa)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)   # [B, T, H * hd]
-        if self.tp.size == 1:
-            return self.o_proj(y)
-        out = self.tp.reduce(F.linear(y, self.o_proj.weight))             # [B, T, D]: every rank's heads
-        return out if self.o_proj.bias is None else out + self.o_proj.bias
+        return self.tp.output_projection(self.o_proj, y)                    # [B, T, D]: every rank's heads
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, H, T, hd]: its first rotary_dim features rotated, the others as they are."""

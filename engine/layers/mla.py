@@ -163,7 +163,4 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         out = out.transpose(1, 2).reshape(B, T, H * self.v_head_dim)       # [B, T, H * v]
-        if self.tp.size == 1:
-            return self.o_proj(out)
-        out = self.tp.reduce(F.linear(out, self.o_proj.weight))           # [B, T, D]: every rank's heads
-        return out if self.o_proj.bias is None else out + self.o_proj.bias
+        return self.tp.output_projection(self.o_proj, out)                 # [B, T, D]: every rank's heads

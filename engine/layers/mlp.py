@@ -33,5 +33,4 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-        return y if self.tp.size == 1 else self.tp.reduce(y)
+        return self.tp.output_projection(self.down_proj, self.act(self.gate_proj(x)) * self.up_proj(x))

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from . import context as parallel_context
 
@@ -28,8 +30,6 @@ def _no_group(x: torch.Tensor) -> torch.Tensor:
 @dataclass
 class TensorParallel:
     size: int = 1
-    rank: int = 0
-    group: Any = None
     reduce: Callable[[torch.Tensor], torch.Tensor] = field(default=lambda x: x, repr=False)
 
     @classmethod
@@ -40,17 +40,25 @@ class TensorParallel:
             return cls()
         ctx = parallel_context.current()
         if ctx is None:
-            return cls(par.tp_size, par.tp_rank, None, _no_group)
+            return cls(par.tp_size, _no_group)
         g = ctx.grid
         if (g.tp_size, g.tp_rank) != (par.tp_size, par.tp_rank):
             raise ValueError(f"plan is for tp rank {par.tp_rank}/{par.tp_size} but this process is tp rank "
                              f"{g.tp_rank}/{g.tp_size}")
         from .a2a import all_reduce_sum
 
-        return cls(par.tp_size, par.tp_rank, g.tp_group, functools.partial(all_reduce_sum, group=g.tp_group))
+        return cls(par.tp_size, functools.partial(all_reduce_sum, group=g.tp_group))
 
     def split(self, n: int, what: str) -> int:
         """This rank's share of `n` (heads, features), which must divide over the TP ranks."""
         if n % self.size:
             raise ValueError(f"{what}={n} does not divide over tp_size={self.size}")
         return n // self.size
+
+    def output_projection(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """`proj(x)` for a layer's last projection, split by input features: this rank's partial
+        product all-reduced over the TP group, then the bias (whole on every rank) added once."""
+        if self.size == 1:
+            return proj(x)
+        out = self.reduce(F.linear(x, proj.weight))
+        return out if proj.bias is None else out + proj.bias
