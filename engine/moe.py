@@ -32,13 +32,14 @@ What the layer keeps from the plan, at construction (never read during forward):
             experts, the owners compute, combine returns complete rows; `reduce`
             runs only if the plan says so, which it never does for a backend whose
             combine already sums (the double-reduction bug, DESIGN 1).
-Tensor parallelism (plan parallel.tp_size > 1): every expert's intermediate features are
-split over the TP ranks (gate/up rows, down columns), so each rank holds a partial sum of
-every token's output and the planned all-reduce runs over the TP group; with ep_size > 1
-too, over the whole stage (its experts split both ways; the fused slot's 1/ep_size scale
-still counts it once). The normal path only: a plan that leaves the partial sums
-unreduced (an a2a backend whose combine sums, where experts are never TP-split) is
-refused at construction, as is token dispatch on TP ranks: either would give wrong logits.
+Tensor parallelism (plan parallel.tp_size > 1): on the normal path every expert's
+intermediate features are split over the TP ranks (gate/up rows, down columns), so each
+rank holds a partial sum of every token's output and the planned all-reduce runs over
+the TP group; with ep_size > 1 too, over the whole stage (its experts split both ways;
+the fused slot's 1/ep_size scale still counts it once). On the a2a path experts are
+never split by features (the combine's rows are complete and the plan reduces nothing
+after it): each TP rank holds its EP share whole and dispatches over the EP group of
+its own TP rank; its TP peers hold the same tokens and compute the same rows.
 The EP (or TP) group comes from the process's parallel context (engine/parallel/context.py)
 at construction. `reduce` is an attribute so a single-process test can replace it.
 An unfused shared expert is not this layer's: the model adds it after `forward`
@@ -83,18 +84,17 @@ class RoutedExperts(nn.Module):
         self.fused_shared_expert_scale = float(plan.decisions[Keys.FUSED_SHARED_EXPERT_SCALE].value)
         self.post_experts_all_reduce = bool(plan.decisions[Keys.POST_EXPERTS_ALL_REDUCE].value)
         self.forward_path = str(plan.decisions[Keys.FORWARD_PATH].value)
-        self.tp = TensorParallel.of(plan)
-        if self.tp.size > 1:
-            if self.forward_path == "a2a" and par.ep_size > 1:
-                raise NotImplementedError(f"layer {layer_id}: tp_size={par.tp_size} with token dispatch over "
-                                          f"ep_size={par.ep_size} ranks (moe.forward_path a2a): the engine splits "
-                                          f"experts over both on the normal path only")
-            if not self.post_experts_all_reduce:
-                raise NotImplementedError(
-                    f"layer {layer_id}: the plan says moe.post_experts_all_reduce false "
-                    f"({plan.decisions[Keys.POST_EXPERTS_ALL_REDUCE].reason}), but tp_size={par.tp_size} splits "
-                    f"every expert's intermediate features: each rank would keep a partial sum. Run tensor "
-                    f"parallelism on a backend of the normal path")
+        # The a2a path's combine returns complete rows and the plan reduces nothing after it, so its
+        # experts are not split by features: on TP ranks each holds its EP share of the experts whole
+        # (MoE TP size 1, as SGLang and vLLM run an all-to-all backend) and exchanges tokens with the
+        # EP ranks of its own TP rank. The normal path splits them (one all-reduce completes them).
+        self.tp = TensorParallel.of(plan) if self.forward_path != "a2a" else TensorParallel()
+        if self.tp.size > 1 and not self.post_experts_all_reduce:
+            raise ValueError(
+                f"layer {layer_id}: the plan says moe.post_experts_all_reduce false "
+                f"({plan.decisions[Keys.POST_EXPERTS_ALL_REDUCE].reason}) on the {self.forward_path} path, but "
+                f"tp_size={par.tp_size} splits every expert's intermediate features there: each rank would "
+                f"keep a partial sum")
         intermediate_size = self.tp.split(intermediate_size, "moe_intermediate_size")
         self.intermediate_size = intermediate_size
         self.num_local_experts = int(plan.decisions[Keys.NUM_LOCAL_EXPERTS].value)
@@ -124,9 +124,10 @@ class RoutedExperts(nn.Module):
                                  f"process is ep rank {g.ep_rank}/{g.ep_size}")
             from .parallel.a2a import all_reduce_sum
 
-            self.ep_group = ctx.ep_group
-            # Experts split by EP rank, and by TP rank within each: the partial sums of the whole stage.
-            self.reduce = functools.partial(all_reduce_sum, group=g.experts_group)
+            self.ep_group = ctx.ep_group     # this TP rank's EP ranks
+            # The ranks holding partial sums: the EP group; with experts split by TP rank too, the stage.
+            group = g.experts_group if self.tp.size > 1 else ctx.ep_group
+            self.reduce = functools.partial(all_reduce_sum, group=group)
         # a2a over several ranks moves tokens between processes: it needs the group now, not at the first forward.
         self.dispatch_tokens = self.forward_path == "a2a" and par.ep_size > 1
         if self.dispatch_tokens and ctx is None:

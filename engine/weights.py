@@ -9,7 +9,8 @@ ranks (layers of other pipeline stages, other ranks' experts) are skipped.
 
 Tensor parallelism (`WeightLayout.tp_size` > 1): the tensors of `TP_SPLITS` are cut
 along one dimension into tp_size equal parts and this rank reads part tp_rank (the
-shape checked is the part's); every other tensor is read whole (replicated).
+shape checked is the part's); every other tensor is read whole (replicated), and so are
+the routed experts with `tp_split_experts` False (the a2a path: engine/moe.py).
 
 Fused layout (DESIGN 5.3): with `num_fused_shared > 0`, `mlp.shared_expert(s).*`
 goes to expert slot `n_routed` (a checkpoint that is already pre-fused, holding
@@ -72,6 +73,7 @@ class WeightLayout:
     shared_from: tuple[tuple[str, str], ...] = ()
     tp_size: int = 1                            # plan: parallel.tp_size / tp_rank (TP_SPLITS)
     tp_rank: int = 0
+    tp_split_experts: bool = True               # False: routed experts whole on every TP rank (the a2a path)
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,7 @@ TP_SPLITS: list[tuple[re.Pattern, int]] = [
 def tp_split_dim(param: str, layout: WeightLayout) -> int | None:
     """The dimension along which `param`'s checkpoint tensors are split over the TP ranks; None:
     read whole (replicated, or no tensor parallelism). Pure."""
-    if layout.tp_size == 1:
+    if layout.tp_size == 1 or (not layout.tp_split_experts and _STACKED.search(param)):
         return None
     return next((dim for pattern, dim in TP_SPLITS if pattern.search(param)), None)
 

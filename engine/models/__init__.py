@@ -62,9 +62,10 @@ Several ranks (engine/worker.py)
   `TENSOR_PARALLEL = True` (the loader refuses the others before any plan). Its
   attention and dense MLPs take `TensorParallel.of(plan)` (engine/parallel/tensor.py:
   heads and intermediate features split, one all-reduce over the TP group after the last
-  projection); `RoutedExperts` splits every expert's intermediate features and runs the
-  planned all-reduce over the TP group (with EP too: over the stage,
-  `Grid.experts_group`); embedding, router, norms, lm_head and unfused shared experts
+  projection); on the normal path `RoutedExperts` splits every expert's intermediate
+  features and runs the planned all-reduce over the TP group (with EP too: over the
+  stage, `Grid.experts_group`), on the a2a path it keeps them whole (complete rows from
+  the combine; `WeightLayout.tp_split_experts`); embedding, router, norms, lm_head and unfused shared experts
   stay whole. `engine.weights.TP_SPLITS` names the split checkpoint tensors.
 - A stage model runs only its own layers; `engine.parallel.pipeline.PipelineModel`
   chains the stages (hidden states over p2p, logits broadcast from the last stage)

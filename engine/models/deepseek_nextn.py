@@ -138,7 +138,8 @@ class DeepseekV3ForCausalLMNextN(nn.Module):
             # without the layer's own copies gives the target's.
             shared_from=((f"{mtp}embed_tokens.weight", "model.embed_tokens.weight"),
                          (f"{mtp}shared_head.head.weight", "lm_head.weight")),
-            tp_size=self.plan.request.parallel.tp_size, tp_rank=self.plan.request.parallel.tp_rank)
+            tp_size=self.plan.request.parallel.tp_size, tp_rank=self.plan.request.parallel.tp_rank,
+            tp_split_experts=ex.tp.size > 1)
 
     def tie_weights(self) -> None:
         pass

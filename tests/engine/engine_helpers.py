@@ -297,7 +297,7 @@ def qwen2_config(**overrides) -> dict:
     return cfg
 
 
-def make_plan(config: dict, *, ep_size=1, ep_rank=0, pp_size=1, pp_rank=0, **runtime):
+def make_plan(config: dict, *, ep_size=1, ep_rank=0, pp_size=1, pp_rank=0, tp_size=1, tp_rank=0, **runtime):
     """A real plan from the registry's rules, guarded as the loader hands it to constructors."""
     import uuid
 
@@ -305,6 +305,7 @@ def make_plan(config: dict, *, ep_size=1, ep_rank=0, pp_size=1, pp_rank=0, **run
     from loadplan.plan import Parallel, ResolveRequest, Runtime
 
     req = ResolveRequest(request_id=uuid.uuid4().hex, deployment_id=uuid.uuid4().hex, config=config,
-                         parallel=Parallel(ep_size=ep_size, ep_rank=ep_rank, pp_size=pp_size, pp_rank=pp_rank),
+                         parallel=Parallel(ep_size=ep_size, ep_rank=ep_rank, pp_size=pp_size, pp_rank=pp_rank,
+                                           tp_size=tp_size, tp_rank=tp_rank),
                          runtime=Runtime(**runtime))
     return GuardedPlan(LocalRegistry().resolve_load_plan(req))

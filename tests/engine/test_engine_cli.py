@@ -151,13 +151,13 @@ def test_errors_are_one_line_without_traceback(args, status, ckpt, db, tmp_path,
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("axis", ["ep", "tp"])
-def test_two_ranks_with_a_draft(axis, ckpt, want, db, capsys):
-    """--nproc 2 with --ep-size 2 or --tp-size 2: each rank resolves its own target and draft plans under one
-    deployment, and the tokens are transformers' greedy ones."""
+@pytest.mark.parametrize("axis, backend", [("ep", "none"), ("tp", "none"), ("tp", "deepep")])
+def test_two_ranks_with_a_draft(axis, backend, ckpt, want, db, capsys):
+    """--nproc 2 with --ep-size 2 or --tp-size 2 (with an a2a backend too): each rank resolves its own target
+    and draft plans under one deployment, and the tokens are transformers' greedy ones."""
     rc, out, err = generate(capsys, "--model", ckpt, "--prompt-ids", ",".join(map(str, PROMPT)),
                             "--max-new-tokens", N, "--db", db, "--nproc", 2, f"--{axis}-size", 2, "--draft", ckpt,
-                            "--num-draft-tokens", 3, "--json")
+                            "--num-draft-tokens", 3, "--a2a-backend", backend, "--json")
     assert rc == 0, err
     doc = json.loads(out)
     assert doc["tokens"] == want and doc["acceptance_rate"] == 1.0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -117,6 +119,25 @@ def test_a2a_path_across_ranks_without_a_process_group_is_refused_at_build_time(
     assert plan.decisions["moe.forward_path"].value == "a2a"
     with pytest.raises(RuntimeError, match="forward_path='a2a' with ep_size=2 needs an EP process group"):
         RoutedExperts(E, D, I, plan, layer_id=0)
+
+
+def test_tp_ranks_split_the_experts_on_the_normal_path_and_keep_them_whole_on_the_a2a_path():
+    normal = RoutedExperts(E, D, I, make_plan(qwen2_config(), tp_size=2, tp_rank=1), layer_id=0)
+    assert normal.intermediate_size == I // 2 and normal.post_experts_all_reduce
+    a2a = RoutedExperts(E, D, I, make_plan(qwen2_config(), tp_size=2, tp_rank=1, a2a_backend="mori"), layer_id=0)
+    assert (a2a.forward_path, a2a.post_experts_all_reduce) == ("a2a", False)
+    assert a2a.intermediate_size == I and a2a.gate_up_proj.shape[1:] == (2 * I, D)   # complete rows: no reduce
+
+
+def test_a_normal_path_plan_without_the_reduction_on_tp_ranks_is_refused_not_run():
+    """TP-split experts leave every rank a partial sum: a plan that skips the all-reduce is refused by name."""
+    plan = make_plan(qwen2_config(), tp_size=2, tp_rank=0)
+    key = "moe.post_experts_all_reduce"
+    wrong = dict(plan.decisions)
+    wrong[key] = dataclasses.replace(wrong[key], value=False, reason="a wrong rule")
+    with pytest.raises(ValueError, match=rf"{key} false \(a wrong rule\) on the normal path, but tp_size=2 "
+                                         r"splits every expert's intermediate features"):
+        RoutedExperts(E, D, I, dataclasses.replace(plan.plan, decisions=wrong), layer_id=0)
 
 
 def test_eplb_weights_exclude_the_fused_slot_and_alias_the_parameters():

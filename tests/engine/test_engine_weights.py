@@ -217,6 +217,24 @@ def test_tp_split_dims(param, dim):
     assert tp_split_dim(param, WeightLayout(n_routed=8)) is None       # no tensor parallelism: nothing split
 
 
+def test_the_a2a_path_reads_the_routed_experts_whole_on_tp_ranks():
+    """tp_split_experts False (the a2a path, engine/moe.py): only the stacked routed experts stay whole;
+    attention and the dense MLP are still split."""
+    whole = WeightLayout(n_routed=8, tp_size=2, tp_rank=1, tp_split_experts=False)
+    assert tp_split_dim(f"{L}.experts.gate_up_proj", whole) is None
+    assert tp_split_dim(f"{L}.experts.down_proj", whole) is None
+    assert tp_split_dim(f"{A}.q_proj.weight", whole) == 0 and tp_split_dim(f"{M}.down_proj.weight", whole) == 1
+    ck = {f"{L}.experts.{e}.{p}_proj.weight": torch.randn((D, 4) if p == "down" else (4, D))
+          for e in range(E) for p in ("gate", "up", "down")}
+    expected = {f"{L}.experts.gate_up_proj": torch.empty(E, 8, D, device="meta"),
+                f"{L}.experts.down_proj": torch.empty(E, D, 4, device="meta")}
+    sd, report = _build(ck, expected, whole)
+    for e in range(E):
+        assert torch.equal(sd[f"{L}.experts.gate_up_proj"][e, 4:], ck[f"{L}.experts.{e}.up_proj.weight"])
+        assert torch.equal(sd[f"{L}.experts.down_proj"][e], ck[f"{L}.experts.{e}.down_proj.weight"])
+    assert report.loaded == len(ck)
+
+
 def test_a_tp_rank_reads_its_part_of_each_split_tensor_and_the_rest_whole():
     g = torch.Generator().manual_seed(0)
     ck = {f"{A}.q_proj.weight": torch.randn(8, D, generator=g), f"{A}.q_proj.bias": torch.randn(8, generator=g),

@@ -3,8 +3,9 @@ and every expert's intermediate features (checked on the built layers), and TP=2
 process's logits and greedy tokens for Qwen3-MoE (a dense layer and o_proj's bias included),
 Qwen2-MoE, GLM-4-MoE, DeepSeek-V3 and DeepSeek-V2 (Multi-head Latent Attention), shared experts
 fused and unfused; TP=2 x PP=2 too; DeepSeek-V3's NextN draft on TP ranks drafts as on one process.
-EP 2 x TP 2 on 4 ranks too. Refusals: a family whose layers do not split, TP with token dispatch,
-a plan that leaves TP partial sums unreduced, heads that do not divide."""
+EP 2 x TP 2 on 4 ranks too. Every a2a backend on TP 2 and on EP 2 x TP 2: experts whole on each TP
+rank, the single process's logits, a forced reduction after the combine seen. Refusals: a family
+whose layers do not split, heads that do not divide."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from loadplan.engine.parallel.launch import launch
 from loadplan.plan import Keys
+from loadplan.service.rules.backends import BACKENDS
 
 from engine_helpers import LocalRegistry, make_checkpoint
 from parallel_helpers import DEEPSEEK, DEEPSEEK_V2, GLM4, QWEN2, QWEN3, make_model, single_process
@@ -232,20 +234,69 @@ def test_the_nextn_draft_on_tp_ranks_drafts_as_on_one_process(tmp_path):
     assert runs[2]["accepted"] > 0
 
 
-def test_tp_with_token_dispatch_is_refused(paths):
-    _, load = _load(paths["qwen3"], tp_size=2, ep_size=2, a2a_backend="deepep")
-    with pytest.raises(NotImplementedError, match=r"tp_size=2 with token dispatch over ep_size=2 ranks "
-                                                  r"\(moe.forward_path a2a\)"):
-        load()
+A2A_BACKENDS = [name for name, row in BACKENDS.items() if row.forward_path == "a2a"]
 
 
-def test_a_plan_without_the_reduction_is_refused_not_run(paths):
-    """An a2a backend whose combine sums (mori): the plan says no all-reduce after the experts, which is
-    right for EP-split experts and wrong for TP-split ones: the engine refuses to build, naming both."""
-    _, load = _load(paths["qwen3"], tp_size=2, a2a_backend="mori")
-    with pytest.raises(NotImplementedError, match=r"moe.post_experts_all_reduce false \(backend mori's combine "
-                                                  r"already sums.*tp_size=2 splits every expert"):
-        load()
+def _a2a_tp_ranks(rank, world_size, paths, ids, ep_size):
+    """Every a2a backend on TP ranks: the experts whole on each (EP share only), tokens exchanged over
+    the EP group of the rank's own TP rank; then the seed's double reduction forced on one of them."""
+    from loadplan.engine.moe import RoutedExperts
+    from loadplan.engine.worker import WorkerSpec, init_rank, load_runner
+
+    from engine_helpers import LocalRegistry
+
+    grid, out = None, []
+    for backend in A2A_BACKENDS:
+        for name, intent in (("qwen3", None), ("deepseek", "enforce")):
+            spec = WorkerSpec(model=paths[name], prompt_ids=(), max_new_tokens=0, ep_size=ep_size,
+                              tp_size=world_size // ep_size, a2a_backend=backend, runtime=INTENTS[intent])
+            grid = grid or init_rank(spec)
+            model = load_runner(spec, grid, registry=LocalRegistry())
+            experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+            d = model.plan.decisions
+            with torch.no_grad():
+                logits = model(ids)
+            case = dict(backend=backend, name=name, intent=intent, logits=logits, ranks=(grid.ep_rank, grid.tp_rank),
+                        path=d[Keys.FORWARD_PATH].value, all_reduce=d[Keys.POST_EXPERTS_ALL_REDUCE].value,
+                        fused=bool(d[Keys.SHARED_EXPERTS_FUSION].value),
+                        experts={(m.local_start, m.num_local_experts, m.intermediate_size, m.dispatch_tokens)
+                                 for m in experts})
+            if backend == A2A_BACKENDS[0] and name == "qwen3":
+                for m in experts:           # the seed bug: an all-reduce after a combine that already summed
+                    m.post_experts_all_reduce = True
+                with torch.no_grad():
+                    case["double_reduced"] = model(ids)
+            out.append(case)
+    return out
+
+
+@pytest.mark.parametrize("ep_size, world", [(1, 2), (2, 4)])
+def test_every_a2a_backend_on_tp_ranks_gives_the_single_process_logits(paths, ids, references, ep_size, world):
+    """The a2a plan has no all-reduce after the experts (the combine sums); the engine keeps the experts
+    whole on TP ranks, so nothing is left partial: TP 2, and EP 2 x TP 2, match one process."""
+    ranks = launch(world, _a2a_tp_ranks, paths, ids, ep_size, timeout_s=300)
+    assert len(A2A_BACKENDS) >= 7
+    for cases in ranks:
+        assert [(c["backend"], c["name"]) for c in cases] == [(b, n) for b in A2A_BACKENDS
+                                                              for n in ("qwen3", "deepseek")]
+        for case in cases:
+            where = f"{case['backend']} {case['name']} ranks {case['ranks']}"
+            assert (case["path"], case["all_reduce"]) == ("a2a", False), where
+            want, _ = references[(case["name"], case["intent"])]
+            torch.testing.assert_close(case["logits"], want, atol=TOL, rtol=0, msg=where)
+            ep_rank = case["ranks"][0]
+            n_local = (8 if case["name"] == "qwen3" else 256) // ep_size
+            inter = 32 if case["name"] == "qwen3" else 16               # whole: not split over the TP pair
+            assert {e[:3] for e in case["experts"]} == {(ep_rank * n_local, n_local, inter)}, where
+            assert {e[3] for e in case["experts"]} == {ep_size > 1}, where  # tokens move only between EP ranks
+        double = cases[0]
+        assert double["backend"] == A2A_BACKENDS[0] and "double_reduced" in double
+        gap = (double["double_reduced"] - references[("qwen3", None)][0]).abs().max().item()
+        assert gap > 100 * TOL, f"a forced all-reduce after the combine went unseen ({gap:.2e})"
+    deepseek = [c for c in ranks[0] if c["name"] == "deepseek"]
+    assert {c["backend"] for c in deepseek if c["fused"]} == {
+        b for b in A2A_BACKENDS if not BACKENDS[b].fusion_force_disabled
+        and (BACKENDS[b].per_rank_fused_slots or ep_size == 1)}
 
 
 def test_heads_that_do_not_divide_are_named(tmp_path):
