@@ -98,3 +98,8 @@ class Fp8BlockCheckpoint:
             raise ShapeMismatch(f"{name + SCALE_SUFFIX!r} has shape {list(scale.shape)}, expected {list(want)} for "
                                 f"{name!r} of shape {list(tensor.shape)} in blocks of {list(self.block)}")
         return dequantize(tensor, scale, self.block)
+
+
+# The loader's interface to a dequantized format (engine/loader.py DEQUANTIZED_FORMATS).
+scheme = block_size
+dequantized = Fp8BlockCheckpoint

@@ -1,7 +1,8 @@
 """`load_model`: the engine's single instantiation point (DESIGN 3, issue 3).
 
-1. read config.json (and its quantization: unquantized, or block-quantized fp8 read
-   through engine/fp8.py);
+1. read config.json (and its quantization: unquantized, or a format read dequantized:
+   block-quantized fp8, engine/fp8.py; compressed-tensors' packed integers,
+   engine/compressed_tensors.py);
 2. ask the registry for this runner's plan;
 3. build the model on `meta` with the (guarded) plan passed to its constructor;
 4. load the weights by the plan (engine/weights.py) and assign them, or assign a
@@ -26,7 +27,6 @@ from torch import nn
 
 from ..plan import LoadPlan, Parallel, ResolveRequest, Runtime
 from .checkpoint import Checkpoint, read_config
-from .fp8 import Fp8BlockCheckpoint, block_size
 from .plan_guard import GuardedPlan
 from .registry import ENGINE_ENTRY_CLASSES, engine_chain, model_class
 from .weights import build_state_dict
@@ -35,9 +35,28 @@ log = logging.getLogger(__name__)
 
 DB_URL_ENV = "LOADPLAN_DB_URL"
 DEFAULT_DB_URL = "sqlite:///loadplan.db"       # a file in the current directory
-# The torch runner computes in plain dtypes: block-quantized fp8 checkpoints are dequantized as they are read
-# (engine/fp8.py); other quantizations are refused.
-SUPPORTED_QUANTIZATIONS = (None, "fp8")
+# The torch runner computes in plain dtypes: a quantized checkpoint of these formats is dequantized as it is read.
+# The plan's quantization name -> the module that checks the config (`scheme`, before any plan) and shows the
+# checkpoint as the plain tensors it stands for (`dequantized(ckpt, scheme)`). Other quantizations are refused.
+DEQUANTIZED_FORMATS = {
+    "fp8": "loadplan.engine.fp8",                                   # block-quantized (DeepSeek-V3/R1)
+    "compressed_tensors": "loadplan.engine.compressed_tensors",     # pack-quantized integers (Kimi-K2.5)
+}
+SUPPORTED_QUANTIZATIONS = (None, *DEQUANTIZED_FORMATS)
+
+
+def checkpoint_format(quantization_config: Any) -> tuple[str | None, Any, Any]:
+    """(format name, its module, the checked scheme) of a checkpoint's quantization_config; (None, None,
+    None) when it names no format the engine reads (unquantized, or refused once the plan names it).
+    A config the format's module cannot read is refused here, by field, before any plan."""
+    import importlib
+
+    q = quantization_config if isinstance(quantization_config, dict) else {}
+    name = str(q.get("quant_method") or "").strip().lower().replace("-", "_")
+    if name not in DEQUANTIZED_FORMATS:
+        return None, None, None
+    module = importlib.import_module(DEQUANTIZED_FORMATS[name])
+    return name, module, module.scheme(q)
 
 
 class PlanResolver(Protocol):
@@ -154,9 +173,7 @@ def load_model(path: str | Path, *, registry: Any = None, role: str = "target", 
     hf_config = read_config(path)
     qconfig = hf_config.get("quantization_config")
     _check_runner_role(hf_config, role)
-    fp8_block = None
-    if isinstance(qconfig, dict) and qconfig.get("quant_method") == "fp8":
-        fp8_block = block_size(qconfig)      # refused by field before any plan is resolved
+    fmt, fmt_module, fmt_scheme = checkpoint_format(qconfig)     # refused by field before any plan is resolved
     if tp_size != 1:
         _check_tensor_parallel(hf_config, tp_size)
     request = ResolveRequest(
@@ -178,11 +195,12 @@ def load_model(path: str | Path, *, registry: Any = None, role: str = "target", 
     plan = GuardedPlan(resolve_plan(request, registry))
     if plan.quantization not in SUPPORTED_QUANTIZATIONS:
         raise NotImplementedError(f"quantization {plan.quantization!r} not supported by the engine; supported: none "
-                                  f"(unquantized checkpoints), fp8 (block-quantized checkpoints, dequantized at load)")
-    if (plan.quantization == "fp8") != (fp8_block is not None):
+                                  f"(unquantized checkpoints), {', '.join(DEQUANTIZED_FORMATS)} (quantized "
+                                  f"checkpoints, dequantized at load)")
+    if plan.quantization != fmt:
         raise NotImplementedError(f"quantization {plan.quantization!r} for a checkpoint whose quantization_config is "
-                                  f"{qconfig!r}: the engine does not quantize online; it reads fp8 weights only from "
-                                  f"a checkpoint quantized with them")
+                                  f"{qconfig!r}: the engine does not quantize online; it reads "
+                                  f"{plan.quantization} weights only from a checkpoint quantized with them")
     model = build_model(hf_config, plan, dtype)
     if weight_cache is not None and Path(weight_cache).exists():
         from .weight_cache import load_weight_cache
@@ -190,7 +208,7 @@ def load_model(path: str | Path, *, registry: Any = None, role: str = "target", 
         load_weight_cache(model, weight_cache, device=device)
     else:
         ckpt = Checkpoint(path)
-        load_weights(model, ckpt if fp8_block is None else Fp8BlockCheckpoint(ckpt, fp8_block), device)
+        load_weights(model, ckpt if fmt is None else fmt_module.dequantized(ckpt, fmt_scheme), device)
         if weight_cache is not None:
             from .weight_cache import save_weight_cache
 

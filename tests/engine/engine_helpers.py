@@ -217,6 +217,77 @@ def make_fp8_copies(plain: Path, root: Path, block: list[int]) -> tuple[Path, Pa
     return root / "fp8", root / "dequantized", sum(_quantized(n, t) for n, t in tensors.items())
 
 
+# compressed-tensors `pack-quantized`, Kimi-K2.5-style: the routed experts int4 in groups (group_0); here also the
+# dense MLPs int8 per output row (group_1), so that two schemes and two strategies are read; attention, shared
+# experts, router and head stay plain (`ignore`, or not a target).
+COMPRESSED_GROUPS = {
+    "group_0": {"targets": [r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"], "input_activations": None,
+                "output_activations": None,
+                "weights": {"type": "int", "num_bits": 4, "symmetric": True, "strategy": "group", "group_size": 8,
+                            "dynamic": False, "actorder": None, "observer": "minmax"}},
+    "group_1": {"targets": [r"re:.*mlp\.(gate|up|down)_proj$"], "input_activations": None, "output_activations": None,
+                "weights": {"type": "int", "num_bits": 8, "symmetric": True, "strategy": "channel",
+                            "dynamic": False, "actorder": None, "observer": "minmax"}},
+}
+
+
+def compressed_quantization(groups: dict = COMPRESSED_GROUPS) -> dict:
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "config_groups": groups, "kv_cache_scheme": None,
+            "ignore": ["lm_head", r"re:.*self_attn.*", r"re:.*shared_experts.*"]}
+
+
+def make_compressed_copies(plain: Path, root: Path, quantization: dict | None = None, prefix: str = "",
+                           config: dict | None = None) -> tuple[Path, Path, int]:
+    """`plain` (one model.safetensors) packed by compressed-tensors' own compressor as `quantization` (default:
+    `compressed_quantization()`) says: each linear layer's matrix not in `ignore` by the first config group whose
+    targets match it (root/"packed", its config saying so), and the same weights as that library decompresses
+    them (root/"dequantized", a plain checkpoint): (packed, dequantized, how many matrices were packed).
+    `prefix` and `config`: a wrapper's name prefix and config.json (default: plain's)."""
+    import re
+
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from safetensors.torch import load_file, save_file
+
+    quantization = quantization or compressed_quantization()
+
+    def matches(target: str, module: str) -> bool:
+        return bool(re.match(target[3:], module)) if target.startswith("re:") else target in ("Linear", module)
+
+    schemes = [(g["targets"], QuantizationScheme(targets=g["targets"], weights=QuantizationArgs(**{
+        k: v for k, v in g["weights"].items() if k not in ("observer", "observer_kwargs")})))
+        for g in quantization["config_groups"].values()]
+    packed, reference, n = {}, {}, 0
+    for name, t in load_file(plain / "model.safetensors").items():
+        name = prefix + name
+        module = name.removesuffix(".weight")
+        linear = _quantized(name, t) or name.endswith("lm_head.weight")
+        ignored = any(matches(i, module) for i in quantization.get("ignore", ()))
+        scheme = next((sc for targets, sc in schemes if any(matches(tg, module) for tg in targets)), None)
+        if not linear or ignored or scheme is None:
+            packed[name] = reference[name] = t
+            continue
+        args, qmax = scheme.weights, 2 ** (scheme.weights.num_bits - 1) - 1
+        rows = t.float()
+        if args.strategy == "group":
+            scale = rows.reshape(rows.shape[0], -1, args.group_size).abs().amax(dim=2) / qmax
+        else:
+            scale = rows.abs().amax(dim=1, keepdim=True) / qmax
+        parts = PackedQuantizationCompressor.compress({"weight": t, "weight_scale": scale.clamp(min=1e-8)}, scheme)
+        for part, tensor in parts.items():
+            packed[f"{module}.{part}"] = tensor
+        reference[name] = PackedQuantizationCompressor.decompress(parts, scheme)["weight"].to(t.dtype)
+        n += 1
+    cfg = config if config is not None else json.loads((plain / "config.json").read_text())
+    for folder, weights, cfg_of in ((root / "packed", packed, dict(cfg, quantization_config=quantization)),
+                                    (root / "dequantized", reference, cfg)):
+        folder.mkdir()
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+        (folder / "config.json").write_text(json.dumps(cfg_of))
+    return root / "packed", root / "dequantized", n
+
+
 # GLM-4-MoE: 16 routed experts in 4 groups, one shared expert, q/k/v bias, qk norm, half-rotary heads (the
 # default partial_rotary_factor). The GLM gate has no expert-count condition, so fusion passes at this size.
 GLM4_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,

@@ -211,9 +211,9 @@ def test_quantized_checkpoints_are_refused_after_the_plan(qwen2, tmp_path):
     q = tmp_path / "q"
     q.mkdir()
     cfg = json.loads((path / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "compressed-tensors"}
+    cfg["quantization_config"] = {"quant_method": "awq"}
     (q / "config.json").write_text(json.dumps(cfg))
     reg = LocalRegistry()
-    with pytest.raises(NotImplementedError, match="quantization 'compressed_tensors' not supported by the engine"):
+    with pytest.raises(NotImplementedError, match="quantization 'awq' not supported by the engine"):
         load_model(q, registry=reg)
-    assert reg.requests[0].quantization_config == {"quant_method": "compressed-tensors"}
+    assert reg.requests[0].quantization_config == {"quant_method": "awq"}
