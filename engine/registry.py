@@ -28,6 +28,7 @@ ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "DeepseekV3ForCausalLM": ("loadplan.engine.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "DeepseekV3ForCausalLMNextN": ("loadplan.engine.models.deepseek_nextn", "DeepseekV3ForCausalLMNextN"),
     "Glm4MoeForCausalLM": ("loadplan.engine.models.glm4_moe", "Glm4MoeForCausalLM"),
+    "Glm4MoeForCausalLMNextN": ("loadplan.engine.models.glm4_moe_nextn", "Glm4MoeForCausalLMNextN"),
     "KimiK25ForConditionalGeneration": ("loadplan.engine.models.deepseek_v3", "KimiK25ForConditionalGeneration"),
 }
 

@@ -47,7 +47,7 @@ Running
   with it, `input_pos` (absolute positions of the new tokens) is required.
 - `logits_and_hidden(input_ids, input_pos)` (causal_lm.CausalLM, last stage): the logits
   and the final hidden states, what a Multi-Token-Prediction draft drafts from. Such a
-  draft (deepseek_nextn.py) says `drafts_from_target_hidden = True` and takes
+  draft (nextn.py: deepseek_nextn.py, glm4_moe_nextn.py) says `drafts_from_target_hidden = True` and takes
   `hidden_states=[B, T, D]` with its tokens; it is never a target.
 
 Several ranks (engine/worker.py)

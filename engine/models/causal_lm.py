@@ -147,7 +147,7 @@ class CausalLM(nn.Module):
     def logits_and_hidden(self, input_ids: torch.Tensor | None = None, input_pos: torch.Tensor | None = None, *,
                           hidden_states: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward`, also returning the final hidden states [B, T, D] (after the final norm): what a
-        Multi-Token-Prediction draft (models/deepseek_nextn.py) drafts from. Last stage only."""
+        Multi-Token-Prediction draft (models/nextn.py) drafts from. Last stage only."""
         if not self.is_last_stage:
             raise ValueError(f"pipeline stage {self.layer_range} has no final hidden states (not the last stage)")
         with self.plan.forward_running():

@@ -63,6 +63,7 @@ FAMILIES: dict[str, Family] = {
                fused_architecture="DeepseekV3ForCausalLM"),
         Family("deepseek_nextn", layouts.deepseek_nextn_layout, gates.deepseek_gate, True),
         Family("glm4_moe", layouts.deepseek_layout, gates.glm4_moe_gate, True),
+        Family("glm4_moe_nextn", layouts.deepseek_nextn_layout, gates.glm4_moe_gate, True),
         Family("qwen2_moe", lambda c: layouts.qwen_moe_layout(c, shared=True), gates.qwen2_moe_gate, True),
         Family("qwen3_moe", lambda c: layouts.qwen_moe_layout(c, shared=False), None, False),
     )
@@ -73,6 +74,7 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "DeepseekV3ForCausalLM": Direct("deepseek"),
     "DeepseekV3ForCausalLMNextN": Direct("deepseek_nextn", fused_architecture="DeepseekV3ForCausalLMNextN"),
     "Glm4MoeForCausalLM": Direct("glm4_moe"),
+    "Glm4MoeForCausalLMNextN": Direct("glm4_moe_nextn", fused_architecture="Glm4MoeForCausalLMNextN"),
     "Qwen2MoeForCausalLM": Direct("qwen2_moe"),
     "Qwen3MoeForCausalLM": Direct("qwen3_moe"),
     "KimiK25ForConditionalGeneration": Wrapper("DeepseekV3ForCausalLM", "text_config", _top_level_quantization),

@@ -123,18 +123,22 @@ def _save_random_model(path: Path, family: str, seed: int, config: dict) -> Path
 
 
 def make_deepseek_mtp_checkpoint(path: Path, *, seed: int = 0, **config) -> tuple[Path, Path]:
-    """A DeepSeek-V3 checkpoint in DeepSeek's own layout, with one Multi-Token-Prediction layer, and its NextN
-    draft folder: (target folder, draft folder). transformers' model of num_hidden_layers + 1 layers gives the
-    MTP layer's decoder part (layer L = num_hidden_layers, MoE); its MTP tensors (enorm, hnorm, eh_proj,
-    shared_head, its own embed_tokens) are added at random; config.json then says L layers and
+    return make_mtp_checkpoint(path, "DeepseekV3", seed=seed, **config)
+
+
+def make_mtp_checkpoint(path: Path, family: str, *, seed: int = 0, **config) -> tuple[Path, Path]:
+    """A `family` (DeepseekV3, Glm4Moe) checkpoint in DeepSeek's MTP layout, with one Multi-Token-Prediction
+    layer, and its NextN draft folder: (target folder, draft folder). transformers' model of num_hidden_layers + 1
+    layers gives the MTP layer's decoder part (layer L = num_hidden_layers, MoE); its MTP tensors (enorm, hnorm,
+    eh_proj, shared_head, its own embed_tokens) are added at random; config.json then says L layers and
     num_nextn_predict_layers 1. The draft folder holds the same tensors (a link) and the config with
-    architectures ["DeepseekV3ForCausalLMNextN"]. `path / "hf_with_mtp_layer"` is the same checkpoint as
+    architectures [f"{family}ForCausalLMNextN"]. `path / "hf_with_mtp_layer"` is the same checkpoint as
     transformers' model of L + 1 layers (for a reference of the MTP layer's decoder part)."""
     from safetensors.torch import load_file, save_file
 
     L = config["num_hidden_layers"]
     target = path / "target"
-    _save_random_model(target, "DeepseekV3", seed, dict(config, num_hidden_layers=L + 1))
+    _save_random_model(target, family, seed, dict(config, num_hidden_layers=L + 1))
     weights = target / "model.safetensors"
     tensors = load_file(weights)
     D, V = config["hidden_size"], config["vocab_size"]
@@ -150,9 +154,9 @@ def make_deepseek_mtp_checkpoint(path: Path, *, seed: int = 0, **config) -> tupl
     })
     save_file(tensors, weights, metadata={"format": "pt"})
     cfg = json.loads((target / "config.json").read_text())
-    for folder, arch, layers in ((path / "hf_with_mtp_layer", "DeepseekV3ForCausalLM", L + 1),
-                                 (path / "draft", "DeepseekV3ForCausalLMNextN", L),
-                                 (target, "DeepseekV3ForCausalLM", L)):
+    for folder, arch, layers in ((path / "hf_with_mtp_layer", f"{family}ForCausalLM", L + 1),
+                                 (path / "draft", f"{family}ForCausalLMNextN", L),
+                                 (target, f"{family}ForCausalLM", L)):
         folder.mkdir(exist_ok=True)
         if folder != target:
             (folder / "model.safetensors").symlink_to(weights)
@@ -334,6 +338,38 @@ def hf_logits_of_order_one(path: Path, arch: str, ids: torch.Tensor) -> torch.Te
     want = hf_logits(path, arch, ids)
     assert 0.5 < want.abs().max() < 50, want.abs().max()
     return want
+
+
+@torch.no_grad()
+def hf_mtp(root: Path, target: Path, ids: torch.Tensor, arch: str, w: dict | None = None):
+    """transformers' pieces of `arch` (its decoder layer, RMSNorm and rotary embedding) composed as the MTP module
+    (engine/models/nextn.py) over every position of `ids` but the last, for a `make_mtp_checkpoint` folder:
+    (target's last_hidden_state [1, T, D], MTP logits [1, T-1, V], MTP output [1, T-1, D]). `w`: the
+    checkpoint's tensors (default: the target folder's), where the MTP layer's own ones are read."""
+    import torch.nn.functional as F
+    from safetensors.torch import load_file
+
+    h = hf_reference(target, arch).model(ids).last_hidden_state             # after the target's final norm
+    full = hf_reference(root / "hf_with_mtp_layer", arch)                   # layer L = the MTP decoder layer
+    L = full.config.num_hidden_layers - 1
+    w = load_file(target / "model.safetensors") if w is None else w
+    p = f"model.layers.{L}."
+
+    def norm(weight):
+        n = type(full.model.norm)(weight.shape[0], eps=full.config.rms_norm_eps)
+        n.weight.data.copy_(weight)
+        return n
+
+    tokens = ids[:, 1:]                                                     # t_{i+1} at position i
+    T = tokens.shape[1]
+    e = norm(w[p + "enorm.weight"])(F.embedding(tokens, w[p + "embed_tokens.weight"]))
+    x = F.linear(torch.cat((e, norm(w[p + "hnorm.weight"])(h[:, :-1])), dim=-1), w[p + "eh_proj.weight"])
+    pos = torch.arange(T)[None]
+    mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+    x = full.model.layers[L](x, attention_mask=mask, position_ids=pos,
+                             position_embeddings=full.model.rotary_emb(x, pos))
+    out = norm(w[p + "shared_head.norm.weight"])(x)
+    return h, F.linear(out, w[p + "shared_head.head.weight"]), out
 
 
 def load_local(path: Path, **kw):

@@ -19,8 +19,9 @@ def test_qwen_classes_resolve_lazily():
 
 def test_unknown_entry_class_lists_the_supported_ones():
     with pytest.raises(UnsupportedModel, match=r"'LlamaForCausalLM' not supported by the engine; supported: "
-                                               r"DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, DeepseekV3ForCausalLMNextN, "
-                                               r"Glm4MoeForCausalLM, KimiK25ForConditionalGeneration, "
+                                               r"DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, "
+                                               r"DeepseekV3ForCausalLMNextN, Glm4MoeForCausalLM, "
+                                               r"Glm4MoeForCausalLMNextN, KimiK25ForConditionalGeneration, "
                                                r"Qwen2MoeForCausalLM, Qwen3MoeForCausalLM"):
         model_class("LlamaForCausalLM")
 

@@ -13,7 +13,6 @@ import shutil
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from loadplan.engine.generate import generate
@@ -21,11 +20,11 @@ from loadplan.engine.models.config import ConfigError
 from loadplan.engine.speculative import speculative_generate
 from loadplan.engine.weights import MissingTensor
 
+import engine_helpers
 from engine_helpers import DEEPSEEK_TINY as TINY
 from engine_helpers import hf_reference, load_local, make_deepseek_mtp_checkpoint, prompt
 
 transformers = pytest.importorskip("transformers")
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm  # noqa: E402
 
 ARCH = "DeepseekV3ForCausalLM"
 L = TINY["num_hidden_layers"]
@@ -46,31 +45,8 @@ def ids():
     return prompt(B=1, T=10)
 
 
-def _norm(weight: torch.Tensor) -> DeepseekV3RMSNorm:
-    norm = DeepseekV3RMSNorm(weight.shape[0], eps=TINY["rms_norm_eps"])
-    norm.weight.data.copy_(weight)
-    return norm
-
-
-@torch.no_grad()
 def hf_mtp(root, target, ids, w=None):
-    """transformers' pieces composed as the MTP module over every position of `ids` but the last:
-    (target's last_hidden_state [1, T, D], MTP logits [1, T-1, V], MTP output [1, T-1, D]). `w`: the
-    checkpoint's tensors (default: the target folder's), where the MTP layer's own ones are read."""
-    h = hf_reference(target, ARCH).model(ids).last_hidden_state             # after the target's final norm
-    full = hf_reference(root / "hf_with_mtp_layer", ARCH)                   # layer L = the MTP decoder layer
-    w = load_file(target / "model.safetensors") if w is None else w
-    p = f"model.layers.{L}."
-    tokens = ids[:, 1:]                                                     # t_{i+1} at position i
-    T = tokens.shape[1]
-    e = _norm(w[p + "enorm.weight"])(F.embedding(tokens, w[p + "embed_tokens.weight"]))
-    x = F.linear(torch.cat((e, _norm(w[p + "hnorm.weight"])(h[:, :-1])), dim=-1), w[p + "eh_proj.weight"])
-    pos = torch.arange(T)[None]
-    mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
-    x = full.model.layers[L](x, attention_mask=mask, position_ids=pos,
-                             position_embeddings=full.model.rotary_emb(x, pos))
-    out = _norm(w[p + "shared_head.norm.weight"])(x)
-    return h, F.linear(out, w[p + "shared_head.head.weight"]), out
+    return engine_helpers.hf_mtp(root, target, ids, ARCH, w)
 
 
 @pytest.fixture(scope="module")
