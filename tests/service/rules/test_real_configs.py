@@ -108,6 +108,21 @@ def test_deepseek_v3_nextn_draft():
     assert d[Keys.EPLB_LAYERS].value == [61]
 
 
+@pytest.mark.parametrize("backend, fused, rule", [("none", True, "glm4_moe_nextn.fused"),
+                                                   ("deepep", False, "glm4_moe.deepep_class")])
+def test_glm_4_5_nextn_draft_is_planned_with_glms_gate(backend, fused, rule):
+    """GLM-4.5's MTP layer (model.layers.92) as its own runner: GLM's gate, asked with the draft's own entry
+    class as the fused architecture; the layer after the target's 92."""
+    cfg = load_config("glm-4.5")
+    cfg["architectures"] = ["Glm4MoeForCausalLMNextN"]
+    res = resolve_decisions(request(cfg, role="speculative", a2a_backend=backend, ep_size=2, enable_eplb=True))
+    d = res.decisions
+    assert (res.family, d[Keys.SHARED_EXPERTS_FUSION].value, d[Keys.SHARED_EXPERTS_FUSION].rule) == (
+        "glm4_moe_nextn", fused, rule)
+    assert d[Keys.PP_LAYER_RANGE].value == [92, 93] and d[Keys.EPLB_LAYERS].value == [92]
+    assert d[Keys.NUM_LOCAL_EXPERTS].value == 80
+
+
 # --- Kimi-K2: DeepseekV3ForCausalLM with 384 routed experts, fp8 -----------------------
 
 @pytest.mark.parametrize("enforced", [False, True])
