@@ -372,6 +372,66 @@ def hf_mtp(root: Path, target: Path, ids: torch.Tensor, arch: str, w: dict | Non
     return h, F.linear(out, w[p + "shared_head.head.weight"]), out
 
 
+class DictCheckpoint:
+    """A fake engine.checkpoint.Checkpoint over a dict of tensors (names / shape / get)."""
+
+    def __init__(self, tensors: dict):
+        self.tensors = tensors
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+
+def with_config(src: Path, dst: Path, **overrides) -> Path:
+    """A checkpoint folder `dst`: `src`'s weights (a link) under `src`'s config.json with `overrides`."""
+    dst.mkdir()
+    (dst / "model.safetensors").symlink_to(src / "model.safetensors")
+    (dst / "config.json").write_text(json.dumps(dict(json.loads((src / "config.json").read_text()), **overrides)))
+    return dst
+
+
+def check_refused_before_any_plan(path: Path, error: type[Exception], match: str) -> None:
+    """Loading `path` raises `error` (matching `match`) before the registry is asked for a plan."""
+    import pytest
+
+    from loadplan.engine.loader import load_model
+
+    registry = LocalRegistry()
+    with pytest.raises(error, match=match):
+        load_model(path, registry=registry)
+    assert registry.requests == []
+
+
+def target_hidden_states(target_dir: Path, ids: torch.Tensor, arch: str, h_ref: torch.Tensor,
+                         atol: float) -> torch.Tensor:
+    """The engine target's final hidden states of `ids` [1, T, D] (what its MTP draft drafts from), checked
+    against transformers' (`h_ref`), as are its logits."""
+    target = load_local(target_dir)           # the same folder as the draft's: the MTP layer's tensors are skipped
+    with torch.no_grad():
+        t_logits, h = target.logits_and_hidden(ids)
+    assert (h - h_ref).abs().max().item() <= atol
+    assert (t_logits - hf_reference(target_dir, arch)(ids).logits).abs().max().item() <= atol
+    return h
+
+
+def check_speculative_gives_the_targets_greedy_tokens(target_dir: Path, draft_dir: Path, ids: torch.Tensor,
+                                                      k: int) -> None:
+    from loadplan.engine.generate import generate
+    from loadplan.engine.speculative import speculative_generate
+
+    target, draft = load_local(target_dir), load_local(draft_dir, role="speculative")
+    want = generate(target, ids[0], 12)[0].tolist()
+    tokens, stats = speculative_generate(target, draft, ids[0], 12, k)
+    assert tokens == want
+    assert stats["proposed"] > 0 and stats["draft_forwards"] > 0
+
+
 def load_local(path: Path, **kw):
     """The engine's model of the checkpoint at `path`, planned by a LocalRegistry."""
     from loadplan.engine.loader import load_model

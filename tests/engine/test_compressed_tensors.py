@@ -16,8 +16,9 @@ from loadplan.engine.compressed_tensors import (CompressedTensorsConfigError, In
                                                 dequantize, scheme, unpack)
 from loadplan.engine.weights import DuplicateTensor, MissingTensor, ShapeMismatch, UnexpectedTensor
 
-from engine_helpers import (COMPRESSED_GROUPS, DEEPSEEK_TINY, LocalRegistry, compressed_quantization, hf_logits,
-                            load_local, make_compressed_copies, make_deepseek_checkpoint, prompt)
+from engine_helpers import (COMPRESSED_GROUPS, DEEPSEEK_TINY, DictCheckpoint, check_refused_before_any_plan,
+                            compressed_quantization, hf_logits, load_local, make_compressed_copies,
+                            make_deepseek_checkpoint, prompt, with_config)
 
 ARCH = "DeepseekV3ForCausalLM"
 
@@ -131,20 +132,6 @@ def test_the_kimi_wrapper_reads_its_packed_experts_by_kimi_k25s_own_quantization
     assert (got - hf_logits(body, ARCH, ids)).abs().max().item() <= 1e-4
 
 
-class _Dict:
-    def __init__(self, tensors):
-        self.tensors = tensors
-
-    def names(self):
-        return list(self.tensors)
-
-    def shape(self, name):
-        return tuple(self.tensors[name].shape)
-
-    def get(self, name):
-        return self.tensors[name]
-
-
 INT4 = scheme(compressed_quantization())
 
 
@@ -155,7 +142,8 @@ def _packed(module="a", n=4, k=16, scale_shape=(4, 2)):
 
 
 def test_the_checkpoint_view_shows_plain_weights_and_consumes_the_parts():
-    ck = PackedIntCheckpoint(_Dict({**_packed("x.mlp.experts.0.up_proj"), "x.norm.weight": torch.ones(3)}), INT4)
+    tensors = {**_packed("x.mlp.experts.0.up_proj"), "x.norm.weight": torch.ones(3)}
+    ck = PackedIntCheckpoint(DictCheckpoint(tensors), INT4)
     assert ck.names() == ["x.mlp.experts.0.up_proj.weight", "x.norm.weight"]
     assert ck.shape("x.mlp.experts.0.up_proj.weight") == (4, 16)
     assert torch.equal(ck.get("x.mlp.experts.0.up_proj.weight"), torch.zeros(4, 16))
@@ -165,22 +153,22 @@ def test_the_checkpoint_view_shows_plain_weights_and_consumes_the_parts():
 def test_checkpoint_faults_name_the_tensor():
     m = "x.mlp.experts.0.up_proj"
     with pytest.raises(MissingTensor, match=rf"'{m}\.weight_scale' is missing"):
-        PackedIntCheckpoint(_Dict({k: v for k, v in _packed(m).items() if not k.endswith("scale")}), INT4)
+        PackedIntCheckpoint(DictCheckpoint({k: v for k, v in _packed(m).items() if not k.endswith("scale")}), INT4)
     with pytest.raises(MissingTensor, match=r"'b\.weight_shape' belongs to 'b\.weight_packed', which is not in"):
-        PackedIntCheckpoint(_Dict({"b.weight_shape": torch.tensor([1, 2])}), INT4)
+        PackedIntCheckpoint(DictCheckpoint({"b.weight_shape": torch.tensor([1, 2])}), INT4)
     with pytest.raises(UnexpectedTensor, match=rf"'{m}\.weight_zero_point': a tensor of a scheme"):
-        PackedIntCheckpoint(_Dict({**_packed(m), f"{m}.weight_zero_point": torch.zeros(1, 2)}), INT4)
+        PackedIntCheckpoint(DictCheckpoint({**_packed(m), f"{m}.weight_zero_point": torch.zeros(1, 2)}), INT4)
     with pytest.raises(DuplicateTensor, match=rf"'{m}\.weight' is in the checkpoint both plain and packed"):
-        PackedIntCheckpoint(_Dict({**_packed(m), f"{m}.weight": torch.zeros(4, 16)}), INT4)
+        PackedIntCheckpoint(DictCheckpoint({**_packed(m), f"{m}.weight": torch.zeros(4, 16)}), INT4)
     with pytest.raises(ShapeMismatch, match=rf"'{m}\.weight_scale' has shape \[4, 3\], expected \[4, 2\] for "
                                             r"strategy group over \[4, 16\]"):
-        PackedIntCheckpoint(_Dict(_packed(m, scale_shape=(4, 3))), INT4).get(f"{m}.weight")
+        PackedIntCheckpoint(DictCheckpoint(_packed(m, scale_shape=(4, 3))), INT4).get(f"{m}.weight")
     wrong = {**_packed(m), f"{m}.weight_shape": torch.tensor([4, 24])}
     with pytest.raises(ShapeMismatch, match=rf"'{m}\.weight_packed' is torch\.int32 \[4, 2\], expected torch\.int32 "
                                             r"\[4, 3\] for 4-bit values of shape \[4, 24\]"):
-        PackedIntCheckpoint(_Dict(wrong), INT4).get(f"{m}.weight")
+        PackedIntCheckpoint(DictCheckpoint(wrong), INT4).get(f"{m}.weight")
     with pytest.raises(UnexpectedTensor, match=r"'q\.weight_packed' matches none of the config groups' targets"):
-        PackedIntCheckpoint(_Dict(_packed("q", scale_shape=(4, 1))), INT4).get("q.weight")
+        PackedIntCheckpoint(DictCheckpoint(_packed("q", scale_shape=(4, 1))), INT4).get("q.weight")
 
 
 def _group(**weights):
@@ -203,18 +191,8 @@ def _group(**weights):
     (compressed_quantization(_group(group_size=None)), "config_groups.group_0.weights.group_size"),
 ])
 def test_config_refusals_come_before_any_plan(checkpoints, tmp_path, quantization, field):
-    packed, _ = checkpoints
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    (bad / "model.safetensors").symlink_to(packed / "model.safetensors")
-    cfg = json.loads((packed / "config.json").read_text())
-    (bad / "config.json").write_text(json.dumps(dict(cfg, quantization_config=quantization)))
-    registry = LocalRegistry()
-    from loadplan.engine.loader import load_model
-
-    with pytest.raises(CompressedTensorsConfigError, match=rf"config\.quantization_config\.{field}: "):
-        load_model(bad, registry=registry)
-    assert registry.requests == []
+    bad = with_config(checkpoints[0], tmp_path / "bad", quantization_config=quantization)
+    check_refused_before_any_plan(bad, CompressedTensorsConfigError, rf"config\.quantization_config\.{field}: ")
 
 
 def test_compressed_tensors_asked_of_an_unquantized_checkpoint_is_refused(checkpoints):

@@ -3,17 +3,15 @@ engine fused and unfused, against transformers on the same weights dequantized b
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 
 from loadplan.engine.fp8 import Fp8BlockCheckpoint, Fp8ConfigError, dequantize
-from loadplan.engine.loader import load_model
 from loadplan.engine.weights import MissingTensor, ShapeMismatch, UnexpectedTensor
 
-from engine_helpers import (DEEPSEEK_TINY, LocalRegistry, hf_logits, load_local, make_deepseek_checkpoint,
-                            make_fp8_copies, prompt)
+from engine_helpers import (DEEPSEEK_TINY, DictCheckpoint, check_refused_before_any_plan, hf_logits, load_local,
+                            make_deepseek_checkpoint, make_fp8_copies, prompt, with_config)
 
 pytest.importorskip("transformers")
 
@@ -58,25 +56,11 @@ def test_dequantize_crops_the_edge_blocks():
     assert torch.equal(out[4:, :2], w[4:, :2].float() * 5) and torch.equal(out[4:, 2:], w[4:, 2:].float() * 7)
 
 
-class _Dict:
-    def __init__(self, tensors):
-        self.tensors = tensors
-
-    def names(self):
-        return list(self.tensors)
-
-    def shape(self, name):
-        return tuple(self.tensors[name].shape)
-
-    def get(self, name):
-        return self.tensors[name]
-
-
 def test_checkpoint_faults_name_the_tensor():
     q = torch.zeros(32, 32, dtype=torch.float8_e4m3fn)
     with pytest.raises(MissingTensor, match=r"'a\.weight_scale_inv' scales 'a\.weight'"):
-        Fp8BlockCheckpoint(_Dict({"a.weight_scale_inv": torch.ones(2, 2)}), (16, 16))
-    ck = Fp8BlockCheckpoint(_Dict({"a.weight": q, "a.weight_scale_inv": torch.ones(2, 3), "b.weight": q,
+        Fp8BlockCheckpoint(DictCheckpoint({"a.weight_scale_inv": torch.ones(2, 2)}), (16, 16))
+    ck = Fp8BlockCheckpoint(DictCheckpoint({"a.weight": q, "a.weight_scale_inv": torch.ones(2, 3), "b.weight": q,
                                    "c.weight": torch.ones(3)}), (16, 16))
     assert ck.names() == ["a.weight", "b.weight", "c.weight"]           # scales are consumed, not loaded
     with pytest.raises(ShapeMismatch, match=r"'a\.weight_scale_inv' has shape \[2, 3\], expected \[2, 2\]"):
@@ -92,16 +76,8 @@ def test_checkpoint_faults_name_the_tensor():
     (dict(QUANTIZATION, activation_scheme="static"), "activation_scheme"),
 ])
 def test_config_refusals_come_before_any_plan(checkpoints, tmp_path, quantization, field):
-    fp8, _ = checkpoints
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    (bad / "model.safetensors").symlink_to(fp8 / "model.safetensors")
-    cfg = json.loads((fp8 / "config.json").read_text())
-    (bad / "config.json").write_text(json.dumps(dict(cfg, quantization_config=quantization)))
-    registry = LocalRegistry()
-    with pytest.raises(Fp8ConfigError, match=rf"config\.quantization_config\.{field}"):
-        load_model(bad, registry=registry)
-    assert registry.requests == []
+    bad = with_config(checkpoints[0], tmp_path / "bad", quantization_config=quantization)
+    check_refused_before_any_plan(bad, Fp8ConfigError, rf"config\.quantization_config\.{field}")
 
 
 def test_fp8_asked_of_an_unquantized_checkpoint_is_refused(checkpoints):

@@ -22,7 +22,8 @@ from loadplan.engine.weights import MissingTensor
 
 import engine_helpers
 from engine_helpers import DEEPSEEK_TINY as TINY
-from engine_helpers import hf_reference, load_local, make_deepseek_mtp_checkpoint, prompt
+from engine_helpers import (check_speculative_gives_the_targets_greedy_tokens, hf_reference, load_local,
+                            make_deepseek_mtp_checkpoint, prompt, target_hidden_states)
 
 transformers = pytest.importorskip("transformers")
 
@@ -59,11 +60,7 @@ def reference(ckpt, ids):
 def test_fused_and_unfused_match_transformers_composed_as_the_mtp_module(ckpt, ids, reference):
     _, target_dir, draft_dir = ckpt
     h_ref, logits_ref, out_ref = reference
-    target = load_local(target_dir)           # the same folder: the MTP layer's tensors are skipped
-    with torch.no_grad():
-        t_logits, h = target.logits_and_hidden(ids)
-    assert (h - h_ref).abs().max().item() <= ATOL
-    assert (t_logits - hf_reference(target_dir, ARCH)(ids).logits).abs().max().item() <= ATOL
+    h = target_hidden_states(target_dir, ids, ARCH, h_ref, ATOL)
     got = {}
     for fused in (True, False):
         draft = load_local(draft_dir, role="speculative", disable_shared_experts_fusion=not fused)
@@ -119,11 +116,7 @@ def test_cached_steps_equal_one_pass(ckpt, ids, reference):
 @pytest.mark.parametrize("k", [1, 3])
 def test_speculative_decoding_with_the_nextn_draft_gives_the_targets_greedy_tokens(ckpt, ids, k):
     _, target_dir, draft_dir = ckpt
-    target, draft = load_local(target_dir), load_local(draft_dir, role="speculative")
-    want = generate(target, ids[0], 12)[0].tolist()
-    tokens, stats = speculative_generate(target, draft, ids[0], 12, k)
-    assert tokens == want
-    assert stats["proposed"] > 0 and stats["draft_forwards"] > 0
+    check_speculative_gives_the_targets_greedy_tokens(target_dir, draft_dir, ids, k)
 
 
 def test_speculative_decoding_with_the_nextn_draft_stops_at_the_targets_eos(ckpt, ids):

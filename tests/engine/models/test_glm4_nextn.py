@@ -8,10 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loadplan.engine.speculative import speculative_generate
-from loadplan.engine.generate import generate
-
-from engine_helpers import GLM4_TINY, hf_mtp, hf_reference, load_local, make_mtp_checkpoint, prompt
+from engine_helpers import (GLM4_TINY, check_speculative_gives_the_targets_greedy_tokens, hf_mtp, load_local,
+                            make_mtp_checkpoint, prompt, target_hidden_states)
 
 ARCH = "Glm4MoeForCausalLM"
 L = GLM4_TINY["num_hidden_layers"]
@@ -34,11 +32,7 @@ def test_fused_and_unfused_match_transformers_glm_composed_as_the_mtp_module(ckp
     root, target_dir, draft_dir = ckpt
     h_ref, logits_ref, out_ref = hf_mtp(root, target_dir, ids, ARCH)
     assert 0.5 < logits_ref.abs().max() < 50                   # O(1): the tolerance means something
-    target = load_local(target_dir)                            # the same folder: the MTP layer's tensors skipped
-    with torch.no_grad():
-        t_logits, h = target.logits_and_hidden(ids)
-    assert (h - h_ref).abs().max().item() <= ATOL
-    assert (t_logits - hf_reference(target_dir, ARCH)(ids).logits).abs().max().item() <= ATOL
+    h = target_hidden_states(target_dir, ids, ARCH, h_ref, ATOL)
     got = {}
     for fused in (True, False):
         draft = load_local(draft_dir, role="speculative", disable_shared_experts_fusion=not fused)
@@ -60,11 +54,7 @@ def test_fused_and_unfused_match_transformers_glm_composed_as_the_mtp_module(ckp
 @pytest.mark.parametrize("k", [1, 3])
 def test_speculative_decoding_with_the_glm_nextn_draft_gives_the_targets_greedy_tokens(ckpt, ids, k):
     _, target_dir, draft_dir = ckpt
-    target, draft = load_local(target_dir), load_local(draft_dir, role="speculative")
-    want = generate(target, ids[0], 12)[0].tolist()
-    tokens, stats = speculative_generate(target, draft, ids[0], 12, k)
-    assert tokens == want
-    assert stats["proposed"] > 0 and stats["draft_forwards"] > 0
+    check_speculative_gives_the_targets_greedy_tokens(target_dir, draft_dir, ids, k)
 
 
 def test_the_glm_nextn_draft_on_two_ep_ranks_drafts_as_on_one_process(ckpt, tmp_path):

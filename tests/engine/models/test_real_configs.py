@@ -33,8 +33,8 @@ def shrink(cfg: dict) -> dict:
     out = {k: v for k, v in cfg.items() if k not in DROP}
     out.update({k: v for k, v in SIZES.items() if k in cfg})
     if "shared_expert_intermediate_size" in cfg:   # Qwen1.5-MoE: 4x the experts' width (not fusable), kept so
-        out["shared_expert_intermediate_size"] = (SIZES["moe_intermediate_size"] * cfg["shared_expert_intermediate_size"]
-                                                  // cfg["moe_intermediate_size"])
+        ratio = cfg["shared_expert_intermediate_size"] // cfg["moe_intermediate_size"]
+        out["shared_expert_intermediate_size"] = SIZES["moe_intermediate_size"] * ratio
     out["num_attention_heads"] = HEADS
     out["num_key_value_heads"] = max(1, HEADS * cfg["num_key_value_heads"] // cfg["num_attention_heads"])
     out["num_hidden_layers"] = cfg.get("first_k_dense_replace", 0) + 2     # the dense layers, then two MoE layers
