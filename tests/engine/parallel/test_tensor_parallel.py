@@ -159,7 +159,7 @@ def test_tp_within_pipeline_stages(paths, ids, references):
         assert case["tokens"] == want_tokens
 
 
-def _tp_eplb_ranks(rank, world_size, path, ids, ep_size):
+def _tp_eplb_ranks(rank, world_size, path, ids, ep_size, backend):
     """EPLB on TP ranks: every rank counts the same loads (routing is replicated), so a rebalance moves
     each rank's slices of the same experts to the same slots (between EP ranks: each TP rank's slices
     over its own EP group)."""
@@ -169,7 +169,7 @@ def _tp_eplb_ranks(rank, world_size, path, ids, ep_size):
     from engine_helpers import LocalRegistry
 
     spec = WorkerSpec(model=path, prompt_ids=(), max_new_tokens=0, tp_size=world_size // ep_size, ep_size=ep_size,
-                      enable_eplb=True, ep_num_redundant_experts=2)
+                      enable_eplb=True, ep_num_redundant_experts=2, a2a_backend=backend)
     model = load_runner(spec, init_rank(spec), registry=LocalRegistry())
     with torch.no_grad():
         before = model(ids)
@@ -182,10 +182,11 @@ def _tp_eplb_ranks(rank, world_size, path, ids, ep_size):
                 physical=model.plan.decisions[Keys.EPLB_NUM_PHYSICAL_EXPERTS].value)
 
 
-@pytest.mark.parametrize("ep_size, world", [(1, 2), (2, 4)])
+@pytest.mark.parametrize("ep_size, world, backend", [(1, 2, "none"), (2, 4, "none"), (2, 4, "deepep")])
 def test_a_rebalance_on_tp_ranks_moves_the_same_experts_and_keeps_the_logits(paths, ids, references, ep_size,
-                                                                             world):
-    ranks = launch(world, _tp_eplb_ranks, paths["qwen3"], ids, ep_size, timeout_s=240)
+                                                                             world, backend):
+    """deepep: whole experts on each TP rank (the a2a path), moved over its EP group and dispatched to."""
+    ranks = launch(world, _tp_eplb_ranks, paths["qwen3"], ids, ep_size, backend, timeout_s=240)
     want, _ = references[("qwen3", None)]
     initial = [p % 8 for p in range(10)]                          # slot p holds expert p % n_routed
     for r in ranks:
