@@ -60,13 +60,14 @@ def test_speculative_decoding_with_the_glm_nextn_draft_gives_the_targets_greedy_
 def test_the_glm_nextn_draft_on_two_ep_ranks_drafts_as_on_one_process(ckpt, tmp_path):
     """Target and draft each resolve their plan per rank (GLM's gate: the torch runner fuses under EP) and
     give one process's tokens and acceptance."""
+    from loadplan.engine.speculative import speculative_generate
     from loadplan.engine.worker import WorkerSpec, generate_distributed
 
     _, target_dir, draft_dir = ckpt
-    runs = {}
-    for ep in (1, 2):
-        spec = WorkerSpec(model=str(target_dir), draft=str(draft_dir), num_draft_tokens=2, prompt_ids=(5, 17, 42),
-                          max_new_tokens=10, ep_size=ep, db_url=f"sqlite:///{tmp_path}/p.db")
-        runs[ep] = generate_distributed(spec, nproc=ep, timeout_s=240)
-    assert runs[2]["tokens"] == runs[1]["tokens"]
-    assert (runs[2]["accepted"], runs[2]["proposed"]) == (runs[1]["accepted"], runs[1]["proposed"])
+    prompt_ids = [5, 17, 42]
+    want, stats = speculative_generate(load_local(target_dir), load_local(draft_dir, role="speculative"),
+                                       prompt_ids, 10, 2)
+    spec = WorkerSpec(model=str(target_dir), draft=str(draft_dir), num_draft_tokens=2, prompt_ids=tuple(prompt_ids),
+                      max_new_tokens=10, ep_size=2, db_url=f"sqlite:///{tmp_path}/p.db")
+    run = generate_distributed(spec, nproc=2, timeout_s=240)
+    assert (run["tokens"], run["accepted"], run["proposed"]) == (want, stats["accepted"], stats["proposed"])
