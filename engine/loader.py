@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import socket
@@ -49,8 +50,6 @@ def checkpoint_format(quantization_config: Any) -> tuple[str | None, Any, Any]:
     """(format name, its module, the checked scheme) of a checkpoint's quantization_config; (None, None,
     None) when it names no format the engine reads (unquantized, or refused once the plan names it).
     A config the format's module cannot read is refused here, by field, before any plan."""
-    import importlib
-
     q = quantization_config if isinstance(quantization_config, dict) else {}
     name = str(q.get("quant_method") or "").strip().lower().replace("-", "_")
     if name not in DEQUANTIZED_FORMATS:
