@@ -24,7 +24,8 @@ positions (from the prefill or the last verification, its accepted part only), s
 first proposal follows `cur`; each further proposal feeds the previous one with the draft's
 own output at the previous position. Its cache is right only up to L-1: the next round
 starts feeding there, overwriting what the recursive steps wrote. The target must expose
-its hidden states (`logits_and_hidden`: models/causal_lm.py); a pipeline of stages does not.
+its hidden states (`logits_and_hidden`: models/causal_lm.py; with pipeline stages only the last
+stage has them, and the draft runs there: parallel/pipeline.py `PipelineDraft`).
 
 On a worker with several ranks every rank runs this loop; `sync_tokens` (e.g. a broadcast
 from rank 0) makes all of them take the same tokens, so they run the same forwards with the
@@ -101,8 +102,7 @@ def speculative_generate(target: nn.Module, draft: nn.Module, prompt_ids: Sequen
                          f"cannot be the target")
     if getattr(draft, "drafts_from_target_hidden", False) and not hasattr(target, "logits_and_hidden"):
         raise ValueError(f"the draft ({type(draft).__name__}) drafts from the target's hidden states, which the "
-                         f"target ({type(target).__name__}) does not expose; a pipeline-parallel target "
-                         f"(pp_size > 1) cannot run a Multi-Token-Prediction draft")
+                         f"target ({type(target).__name__}) does not expose (no logits_and_hidden)")
     device = _device(target)
     sync = sync_tokens or (lambda t: t)
     told = on_tokens or (lambda n: None)

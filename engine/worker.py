@@ -99,32 +99,52 @@ def load_runner(spec: WorkerSpec, grid, role: str = "target", *, registry: Any =
     wrapped so it runs like the whole model. Rank 0 resolves first (see the module doc)."""
     import torch.distributed as dist
 
+    from .checkpoint import read_config
     from .loader import load_model
     from .parallel.launch import rank_device
-    from .parallel.pipeline import PipelineModel
+    from .parallel.pipeline import PipelineDraft, PipelineModel
 
     draft = role != "target"
+    path = spec.draft if draft else spec.model
+    # A draft that drafts from the target's final hidden states runs where they are: with pipeline stages, on
+    # the last stage's ranks only, as a runner of one stage (its plan says pp_size 1).
+    on_last_stage = draft and spec.pp_size > 1 and _drafts_from_target_hidden(path)
     flags = dict(spec.draft_runtime if draft else spec.runtime)
     if flags.get("weight_cache"):
         # One cache file per runner: ranks (and target vs draft) hold different tensors.
         flags["weight_cache"] = f"{flags['weight_cache']}.{role}.rank{grid.rank}"
     kwargs = dict(registry=registry if registry is not None else _registry_of(spec), role=role,
                   deployment=spec.deployment, a2a_backend=spec.a2a_backend, device=rank_device(),
-                  ep_size=spec.ep_size, ep_rank=grid.ep_rank, pp_size=spec.pp_size, pp_rank=grid.pp_rank,
-                  tp_size=spec.tp_size, tp_rank=grid.tp_rank,
+                  ep_size=spec.ep_size, ep_rank=grid.ep_rank, tp_size=spec.tp_size, tp_rank=grid.tp_rank,
+                  pp_size=1 if on_last_stage else spec.pp_size, pp_rank=0 if on_last_stage else grid.pp_rank,
                   enable_eplb=spec.enable_eplb and not draft,
                   ep_num_redundant_experts=spec.ep_num_redundant_experts if not draft else 0,
                   dtype=getattr(torch, spec.dtype), **flags)
-    path = spec.draft if draft else spec.model
+    builds = grid.is_last_stage or not on_last_stage
+    first = (grid.pp_size - 1) * grid.ep_size * grid.tp_size if on_last_stage else 0   # its first builder
     distributed = dist.is_initialized() and grid.world_size > 1
     model = None
-    if grid.rank == 0:
+    if grid.rank == first:
         model = load_model(path, **kwargs)
     if distributed:
-        dist.barrier()          # rank 0 pinned the deployment (or failed: then the launcher stops everyone)
-    if grid.rank != 0:
+        dist.barrier()          # the first rank pinned the deployment (or failed: then the launcher stops everyone)
+    if grid.rank != first and builds:
         model = load_model(path, **kwargs)
+    if on_last_stage:
+        return PipelineDraft(model, grid, read_config(path)["vocab_size"])
     return PipelineModel(model, grid)
+
+
+def _drafts_from_target_hidden(path: str) -> bool:
+    """Does the engine class of the checkpoint at `path` draft from a target's hidden states (a NextN draft)?"""
+    from .checkpoint import read_config
+    from .registry import model_class
+
+    archs = read_config(path).get("architectures") or [None]
+    try:
+        return bool(getattr(model_class(archs[0]), "drafts_from_target_hidden", False))
+    except Exception:   # an unknown entry class: load_model refuses it, with the registry's message
+        return False
 
 
 def _recorder(spec: WorkerSpec, stack: ExitStack):
@@ -145,7 +165,9 @@ def run_rank(rank: int, world_size: int, spec: WorkerSpec) -> dict:
     draft = load_runner(spec, grid, "speculative") if spec.draft else None
     eos = checkpoint_eos(spec.model) if spec.stop_at_eos else []
     out: dict[str, Any] = {"rank": rank, "pp_rank": grid.pp_rank, "ep_rank": grid.ep_rank, "tp_rank": grid.tp_rank,
-                           "plan_id": target.plan.plan_id, "draft_plan_id": draft.plan.plan_id if draft else None,
+                           "plan_id": target.plan.plan_id,
+                           # None without a draft, and on ranks that hold none (PipelineDraft: earlier stages)
+                           "draft_plan_id": draft.plan.plan_id if draft is not None and draft.plan else None,
                            "acceptance_rate": None, "proposed": None, "accepted": None, "eplb": []}
     with ExitStack() as stack:
         recorder = _recorder(spec, stack)
@@ -202,7 +224,8 @@ def generate_distributed(spec: WorkerSpec, nproc: int, *, timeout_s: float = 300
         "tokens": tokens,
         "deployment": spec.deployment,
         "plan_ids": [r["plan_id"] for r in ranks],
-        "draft_plan_ids": [r["draft_plan_id"] for r in ranks] if spec.draft else [],
+        # Every rank's that holds the draft (with pipeline stages, a hidden-state draft is on the last only).
+        "draft_plan_ids": [r["draft_plan_id"] for r in ranks if r["draft_plan_id"]] if spec.draft else [],
         "acceptance_rate": ranks[0]["acceptance_rate"],
         "proposed": ranks[0]["proposed"],
         "accepted": ranks[0]["accepted"],

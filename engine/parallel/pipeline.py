@@ -16,6 +16,10 @@ Broadcasting the logits (rather than only a sampled token) lets any decoding loo
 every rank from identical numbers, so all ranks pick the same tokens and stay in
 lockstep without knowing about stages. Each stage keeps its own KV caches
 (`setup_caches` reaches only its layers). With pp_size 1 it is a pass-through.
+
+A Multi-Token-Prediction draft drafts from the target's final hidden states, which only
+the last stage computes: `logits_and_hidden` keeps them there, and `PipelineDraft` runs
+the draft on the last stage's ranks and broadcasts its logits the same way.
 """
 
 from __future__ import annotations
@@ -49,28 +53,86 @@ class PipelineModel(nn.Module):
 
     def logits_and_hidden(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None, *,
                           hidden_states: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stage's `logits_and_hidden` (what a Multi-Token-Prediction draft drafts from): pp_size 1 only."""
-        if self.grid.pp_size != 1:
-            raise NotImplementedError(f"speculative decoding with a Multi-Token-Prediction draft takes the target's "
-                                      f"final hidden states on every rank; with pp_size {self.grid.pp_size} only the "
-                                      f"last stage holds them (run it with pp_size 1)")
-        return self.stage.logits_and_hidden(input_ids, input_pos, hidden_states=hidden_states)
+        """The whole model's (logits, final hidden states): what a Multi-Token-Prediction draft drafts from.
+        With stages the logits reach every rank, the hidden states [B, T, D] stay on the last stage, where
+        such a draft runs (`PipelineDraft`); the other ranks get zeros of their shape."""
+        if self.grid.pp_size == 1:
+            return self.stage.logits_and_hidden(input_ids, input_pos, hidden_states=hidden_states)
+        return self._through_stages(input_ids, input_pos, with_hidden=True)
 
     def forward(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
-        g = self.grid
-        if g.pp_size == 1:
+        if self.grid.pp_size == 1:
             return self.stage(input_ids, input_pos)
+        return self._through_stages(input_ids, input_pos, with_hidden=False)
+
+    def _through_stages(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None, *, with_hidden: bool):
         import torch.distributed as dist
 
+        g = self.grid
         device = input_ids.device
         if g.is_first_stage:
-            out = self.stage(input_ids, input_pos)
+            x = None
         else:
-            (h,) = recv_tensors(g.prev_stage_rank, device=device)
-            out = self.stage(None, input_pos, hidden_states=h)
+            (x,) = recv_tensors(g.prev_stage_rank, device=device)
         if not g.is_last_stage:
+            out = self.stage(input_ids, input_pos) if x is None else self.stage(None, input_pos, hidden_states=x)
             send_tensors([out], g.next_stage_rank)
             B, T = input_ids.shape
-            out = torch.empty(B, T, self.vocab_size, dtype=out.dtype, device=device)
-        dist.broadcast(out, src=self._last_rank, group=g.pp_group)
-        return out
+            logits = torch.empty(B, T, self.vocab_size, dtype=out.dtype, device=device)
+            hidden = torch.zeros_like(out)
+        elif with_hidden:
+            logits, hidden = self.stage.logits_and_hidden(input_ids if x is None else None, input_pos,
+                                                          hidden_states=x)
+        else:
+            logits = self.stage(input_ids, input_pos) if x is None else self.stage(None, input_pos, hidden_states=x)
+            hidden = None
+        dist.broadcast(logits, src=self._last_rank, group=g.pp_group)
+        return (logits, hidden) if with_hidden else logits
+
+
+class PipelineDraft(nn.Module):
+    """A Multi-Token-Prediction draft next to a target in pipeline stages. It drafts from the target's final
+    hidden states, which only the last stage holds, so only the last stage's ranks build it (its own runner,
+    one stage: `draft`); the others hold None. Its logits are broadcast from the last stage like the target's,
+    so every rank proposes the same tokens; its own outputs (the hidden states of further steps) stay there."""
+
+    drafts_from_target_hidden = True
+
+    def __init__(self, draft: nn.Module | None, grid, vocab_size: int):
+        super().__init__()
+        if (draft is not None) != grid.is_last_stage:
+            raise ValueError("a PipelineDraft holds the draft on the last stage's ranks, and only there")
+        self.draft = draft
+        self.grid = grid
+        self.vocab_size = int(vocab_size)
+        self._last_rank = grid.pp_ranks[-1]
+
+    @property
+    def plan(self):
+        """The draft runner's plan on the last stage; None on the other stages (they hold no draft)."""
+        return None if self.draft is None else self.draft.plan
+
+    def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
+        if self.draft is not None:
+            self.draft.setup_caches(max_batch_size, max_seq_len)
+
+    def clear_caches(self) -> None:
+        if self.draft is not None:
+            self.draft.clear_caches()
+
+    def logits_and_hidden(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None, *,
+                          hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch.distributed as dist
+
+        if self.draft is not None:
+            logits, out = self.draft.logits_and_hidden(input_ids, input_pos, hidden_states=hidden_states)
+        else:
+            B, T = input_ids.shape
+            logits = torch.empty(B, T, self.vocab_size, dtype=hidden_states.dtype, device=input_ids.device)
+            out = torch.zeros(B, T, hidden_states.shape[-1], dtype=hidden_states.dtype, device=input_ids.device)
+        dist.broadcast(logits, src=self._last_rank, group=self.grid.pp_group)
+        return logits, out
+
+    def forward(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None, *,
+                hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.logits_and_hidden(input_ids, input_pos, hidden_states=hidden_states)[0]

@@ -326,14 +326,47 @@ def test_loadplan_generate_with_the_nextn_draft(ckpt, tmp_path, capsys, ranks):
     assert len(plans) == (4 if ranks else 2)
 
 
-def test_loadplan_generate_refuses_the_nextn_draft_with_pipeline_stages(ckpt, tmp_path, capsys):
+def test_loadplan_generate_with_the_nextn_draft_behind_pipeline_stages(ckpt, tmp_path, capsys):
+    """A target in 2 stages: the draft drafts from the final hidden states, which only the last stage holds,
+    so it runs there, as a runner of one stage (its plan: pp 0/1, one per last-stage rank), its logits
+    broadcast to the first stage. The tokens and acceptance are the single process's."""
+    from loadplan.cli.main import main
+
     _, target_dir, draft_dir = ckpt
-    rc, out, err = _generate(capsys, "--model", target_dir, "--prompt-ids", "5,17", "--max-new-tokens", 4,
-                             "--db", f"sqlite:///{tmp_path / 'plans.db'}", "--nproc", 2, "--pp-size", 2,
-                             "--draft", draft_dir, "--json")
-    # The one-layer draft cannot be split in two stages: the registry refuses its plan, by field.
-    assert rc == 2 and out == "" and "Traceback" not in err and err.count("\n") == 1
-    assert err.startswith("error: FAILED_PRECONDITION: rank 0 of 2 failed: parallel.pp_size: 2 stages for 1 layers")
+    db = f"sqlite:///{tmp_path / 'plans.db'}"
+    common = ["--model", target_dir, "--prompt-ids", "5,17,99,3,8", "--max-new-tokens", 10, "--db", db, "--json",
+              "--draft", draft_dir, "--num-draft-tokens", 3]
+    rc, out, err = _generate(capsys, *common)
+    assert rc == 0, err
+    want = json.loads(out)
+    rc, out, err = _generate(capsys, *common, "--nproc", 2, "--pp-size", 2)
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert (doc["tokens"], doc["accepted"], doc["proposed"]) == (want["tokens"], want["accepted"], want["proposed"])
+    assert doc["proposed"] > 0 and len(doc["draft_plan_ids"]) == 1
+    assert main(["plans", "list", "--deployment", doc["deployment_id"], "--db", db, "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)
+    assert sorted((p["role"], p["parallel"]["pp_size"], p["parallel"]["pp_rank"]) for p in plans) == [
+        ("speculative", 1, 0), ("target", 2, 0), ("target", 2, 1)]
+    draft_plan = next(p for p in plans if p["role"] == "speculative")
+    assert draft_plan["plan_id"] == doc["draft_plan_id"]
+
+
+def test_the_nextn_draft_behind_two_stages_of_two_ep_ranks_drafts_as_one_process(ckpt, tmp_path):
+    """PP 2 x EP 2 with DeepEP: the draft on the last stage's two EP ranks dispatches over that stage's EP group."""
+    from loadplan.engine.worker import WorkerSpec, generate_distributed
+
+    _, target_dir, draft_dir = ckpt
+    prompt_ids = [5, 17, 42]
+    want, stats = speculative_generate(load_local(target_dir, a2a_backend="deepep"),
+                                       load_local(draft_dir, role="speculative", a2a_backend="deepep"),
+                                       prompt_ids, 10, 2)
+    spec = WorkerSpec(model=str(target_dir), draft=str(draft_dir), num_draft_tokens=2, prompt_ids=tuple(prompt_ids),
+                      max_new_tokens=10, pp_size=2, ep_size=2, a2a_backend="deepep",
+                      db_url=f"sqlite:///{tmp_path}/p.db")
+    run = generate_distributed(spec, nproc=4, timeout_s=240)
+    assert (run["tokens"], run["accepted"], run["proposed"]) == (want, stats["accepted"], stats["proposed"])
+    assert [r["draft_plan_id"] is not None for r in run["ranks"]] == [False, False, True, True]
 
 
 def test_the_nextn_draft_is_refused_as_a_target_before_any_plan_is_recorded(ckpt, ids, tmp_path, capsys):
