@@ -16,7 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine_helpers import (_save_random_model, hf_logits_of_order_one, load_local, make_compressed_copies, prompt)
+from engine_helpers import (_save_random_model, hf_logits_of_order_one, hf_mtp, load_local, make_compressed_copies,
+                            make_mtp_checkpoint, prompt)
 
 CONFIGS = Path(__file__).parents[2] / "data" / "configs"
 TOL = 1e-4
@@ -101,3 +102,25 @@ def test_kimi_k25_as_shipped_wrapper_and_int4_experts_matches_transformers_on_it
     assert model.plan.decisions["moe.shared_experts_fusion"].value is False      # 384 experts need quark
     with torch.no_grad():
         assert (model(ids) - want).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("name, family", [("deepseek-v3", "DeepseekV3"), ("glm-4.5", "Glm4Moe")])
+def test_shipped_config_shrunk_as_its_nextn_draft_matches_transformers_composed_as_the_mtp_module(name, family,
+                                                                                                 tmp_path):
+    """Both ship one MTP layer (num_nextn_predict_layers 1): the draft of the shipped config (its YaRN, GLM's
+    partial rotary and qk norm in the MTP layer's attention) against transformers' layer composed as the module."""
+    shipped = json.loads((CONFIGS / name / "config.json").read_text())
+    assert shipped["num_nextn_predict_layers"] == 1
+    text = shrink(shipped)
+    target, draft = make_mtp_checkpoint(tmp_path, family, **{k: v for k, v in text.items() if k != "model_type"})
+    L = text["num_hidden_layers"]
+    for folder, arch in ((target, f"{family}ForCausalLM"), (draft, f"{family}ForCausalLMNextN")):
+        (folder / "config.json").write_text(json.dumps(dict(text, architectures=[arch])))   # as shipped, shrunk
+    ids = prompt(B=1, T=8)
+    h, want, _ = hf_mtp(tmp_path, target, ids, f"{family}ForCausalLM")
+    assert 0.5 < want.abs().max() < 50
+    model = load_local(draft, role="speculative")
+    assert model.plan.decisions["pp.layer_range"].value == [L, L + 1]
+    with torch.no_grad():
+        got = model(ids[:, 1:], hidden_states=h[:, :-1])
+    assert (got - want).abs().max().item() <= TOL
