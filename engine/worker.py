@@ -138,12 +138,12 @@ def load_runner(spec: WorkerSpec, grid, role: str = "target", *, registry: Any =
 def _drafts_from_target_hidden(path: str) -> bool:
     """Does the engine class of the checkpoint at `path` draft from a target's hidden states (a NextN draft)?"""
     from .checkpoint import read_config
-    from .registry import model_class
+    from .registry import UnsupportedModel, model_class
 
     archs = read_config(path).get("architectures") or [None]
     try:
         return bool(getattr(model_class(archs[0]), "drafts_from_target_hidden", False))
-    except Exception:   # an unknown entry class: load_model refuses it, with the registry's message
+    except UnsupportedModel:   # load_model refuses it, with the registry's message
         return False
 
 
