@@ -3,7 +3,6 @@ engine fused and unfused, against transformers on the same weights dequantized b
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -11,7 +10,7 @@ from loadplan.engine.fp8 import Fp8BlockCheckpoint, Fp8ConfigError, dequantize
 from loadplan.engine.weights import MissingTensor, ShapeMismatch, UnexpectedTensor
 
 from engine_helpers import (DEEPSEEK_TINY, DictCheckpoint, check_refused_before_any_plan, hf_logits, load_local,
-                            make_deepseek_checkpoint, make_fp8_copies, prompt, with_config)
+                            make_checkpoint, make_deepseek_checkpoint, make_fp8_copies, prompt, with_config)
 
 pytest.importorskip("transformers")
 
@@ -45,6 +44,19 @@ def test_fp8_checkpoint_fused_and_unfused_match_transformers_on_the_dequantized_
             got[fused] = model(ids)
         assert (got[fused] - want).abs().max().item() <= 1e-4
     assert (got[True] - got[False]).abs().max().item() <= 1e-4
+
+
+def test_a_qwen3_moe_fp8_checkpoint_matches_transformers_on_the_dequantized_weights(tmp_path):
+    """Qwen3-30B-A3B-FP8's format (the same block FP8): the reader is the family's too, not DeepSeek's only."""
+    plain = make_checkpoint(tmp_path / "plain", "Qwen3MoeForCausalLM")
+    fp8, dequantized, quantized = make_fp8_copies(plain, tmp_path, BLOCK)
+    assert quantized == 3 * (4 + 8 * 3)         # per layer: q/k/v/o, and each of 8 experts' three matrices
+    ids = prompt(T=9)
+    want = hf_logits(dequantized, "Qwen3MoeForCausalLM", ids)
+    model = load_local(fp8)
+    assert model.plan.quantization == "fp8"
+    with torch.no_grad():
+        assert (model(ids) - want).abs().max().item() <= 1e-4
 
 
 def test_dequantize_crops_the_edge_blocks():
