@@ -208,6 +208,13 @@ class RoutedExperts(nn.Module):
             rows = rx.new_zeros((0, self.hidden_size))
         return combine(rows, handle, weighted=True)                  # complete: no reduction may follow
 
+    def weight_layout_fields(self) -> dict:
+        """What engine.weights.WeightLayout takes from this layer (alike on every MoE layer of a runner): its
+        fused shared slots, its physical slots and the local range of them, whether TP splits the experts."""
+        return dict(num_fused_shared=self.num_fused_shared_experts,
+                    local_experts=(self.local_start, self.local_start + self.num_local_experts),
+                    num_physical=self.num_physical, tp_split_experts=self.tp.size > 1)
+
     # -- EPLB ----------------------------------------------------------------
     def get_moe_weights(self) -> list[torch.Tensor]:
         """The movable expert tensors, dim 0 = local physical expert (fused shared slots excluded)."""

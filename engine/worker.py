@@ -108,7 +108,8 @@ def load_runner(spec: WorkerSpec, grid, role: str = "target", *, registry: Any =
     path = spec.draft if draft else spec.model
     # A draft that drafts from the target's final hidden states runs where they are: with pipeline stages, on
     # the last stage's ranks only, as a runner of one stage (its plan says pp_size 1).
-    on_last_stage = draft and spec.pp_size > 1 and _drafts_from_target_hidden(path)
+    config = read_config(path) if draft and spec.pp_size > 1 else None
+    on_last_stage = config is not None and _drafts_from_target_hidden(config)
     flags = dict(spec.draft_runtime if draft else spec.runtime)
     if flags.get("weight_cache"):
         # One cache file per runner: ranks (and target vs draft) hold different tensors.
@@ -131,16 +132,15 @@ def load_runner(spec: WorkerSpec, grid, role: str = "target", *, registry: Any =
     if grid.rank != first and builds:
         model = load_model(path, **kwargs)
     if on_last_stage:
-        return PipelineDraft(model, grid, read_config(path)["vocab_size"])
+        return PipelineDraft(model, grid, config["vocab_size"])
     return PipelineModel(model, grid)
 
 
-def _drafts_from_target_hidden(path: str) -> bool:
-    """Does the engine class of the checkpoint at `path` draft from a target's hidden states (a NextN draft)?"""
-    from .checkpoint import read_config
+def _drafts_from_target_hidden(config: dict) -> bool:
+    """Does the engine class of a checkpoint's config.json draft from a target's hidden states (a NextN draft)?"""
     from .registry import UnsupportedModel, model_class
 
-    archs = read_config(path).get("architectures") or [None]
+    archs = config.get("architectures") or [None]
     try:
         return bool(getattr(model_class(archs[0]), "drafts_from_target_hidden", False))
     except UnsupportedModel:   # load_model refuses it, with the registry's message

@@ -102,19 +102,15 @@ class CausalLM(nn.Module):
 
     def weight_layout(self, prefix: str = "") -> WeightLayout:
         """`prefix`: where a wrapper keeps this model in its checkpoint (e.g. "language_model.")."""
-        n_fused, local, physical, split_experts = 0, None, None, True
+        experts = {}     # no MoE layer on this stage: WeightLayout's defaults
         if self.moe_layer_ids:
-            ex = self.model.layers[self.moe_layer_ids[0]].mlp.experts
-            n_fused, local = ex.num_fused_shared_experts, (ex.local_start, ex.local_start + ex.num_local_experts)
-            physical, split_experts = ex.num_physical, ex.tp.size > 1
+            experts = self.model.layers[self.moe_layer_ids[0]].mlp.experts.weight_layout_fields()
         return WeightLayout(
-            n_routed=self.n_routed, num_fused_shared=n_fused, local_experts=local,
-            num_physical=physical,
+            n_routed=self.n_routed, **experts,
             layer_range=self.layer_range, has_embed=self.is_first_stage, has_head=self.is_last_stage,
             lm_head_from_embed=self.config.tie_word_embeddings and self.is_last_stage and not self.is_first_stage,
             ignore_prefixes=self.ignore_prefixes(prefix),
-            tp_size=self.plan.request.parallel.tp_size, tp_rank=self.plan.request.parallel.tp_rank,
-            tp_split_experts=split_experts)
+            tp_size=self.plan.request.parallel.tp_size, tp_rank=self.plan.request.parallel.tp_rank)
 
     def tie_weights(self) -> None:
         pass  # a tied head reads model.embed_tokens.weight directly (see _head)

@@ -14,14 +14,9 @@ from .deepseek_v3 import DeepseekV3Config, DeepseekV3DecoderLayer
 from .nextn import NextNDraft, mtp_config
 
 
-def nextn_config(d: dict) -> DeepseekV3Config:
-    """The target's DeepSeek-V3 config, with the one MTP layer (id num_hidden_layers) as the MoE layer."""
-    return mtp_config(d, DeepseekV3Config.from_hf(d, "DeepseekV3ForCausalLMNextN"))
-
-
 class DeepseekV3ForCausalLMNextN(NextNDraft):
     ARCHITECTURE = "DeepseekV3ForCausalLMNextN"
 
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        cfg = nextn_config(hf_config)
+        cfg = mtp_config(hf_config, DeepseekV3Config.from_hf(hf_config, self.ARCHITECTURE))
         super().__init__(cfg, plan, DeepseekV3DecoderLayer, cfg.qk_rope_head_dim, dtype)

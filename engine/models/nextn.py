@@ -125,11 +125,9 @@ class NextNDraft(nn.Module):
 
     # -- loading ---------------------------------------------------------------
     def weight_layout(self) -> WeightLayout:
-        ex = self.mtp.mlp.experts
         mtp = f"model.layers.{self.config.num_hidden_layers}."
         return WeightLayout(
-            n_routed=self.n_routed, num_fused_shared=ex.num_fused_shared_experts,
-            local_experts=(ex.local_start, ex.local_start + ex.num_local_experts), num_physical=ex.num_physical,
+            n_routed=self.n_routed, **self.mtp.mlp.experts.weight_layout_fields(),
             # The target's decoder layers fall outside the range (the target runner holds them); its
             # embedding, final norm and head are named here: the MTP layer has its own.
             layer_range=self.layer_range, has_embed=True, has_head=False,
@@ -138,8 +136,7 @@ class NextNDraft(nn.Module):
             # without the layer's own copies gives the target's.
             shared_from=((f"{mtp}embed_tokens.weight", "model.embed_tokens.weight"),
                          (f"{mtp}shared_head.head.weight", "lm_head.weight")),
-            tp_size=self.plan.request.parallel.tp_size, tp_rank=self.plan.request.parallel.tp_rank,
-            tp_split_experts=ex.tp.size > 1)
+            tp_size=self.plan.request.parallel.tp_size, tp_rank=self.plan.request.parallel.tp_rank)
 
     def tie_weights(self) -> None:
         pass

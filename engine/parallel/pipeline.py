@@ -70,22 +70,18 @@ class PipelineModel(nn.Module):
 
         g = self.grid
         device = input_ids.device
-        if g.is_first_stage:
-            x = None
+        x = None if g.is_first_stage else recv_tensors(g.prev_stage_rank, device=device)[0]
+        ids = input_ids if x is None else None          # a later stage takes the previous one's hidden states
+        if g.is_last_stage and with_hidden:
+            logits, hidden = self.stage.logits_and_hidden(ids, input_pos, hidden_states=x)
+        elif g.is_last_stage:
+            logits, hidden = self.stage(ids, input_pos, hidden_states=x), None
         else:
-            (x,) = recv_tensors(g.prev_stage_rank, device=device)
-        if not g.is_last_stage:
-            out = self.stage(input_ids, input_pos) if x is None else self.stage(None, input_pos, hidden_states=x)
+            out = self.stage(ids, input_pos, hidden_states=x)
             send_tensors([out], g.next_stage_rank)
             B, T = input_ids.shape
             logits = torch.empty(B, T, self.vocab_size, dtype=out.dtype, device=device)
             hidden = torch.zeros_like(out)
-        elif with_hidden:
-            logits, hidden = self.stage.logits_and_hidden(input_ids if x is None else None, input_pos,
-                                                          hidden_states=x)
-        else:
-            logits = self.stage(input_ids, input_pos) if x is None else self.stage(None, input_pos, hidden_states=x)
-            hidden = None
         dist.broadcast(logits, src=self._last_rank, group=g.pp_group)
         return (logits, hidden) if with_hidden else logits
 
@@ -129,7 +125,7 @@ class PipelineDraft(nn.Module):
         else:
             B, T = input_ids.shape
             logits = torch.empty(B, T, self.vocab_size, dtype=hidden_states.dtype, device=input_ids.device)
-            out = torch.zeros(B, T, hidden_states.shape[-1], dtype=hidden_states.dtype, device=input_ids.device)
+            out = torch.zeros_like(hidden_states)          # [B, T, D], as a NextN draft takes them
         dist.broadcast(logits, src=self._last_rank, group=self.grid.pp_group)
         return logits, out
 
