@@ -12,6 +12,11 @@ along one dimension into tp_size equal parts and this rank reads part tp_rank (t
 shape checked is the part's); every other tensor is read whole (replicated), and so are
 the routed experts with `tp_split_experts` False (the a2a path: engine/moe.py).
 
+A family whose checkpoints spell some tensors differently (Mixtral's
+`block_sparse_moe.experts.{e}.w1`) gives a `CheckpointNames` table: those names are
+read as the engine's spelling first, and a missing tensor is named as its checkpoint
+would spell it.
+
 Fused layout (DESIGN 5.3): with `num_fused_shared > 0`, `mlp.shared_expert(s).*`
 goes to expert slot `n_routed` (a checkpoint that is already pre-fused, holding
 `mlp.experts.{n_routed}.*`, is accepted too: one or the other, not both). Unfused,
@@ -54,6 +59,45 @@ class LayoutMismatch(WeightError):
     """Fused-layout weights for an unfused model, or the reverse."""
 
 
+class CheckpointNames:
+    """A family's checkpoint spellings <-> the engine's, as `(checkpoint, engine)` suffix templates
+    (`"block_sparse_moe.experts.{e}.w1.weight"`, `"mlp.experts.{e}.gate_proj.weight"`): a name that
+    ends with one template, after a dot, is the other with the same head and the same `{e}`. Pure."""
+
+    def __init__(self, pairs: tuple[tuple[str, str], ...]):
+        self.pairs = pairs
+        self._to_engine = [(self._pattern(ckpt), engine) for ckpt, engine in pairs]
+        self._to_checkpoint = [(self._pattern(engine), ckpt) for ckpt, engine in pairs]
+
+    @staticmethod
+    def _pattern(template: str) -> re.Pattern:
+        body = re.escape(template).replace(re.escape("{e}"), r"(?P<e>\d+)")
+        return re.compile(rf"^(?P<head>(?:.*\.)?){body}$")
+
+    @staticmethod
+    def _apply(table: list[tuple[re.Pattern, str]], name: str) -> str:
+        for pattern, other in table:
+            m = pattern.match(name)
+            if m:
+                return m["head"] + (other.replace("{e}", m["e"]) if "{e}" in other else other)
+        return name
+
+    def to_engine(self, name: str) -> str:
+        return self._apply(self._to_engine, name)
+
+    def to_checkpoint(self, name: str) -> str:
+        return self._apply(self._to_checkpoint, name)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, CheckpointNames) and other.pairs == self.pairs
+
+    def __hash__(self) -> int:
+        return hash(self.pairs)
+
+    def __repr__(self) -> str:
+        return f"CheckpointNames({self.pairs!r})"
+
+
 @dataclass(frozen=True)
 class WeightLayout:
     """What the remapping needs to know about the model the plan built (one runner)."""
@@ -74,6 +118,7 @@ class WeightLayout:
     tp_size: int = 1                            # plan: parallel.tp_size / tp_rank (TP_SPLITS)
     tp_rank: int = 0
     tp_split_experts: bool = True               # False: routed experts whole on every TP rank (the a2a path)
+    names: CheckpointNames | None = None        # the family's own spellings (None: the engine's)
 
 
 @dataclass(frozen=True)
@@ -151,6 +196,8 @@ _STACKED = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
 
 def remap(name: str, layout: WeightLayout) -> Target:
     """The engine parameter (and expert slot / half) of checkpoint tensor `name`. Pure."""
+    if layout.names is not None:
+        name = layout.names.to_engine(name)
     for pattern, make in RULES:
         m = pattern.match(name)
         if m:
@@ -197,6 +244,11 @@ def _global_id(slot: int, layout: WeightLayout) -> int:
 
 def _checkpoint_name(param: str, expert: int | None, part: str | None, layout: WeightLayout) -> str:
     """The checkpoint name(s) a missing target would have had, for error messages."""
+    name = _engine_spelling(param, expert, part, layout)
+    return name if layout.names is None else layout.names.to_checkpoint(name)
+
+
+def _engine_spelling(param: str, expert: int | None, part: str | None, layout: WeightLayout) -> str:
     if expert is None:
         if param.endswith("lm_head.weight") and layout.lm_head_from_embed:
             return param[: -len("lm_head.weight")] + "model.embed_tokens.weight"

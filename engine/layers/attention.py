@@ -5,6 +5,8 @@ and RMSNorm on each head of q and k before the rotary embedding (`qk_norm`).
 GLM-4-MoE: bias on q/k/v, optional qk_norm, and partial rotary: only the first
 `rotary_dim` features of each head are rotated (the rest pass through), as
 transformers' apply_rotary_pos_emb does when cos/sin are narrower than the head.
+Mixtral: `sliding_window` W, a query at position i sees keys j with i - W < j <= i
+(transformers' sliding_window_causal_mask_function).
 Under tensor parallelism (`tp`, engine/parallel/tensor.py) a rank holds H / tp_size heads
 and H_kv / tp_size key/value heads (q/k/v split by output features, o_proj by input
 features): its o_proj output is a partial sum, all-reduced over the TP group before
@@ -27,8 +29,12 @@ from .rope import apply_rotary
 class GQAttention(nn.Module):
     def __init__(self, hidden_size: int, n_heads: int, n_kv_heads: int, head_dim: int, *, qkv_bias: bool,
                  o_bias: bool, qk_norm: bool, rms_norm_eps: float, rotary_dim: int | None = None,
-                 dtype: torch.dtype | None = None, tp: TensorParallel | None = None):
+                 dtype: torch.dtype | None = None, tp: TensorParallel | None = None,
+                 sliding_window: int | None = None):
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window={sliding_window} must be >= 1")
+        self.sliding_window = sliding_window
         if n_heads % n_kv_heads:
             raise ValueError(f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv_heads}")
         rotary_dim = head_dim if rotary_dim is None else rotary_dim
@@ -67,13 +73,24 @@ class GQAttention(nn.Module):
             if input_pos is None:
                 raise ValueError("a KV cache is set up: pass input_pos")
             k, v = self.kv_cache.update(input_pos, k, v)                  # [B, H_kv, S_max, hd]
-            keys = torch.arange(k.shape[2], device=x.device)
-            mask = keys[None, :] <= input_pos[:, None]                    # [T, S_max]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(input_pos, k.shape[2]),
+                                               scale=self.scale, enable_gqa=gqa)
+        elif self.sliding_window is not None and T > self.sliding_window:
+            mask = self._mask(torch.arange(T, device=x.device), T)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scale, enable_gqa=gqa)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)   # [B, T, H * hd]
         return self.tp.output_projection(self.o_proj, y)                    # [B, T, D]: every rank's heads
+
+    def _mask(self, query_pos: torch.Tensor, n_keys: int) -> torch.Tensor:
+        """[T, S] True where the query at query_pos[t] sees key position s: causal, within the window."""
+        keys = torch.arange(n_keys, device=query_pos.device)[None, :]       # [1, S]
+        pos = query_pos[:, None]                                            # [T, 1]
+        mask = keys <= pos
+        if self.sliding_window is not None:
+            mask &= keys > pos - self.sliding_window
+        return mask
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, H, T, hd]: its first rotary_dim features rotated, the others as they are."""

@@ -38,9 +38,10 @@ class RopeConfig:
     partial_rotary_factor: float = 1.0
 
 
-def rope_config_from_hf(hf_config: Mapping[str, Any], *, partial_rotary_factor: float = 1.0) -> RopeConfig:
-    """Read either spelling of a HF config.json (a dict) into a RopeConfig. `partial_rotary_factor`: the
-    family's value where the config does not give one (GLM-4-MoE: 0.5)."""
+def rope_config_from_hf(hf_config: Mapping[str, Any], *, partial_rotary_factor: float = 1.0,
+                        default_theta: float = 10000.0) -> RopeConfig:
+    """Read either spelling of a HF config.json (a dict) into a RopeConfig. `partial_rotary_factor` and
+    `default_theta`: the family's values where the config does not give them (GLM-4-MoE: 0.5; Mixtral: 1e6)."""
     params = hf_config.get("rope_parameters")
     scaling = hf_config.get("rope_scaling")
     # HF gives rope_scaling priority when both exist (convert_rope_params_to_dict).
@@ -48,7 +49,7 @@ def rope_config_from_hf(hf_config: Mapping[str, Any], *, partial_rotary_factor: 
     if "full_attention" in p and isinstance(p["full_attention"], Mapping):
         # rope_parameters nested by layer type; these families use one kind of layer.
         p = dict(p["full_attention"])
-    theta = p.get("rope_theta", hf_config.get("rope_theta", 10000.0))
+    theta = p.get("rope_theta", hf_config.get("rope_theta", default_theta))
     rope_type = p.get("rope_type", p.get("type", "default"))
     partial = p.get("partial_rotary_factor", hf_config.get("partial_rotary_factor")) or partial_rotary_factor
     if rope_type not in SUPPORTED_ROPE_TYPES:

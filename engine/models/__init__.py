@@ -36,7 +36,9 @@ Loading
 - `weight_layout() -> engine.weights.WeightLayout`: what the name remapping needs
   (n_routed, fused slots, local experts, stage, tied head, ignored prefixes).
   Checkpoint names follow the Hub; engine parameter names equal them except for the
-  stacked experts (engine/weights.py, RULES), so most models need nothing else.
+  stacked experts (engine/weights.py, RULES), so most models need nothing else. A family
+  whose checkpoints spell tensors otherwise sets `CHECKPOINT_NAMES` (a
+  `weights.CheckpointNames` table; mixtral.py).
 - `tie_weights()`: called after the state dict is assigned (tied embeddings).
 
 Running

@@ -19,7 +19,7 @@ from torch import nn
 from ...plan import Keys
 from ..layers.norm import RMSNorm
 from ..layers.rope import RotaryEmbedding
-from ..weights import WeightLayout
+from ..weights import CheckpointNames, WeightLayout
 from . import ExpertWeightsView, PPMissingLayer
 
 
@@ -63,9 +63,11 @@ class CausalLM(nn.Module):
     `super().__init__(cfg, plan, its DecoderLayer, n_routed=..., rope_head_dim=..., dtype=dtype)`.
     `TENSOR_PARALLEL`: the family's layers split themselves over the plan's TP ranks
     (engine/parallel/tensor.py) and `weights.TP_SPLITS` names their split tensors; the loader
-    refuses tp_size > 1 for the others."""
+    refuses tp_size > 1 for the others. `CHECKPOINT_NAMES`: where the family's checkpoints spell a tensor
+    otherwise than the engine (weights.CheckpointNames)."""
 
     TENSOR_PARALLEL = False
+    CHECKPOINT_NAMES: CheckpointNames | None = None   # the family's own checkpoint spellings (weights.py)
 
     def __init__(self, cfg, plan, decoder_layer: type[DecoderLayer], *, n_routed: int, rope_head_dim: int,
                  dtype: torch.dtype):
@@ -110,7 +112,8 @@ class CausalLM(nn.Module):
             layer_range=self.layer_range, has_embed=self.is_first_stage, has_head=self.is_last_stage,
             lm_head_from_embed=self.config.tie_word_embeddings and self.is_last_stage and not self.is_first_stage,
             ignore_prefixes=self.ignore_prefixes(prefix),
-            tp_size=self.plan.request.parallel.tp_size, tp_rank=self.plan.request.parallel.tp_rank)
+            tp_size=self.plan.request.parallel.tp_size, tp_rank=self.plan.request.parallel.tp_rank,
+            names=self.CHECKPOINT_NAMES)
 
     def tie_weights(self) -> None:
         pass  # a tied head reads model.embed_tokens.weight directly (see _head)

@@ -51,6 +51,7 @@ class QwenMoeConfig:
     qk_norm: bool                       # Qwen3: RMSNorm per head on q and k
     shared_expert_intermediate_size: int = 0   # Qwen2-MoE; 0 = no shared expert
     moe_layers: tuple[int, ...] = field(default=())
+    sliding_window: int | None = None          # Mixtral's (models/mixtral.py); the Qwen families refuse theirs
 
     @classmethod
     def from_hf(cls, d: dict, architecture: str) -> "QwenMoeConfig":
@@ -150,7 +151,7 @@ class QwenDecoderLayer(DecoderLayer):
         tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
         attn = GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                            qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, qk_norm=cfg.qk_norm,
-                           rms_norm_eps=cfg.rms_norm_eps, dtype=dtype, tp=tp)
+                           rms_norm_eps=cfg.rms_norm_eps, dtype=dtype, tp=tp, sliding_window=cfg.sliding_window)
         if layer_id in cfg.moe_layers:
             mlp = QwenSparseMoeBlock(cfg, plan, layer_id, dtype)
         else:

@@ -66,6 +66,7 @@ FAMILIES: dict[str, Family] = {
         Family("glm4_moe_nextn", layouts.deepseek_nextn_layout, gates.glm4_moe_gate, True),
         Family("qwen2_moe", lambda c: layouts.qwen_moe_layout(c, shared=True), gates.qwen2_moe_gate, True),
         Family("qwen3_moe", lambda c: layouts.qwen_moe_layout(c, shared=False), None, False),
+        Family("mixtral", layouts.mixtral_layout, None, False),
     )
 }
 
@@ -77,6 +78,7 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "Glm4MoeForCausalLMNextN": Direct("glm4_moe_nextn", fused_architecture="Glm4MoeForCausalLMNextN"),
     "Qwen2MoeForCausalLM": Direct("qwen2_moe"),
     "Qwen3MoeForCausalLM": Direct("qwen3_moe"),
+    "MixtralForCausalLM": Direct("mixtral"),
     "KimiK25ForConditionalGeneration": Wrapper("DeepseekV3ForCausalLM", "text_config", _top_level_quantization),
 }
 

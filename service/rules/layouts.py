@@ -3,6 +3,7 @@
 Conventions follow the architectures' reference implementations:
 - DeepSeek/GLM: layer i is MoE iff i >= first_k_dense_replace and i % moe_layer_freq == 0.
 - Qwen2/Qwen3-MoE: layer i is MoE iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0.
+- Mixtral: every layer is MoE (num_local_experts routed experts, no shared expert).
 - A NextN draft has num_nextn_predict_layers MoE layers numbered after the target's.
 """
 
@@ -64,6 +65,15 @@ def qwen_moe_layout(cfg: ConfigView, *, shared: bool) -> MoeLayout:
         n_shared = 1
     moe = tuple(i for i in range(n_layers) if i not in mlp_only and (i + 1) % step == 0)
     return MoeLayout(tuple(range(n_layers)), moe, n_routed, n_shared, top_k)
+
+
+def mixtral_layout(cfg: ConfigView) -> MoeLayout:
+    n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
+    n_routed = cfg.int("num_local_experts", minimum=1)
+    top_k = cfg.int("num_experts_per_tok", minimum=1)
+    _check_top_k(cfg, top_k, n_routed)
+    layers = tuple(range(n_layers))
+    return MoeLayout(layers, layers, n_routed, 0, top_k)
 
 
 def _check_top_k(cfg: ConfigView, top_k: int, n_routed: int) -> None:

@@ -169,8 +169,9 @@ FP8_MAX = 448.0           # float8_e4m3fn
 
 
 def _quantized(name: str, t: torch.Tensor) -> bool:
-    """What DeepSeek's FP8 checkpoint quantizes: the linear layers' matrices, not the router, embedding or head."""
-    return t.dim() == 2 and name.endswith("proj.weight")
+    """What DeepSeek's FP8 checkpoint quantizes: the linear layers' matrices, not the router, embedding or head
+    (Mixtral's experts are spelled w1/w2/w3)."""
+    return t.dim() == 2 and (name.endswith("proj.weight") or name.endswith((".w1.weight", ".w2.weight", ".w3.weight")))
 
 
 def _quantize(w: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -318,6 +319,18 @@ DEEPSEEK_V2_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, mo
 def make_deepseek_v2_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     """Save a random DeepSeek-V2 of `config` (transformers' DeepseekV2Config kwargs)."""
     return _save_random_model(path, "DeepseekV2", seed, config)
+
+
+# Mixtral: 8 experts, top-2, every layer sparse; 3 layers so that two pipeline stages have uneven shares.
+MIXTRAL_TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+                    num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256,
+                    rms_norm_eps=1e-5)
+
+
+def make_mixtral_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random Mixtral of MIXTRAL_TINY updated with `config` (transformers' MixtralConfig kwargs): the
+    Hub's spelling, block_sparse_moe.experts.{e}.w1/w2/w3."""
+    return _save_random_model(path, "Mixtral", seed, dict(MIXTRAL_TINY, **config))
 
 
 def hf_reference(path: Path, arch: str):

@@ -60,10 +60,11 @@ def _checkpoint(name: str, family: str, root: Path) -> tuple[Path, Path, dict]:
 
 
 CASES = [("deepseek-v3", "DeepseekV3"), ("kimi-k2", "DeepseekV3"), ("glm-4.5", "Glm4Moe"),
-         ("qwen1.5-moe-a2.7b", "Qwen2Moe"), ("qwen3-30b-a3b", "Qwen3Moe")]
+         ("qwen1.5-moe-a2.7b", "Qwen2Moe"), ("qwen3-30b-a3b", "Qwen3Moe"), ("mixtral-8x7b", "Mixtral")]
 # What the plan decides for each, on one CPU rank (DESIGN 5.2): DeepSeek-V3's 256 experts fuse; Kimi-K2's 384
-# need quark; GLM-4.5 fuses; Qwen1.5-MoE's shared expert is 4x wider than its experts; Qwen3 has none.
-FUSES = {"deepseek-v3": True, "kimi-k2": False, "glm-4.5": True, "qwen1.5-moe-a2.7b": False, "qwen3-30b-a3b": False}
+# need quark; GLM-4.5 fuses; Qwen1.5-MoE's shared expert is 4x wider than its experts; Qwen3 and Mixtral have none.
+FUSES = {"deepseek-v3": True, "kimi-k2": False, "glm-4.5": True, "qwen1.5-moe-a2.7b": False, "qwen3-30b-a3b": False,
+         "mixtral-8x7b": False}
 
 
 @pytest.mark.parametrize("name, family", CASES)

@@ -1,5 +1,5 @@
 """Expert parallelism on 2 gloo ranks: every backend of the registry's table gives the single-process
-logits and greedy tokens, fused and unfused where the plan allows; a forced post-experts all-reduce on
+logits and greedy tokens (Qwen3-MoE, Mixtral, DeepSeek-V2/V3 and its NextN draft, GLM-4-MoE), fused and unfused where the plan allows; a forced post-experts all-reduce on
 the a2a path (the double-reduction bug of DESIGN 1) is visible in the logits.
 
 One launch per model: the ranks loop over the backends (a launch costs seconds, a load a fraction)."""
@@ -13,7 +13,7 @@ from loadplan.engine.parallel.launch import launch
 from loadplan.plan import Keys
 from loadplan.service.rules.backends import BACKENDS
 
-from parallel_helpers import DEEPSEEK, DEEPSEEK_V2, GLM4, QWEN3, make_model, single_process
+from parallel_helpers import DEEPSEEK, DEEPSEEK_V2, GLM4, MIXTRAL, QWEN3, make_model, single_process
 
 EP = 2
 N_NEW = 4
@@ -123,6 +123,11 @@ def qwen3(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("mixtral"), MIXTRAL)
+
+
+@pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("ds"), DEEPSEEK)
 
@@ -145,6 +150,18 @@ def test_qwen3_moe_every_backend_on_two_ranks_matches_one_process_and_sees_a_dou
     for r in (0, 1):
         c = by_rank[r][("mori", None)]
         assert c["path"] == "a2a" and c["all_reduce"] is False
+        wrong = (c["double_reduced"] - ref_logits).abs().max().item()
+        assert wrong > 1e-2, "an extra all-reduce after the a2a combine must change the logits"
+
+
+def test_mixtral_every_backend_on_two_ranks_matches_one_process_and_sees_a_double_reduction(mixtral):
+    """The Hub's block_sparse_moe spelling, each rank reading its 4 of the 8 experts."""
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(5))
+    ref_logits, ref_tokens = single_process(mixtral, ids, N_NEW)
+    results = launch(EP, _ep_ranks, mixtral, ids, (None,), "nixl", timeout_s=180)
+    by_rank = _check(results, ref_logits, ref_tokens, None)
+    for r in (0, 1):
+        c = by_rank[r][("nixl", None)]
         wrong = (c["double_reduced"] - ref_logits).abs().max().item()
         assert wrong > 1e-2, "an extra all-reduce after the a2a combine must change the logits"
 

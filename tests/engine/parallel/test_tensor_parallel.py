@@ -1,6 +1,6 @@
 """Tensor parallelism on gloo ranks: each rank holds its share of the attention heads, the dense MLP's
 and every expert's intermediate features (checked on the built layers), and TP=2 gives the single
-process's logits and greedy tokens for Qwen3-MoE (a dense layer and o_proj's bias included),
+process's logits and greedy tokens for Qwen3-MoE (a dense layer and o_proj's bias included), Mixtral,
 Qwen2-MoE, GLM-4-MoE, DeepSeek-V3 and DeepSeek-V2 (Multi-head Latent Attention), shared experts
 fused and unfused; TP=2 x PP=2 too; DeepSeek-V3's NextN draft on TP ranks drafts as on one process.
 EP 2 x TP 2 on 4 ranks too. Every a2a backend on TP 2 and on EP 2 x TP 2: experts whole on each TP
@@ -17,7 +17,7 @@ from loadplan.plan import Keys
 from loadplan.service.rules.backends import BACKENDS
 
 from engine_helpers import LocalRegistry, make_checkpoint
-from parallel_helpers import DEEPSEEK, DEEPSEEK_V2, GLM4, QWEN2, QWEN3, make_model, single_process
+from parallel_helpers import DEEPSEEK, DEEPSEEK_V2, GLM4, MIXTRAL, QWEN2, QWEN3, make_model, single_process
 
 N_NEW = 4
 TOL = 1e-4
@@ -26,7 +26,7 @@ INTENTS = {None: {}, "enforce": {"enforce_shared_experts_fusion": True},
 # (name, arch, fusion intent): Qwen3-MoE has no shared expert.
 CASES = [("qwen3", QWEN3, None), ("qwen2", QWEN2, "enforce"), ("qwen2", QWEN2, "disable"),
          ("glm4", GLM4, "enforce"), ("glm4", GLM4, "disable"), ("deepseek", DEEPSEEK, "enforce"),
-         ("deepseek", DEEPSEEK, "disable"), ("deepseek_v2", DEEPSEEK_V2, None)]
+         ("deepseek", DEEPSEEK, "disable"), ("deepseek_v2", DEEPSEEK_V2, None), ("mixtral", MIXTRAL, None)]
 
 
 def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
@@ -73,6 +73,7 @@ def paths(tmp_path_factory):
         "glm4": make_model(tmp_path_factory.mktemp("glm"), GLM4),
         "deepseek": make_model(tmp_path_factory.mktemp("ds"), DEEPSEEK),
         "deepseek_v2": make_model(tmp_path_factory.mktemp("ds2"), DEEPSEEK_V2),
+        "mixtral": make_model(tmp_path_factory.mktemp("mixtral"), MIXTRAL),
     }
 
 
@@ -106,6 +107,7 @@ def test_two_tp_ranks_give_the_single_process_logits_and_tokens(paths, ids, refe
     assert by_name["qwen3"]["expert_inter"] == {16} and by_name["qwen3"]["dense_inter"] == {48}
     assert ranks[0][2]["name"] == "qwen2" and ranks[0][2]["dense_inter"] == {32}      # replicated shared expert
     assert by_name["glm4"]["expert_inter"] == {8}
+    assert by_name["mixtral"]["heads"] == {(2, 1, 32)} and by_name["mixtral"]["expert_inter"] == {16}
     # MLA: half the heads and their kv_b_proj rows; the latent projection stays whole.
     (heads, kv_b_rows, kv_a_rows), = by_name["deepseek"]["mla_heads"]
     assert (heads, kv_b_rows, kv_a_rows) == (1, 1 * (8 + 12), 16 + 8)     # of 2 heads; nope 8 + v 12; lora 16 + rope 8
@@ -118,7 +120,7 @@ def _ep_tp_ranks(rank, world_size, paths, ids):
     from engine_helpers import LocalRegistry
 
     grid, out = None, []
-    for name, intent in (("qwen3", None), ("deepseek", "enforce"), ("deepseek", "disable")):
+    for name, intent in (("qwen3", None), ("deepseek", "enforce"), ("deepseek", "disable"), ("mixtral", None)):
         spec = WorkerSpec(model=paths[name], prompt_ids=(), max_new_tokens=0, ep_size=2, tp_size=2,
                           runtime=INTENTS[intent])
         grid = grid or init_rank(spec)
@@ -146,8 +148,8 @@ def test_ep_and_tp_together_give_the_single_process_logits(paths, ids, reference
             if case["intent"]:
                 assert case["fused"] == (case["intent"] == "enforce"), where
                 assert case["scale"] == (0.5 if case["fused"] else 1.0), where
-        qwen3 = cases[0]
-        assert qwen3["experts"] == (4 * qwen3["ranks"][0], 4, 16)     # 8 experts over EP 2; 32 features over TP 2
+        for moe in (cases[0], cases[3]):                               # Qwen3-MoE and Mixtral
+            assert moe["experts"] == (4 * moe["ranks"][0], 4, 16)      # 8 experts over EP 2; 32 features over TP 2
 
 
 def test_tp_within_pipeline_stages(paths, ids, references):

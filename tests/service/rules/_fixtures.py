@@ -13,7 +13,7 @@ from loadplan.plan import Keys, Parallel, ResolveRequest, Runtime
 from loadplan.service.rules.resolve import Resolution, resolve_decisions
 
 CONFIGS = Path(__file__).resolve().parents[2] / "data" / "configs"
-REAL_CONFIGS = ("deepseek-v3", "kimi-k2", "glm-4.5", "qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "kimi-k2.5")
+REAL_CONFIGS = ("deepseek-v3", "kimi-k2", "glm-4.5", "qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "kimi-k2.5", "mixtral-8x7b")
 
 _PARALLEL = {f.name for f in dataclasses.fields(Parallel)}
 _RUNTIME = {f.name for f in dataclasses.fields(Runtime)}
@@ -48,6 +48,13 @@ def qwen2(**over: Any) -> dict[str, Any]:
 def qwen3(**over: Any) -> dict[str, Any]:
     cfg = {"architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 4, "num_experts": 128,
            "num_experts_per_tok": 8}
+    cfg.update(over)
+    return cfg
+
+
+def mixtral(**over: Any) -> dict[str, Any]:
+    cfg = {"architectures": ["MixtralForCausalLM"], "num_hidden_layers": 4, "num_local_experts": 8,
+           "num_experts_per_tok": 2}
     cfg.update(over)
     return cfg
 

@@ -6,9 +6,9 @@ import pytest
 
 from loadplan.service.errors import InvalidArgument
 from loadplan.service.rules.config_view import ConfigView
-from loadplan.service.rules.layouts import deepseek_layout, deepseek_nextn_layout, qwen_moe_layout
+from loadplan.service.rules.layouts import deepseek_layout, deepseek_nextn_layout, mixtral_layout, qwen_moe_layout
 
-from ._fixtures import deepseek, qwen2, qwen3
+from ._fixtures import deepseek, mixtral, qwen2, qwen3
 
 
 @pytest.mark.parametrize("n,first_dense,freq,moe", [
@@ -98,3 +98,22 @@ def test_qwen_expert_count_under_either_spelling():
     with pytest.raises(InvalidArgument) as e:
         qwen_moe_layout(ConfigView(neither), shared=False)
     assert e.value.field == "config.num_experts"
+
+
+def test_mixtral_every_layer_is_moe_with_its_local_experts():
+    lay = mixtral_layout(ConfigView(mixtral(num_hidden_layers=5, num_local_experts=16, num_experts_per_tok=4)))
+    assert lay.layer_ids == lay.moe_layers == (0, 1, 2, 3, 4)
+    assert (lay.n_routed, lay.n_shared, lay.top_k) == (16, 0, 4)
+
+
+@pytest.mark.parametrize("field,over", [("num_local_experts", {"num_local_experts": None}),
+                                        ("num_local_experts", {"num_local_experts": 0}),
+                                        ("num_experts_per_tok", {"num_experts_per_tok": 9}),
+                                        ("num_hidden_layers", {"num_hidden_layers": "32"})])
+def test_mixtral_bad_fields_are_named(field, over):
+    cfg = mixtral(**over)
+    if over.get(field, 0) is None:
+        del cfg[field]
+    with pytest.raises(InvalidArgument) as e:
+        mixtral_layout(ConfigView(cfg))
+    assert e.value.field == f"config.{field}"

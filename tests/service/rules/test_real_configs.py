@@ -27,6 +27,7 @@ def decide(name, **kw):
     ("glm-4.5", "Glm4MoeForCausalLM", "n_routed_experts", 160),
     ("qwen3-30b-a3b", "Qwen3MoeForCausalLM", "num_experts", 128),
     ("qwen1.5-moe-a2.7b", "Qwen2MoeForCausalLM", "num_experts", 60),
+    ("mixtral-8x7b", "MixtralForCausalLM", "num_local_experts", 8),
 ])
 def test_fixtures_are_the_published_shapes(name, arch, routed_field, n_routed):
     cfg = load_config(name)
@@ -190,6 +191,21 @@ def test_qwen3_30b_has_no_shared_experts():
     assert d[Keys.NUM_LOCAL_EXPERTS].value == 16
     assert d[Keys.EPLB_LAYERS].value == list(range(48))
     assert d[Keys.POST_EXPERTS_ALL_REDUCE].value is True
+
+
+# --- Mixtral-8x7B: 8 experts, top-2, every layer sparse, no shared expert -------------------
+
+def test_mixtral_8x7b_over_eight_ep_ranks_on_deepep():
+    res, d = decide("mixtral-8x7b", ep_size=8, ep_rank=5, a2a_backend="deepep", enable_eplb=True)
+    f = d[Keys.SHARED_EXPERTS_FUSION]
+    assert (f.value, f.rule, f.reason) == (False, "mixtral.no_shared_experts", "no shared experts")
+    assert d[Keys.NUM_FUSED_SHARED_EXPERTS].value == 0
+    assert d[Keys.NUM_LOCAL_EXPERTS].value == 1
+    assert d[Keys.EPLB_LAYERS].value == list(range(32))
+    assert d[Keys.FORWARD_PATH].value == "a2a"
+    assert d[Keys.POST_EXPERTS_ALL_REDUCE].value is False
+    with pytest.raises(FailedPrecondition):   # 8 experts do not spread over 16 ranks without redundant ones
+        decide("mixtral-8x7b", ep_size=16)
 
 
 # --- Qwen1.5-MoE-A2.7B: shared 5632 vs routed 1408 -----------------------------------------
