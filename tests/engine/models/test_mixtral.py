@@ -126,13 +126,15 @@ def _copy(ckpt, dst, edit):
 def test_a_missing_expert_is_named_as_the_checkpoint_spells_it(ckpt, tmp_path):
     gone = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
     bad = _copy(ckpt, tmp_path / "bad", lambda t: t.pop(gone))
-    with pytest.raises(MissingTensor, match=r"1 tensor\(s\) missing from the checkpoint, e\.g\. " + gone.replace(".", r"\.")):
+    with pytest.raises(MissingTensor, match=r"1 tensor\(s\) missing from the checkpoint, e\.g\. (\S+)$") as err:
         load_local(bad)
+    assert str(err.value).endswith(f"e.g. {gone}")
 
 
 def test_one_tensor_in_both_spellings_is_refused(ckpt, tmp_path):
     def both(t):
-        t["model.layers.0.mlp.experts.2.gate_proj.weight"] = t["model.layers.0.block_sparse_moe.experts.2.w1.weight"].clone()
+        w1 = t["model.layers.0.block_sparse_moe.experts.2.w1.weight"]
+        t["model.layers.0.mlp.experts.2.gate_proj.weight"] = w1.clone()
     with pytest.raises(DuplicateTensor, match="experts.2"):
         load_local(_copy(ckpt, tmp_path / "both", both))
 

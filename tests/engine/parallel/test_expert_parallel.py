@@ -1,6 +1,7 @@
 """Expert parallelism on 2 gloo ranks: every backend of the registry's table gives the single-process
-logits and greedy tokens (Qwen3-MoE, Mixtral, DeepSeek-V2/V3 and its NextN draft, GLM-4-MoE), fused and unfused where the plan allows; a forced post-experts all-reduce on
-the a2a path (the double-reduction bug of DESIGN 1) is visible in the logits.
+logits and greedy tokens (Qwen3-MoE, Mixtral, DeepSeek-V2/V3 and its NextN draft, GLM-4-MoE), fused and
+unfused where the plan allows; a forced post-experts all-reduce on the a2a path (the double-reduction
+bug of DESIGN 1) is visible in the logits.
 
 One launch per model: the ranks loop over the backends (a launch costs seconds, a load a fraction)."""
 
