@@ -30,6 +30,8 @@ class Command:
 COMMANDS: dict[str, Command] = {
     "serve": Command("loadplan.cli.serve", "run the registry gRPC server", extra="service"),
     "migrate": Command("loadplan.cli.migrate", "create or upgrade the history database", extra="service"),
+    "prune": Command("loadplan.cli.prune", "delete plans older than a cutoff from the history database",
+                     extra="service"),
     "resolve": Command("loadplan.cli.resolve", "resolve the load plan of one runner from DIR/config.json"),
     "plans": Command("loadplan.cli.plans", "list, show and diff recorded plans"),
     "backends": Command("loadplan.cli.backends", "the a2a backend capability table"),
