@@ -144,6 +144,15 @@ def _check_runner_role(hf_config: dict, role: str) -> None:
                          f"--draft DIR`")
 
 
+def _check_config(hf_config: dict) -> None:
+    """Before any plan: config.json read as the declared entry class's family reads it, so a field the family
+    cannot run is refused by name with no plan recorded (an entry class the engine does not build is left to
+    the registry, which lists the known ones, and then to `build_model`)."""
+    entry = _declared_entry(hf_config)
+    if entry in ENGINE_ENTRY_CLASSES:
+        model_class(entry).parse_config(hf_config)
+
+
 def _check_tensor_parallel(hf_config: dict, tp_size: int) -> None:
     """Before any plan: only the families whose layers split themselves run with tp_size > 1."""
     entry = _declared_entry(hf_config)
@@ -172,6 +181,7 @@ def load_model(path: str | Path, *, registry: Any = None, role: str = "target", 
     hf_config = read_config(path)
     qconfig = hf_config.get("quantization_config")
     _check_runner_role(hf_config, role)
+    _check_config(hf_config)
     fmt, fmt_module, fmt_scheme = checkpoint_format(qconfig)     # refused by field before any plan is resolved
     if tp_size != 1:
         _check_tensor_parallel(hf_config, tp_size)

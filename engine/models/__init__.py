@@ -11,7 +11,9 @@ Construction
   is config.json as a dict; a wrapper hands `hf_config[config_field]` to its inner
   class (`engine.registry.ENGINE_WRAPPERS`). Parse it into a config dataclass
   (`from_hf`) that names every field the family uses and refuses what it cannot
-  run (e.g. sliding windows) with a message naming the field.
+  run (e.g. sliding windows) with a message naming the field. The entry class's
+  classmethod `parse_config(hf_config)` returns it: the loader calls it before the
+  plan is resolved, so a config the family cannot run records no plan.
 - The loader builds the model under `torch.device("meta")`. Layers read the plan
   (`plan.decisions[Keys.X].value`) in their constructor and keep what they need as
   plain attributes; reading the plan during forward raises (plan_guard.py). Model

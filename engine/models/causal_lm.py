@@ -69,6 +69,13 @@ class CausalLM(nn.Module):
     TENSOR_PARALLEL = False
     CHECKPOINT_NAMES: CheckpointNames | None = None   # the family's own checkpoint spellings (weights.py)
 
+    @classmethod
+    def parse_config(cls, hf_config: dict):
+        """config.json read as the family's config dataclass, refusing what the family cannot run by field.
+        The loader calls it before the plan is resolved (no plan is recorded for a runner that cannot be
+        built); the entry class's constructor builds from it."""
+        raise NotImplementedError(f"{cls.__name__} does not say how it reads its config (parse_config)")
+
     def __init__(self, cfg, plan, decoder_layer: type[DecoderLayer], *, n_routed: int, rope_head_dim: int,
                  dtype: torch.dtype):
         super().__init__()

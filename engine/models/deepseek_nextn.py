@@ -17,6 +17,10 @@ from .nextn import NextNDraft, mtp_config
 class DeepseekV3ForCausalLMNextN(NextNDraft):
     ARCHITECTURE = "DeepseekV3ForCausalLMNextN"
 
+    @classmethod
+    def parse_config(cls, hf_config: dict) -> DeepseekV3Config:
+        return mtp_config(hf_config, DeepseekV3Config.from_hf(hf_config, cls.ARCHITECTURE))
+
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        cfg = mtp_config(hf_config, DeepseekV3Config.from_hf(hf_config, self.ARCHITECTURE))
+        cfg = self.parse_config(hf_config)
         super().__init__(cfg, plan, DeepseekV3DecoderLayer, cfg.qk_rope_head_dim, dtype)

@@ -222,8 +222,12 @@ class DeepseekV3ForCausalLM(CausalLM):
     ARCHITECTURE = "DeepseekV3ForCausalLM"
     TENSOR_PARALLEL = True
 
+    @classmethod
+    def parse_config(cls, hf_config: dict) -> DeepseekV3Config:
+        return DeepseekV3Config.from_hf(hf_config, cls.ARCHITECTURE)
+
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        cfg = DeepseekV3Config.from_hf(hf_config, self.ARCHITECTURE)
+        cfg = self.parse_config(hf_config)
         super().__init__(cfg, plan, DeepseekV3DecoderLayer, n_routed=cfg.n_routed_experts,
                          rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype)
 
@@ -248,12 +252,22 @@ class KimiK25ForConditionalGeneration(nn.Module):
     TENSOR_PARALLEL = True            # its DeepSeek-V3 body's
     OTHER_TOWERS = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
 
-    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        super().__init__()
+    @staticmethod
+    def _text_config(hf_config: dict) -> dict:
         text = hf_config.get("text_config")
         if not isinstance(text, dict):
             raise ConfigError("config.text_config: missing (KimiK25ForConditionalGeneration builds its "
                               "DeepseekV3ForCausalLM from it)")
+        return text
+
+    @classmethod
+    def parse_config(cls, hf_config: dict) -> DeepseekV3Config:
+        """Its body's: text_config read as DeepSeek-V3's."""
+        return DeepseekV3ForCausalLM.parse_config(cls._text_config(hf_config))
+
+    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        text = self._text_config(hf_config)
         self.plan = plan
         self.dtype = dtype
         self.language_model = DeepseekV3ForCausalLM(text, plan, dtype=dtype)

@@ -132,8 +132,12 @@ class Glm4MoeDecoderLayer(DecoderLayer):
 
 class Glm4MoeForCausalLM(CausalLM):
     TENSOR_PARALLEL = True
+    @classmethod
+    def parse_config(cls, hf_config: dict) -> Glm4MoeConfig:
+        return Glm4MoeConfig.from_hf(hf_config)
+
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        cfg = Glm4MoeConfig.from_hf(hf_config)
+        cfg = self.parse_config(hf_config)
         super().__init__(cfg, plan, Glm4MoeDecoderLayer, n_routed=cfg.n_routed_experts, rope_head_dim=cfg.head_dim,
                          dtype=dtype)
 

@@ -20,6 +20,10 @@ from .nextn import NextNDraft, mtp_config
 class Glm4MoeForCausalLMNextN(NextNDraft):
     ARCHITECTURE = "Glm4MoeForCausalLMNextN"
 
+    @classmethod
+    def parse_config(cls, hf_config: dict) -> Glm4MoeConfig:
+        return mtp_config(hf_config, Glm4MoeConfig.from_hf(hf_config))
+
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        cfg = mtp_config(hf_config, Glm4MoeConfig.from_hf(hf_config))
+        cfg = self.parse_config(hf_config)
         super().__init__(cfg, plan, Glm4MoeDecoderLayer, cfg.head_dim, dtype)

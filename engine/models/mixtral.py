@@ -83,7 +83,11 @@ class MixtralForCausalLM(CausalLM):
     TENSOR_PARALLEL = True
     CHECKPOINT_NAMES = MIXTRAL_NAMES
 
+    @classmethod
+    def parse_config(cls, hf_config: dict) -> QwenMoeConfig:
+        return mixtral_config(hf_config)
+
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        cfg = mixtral_config(hf_config)
+        cfg = self.parse_config(hf_config)
         super().__init__(cfg, plan, QwenDecoderLayer, n_routed=cfg.num_experts, rope_head_dim=cfg.head_dim,
                          dtype=dtype)

@@ -96,6 +96,11 @@ class NextNDraft(nn.Module):
     drafts_from_target_hidden = True
     TENSOR_PARALLEL = True            # its decoder layer's; eh_proj, norms, embedding and head whole
 
+    @classmethod
+    def parse_config(cls, hf_config: dict):
+        """As `CausalLM.parse_config`: the family's config with its MTP layer (`mtp_config`)."""
+        raise NotImplementedError(f"{cls.__name__} does not say how it reads its config (parse_config)")
+
     def __init__(self, cfg, plan, decoder_layer: type[DecoderLayer], rope_dim: int, dtype: torch.dtype):
         super().__init__()
         self.config = cfg

@@ -163,8 +163,12 @@ class _QwenMoeForCausalLM(CausalLM):
     ARCHITECTURE = ""
     TENSOR_PARALLEL = True
 
+    @classmethod
+    def parse_config(cls, hf_config: dict) -> QwenMoeConfig:
+        return QwenMoeConfig.from_hf(hf_config, cls.ARCHITECTURE)
+
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        cfg = QwenMoeConfig.from_hf(hf_config, self.ARCHITECTURE)
+        cfg = self.parse_config(hf_config)
         super().__init__(cfg, plan, QwenDecoderLayer, n_routed=cfg.num_experts, rope_head_dim=cfg.head_dim,
                          dtype=dtype)
 

@@ -217,3 +217,55 @@ def test_quantized_checkpoints_are_refused_after_the_plan(qwen2, tmp_path):
     with pytest.raises(NotImplementedError, match="quantization 'awq' not supported by the engine"):
         load_model(q, registry=reg)
     assert reg.requests[0].quantization_config == {"quant_method": "awq"}
+
+
+# --- a config the family cannot run is refused before the plan ------------------------------------
+
+_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256)
+# (entry class, transformers config class, its kwargs, the bad field and value, role)
+_BAD_CONFIGS = [
+    ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(num_experts=8, moe_intermediate_size=16),
+     {"use_sliding_window": True}, "target"),
+    ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(num_experts=8, moe_intermediate_size=16),
+     {"decoder_sparse_step": 0}, "target"),
+    ("MixtralForCausalLM", "MixtralConfig", dict(num_local_experts=8), {"sliding_window": -2}, "target"),
+    ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(n_routed_experts=16, moe_intermediate_size=16),
+     {"scoring_func": "relu"}, "target"),
+    ("DeepseekV2ForCausalLM", "DeepseekV2Config", dict(n_routed_experts=16, moe_intermediate_size=16),
+     {"topk_method": "bogus"}, "target"),
+    ("Glm4MoeForCausalLM", "Glm4MoeConfig", dict(n_routed_experts=16, moe_intermediate_size=16),
+     {"moe_layer_freq": 2}, "target"),
+    ("DeepseekV3ForCausalLMNextN", "DeepseekV3Config", dict(n_routed_experts=16, moe_intermediate_size=16),
+     {"num_nextn_predict_layers": 2}, "speculative"),
+    ("Glm4MoeForCausalLMNextN", "Glm4MoeConfig", dict(n_routed_experts=16, moe_intermediate_size=16),
+     {"num_nextn_predict_layers": 2}, "speculative"),
+    ("KimiK25ForConditionalGeneration", None, {}, {"text_config": None}, "target"),
+]
+
+
+def test_every_engine_entry_class_reads_its_config_before_the_plan():
+    from loadplan.engine.models.causal_lm import CausalLM
+    from loadplan.engine.models.nextn import NextNDraft
+    from loadplan.engine.registry import ENGINE_ENTRY_CLASSES, model_class
+
+    bases = (CausalLM.parse_config.__func__, NextNDraft.parse_config.__func__)
+    assert {arch for arch, *_ in _BAD_CONFIGS} == set(ENGINE_ENTRY_CLASSES)    # a bad config for each
+    for arch in ENGINE_ENTRY_CLASSES:
+        assert model_class(arch).parse_config.__func__ not in bases, arch
+
+
+@pytest.mark.parametrize("arch, hf_class, kwargs, bad, role", _BAD_CONFIGS, ids=[c[0] for c in _BAD_CONFIGS])
+def test_a_config_field_the_family_cannot_run_is_refused_by_name_and_records_no_plan(tmp_path, arch, hf_class,
+                                                                                     kwargs, bad, role):
+    transformers = pytest.importorskip("transformers")
+    (field, value), = bad.items()
+    cfg = getattr(transformers, hf_class)(**_TINY, **kwargs).to_dict() if hf_class else {}
+    cfg.update(bad, architectures=[arch])
+    if value is None:
+        del cfg[field]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    registry = LocalRegistry()
+    with pytest.raises(ValueError, match=rf"config\.{field}: "):
+        load_model(tmp_path, registry=registry, role=role)
+    assert registry.requests == []
