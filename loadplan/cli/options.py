@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime as dt
 import json
 import os
 import pathlib
@@ -25,6 +26,17 @@ DB_URL_ENV = "LOADPLAN_DB_URL"
 
 def default_db_url() -> str:
     return os.environ.get(DB_URL_ENV) or DEFAULT_DB_URL
+
+
+def iso_time(flag: str, example: str = "2026-11-29T10:00:00+00:00"):
+    """An argparse type: an ISO 8601 time (a naive one is UTC), refused naming `flag`."""
+    def parse(text: str) -> dt.datetime:
+        try:
+            when = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+        except ValueError:
+            raise CliError("INVALID_ARGUMENT", f"{flag}: {text!r} is not an ISO 8601 time (e.g. {example})") from None
+        return when if when.tzinfo else when.replace(tzinfo=dt.timezone.utc)
+    return parse
 
 
 def add_db_argument(parser: argparse.ArgumentParser) -> None:

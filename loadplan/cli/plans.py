@@ -3,25 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 
 from .errors import CliError
-from .options import add_registry_arguments, open_client
+from .options import add_registry_arguments, iso_time, open_client
 from .output import (decision_json, decisions_table, history_table, iso, plan_header, plan_json, print_json,
                      ranks, table, value_text)
 
 HELP = "list, show and diff recorded plans"
-
-
-def _when(flag: str):
-    def parse(text: str) -> dt.datetime:
-        try:
-            when = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
-        except ValueError:
-            raise CliError("INVALID_ARGUMENT", f"{flag}: {text!r} is not an ISO 8601 time "
-                           f"(e.g. 2026-11-29T10:00:00+00:00)") from None
-        return when if when.tzinfo else when.replace(tzinfo=dt.timezone.utc)
-    return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,8 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ls.add_argument("--role", choices=("target", "speculative"))
     ls.add_argument("--entry-class", metavar="NAME")
     ls.add_argument("--host")
-    ls.add_argument("--since", type=_when("--since"), metavar="TIME", help="ISO 8601, inclusive (naive is UTC)")
-    ls.add_argument("--until", type=_when("--until"), metavar="TIME", help="ISO 8601, exclusive (naive is UTC)")
+    ls.add_argument("--since", type=iso_time("--since"), metavar="TIME", help="ISO 8601, inclusive (naive is UTC)")
+    ls.add_argument("--until", type=iso_time("--until"), metavar="TIME", help="ISO 8601, exclusive (naive is UTC)")
     ls.add_argument("--limit", type=int, default=50, metavar="N", help="at most N plans (default 50)")
     show = sub.add_parser("show", help="one plan and its decisions")
     show.add_argument("plan_id", metavar="PLAN_ID")

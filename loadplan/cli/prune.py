@@ -12,7 +12,7 @@ import datetime as dt
 import re
 
 from .errors import CliError, one_line
-from .options import add_db_argument, default_db_url, redact, short_error
+from .options import add_db_argument, default_db_url, iso_time, redact, short_error
 from .output import iso, print_json
 
 HELP = "delete plans older than a cutoff from the history database"
@@ -30,21 +30,12 @@ def _duration(text: str) -> dt.timedelta:
     return dt.timedelta(**{_UNITS[m[2]]: int(m[1])})
 
 
-def _time(text: str) -> dt.datetime:
-    try:
-        when = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        raise CliError("INVALID_ARGUMENT", f"--before: {text!r} is not an ISO 8601 time "
-                       f"(e.g. 2026-11-01T00:00:00+00:00)") from None
-    return when if when.tzinfo else when.replace(tzinfo=dt.timezone.utc)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_db_argument(parser)
     cutoff = parser.add_mutually_exclusive_group(required=True)
     cutoff.add_argument("--older-than", type=_duration, metavar="DURATION",
                         help="prune plans created longer ago than this: 30d, 12h, 2w (at least 1h)")
-    cutoff.add_argument("--before", type=_time, metavar="TIME",
+    cutoff.add_argument("--before", type=iso_time("--before", "2026-11-01T00:00:00+00:00"), metavar="TIME",
                         help="prune plans created before this ISO 8601 time (naive is UTC; at least 1h ago)")
     parser.add_argument("--dry-run", action="store_true", help="count what would be pruned, delete nothing")
     parser.add_argument("--batch-size", type=int, default=1000, metavar="N",
