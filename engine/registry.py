@@ -31,6 +31,7 @@ ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "Glm4MoeForCausalLMNextN": ("loadplan.engine.models.glm4_moe_nextn", "Glm4MoeForCausalLMNextN"),
     "KimiK25ForConditionalGeneration": ("loadplan.engine.models.deepseek_v3", "KimiK25ForConditionalGeneration"),
     "MixtralForCausalLM": ("loadplan.engine.models.mixtral", "MixtralForCausalLM"),
+    "OlmoeForCausalLM": ("loadplan.engine.models.olmoe", "OlmoeForCausalLM"),
 }
 
 

@@ -175,6 +175,7 @@ TP_SPLITS: list[tuple[re.Pattern, int]] = [
     (re.compile(r"\.self_attn\.[qkv]_proj\.(weight|bias)$"), 0),
     (re.compile(r"\.self_attn\.(q_b|kv_b)_proj\.weight$"), 0),      # MLA: latent -> heads (the latent stays whole)
     (re.compile(r"\.self_attn\.o_proj\.weight$"), 1),
+    (re.compile(r"\.self_attn\.[qk]_proj_norm\.weight$"), 0),     # OLMoE: a norm over the whole projection
     (re.compile(r"\.mlp\.(gate|up)_proj\.weight$"), 0),
     (re.compile(r"\.mlp\.down_proj\.weight$"), 1),
     (re.compile(r"\.mlp\.experts\.gate_up_proj$"), 0),

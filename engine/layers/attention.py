@@ -7,6 +7,10 @@ GLM-4-MoE: bias on q/k/v, optional qk_norm, and partial rotary: only the first
 transformers' apply_rotary_pos_emb does when cos/sin are narrower than the head.
 Mixtral: `sliding_window` W, a query at position i sees keys j with i - W < j <= i
 (transformers' sliding_window_causal_mask_function).
+OLMoE: `qk_norm_span="projection"`: one RMSNorm over the whole q projection (all heads) and
+one over the whole k projection (`q_proj_norm`, `k_proj_norm`; under TP each rank holds its
+heads' part of the weight and the mean of squares is summed over the TP group), then q, k
+and v clamped to +-`clip_qkv` when the config sets it.
 Under tensor parallelism (`tp`, engine/parallel/tensor.py) a rank holds H / tp_size heads
 and H_kv / tp_size key/value heads (q/k/v split by output features, o_proj by input
 features): its o_proj output is a partial sum, all-reduced over the TP group before
@@ -30,8 +34,13 @@ class GQAttention(nn.Module):
     def __init__(self, hidden_size: int, n_heads: int, n_kv_heads: int, head_dim: int, *, qkv_bias: bool,
                  o_bias: bool, qk_norm: bool, rms_norm_eps: float, rotary_dim: int | None = None,
                  dtype: torch.dtype | None = None, tp: TensorParallel | None = None,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, qk_norm_span: str = "head", clip_qkv: float | None = None):
         super().__init__()
+        if qk_norm_span not in ("head", "projection"):
+            raise ValueError(f"qk_norm_span={qk_norm_span!r}: 'head' or 'projection'")
+        if clip_qkv is not None and clip_qkv <= 0:
+            raise ValueError(f"clip_qkv={clip_qkv} must be > 0")
+        self.clip_qkv = clip_qkv
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window={sliding_window} must be >= 1")
         self.sliding_window = sliding_window
@@ -41,6 +50,7 @@ class GQAttention(nn.Module):
         if not (0 < rotary_dim <= head_dim and rotary_dim % 2 == 0):
             raise ValueError(f"rotary_dim={rotary_dim} must be even and in (0, head_dim={head_dim}]")
         self.tp = tp = tp or TensorParallel()
+        full_q, full_k = n_heads * head_dim, n_kv_heads * head_dim
         n_heads, n_kv_heads = tp.split(n_heads, "num_attention_heads"), tp.split(n_kv_heads, "num_key_value_heads")
         self.n_heads, self.n_kv_heads, self.head_dim, self.rotary_dim = n_heads, n_kv_heads, head_dim, rotary_dim
         self.scale = head_dim ** -0.5
@@ -48,8 +58,14 @@ class GQAttention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, n_kv_heads * head_dim, bias=qkv_bias, dtype=dtype)
         self.v_proj = nn.Linear(hidden_size, n_kv_heads * head_dim, bias=qkv_bias, dtype=dtype)
         self.o_proj = nn.Linear(n_heads * head_dim, hidden_size, bias=o_bias, dtype=dtype)
-        self.q_norm = RMSNorm(head_dim, rms_norm_eps, dtype) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, rms_norm_eps, dtype) if qk_norm else None
+        per_head = qk_norm and qk_norm_span == "head"
+        self.q_norm = RMSNorm(head_dim, rms_norm_eps, dtype) if per_head else None
+        self.k_norm = RMSNorm(head_dim, rms_norm_eps, dtype) if per_head else None
+        self.q_proj_norm = self.k_proj_norm = None
+        if qk_norm and qk_norm_span == "projection":
+            split = lambda full: dict(full_dim=full, reduce=tp.reduce) if tp.size > 1 else {}  # noqa: E731
+            self.q_proj_norm = RMSNorm(n_heads * head_dim, rms_norm_eps, dtype, **split(full_q))
+            self.k_proj_norm = RMSNorm(n_kv_heads * head_dim, rms_norm_eps, dtype, **split(full_k))
         self.kv_cache: KVCache | None = None   # set by the model's setup_caches
 
     def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype,
@@ -61,9 +77,14 @@ class GQAttention(nn.Module):
                 input_pos: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, D], cos/sin [T, rd], input_pos [T] (needed with a cache) -> [B, T, D]."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)       # [B, T, H, hd]
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)    # [B, T, H_kv, hd]
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)          # [B, T, H * hd], [B, T, H_kv * hd] x2
+        if self.q_proj_norm is not None:
+            q, k = self.q_proj_norm(q), self.k_proj_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q = q.view(B, T, self.n_heads, self.head_dim)                      # [B, T, H, hd]
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)                   # [B, T, H_kv, hd]
+        v = v.view(B, T, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, hd]

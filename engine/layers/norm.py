@@ -1,21 +1,35 @@
-"""RMSNorm as the HF MoE families compute it: in float32, scaled by the weight in the input dtype."""
+"""RMSNorm as the HF MoE families compute it: in float32, scaled by the weight in the input dtype.
+
+`reduce`: the vector is split over tensor-parallel ranks (OLMoE's norm over a whole q or k
+projection, each rank holding its heads' features): each rank sums its squares, `reduce` sums
+them over the ranks, and the mean is over `full_dim`."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6, dtype: torch.dtype | None = None):
+    def __init__(self, dim: int, eps: float = 1e-6, dtype: torch.dtype | None = None, *,
+                 full_dim: int | None = None, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
         super().__init__()
+        if (full_dim is None) != (reduce is None):
+            raise ValueError("full_dim and reduce go together (a norm split over ranks)")
         self.eps = eps
+        self.full_dim, self.reduce = full_dim, reduce
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.reduce is None:
+            variance = h.pow(2).mean(-1, keepdim=True)
+        else:
+            variance = self.reduce(h.pow(2).sum(-1, keepdim=True)) / self.full_dim
+        h = h * torch.rsqrt(variance + self.eps)
         return self.weight * h.to(dtype)
 
     def extra_repr(self) -> str:

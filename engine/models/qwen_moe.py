@@ -52,6 +52,8 @@ class QwenMoeConfig:
     shared_expert_intermediate_size: int = 0   # Qwen2-MoE; 0 = no shared expert
     moe_layers: tuple[int, ...] = field(default=())
     sliding_window: int | None = None          # Mixtral's (models/mixtral.py); the Qwen families refuse theirs
+    qk_norm_span: str = "head"                 # OLMoE (models/olmoe.py): "projection", one norm over all heads
+    clip_qkv: float | None = None              # OLMoE: q, k, v clamped to +-clip_qkv
 
     @classmethod
     def from_hf(cls, d: dict, architecture: str) -> "QwenMoeConfig":
@@ -151,7 +153,8 @@ class QwenDecoderLayer(DecoderLayer):
         tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
         attn = GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                            qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, qk_norm=cfg.qk_norm,
-                           rms_norm_eps=cfg.rms_norm_eps, dtype=dtype, tp=tp, sliding_window=cfg.sliding_window)
+                           rms_norm_eps=cfg.rms_norm_eps, dtype=dtype, tp=tp, sliding_window=cfg.sliding_window,
+                           qk_norm_span=cfg.qk_norm_span, clip_qkv=cfg.clip_qkv)
         if layer_id in cfg.moe_layers:
             mlp = QwenSparseMoeBlock(cfg, plan, layer_id, dtype)
         else:

@@ -66,7 +66,8 @@ FAMILIES: dict[str, Family] = {
         Family("glm4_moe_nextn", layouts.deepseek_nextn_layout, gates.glm4_moe_gate, True),
         Family("qwen2_moe", lambda c: layouts.qwen_moe_layout(c, shared=True), gates.qwen2_moe_gate, True),
         Family("qwen3_moe", lambda c: layouts.qwen_moe_layout(c, shared=False), None, False),
-        Family("mixtral", layouts.mixtral_layout, None, False),
+        Family("mixtral", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
+        Family("olmoe", lambda c: layouts.every_layer_moe_layout(c, "num_experts"), None, False),
     )
 }
 
@@ -79,6 +80,7 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "Qwen2MoeForCausalLM": Direct("qwen2_moe"),
     "Qwen3MoeForCausalLM": Direct("qwen3_moe"),
     "MixtralForCausalLM": Direct("mixtral"),
+    "OlmoeForCausalLM": Direct("olmoe"),
     "KimiK25ForConditionalGeneration": Wrapper("DeepseekV3ForCausalLM", "text_config", _top_level_quantization),
 }
 

@@ -3,7 +3,8 @@
 Conventions follow the architectures' reference implementations:
 - DeepSeek/GLM: layer i is MoE iff i >= first_k_dense_replace and i % moe_layer_freq == 0.
 - Qwen2/Qwen3-MoE: layer i is MoE iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0.
-- Mixtral: every layer is MoE (num_local_experts routed experts, no shared expert).
+- Mixtral and OLMoE: every layer is MoE (num_local_experts, resp. num_experts routed experts; no
+  shared expert).
 - A NextN draft has num_nextn_predict_layers MoE layers numbered after the target's.
 """
 
@@ -67,9 +68,10 @@ def qwen_moe_layout(cfg: ConfigView, *, shared: bool) -> MoeLayout:
     return MoeLayout(tuple(range(n_layers)), moe, n_routed, n_shared, top_k)
 
 
-def mixtral_layout(cfg: ConfigView) -> MoeLayout:
+def every_layer_moe_layout(cfg: ConfigView, experts_field: str) -> MoeLayout:
+    """Every decoder layer is MoE, with `experts_field` routed experts and no shared expert."""
     n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
-    n_routed = cfg.int("num_local_experts", minimum=1)
+    n_routed = cfg.int(experts_field, minimum=1)
     top_k = cfg.int("num_experts_per_tok", minimum=1)
     _check_top_k(cfg, top_k, n_routed)
     layers = tuple(range(n_layers))

@@ -327,6 +327,18 @@ MIXTRAL_TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hi
                     rms_norm_eps=1e-5)
 
 
+# OLMoE: 8 experts, top-2, every layer sparse, q/k normalised over the whole projection; norm_topk_prob off
+# (as OLMoE ships). The token ids transformers' OlmoeConfig defaults to (50279...) are outside this vocabulary.
+OLMOE_TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-5, norm_topk_prob=False, eos_token_id=None, pad_token_id=None, bos_token_id=None)
+
+
+def make_olmoe_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random OLMoE of OLMOE_TINY updated with `config` (transformers' OlmoeConfig kwargs)."""
+    return _save_random_model(path, "Olmoe", seed, dict(OLMOE_TINY, **config))
+
+
 def make_mixtral_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     """Save a random Mixtral of MIXTRAL_TINY updated with `config` (transformers' MixtralConfig kwargs): the
     Hub's spelling, block_sparse_moe.experts.{e}.w1/w2/w3."""

@@ -230,6 +230,7 @@ _BAD_CONFIGS = [
     ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(num_experts=8, moe_intermediate_size=16),
      {"decoder_sparse_step": 0}, "target"),
     ("MixtralForCausalLM", "MixtralConfig", dict(num_local_experts=8), {"sliding_window": -2}, "target"),
+    ("OlmoeForCausalLM", "OlmoeConfig", dict(num_experts=8), {"clip_qkv": -1.0}, "target"),
     ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(n_routed_experts=16, moe_intermediate_size=16),
      {"scoring_func": "relu"}, "target"),
     ("DeepseekV2ForCausalLM", "DeepseekV2Config", dict(n_routed_experts=16, moe_intermediate_size=16),

@@ -22,7 +22,8 @@ def test_unknown_entry_class_lists_the_supported_ones():
                                                r"DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, "
                                                r"DeepseekV3ForCausalLMNextN, Glm4MoeForCausalLM, "
                                                r"Glm4MoeForCausalLMNextN, KimiK25ForConditionalGeneration, "
-                                               r"MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM"):
+                                               r"MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM, "
+                                               r"Qwen3MoeForCausalLM"):
         model_class("LlamaForCausalLM")
 
 

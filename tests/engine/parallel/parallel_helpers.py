@@ -13,7 +13,7 @@ import torch
 
 import engine_helpers
 from engine_helpers import (LocalRegistry, make_checkpoint, make_deepseek_checkpoint, make_deepseek_v2_checkpoint,
-                            make_glm4_checkpoint, make_mixtral_checkpoint)
+                            make_glm4_checkpoint, make_mixtral_checkpoint, make_olmoe_checkpoint)
 
 QWEN3 = "Qwen3MoeForCausalLM"
 QWEN2 = "Qwen2MoeForCausalLM"
@@ -21,6 +21,7 @@ DEEPSEEK = "DeepseekV3ForCausalLM"
 GLM4 = "Glm4MoeForCausalLM"
 DEEPSEEK_V2 = "DeepseekV2ForCausalLM"
 MIXTRAL = "MixtralForCausalLM"
+OLMOE = "OlmoeForCausalLM"
 
 # engine_helpers' tiny DeepSeek-V3 (256 routed experts: the fusion gate passes) with the default rope.
 DEEPSEEK_TINY = dict(engine_helpers.DEEPSEEK_TINY, rope_theta=10000.0)
@@ -39,6 +40,8 @@ def make_model(path: Path, arch: str, seed: int = 0) -> str:
         make_deepseek_v2_checkpoint(path, seed=seed, **engine_helpers.DEEPSEEK_V2_TINY)
     elif arch == MIXTRAL:
         make_mixtral_checkpoint(path, seed=seed)
+    elif arch == OLMOE:
+        make_olmoe_checkpoint(path, seed=seed)
     else:
         make_checkpoint(path, arch, seed=seed)
     cfg = json.loads((path / "config.json").read_text())

@@ -1,5 +1,5 @@
 """Expert parallelism on 2 gloo ranks: every backend of the registry's table gives the single-process
-logits and greedy tokens (Qwen3-MoE, Mixtral, DeepSeek-V2/V3 and its NextN draft, GLM-4-MoE), fused and
+logits and greedy tokens (Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V2/V3 and its NextN draft, GLM-4-MoE), fused and
 unfused where the plan allows; a forced post-experts all-reduce on the a2a path (the double-reduction
 bug of DESIGN 1) is visible in the logits.
 
@@ -14,7 +14,7 @@ from loadplan.engine.parallel.launch import launch
 from loadplan.plan import Keys
 from loadplan.service.rules.backends import BACKENDS
 
-from parallel_helpers import DEEPSEEK, DEEPSEEK_V2, GLM4, MIXTRAL, QWEN3, make_model, single_process
+from parallel_helpers import DEEPSEEK, DEEPSEEK_V2, GLM4, MIXTRAL, OLMOE, QWEN3, make_model, single_process
 
 EP = 2
 N_NEW = 4
@@ -129,6 +129,11 @@ def mixtral(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def olmoe(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("olmoe"), OLMOE)
+
+
+@pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("ds"), DEEPSEEK)
 
@@ -143,11 +148,12 @@ def glm4(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("glm4"), GLM4)
 
 
-@pytest.mark.parametrize("family, double_reduce_backend", [("qwen3", "mori"), ("mixtral", "nixl")])
+@pytest.mark.parametrize("family, double_reduce_backend", [("qwen3", "mori"), ("mixtral", "nixl"),
+                                                           ("olmoe", "mooncake")])
 def test_every_backend_on_two_ranks_matches_one_process_and_sees_a_double_reduction(request, family,
                                                                                     double_reduce_backend):
-    """No shared expert: Qwen3-MoE, and Mixtral in the Hub's block_sparse_moe spelling; each rank reads 4 of
-    the 8 experts."""
+    """No shared expert: Qwen3-MoE, Mixtral in the Hub's block_sparse_moe spelling, OLMoE; each rank reads 4
+    of the 8 experts."""
     path = request.getfixturevalue(family)
     ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(3))
     ref_logits, ref_tokens = single_process(path, ids, N_NEW)

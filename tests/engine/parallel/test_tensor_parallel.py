@@ -1,6 +1,6 @@
 """Tensor parallelism on gloo ranks: each rank holds its share of the attention heads, the dense MLP's
 and every expert's intermediate features (checked on the built layers), and TP=2 gives the single
-process's logits and greedy tokens for Qwen3-MoE (a dense layer and o_proj's bias included), Mixtral,
+process's logits and greedy tokens for Qwen3-MoE (a dense layer and o_proj's bias included), Mixtral, OLMoE,
 Qwen2-MoE, GLM-4-MoE, DeepSeek-V3 and DeepSeek-V2 (Multi-head Latent Attention), shared experts
 fused and unfused; TP=2 x PP=2 too; DeepSeek-V3's NextN draft on TP ranks drafts as on one process.
 EP 2 x TP 2 on 4 ranks too. Every a2a backend on TP 2 and on EP 2 x TP 2: experts whole on each TP
@@ -17,7 +17,7 @@ from loadplan.plan import Keys
 from loadplan.service.rules.backends import BACKENDS
 
 from engine_helpers import LocalRegistry, make_checkpoint
-from parallel_helpers import DEEPSEEK, DEEPSEEK_V2, GLM4, MIXTRAL, QWEN2, QWEN3, make_model, single_process
+from parallel_helpers import DEEPSEEK, DEEPSEEK_V2, GLM4, MIXTRAL, OLMOE, QWEN2, QWEN3, make_model, single_process
 
 N_NEW = 4
 TOL = 1e-4
@@ -26,7 +26,8 @@ INTENTS = {None: {}, "enforce": {"enforce_shared_experts_fusion": True},
 # (name, arch, fusion intent): Qwen3-MoE has no shared expert.
 CASES = [("qwen3", QWEN3, None), ("qwen2", QWEN2, "enforce"), ("qwen2", QWEN2, "disable"),
          ("glm4", GLM4, "enforce"), ("glm4", GLM4, "disable"), ("deepseek", DEEPSEEK, "enforce"),
-         ("deepseek", DEEPSEEK, "disable"), ("deepseek_v2", DEEPSEEK_V2, None), ("mixtral", MIXTRAL, None)]
+         ("deepseek", DEEPSEEK, "disable"), ("deepseek_v2", DEEPSEEK_V2, None), ("mixtral", MIXTRAL, None),
+         ("olmoe", OLMOE, None)]
 
 
 def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
@@ -60,6 +61,8 @@ def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
                        for m in mods if isinstance(m, MultiHeadLatentAttention)},
             expert_inter={m.gate_up_proj.shape[1] // 2 for m in mods if isinstance(m, RoutedExperts)},
             dense_inter={m.gate_proj.weight.shape[0] for m in mods if isinstance(m, GatedMLP)},
+            proj_norms={(m.q_proj_norm.weight.shape[0], m.k_proj_norm.weight.shape[0]) for m in mods
+                        if isinstance(m, GQAttention) and m.q_proj_norm is not None},
             logits=logits, tokens=generate(model, ids[0], N_NEW)[0].tolist()))
     return out
 
@@ -74,6 +77,7 @@ def paths(tmp_path_factory):
         "deepseek": make_model(tmp_path_factory.mktemp("ds"), DEEPSEEK),
         "deepseek_v2": make_model(tmp_path_factory.mktemp("ds2"), DEEPSEEK_V2),
         "mixtral": make_model(tmp_path_factory.mktemp("mixtral"), MIXTRAL),
+        "olmoe": make_model(tmp_path_factory.mktemp("olmoe"), OLMOE),
     }
 
 
@@ -108,6 +112,8 @@ def test_two_tp_ranks_give_the_single_process_logits_and_tokens(paths, ids, refe
     assert ranks[0][2]["name"] == "qwen2" and ranks[0][2]["dense_inter"] == {32}      # replicated shared expert
     assert by_name["glm4"]["expert_inter"] == {8}
     assert by_name["mixtral"]["heads"] == {(2, 1, 32)} and by_name["mixtral"]["expert_inter"] == {16}
+    # OLMoE's q / k norms span the whole projection: each rank holds its heads' part, summed over the pair.
+    assert by_name["olmoe"]["heads"] == {(2, 1, 32)} and by_name["olmoe"]["proj_norms"] == {(32, 16)}
     # MLA: half the heads and their kv_b_proj rows; the latent projection stays whole.
     (heads, kv_b_rows, kv_a_rows), = by_name["deepseek"]["mla_heads"]
     assert (heads, kv_b_rows, kv_a_rows) == (1, 1 * (8 + 12), 16 + 8)     # of 2 heads; nope 8 + v 12; lora 16 + rope 8

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from loadplan.service.errors import InvalidArgument
+from loadplan.service.rules import entries
 from loadplan.service.rules.config_view import ConfigView
-from loadplan.service.rules.layouts import deepseek_layout, deepseek_nextn_layout, mixtral_layout, qwen_moe_layout
+from loadplan.service.rules.layouts import (deepseek_layout, deepseek_nextn_layout, every_layer_moe_layout,
+                                            qwen_moe_layout)
 
 from ._fixtures import deepseek, mixtral, qwen2, qwen3
 
@@ -101,9 +103,16 @@ def test_qwen_expert_count_under_either_spelling():
 
 
 def test_mixtral_every_layer_is_moe_with_its_local_experts():
-    lay = mixtral_layout(ConfigView(mixtral(num_hidden_layers=5, num_local_experts=16, num_experts_per_tok=4)))
+    lay = every_layer_moe_layout(ConfigView(mixtral(num_hidden_layers=5, num_local_experts=16, num_experts_per_tok=4)),
+                                 "num_local_experts")
     assert lay.layer_ids == lay.moe_layers == (0, 1, 2, 3, 4)
     assert (lay.n_routed, lay.n_shared, lay.top_k) == (16, 0, 4)
+
+
+def test_olmoe_reads_num_experts():
+    lay = entries.FAMILIES["olmoe"].layout(ConfigView({"num_hidden_layers": 3, "num_experts": 64,
+                                                       "num_experts_per_tok": 8, "num_local_experts": 7}))
+    assert lay.moe_layers == (0, 1, 2) and (lay.n_routed, lay.top_k) == (64, 8)
 
 
 @pytest.mark.parametrize("field,over", [("num_local_experts", {"num_local_experts": None}),
@@ -115,5 +124,5 @@ def test_mixtral_bad_fields_are_named(field, over):
     if over.get(field, 0) is None:
         del cfg[field]
     with pytest.raises(InvalidArgument) as e:
-        mixtral_layout(ConfigView(cfg))
+        entries.FAMILIES["mixtral"].layout(ConfigView(cfg))
     assert e.value.field == f"config.{field}"

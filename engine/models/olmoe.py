@@ -1,0 +1,98 @@
+"""OLMoE (allenai/OLMoE-1B-7B), numerically following transformers' modeling_olmoe.
+
+Shapes: as qwen_moe.py (T tokens, D hidden, E experts, K top-k).
+
+An OLMoE layer is built by qwen_moe.py's layer from a `QwenMoeConfig` read off OLMoE's
+config: GQA attention whose q and k are each normalised by ONE RMSNorm over the whole
+projection (all heads together, not per head as in Qwen3), then clamped to +-clip_qkv
+when set; every layer sparse, num_experts experts of width intermediate_size, the router
+softmax -> top-k, renormalised only with norm_topk_prob (OLMoE ships false); no shared
+expert. The checkpoint spells the projection norms `self_attn.q_norm` / `k_norm`; the
+engine calls them `q_proj_norm` / `k_proj_norm` (`OLMOE_NAMES`) so that tensor parallelism
+splits them with their heads and never splits Qwen3's per-head norms of the same name.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layers.mlp import activation
+from ..layers.rope import rope_config_from_hf
+from ..weights import CheckpointNames
+from .causal_lm import CausalLM
+from .config import ConfigError, get_field as _get
+from .qwen_moe import QwenDecoderLayer, QwenMoeConfig
+
+ARCHITECTURE = "OlmoeForCausalLM"
+
+# (checkpoint, engine) suffixes under model.layers.{i}.
+OLMOE_NAMES = CheckpointNames((
+    ("self_attn.q_norm.weight", "self_attn.q_proj_norm.weight"),
+    ("self_attn.k_norm.weight", "self_attn.k_proj_norm.weight"),
+))
+
+
+def olmoe_config(d: dict) -> QwenMoeConfig:
+    """OLMoE's config.json as the layer's config; transformers' OlmoeConfig defaults where a checkpoint may
+    leave a field out (rms_norm_eps, rope theta, hidden_act, attention_bias, clip_qkv, norm_topk_prob)."""
+    hidden = _get(d, "hidden_size", kind=int)
+    heads = _get(d, "num_attention_heads", kind=int)
+    n_layers = _get(d, "num_hidden_layers", kind=int)
+    width = _get(d, "intermediate_size", kind=int)
+    n_experts = _get(d, "num_experts", kind=int)
+    top_k = _get(d, "num_experts_per_tok", kind=int)
+    if not 0 < top_k <= n_experts:
+        raise ConfigError(f"config.num_experts_per_tok: {top_k} must be in [1, num_experts={n_experts}]")
+    # transformers sizes q_norm by hidden_size and k_norm by (hidden_size // heads) * kv heads: the heads
+    # are hidden_size // heads wide, whatever a head_dim field says.
+    head_dim = _get(d, "head_dim", hidden // heads, int)
+    if head_dim * heads != hidden:
+        raise ConfigError(f"config.head_dim: {head_dim} x num_attention_heads={heads} must equal hidden_size={hidden} "
+                          f"(OLMoE normalises q over hidden_size features)")
+    clip = _get(d, "clip_qkv", None, (int, float))
+    if clip is not None and clip <= 0:
+        raise ConfigError(f"config.clip_qkv: must be > 0 or null, got {clip}")
+    act = _get(d, "hidden_act", "silu", str)
+    activation(act)   # refuses unknown activations by name
+    bias = bool(_get(d, "attention_bias", False, bool))
+    return QwenMoeConfig(
+        architecture=ARCHITECTURE,
+        vocab_size=_get(d, "vocab_size", kind=int),
+        hidden_size=hidden,
+        intermediate_size=width,
+        num_hidden_layers=n_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=_get(d, "num_key_value_heads", heads, int),
+        head_dim=head_dim,
+        rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-5)),
+        hidden_act=act,
+        max_position_embeddings=_get(d, "max_position_embeddings", 4096, int),
+        tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
+        rope=rope_config_from_hf(d),
+        num_experts=n_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=width,
+        norm_topk_prob=bool(_get(d, "norm_topk_prob", False, bool)),
+        decoder_sparse_step=1,
+        mlp_only_layers=(),
+        qkv_bias=bias,
+        o_bias=bias,
+        qk_norm=True,
+        moe_layers=tuple(range(n_layers)),
+        qk_norm_span="projection",
+        clip_qkv=None if clip is None else float(clip),
+    )
+
+
+class OlmoeForCausalLM(CausalLM):
+    TENSOR_PARALLEL = True
+    CHECKPOINT_NAMES = OLMOE_NAMES
+
+    @classmethod
+    def parse_config(cls, hf_config: dict) -> QwenMoeConfig:
+        return olmoe_config(hf_config)
+
+    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
+        cfg = self.parse_config(hf_config)
+        super().__init__(cfg, plan, QwenDecoderLayer, n_routed=cfg.num_experts, rope_head_dim=cfg.head_dim,
+                         dtype=dtype)
