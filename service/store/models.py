@@ -154,6 +154,9 @@ class DeploymentPinRow(Base):
     plan_id: Mapped[str] = mapped_column(ForeignKey("plans.plan_id"))   # the first rank's plan
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
 
+    # Deleting a plan checks that no pin references it (retention.py); revision 0004.
+    __table_args__ = (Index("ix_deployment_pins_plan_id", "plan_id"),)
+
 
 class DecisionAppendRow(Base):
     __tablename__ = "decision_appends"
@@ -163,3 +166,5 @@ class DecisionAppendRow(Base):
     # sha256 of (plan id, decisions): a retry replays, a reused id is refused.
     request_fingerprint: Mapped[str] = mapped_column(String(FINGERPRINT_LEN))
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
+
+    __table_args__ = (Index("ix_decision_appends_plan_id", "plan_id"),)   # as the pins' (revision 0004)
