@@ -33,7 +33,8 @@ def test_upgrade_adds_the_plan_id_indexes_and_downgrade_drops_them(url):
         assert _plan_id_indexes(engine) == {t: [name] for t, name in INDEXES.items()}
         with engine.connect() as conn:
             if conn.dialect.name == "sqlite":
-                plan = conn.exec_driver_sql("EXPLAIN QUERY PLAN SELECT 1 FROM deployment_pins WHERE plan_id = 'p'").all()
+                query = "EXPLAIN QUERY PLAN SELECT 1 FROM deployment_pins WHERE plan_id = 'p'"
+                plan = conn.exec_driver_sql(query).all()
                 assert any("ix_deployment_pins_plan_id" in str(row) for row in plan), plan
         downgrade(url, "0003")
         assert _plan_id_indexes(engine) == {t: [] for t in INDEXES}
