@@ -14,14 +14,9 @@ router and `block_sparse_moe.experts.{e}.w1/w3/w2` the gate/up/down projections
 
 from __future__ import annotations
 
-import torch
-
-from ..layers.mlp import activation
-from ..layers.rope import rope_config_from_hf
 from ..weights import CheckpointNames
-from .causal_lm import CausalLM
 from .config import ConfigError, get_field as _get
-from .qwen_moe import QwenDecoderLayer, QwenMoeConfig
+from .qwen_moe import QwenLayerCausalLM, QwenMoeConfig, every_layer_moe_fields
 
 ARCHITECTURE = "MixtralForCausalLM"
 
@@ -35,59 +30,31 @@ MIXTRAL_NAMES = CheckpointNames((
 
 
 def mixtral_config(d: dict) -> QwenMoeConfig:
-    """Mixtral's config.json as the layer's config; transformers' MixtralConfig defaults where it has
-    them and a real checkpoint may leave them out (rms_norm_eps, rope theta, hidden_act, head_dim)."""
-    hidden = _get(d, "hidden_size", kind=int)
-    heads = _get(d, "num_attention_heads", kind=int)
-    n_layers = _get(d, "num_hidden_layers", kind=int)
-    width = _get(d, "intermediate_size", kind=int)
-    n_experts = _get(d, "num_local_experts", kind=int)
-    top_k = _get(d, "num_experts_per_tok", kind=int)
-    if not 0 < top_k <= n_experts:
-        raise ConfigError(f"config.num_experts_per_tok: {top_k} must be in [1, num_local_experts={n_experts}]")
+    """Mixtral's config.json as the layer's config; transformers' MixtralConfig defaults where a real
+    checkpoint may leave a field out (rms_norm_eps, rope theta, hidden_act, head_dim)."""
+    common = every_layer_moe_fields(d, experts_field="num_local_experts", rms_norm_eps=1e-5,
+                                    max_position_embeddings=4096 * 32, rope_theta=1e6)
     window = _get(d, "sliding_window", None, int)
     if window is not None and window < 1:
         raise ConfigError(f"config.sliding_window: must be >= 1 or null, got {window}")
-    act = _get(d, "hidden_act", "silu", str)
-    activation(act)   # refuses unknown activations by name
     return QwenMoeConfig(
         architecture=ARCHITECTURE,
-        vocab_size=_get(d, "vocab_size", kind=int),
-        hidden_size=hidden,
-        intermediate_size=width,
-        num_hidden_layers=n_layers,
-        num_attention_heads=heads,
+        **common,
         # transformers' default is 8, which fits no particular head count: a config must say it.
         num_key_value_heads=_get(d, "num_key_value_heads", kind=int),
-        head_dim=_get(d, "head_dim", hidden // heads, int),
-        rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-5)),
-        hidden_act=act,
-        max_position_embeddings=_get(d, "max_position_embeddings", 4096 * 32, int),
-        tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
-        rope=rope_config_from_hf(d, default_theta=1e6),
-        num_experts=n_experts,
-        num_experts_per_tok=top_k,
-        moe_intermediate_size=width,
+        head_dim=_get(d, "head_dim", common["hidden_size"] // common["num_attention_heads"], int),
         norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=(),
         qkv_bias=False,
         o_bias=False,
         qk_norm=False,
-        moe_layers=tuple(range(n_layers)),
         sliding_window=window,
     )
 
 
-class MixtralForCausalLM(CausalLM):
-    TENSOR_PARALLEL = True
+class MixtralForCausalLM(QwenLayerCausalLM):
+    ARCHITECTURE = ARCHITECTURE
     CHECKPOINT_NAMES = MIXTRAL_NAMES
 
     @classmethod
     def parse_config(cls, hf_config: dict) -> QwenMoeConfig:
         return mixtral_config(hf_config)
-
-    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        cfg = self.parse_config(hf_config)
-        super().__init__(cfg, plan, QwenDecoderLayer, n_routed=cfg.num_experts, rope_head_dim=cfg.head_dim,
-                         dtype=dtype)

@@ -14,14 +14,9 @@ splits them with their heads and never splits Qwen3's per-head norms of the same
 
 from __future__ import annotations
 
-import torch
-
-from ..layers.mlp import activation
-from ..layers.rope import rope_config_from_hf
 from ..weights import CheckpointNames
-from .causal_lm import CausalLM
 from .config import ConfigError, get_field as _get
-from .qwen_moe import QwenDecoderLayer, QwenMoeConfig
+from .qwen_moe import QwenLayerCausalLM, QwenMoeConfig, every_layer_moe_fields
 
 ARCHITECTURE = "OlmoeForCausalLM"
 
@@ -35,14 +30,9 @@ OLMOE_NAMES = CheckpointNames((
 def olmoe_config(d: dict) -> QwenMoeConfig:
     """OLMoE's config.json as the layer's config; transformers' OlmoeConfig defaults where a checkpoint may
     leave a field out (rms_norm_eps, rope theta, hidden_act, attention_bias, clip_qkv, norm_topk_prob)."""
-    hidden = _get(d, "hidden_size", kind=int)
-    heads = _get(d, "num_attention_heads", kind=int)
-    n_layers = _get(d, "num_hidden_layers", kind=int)
-    width = _get(d, "intermediate_size", kind=int)
-    n_experts = _get(d, "num_experts", kind=int)
-    top_k = _get(d, "num_experts_per_tok", kind=int)
-    if not 0 < top_k <= n_experts:
-        raise ConfigError(f"config.num_experts_per_tok: {top_k} must be in [1, num_experts={n_experts}]")
+    common = every_layer_moe_fields(d, experts_field="num_experts", rms_norm_eps=1e-5, max_position_embeddings=4096,
+                                    rope_theta=10000.0)
+    hidden, heads = common["hidden_size"], common["num_attention_heads"]
     # transformers sizes q_norm by hidden_size and k_norm by (hidden_size // heads) * kv heads: the heads
     # are hidden_size // heads wide, whatever a head_dim field says.
     head_dim = _get(d, "head_dim", hidden // heads, int)
@@ -52,47 +42,25 @@ def olmoe_config(d: dict) -> QwenMoeConfig:
     clip = _get(d, "clip_qkv", None, (int, float))
     if clip is not None and clip <= 0:
         raise ConfigError(f"config.clip_qkv: must be > 0 or null, got {clip}")
-    act = _get(d, "hidden_act", "silu", str)
-    activation(act)   # refuses unknown activations by name
     bias = bool(_get(d, "attention_bias", False, bool))
     return QwenMoeConfig(
         architecture=ARCHITECTURE,
-        vocab_size=_get(d, "vocab_size", kind=int),
-        hidden_size=hidden,
-        intermediate_size=width,
-        num_hidden_layers=n_layers,
-        num_attention_heads=heads,
+        **common,
         num_key_value_heads=_get(d, "num_key_value_heads", heads, int),
         head_dim=head_dim,
-        rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-5)),
-        hidden_act=act,
-        max_position_embeddings=_get(d, "max_position_embeddings", 4096, int),
-        tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
-        rope=rope_config_from_hf(d),
-        num_experts=n_experts,
-        num_experts_per_tok=top_k,
-        moe_intermediate_size=width,
         norm_topk_prob=bool(_get(d, "norm_topk_prob", False, bool)),
-        decoder_sparse_step=1,
-        mlp_only_layers=(),
         qkv_bias=bias,
         o_bias=bias,
         qk_norm=True,
-        moe_layers=tuple(range(n_layers)),
         qk_norm_span="projection",
         clip_qkv=None if clip is None else float(clip),
     )
 
 
-class OlmoeForCausalLM(CausalLM):
-    TENSOR_PARALLEL = True
+class OlmoeForCausalLM(QwenLayerCausalLM):
+    ARCHITECTURE = ARCHITECTURE
     CHECKPOINT_NAMES = OLMOE_NAMES
 
     @classmethod
     def parse_config(cls, hf_config: dict) -> QwenMoeConfig:
         return olmoe_config(hf_config)
-
-    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        cfg = self.parse_config(hf_config)
-        super().__init__(cfg, plan, QwenDecoderLayer, n_routed=cfg.num_experts, rope_head_dim=cfg.head_dim,
-                         dtype=dtype)

@@ -108,6 +108,39 @@ class QwenMoeConfig:
         )
 
 
+def every_layer_moe_fields(d: dict, *, experts_field: str, rms_norm_eps: float, max_position_embeddings: int,
+                           rope_theta: float) -> dict:
+    """The `QwenMoeConfig` fields Mixtral and OLMoE read alike: every layer MoE, `experts_field` experts of
+    width intermediate_size, no shared expert, no dense layer; the keyword arguments are the family's
+    transformers defaults for fields a checkpoint may leave out."""
+    n_layers = _get(d, "num_hidden_layers", kind=int)
+    width = _get(d, "intermediate_size", kind=int)
+    n_experts = _get(d, experts_field, kind=int)
+    top_k = _get(d, "num_experts_per_tok", kind=int)
+    if not 0 < top_k <= n_experts:
+        raise ConfigError(f"config.num_experts_per_tok: {top_k} must be in [1, {experts_field}={n_experts}]")
+    act = _get(d, "hidden_act", "silu", str)
+    activation(act)   # refuses unknown activations by name
+    return dict(
+        vocab_size=_get(d, "vocab_size", kind=int),
+        hidden_size=_get(d, "hidden_size", kind=int),
+        intermediate_size=width,
+        num_hidden_layers=n_layers,
+        num_attention_heads=_get(d, "num_attention_heads", kind=int),
+        rms_norm_eps=float(_get(d, "rms_norm_eps", rms_norm_eps)),
+        hidden_act=act,
+        max_position_embeddings=_get(d, "max_position_embeddings", max_position_embeddings, int),
+        tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
+        rope=rope_config_from_hf(d, default_theta=rope_theta),
+        num_experts=n_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=width,
+        decoder_sparse_step=1,
+        mlp_only_layers=(),
+        moe_layers=tuple(range(n_layers)),
+    )
+
+
 class QwenSparseMoeBlock(nn.Module):
     """Router (softmax top-k), routed experts, and Qwen2-MoE's gated shared expert (fused or not)."""
 
@@ -162,7 +195,10 @@ class QwenDecoderLayer(DecoderLayer):
         super().__init__(layer_id, attn, mlp, cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
-class _QwenMoeForCausalLM(CausalLM):
+class QwenLayerCausalLM(CausalLM):
+    """An entry class built from `QwenDecoderLayer`: the Qwen families here, Mixtral and OLMoE (their own
+    files), each giving `parse_config` (and `CHECKPOINT_NAMES` where its checkpoints spell tensors otherwise)."""
+
     ARCHITECTURE = ""
     TENSOR_PARALLEL = True
 
@@ -176,9 +212,9 @@ class _QwenMoeForCausalLM(CausalLM):
                          dtype=dtype)
 
 
-class Qwen3MoeForCausalLM(_QwenMoeForCausalLM):
+class Qwen3MoeForCausalLM(QwenLayerCausalLM):
     ARCHITECTURE = "Qwen3MoeForCausalLM"
 
 
-class Qwen2MoeForCausalLM(_QwenMoeForCausalLM):
+class Qwen2MoeForCausalLM(QwenLayerCausalLM):
     ARCHITECTURE = "Qwen2MoeForCausalLM"
