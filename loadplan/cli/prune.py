@@ -18,6 +18,9 @@ from .output import iso, print_json
 HELP = "delete plans older than a cutoff from the history database"
 # A pruned plan's request id is forgotten (a retry gets a new plan): never prune what clients may still retry.
 MIN_AGE = dt.timedelta(hours=1)
+# A prune's statements (a count over the whole history, a batch's deletes) may take longer than a
+# registry's 5 s bound on a large PostgreSQL history; still bounded, so a stalled database fails the job.
+OPERATION_TIMEOUT_S = 300.0
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 _DURATION = re.compile(r"^(\d+)([smhdw])$")
 
@@ -63,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     before = cutoff_of(args, dt.datetime.now(dt.timezone.utc))
     url = args.db or default_db_url()
     try:
-        engine = make_engine(url)
+        engine = make_engine(url, operation_timeout_s=OPERATION_TIMEOUT_S)
     except ValueError as e:
         raise CliError("INVALID_ARGUMENT", f"--db: {one_line(e)}") from None
     try:
