@@ -262,8 +262,14 @@ class KimiK25ForConditionalGeneration(nn.Module):
 
     @classmethod
     def parse_config(cls, hf_config: dict) -> DeepseekV3Config:
-        """Its body's: text_config read as DeepSeek-V3's."""
-        return DeepseekV3ForCausalLM.parse_config(cls._text_config(hf_config))
+        """Its body's: text_config read as DeepSeek-V3's, a refusal naming the field inside text_config."""
+        try:
+            return DeepseekV3ForCausalLM.parse_config(cls._text_config(hf_config))
+        except ConfigError as e:
+            message = str(e)
+            if message.startswith("config.") and not message.startswith("config.text_config"):
+                raise ConfigError("config.text_config." + message.removeprefix("config.")) from None
+            raise
 
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
         super().__init__()

@@ -256,6 +256,18 @@ def test_every_engine_entry_class_reads_its_config_before_the_plan():
         assert model_class(arch).parse_config.__func__ not in bases, arch
 
 
+def test_a_wrappers_refusal_names_the_field_inside_its_text_config(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    body = transformers.DeepseekV3Config(**_TINY, n_routed_experts=16, moe_intermediate_size=16).to_dict()
+    body["scoring_func"] = "relu"
+    cfg = {"architectures": ["KimiK25ForConditionalGeneration"], "text_config": body}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    registry = LocalRegistry()
+    with pytest.raises(ValueError, match=r"^config\.text_config\.scoring_func: 'relu' not supported"):
+        load_model(tmp_path, registry=registry)
+    assert registry.requests == []
+
+
 @pytest.mark.parametrize("arch, hf_class, kwargs, bad, role", _BAD_CONFIGS, ids=[c[0] for c in _BAD_CONFIGS])
 def test_a_config_field_the_family_cannot_run_is_refused_by_name_and_records_no_plan(tmp_path, arch, hf_class,
                                                                                      kwargs, bad, role):
