@@ -119,21 +119,6 @@ def _check(results, ref_logits, ref_tokens, expect_fused):
 
 
 @pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("q3"), QWEN3)
-
-
-@pytest.fixture(scope="module")
-def mixtral(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("mixtral"), MIXTRAL)
-
-
-@pytest.fixture(scope="module")
-def olmoe(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("olmoe"), OLMOE)
-
-
-@pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("ds"), DEEPSEEK)
 
@@ -148,13 +133,12 @@ def glm4(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("glm4"), GLM4)
 
 
-@pytest.mark.parametrize("family, double_reduce_backend", [("qwen3", "mori"), ("mixtral", "nixl"),
-                                                           ("olmoe", "mooncake")])
-def test_every_backend_on_two_ranks_matches_one_process_and_sees_a_double_reduction(request, family,
+@pytest.mark.parametrize("arch, double_reduce_backend", [(QWEN3, "mori"), (MIXTRAL, "nixl"), (OLMOE, "mooncake")])
+def test_every_backend_on_two_ranks_matches_one_process_and_sees_a_double_reduction(tmp_path, arch,
                                                                                     double_reduce_backend):
     """No shared expert: Qwen3-MoE, Mixtral in the Hub's block_sparse_moe spelling, OLMoE; each rank reads 4
     of the 8 experts."""
-    path = request.getfixturevalue(family)
+    path = make_model(tmp_path, arch)
     ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(3))
     ref_logits, ref_tokens = single_process(path, ids, N_NEW)
     results = launch(EP, _ep_ranks, path, ids, (None,), double_reduce_backend, timeout_s=180)
