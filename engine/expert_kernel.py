@@ -227,6 +227,54 @@ def sort_by_slot(slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, lis
     return order[: sum(counts)], counts
 
 
+class ClampedSwiGLU:
+    """gpt-oss's expert activation on [N, 2I] rows (gate [0, I), up [I, 2I)) -> [N, I]: the gate clamped
+    above and the up projection both sides at `limit`, then (up + 1) * gate * sigmoid(alpha * gate)
+    (transformers' GptOssExperts._apply_gate, on the de-interleaved halves)."""
+
+    def __init__(self, alpha: float, limit: float):
+        self.alpha, self.limit = alpha, limit
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        I = gate_up.shape[-1] // 2
+        gate = gate_up[:, :I].clamp(max=self.limit)
+        up = gate_up[:, I:].clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def __repr__(self) -> str:
+        return f"ClampedSwiGLU(alpha={self.alpha}, limit={self.limit})"
+
+
+def biased_experts(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                   down: torch.Tensor, gate_up_bias: torch.Tensor, down_bias: torch.Tensor | None,
+                   act=silu_mul) -> torch.Tensor:
+    """`fused_experts` for experts with biases and any activation (gpt-oss), in plain torch:
+    y[t] = sum_k w[t, k] * (down_e(act(gate_up_e(x[t]) + gate_up_bias[e])) + down_bias[e]).
+
+    gate_up_bias [S, 2I], down_bias [S, D] or None (a TP rank other than the first: the bias is added
+    once over the TP group, by the first rank). The routing weight multiplies the down projection's
+    bias too, so it scales the rows after the down projection, not before."""
+    T, K = slots.shape
+    order, counts = sort_by_slot(slots, gate_up.shape[0])
+    token = torch.div(order, K, rounding_mode="floor")           # [N] source token of each row
+    xs = x.index_select(0, token)                                # [N, D] grouped by slot
+    w = weights.reshape(-1).index_select(0, order).to(x.dtype)   # [N]
+    rows = x.new_empty(xs.shape[0], down.shape[1])               # [N, D]
+    start = 0
+    for s, n in enumerate(counts):
+        if not n:
+            continue
+        end = start + n
+        h = act(torch.addmm(gate_up_bias[s], xs[start:end], gate_up[s].t()))       # [n, I]
+        if down_bias is None:
+            torch.mm(h, down[s].t(), out=rows[start:end])
+        else:
+            torch.addmm(down_bias[s], h, down[s].t(), out=rows[start:end])
+        start = end
+    rows.mul_(w[:, None])
+    return x.new_zeros(T, x.shape[1]).index_add_(0, token, rows)
+
+
 def fused_experts(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                   down: torch.Tensor, expert_parallel: bool | None = None) -> torch.Tensor:
     """x [T, D], slots [T, K] local slot ids (>= S dropped), weights [T, K] -> y [T, D] in x's dtype."""

@@ -115,6 +115,9 @@ def assign_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 
 def load_weights(model: nn.Module, ckpt: Checkpoint, device: str | torch.device) -> None:
+    view = getattr(model, "checkpoint_view", None)     # a family's own arrangement of its tensors (gpt-oss)
+    if view is not None:
+        ckpt = view(ckpt)
     layout = model.weight_layout()
     expected = model.state_dict()
     state, report = build_state_dict(ckpt.names(), ckpt.get, ckpt.shape, expected, layout, device=device)

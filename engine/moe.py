@@ -56,7 +56,7 @@ from torch import nn
 
 from ..plan import Keys
 from .eplb import ExpertLoadCounter, Placement, to_physical
-from .expert_kernel import fused_experts
+from .expert_kernel import biased_experts, fused_experts, silu_mul
 from .parallel import context as parallel_context
 from .parallel.tensor import TensorParallel
 
@@ -73,7 +73,7 @@ def _dist_all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 class RoutedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, plan, *,
-                 layer_id: int, dtype: torch.dtype | None = None):
+                 layer_id: int, dtype: torch.dtype | None = None, bias: bool = False, activation=None):
         super().__init__()
         par = plan.request.parallel
         self.layer_id = layer_id
@@ -112,6 +112,18 @@ class RoutedExperts(nn.Module):
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(self.num_slots, hidden_size, intermediate_size, dtype=dtype),
                                       requires_grad=False)
+        # gpt-oss: every expert's projections carry biases and its activation is its own (expert_kernel's
+        # `biased_experts`). Split by features over TP ranks, the gate/up bias splits like its rows; the
+        # down projection's bias is whole and added by the first TP rank only (the others' partial sums
+        # are summed onto it).
+        self.gate_up_bias = self.down_bias = None
+        if bias:
+            self.gate_up_bias = nn.Parameter(torch.empty(self.num_slots, 2 * intermediate_size, dtype=dtype),
+                                             requires_grad=False)
+            self.down_bias = nn.Parameter(torch.empty(self.num_slots, hidden_size, dtype=dtype),
+                                          requires_grad=False)
+        self.activation = activation
+        self.adds_down_bias = self.tp.size == 1 or par.tp_rank == 0
 
         # The EP group of this rank: from the worker's parallel context, fixed at build time.
         ctx = parallel_context.current()
@@ -191,7 +203,7 @@ class RoutedExperts(nn.Module):
         else:
             # One rank holding every physical slot: physical ids already are slot ids (fused slots follow).
             slots = topk_ids if self.num_local_experts == self.num_physical else self._local_slots(topk_ids)
-            y = fused_experts(x, slots, topk_weights, self.gate_up_proj, self.down_proj)
+            y = self._experts(x, slots, topk_weights)
         if self.post_experts_all_reduce:
             y = self.reduce(y)   # every rank calls it, even with no local rows: it is a collective
         return y
@@ -203,10 +215,20 @@ class RoutedExperts(nn.Module):
         rx, rslots, rw, handle = dispatch(x, phys_ids, weights, self.num_local_experts, self.ep_group,
                                           num_routed=self.num_physical)
         if rx.shape[0]:
-            rows = fused_experts(rx, rslots[:, None], rw[:, None], self.gate_up_proj, self.down_proj)
+            rows = self._experts(rx, rslots[:, None], rw[:, None])
         else:
             rows = rx.new_zeros((0, self.hidden_size))
         return combine(rows, handle, weighted=True)                  # complete: no reduction may follow
+
+    def _experts(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The local experts' weighted rows summed per token: x [T, D], slots [T, K] local ids -> [T, D]."""
+        if self.gate_up_bias is None and self.activation is None:
+            return fused_experts(x, slots, weights, self.gate_up_proj, self.down_proj)
+        gate_up_bias = self.gate_up_bias if self.gate_up_bias is not None else \
+            x.new_zeros(self.num_slots, self.gate_up_proj.shape[1])
+        down_bias = self.down_bias if self.adds_down_bias else None
+        return biased_experts(x, slots, weights, self.gate_up_proj, self.down_proj, gate_up_bias, down_bias,
+                              self.activation or silu_mul)
 
     def weight_layout_fields(self) -> dict:
         """What engine.weights.WeightLayout takes from this layer (alike on every MoE layer of a runner): its
@@ -219,7 +241,8 @@ class RoutedExperts(nn.Module):
     def get_moe_weights(self) -> list[torch.Tensor]:
         """The movable expert tensors, dim 0 = local physical expert (fused shared slots excluded)."""
         E = self.num_local_experts
-        return [self.gate_up_proj[:E], self.down_proj[:E]]
+        biases = [] if self.gate_up_bias is None else [self.gate_up_bias[:E], self.down_bias[:E]]
+        return [self.gate_up_proj[:E], self.down_proj[:E], *biases]
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer_id}, experts={self.num_experts} (physical {self.num_physical}, local "

@@ -32,6 +32,7 @@ ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "KimiK25ForConditionalGeneration": ("loadplan.engine.models.deepseek_v3", "KimiK25ForConditionalGeneration"),
     "MixtralForCausalLM": ("loadplan.engine.models.mixtral", "MixtralForCausalLM"),
     "OlmoeForCausalLM": ("loadplan.engine.models.olmoe", "OlmoeForCausalLM"),
+    "GptOssForCausalLM": ("loadplan.engine.models.gpt_oss", "GptOssForCausalLM"),
 }
 
 

@@ -131,7 +131,9 @@ class Target:
 _MLP = r"(?P<mlp>.+\.mlp)"
 
 
-def _expert_target(kind: str):
+def _expert_target(kind: str, tensor: str = "proj"):
+    """`tensor` "proj": the expert's weight, into gate_up_proj / down_proj; "bias": its bias (gpt-oss), into
+    gate_up_bias / down_bias."""
     def make(m: re.Match, lay: WeightLayout) -> Target:
         e = int(m["e"])
         if e >= lay.n_routed and lay.num_fused_shared == 0:
@@ -139,8 +141,8 @@ def _expert_target(kind: str):
                 f"{m.string}: expert {e} >= n_routed_experts={lay.n_routed} means a checkpoint in the fused "
                 f"layout (shared expert pre-fused as a routed slot), but the plan built an unfused model")
         if kind == "down":
-            return Target(f"{m['mlp']}.experts.down_proj", e)
-        return Target(f"{m['mlp']}.experts.gate_up_proj", e, m["part"])
+            return Target(f"{m['mlp']}.experts.down_{tensor}", e)
+        return Target(f"{m['mlp']}.experts.gate_up_{tensor}", e, m["part"])
     return make
 
 
@@ -162,6 +164,8 @@ def _embed_target(m: re.Match, lay: WeightLayout) -> Target:
 RULES: list[tuple[re.Pattern, Callable[[re.Match, WeightLayout], Target]]] = [
     (re.compile(rf"^{_MLP}\.experts\.(?P<e>\d+)\.(?P<part>gate|up)_proj\.weight$"), _expert_target("gate_up")),
     (re.compile(rf"^{_MLP}\.experts\.(?P<e>\d+)\.down_proj\.weight$"), _expert_target("down")),
+    (re.compile(rf"^{_MLP}\.experts\.(?P<e>\d+)\.(?P<part>gate|up)_proj\.bias$"), _expert_target("gate_up", "bias")),
+    (re.compile(rf"^{_MLP}\.experts\.(?P<e>\d+)\.down_proj\.bias$"), _expert_target("down", "bias")),
     (re.compile(rf"^{_MLP}\.shared_experts?\.(?P<part>gate|up|down)_proj\.weight$"), _shared_target),
     (re.compile(r"^(?P<prefix>(?:[A-Za-z_]\w*\.)*?)model\.embed_tokens\.weight$"), _embed_target),
 ]
@@ -176,9 +180,11 @@ TP_SPLITS: list[tuple[re.Pattern, int]] = [
     (re.compile(r"\.self_attn\.(q_b|kv_b)_proj\.weight$"), 0),      # MLA: latent -> heads (the latent stays whole)
     (re.compile(r"\.self_attn\.o_proj\.weight$"), 1),
     (re.compile(r"\.self_attn\.[qk]_proj_norm\.weight$"), 0),     # OLMoE: a norm over the whole projection
+    (re.compile(r"\.self_attn\.sinks$"), 0),                     # gpt-oss: one sink logit per head
     (re.compile(r"\.mlp\.(gate|up)_proj\.weight$"), 0),
     (re.compile(r"\.mlp\.down_proj\.weight$"), 1),
     (re.compile(r"\.mlp\.experts\.gate_up_proj$"), 0),
+    (re.compile(r"\.mlp\.experts\.gate_up_bias$"), 0),        # gpt-oss; its down_bias is whole (added once)
     (re.compile(r"\.mlp\.experts\.down_proj$"), 1),
 ]
 
@@ -192,7 +198,7 @@ def tp_split_dim(param: str, layout: WeightLayout) -> int | None:
 
 
 _LAYER_ID = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_STACKED = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
+_STACKED = re.compile(r"\.experts\.(gate_up_proj|down_proj|gate_up_bias|down_bias)$")
 
 
 def remap(name: str, layout: WeightLayout) -> Target:
@@ -256,9 +262,10 @@ def _engine_spelling(param: str, expert: int | None, part: str | None, layout: W
         return param
     mlp = param.rsplit(".experts.", 1)[0]
     proj = part or "down"
+    tensor = "bias" if param.endswith("_bias") else "weight"
     if expert < layout.n_routed:
-        return f"{mlp}.experts.{expert}.{proj}_proj.weight"
-    return f"{mlp}.shared_expert(s).{proj}_proj.weight (or pre-fused {mlp}.experts.{expert}.{proj}_proj.weight)"
+        return f"{mlp}.experts.{expert}.{proj}_proj.{tensor}"
+    return f"{mlp}.shared_expert(s).{proj}_proj.{tensor} (or pre-fused {mlp}.experts.{expert}.{proj}_proj.{tensor})"
 
 
 @dataclass
@@ -277,7 +284,7 @@ def expected_targets(expected: Mapping[str, torch.Tensor],
         if not m:
             need.add((param, None, None))
             continue
-        parts = ("gate", "up") if m.group(1) == "gate_up_proj" else (None,)
+        parts = ("gate", "up") if m.group(1).startswith("gate_up") else (None,)
         for slot in range(t.shape[0]):
             for part in parts:
                 need.add((param, _global_id(slot, layout), part))

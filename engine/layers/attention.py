@@ -7,6 +7,9 @@ GLM-4-MoE: bias on q/k/v, optional qk_norm, and partial rotary: only the first
 transformers' apply_rotary_pos_emb does when cos/sin are narrower than the head.
 Mixtral: `sliding_window` W, a query at position i sees keys j with i - W < j <= i
 (transformers' sliding_window_causal_mask_function).
+gpt-oss: `sinks`, one learned logit per head that joins every query's softmax as an extra key
+with no value (its share of the probability is dropped: transformers' eager_attention_forward),
+and a window on every other layer (each layer is built with its own `sliding_window`).
 OLMoE: `qk_norm_span="projection"`: one RMSNorm over the whole q projection (all heads) and
 one over the whole k projection (`q_proj_norm`, `k_proj_norm`; under TP each rank holds its
 heads' part of the weight and the mean of squares is summed over the TP group), then q, k
@@ -34,7 +37,8 @@ class GQAttention(nn.Module):
     def __init__(self, hidden_size: int, n_heads: int, n_kv_heads: int, head_dim: int, *, qkv_bias: bool,
                  o_bias: bool, qk_norm: bool, rms_norm_eps: float, rotary_dim: int | None = None,
                  dtype: torch.dtype | None = None, tp: TensorParallel | None = None,
-                 sliding_window: int | None = None, qk_norm_span: str = "head", clip_qkv: float | None = None):
+                 sliding_window: int | None = None, qk_norm_span: str = "head", clip_qkv: float | None = None,
+                 sinks: bool = False):
         super().__init__()
         if qk_norm_span not in ("head", "projection"):
             raise ValueError(f"qk_norm_span={qk_norm_span!r}: 'head' or 'projection'")
@@ -66,6 +70,8 @@ class GQAttention(nn.Module):
             split = lambda full: dict(full_dim=full, reduce=tp.reduce) if tp.size > 1 else {}  # noqa: E731
             self.q_proj_norm = RMSNorm(n_heads * head_dim, rms_norm_eps, dtype, **split(full_q))
             self.k_proj_norm = RMSNorm(n_kv_heads * head_dim, rms_norm_eps, dtype, **split(full_k))
+        # [H] this rank's heads' sink logits (TP splits them with the heads)
+        self.sinks = nn.Parameter(torch.empty(n_heads, dtype=dtype), requires_grad=False) if sinks else None
         self.kv_cache: KVCache | None = None   # set by the model's setup_caches
 
     def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype,
@@ -94,6 +100,10 @@ class GQAttention(nn.Module):
             if input_pos is None:
                 raise ValueError("a KV cache is set up: pass input_pos")
             k, v = self.kv_cache.update(input_pos, k, v)                  # [B, H_kv, S_max, hd]
+        if self.sinks is not None:
+            keys = input_pos if self.kv_cache is not None else torch.arange(T, device=x.device)
+            y = self._attend_with_sinks(q, k, v, self._mask(keys, k.shape[2]))
+        elif self.kv_cache is not None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(input_pos, k.shape[2]),
                                                scale=self.scale, enable_gqa=gqa)
         elif self.sliding_window is not None and T > self.sliding_window:
@@ -103,6 +113,19 @@ class GQAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scale, enable_gqa=gqa)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)   # [B, T, H * hd]
         return self.tp.output_projection(self.o_proj, y)                    # [B, T, D]: every rank's heads
+
+    def _attend_with_sinks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           mask: torch.Tensor) -> torch.Tensor:
+        """q [B, H, T, hd], k/v [B, H_kv, S, hd], mask [T, S] -> [B, H, T, hd]: softmax over the visible
+        keys and the head's sink logit, whose column is then dropped (so a row sums to less than 1)."""
+        B, H, T, _ = q.shape
+        rep = self.n_heads // self.n_kv_heads
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)   # [B, H, S, hd]
+        scores = (q @ k.transpose(-1, -2) * self.scale).masked_fill(~mask, float("-inf"))   # [B, H, T, S]
+        sink = self.sinks.to(scores.dtype).view(1, H, 1, 1).expand(B, H, T, 1)         # [B, H, T, 1]
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]      # [B, H, T, S]
+        return probs @ v
 
     def _mask(self, query_pos: torch.Tensor, n_keys: int) -> torch.Tensor:
         """[T, S] True where the query at query_pos[t] sees key position s: causal, within the window."""

@@ -109,6 +109,11 @@ class CausalLM(nn.Module):
         """Checkpoint name prefixes that are not part of this model (a family overrides)."""
         return ()
 
+    def checkpoint_view(self, ckpt):
+        """The checkpoint as the weight remapping reads it (`names`, `shape`, `get`): as it is, unless the family
+        keeps tensors in another arrangement (gpt-oss's stacked experts, models/gpt_oss.py)."""
+        return ckpt
+
     def weight_layout(self, prefix: str = "") -> WeightLayout:
         """`prefix`: where a wrapper keeps this model in its checkpoint (e.g. "language_model.")."""
         experts = {}     # no MoE layer on this stage: WeightLayout's defaults

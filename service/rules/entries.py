@@ -68,6 +68,7 @@ FAMILIES: dict[str, Family] = {
         Family("qwen3_moe", lambda c: layouts.qwen_moe_layout(c, shared=False), None, False),
         Family("mixtral", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
         Family("olmoe", lambda c: layouts.every_layer_moe_layout(c, "num_experts"), None, False),
+        Family("gpt_oss", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
     )
 }
 
@@ -81,6 +82,7 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "Qwen3MoeForCausalLM": Direct("qwen3_moe"),
     "MixtralForCausalLM": Direct("mixtral"),
     "OlmoeForCausalLM": Direct("olmoe"),
+    "GptOssForCausalLM": Direct("gpt_oss"),
     "KimiK25ForConditionalGeneration": Wrapper("DeepseekV3ForCausalLM", "text_config", _top_level_quantization),
 }
 

@@ -1,0 +1,228 @@
+"""gpt-oss (gpt-oss-20b, gpt-oss-120b), numerically following transformers' modeling_gpt_oss.
+
+Shapes: T tokens, D hidden, E experts, K top-k, I expert width, H heads.
+
+What sets it apart from the Qwen-style layers (qwen_moe.py):
+- attention: biases on q/k/v/o, a learned sink logit per head in every softmax
+  (layers/attention.py `sinks`), and a sliding window on the layers `layer_types` marks
+  `sliding_attention` (by default every even layer), full attention on the others;
+  YaRN rotary with `truncate: false` as shipped (rope theta 150000);
+- router: a linear layer WITH bias, top-k taken on the logits, then a softmax over
+  those K logits only (not softmax -> top-k);
+- experts: gate/up and down projections with biases, and the clamped SwiGLU
+  (up.clamp(+-limit) + 1) * gate.clamp(max=limit) * sigmoid(alpha * gate)
+  (expert_kernel.ClampedSwiGLU); every layer sparse, no shared expert, so no fusion.
+
+The checkpoint holds each layer's experts stacked, as transformers keeps them:
+`mlp.experts.gate_up_proj` [E, D, 2I] with gate and up INTERLEAVED along the last
+dimension (gate = [..., 0::2], up = [..., 1::2]), `gate_up_proj_bias` [E, 2I] (same
+interleave), `down_proj` [E, I, D] and `down_proj_bias` [E, D]. `StackedExperts` shows
+them to the loader one expert at a time in the engine's spelling
+(`mlp.experts.{e}.gate_proj.weight` [I, D], ...), so EP shares, EPLB replicas, TP
+splits and the hard checks are the same as for any family.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..expert_kernel import ClampedSwiGLU
+from ..layers.attention import GQAttention
+from ..layers.rope import RopeConfig, rope_config_from_hf
+from ..moe import RoutedExperts
+from ..parallel.tensor import TensorParallel
+from ..weights import ShapeMismatch
+from .causal_lm import CausalLM, DecoderLayer
+from .config import ConfigError, get_field as _get
+
+ARCHITECTURE = "GptOssForCausalLM"
+LAYER_TYPES = ("sliding_attention", "full_attention")
+# transformers' GptOssConfig when config.json gives no rope_scaling / rope_parameters.
+DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
+
+
+@dataclass(frozen=True)
+class GptOssConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int              # every expert's width
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope: RopeConfig
+    num_experts: int
+    num_experts_per_tok: int
+    attention_bias: bool
+    sliding_window: int | None
+    layer_types: tuple[str, ...]
+    swiglu_alpha: float
+    swiglu_limit: float
+    moe_layers: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "GptOssConfig":
+        """config.json with transformers' GptOssConfig defaults where a checkpoint may leave a field out."""
+        n_layers = _get(d, "num_hidden_layers", kind=int)
+        n_experts = _get(d, "num_local_experts", kind=int)
+        top_k = _get(d, "num_experts_per_tok", kind=int)
+        if not 0 < top_k <= n_experts:
+            raise ConfigError(f"config.num_experts_per_tok: {top_k} must be in [1, num_local_experts={n_experts}]")
+        types = d.get("layer_types")
+        if types is None:
+            types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers)]
+        if not isinstance(types, list) or len(types) != n_layers or any(t not in LAYER_TYPES for t in types):
+            raise ConfigError(f"config.layer_types: expected {n_layers} entries of {', '.join(LAYER_TYPES)}, "
+                              f"got {types!r}"[:300])
+        window = d.get("sliding_window", 128)
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            raise ConfigError(f"config.sliding_window: must be an integer >= 1, got {window!r}")
+        if window is None and "sliding_attention" in types:
+            raise ConfigError("config.sliding_window: null, but layer_types has sliding_attention layers")
+        limit = float(_get(d, "swiglu_limit", 7.0, (int, float)))
+        if limit <= 0:
+            raise ConfigError(f"config.swiglu_limit: must be > 0, got {limit}")
+        rope_given = d.get("rope_scaling") is not None or d.get("rope_parameters") is not None
+        return cls(
+            vocab_size=_get(d, "vocab_size", kind=int),
+            hidden_size=_get(d, "hidden_size", kind=int),
+            intermediate_size=_get(d, "intermediate_size", kind=int),
+            num_hidden_layers=n_layers,
+            num_attention_heads=_get(d, "num_attention_heads", kind=int),
+            # transformers' default is 8, which fits no particular head count: a config must say it.
+            num_key_value_heads=_get(d, "num_key_value_heads", kind=int),
+            head_dim=_get(d, "head_dim", 64, int),             # transformers' default, not hidden / heads
+            rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-5)),
+            max_position_embeddings=_get(d, "max_position_embeddings", 131072, int),
+            tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
+            rope=rope_config_from_hf(d if rope_given else dict(d, rope_parameters=DEFAULT_ROPE),
+                                     default_theta=150000.0),
+            num_experts=n_experts,
+            num_experts_per_tok=top_k,
+            attention_bias=bool(_get(d, "attention_bias", True, bool)),
+            sliding_window=window,
+            layer_types=tuple(types),
+            swiglu_alpha=float(_get(d, "swiglu_alpha", 1.702, (int, float))),
+            swiglu_limit=limit,
+            moe_layers=tuple(range(n_layers)),
+        )
+
+
+class GptOssMoeBlock(nn.Module):
+    """Router (bias; top-k on the logits, softmax over the K chosen) and the biased, clamped-SwiGLU experts."""
+
+    def __init__(self, cfg: GptOssConfig, plan, layer_id: int, dtype: torch.dtype):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=True, dtype=dtype)
+        self.experts = RoutedExperts(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, plan,
+                                     layer_id=layer_id, dtype=dtype, bias=True,
+                                     activation=ClampedSwiGLU(cfg.swiglu_alpha, cfg.swiglu_limit))
+        if self.experts.num_fused_shared_experts:
+            raise ValueError(f"plan fuses {self.experts.num_fused_shared_experts} shared expert slot(s) but gpt-oss "
+                             f"has no shared expert")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> [T, D]"""
+        logits = self.router(x)                                            # [T, E]
+        top, ids = torch.topk(logits, self.top_k, dim=-1)                  # [T, K]
+        weights = torch.softmax(top, dim=-1)                               # [T, K]
+        return self.experts(x, ids, weights)                               # reduced if the plan says
+
+
+class GptOssDecoderLayer(DecoderLayer):
+    def __init__(self, cfg: GptOssConfig, plan, layer_id: int, dtype: torch.dtype):
+        tp = TensorParallel.of(plan)
+        window = cfg.sliding_window if cfg.layer_types[layer_id] == "sliding_attention" else None
+        attn = GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                           qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm=False,
+                           rms_norm_eps=cfg.rms_norm_eps, dtype=dtype, tp=tp, sliding_window=window, sinks=True)
+        super().__init__(layer_id, attn, GptOssMoeBlock(cfg, plan, layer_id, dtype), cfg.hidden_size,
+                         cfg.rms_norm_eps, dtype)
+
+
+_STACKED = re.compile(r"^(?P<mlp>.+\.mlp)\.experts\.(?P<kind>gate_up_proj|gate_up_proj_bias|down_proj|down_proj_bias)$")
+
+
+class StackedExperts:
+    """A checkpoint (`names`/`shape`/`get`) whose stacked gpt-oss expert tensors are shown one expert at a
+    time in the engine's spelling; every other tensor as it is. A stacked tensor's first dimension must be
+    the config's expert count. The last stacked tensor read is kept, so reading its experts one after
+    another reads it once."""
+
+    def __init__(self, ckpt, n_experts: int):
+        self._ckpt = ckpt
+        self._parts: dict[str, tuple[str, int, str]] = {}    # shown name -> (stacked name, expert, piece)
+        self._names: list[str] = []
+        self._held: tuple[str | None, torch.Tensor | None] = (None, None)
+        for name in ckpt.names():
+            m = _STACKED.match(name)
+            if m is None:
+                self._names.append(name)
+                continue
+            shape = tuple(ckpt.shape(name))
+            kind = m["kind"]
+            dims = 2 if kind.endswith("_bias") else 3
+            if len(shape) != dims or shape[0] != n_experts or (kind.startswith("gate_up") and shape[-1] % 2):
+                raise ShapeMismatch(f"tensor {name!r} has shape {list(shape)}: expected {dims} dimensions, the "
+                                    f"first num_local_experts={n_experts}"
+                                    + (", the last even (gate and up)" if kind.startswith("gate_up") else ""))
+            tensor = "bias" if kind.endswith("_bias") else "weight"
+            pieces = ("gate", "up") if kind.startswith("gate_up") else ("down",)
+            for e in range(n_experts):
+                for piece in pieces:
+                    shown = f"{m['mlp']}.experts.{e}.{piece}_proj.{tensor}"
+                    self._parts[shown] = (name, e, piece)
+                    self._names.append(shown)
+
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        part = self._parts.get(name)
+        if part is None:
+            return tuple(self._ckpt.shape(name))
+        stacked, _, piece = part
+        shape = tuple(self._ckpt.shape(stacked))
+        if len(shape) == 2:                                       # [E, 2I] or [E, D]
+            return (shape[1] // 2,) if piece != "down" else (shape[1],)
+        if piece == "down":                                       # [E, I, D] -> [D, I]
+            return (shape[2], shape[1])
+        return (shape[2] // 2, shape[1])                          # [E, D, 2I] -> [I, D]
+
+    def get(self, name: str) -> torch.Tensor:
+        part = self._parts.get(name)
+        if part is None:
+            return self._ckpt.get(name)
+        stacked, e, piece = part
+        if self._held[0] != stacked:
+            self._held = (stacked, self._ckpt.get(stacked))
+        t = self._held[1][e]                                      # [D, 2I], [2I], [I, D] or [D]
+        if piece != "down":
+            t = t[..., 0::2] if piece == "gate" else t[..., 1::2]
+        return t.t() if t.dim() == 2 else t
+
+
+class GptOssForCausalLM(CausalLM):
+    ARCHITECTURE = ARCHITECTURE
+    TENSOR_PARALLEL = True
+
+    @classmethod
+    def parse_config(cls, hf_config: dict) -> GptOssConfig:
+        return GptOssConfig.from_hf(hf_config)
+
+    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
+        cfg = self.parse_config(hf_config)
+        super().__init__(cfg, plan, GptOssDecoderLayer, n_routed=cfg.num_experts, rope_head_dim=cfg.head_dim,
+                         dtype=dtype)
+
+    def checkpoint_view(self, ckpt):
+        return StackedExperts(ckpt, self.config.num_experts)
