@@ -339,6 +339,20 @@ def make_olmoe_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     return _save_random_model(path, "Olmoe", seed, dict(OLMOE_TINY, **config))
 
 
+# gpt-oss: 8 experts, top-2, every layer sparse; a window of 4 on layers 0 and 2 (transformers' default
+# layer_types: sliding on even layers), so prompts of more than 4 tokens meet it; the default YaRN rope.
+GPT_OSS_TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                    max_position_embeddings=256, sliding_window=4, eos_token_id=None, pad_token_id=None,
+                    bos_token_id=None)
+
+
+def make_gpt_oss_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random gpt-oss of GPT_OSS_TINY updated with `config` (transformers' GptOssConfig kwargs): experts
+    stacked and gate/up interleaved, as transformers saves them; random sinks and router and expert biases."""
+    return _save_random_model(path, "GptOss", seed, dict(GPT_OSS_TINY, **config))
+
+
 def make_mixtral_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     """Save a random Mixtral of MIXTRAL_TINY updated with `config` (transformers' MixtralConfig kwargs): the
     Hub's spelling, block_sparse_moe.experts.{e}.w1/w2/w3."""

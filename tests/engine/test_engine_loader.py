@@ -231,6 +231,8 @@ _BAD_CONFIGS = [
      {"decoder_sparse_step": 0}, "target"),
     ("MixtralForCausalLM", "MixtralConfig", dict(num_local_experts=8), {"sliding_window": -2}, "target"),
     ("OlmoeForCausalLM", "OlmoeConfig", dict(num_experts=8), {"clip_qkv": -1.0}, "target"),
+    ("GptOssForCausalLM", "GptOssConfig", dict(num_local_experts=8), {"layer_types": ["chunked_attention"]},
+     "target"),
     ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(n_routed_experts=16, moe_intermediate_size=16),
      {"scoring_func": "relu"}, "target"),
     ("DeepseekV2ForCausalLM", "DeepseekV2Config", dict(n_routed_experts=16, moe_intermediate_size=16),

@@ -39,6 +39,8 @@ def shrink(cfg: dict) -> dict:
     out["num_attention_heads"] = HEADS
     out["num_key_value_heads"] = max(1, HEADS * cfg["num_key_value_heads"] // cfg["num_attention_heads"])
     out["num_hidden_layers"] = cfg.get("first_k_dense_replace", 0) + 2     # the dense layers, then two MoE layers
+    if "layer_types" in cfg:                                                # gpt-oss: one per layer
+        out["layer_types"] = cfg["layer_types"][:out["num_hidden_layers"]]
     return out
 
 
@@ -60,11 +62,13 @@ def _checkpoint(name: str, family: str, root: Path) -> tuple[Path, Path, dict]:
 
 
 CASES = [("deepseek-v3", "DeepseekV3"), ("kimi-k2", "DeepseekV3"), ("glm-4.5", "Glm4Moe"),
-         ("qwen1.5-moe-a2.7b", "Qwen2Moe"), ("qwen3-30b-a3b", "Qwen3Moe"), ("mixtral-8x7b", "Mixtral")]
+         ("qwen1.5-moe-a2.7b", "Qwen2Moe"), ("qwen3-30b-a3b", "Qwen3Moe"), ("mixtral-8x7b", "Mixtral"),
+         ("gpt-oss-20b", "GptOss")]
 # What the plan decides for each, on one CPU rank (DESIGN 5.2): DeepSeek-V3's 256 experts fuse; Kimi-K2's 384
-# need quark; GLM-4.5 fuses; Qwen1.5-MoE's shared expert is 4x wider than its experts; Qwen3 and Mixtral have none.
+# need quark; GLM-4.5 fuses; Qwen1.5-MoE's shared expert is 4x wider than its experts; Qwen3, Mixtral and gpt-oss
+# have none.
 FUSES = {"deepseek-v3": True, "kimi-k2": False, "glm-4.5": True, "qwen1.5-moe-a2.7b": False, "qwen3-30b-a3b": False,
-         "mixtral-8x7b": False}
+         "mixtral-8x7b": False, "gpt-oss-20b": False}
 
 
 @pytest.mark.parametrize("name, family", CASES)

@@ -17,7 +17,8 @@ from loadplan.plan import Keys
 from loadplan.service.rules.backends import BACKENDS
 
 from engine_helpers import LocalRegistry, make_checkpoint
-from parallel_helpers import DEEPSEEK, DEEPSEEK_V2, GLM4, MIXTRAL, OLMOE, QWEN2, QWEN3, make_model, single_process
+from parallel_helpers import (DEEPSEEK, DEEPSEEK_V2, GLM4, GPT_OSS, MIXTRAL, OLMOE, QWEN2, QWEN3, make_model,
+                              single_process)
 
 N_NEW = 4
 TOL = 1e-4
@@ -27,7 +28,7 @@ INTENTS = {None: {}, "enforce": {"enforce_shared_experts_fusion": True},
 CASES = [("qwen3", QWEN3, None), ("qwen2", QWEN2, "enforce"), ("qwen2", QWEN2, "disable"),
          ("glm4", GLM4, "enforce"), ("glm4", GLM4, "disable"), ("deepseek", DEEPSEEK, "enforce"),
          ("deepseek", DEEPSEEK, "disable"), ("deepseek_v2", DEEPSEEK_V2, None), ("mixtral", MIXTRAL, None),
-         ("olmoe", OLMOE, None)]
+         ("olmoe", OLMOE, None), ("gpt_oss", GPT_OSS, None)]
 
 
 def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
@@ -63,6 +64,9 @@ def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
             dense_inter={m.gate_proj.weight.shape[0] for m in mods if isinstance(m, GatedMLP)},
             proj_norms={(m.q_proj_norm.weight.shape[0], m.k_proj_norm.weight.shape[0]) for m in mods
                         if isinstance(m, GQAttention) and m.q_proj_norm is not None},
+            sinks={m.sinks.shape[0] for m in mods if isinstance(m, GQAttention) and m.sinks is not None},
+            expert_biases={(m.gate_up_bias.shape[1], m.down_bias.shape[1]) for m in mods
+                           if isinstance(m, RoutedExperts) and m.gate_up_bias is not None},
             logits=logits, tokens=generate(model, ids[0], N_NEW)[0].tolist()))
     return out
 
@@ -78,6 +82,7 @@ def paths(tmp_path_factory):
         "deepseek_v2": make_model(tmp_path_factory.mktemp("ds2"), DEEPSEEK_V2),
         "mixtral": make_model(tmp_path_factory.mktemp("mixtral"), MIXTRAL),
         "olmoe": make_model(tmp_path_factory.mktemp("olmoe"), OLMOE),
+        "gpt_oss": make_model(tmp_path_factory.mktemp("gpt_oss"), GPT_OSS),
     }
 
 
@@ -114,6 +119,10 @@ def test_two_tp_ranks_give_the_single_process_logits_and_tokens(paths, ids, refe
     assert by_name["mixtral"]["heads"] == {(2, 1, 32)} and by_name["mixtral"]["expert_inter"] == {16}
     # OLMoE's q / k norms span the whole projection: each rank holds its heads' part, summed over the pair.
     assert by_name["olmoe"]["heads"] == {(2, 1, 32)} and by_name["olmoe"]["proj_norms"] == {(32, 16)}
+    # gpt-oss: each rank its heads' sinks; the experts' gate/up biases split with their rows, and the down
+    # projections' biases whole, added by the first TP rank only (both ranks adding them fails the logits).
+    assert by_name["gpt_oss"]["heads"] == {(2, 1, 32)} and by_name["gpt_oss"]["sinks"] == {2}
+    assert by_name["gpt_oss"]["expert_inter"] == {16} and by_name["gpt_oss"]["expert_biases"] == {(32, 64)}
     # MLA: half the heads and their kv_b_proj rows; the latent projection stays whole.
     (heads, kv_b_rows, kv_a_rows), = by_name["deepseek"]["mla_heads"]
     assert (heads, kv_b_rows, kv_a_rows) == (1, 1 * (8 + 12), 16 + 8)     # of 2 heads; nope 8 + v 12; lora 16 + rope 8
@@ -126,7 +135,8 @@ def _ep_tp_ranks(rank, world_size, paths, ids):
     from engine_helpers import LocalRegistry
 
     grid, out = None, []
-    for name, intent in (("qwen3", None), ("deepseek", "enforce"), ("deepseek", "disable"), ("mixtral", None)):
+    for name, intent in (("qwen3", None), ("deepseek", "enforce"), ("deepseek", "disable"), ("mixtral", None),
+                         ("gpt_oss", None)):
         spec = WorkerSpec(model=paths[name], prompt_ids=(), max_new_tokens=0, ep_size=2, tp_size=2,
                           runtime=INTENTS[intent])
         grid = grid or init_rank(spec)
@@ -154,7 +164,7 @@ def test_ep_and_tp_together_give_the_single_process_logits(paths, ids, reference
             if case["intent"]:
                 assert case["fused"] == (case["intent"] == "enforce"), where
                 assert case["scale"] == (0.5 if case["fused"] else 1.0), where
-        for moe in (cases[0], cases[3]):                               # Qwen3-MoE and Mixtral
+        for moe in (cases[0], cases[3], cases[4]):                     # Qwen3-MoE, Mixtral and gpt-oss
             assert moe["experts"] == (4 * moe["ranks"][0], 4, 16)      # 8 experts over EP 2; 32 features over TP 2
 
 

@@ -13,7 +13,8 @@ from loadplan.plan import Keys, Parallel, ResolveRequest, Runtime
 from loadplan.service.rules.resolve import Resolution, resolve_decisions
 
 CONFIGS = Path(__file__).resolve().parents[2] / "data" / "configs"
-REAL_CONFIGS = ("deepseek-v3", "kimi-k2", "glm-4.5", "qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "kimi-k2.5", "mixtral-8x7b")
+REAL_CONFIGS = ("deepseek-v3", "kimi-k2", "glm-4.5", "qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "kimi-k2.5", "mixtral-8x7b",
+                "gpt-oss-20b")
 
 _PARALLEL = {f.name for f in dataclasses.fields(Parallel)}
 _RUNTIME = {f.name for f in dataclasses.fields(Runtime)}

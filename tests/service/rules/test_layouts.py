@@ -115,6 +115,12 @@ def test_olmoe_reads_num_experts():
     assert lay.moe_layers == (0, 1, 2) and (lay.n_routed, lay.top_k) == (64, 8)
 
 
+def test_gpt_oss_reads_num_local_experts():
+    lay = entries.FAMILIES["gpt_oss"].layout(ConfigView({"num_hidden_layers": 4, "num_local_experts": 32,
+                                                         "num_experts_per_tok": 4, "num_experts": 7}))
+    assert lay.layer_ids == lay.moe_layers == (0, 1, 2, 3) and (lay.n_routed, lay.n_shared, lay.top_k) == (32, 0, 4)
+
+
 @pytest.mark.parametrize("field,over", [("num_local_experts", {"num_local_experts": None}),
                                         ("num_local_experts", {"num_local_experts": 0}),
                                         ("num_experts_per_tok", {"num_experts_per_tok": 9}),

@@ -28,6 +28,7 @@ def decide(name, **kw):
     ("qwen3-30b-a3b", "Qwen3MoeForCausalLM", "num_experts", 128),
     ("qwen1.5-moe-a2.7b", "Qwen2MoeForCausalLM", "num_experts", 60),
     ("mixtral-8x7b", "MixtralForCausalLM", "num_local_experts", 8),
+    ("gpt-oss-20b", "GptOssForCausalLM", "num_local_experts", 32),
 ])
 def test_fixtures_are_the_published_shapes(name, arch, routed_field, n_routed):
     cfg = load_config(name)
@@ -206,6 +207,21 @@ def test_mixtral_8x7b_over_eight_ep_ranks_on_deepep():
     assert d[Keys.POST_EXPERTS_ALL_REDUCE].value is False
     with pytest.raises(FailedPrecondition):   # 8 experts do not spread over 16 ranks without redundant ones
         decide("mixtral-8x7b", ep_size=16)
+
+
+# --- gpt-oss-20b: 32 experts, top-4, every layer sparse, no shared expert, MXFP4 experts ---------------
+
+def test_gpt_oss_20b_over_four_ep_ranks_with_redundant_experts():
+    res, d = decide("gpt-oss-20b", ep_size=4, ep_rank=3, enable_eplb=True, ep_num_redundant_experts=4)
+    assert res.quantization == "mxfp4"            # read from its quantization_config
+    f = d[Keys.SHARED_EXPERTS_FUSION]
+    assert (f.value, f.rule, f.reason) == (False, "gpt_oss.no_shared_experts", "no shared experts")
+    assert d[Keys.EPLB_NUM_PHYSICAL_EXPERTS].value == 36
+    assert d[Keys.NUM_LOCAL_EXPERTS].value == 9
+    assert d[Keys.EPLB_LAYERS].value == list(range(24))
+    assert d[Keys.POST_EXPERTS_ALL_REDUCE].value is True
+    with pytest.raises(FailedPrecondition):   # 32 experts do not spread over 64 ranks without redundant ones
+        decide("gpt-oss-20b", ep_size=64)
 
 
 # --- Qwen1.5-MoE-A2.7B: shared 5632 vs routed 1408 -----------------------------------------
