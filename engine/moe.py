@@ -10,6 +10,8 @@ experts in all (= routed experts without EPLB redundancy).
 
     gate_up_proj [E + S, 2I, D]   rows [0, I) gate, [I, 2I) up  (HF's layout)
     down_proj    [E + S, D, I]
+    gate_up_bias [E + S, 2I], down_bias [E + S, D]   (gpt-oss only: `bias=True`, with its own
+                                                  `activation`; expert_kernel.biased_experts)
 
 Expert ids in `topk_ids` are GLOBAL LOGICAL ids: routed experts are [0, n_routed),
 the fused shared slots n_routed, n_routed + 1, ... (DESIGN 5.3). With EPLB they are

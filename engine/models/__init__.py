@@ -41,6 +41,9 @@ Loading
   stacked experts (engine/weights.py, RULES), so most models need nothing else. A family
   whose checkpoints spell tensors otherwise sets `CHECKPOINT_NAMES` (a
   `weights.CheckpointNames` table; mixtral.py).
+- `checkpoint_view(ckpt)` (causal_lm.CausalLM: the checkpoint as it is): a family whose
+  checkpoints arrange tensors otherwise shows them to the remapping in the engine's
+  arrangement (gpt_oss.py: its stacked, interleaved experts one expert at a time).
 - `tie_weights()`: called after the state dict is assigned (tied embeddings).
 
 Running

@@ -140,3 +140,26 @@ def test_a_config_it_cannot_read_is_refused_by_field_before_any_plan(copies, tmp
     cfg = json.loads((packed / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(dict(cfg, quantization_config=quantization)))
     check_refused_before_any_plan(folder, Mxfp4ConfigError, match)
+
+
+def test_loadplan_generate_on_two_expert_parallel_ranks_gives_transformers_tokens(copies, capsys, tmp_path):
+    """The whole worker path on the packed checkpoint: two EP ranks over DeepEP's all-to-all, each planned by
+    the embedded registry, against transformers' greedy tokens on the dequantized weights."""
+    from loadplan.cli.main import main
+
+    from engine_helpers import hf_greedy
+
+    packed, dequantized, _ = copies
+    prompt_ids = [5, 17, 99, 3, 64, 12]             # longer than the window of 4
+    db = f"sqlite:///{tmp_path / 'plans.db'}"
+    rc = main(["generate", "--model", str(packed), "--prompt-ids", ",".join(map(str, prompt_ids)),
+               "--max-new-tokens", "6", "--nproc", "2", "--ep-size", "2", "--a2a-backend", "deepep", "--db", db,
+               "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert json.loads(out)["tokens"] == hf_greedy(dequantized, ARCH, prompt_ids, 6)
+    assert main(["plans", "list", "--db", db, "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)
+    plans = plans["plans"] if isinstance(plans, dict) else plans
+    assert sorted((p["quantization"], p["decisions"]["moe.forward_path"]["value"],
+                   p["decisions"]["moe.num_local_routed_experts"]["value"]) for p in plans) == [("mxfp4", "a2a", 4)] * 2

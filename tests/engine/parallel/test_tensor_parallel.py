@@ -200,16 +200,19 @@ def _tp_eplb_ranks(rank, world_size, path, ids, ep_size, backend):
                 physical=model.plan.decisions[Keys.EPLB_NUM_PHYSICAL_EXPERTS].value)
 
 
-@pytest.mark.parametrize("ep_size, world, backend", [(1, 2, "none"), (2, 4, "none"), (2, 4, "deepep")])
-def test_a_rebalance_on_tp_ranks_moves_the_same_experts_and_keeps_the_logits(paths, ids, references, ep_size,
+@pytest.mark.parametrize("name, ep_size, world, backend", [("qwen3", 1, 2, "none"), ("qwen3", 2, 4, "none"),
+                                                           ("qwen3", 2, 4, "deepep"), ("gpt_oss", 2, 4, "none")])
+def test_a_rebalance_on_tp_ranks_moves_the_same_experts_and_keeps_the_logits(paths, ids, references, name, ep_size,
                                                                              world, backend):
-    """deepep: whole experts on each TP rank (the a2a path), moved over its EP group and dispatched to."""
-    ranks = launch(world, _tp_eplb_ranks, paths["qwen3"], ids, ep_size, backend, timeout_s=240)
-    want, _ = references[("qwen3", None)]
+    """deepep: whole experts on each TP rank (the a2a path), moved over its EP group and dispatched to. gpt-oss:
+    its experts' biases move with their weights."""
+    ranks = launch(world, _tp_eplb_ranks, paths[name], ids, ep_size, backend, timeout_s=240)
+    want, _ = references[(name, None)]
     initial = [p % 8 for p in range(10)]                          # slot p holds expert p % n_routed
+    moe_layers = [1, 2] if name == "qwen3" else [0, 1, 2]         # Qwen3's layer 0 is dense
     for r in ranks:
-        assert r["physical"] == 10 and r["moved"] == [1, 2]        # layer 0 is dense
-        assert r["placements"] == ranks[0]["placements"] != [[initial]] * 2, r["placements"]
+        assert r["physical"] == 10 and r["moved"] == moe_layers
+        assert r["placements"] == ranks[0]["placements"] != [[initial]] * len(moe_layers), r["placements"]
         torch.testing.assert_close(r["before"], want, atol=TOL, rtol=0)
         torch.testing.assert_close(r["after"], want, atol=TOL, rtol=0)
 
