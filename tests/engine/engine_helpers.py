@@ -435,6 +435,18 @@ def with_config(src: Path, dst: Path, **overrides) -> Path:
     return dst
 
 
+def with_tensors(src: Path, dst: Path, edit) -> Path:
+    """A checkpoint folder `dst`: `src`'s config.json over `src`'s tensors as `edit(tensors)` leaves them."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(src / "model.safetensors")
+    edit(tensors)
+    dst.mkdir()
+    save_file(tensors, dst / "model.safetensors")
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    return dst
+
+
 def check_refused_before_any_plan(path: Path, error: type[Exception], match: str) -> None:
     """Loading `path` raises `error` (matching `match`) before the registry is asked for a plan."""
     import pytest

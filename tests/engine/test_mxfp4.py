@@ -15,7 +15,7 @@ from loadplan.engine.mxfp4 import FP4_VALUES, Mxfp4Checkpoint, Mxfp4ConfigError,
 from loadplan.engine.weights import DuplicateTensor, MissingTensor, ShapeMismatch
 
 from engine_helpers import (check_refused_before_any_plan, hf_logits_of_order_one, load_local, logits_of,
-                            make_gpt_oss_checkpoint, prompt)
+                            make_gpt_oss_checkpoint, prompt, with_tensors)
 
 ARCH = "GptOssForCausalLM"
 TOL = 1e-4
@@ -104,15 +104,6 @@ def test_two_expert_parallel_ranks_read_their_halves_of_the_packed_experts(copie
         assert torch.equal(experts.down_proj, whole[4 * rank:4 * rank + 4].transpose(1, 2))
 
 
-def _with(copies, tmp_path, edit):
-    packed = copies[0]
-    tensors = load_file(packed / "model.safetensors")
-    edit(tensors)
-    folder = tmp_path / "edited"
-    folder.mkdir()
-    save_file(tensors, folder / "model.safetensors")
-    (folder / "config.json").write_text((packed / "config.json").read_text())
-    return Mxfp4Checkpoint(Checkpoint(folder))
 
 
 NAME = "model.layers.0.mlp.experts.down_proj"
@@ -126,7 +117,7 @@ NAME = "model.layers.0.mlp.experts.down_proj"
 ])
 def test_a_packed_tensor_it_cannot_read_is_named(copies, tmp_path, edit, error, match):
     with pytest.raises(error, match=match):
-        _with(copies, tmp_path, edit)
+        Mxfp4Checkpoint(Checkpoint(with_tensors(copies[0], tmp_path / "edited", edit)))
 
 
 @pytest.mark.parametrize("quantization, match", [

@@ -10,7 +10,6 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from loadplan.engine.checkpoint import Checkpoint
 from loadplan.engine.expert_kernel import ClampedSwiGLU, biased_experts
@@ -22,7 +21,7 @@ from loadplan.engine.weights import MissingTensor, ShapeMismatch
 from loadplan.plan import Keys
 
 from engine_helpers import (check_refused_before_any_plan, hf_greedy, hf_logits_of_order_one,
-                            load_local, logits_of, make_gpt_oss_checkpoint, prompt, with_config)
+                            load_local, logits_of, make_gpt_oss_checkpoint, prompt, with_config, with_tensors)
 
 ARCH = "GptOssForCausalLM"
 TOL = 1e-4
@@ -60,16 +59,6 @@ def test_logits_and_greedy_tokens_match_transformers(ckpt, ids, reference):
     assert generate(model, ids[0], N_NEW)[0].tolist() == hf_greedy(ckpt, ARCH, ids[0].tolist(), N_NEW)
 
 
-def _edited(ckpt, dst, edit):
-    """`ckpt`'s config.json with its weights edited by `edit(tensors)`."""
-    tensors = load_file(ckpt / "model.safetensors")
-    edit(tensors)
-    dst.mkdir()
-    save_file(tensors, dst / "model.safetensors")
-    (dst / "config.json").write_text((ckpt / "config.json").read_text())
-    return dst
-
-
 @pytest.mark.parametrize("what", ["sinks", "router bias", "expert biases"])
 def test_each_of_its_own_tensors_changes_the_logits_and_is_read(ckpt, ids, reference, tmp_path, what):
     """Zeroed, each gives other logits in transformers, and the engine follows (so a tensor read into the wrong
@@ -81,7 +70,7 @@ def test_each_of_its_own_tensors_changes_the_logits_and_is_read(ckpt, ids, refer
         for name in tensors:
             if name.endswith(suffixes):
                 tensors[name] = torch.zeros_like(tensors[name])
-    edited = _edited(ckpt, tmp_path / "edited", zero)
+    edited = with_tensors(ckpt, tmp_path / "edited", zero)
     want = hf_logits_of_order_one(edited, ARCH, ids)
     assert (want - reference).abs().max().item() > 1e-2
     assert (logits_of(load_local(edited), ids) - want).abs().max().item() <= TOL
@@ -150,7 +139,7 @@ def test_a_stacked_tensor_of_another_expert_count_is_named(ckpt):
 
 
 def test_a_missing_stacked_bias_is_named_by_layer(ckpt, tmp_path):
-    edited = _edited(ckpt, tmp_path / "no_bias", lambda t: t.pop("model.layers.2.mlp.experts.down_proj_bias"))
+    edited = with_tensors(ckpt, tmp_path / "no_bias", lambda t: t.pop("model.layers.2.mlp.experts.down_proj_bias"))
     with pytest.raises(MissingTensor, match=r"model\.layers\.2\.mlp\.experts\.\d\.down_proj\.bias"):
         load_local(edited)
 

@@ -9,7 +9,6 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from loadplan.cli.main import main
 from loadplan.engine.generate import generate
@@ -20,7 +19,8 @@ from loadplan.engine.weights import DuplicateTensor, MissingTensor, Target, Weig
 from loadplan.plan import Keys
 
 from engine_helpers import (MIXTRAL_TINY, compressed_quantization, hf_greedy, hf_logits_of_order_one, load_local,
-                            logits_of, make_compressed_copies, make_mixtral_checkpoint, prompt, with_config)
+                            logits_of, make_compressed_copies, make_mixtral_checkpoint, prompt, with_config,
+                            with_tensors)
 
 ARCH = "MixtralForCausalLM"
 TOL = 1e-4
@@ -114,18 +114,9 @@ def test_remap_reads_the_family_spelling_into_the_stacked_experts():
         Target("model.layers.1.block_sparse_moe.experts.3.w2.weight")
 
 
-def _copy(ckpt, dst, edit):
-    tensors = load_file(ckpt / "model.safetensors")
-    edit(tensors)
-    dst.mkdir()
-    save_file(tensors, dst / "model.safetensors")
-    (dst / "config.json").write_text((ckpt / "config.json").read_text())
-    return dst
-
-
 def test_a_missing_expert_is_named_as_the_checkpoint_spells_it(ckpt, tmp_path):
     gone = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
-    bad = _copy(ckpt, tmp_path / "bad", lambda t: t.pop(gone))
+    bad = with_tensors(ckpt, tmp_path / "bad", lambda t: t.pop(gone))
     with pytest.raises(MissingTensor, match=r"1 tensor\(s\) missing from the checkpoint, e\.g\. (\S+)$") as err:
         load_local(bad)
     assert str(err.value).endswith(f"e.g. {gone}")
@@ -136,7 +127,7 @@ def test_one_tensor_in_both_spellings_is_refused(ckpt, tmp_path):
         w1 = t["model.layers.0.block_sparse_moe.experts.2.w1.weight"]
         t["model.layers.0.mlp.experts.2.gate_proj.weight"] = w1.clone()
     with pytest.raises(DuplicateTensor, match="experts.2"):
-        load_local(_copy(ckpt, tmp_path / "both", both))
+        load_local(with_tensors(ckpt, tmp_path / "both", both))
 
 
 # --- refusals by field ---------------------------------------------------------------------------
