@@ -14,7 +14,7 @@ entries a rejected proposal left beyond the accepted length are never seen, and 
 forward overwrites them (test_speculative.py proves both attention kinds mask them).
 
 The runners only need the model conventions (engine/models/__init__.py): `model(input_ids
-[1, T], input_pos [T]) -> logits [1, T, V]`, `setup_caches`, `clear_caches`.
+[1, T], input_pos [T]) -> logits [1, T, V]`, `setup_caches(batch, max_len, lookahead)`, `clear_caches`.
 
 A Multi-Token-Prediction draft (`drafts_from_target_hidden`, e.g. models/deepseek_nextn.py)
 proposes from the target's final hidden states instead of from tokens alone: at position i
@@ -113,8 +113,10 @@ def speculative_generate(target: nn.Module, draft: nn.Module, prompt_ids: Sequen
     seq = ids.tolist()                     # prompt + accepted tokens
     # The deepest write: the target verifies k <= remaining - 1 proposals after a token at T + n_out - 1.
     max_len = T + max_new_tokens
-    target.setup_caches(1, max_len)
-    draft.setup_caches(1, max_len)
+    # A round writes up to k + 1 positions past those it keeps (the draft its proposals, the target their
+    # verification): a sliding-window layer's ring must still hold its window after a rollback.
+    target.setup_caches(1, max_len, num_draft_tokens + 1)
+    draft.setup_caches(1, max_len, num_draft_tokens + 1)
     try:
         logits = target(ids[None].to(device), torch.arange(T, device=device))
         stats["target_forwards"] += 1
@@ -159,8 +161,10 @@ def _hidden_state_rounds(target, draft, ids, max_new_tokens, num_draft_tokens, e
     T = ids.numel()
     seq = ids.tolist()
     max_len = T + max_new_tokens
-    target.setup_caches(1, max_len)
-    draft.setup_caches(1, max_len)
+    # A round writes up to k + 1 positions past those it keeps (the draft its proposals, the target their
+    # verification): a sliding-window layer's ring must still hold its window after a rollback.
+    target.setup_caches(1, max_len, num_draft_tokens + 1)
+    draft.setup_caches(1, max_len, num_draft_tokens + 1)
     try:
         logits, hidden = target.logits_and_hidden(ids[None].to(device), torch.arange(T, device=device))
         stats["target_forwards"] += 1

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.tensor import TensorParallel
-from .kv_cache import KVCache
+from .kv_cache import KVCache, WindowKVCache
 from .norm import RMSNorm
 from .rope import apply_rotary
 
@@ -74,9 +74,16 @@ class GQAttention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(n_heads, dtype=dtype), requires_grad=False) if sinks else None
         self.kv_cache: KVCache | None = None   # set by the model's setup_caches
 
-    def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype,
-                    device: torch.device | str) -> KVCache:
-        self.kv_cache = KVCache(batch_size, self.n_kv_heads, max_seq_len, self.head_dim, dtype, device)
+    def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype, device: torch.device | str,
+                    lookahead: int = 0) -> KVCache | WindowKVCache:
+        """A cache for `max_seq_len` positions: with a sliding window, a ring of window + `lookahead` slots when
+        that is fewer (`lookahead`: how far past the tokens it keeps a caller writes, e.g. speculative rounds)."""
+        W = self.sliding_window
+        if W is not None and W + lookahead < max_seq_len:
+            self.kv_cache = WindowKVCache(batch_size, self.n_kv_heads, W + lookahead, self.head_dim, dtype, device,
+                                          window=W)
+        else:
+            self.kv_cache = KVCache(batch_size, self.n_kv_heads, max_seq_len, self.head_dim, dtype, device)
         return self.kv_cache
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -96,18 +103,22 @@ class GQAttention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, hd]
         q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         gqa = self.n_heads != self.n_kv_heads
+        mask = None                                                        # [T, S] where a mask is needed
         if self.kv_cache is not None:
             if input_pos is None:
                 raise ValueError("a KV cache is set up: pass input_pos")
-            k, v = self.kv_cache.update(input_pos, k, v)                  # [B, H_kv, S_max, hd]
+            if isinstance(self.kv_cache, WindowKVCache):
+                k, v, key_pos = self.kv_cache.update(input_pos, k, v)     # [B, H_kv, C + T, hd], [C + T]
+            else:
+                k, v = self.kv_cache.update(input_pos, k, v)              # [B, H_kv, S_max, hd]
+                key_pos = torch.arange(k.shape[2], device=x.device)
+            mask = self._mask(input_pos, key_pos)
+        elif self.sinks is not None or (self.sliding_window is not None and T > self.sliding_window):
+            pos = torch.arange(T, device=x.device)
+            mask = self._mask(pos, pos)
         if self.sinks is not None:
-            keys = input_pos if self.kv_cache is not None else torch.arange(T, device=x.device)
-            y = self._attend_with_sinks(q, k, v, self._mask(keys, k.shape[2]))
-        elif self.kv_cache is not None:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(input_pos, k.shape[2]),
-                                               scale=self.scale, enable_gqa=gqa)
-        elif self.sliding_window is not None and T > self.sliding_window:
-            mask = self._mask(torch.arange(T, device=x.device), T)
+            y = self._attend_with_sinks(q, k, v, mask)
+        elif mask is not None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scale, enable_gqa=gqa)
@@ -127,11 +138,12 @@ class GQAttention(nn.Module):
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]      # [B, H, T, S]
         return probs @ v
 
-    def _mask(self, query_pos: torch.Tensor, n_keys: int) -> torch.Tensor:
-        """[T, S] True where the query at query_pos[t] sees key position s: causal, within the window."""
-        keys = torch.arange(n_keys, device=query_pos.device)[None, :]       # [1, S]
+    def _mask(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+        """[T, S] True where the query at query_pos[t] sees the key at key_pos[s]: causal, within the window
+        (a key position of -1 is an empty slot: seen by no query)."""
+        keys = key_pos.to(query_pos.device)[None, :]                        # [1, S]
         pos = query_pos[:, None]                                            # [T, 1]
-        mask = keys <= pos
+        mask = (keys <= pos) & (keys >= 0)
         if self.sliding_window is not None:
             mask &= keys > pos - self.sliding_window
         return mask

@@ -107,7 +107,8 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_cache: LatentKVCache | None = None  # set by the model's setup_caches
 
     def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype,
-                    device: torch.device | str) -> LatentKVCache:
+                    device: torch.device | str, lookahead: int = 0) -> LatentKVCache:
+        """One slot per position (no window here, so `lookahead` changes nothing)."""
         self.kv_cache = LatentKVCache(batch_size, max_seq_len, self.kv_lora_rank, self.qk_rope_head_dim,
                                       dtype, device)
         return self.kv_cache

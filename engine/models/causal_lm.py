@@ -25,7 +25,7 @@ from . import ExpertWeightsView, PPMissingLayer
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); the mlp sees the tokens flattened [B*T, D].
-    `self_attn` has `setup_cache(batch, max_seq_len, dtype, device)` and a `kv_cache` attribute."""
+    `self_attn` has `setup_cache(batch, max_seq_len, dtype, device, lookahead)` and a `kv_cache` attribute."""
 
     def __init__(self, layer_id: int, self_attn: nn.Module, mlp: nn.Module, hidden_size: int,
                  rms_norm_eps: float, dtype: torch.dtype):
@@ -131,11 +131,13 @@ class CausalLM(nn.Module):
         pass  # a tied head reads model.embed_tokens.weight directly (see _head)
 
     # -- running ---------------------------------------------------------------
-    def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
+    def setup_caches(self, max_batch_size: int, max_seq_len: int, lookahead: int = 0) -> None:
+        """`lookahead`: how far past the tokens it keeps a caller writes (a speculative round: its draft tokens
+        and one more); a sliding-window layer's ring keeps that many positions beyond its window."""
         device = next(self.parameters()).device
         lo, hi = self.layer_range
         for layer in self.model.layers[lo:hi]:
-            layer.self_attn.setup_cache(max_batch_size, max_seq_len, self.dtype, device)
+            layer.self_attn.setup_cache(max_batch_size, max_seq_len, self.dtype, device, lookahead)
 
     def clear_caches(self) -> None:
         lo, hi = self.layer_range

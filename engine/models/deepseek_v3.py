@@ -288,8 +288,8 @@ class KimiK25ForConditionalGeneration(nn.Module):
     def tie_weights(self) -> None:
         self.language_model.tie_weights()
 
-    def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
-        self.language_model.setup_caches(max_batch_size, max_seq_len)
+    def setup_caches(self, max_batch_size: int, max_seq_len: int, lookahead: int = 0) -> None:
+        self.language_model.setup_caches(max_batch_size, max_seq_len, lookahead)
 
     def clear_caches(self) -> None:
         self.language_model.clear_caches()

@@ -147,8 +147,9 @@ class NextNDraft(nn.Module):
         pass
 
     # -- running ---------------------------------------------------------------
-    def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
-        self.mtp.self_attn.setup_cache(max_batch_size, max_seq_len, self.dtype, next(self.parameters()).device)
+    def setup_caches(self, max_batch_size: int, max_seq_len: int, lookahead: int = 0) -> None:
+        self.mtp.self_attn.setup_cache(max_batch_size, max_seq_len, self.dtype, next(self.parameters()).device,
+                                       lookahead)
 
     def clear_caches(self) -> None:
         self.mtp.self_attn.kv_cache = None

@@ -45,8 +45,8 @@ class PipelineModel(nn.Module):
         except AttributeError:
             return getattr(super().__getattr__("stage"), name)
 
-    def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
-        self.stage.setup_caches(max_batch_size, max_seq_len)
+    def setup_caches(self, max_batch_size: int, max_seq_len: int, lookahead: int = 0) -> None:
+        self.stage.setup_caches(max_batch_size, max_seq_len, lookahead)
 
     def clear_caches(self) -> None:
         self.stage.clear_caches()
@@ -108,9 +108,9 @@ class PipelineDraft(nn.Module):
         """The draft runner's plan on the last stage; None on the other stages (they hold no draft)."""
         return None if self.draft is None else self.draft.plan
 
-    def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
+    def setup_caches(self, max_batch_size: int, max_seq_len: int, lookahead: int = 0) -> None:
         if self.draft is not None:
-            self.draft.setup_caches(max_batch_size, max_seq_len)
+            self.draft.setup_caches(max_batch_size, max_seq_len, lookahead)
 
     def clear_caches(self) -> None:
         if self.draft is not None:

@@ -89,7 +89,7 @@ class OracleDraft(nn.Module):
         self.cache: list[int | None] | None = None
         self.fed_positions: list[list[int]] = []
 
-    def setup_caches(self, batch: int, max_len: int) -> None:
+    def setup_caches(self, batch: int, max_len: int, lookahead: int = 0) -> None:
         self.cache = [None] * max_len
 
     def clear_caches(self) -> None:

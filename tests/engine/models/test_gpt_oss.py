@@ -55,8 +55,13 @@ def test_logits_and_greedy_tokens_match_transformers(ckpt, ids, reference):
     assert isinstance(experts, RoutedExperts) and tuple(experts.gate_up_proj.shape) == (8, 64, 64)
     assert tuple(experts.gate_up_bias.shape) == (8, 64) and tuple(experts.down_bias.shape) == (8, 64)
     assert (logits_of(model, ids) - reference).abs().max().item() <= TOL
-    # 8 cached decode steps: the window and the sinks with the KV cache
+    # 8 cached decode steps: the window (through the ring cache) and the sinks with the KV cache
     assert generate(model, ids[0], N_NEW)[0].tolist() == hf_greedy(ckpt, ARCH, ids[0].tolist(), N_NEW)
+    # the sliding layers' caches are rings of their window; the full-attention layer's holds every position
+    model.setup_caches(1, 32)
+    assert [(type(layer.self_attn.kv_cache).__name__, layer.self_attn.kv_cache.k_cache.shape[2])
+            for layer in model.model.layers] == [("WindowKVCache", 4), ("KVCache", 32), ("WindowKVCache", 4)]
+    model.clear_caches()
 
 
 @pytest.mark.parametrize("what", ["sinks", "router bias", "expert biases"])

@@ -192,3 +192,33 @@ def test_a_w4a16_checkpoint_as_llm_compressor_writes_mixtrals_matches_transforme
     model = load_local(packed)
     assert model.plan.quantization == "compressed_tensors"
     assert (logits_of(model, ids) - want).abs().max().item() <= TOL
+
+
+def test_speculative_decoding_through_window_rings_gives_transformers_tokens(ckpt, tmp_path):
+    """Target and draft (the target with noise in its last layer: it agrees often, not always) with windows of 3:
+    their sliding-window caches are rings of window + k + 1 slots, and rolled-back rounds leave the target's
+    greedy tokens, as transformers makes them."""
+    from loadplan.engine.layers.kv_cache import WindowKVCache
+    from loadplan.engine.speculative import speculative_generate
+
+    target_dir = with_config(ckpt, tmp_path / "target", sliding_window=3)
+    g = torch.Generator().manual_seed(5)
+
+    def noise(tensors):
+        for name, t in tensors.items():
+            if name.startswith("model.layers.2.block_sparse_moe.experts."):
+                tensors[name] = t + 0.05 * torch.randn(t.shape, generator=g)
+    draft_dir = with_tensors(target_dir, tmp_path / "draft", noise)
+    target, draft = load_local(target_dir), load_local(draft_dir, role="speculative")
+    prompt_ids = [5, 17, 99, 3, 64, 12, 7]
+    rings = []
+    setup = target.setup_caches
+
+    def spy(*args):
+        setup(*args)
+        rings.extend(layer.self_attn.kv_cache for layer in target.model.layers)
+    target.setup_caches = spy
+    tokens, stats = speculative_generate(target, draft, prompt_ids, 10, 3)
+    assert {(type(c), c.capacity) for c in rings} == {(WindowKVCache, 3 + 3 + 1)}
+    assert 0 < stats["accepted"] < stats["proposed"]                 # some rounds were rolled back
+    assert tokens == hf_greedy(target_dir, ARCH, prompt_ids, 10)
