@@ -33,6 +33,7 @@ ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("loadplan.engine.models.mixtral", "MixtralForCausalLM"),
     "OlmoeForCausalLM": ("loadplan.engine.models.olmoe", "OlmoeForCausalLM"),
     "GptOssForCausalLM": ("loadplan.engine.models.gpt_oss", "GptOssForCausalLM"),
+    "MiniMaxM2ForCausalLM": ("loadplan.engine.models.minimax_m2", "MiniMaxM2ForCausalLM"),
 }
 
 

@@ -69,6 +69,7 @@ FAMILIES: dict[str, Family] = {
         Family("mixtral", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
         Family("olmoe", lambda c: layouts.every_layer_moe_layout(c, "num_experts"), None, False),
         Family("gpt_oss", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
+        Family("minimax_m2", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
     )
 }
 
@@ -83,6 +84,7 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "MixtralForCausalLM": Direct("mixtral"),
     "OlmoeForCausalLM": Direct("olmoe"),
     "GptOssForCausalLM": Direct("gpt_oss"),
+    "MiniMaxM2ForCausalLM": Direct("minimax_m2"),
     "KimiK25ForConditionalGeneration": Wrapper("DeepseekV3ForCausalLM", "text_config", _top_level_quantization),
 }
 

@@ -3,8 +3,8 @@
 Conventions follow the architectures' reference implementations:
 - DeepSeek/GLM: layer i is MoE iff i >= first_k_dense_replace and i % moe_layer_freq == 0.
 - Qwen2/Qwen3-MoE: layer i is MoE iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0.
-- Mixtral, OLMoE and gpt-oss: every layer is MoE (num_local_experts, num_experts, resp.
-  num_local_experts routed experts; no shared expert).
+- Mixtral, OLMoE, gpt-oss and MiniMax-M2: every layer is MoE (num_experts routed experts for
+  OLMoE, num_local_experts for the others; no shared expert).
 - A NextN draft has num_nextn_predict_layers MoE layers numbered after the target's.
 """
 

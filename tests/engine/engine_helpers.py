@@ -353,6 +353,19 @@ def make_gpt_oss_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     return _save_random_model(path, "GptOss", seed, dict(GPT_OSS_TINY, **config))
 
 
+# MiniMax-M2: 8 experts, top-2, every layer sparse; half of each head rotated (rotary_dim 8 of 16).
+MINIMAX_M2_TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=3,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, rotary_dim=8, num_local_experts=8,
+                       num_experts_per_tok=2, max_position_embeddings=256, eos_token_id=None, pad_token_id=None,
+                       bos_token_id=None)
+
+
+def make_minimax_m2_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random MiniMax-M2 of MINIMAX_M2_TINY updated with `config` (transformers' MiniMaxM2Config kwargs):
+    the Hub's spelling (block_sparse_moe.*), a random routing correction bias."""
+    return _save_random_model(path, "MiniMaxM2", seed, dict(MINIMAX_M2_TINY, **config))
+
+
 def make_mixtral_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     """Save a random Mixtral of MIXTRAL_TINY updated with `config` (transformers' MixtralConfig kwargs): the
     Hub's spelling, block_sparse_moe.experts.{e}.w1/w2/w3."""

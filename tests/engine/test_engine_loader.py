@@ -233,6 +233,7 @@ _BAD_CONFIGS = [
     ("OlmoeForCausalLM", "OlmoeConfig", dict(num_experts=8), {"clip_qkv": -1.0}, "target"),
     ("GptOssForCausalLM", "GptOssConfig", dict(num_local_experts=8), {"layer_types": ["chunked_attention"]},
      "target"),
+    ("MiniMaxM2ForCausalLM", "MiniMaxM2Config", dict(num_local_experts=8), {"scoring_func": "softmax"}, "target"),
     ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(n_routed_experts=16, moe_intermediate_size=16),
      {"scoring_func": "relu"}, "target"),
     ("DeepseekV2ForCausalLM", "DeepseekV2Config", dict(n_routed_experts=16, moe_intermediate_size=16),

@@ -17,8 +17,8 @@ from loadplan.plan import Keys
 from loadplan.service.rules.backends import BACKENDS
 
 from engine_helpers import LocalRegistry, make_checkpoint
-from parallel_helpers import (DEEPSEEK, DEEPSEEK_V2, GLM4, GPT_OSS, MIXTRAL, OLMOE, QWEN2, QWEN3, make_model,
-                              single_process)
+from parallel_helpers import (DEEPSEEK, DEEPSEEK_V2, GLM4, GPT_OSS, MINIMAX_M2, MIXTRAL, OLMOE, QWEN2, QWEN3,
+                              make_model, single_process)
 
 N_NEW = 4
 TOL = 1e-4
@@ -28,7 +28,7 @@ INTENTS = {None: {}, "enforce": {"enforce_shared_experts_fusion": True},
 CASES = [("qwen3", QWEN3, None), ("qwen2", QWEN2, "enforce"), ("qwen2", QWEN2, "disable"),
          ("glm4", GLM4, "enforce"), ("glm4", GLM4, "disable"), ("deepseek", DEEPSEEK, "enforce"),
          ("deepseek", DEEPSEEK, "disable"), ("deepseek_v2", DEEPSEEK_V2, None), ("mixtral", MIXTRAL, None),
-         ("olmoe", OLMOE, None), ("gpt_oss", GPT_OSS, None)]
+         ("olmoe", OLMOE, None), ("gpt_oss", GPT_OSS, None), ("minimax_m2", MINIMAX_M2, None)]
 
 
 def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
@@ -83,6 +83,7 @@ def paths(tmp_path_factory):
         "mixtral": make_model(tmp_path_factory.mktemp("mixtral"), MIXTRAL),
         "olmoe": make_model(tmp_path_factory.mktemp("olmoe"), OLMOE),
         "gpt_oss": make_model(tmp_path_factory.mktemp("gpt_oss"), GPT_OSS),
+        "minimax_m2": make_model(tmp_path_factory.mktemp("minimax_m2"), MINIMAX_M2),
     }
 
 
@@ -123,6 +124,8 @@ def test_two_tp_ranks_give_the_single_process_logits_and_tokens(paths, ids, refe
     # projections' biases whole, added by the first TP rank only (both ranks adding them fails the logits).
     assert by_name["gpt_oss"]["heads"] == {(2, 1, 32)} and by_name["gpt_oss"]["sinks"] == {2}
     assert by_name["gpt_oss"]["expert_inter"] == {16} and by_name["gpt_oss"]["expert_biases"] == {(32, 64)}
+    # MiniMax-M2: OLMoE's whole-projection norms, split with the heads
+    assert by_name["minimax_m2"]["heads"] == {(2, 1, 32)} and by_name["minimax_m2"]["proj_norms"] == {(32, 16)}
     # MLA: half the heads and their kv_b_proj rows; the latent projection stays whole.
     (heads, kv_b_rows, kv_a_rows), = by_name["deepseek"]["mla_heads"]
     assert (heads, kv_b_rows, kv_a_rows) == (1, 1 * (8 + 12), 16 + 8)     # of 2 heads; nope 8 + v 12; lora 16 + rope 8

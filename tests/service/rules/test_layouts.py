@@ -115,6 +115,12 @@ def test_olmoe_reads_num_experts():
     assert lay.moe_layers == (0, 1, 2) and (lay.n_routed, lay.top_k) == (64, 8)
 
 
+def test_minimax_m2_reads_num_local_experts():
+    lay = entries.FAMILIES["minimax_m2"].layout(ConfigView({"num_hidden_layers": 62, "num_local_experts": 256,
+                                                            "num_experts_per_tok": 8}))
+    assert lay.moe_layers == tuple(range(62)) and (lay.n_routed, lay.n_shared, lay.top_k) == (256, 0, 8)
+
+
 def test_gpt_oss_reads_num_local_experts():
     lay = entries.FAMILIES["gpt_oss"].layout(ConfigView({"num_hidden_layers": 4, "num_local_experts": 32,
                                                          "num_experts_per_tok": 4, "num_experts": 7}))
