@@ -245,33 +245,40 @@ class ClampedSwiGLU:
         return f"ClampedSwiGLU(alpha={self.alpha}, limit={self.limit})"
 
 
-def biased_experts(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor, gate_up_bias: torch.Tensor, down_bias: torch.Tensor | None,
-                   act=silu_mul) -> torch.Tensor:
-    """`fused_experts` for experts with biases and any activation (gpt-oss), in plain torch:
-    y[t] = sum_k w[t, k] * (down_e(act(gate_up_e(x[t]) + gate_up_bias[e])) + down_bias[e]).
+def general_experts(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor, *, gate_up_bias: torch.Tensor | None = None,
+                    down_bias: torch.Tensor | None = None, act=silu_mul, weight_inputs: bool = False) -> torch.Tensor:
+    """`fused_experts` for the experts its fast paths do not take, in plain torch: with biases and any
+    activation (gpt-oss), or with the routing weight scaling each expert's INPUT (Llama 4):
+    y[t] = sum_k w[t, k] * (down_e(act(gate_up_e(x[t]) + gate_up_bias[e])) + down_bias[e]), or with
+    `weight_inputs` y[t] = sum_k down_e(act(gate_up_e(w[t, k] * x[t]))) (the experts are not linear, so
+    the two differ).
 
-    gate_up_bias [S, 2I], down_bias [S, D] or None (a TP rank other than the first: the bias is added
-    once over the TP group, by the first rank). The routing weight multiplies the down projection's
-    bias too, so it scales the rows after the down projection, not before."""
+    gate_up_bias [S, 2I], down_bias [S, D]; None: none (down_bias None on a TP rank other than the first:
+    the bias is added once over the TP group, by the first rank). The routing weight multiplies the
+    down projection's bias too, so it scales the rows after the down projection, not before."""
     T, K = slots.shape
     order, counts = sort_by_slot(slots, gate_up.shape[0])
     token = torch.div(order, K, rounding_mode="floor")           # [N] source token of each row
     xs = x.index_select(0, token)                                # [N, D] grouped by slot
     w = weights.reshape(-1).index_select(0, order).to(x.dtype)   # [N]
+    if weight_inputs:
+        xs = xs * w[:, None]
     rows = x.new_empty(xs.shape[0], down.shape[1])               # [N, D]
     start = 0
     for s, n in enumerate(counts):
         if not n:
             continue
         end = start + n
-        h = act(torch.addmm(gate_up_bias[s], xs[start:end], gate_up[s].t()))       # [n, I]
+        g = xs[start:end] @ gate_up[s].t()                       # [n, 2I]
+        h = act(g if gate_up_bias is None else g + gate_up_bias[s])                 # [n, I]
         if down_bias is None:
             torch.mm(h, down[s].t(), out=rows[start:end])
         else:
             torch.addmm(down_bias[s], h, down[s].t(), out=rows[start:end])
         start = end
-    rows.mul_(w[:, None])
+    if not weight_inputs:
+        rows.mul_(w[:, None])
     return x.new_zeros(T, x.shape[1]).index_add_(0, token, rows)
 
 

@@ -11,7 +11,7 @@ experts in all (= routed experts without EPLB redundancy).
     gate_up_proj [E + S, 2I, D]   rows [0, I) gate, [I, 2I) up  (HF's layout)
     down_proj    [E + S, D, I]
     gate_up_bias [E + S, 2I], down_bias [E + S, D]   (gpt-oss only: `bias=True`, with its own
-                                                  `activation`; expert_kernel.biased_experts)
+                                                  `activation`; expert_kernel.general_experts)
 
 Expert ids in `topk_ids` are GLOBAL LOGICAL ids: routed experts are [0, n_routed),
 the fused shared slots n_routed, n_routed + 1, ... (DESIGN 5.3). With EPLB they are
@@ -58,7 +58,7 @@ from torch import nn
 
 from ..plan import Keys
 from .eplb import ExpertLoadCounter, Placement, to_physical
-from .expert_kernel import biased_experts, fused_experts, silu_mul
+from .expert_kernel import fused_experts, general_experts, silu_mul
 from .parallel import context as parallel_context
 from .parallel.tensor import TensorParallel
 
@@ -75,7 +75,8 @@ def _dist_all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 class RoutedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, plan, *,
-                 layer_id: int, dtype: torch.dtype | None = None, bias: bool = False, activation=None):
+                 layer_id: int, dtype: torch.dtype | None = None, bias: bool = False, activation=None,
+                 weight_inputs: bool = False):
         super().__init__()
         par = plan.request.parallel
         self.layer_id = layer_id
@@ -115,7 +116,7 @@ class RoutedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(self.num_slots, hidden_size, intermediate_size, dtype=dtype),
                                       requires_grad=False)
         # gpt-oss: every expert's projections carry biases and its activation is its own (expert_kernel's
-        # `biased_experts`). Split by features over TP ranks, the gate/up bias splits like its rows; the
+        # `general_experts`). Split by features over TP ranks, the gate/up bias splits like its rows; the
         # down projection's bias is whole and added by the first TP rank only (the others' partial sums
         # are summed onto it).
         self.gate_up_bias = self.down_bias = None
@@ -126,6 +127,8 @@ class RoutedExperts(nn.Module):
                                           requires_grad=False)
         self.activation = activation
         self.adds_down_bias = self.tp.size == 1 or par.tp_rank == 0
+        # Llama 4: the routing weight scales each expert's input, not its output (expert_kernel.general_experts).
+        self.weight_inputs = weight_inputs
 
         # The EP group of this rank: from the worker's parallel context, fixed at build time.
         ctx = parallel_context.current()
@@ -224,13 +227,11 @@ class RoutedExperts(nn.Module):
 
     def _experts(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The local experts' weighted rows summed per token: x [T, D], slots [T, K] local ids -> [T, D]."""
-        if self.gate_up_bias is None and self.activation is None:
+        if self.gate_up_bias is None and self.activation is None and not self.weight_inputs:
             return fused_experts(x, slots, weights, self.gate_up_proj, self.down_proj)
-        gate_up_bias = self.gate_up_bias if self.gate_up_bias is not None else \
-            x.new_zeros(self.num_slots, self.gate_up_proj.shape[1])
-        down_bias = self.down_bias if self.adds_down_bias else None
-        return biased_experts(x, slots, weights, self.gate_up_proj, self.down_proj, gate_up_bias, down_bias,
-                              self.activation or silu_mul)
+        return general_experts(x, slots, weights, self.gate_up_proj, self.down_proj, gate_up_bias=self.gate_up_bias,
+                               down_bias=self.down_bias if self.adds_down_bias else None,
+                               act=self.activation or silu_mul, weight_inputs=self.weight_inputs)
 
     def weight_layout_fields(self) -> dict:
         """What engine.weights.WeightLayout takes from this layer (alike on every MoE layer of a runner): its

@@ -16,15 +16,14 @@ What sets it apart from the Qwen-style layers (qwen_moe.py):
 The checkpoint holds each layer's experts stacked, as transformers keeps them:
 `mlp.experts.gate_up_proj` [E, D, 2I] with gate and up INTERLEAVED along the last
 dimension (gate = [..., 0::2], up = [..., 1::2]), `gate_up_proj_bias` [E, 2I] (same
-interleave), `down_proj` [E, I, D] and `down_proj_bias` [E, D]. `StackedExperts` shows
-them to the loader one expert at a time in the engine's spelling
+interleave), `down_proj` [E, I, D] and `down_proj_bias` [E, D]. `StackedExperts`
+(engine/stacked_experts.py) shows them to the loader one expert at a time in the engine's spelling
 (`mlp.experts.{e}.gate_proj.weight` [I, D], ...), so EP shares, EPLB replicas, TP
 splits and the hard checks are the same as for any family.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +34,7 @@ from ..layers.attention import GQAttention
 from ..layers.rope import RopeConfig, rope_config_from_hf
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
-from ..weights import ShapeMismatch
+from ..stacked_experts import StackedExperts
 from .causal_lm import CausalLM, DecoderLayer
 from .config import ConfigError, get_field as _get
 
@@ -149,68 +148,6 @@ class GptOssDecoderLayer(DecoderLayer):
                          cfg.rms_norm_eps, dtype)
 
 
-_STACKED = re.compile(r"^(?P<mlp>.+\.mlp)\.experts\.(?P<kind>gate_up_proj|gate_up_proj_bias|down_proj|down_proj_bias)$")
-
-
-class StackedExperts:
-    """A checkpoint (`names`/`shape`/`get`) whose stacked gpt-oss expert tensors are shown one expert at a
-    time in the engine's spelling; every other tensor as it is. A stacked tensor's first dimension must be
-    the config's expert count. The last stacked tensor read is kept, so reading its experts one after
-    another reads it once."""
-
-    def __init__(self, ckpt, n_experts: int):
-        self._ckpt = ckpt
-        self._parts: dict[str, tuple[str, int, str]] = {}    # shown name -> (stacked name, expert, piece)
-        self._names: list[str] = []
-        self._held: tuple[str | None, torch.Tensor | None] = (None, None)
-        for name in ckpt.names():
-            m = _STACKED.match(name)
-            if m is None:
-                self._names.append(name)
-                continue
-            shape = tuple(ckpt.shape(name))
-            kind = m["kind"]
-            dims = 2 if kind.endswith("_bias") else 3
-            if len(shape) != dims or shape[0] != n_experts or (kind.startswith("gate_up") and shape[-1] % 2):
-                raise ShapeMismatch(f"tensor {name!r} has shape {list(shape)}: expected {dims} dimensions, the "
-                                    f"first num_local_experts={n_experts}"
-                                    + (", the last even (gate and up)" if kind.startswith("gate_up") else ""))
-            tensor = "bias" if kind.endswith("_bias") else "weight"
-            pieces = ("gate", "up") if kind.startswith("gate_up") else ("down",)
-            for e in range(n_experts):
-                for piece in pieces:
-                    shown = f"{m['mlp']}.experts.{e}.{piece}_proj.{tensor}"
-                    self._parts[shown] = (name, e, piece)
-                    self._names.append(shown)
-
-    def names(self) -> list[str]:
-        return list(self._names)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        part = self._parts.get(name)
-        if part is None:
-            return tuple(self._ckpt.shape(name))
-        stacked, _, piece = part
-        shape = tuple(self._ckpt.shape(stacked))
-        if len(shape) == 2:                                       # [E, 2I] or [E, D]
-            return (shape[1] // 2,) if piece != "down" else (shape[1],)
-        if piece == "down":                                       # [E, I, D] -> [D, I]
-            return (shape[2], shape[1])
-        return (shape[2] // 2, shape[1])                          # [E, D, 2I] -> [I, D]
-
-    def get(self, name: str) -> torch.Tensor:
-        part = self._parts.get(name)
-        if part is None:
-            return self._ckpt.get(name)
-        stacked, e, piece = part
-        if self._held[0] != stacked:
-            self._held = (stacked, self._ckpt.get(stacked))
-        t = self._held[1][e]                                      # [D, 2I], [2I], [I, D] or [D]
-        if piece != "down":
-            t = t[..., 0::2] if piece == "gate" else t[..., 1::2]
-        return t.t() if t.dim() == 2 else t
-
-
 class GptOssForCausalLM(CausalLM):
     ARCHITECTURE = ARCHITECTURE
     TENSOR_PARALLEL = True
@@ -225,4 +162,4 @@ class GptOssForCausalLM(CausalLM):
                          dtype=dtype)
 
     def checkpoint_view(self, ckpt):
-        return StackedExperts(ckpt, self.config.num_experts)
+        return StackedExperts(ckpt, self.config.num_experts, gate_up="interleaved")

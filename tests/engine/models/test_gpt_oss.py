@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from loadplan.engine.checkpoint import Checkpoint
-from loadplan.engine.expert_kernel import ClampedSwiGLU, biased_experts
+from loadplan.engine.expert_kernel import ClampedSwiGLU, general_experts
 from loadplan.engine.generate import generate
 from loadplan.engine.models.config import ConfigError
-from loadplan.engine.models.gpt_oss import GptOssConfig, StackedExperts
+from loadplan.engine.models.gpt_oss import GptOssConfig
+from loadplan.engine.stacked_experts import StackedExperts
 from loadplan.engine.moe import RoutedExperts
 from loadplan.engine.weights import MissingTensor, ShapeMismatch
 from loadplan.plan import Keys
@@ -119,7 +120,7 @@ def test_a_config_without_layer_types_or_rope_reads_transformers_defaults(ckpt, 
 
 def test_stacked_experts_are_shown_per_expert_de_interleaved(ckpt):
     raw = Checkpoint(ckpt)
-    view = StackedExperts(raw, 8)
+    view = StackedExperts(raw, 8, gate_up="interleaved")
     names = set(view.names())
     assert "model.layers.1.mlp.experts.gate_up_proj" not in names
     assert {"model.layers.1.mlp.experts.7.gate_proj.weight", "model.layers.1.mlp.experts.7.up_proj.bias",
@@ -140,7 +141,7 @@ def test_stacked_experts_are_shown_per_expert_de_interleaved(ckpt):
 def test_a_stacked_tensor_of_another_expert_count_is_named(ckpt):
     with pytest.raises(ShapeMismatch,
                        match=r"model\.layers\.0\.mlp\.experts\.(gate_up|down)_proj.* num_local_experts=16"):
-        StackedExperts(Checkpoint(ckpt), 16)
+        StackedExperts(Checkpoint(ckpt), 16, gate_up="interleaved")
 
 
 def test_a_missing_stacked_bias_is_named_by_layer(ckpt, tmp_path):
@@ -149,7 +150,7 @@ def test_a_missing_stacked_bias_is_named_by_layer(ckpt, tmp_path):
         load_local(edited)
 
 
-def test_biased_experts_against_a_loop_over_tokens():
+def test_the_biased_experts_kernel_against_a_loop_over_tokens():
     """The kernel against the definition: per token, the sum over its K experts of w * (down(act(gate_up x + b)) + b),
     with a dropped slot (another rank's expert) and without the down bias (a TP rank other than the first)."""
     g = torch.Generator().manual_seed(0)
@@ -167,7 +168,7 @@ def test_biased_experts_against_a_loop_over_tokens():
                 if s < S:
                     h = act((gate_up[s] @ x[t] + b_gu[s])[None])[0]
                     want[t] += w[t, k] * (down[s] @ h + (down_bias[s] if down_bias is not None else 0))
-        got = biased_experts(x, slots, w, gate_up, down, b_gu, down_bias, act)
+        got = general_experts(x, slots, w, gate_up, down, gate_up_bias=b_gu, down_bias=down_bias, act=act)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 

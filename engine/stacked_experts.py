@@ -1,0 +1,89 @@
+"""Checkpoints that keep each layer's experts in one stacked tensor, shown one expert at a time.
+
+transformers saves some families' experts stacked, transposed for `x @ W`:
+`{block}.experts.gate_up_proj` [E, D, 2I], `{block}.experts.down_proj` [E, I, D], and for
+gpt-oss their biases `gate_up_proj_bias` [E, 2I], `down_proj_bias` [E, D]. The gate and up
+halves of the last dimension are either interleaved (gpt-oss: gate = [..., 0::2], up =
+[..., 1::2]) or concatenated (Llama 4: gate = [..., :I], up = [..., I:]).
+
+`StackedExperts` shows such a checkpoint (`names`/`shape`/`get`) to the weight remapping
+(engine/weights.py) in the per-expert spelling, `{block}.experts.{e}.gate_proj.weight`
+[I, D], `up_proj.weight`, `down_proj.weight` [D, I] and their `.bias`, so EP shares, EPLB
+replicas, TP splits and the hard checks are those of every family; `{block}` stays as the
+checkpoint spells it (`mlp`, `feed_forward`: a family's `CheckpointNames` maps it). A
+stacked tensor's first dimension must be the config's expert count. The last stacked
+tensor read is kept, so reading its experts one after another reads it once.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from .weights import ShapeMismatch
+
+_STACKED = re.compile(r"^(?P<block>.+\.(?:mlp|feed_forward))\.experts\."
+                      r"(?P<kind>gate_up_proj|gate_up_proj_bias|down_proj|down_proj_bias)$")
+GATE_UP_LAYOUTS = ("interleaved", "concatenated")
+
+
+class StackedExperts:
+    def __init__(self, ckpt, n_experts: int, *, gate_up: str):
+        if gate_up not in GATE_UP_LAYOUTS:
+            raise ValueError(f"gate_up={gate_up!r}: one of {', '.join(GATE_UP_LAYOUTS)}")
+        self._ckpt = ckpt
+        self._interleaved = gate_up == "interleaved"
+        self._parts: dict[str, tuple[str, int, str]] = {}    # shown name -> (stacked name, expert, piece)
+        self._names: list[str] = []
+        self._held: tuple[str | None, torch.Tensor | None] = (None, None)
+        for name in ckpt.names():
+            m = _STACKED.match(name)
+            if m is None:
+                self._names.append(name)
+                continue
+            shape = tuple(ckpt.shape(name))
+            kind = m["kind"]
+            dims = 2 if kind.endswith("_bias") else 3
+            if len(shape) != dims or shape[0] != n_experts or (kind.startswith("gate_up") and shape[-1] % 2):
+                raise ShapeMismatch(f"tensor {name!r} has shape {list(shape)}: expected {dims} dimensions, the "
+                                    f"first num_local_experts={n_experts}"
+                                    + (", the last even (gate and up)" if kind.startswith("gate_up") else ""))
+            tensor = "bias" if kind.endswith("_bias") else "weight"
+            pieces = ("gate", "up") if kind.startswith("gate_up") else ("down",)
+            for e in range(n_experts):
+                for piece in pieces:
+                    shown = f"{m['block']}.experts.{e}.{piece}_proj.{tensor}"
+                    self._parts[shown] = (name, e, piece)
+                    self._names.append(shown)
+
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        part = self._parts.get(name)
+        if part is None:
+            return tuple(self._ckpt.shape(name))
+        stacked, _, piece = part
+        shape = tuple(self._ckpt.shape(stacked))
+        if len(shape) == 2:                                       # [E, 2I] or [E, D]
+            return (shape[1] // 2,) if piece != "down" else (shape[1],)
+        if piece == "down":                                       # [E, I, D] -> [D, I]
+            return (shape[2], shape[1])
+        return (shape[2] // 2, shape[1])                          # [E, D, 2I] -> [I, D]
+
+    def get(self, name: str) -> torch.Tensor:
+        part = self._parts.get(name)
+        if part is None:
+            return self._ckpt.get(name)
+        stacked, e, piece = part
+        if self._held[0] != stacked:
+            self._held = (stacked, self._ckpt.get(stacked))
+        t = self._held[1][e]                                      # [D, 2I], [2I], [I, D] or [D]
+        if piece != "down":
+            if self._interleaved:
+                t = t[..., 0::2] if piece == "gate" else t[..., 1::2]
+            else:
+                half = t.shape[-1] // 2
+                t = t[..., :half] if piece == "gate" else t[..., half:]
+        return t.t() if t.dim() == 2 else t
