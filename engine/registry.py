@@ -34,6 +34,7 @@ ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "OlmoeForCausalLM": ("loadplan.engine.models.olmoe", "OlmoeForCausalLM"),
     "GptOssForCausalLM": ("loadplan.engine.models.gpt_oss", "GptOssForCausalLM"),
     "MiniMaxM2ForCausalLM": ("loadplan.engine.models.minimax_m2", "MiniMaxM2ForCausalLM"),
+    "Llama4ForCausalLM": ("loadplan.engine.models.llama4", "Llama4ForCausalLM"),
 }
 
 

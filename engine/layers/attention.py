@@ -73,6 +73,9 @@ class GQAttention(nn.Module):
         # [H] this rank's heads' sink logits (TP splits them with the heads)
         self.sinks = nn.Parameter(torch.empty(n_heads, dtype=dtype), requires_grad=False) if sinks else None
         self.kv_cache: KVCache | None = None   # set by the model's setup_caches
+        # Chunked local attention (Llama 4's rope layers): a query sees the keys of its own chunk of this many
+        # positions only. A family sets it after construction, with `_rotate` / `_after_rotary` (models/llama4.py).
+        self.chunk_size: int | None = None
 
     def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype, device: torch.device | str,
                     lookahead: int = 0) -> KVCache | WindowKVCache:
@@ -102,6 +105,7 @@ class GQAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, hd]
         q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        q, k = self._after_rotary(q, k, input_pos if input_pos is not None else torch.arange(T, device=x.device))
         gqa = self.n_heads != self.n_kv_heads
         mask = None                                                        # [T, S] where a mask is needed
         if self.kv_cache is not None:
@@ -113,7 +117,7 @@ class GQAttention(nn.Module):
                 k, v = self.kv_cache.update(input_pos, k, v)              # [B, H_kv, S_max, hd]
                 key_pos = torch.arange(k.shape[2], device=x.device)
             mask = self._mask(input_pos, key_pos)
-        elif self.sinks is not None or (self.sliding_window is not None and T > self.sliding_window):
+        elif self.sinks is not None or any(n is not None and T > n for n in (self.sliding_window, self.chunk_size)):
             pos = torch.arange(T, device=x.device)
             mask = self._mask(pos, pos)
         if self.sinks is not None:
@@ -146,7 +150,15 @@ class GQAttention(nn.Module):
         mask = (keys <= pos) & (keys >= 0)
         if self.sliding_window is not None:
             mask &= keys > pos - self.sliding_window
+        if self.chunk_size is not None:
+            mask &= torch.div(keys, self.chunk_size, rounding_mode="floor") == \
+                torch.div(pos, self.chunk_size, rounding_mode="floor")
         return mask
+
+    def _after_rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        """q [B, H, T, hd], k [B, H_kv, T, hd] after the rotation, positions [T] -> (q, k): as they are here; a
+        family that changes them there overrides it (Llama 4's L2 norm and temperature, models/llama4.py)."""
+        return q, k
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, H, T, hd]: its first rotary_dim features rotated, the others as they are."""

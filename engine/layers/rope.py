@@ -1,4 +1,4 @@
-"""Rotary position embeddings: default, linear and YaRN, in HF's cos/sin layout.
+"""Rotary position embeddings: default, linear, YaRN and Llama 3's, in HF's cos/sin layout.
 
 Numerics follow transformers' rotary classes op for op in float32, so logits match
 the reference. Two config spellings exist on the Hub: the older top-level
@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,10 @@ class RopeConfig:
     attention_factor: float | None = None  # explicit override of the cos/sin scale
     truncate: bool = True
     partial_rotary_factor: float = 1.0
+    # Llama 3 (Llama 4 too): wavelengths above original / low_freq_factor divided by `factor`, below
+    # original / high_freq_factor kept, smoothly interpolated between
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
 
 
 def rope_config_from_hf(hf_config: Mapping[str, Any], *, partial_rotary_factor: float = 1.0,
@@ -58,6 +62,15 @@ def rope_config_from_hf(hf_config: Mapping[str, Any], *, partial_rotary_factor: 
         return RopeConfig(theta=float(theta), partial_rotary_factor=float(partial))
     if rope_type == "linear":
         return RopeConfig(rope_type="linear", theta=float(theta), factor=float(p["factor"]),
+                          partial_rotary_factor=float(partial))
+    if rope_type == "llama3":
+        missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                   if p.get(k) is None]
+        if missing:
+            raise ValueError(f"llama3 rope needs {', '.join(missing)} in rope_scaling / rope_parameters")
+        return RopeConfig(rope_type="llama3", theta=float(theta), factor=float(p["factor"]),
+                          low_freq_factor=float(p["low_freq_factor"]), high_freq_factor=float(p["high_freq_factor"]),
+                          original_max_position_embeddings=int(p["original_max_position_embeddings"]),
                           partial_rotary_factor=float(partial))
     max_pos = hf_config.get("max_position_embeddings")
     original = p.get("original_max_position_embeddings") or hf_config.get("original_max_position_embeddings") or max_pos
@@ -102,10 +115,12 @@ def softmax_scale(head_dim: int, rope: RopeConfig) -> float:
 def _inv_freq(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
     cpu = torch.device("cpu")  # explicit: construction may run under a meta device context
     base = rope.theta
-    if rope.rope_type in ("default", "linear"):
+    if rope.rope_type in ("default", "linear", "llama3"):
         inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=cpu).to(torch.float) / dim))
         if rope.rope_type == "linear":
             inv = inv / rope.factor
+        if rope.rope_type == "llama3":
+            inv = _llama3(inv, rope)
         return inv, 1.0
 
     factor = rope.factor
@@ -134,6 +149,18 @@ def _inv_freq(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
     extra_factor = 1 - ramp
     inv = interpolation * (1 - extra_factor) + extrapolation * extra_factor
     return inv, float(attention_factor)
+
+
+def _llama3(inv: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    """Llama 3's frequency scaling (transformers' _compute_llama3_parameters, op for op)."""
+    original, factor = rope.original_max_position_embeddings, rope.factor
+    low_wavelen, high_wavelen = original / rope.low_freq_factor, original / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (original / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 class RotaryEmbedding(nn.Module):

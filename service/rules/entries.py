@@ -70,6 +70,7 @@ FAMILIES: dict[str, Family] = {
         Family("olmoe", lambda c: layouts.every_layer_moe_layout(c, "num_experts"), None, False),
         Family("gpt_oss", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
         Family("minimax_m2", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
+        Family("llama4", layouts.llama4_layout, gates.llama4_gate, True),
     )
 }
 
@@ -85,6 +86,8 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "OlmoeForCausalLM": Direct("olmoe"),
     "GptOssForCausalLM": Direct("gpt_oss"),
     "MiniMaxM2ForCausalLM": Direct("minimax_m2"),
+    "Llama4ForCausalLM": Direct("llama4"),
+    "Llama4ForConditionalGeneration": Wrapper("Llama4ForCausalLM", "text_config", _top_level_quantization),
     "KimiK25ForConditionalGeneration": Wrapper("DeepseekV3ForCausalLM", "text_config", _top_level_quantization),
 }
 

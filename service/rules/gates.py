@@ -44,6 +44,16 @@ class GateContext:
         return self.runtime.enforce_shared_experts_fusion
 
 
+def llama4_gate(ctx: GateContext) -> Verdict | None:
+    """Llama 4 never fuses (not in DESIGN 5.2; our choice): its routed experts take their input scaled by the
+    router score, so a fused slot could not carry the normal path's 1/ep_size share as a routing weight (the
+    experts are not linear), and no checkpoint or kernel has a fused layout for it. Structural: enforce does
+    not skip it."""
+    return Verdict("llama4.structural.input_scaled_experts",
+                   "its routed experts scale their input by the router score: a shared expert fused as a routed "
+                   "slot would not count once (no fused layout exists for Llama 4)")
+
+
 def deepseek_gate(ctx: GateContext) -> Verdict | None:
     rt, lay, q = ctx.runtime, ctx.layout, ctx.quantization
     # 3. overlap schedulers

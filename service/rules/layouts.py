@@ -5,6 +5,8 @@ Conventions follow the architectures' reference implementations:
 - Qwen2/Qwen3-MoE: layer i is MoE iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0.
 - Mixtral, OLMoE, gpt-oss and MiniMax-M2: every layer is MoE (num_experts routed experts for
   OLMoE, num_local_experts for the others; no shared expert).
+- Llama 4: layer i is MoE iff i is in moe_layers, or else i % interleave_moe_layer_step ==
+  interleave_moe_layer_step - 1; every MoE layer has one shared expert.
 - A NextN draft has num_nextn_predict_layers MoE layers numbered after the target's.
 """
 
@@ -76,6 +78,22 @@ def every_layer_moe_layout(cfg: ConfigView, experts_field: str) -> MoeLayout:
     _check_top_k(cfg, top_k, n_routed)
     layers = tuple(range(n_layers))
     return MoeLayout(layers, layers, n_routed, 0, top_k)
+
+
+def llama4_layout(cfg: ConfigView) -> MoeLayout:
+    n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
+    n_routed = cfg.int("num_local_experts", minimum=1)
+    top_k = cfg.int("num_experts_per_tok", 1, minimum=1)        # transformers' Llama4TextConfig default
+    _check_top_k(cfg, top_k, n_routed)
+    if cfg.has("moe_layers"):
+        moe = tuple(sorted(set(cfg.int_list("moe_layers"))))
+        if moe and not 0 <= moe[0] <= moe[-1] < n_layers:
+            from ..errors import InvalidArgument
+            raise InvalidArgument(cfg.field("moe_layers"), f"layer ids must be in [0, num_hidden_layers={n_layers})")
+    else:
+        step = cfg.int("interleave_moe_layer_step", 1, minimum=1)
+        moe = tuple(range(step - 1, n_layers, step))
+    return MoeLayout(tuple(range(n_layers)), moe, n_routed, 1, top_k)
 
 
 def _check_top_k(cfg: ConfigView, top_k: int, n_routed: int) -> None:

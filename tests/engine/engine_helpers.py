@@ -366,6 +366,27 @@ def make_minimax_m2_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     return _save_random_model(path, "MiniMaxM2", seed, dict(MINIMAX_M2_TINY, **config))
 
 
+# Llama 4: 4 layers (dense, MoE, dense, MoE: interleave step 2), 4 experts, top-1; layers 0-2 rotate (Llama 3
+# rope scaling) and attend within chunks of 4 positions, layer 3 is NoPE with the temperature of floor_scale 2.
+LLAMA4_TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=32, intermediate_size_mlp=48,
+                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                   num_experts_per_tok=1, interleave_moe_layer_step=2, max_position_embeddings=256,
+                   attention_chunk_size=4, floor_scale=2, eos_token_id=None, pad_token_id=None, bos_token_id=None,
+                   rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+
+
+def make_llama4_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random Llama 4 text model of LLAMA4_TINY updated with `config` (transformers' Llama4TextConfig
+    kwargs): `feed_forward.*`, experts stacked with gate and up concatenated."""
+    transformers = _transformers()
+    torch.manual_seed(seed)
+    model = transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(**dict(LLAMA4_TINY, **config)))
+    randomize(model, seed)
+    model.save_pretrained(path)
+    return path
+
+
 def make_mixtral_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     """Save a random Mixtral of MIXTRAL_TINY updated with `config` (transformers' MixtralConfig kwargs): the
     Hub's spelling, block_sparse_moe.experts.{e}.w1/w2/w3."""

@@ -21,8 +21,10 @@ def test_unknown_entry_class_lists_the_supported_ones():
     with pytest.raises(UnsupportedModel, match=r"'LlamaForCausalLM' not supported by the engine; supported: "
                                                r"DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, "
                                                r"DeepseekV3ForCausalLMNextN, Glm4MoeForCausalLM, "
-                                               r"Glm4MoeForCausalLMNextN, GptOssForCausalLM, KimiK25ForConditionalGeneration, MiniMaxM2ForCausalLM, "
-                                               r"MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM, "
+                                               r"Glm4MoeForCausalLMNextN, GptOssForCausalLM, "
+                                               r"KimiK25ForConditionalGeneration, Llama4ForCausalLM, "
+                                               r"MiniMaxM2ForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, "
+                                               r"Qwen2MoeForCausalLM, "
                                                r"Qwen3MoeForCausalLM"):
         model_class("LlamaForCausalLM")
 

@@ -52,6 +52,9 @@ CASES = [
     ("qwen", None, {}),
     ("qwen", "linear", {"factor": 4.0}),
     ("qwen", "yarn", {"factor": 4.0, "original_max_position_embeddings": 1024}),
+    # Llama 3 / Llama 4: a band of wavelengths between 64 / 4 and 64 is interpolated, longer ones divided by 8
+    ("qwen", "llama3", {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 64}),
 ]
 
 
@@ -89,6 +92,19 @@ def test_yarn_changes_the_frequencies():
     assert yarn.attention_factor != 1.0
 
 
+def test_llama3_scales_long_wavelengths_and_interpolates_the_middle_band():
+    plain = RotaryEmbedding(32, RopeConfig(theta=1e6), 4096)
+    scaled = RotaryEmbedding(32, rope_config_from_hf({"rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}}), 4096)
+    ratio = (plain.inv_freq / scaled.inv_freq).tolist()
+    assert ratio[0] == 1.0 and ratio[-1] == pytest.approx(8.0)
+    assert any(1.0 < r < 8.0 for r in ratio)                 # the smoothed band
+    with pytest.raises(ValueError, match="llama3 rope needs low_freq_factor"):
+        rope_config_from_hf({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 64}})
+
+
 def test_yarn_factor_defaults_to_context_ratio():
     cfg = rope_config_from_hf({"max_position_embeddings": 4096,
                                "rope_scaling": {"type": "yarn", "original_max_position_embeddings": 1024}})
@@ -96,7 +112,7 @@ def test_yarn_factor_defaults_to_context_ratio():
 
 
 def test_unsupported_rope_type_names_the_supported_ones():
-    with pytest.raises(ValueError, match="supported: default, linear, yarn"):
+    with pytest.raises(ValueError, match="supported: default, linear, yarn, llama3"):
         rope_config_from_hf({"rope_scaling": {"type": "longrope", "factor": 2.0}})
 
 

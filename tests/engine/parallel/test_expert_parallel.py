@@ -1,5 +1,5 @@
 """Expert parallelism on 2 gloo ranks: every backend of the registry's table gives the single-process
-logits and greedy tokens (Qwen3-MoE, Mixtral, OLMoE, gpt-oss, MiniMax-M2,
+logits and greedy tokens (Qwen3-MoE, Mixtral, OLMoE, gpt-oss, MiniMax-M2, Llama 4,
 DeepSeek-V2/V3 and its NextN draft, GLM-4-MoE), fused and
 unfused where the plan allows; a forced post-experts all-reduce on the a2a path (the double-reduction
 bug of DESIGN 1) is visible in the logits.
@@ -15,8 +15,8 @@ from loadplan.engine.parallel.launch import launch
 from loadplan.plan import Keys
 from loadplan.service.rules.backends import BACKENDS
 
-from parallel_helpers import (DEEPSEEK, DEEPSEEK_V2, GLM4, GPT_OSS, MINIMAX_M2, MIXTRAL, OLMOE, QWEN3, make_model,
-                              single_process)
+from parallel_helpers import (DEEPSEEK, DEEPSEEK_V2, GLM4, GPT_OSS, LLAMA4, MINIMAX_M2, MIXTRAL, OLMOE, QWEN3,
+                              make_model, single_process)
 
 EP = 2
 N_NEW = 4
@@ -136,12 +136,14 @@ def glm4(tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch, double_reduce_backend", [(QWEN3, "mori"), (MIXTRAL, "nixl"), (OLMOE, "mooncake"),
-                                                         (GPT_OSS, "deepep"), (MINIMAX_M2, "flashinfer")])
+                                                         (GPT_OSS, "deepep"), (MINIMAX_M2, "flashinfer"),
+                                                         (LLAMA4, "megamoe")])
 def test_every_backend_on_two_ranks_matches_one_process_and_sees_a_double_reduction(tmp_path, arch,
                                                                                     double_reduce_backend):
     """No shared expert: Qwen3-MoE, Mixtral in the Hub's block_sparse_moe spelling, OLMoE, gpt-oss (experts with
     biases, stacked in the checkpoint), MiniMax-M2 (sigmoid routing with a correction bias); each rank reads 4 of
-    the 8 experts."""
+    the 8 experts. And Llama 4, whose shared expert is never fused (added after the reduction, replicated) and
+    whose experts scale their inputs (2 of its 4 experts a rank)."""
     path = make_model(tmp_path, arch)
     ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(3))
     ref_logits, ref_tokens = single_process(path, ids, N_NEW)

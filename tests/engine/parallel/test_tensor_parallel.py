@@ -17,8 +17,8 @@ from loadplan.plan import Keys
 from loadplan.service.rules.backends import BACKENDS
 
 from engine_helpers import LocalRegistry, make_checkpoint
-from parallel_helpers import (DEEPSEEK, DEEPSEEK_V2, GLM4, GPT_OSS, MINIMAX_M2, MIXTRAL, OLMOE, QWEN2, QWEN3,
-                              make_model, single_process)
+from parallel_helpers import (DEEPSEEK, DEEPSEEK_V2, GLM4, GPT_OSS, LLAMA4, MINIMAX_M2, MIXTRAL, OLMOE, QWEN2,
+                              QWEN3, make_model, single_process)
 
 N_NEW = 4
 TOL = 1e-4
@@ -28,7 +28,8 @@ INTENTS = {None: {}, "enforce": {"enforce_shared_experts_fusion": True},
 CASES = [("qwen3", QWEN3, None), ("qwen2", QWEN2, "enforce"), ("qwen2", QWEN2, "disable"),
          ("glm4", GLM4, "enforce"), ("glm4", GLM4, "disable"), ("deepseek", DEEPSEEK, "enforce"),
          ("deepseek", DEEPSEEK, "disable"), ("deepseek_v2", DEEPSEEK_V2, None), ("mixtral", MIXTRAL, None),
-         ("olmoe", OLMOE, None), ("gpt_oss", GPT_OSS, None), ("minimax_m2", MINIMAX_M2, None)]
+         ("olmoe", OLMOE, None), ("gpt_oss", GPT_OSS, None), ("minimax_m2", MINIMAX_M2, None),
+         ("llama4", LLAMA4, None)]
 
 
 def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
@@ -84,6 +85,7 @@ def paths(tmp_path_factory):
         "olmoe": make_model(tmp_path_factory.mktemp("olmoe"), OLMOE),
         "gpt_oss": make_model(tmp_path_factory.mktemp("gpt_oss"), GPT_OSS),
         "minimax_m2": make_model(tmp_path_factory.mktemp("minimax_m2"), MINIMAX_M2),
+        "llama4": make_model(tmp_path_factory.mktemp("llama4"), LLAMA4),
     }
 
 
@@ -126,6 +128,9 @@ def test_two_tp_ranks_give_the_single_process_logits_and_tokens(paths, ids, refe
     assert by_name["gpt_oss"]["expert_inter"] == {16} and by_name["gpt_oss"]["expert_biases"] == {(32, 64)}
     # MiniMax-M2: OLMoE's whole-projection norms, split with the heads
     assert by_name["minimax_m2"]["heads"] == {(2, 1, 32)} and by_name["minimax_m2"]["proj_norms"] == {(32, 16)}
+    # Llama 4: its dense layers' 48 features split (24), its unfused shared expert (32) whole on each rank
+    assert by_name["llama4"]["heads"] == {(2, 1, 32)} and by_name["llama4"]["expert_inter"] == {16}
+    assert by_name["llama4"]["dense_inter"] == {24, 32}
     # MLA: half the heads and their kv_b_proj rows; the latent projection stays whole.
     (heads, kv_b_rows, kv_a_rows), = by_name["deepseek"]["mla_heads"]
     assert (heads, kv_b_rows, kv_a_rows) == (1, 1 * (8 + 12), 16 + 8)     # of 2 heads; nope 8 + v 12; lora 16 + rope 8

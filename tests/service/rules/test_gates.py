@@ -436,3 +436,31 @@ def test_wrapper_keeps_every_deepseek_rule():
     assert_off(fusion(cfg, a2a_backend="mooncake"), "deepseek.deepep_class")
     assert_off(fusion(cfg, quantization="wint4a16"), "deepseek.quantization")
     assert_off(fusion(cfg, moe_runner="kernel", device="cuda:9.0", ep_size=2), "deepseek.expert_parallel")
+
+
+# --- Llama 4 (not in DESIGN 5.2: our gate) ----------------------------------------
+
+def llama4(**over):
+    cfg = {"architectures": ["Llama4ForCausalLM"], "num_hidden_layers": 48, "num_local_experts": 128,
+           "num_experts_per_tok": 1, "interleave_moe_layer_step": 2}
+    cfg.update(over)
+    return cfg
+
+
+@pytest.mark.parametrize("runtime", [{}, {"enforce_shared_experts_fusion": True}, {"a2a_backend": "deepep"}])
+def test_llama4_never_fuses_its_shared_expert_even_when_enforced(runtime):
+    """Its routed experts scale their input by the router score: a fused slot could not carry 1/ep_size."""
+    res = resolve(llama4(), **runtime)
+    assert_off(res.decisions[Keys.SHARED_EXPERTS_FUSION], "llama4.structural.input_scaled_experts",
+               "scale their input")
+    assert res.decisions[Keys.NUM_FUSED_SHARED_EXPERTS].value == 0
+    assert res.family == "llama4"
+
+
+def test_the_llama4_wrapper_asks_the_gate_with_its_text_config():
+    cfg = {"architectures": ["Llama4ForConditionalGeneration"], "num_hidden_layers": 1, "text_config": llama4()}
+    res = resolve(cfg, ep_size=8, ep_rank=3, enable_eplb=True)
+    assert res.chain == ("Llama4ForConditionalGeneration", "Llama4ForCausalLM")
+    assert_off(res.decisions[Keys.SHARED_EXPERTS_FUSION], "llama4.structural.input_scaled_experts", "")
+    assert res.decisions[Keys.EPLB_LAYERS].value == list(range(1, 48, 2))     # every second layer is MoE
+    assert res.decisions[Keys.NUM_LOCAL_EXPERTS].value == 16

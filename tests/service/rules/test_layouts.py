@@ -115,6 +115,23 @@ def test_olmoe_reads_num_experts():
     assert lay.moe_layers == (0, 1, 2) and (lay.n_routed, lay.top_k) == (64, 8)
 
 
+@pytest.mark.parametrize("over, moe", [({"interleave_moe_layer_step": 2}, (1, 3, 5)),
+                                       ({}, (0, 1, 2, 3, 4, 5)),
+                                       ({"moe_layers": [4, 0], "interleave_moe_layer_step": 2}, (0, 4)),
+                                       ({"moe_layers": []}, ())])
+def test_llama4_moe_layers_are_listed_or_interleaved_each_with_a_shared_expert(over, moe):
+    cfg = {"num_hidden_layers": 6, "num_local_experts": 16, **over}
+    lay = entries.FAMILIES["llama4"].layout(ConfigView(cfg))
+    assert lay.moe_layers == moe and (lay.n_routed, lay.n_shared, lay.top_k) == (16, 1, 1)   # top-1 by default
+
+
+def test_llama4_moe_layers_out_of_range_are_named():
+    with pytest.raises(InvalidArgument) as e:
+        entries.FAMILIES["llama4"].layout(ConfigView({"num_hidden_layers": 6, "num_local_experts": 16,
+                                                      "moe_layers": [2, 6]}))
+    assert e.value.field == "config.moe_layers"
+
+
 def test_minimax_m2_reads_num_local_experts():
     lay = entries.FAMILIES["minimax_m2"].layout(ConfigView({"num_hidden_layers": 62, "num_local_experts": 256,
                                                             "num_experts_per_tok": 8}))
