@@ -372,8 +372,9 @@ LLAMA4_TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=32, interme
                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
                    num_experts_per_tok=1, interleave_moe_layer_step=2, max_position_embeddings=256,
                    attention_chunk_size=4, floor_scale=2, eos_token_id=None, pad_token_id=None, bos_token_id=None,
-                   rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+                   rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 64})
 
 
 def make_llama4_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:

@@ -123,7 +123,8 @@ def test_stacked_experts_are_shown_per_expert_with_gate_and_up_concatenated(ckpt
     assert torch.equal(view.get("model.layers.3.feed_forward.experts.2.down_proj.weight"), down[2].t())
     assert LLAMA4_NAMES.to_engine("model.layers.3.feed_forward.experts.2.up_proj.weight") == \
         "model.layers.3.mlp.experts.2.up_proj.weight"
-    assert LLAMA4_NAMES.to_engine("model.layers.0.feed_forward.gate_proj.weight") == "model.layers.0.mlp.gate_proj.weight"
+    assert LLAMA4_NAMES.to_engine("model.layers.0.feed_forward.gate_proj.weight") == \
+        "model.layers.0.mlp.gate_proj.weight"
     assert LLAMA4_NAMES.to_checkpoint("model.layers.1.mlp.shared_expert.down_proj.weight") == \
         "model.layers.1.feed_forward.shared_expert.down_proj.weight"
 
