@@ -35,6 +35,7 @@ ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "GptOssForCausalLM": ("loadplan.engine.models.gpt_oss", "GptOssForCausalLM"),
     "MiniMaxM2ForCausalLM": ("loadplan.engine.models.minimax_m2", "MiniMaxM2ForCausalLM"),
     "Llama4ForCausalLM": ("loadplan.engine.models.llama4", "Llama4ForCausalLM"),
+    "Llama4ForConditionalGeneration": ("loadplan.engine.models.llama4", "Llama4ForConditionalGeneration"),
 }
 
 
@@ -47,6 +48,7 @@ class EngineWrapper:
 # Wrappers: their engine class builds `inner` from `config[config_field]`.
 ENGINE_WRAPPERS: dict[str, EngineWrapper] = {
     "KimiK25ForConditionalGeneration": EngineWrapper("DeepseekV3ForCausalLM", "text_config"),
+    "Llama4ForConditionalGeneration": EngineWrapper("Llama4ForCausalLM", "text_config"),
 }
 
 

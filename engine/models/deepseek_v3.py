@@ -21,7 +21,6 @@ Shapes: B batch, T tokens, D hidden, E routed experts, K top-k, V vocab.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -35,9 +34,9 @@ from ..layers.mlp import GatedMLP, activation
 from ..layers.rope import RopeConfig, rope_config_from_hf
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
-from ..weights import WeightLayout
 from .causal_lm import CausalLM, DecoderLayer
 from .config import ConfigError, get_field as _get
+from .text_wrapper import TextOnlyWrapper
 
 
 @dataclass(frozen=True)
@@ -244,60 +243,10 @@ class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
     ARCHITECTURE = "DeepseekV2ForCausalLM"
 
 
-class KimiK25ForConditionalGeneration(nn.Module):
+class KimiK25ForConditionalGeneration(TextOnlyWrapper):
     """Kimi-K2.5 run text-only: its DeepSeek-V3 body built from config["text_config"], kept under
     `language_model.` as in the checkpoint; the vision tower and projector weights are skipped."""
 
-    TEXT_PREFIX = "language_model."
+    INNER = DeepseekV3ForCausalLM
     TENSOR_PARALLEL = True            # its DeepSeek-V3 body's
     OTHER_TOWERS = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
-
-    @staticmethod
-    def _text_config(hf_config: dict) -> dict:
-        text = hf_config.get("text_config")
-        if not isinstance(text, dict):
-            raise ConfigError("config.text_config: missing (KimiK25ForConditionalGeneration builds its "
-                              "DeepseekV3ForCausalLM from it)")
-        return text
-
-    @classmethod
-    def parse_config(cls, hf_config: dict) -> DeepseekV3Config:
-        """Its body's: text_config read as DeepSeek-V3's, a refusal naming the field inside text_config."""
-        try:
-            return DeepseekV3ForCausalLM.parse_config(cls._text_config(hf_config))
-        except ConfigError as e:
-            message = str(e)
-            if message.startswith("config.") and not message.startswith("config.text_config"):
-                raise ConfigError("config.text_config." + message.removeprefix("config.")) from None
-            raise
-
-    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        super().__init__()
-        text = self._text_config(hf_config)
-        self.plan = plan
-        self.dtype = dtype
-        self.language_model = DeepseekV3ForCausalLM(text, plan, dtype=dtype)
-        self.config = self.language_model.config
-        # The same view object: keys are global layer ids, tensors resolve through language_model.
-        self.routed_experts_weights_of_layer = self.language_model.routed_experts_weights_of_layer
-
-    def weight_layout(self) -> WeightLayout:
-        inner = self.language_model.weight_layout(prefix=self.TEXT_PREFIX)
-        return dataclasses.replace(inner, ignore_prefixes=self.OTHER_TOWERS + inner.ignore_prefixes)
-
-    def tie_weights(self) -> None:
-        self.language_model.tie_weights()
-
-    def setup_caches(self, max_batch_size: int, max_seq_len: int, lookahead: int = 0) -> None:
-        self.language_model.setup_caches(max_batch_size, max_seq_len, lookahead)
-
-    def clear_caches(self) -> None:
-        self.language_model.clear_caches()
-
-    def forward(self, input_ids: torch.Tensor | None = None, input_pos: torch.Tensor | None = None, *,
-                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model(input_ids, input_pos, hidden_states=hidden_states)
-
-    def logits_and_hidden(self, input_ids: torch.Tensor | None = None, input_pos: torch.Tensor | None = None, *,
-                          hidden_states: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.language_model.logits_and_hidden(input_ids, input_pos, hidden_states=hidden_states)

@@ -16,6 +16,7 @@ Shapes: B batch, T tokens, D hidden, E experts, K top-k, H heads, hd head_dim.
   replicated and added after the experts' reduction. The other layers are dense MLPs of
   `intermediate_size_mlp`.
 
+`Llama4ForConditionalGeneration` (the Hub's checkpoints) runs it text-only (models/text_wrapper.py).
 Checkpoints spell the block `feed_forward` (the engine's `mlp`: `LLAMA4_NAMES`) and keep the
 experts stacked with gate and up concatenated (`feed_forward.experts.gate_up_proj` [E, D, 2I],
 `down_proj` [E, I, D]): engine/stacked_experts.py shows them one expert at a time.
@@ -37,6 +38,7 @@ from ..stacked_experts import StackedExperts
 from ..weights import CheckpointNames
 from .causal_lm import CausalLM, DecoderLayer
 from .config import ConfigError, get_field as _get
+from .text_wrapper import TextOnlyWrapper
 
 ARCHITECTURE = "Llama4ForCausalLM"
 LAYER_TYPES = ("chunked_attention", "full_attention")
@@ -241,3 +243,12 @@ class Llama4ForCausalLM(CausalLM):
 
     def checkpoint_view(self, ckpt):
         return StackedExperts(ckpt, self.config.num_experts, gate_up="concatenated")
+
+
+class Llama4ForConditionalGeneration(TextOnlyWrapper):
+    """Llama 4 as the Hub ships it (Scout, Maverick), run text-only: `Llama4ForCausalLM` from text_config, its
+    tensors under `language_model.`; the vision model's and projector's skipped."""
+
+    INNER = Llama4ForCausalLM
+    TENSOR_PARALLEL = True
+    OTHER_TOWERS = ("vision_model.", "multi_modal_projector.")

@@ -388,6 +388,21 @@ def make_llama4_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     return path
 
 
+def make_llama4_wrapper_checkpoint(path: Path, *, seed: int = 0) -> Path:
+    """Llama 4 as the Hub ships it: Llama4ForConditionalGeneration, LLAMA4_TINY as its text_config and a tiny vision
+    model, saved with the text model under `language_model.` and the towers under `vision_model.` and
+    `multi_modal_projector.`."""
+    transformers = _transformers()
+    torch.manual_seed(seed)
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=28,
+                  patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+    model = transformers.Llama4ForConditionalGeneration(transformers.Llama4Config(text_config=LLAMA4_TINY,
+                                                                                  vision_config=vision))
+    randomize(model, seed)
+    model.save_pretrained(path)
+    return path
+
+
 def make_mixtral_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     """Save a random Mixtral of MIXTRAL_TINY updated with `config` (transformers' MixtralConfig kwargs): the
     Hub's spelling, block_sparse_moe.experts.{e}.w1/w2/w3."""

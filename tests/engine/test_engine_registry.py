@@ -23,6 +23,7 @@ def test_unknown_entry_class_lists_the_supported_ones():
                                                r"DeepseekV3ForCausalLMNextN, Glm4MoeForCausalLM, "
                                                r"Glm4MoeForCausalLMNextN, GptOssForCausalLM, "
                                                r"KimiK25ForConditionalGeneration, Llama4ForCausalLM, "
+                                               r"Llama4ForConditionalGeneration, "
                                                r"MiniMaxM2ForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, "
                                                r"Qwen2MoeForCausalLM, "
                                                r"Qwen3MoeForCausalLM"):

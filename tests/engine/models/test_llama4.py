@@ -21,7 +21,7 @@ from loadplan.engine.stacked_experts import StackedExperts
 from loadplan.plan import Keys
 
 from engine_helpers import (check_refused_before_any_plan, hf_greedy, hf_logits_of_order_one, load_local, logits_of,
-                            make_llama4_checkpoint, prompt, with_config)
+                            make_llama4_checkpoint, make_llama4_wrapper_checkpoint, prompt, with_config)
 
 ARCH = "Llama4ForCausalLM"
 TOL = 1e-4
@@ -127,6 +127,26 @@ def test_stacked_experts_are_shown_per_expert_with_gate_and_up_concatenated(ckpt
         "model.layers.0.mlp.gate_proj.weight"
     assert LLAMA4_NAMES.to_checkpoint("model.layers.1.mlp.shared_expert.down_proj.weight") == \
         "model.layers.1.feed_forward.shared_expert.down_proj.weight"
+
+
+def test_the_hubs_conditional_generation_checkpoint_runs_text_only_as_transformers(tmp_path, ids):
+    """Llama4ForConditionalGeneration: its text model from text_config, read from under `language_model.`; the
+    vision model's and projector's tensors skipped; logits equal to those of transformers' text model inside the
+    loaded wrapper (its whole-model forward on text alone fails in transformers 5.24: image_outputs)."""
+    import transformers
+
+    path = make_llama4_wrapper_checkpoint(tmp_path / "wrapper")
+    held = Checkpoint(path).names()
+    assert any(n.startswith("vision_model.") for n in held) and any(n.startswith("language_model.") for n in held)
+    model = load_local(path)
+    assert model.plan.entry_class == "Llama4ForConditionalGeneration"
+    assert model.plan.decisions[Keys.SHARED_EXPERTS_FUSION].rule == "llama4.structural.input_scaled_experts"
+    hf = transformers.Llama4ForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
+                                                                      attn_implementation="eager").eval()
+    with torch.no_grad():
+        want = hf.language_model(input_ids=ids).logits
+    assert 0.5 < want.abs().max() < 50
+    assert (logits_of(model, ids) - want).abs().max().item() <= TOL
 
 
 @pytest.mark.parametrize("overrides, match", [
