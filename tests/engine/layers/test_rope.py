@@ -55,6 +55,9 @@ CASES = [
     # Llama 3 / Llama 4: a band of wavelengths between 64 / 4 and 64 is interpolated, longer ones divided by 8
     ("qwen", "llama3", {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                         "original_max_position_embeddings": 64}),
+    # Llama-4-Scout's: high_freq_factor == low_freq_factor (no band; transformers warns and runs it)
+    ("qwen", "llama3", {"factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                        "original_max_position_embeddings": 64}),
 ]
 
 
