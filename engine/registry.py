@@ -35,6 +35,7 @@ ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "GptOssForCausalLM": ("loadplan.engine.models.gpt_oss", "GptOssForCausalLM"),
     "MiniMaxM2ForCausalLM": ("loadplan.engine.models.minimax_m2", "MiniMaxM2ForCausalLM"),
     "Llama4ForCausalLM": ("loadplan.engine.models.llama4", "Llama4ForCausalLM"),
+    "Glm4MoeLiteForCausalLM": ("loadplan.engine.models.glm4_moe_lite", "Glm4MoeLiteForCausalLM"),
     "Llama4ForConditionalGeneration": ("loadplan.engine.models.llama4", "Llama4ForConditionalGeneration"),
 }
 

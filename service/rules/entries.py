@@ -71,6 +71,8 @@ FAMILIES: dict[str, Family] = {
         Family("gpt_oss", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
         Family("minimax_m2", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
         Family("llama4", layouts.llama4_layout, gates.llama4_gate, True),
+        # GLM-4.7-Flash: GLM-4-MoE's MoE block and gate (DESIGN 5.2's GLM conditions) over DeepSeek's MLA
+        Family("glm4_moe_lite", layouts.glm4_moe_lite_layout, gates.glm4_moe_gate, True),
     )
 }
 
@@ -87,6 +89,7 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "GptOssForCausalLM": Direct("gpt_oss"),
     "MiniMaxM2ForCausalLM": Direct("minimax_m2"),
     "Llama4ForCausalLM": Direct("llama4"),
+    "Glm4MoeLiteForCausalLM": Direct("glm4_moe_lite"),
     "Llama4ForConditionalGeneration": Wrapper("Llama4ForCausalLM", "text_config", _top_level_quantization),
     "KimiK25ForConditionalGeneration": Wrapper("DeepseekV3ForCausalLM", "text_config", _top_level_quantization),
 }

@@ -5,6 +5,8 @@ Conventions follow the architectures' reference implementations:
 - Qwen2/Qwen3-MoE: layer i is MoE iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0.
 - Mixtral, OLMoE, gpt-oss and MiniMax-M2: every layer is MoE (num_experts routed experts for
   OLMoE, num_local_experts for the others; no shared expert).
+- GLM-4-MoE-Lite: layer i is MoE iff mlp_layer_types[i] is "sparse" (by default every layer
+  but the first).
 - Llama 4: layer i is MoE iff i is in moe_layers, or else i % interleave_moe_layer_step ==
   interleave_moe_layer_step - 1; every MoE layer has one shared expert.
 - A NextN draft has num_nextn_predict_layers MoE layers numbered after the target's.
@@ -78,6 +80,24 @@ def every_layer_moe_layout(cfg: ConfigView, experts_field: str) -> MoeLayout:
     _check_top_k(cfg, top_k, n_routed)
     layers = tuple(range(n_layers))
     return MoeLayout(layers, layers, n_routed, 0, top_k)
+
+
+def glm4_moe_lite_layout(cfg: ConfigView) -> MoeLayout:
+    from ..errors import InvalidArgument
+
+    n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
+    n_routed = cfg.int("n_routed_experts", minimum=1)
+    n_shared = cfg.int("n_shared_experts", 1, minimum=0)          # transformers' Glm4MoeLiteConfig defaults
+    top_k = cfg.int("num_experts_per_tok", 4, minimum=1)
+    _check_top_k(cfg, top_k, n_routed)
+    types = cfg.raw("mlp_layer_types")
+    if types is None:
+        types = ["dense"] + ["sparse"] * (n_layers - 1)
+    if not isinstance(types, list) or len(types) != n_layers or any(t not in ("dense", "sparse") for t in types):
+        raise InvalidArgument(cfg.field("mlp_layer_types"),
+                              f"expected {n_layers} entries of dense or sparse, got {str(types)[:200]}")
+    return MoeLayout(tuple(range(n_layers)), tuple(i for i, t in enumerate(types) if t == "sparse"), n_routed,
+                     n_shared, top_k)
 
 
 def llama4_layout(cfg: ConfigView) -> MoeLayout:

@@ -307,6 +307,21 @@ def make_glm4_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     return _save_random_model(path, "Glm4Moe", seed, config)
 
 
+# GLM-4-MoE-Lite (GLM-4.7-Flash): MLA attention, 16 routed experts and one shared, layers 1 and 2 sparse (its
+# mlp_layer_types default: the first dense); transformers' defaults for the routing (1.8 scaling, one group).
+GLM4_LITE_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                      num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=16,
+                      num_experts_per_tok=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                      v_head_dim=12, max_position_embeddings=256, eos_token_id=None, bos_token_id=None,
+                      pad_token_id=None)
+
+
+def make_glm4_lite_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random GLM-4-MoE-Lite of GLM4_LITE_TINY updated with `config` (transformers' Glm4MoeLiteConfig
+    kwargs), routing bias included."""
+    return _save_random_model(path, "Glm4MoeLite", seed, dict(GLM4_LITE_TINY, **config))
+
+
 # DeepSeek-V2: 16 routed experts in 4 groups, two shared experts (one MLP twice as wide), softmax routing.
 DEEPSEEK_V2_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
                         num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=16,

@@ -21,7 +21,7 @@ def test_unknown_entry_class_lists_the_supported_ones():
     with pytest.raises(UnsupportedModel, match=r"'LlamaForCausalLM' not supported by the engine; supported: "
                                                r"DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, "
                                                r"DeepseekV3ForCausalLMNextN, Glm4MoeForCausalLM, "
-                                               r"Glm4MoeForCausalLMNextN, GptOssForCausalLM, "
+                                               r"Glm4MoeForCausalLMNextN, Glm4MoeLiteForCausalLM, GptOssForCausalLM, "
                                                r"KimiK25ForConditionalGeneration, Llama4ForCausalLM, "
                                                r"Llama4ForConditionalGeneration, "
                                                r"MiniMaxM2ForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, "

@@ -215,6 +215,17 @@ def test_deepseek_v3_fp8_checkpoint_every_backend_fused_and_unfused_on_two_ranks
     _check(results, ref_logits, ref_tokens, FUSED_UNDER_EP)
 
 
+def test_glm4_moe_lite_every_backend_fused_and_unfused_on_two_ranks_matches_one_process(tmp_path):
+    """GLM-4.7-Flash's shape: DeepSeek's MLA with GLM's MoE block and gate (fused under EP on the torch runner)."""
+    from engine_helpers import make_glm4_lite_checkpoint
+
+    path = str(make_glm4_lite_checkpoint(tmp_path / "glm4_lite"))
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(6))
+    ref_logits, ref_tokens = single_process(path, ids, N_NEW, disable_shared_experts_fusion=True)
+    results = launch(EP, _ep_ranks, path, ids, ("enforce", "disable"), "nixl", timeout_s=240)
+    _check(results, ref_logits, ref_tokens, FUSED_UNDER_EP)
+
+
 def test_glm4_moe_every_backend_fused_and_unfused_on_two_ranks_matches_one_process(glm4):
     ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(5))
     ref_logits, ref_tokens = single_process(glm4, ids, N_NEW, disable_shared_experts_fusion=True)

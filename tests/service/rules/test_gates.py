@@ -464,3 +464,21 @@ def test_the_llama4_wrapper_asks_the_gate_with_its_text_config():
     assert_off(res.decisions[Keys.SHARED_EXPERTS_FUSION], "llama4.structural.input_scaled_experts", "")
     assert res.decisions[Keys.EPLB_LAYERS].value == list(range(1, 48, 2))     # every second layer is MoE
     assert res.decisions[Keys.NUM_LOCAL_EXPERTS].value == 16
+
+
+# --- GLM-4-MoE-Lite (GLM-4.7-Flash): GLM-4-MoE's gate ------------------------------
+
+def glm4_lite(**over):
+    cfg = {"architectures": ["Glm4MoeLiteForCausalLM"], "num_hidden_layers": 47, "n_routed_experts": 64,
+           "n_shared_experts": 1, "num_experts_per_tok": 4}
+    cfg.update(over)
+    return cfg
+
+
+def test_glm4_moe_lite_is_asked_the_glm4_moe_gate():
+    res = resolve(glm4_lite())
+    assert res.family == "glm4_moe_lite"
+    assert_fused(res.decisions[Keys.SHARED_EXPERTS_FUSION], "glm4_moe_lite")
+    assert res.decisions[Keys.NUM_FUSED_SHARED_EXPERTS].value == 1
+    assert_off(fusion(glm4_lite(), a2a_backend="deepep", ep_size=2), "glm4_moe.deepep_class", "DeepEP-class")
+    assert_off(fusion(glm4_lite(n_shared_experts=2)), "glm4_moe.structural.n_shared_experts", "n_shared_experts=2")

@@ -132,6 +132,18 @@ def test_llama4_moe_layers_out_of_range_are_named():
     assert e.value.field == "config.moe_layers"
 
 
+def test_glm4_moe_lite_reads_its_layer_list():
+    fam = entries.FAMILIES["glm4_moe_lite"]
+    lay = fam.layout(ConfigView({"num_hidden_layers": 4, "n_routed_experts": 64}))
+    assert lay.moe_layers == (1, 2, 3) and (lay.n_routed, lay.n_shared, lay.top_k) == (64, 1, 4)   # its defaults
+    lay = fam.layout(ConfigView({"num_hidden_layers": 3, "n_routed_experts": 64,
+                                 "mlp_layer_types": ["sparse", "dense", "sparse"]}))
+    assert lay.moe_layers == (0, 2)
+    with pytest.raises(InvalidArgument) as e:
+        fam.layout(ConfigView({"num_hidden_layers": 3, "n_routed_experts": 64, "mlp_layer_types": ["sparse"]}))
+    assert e.value.field == "config.mlp_layer_types"
+
+
 def test_minimax_m2_reads_num_local_experts():
     lay = entries.FAMILIES["minimax_m2"].layout(ConfigView({"num_hidden_layers": 62, "num_local_experts": 256,
                                                             "num_experts_per_tok": 8}))
