@@ -36,6 +36,7 @@ ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "MiniMaxM2ForCausalLM": ("loadplan.engine.models.minimax_m2", "MiniMaxM2ForCausalLM"),
     "Llama4ForCausalLM": ("loadplan.engine.models.llama4", "Llama4ForCausalLM"),
     "Glm4MoeLiteForCausalLM": ("loadplan.engine.models.glm4_moe_lite", "Glm4MoeLiteForCausalLM"),
+    "Qwen3VLMoeForConditionalGeneration": ("loadplan.engine.models.qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration"),
     "Llama4ForConditionalGeneration": ("loadplan.engine.models.llama4", "Llama4ForConditionalGeneration"),
 }
 
@@ -50,6 +51,7 @@ class EngineWrapper:
 ENGINE_WRAPPERS: dict[str, EngineWrapper] = {
     "KimiK25ForConditionalGeneration": EngineWrapper("DeepseekV3ForCausalLM", "text_config"),
     "Llama4ForConditionalGeneration": EngineWrapper("Llama4ForCausalLM", "text_config"),
+    "Qwen3VLMoeForConditionalGeneration": EngineWrapper("Qwen3MoeForCausalLM", "text_config"),
 }
 
 

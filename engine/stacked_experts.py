@@ -6,6 +6,11 @@ gpt-oss their biases `gate_up_proj_bias` [E, 2I], `down_proj_bias` [E, D]. The g
 halves of the last dimension are either interleaved (gpt-oss: gate = [..., 0::2], up =
 [..., 1::2]) or concatenated (Llama 4: gate = [..., :I], up = [..., I:]).
 
+Some exports keep the experts as the model holds them instead, not transposed (transformers'
+own save of Qwen3-VL-MoE: `gate_up_proj` [E, 2I, D], `down_proj` [E, D, I]); given the
+model's hidden size and expert width, `StackedExperts` tells the two apart by shape (and
+refuses a shape that fits both, or neither).
+
 `StackedExperts` shows such a checkpoint (`names`/`shape`/`get`) to the weight remapping
 (engine/weights.py) in the per-expert spelling, `{block}.experts.{e}.gate_proj.weight`
 [I, D], `up_proj.weight`, `down_proj.weight` [D, I] and their `.bias`, so EP shares, EPLB
@@ -29,11 +34,16 @@ GATE_UP_LAYOUTS = ("interleaved", "concatenated")
 
 
 class StackedExperts:
-    def __init__(self, ckpt, n_experts: int, *, gate_up: str):
+    def __init__(self, ckpt, n_experts: int, *, gate_up: str, hidden_size: int | None = None,
+                 expert_width: int | None = None):
+        """`hidden_size` and `expert_width` (D, I), when given, let a stacked matrix come either way round
+        ([E, D, 2I] or [E, 2I, D]; [E, I, D] or [E, D, I]); without them it must be transposed for x @ W."""
         if gate_up not in GATE_UP_LAYOUTS:
             raise ValueError(f"gate_up={gate_up!r}: one of {', '.join(GATE_UP_LAYOUTS)}")
         self._ckpt = ckpt
         self._interleaved = gate_up == "interleaved"
+        self._dims = (hidden_size, expert_width) if hidden_size and expert_width else None
+        self._as_held: set[str] = set()                          # stacked matrices not transposed for x @ W
         self._parts: dict[str, tuple[str, int, str]] = {}    # shown name -> (stacked name, expert, piece)
         self._names: list[str] = []
         self._held: tuple[str | None, torch.Tensor | None] = (None, None)
@@ -49,6 +59,8 @@ class StackedExperts:
                 raise ShapeMismatch(f"tensor {name!r} has shape {list(shape)}: expected {dims} dimensions, the "
                                     f"first num_local_experts={n_experts}"
                                     + (", the last even (gate and up)" if kind.startswith("gate_up") else ""))
+            if dims == 3 and self._dims is not None and self._held_as_the_model_holds(name, kind, shape):
+                self._as_held.add(name)
             tensor = "bias" if kind.endswith("_bias") else "weight"
             pieces = ("gate", "up") if kind.startswith("gate_up") else ("down",)
             for e in range(n_experts):
@@ -56,6 +68,21 @@ class StackedExperts:
                     shown = f"{m['block']}.experts.{e}.{piece}_proj.{tensor}"
                     self._parts[shown] = (name, e, piece)
                     self._names.append(shown)
+
+    def _held_as_the_model_holds(self, name: str, kind: str, shape: tuple[int, ...]) -> bool:
+        """Is this [E, a, b] matrix the model's orientation (True) or transposed for x @ W (False)?"""
+        D, I = self._dims
+        width = 2 * I if kind == "gate_up_proj" else I
+        transposed, held = (D, width), (width, D)
+        if kind == "down_proj":
+            transposed, held = (I, D), (D, I)
+        if shape[1:] not in (transposed, held):
+            raise ShapeMismatch(f"tensor {name!r} has shape {list(shape)}: expected [E, {transposed[0]}, "
+                                f"{transposed[1]}] (or as the model holds it, [E, {held[0]}, {held[1]}])")
+        if transposed == held:
+            raise ShapeMismatch(f"tensor {name!r} has shape {list(shape)}, which fits both orientations (hidden "
+                                f"size {D}, expert width {I}): which way round it is cannot be told")
+        return shape[1:] == held
 
     def names(self) -> list[str]:
         return list(self._names)
@@ -66,6 +93,8 @@ class StackedExperts:
             return tuple(self._ckpt.shape(name))
         stacked, _, piece = part
         shape = tuple(self._ckpt.shape(stacked))
+        if stacked in self._as_held:                              # [E, 2I, D] / [E, D, I]: seen as x @ W's
+            shape = (shape[0], shape[2], shape[1])
         if len(shape) == 2:                                       # [E, 2I] or [E, D]
             return (shape[1] // 2,) if piece != "down" else (shape[1],)
         if piece == "down":                                       # [E, I, D] -> [D, I]
@@ -80,6 +109,8 @@ class StackedExperts:
         if self._held[0] != stacked:
             self._held = (stacked, self._ckpt.get(stacked))
         t = self._held[1][e]                                      # [D, 2I], [2I], [I, D] or [D]
+        if stacked in self._as_held:
+            t = t.t()
         if piece != "down":
             if self._interleaved:
                 t = t[..., 0::2] if piece == "gate" else t[..., 1::2]

@@ -91,6 +91,7 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "Llama4ForCausalLM": Direct("llama4"),
     "Glm4MoeLiteForCausalLM": Direct("glm4_moe_lite"),
     "Llama4ForConditionalGeneration": Wrapper("Llama4ForCausalLM", "text_config", _top_level_quantization),
+    "Qwen3VLMoeForConditionalGeneration": Wrapper("Qwen3MoeForCausalLM", "text_config", _top_level_quantization),
     "KimiK25ForConditionalGeneration": Wrapper("DeepseekV3ForCausalLM", "text_config", _top_level_quantization),
 }
 

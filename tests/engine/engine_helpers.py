@@ -418,6 +418,29 @@ def make_llama4_wrapper_checkpoint(path: Path, *, seed: int = 0) -> Path:
     return path
 
 
+# Qwen3-VL-MoE: a Qwen3-MoE text model (8 experts, top-2; MRoPE sections 2/3/3 of head_dim 16) and a tiny vision
+# tower. D=64 and I=16: its stacked experts' two orientations have different shapes.
+QWEN3_VL_TEXT_TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                          num_experts_per_tok=2, max_position_embeddings=256, tie_word_embeddings=False,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                           "mrope_interleaved": True})
+
+
+def make_qwen3_vl_moe_checkpoint(path: Path, *, seed: int = 0) -> Path:
+    """Qwen3VLMoeForConditionalGeneration as transformers saves it: `model.language_model.*`, `lm_head.weight`,
+    `model.visual.*`; experts stacked as the model holds them ([E, 2I, D], [E, D, I])."""
+    transformers = _transformers()
+    torch.manual_seed(seed)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0], num_position_embeddings=16)
+    model = transformers.Qwen3VLMoeForConditionalGeneration(transformers.Qwen3VLMoeConfig(
+        text_config=QWEN3_VL_TEXT_TINY, vision_config=vision, tie_word_embeddings=False))
+    randomize(model, seed)
+    model.save_pretrained(path)
+    return path
+
+
 def make_mixtral_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     """Save a random Mixtral of MIXTRAL_TINY updated with `config` (transformers' MixtralConfig kwargs): the
     Hub's spelling, block_sparse_moe.experts.{e}.w1/w2/w3."""

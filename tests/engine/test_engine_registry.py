@@ -25,8 +25,8 @@ def test_unknown_entry_class_lists_the_supported_ones():
                                                r"KimiK25ForConditionalGeneration, Llama4ForCausalLM, "
                                                r"Llama4ForConditionalGeneration, "
                                                r"MiniMaxM2ForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, "
-                                               r"Qwen2MoeForCausalLM, "
-                                               r"Qwen3MoeForCausalLM"):
+                                               r"Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, "
+                                               r"Qwen3VLMoeForConditionalGeneration"):
         model_class("LlamaForCausalLM")
 
 

@@ -482,3 +482,13 @@ def test_glm4_moe_lite_is_asked_the_glm4_moe_gate():
     assert res.decisions[Keys.NUM_FUSED_SHARED_EXPERTS].value == 1
     assert_off(fusion(glm4_lite(), a2a_backend="deepep", ep_size=2), "glm4_moe.deepep_class", "DeepEP-class")
     assert_off(fusion(glm4_lite(n_shared_experts=2)), "glm4_moe.structural.n_shared_experts", "n_shared_experts=2")
+
+
+def test_the_qwen3_vl_moe_wrapper_plans_its_text_model():
+    cfg = {"architectures": ["Qwen3VLMoeForConditionalGeneration"], "num_hidden_layers": 1,
+           "text_config": qwen3(num_hidden_layers=48, num_experts=128)}
+    res = resolve(cfg, ep_size=8, ep_rank=2)
+    assert res.chain == ("Qwen3VLMoeForConditionalGeneration", "Qwen3MoeForCausalLM")
+    assert_off(res.decisions[Keys.SHARED_EXPERTS_FUSION], "qwen3_moe.no_shared_experts", "no shared experts")
+    assert res.decisions[Keys.NUM_LOCAL_EXPERTS].value == 16
+    assert res.decisions[Keys.PP_LAYER_RANGE].value == [0, 48]
