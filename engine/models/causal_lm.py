@@ -185,3 +185,20 @@ class CausalLM(nn.Module):
         for layer in self.model.layers[lo:hi]:
             x = layer(x, cos, sin, input_pos)
         return x
+
+
+class DeclaredCausalLM(CausalLM):
+    """An entry class declared by two class attributes: `CONFIG`, its config dataclass (`CONFIG.from_hf(config.json)`,
+    naming num_experts and head_dim), and `DECODER_LAYER`, its layer class (gpt_oss.py, minimax_m2.py, llama4.py)."""
+
+    CONFIG: type = type(None)
+    DECODER_LAYER: type[DecoderLayer] = DecoderLayer
+
+    @classmethod
+    def parse_config(cls, hf_config: dict):
+        return cls.CONFIG.from_hf(hf_config)
+
+    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
+        cfg = self.parse_config(hf_config)
+        super().__init__(cfg, plan, self.DECODER_LAYER, n_routed=cfg.num_experts, rope_head_dim=cfg.head_dim,
+                         dtype=dtype)

@@ -35,7 +35,7 @@ from ..layers.rope import RopeConfig, rope_config_from_hf
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..stacked_experts import StackedExperts
-from .causal_lm import CausalLM, DecoderLayer
+from .causal_lm import DeclaredCausalLM, DecoderLayer
 from .config import ConfigError, get_field as _get
 
 ARCHITECTURE = "GptOssForCausalLM"
@@ -148,18 +148,11 @@ class GptOssDecoderLayer(DecoderLayer):
                          cfg.rms_norm_eps, dtype)
 
 
-class GptOssForCausalLM(CausalLM):
+class GptOssForCausalLM(DeclaredCausalLM):
     ARCHITECTURE = ARCHITECTURE
     TENSOR_PARALLEL = True
-
-    @classmethod
-    def parse_config(cls, hf_config: dict) -> GptOssConfig:
-        return GptOssConfig.from_hf(hf_config)
-
-    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        cfg = self.parse_config(hf_config)
-        super().__init__(cfg, plan, GptOssDecoderLayer, n_routed=cfg.num_experts, rope_head_dim=cfg.head_dim,
-                         dtype=dtype)
+    CONFIG = GptOssConfig
+    DECODER_LAYER = GptOssDecoderLayer
 
     def checkpoint_view(self, ckpt):
         return StackedExperts(ckpt, self.config.num_experts, gate_up="interleaved")

@@ -36,7 +36,7 @@ from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..stacked_experts import StackedExperts
 from ..weights import CheckpointNames
-from .causal_lm import CausalLM, DecoderLayer
+from .causal_lm import DeclaredCausalLM, DecoderLayer
 from .config import ConfigError, get_field as _get
 from .text_wrapper import TextOnlyWrapper
 
@@ -227,19 +227,12 @@ class Llama4DecoderLayer(DecoderLayer):
         super().__init__(layer_id, attn, mlp, cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
-class Llama4ForCausalLM(CausalLM):
+class Llama4ForCausalLM(DeclaredCausalLM):
     ARCHITECTURE = ARCHITECTURE
     TENSOR_PARALLEL = True
     CHECKPOINT_NAMES = LLAMA4_NAMES
-
-    @classmethod
-    def parse_config(cls, hf_config: dict) -> Llama4Config:
-        return Llama4Config.from_hf(hf_config)
-
-    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        cfg = self.parse_config(hf_config)
-        super().__init__(cfg, plan, Llama4DecoderLayer, n_routed=cfg.num_experts, rope_head_dim=cfg.head_dim,
-                         dtype=dtype)
+    CONFIG = Llama4Config
+    DECODER_LAYER = Llama4DecoderLayer
 
     def checkpoint_view(self, ckpt):
         return StackedExperts(ckpt, self.config.num_experts, gate_up="concatenated")

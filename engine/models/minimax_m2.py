@@ -32,7 +32,7 @@ from ..layers.rope import RopeConfig, rope_config_from_hf
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
-from .causal_lm import CausalLM, DecoderLayer
+from .causal_lm import DeclaredCausalLM, DecoderLayer
 from .config import ConfigError, get_field as _get
 from .mixtral import MIXTRAL_NAMES
 from .olmoe import OLMOE_NAMES
@@ -151,16 +151,9 @@ class MiniMaxM2DecoderLayer(DecoderLayer):
                          cfg.rms_norm_eps, dtype)
 
 
-class MiniMaxM2ForCausalLM(CausalLM):
+class MiniMaxM2ForCausalLM(DeclaredCausalLM):
     ARCHITECTURE = ARCHITECTURE
     TENSOR_PARALLEL = True
     CHECKPOINT_NAMES = MINIMAX_M2_NAMES
-
-    @classmethod
-    def parse_config(cls, hf_config: dict) -> MiniMaxM2Config:
-        return MiniMaxM2Config.from_hf(hf_config)
-
-    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        cfg = self.parse_config(hf_config)
-        super().__init__(cfg, plan, MiniMaxM2DecoderLayer, n_routed=cfg.num_experts, rope_head_dim=cfg.head_dim,
-                         dtype=dtype)
+    CONFIG = MiniMaxM2Config
+    DECODER_LAYER = MiniMaxM2DecoderLayer
