@@ -108,6 +108,9 @@ class WeightLayout:
     num_physical: int | None = None             # plan: eplb.num_physical_experts; slot p holds expert
                                                 # p % n_routed at load (EPLB replicas); None = n_routed
     layer_range: tuple[int, int] | None = None    # plan: pp.layer_range; None = all
+    # Layers the model has at all (every stage's): a tensor of a layer beyond them is a checkpoint of another
+    # model, unexpected, not another stage's to skip. None: not checked.
+    n_layers: int | None = None
     has_embed: bool = True                      # first pipeline stage
     has_head: bool = True                       # last pipeline stage (final norm + lm_head)
     lm_head_from_embed: bool = False            # tied embeddings on a stage without the embedding
@@ -311,6 +314,11 @@ def build_state_dict(names: list[str], get: Callable[[str], torch.Tensor], shape
             report.ignored[prefix] = report.ignored.get(prefix, 0) + 1
             continue
         target = remap(name, layout)
+        beyond = _LAYER_ID.search(target.param)
+        if beyond and layout.n_layers is not None and int(beyond.group(1)) >= layout.n_layers:
+            raise UnexpectedTensor(f"unexpected tensor {name!r}: layer {beyond.group(1)} is beyond the model's "
+                                   f"{layout.n_layers} layers (num_hidden_layers, and any draft layers it stores "
+                                   f"and skips by name)")
         if not is_local(target, layout):
             report.skipped_other_ranks += 1
             continue

@@ -121,7 +121,8 @@ class CausalLM(nn.Module):
             experts = self.model.layers[self.moe_layer_ids[0]].mlp.experts.weight_layout_fields()
         return WeightLayout(
             n_routed=self.n_routed, **experts,
-            layer_range=self.layer_range, has_embed=self.is_first_stage, has_head=self.is_last_stage,
+            layer_range=self.layer_range, n_layers=self.config.num_hidden_layers, has_embed=self.is_first_stage,
+            has_head=self.is_last_stage,
             lm_head_from_embed=self.config.tie_word_embeddings and self.is_last_stage and not self.is_first_stage,
             ignore_prefixes=self.ignore_prefixes(prefix),
             tp_size=self.plan.request.parallel.tp_size, tp_rank=self.plan.request.parallel.tp_rank,

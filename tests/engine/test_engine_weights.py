@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -273,3 +275,19 @@ def test_a_tensor_that_does_not_split_over_the_tp_ranks_is_named():
     with pytest.raises(ShapeMismatch, match=rf"'{A}.q_proj.weight' of shape \[6, 4\] does not split over "
                                             rf"tp_size=4 along dimension 0"):
         _build(ck, {f"{A}.q_proj.weight": torch.empty(1, D, device="meta")}, WeightLayout(n_routed=E, tp_size=4))
+
+
+def test_a_layer_beyond_the_model_is_unexpected_not_another_stages():
+    """Layers of other pipeline stages are skipped; a layer the model does not have at all (a checkpoint of a
+    deeper model) is refused by name, unless the family names it to skip (its draft layers)."""
+    ck = _checkpoint()
+    ck["model.layers.7.input_layernorm.weight"] = torch.ones(D)
+    lay = dataclasses.replace(UNFUSED_SMALL, n_layers=4)
+    with pytest.raises(UnexpectedTensor, match=r"'model\.layers\.7\.input_layernorm\.weight': layer 7 is beyond "
+                                               r"the model's 4 layers"):
+        _build(ck, _expected(fused=False), lay)
+    stage = dataclasses.replace(lay, n_layers=8, layer_range=(0, 4))           # layer 7 is another stage's
+    _, report = _build(ck, _expected(fused=False), stage)
+    assert report.skipped_other_ranks == 1
+    _, report = _build(ck, _expected(fused=False), dataclasses.replace(lay, ignore_prefixes=("model.layers.7.",)))
+    assert report.ignored == {"model.layers.7.": 1}

@@ -6,11 +6,14 @@ tests/engine/parallel."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from loadplan.engine.models.config import ConfigError
 from loadplan.engine.models.minimax_m2 import MINIMAX_M2_NAMES
+from loadplan.engine.weights import UnexpectedTensor
 from loadplan.plan import Keys
 
 from engine_helpers import (check_refused_before_any_plan, hf_greedy, hf_logits_of_order_one, load_local, logits_of,
@@ -130,3 +133,18 @@ def test_the_fields_it_reads_as_shipped_are_accepted(ckpt, ids, reference, tmp_p
     shipped = with_config(ckpt, tmp_path / "shipped", scoring_func="sigmoid", use_routing_bias=True, use_qk_norm=True,
                           qk_norm_type="per_layer", shared_intermediate_size=0, attn_type_list=[1, 1, 1])
     assert (logits_of(load_local(shipped), ids) - reference).abs().max().item() <= TOL
+
+
+def test_its_mtp_modules_after_the_last_layer_are_skipped_and_another_layer_is_refused(ckpt, ids, reference, tmp_path):
+    """MiniMax-M2 stores num_mtp_modules MTP modules as model.layers.{L + i}.*: skipped by name. Without that
+    field the same tensors are a layer the model does not have: refused, naming the tensor."""
+    def extra_layer(tensors):
+        for name in [n for n in tensors if n.startswith("model.layers.2.")]:
+            tensors[name.replace("model.layers.2.", "model.layers.3.", 1)] = tensors[name].clone()
+    with_mtp = with_tensors(ckpt, tmp_path / "with_mtp", extra_layer)
+    cfg = json.loads((with_mtp / "config.json").read_text())
+    (with_mtp / "config.json").write_text(json.dumps(dict(cfg, num_mtp_modules=1, use_mtp=True)))
+    assert (logits_of(load_local(with_mtp), ids) - reference).abs().max().item() <= TOL
+    (with_mtp / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnexpectedTensor, match=r"model\.layers\.3\..*layer 3 is beyond the model's 3 layers"):
+        load_local(with_mtp)
