@@ -21,3 +21,21 @@ def get_field(d: dict, name: str, default=_MISSING, kind=None):
     if kind is not None and (not isinstance(v, kind) or (kind is not bool and isinstance(v, bool))):
         raise ConfigError(f"config.{name}: expected {getattr(kind, '__name__', kind)}, got {v!r}")
     return v
+
+
+def top_k(d: dict, n_experts: int, experts_field: str, default=_MISSING) -> int:
+    """num_experts_per_tok, which must be in [1, n_experts] (`experts_field` names the count in the error)."""
+    k = get_field(d, "num_experts_per_tok", default, int)
+    if not 0 < k <= n_experts:
+        raise ConfigError(f"config.num_experts_per_tok: {k} must be in [1, {experts_field}={n_experts}]")
+    return k
+
+
+def per_layer(d: dict, name: str, n_layers: int, choices: tuple[str, ...], default: list[str]) -> list[str]:
+    """A list with one of `choices` per layer (`layer_types`, `mlp_layer_types`); `default` when absent or null."""
+    value = d.get(name)
+    if value is None:
+        value = default
+    if not isinstance(value, list) or len(value) != n_layers or any(v not in choices for v in value):
+        raise ConfigError(f"config.{name}: expected {n_layers} entries of {', '.join(choices)}, got {value!r}"[:300])
+    return value

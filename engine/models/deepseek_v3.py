@@ -35,7 +35,7 @@ from ..layers.rope import RopeConfig, rope_config_from_hf
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from .causal_lm import CausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get
+from .config import ConfigError, get_field as _get, top_k
 from .text_wrapper import TextOnlyWrapper
 
 
@@ -137,9 +137,7 @@ def routing_fields(d: dict, n_routed: int, *, n_shared_default: int, norm_topk_p
     """The routing fields of a DeepSeek-style MoE config (what DeepseekV3MoE reads), checked: n_routed_experts,
     n_shared_experts, num_experts_per_tok, n_group, topk_group, norm_topk_prob, routed_scaling_factor.
     `group_scores_of_two`: a group is scored by its two best experts (V3's router), so it needs two."""
-    top_k = _get(d, "num_experts_per_tok", kind=int)
-    if not 0 < top_k <= n_routed:
-        raise ConfigError(f"config.num_experts_per_tok: {top_k} must be in [1, n_routed_experts={n_routed}]")
+    k = top_k(d, n_routed, "n_routed_experts")
     n_group = _get(d, "n_group", 1, int)
     topk_group = _get(d, "topk_group", n_group, int)
     if n_group < 1 or n_routed % n_group or not 0 < topk_group <= n_group:
@@ -148,7 +146,7 @@ def routing_fields(d: dict, n_routed: int, *, n_shared_default: int, norm_topk_p
     if group_scores_of_two and n_group > 1 and n_routed // n_group < 2:
         raise ConfigError(f"config.n_group: groups of {n_routed // n_group} expert(s); group scores need 2")
     return dict(n_routed_experts=n_routed, n_shared_experts=_get(d, "n_shared_experts", n_shared_default, int),
-                num_experts_per_tok=top_k, n_group=n_group, topk_group=topk_group,
+                num_experts_per_tok=k, n_group=n_group, topk_group=topk_group,
                 norm_topk_prob=bool(_get(d, "norm_topk_prob", norm_topk_prob_default, bool)),
                 routed_scaling_factor=float(_get(d, "routed_scaling_factor", 1.0)))
 

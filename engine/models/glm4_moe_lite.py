@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .config import ConfigError, get_field as _get
+from .config import ConfigError, get_field as _get, per_layer
 from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 
 ARCHITECTURE = "Glm4MoeLiteForCausalLM"
@@ -28,12 +28,7 @@ DEFAULTS = {"n_shared_experts": 1, "routed_scaling_factor": 1.8, "num_experts_pe
 
 def glm4_moe_lite_config(d: dict) -> DeepseekV3Config:
     n_layers = _get(d, "num_hidden_layers", kind=int)
-    types = d.get("mlp_layer_types")
-    if types is None:
-        types = ["dense"] + ["sparse"] * (n_layers - 1)
-    if not isinstance(types, list) or len(types) != n_layers or any(t not in MLP_LAYER_TYPES for t in types):
-        raise ConfigError(f"config.mlp_layer_types: expected {n_layers} entries of {', '.join(MLP_LAYER_TYPES)}, "
-                          f"got {types!r}"[:300])
+    types = per_layer(d, "mlp_layer_types", n_layers, MLP_LAYER_TYPES, ["dense"] + ["sparse"] * (n_layers - 1))
     # transformers reads neither; a config that carries them (as GLM-4.5's do) must agree with the layer list.
     first_dense = d.get("first_k_dense_replace")
     if first_dense is not None and types != ["dense"] * first_dense + ["sparse"] * (n_layers - first_dense):

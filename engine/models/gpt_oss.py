@@ -36,7 +36,7 @@ from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..stacked_experts import StackedExperts
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get
+from .config import ConfigError, get_field as _get, per_layer, top_k
 
 ARCHITECTURE = "GptOssForCausalLM"
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -72,15 +72,9 @@ class GptOssConfig:
         """config.json with transformers' GptOssConfig defaults where a checkpoint may leave a field out."""
         n_layers = _get(d, "num_hidden_layers", kind=int)
         n_experts = _get(d, "num_local_experts", kind=int)
-        top_k = _get(d, "num_experts_per_tok", kind=int)
-        if not 0 < top_k <= n_experts:
-            raise ConfigError(f"config.num_experts_per_tok: {top_k} must be in [1, num_local_experts={n_experts}]")
-        types = d.get("layer_types")
-        if types is None:
-            types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers)]
-        if not isinstance(types, list) or len(types) != n_layers or any(t not in LAYER_TYPES for t in types):
-            raise ConfigError(f"config.layer_types: expected {n_layers} entries of {', '.join(LAYER_TYPES)}, "
-                              f"got {types!r}"[:300])
+        k = top_k(d, n_experts, "num_local_experts")
+        types = per_layer(d, "layer_types", n_layers, LAYER_TYPES,
+                          ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers)])
         window = d.get("sliding_window", 128)
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
             raise ConfigError(f"config.sliding_window: must be an integer >= 1, got {window!r}")
@@ -105,7 +99,7 @@ class GptOssConfig:
             rope=rope_config_from_hf(d if rope_given else dict(d, rope_parameters=DEFAULT_ROPE),
                                      default_theta=150000.0),
             num_experts=n_experts,
-            num_experts_per_tok=top_k,
+            num_experts_per_tok=k,
             attention_bias=bool(_get(d, "attention_bias", True, bool)),
             sliding_window=window,
             layer_types=tuple(types),

@@ -37,7 +37,7 @@ from ..parallel.tensor import TensorParallel
 from ..stacked_experts import StackedExperts
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get
+from .config import ConfigError, get_field as _get, per_layer, top_k
 from .text_wrapper import TextOnlyWrapper
 
 ARCHITECTURE = "Llama4ForCausalLM"
@@ -95,9 +95,7 @@ class Llama4Config:
         """config.json with transformers' Llama4TextConfig defaults where a checkpoint may leave a field out."""
         n_layers = _get(d, "num_hidden_layers", kind=int)
         n_experts = _get(d, "num_local_experts", kind=int)
-        top_k = _get(d, "num_experts_per_tok", 1, int)
-        if not 0 < top_k <= n_experts:
-            raise ConfigError(f"config.num_experts_per_tok: {top_k} must be in [1, num_local_experts={n_experts}]")
+        k = top_k(d, n_experts, "num_local_experts", default=1)     # transformers' Llama4TextConfig default
         act = _get(d, "hidden_act", "silu", str)
         activation(act)   # refuses unknown activations by name
         interval = _get(d, "no_rope_layer_interval", 4, int)
@@ -107,12 +105,8 @@ class Llama4Config:
         chunk = d.get("attention_chunk_size", 8192)
         if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
             raise ConfigError(f"config.attention_chunk_size: must be an integer >= 1 or null, got {chunk!r}")
-        types = d.get("layer_types")
-        if types is None:
-            types = ["chunked_attention" if r and chunk is not None else "full_attention" for r in rope_flags]
-        if not isinstance(types, list) or len(types) != n_layers or any(t not in LAYER_TYPES for t in types):
-            raise ConfigError(f"config.layer_types: expected {n_layers} entries of {', '.join(LAYER_TYPES)}, "
-                              f"got {types!r}"[:300])
+        types = per_layer(d, "layer_types", n_layers, LAYER_TYPES,
+                          ["chunked_attention" if r and chunk is not None else "full_attention" for r in rope_flags])
         if chunk is None and "chunked_attention" in types:
             raise ConfigError("config.attention_chunk_size: null, but layer_types has chunked_attention layers")
         moe_layers = d.get("moe_layers")
@@ -144,7 +138,7 @@ class Llama4Config:
             tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
             rope=rope_config_from_hf(d, default_theta=500000.0),
             num_experts=n_experts,
-            num_experts_per_tok=top_k,
+            num_experts_per_tok=k,
             moe_layers=tuple(sorted(set(moe_layers))),
             rope_layers=tuple(bool(r) for r in rope_flags),
             chunked_layers=tuple(t == "chunked_attention" for t in types),

@@ -33,7 +33,7 @@ from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get
+from .config import ConfigError, get_field as _get, top_k
 from .mixtral import MIXTRAL_NAMES
 from .olmoe import OLMOE_NAMES
 
@@ -81,9 +81,7 @@ class MiniMaxM2Config:
             raise ConfigError(f"config.attn_type_list: only full attention (1) is supported, got {kinds!r}"[:300])
         n_layers = _get(d, "num_hidden_layers", kind=int)
         n_experts = _get(d, "num_local_experts", kind=int)
-        top_k = _get(d, "num_experts_per_tok", kind=int)
-        if not 0 < top_k <= n_experts:
-            raise ConfigError(f"config.num_experts_per_tok: {top_k} must be in [1, num_local_experts={n_experts}]")
+        k = top_k(d, n_experts, "num_local_experts")
         act = _get(d, "hidden_act", "silu", str)
         activation(act)   # refuses unknown activations by name
         head_dim = _get(d, "head_dim", 128, int)
@@ -118,7 +116,7 @@ class MiniMaxM2Config:
             tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
             rope=dataclasses.replace(rope, partial_rotary_factor=rotary_dim / head_dim),
             num_experts=n_experts,
-            num_experts_per_tok=top_k,
+            num_experts_per_tok=k,
             moe_layers=tuple(range(n_layers)),
             num_mtp_modules=_get(d, "num_mtp_modules", 0, int) if d.get("use_mtp", True) else 0,
         )

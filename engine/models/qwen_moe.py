@@ -22,7 +22,7 @@ from ..layers.rope import RopeConfig, rope_config_from_hf
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from .causal_lm import CausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get
+from .config import ConfigError, get_field as _get, top_k
 
 
 @dataclass(frozen=True)
@@ -75,9 +75,7 @@ class QwenMoeConfig:
         n_experts = _get(d, "num_experts", None, int)
         if n_experts is None:
             n_experts = _get(d, "num_local_experts", kind=int)
-        top_k = _get(d, "num_experts_per_tok", kind=int)
-        if not 0 < top_k <= n_experts:
-            raise ConfigError(f"config.num_experts_per_tok: {top_k} must be in [1, num_experts={n_experts}]")
+        k = top_k(d, n_experts, "num_experts")
         moe_layers = tuple(i for i in range(n_layers)
                            if n_experts > 0 and i not in mlp_only and (i + 1) % step == 0)
         return cls(
@@ -95,7 +93,7 @@ class QwenMoeConfig:
             tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
             rope=rope_config_from_hf(d),
             num_experts=n_experts,
-            num_experts_per_tok=top_k,
+            num_experts_per_tok=k,
             moe_intermediate_size=_get(d, "moe_intermediate_size", kind=int),
             norm_topk_prob=bool(_get(d, "norm_topk_prob", False, bool)),
             decoder_sparse_step=step,
@@ -116,9 +114,7 @@ def every_layer_moe_fields(d: dict, *, experts_field: str, rms_norm_eps: float, 
     n_layers = _get(d, "num_hidden_layers", kind=int)
     width = _get(d, "intermediate_size", kind=int)
     n_experts = _get(d, experts_field, kind=int)
-    top_k = _get(d, "num_experts_per_tok", kind=int)
-    if not 0 < top_k <= n_experts:
-        raise ConfigError(f"config.num_experts_per_tok: {top_k} must be in [1, {experts_field}={n_experts}]")
+    k = top_k(d, n_experts, experts_field)
     act = _get(d, "hidden_act", "silu", str)
     activation(act)   # refuses unknown activations by name
     return dict(
@@ -133,7 +129,7 @@ def every_layer_moe_fields(d: dict, *, experts_field: str, rms_norm_eps: float, 
         tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
         rope=rope_config_from_hf(d, default_theta=rope_theta),
         num_experts=n_experts,
-        num_experts_per_tok=top_k,
+        num_experts_per_tok=k,
         moe_intermediate_size=width,
         decoder_sparse_step=1,
         mlp_only_layers=(),
