@@ -106,8 +106,13 @@ class CausalLM(nn.Module):
 
     # -- loading ---------------------------------------------------------------
     def ignore_prefixes(self, prefix: str) -> tuple[str, ...]:
-        """Checkpoint name prefixes that are not part of this model (a family overrides)."""
-        return ()
+        """Checkpoint name prefixes that are not part of this model: the Multi-Token-Prediction layers a
+        checkpoint stores after the last decoder layer (`model.layers.{L + i}.`, DeepSeek's, GLM's and
+        MiniMax-M2's convention), as many as the config's `num_nextn_predict_layers` (0 where it has none).
+        A family with other towers to skip overrides it."""
+        L = self.config.num_hidden_layers
+        n = getattr(self.config, "num_nextn_predict_layers", 0)
+        return tuple(f"{prefix}model.layers.{L + i}." for i in range(n))
 
     def checkpoint_view(self, ckpt):
         """The checkpoint as the weight remapping reads it (`names`, `shape`, `get`): as it is, unless the family

@@ -228,11 +228,6 @@ class DeepseekV3ForCausalLM(CausalLM):
         super().__init__(cfg, plan, DeepseekV3DecoderLayer, n_routed=cfg.n_routed_experts,
                          rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype)
 
-    def ignore_prefixes(self, prefix: str) -> tuple[str, ...]:
-        """The Multi-Token-Prediction layers stored after the last decoder layer."""
-        L = self.config.num_hidden_layers
-        return tuple(f"{prefix}model.layers.{L + i}." for i in range(self.config.num_nextn_predict_layers))
-
 
 class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
     """DeepSeek-V2 / V2-Lite: V3's model with a softmax router (greedy or group-limited top-k, no score bias,

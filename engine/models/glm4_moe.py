@@ -29,7 +29,7 @@ from ..layers.rope import RopeConfig, rope_config_from_hf
 from ..parallel.tensor import TensorParallel
 from .causal_lm import CausalLM, DecoderLayer
 from .config import ConfigError, get_field as _get
-from .deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE, routing_fields
+from .deepseek_v3 import DeepseekV3MoE, routing_fields
 
 # transformers' Glm4MoeConfig: "partial_rotary_factor" defaults to 0.5 (kept for older configs).
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.5
@@ -140,6 +140,3 @@ class Glm4MoeForCausalLM(CausalLM):
         cfg = self.parse_config(hf_config)
         super().__init__(cfg, plan, Glm4MoeDecoderLayer, n_routed=cfg.n_routed_experts, rope_head_dim=cfg.head_dim,
                          dtype=dtype)
-
-    # The Multi-Token-Prediction layers stored after the last decoder layer, as DeepSeek-V3 stores them.
-    ignore_prefixes = DeepseekV3ForCausalLM.ignore_prefixes

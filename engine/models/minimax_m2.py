@@ -68,7 +68,9 @@ class MiniMaxM2Config:
     num_experts: int
     num_experts_per_tok: int
     moe_layers: tuple[int, ...]
-    num_mtp_modules: int = 0            # stored as model.layers.{L + i}. (published untrained): skipped
+    # config.json's num_mtp_modules: MTP modules stored as model.layers.{L + i}. (published untrained), which
+    # CausalLM.ignore_prefixes skips
+    num_nextn_predict_layers: int = 0
 
     @classmethod
     def from_hf(cls, d: dict) -> "MiniMaxM2Config":
@@ -118,7 +120,7 @@ class MiniMaxM2Config:
             num_experts=n_experts,
             num_experts_per_tok=k,
             moe_layers=tuple(range(n_layers)),
-            num_mtp_modules=_get(d, "num_mtp_modules", 0, int) if d.get("use_mtp", True) else 0,
+            num_nextn_predict_layers=_get(d, "num_mtp_modules", 0, int) if d.get("use_mtp", True) else 0,
         )
 
 
@@ -157,9 +159,3 @@ class MiniMaxM2ForCausalLM(DeclaredCausalLM):
     CHECKPOINT_NAMES = MINIMAX_M2_NAMES
     CONFIG = MiniMaxM2Config
     DECODER_LAYER = MiniMaxM2DecoderLayer
-
-    def ignore_prefixes(self, prefix: str) -> tuple[str, ...]:
-        """Its Multi-Token-Prediction modules, stored after the last decoder layer (as SGLang reads them; the
-        published weights of them are not trained): not part of the causal LM."""
-        L = self.config.num_hidden_layers
-        return tuple(f"{prefix}model.layers.{L + i}." for i in range(self.config.num_mtp_modules))
