@@ -37,10 +37,8 @@ def glm4_moe_lite_config(d: dict) -> DeepseekV3Config:
     if d.get("moe_layer_freq") not in (None, 1):
         raise ConfigError(f"config.moe_layer_freq: {d['moe_layer_freq']!r} disagrees with mlp_layer_types, which "
                           f"{ARCHITECTURE} follows")
-    d = {k: v for k, v in d.items() if k not in ("first_k_dense_replace", "moe_layer_freq")}
-    filled = {**{k: v for k, v in DEFAULTS.items() if d.get(k) is None}, **{k: v for k, v in d.items()
-                                                                         if v is not None}}
-    cfg = DeepseekV3Config.from_hf(filled, "DeepseekV3ForCausalLM")
+    given = {k: v for k, v in d.items() if v is not None and k not in ("first_k_dense_replace", "moe_layer_freq")}
+    cfg = DeepseekV3Config.from_hf({**DEFAULTS, **given}, "DeepseekV3ForCausalLM")
     return dataclasses.replace(cfg, moe_layers=tuple(i for i, t in enumerate(types) if t == "sparse"))
 
 
