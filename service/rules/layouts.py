@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import InvalidArgument
 from .config_view import ConfigView
 
 # Layers are enumerated (ids, MoE ids, a stage's EPLB layers): an absurd count from a
@@ -83,8 +84,6 @@ def every_layer_moe_layout(cfg: ConfigView, experts_field: str) -> MoeLayout:
 
 
 def glm4_moe_lite_layout(cfg: ConfigView) -> MoeLayout:
-    from ..errors import InvalidArgument
-
     n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
     n_routed = cfg.int("n_routed_experts", minimum=1)
     n_shared = cfg.int("n_shared_experts", 1, minimum=0)          # transformers' Glm4MoeLiteConfig defaults
@@ -108,7 +107,6 @@ def llama4_layout(cfg: ConfigView) -> MoeLayout:
     if cfg.has("moe_layers"):
         moe = tuple(sorted(set(cfg.int_list("moe_layers"))))
         if moe and not 0 <= moe[0] <= moe[-1] < n_layers:
-            from ..errors import InvalidArgument
             raise InvalidArgument(cfg.field("moe_layers"), f"layer ids must be in [0, num_hidden_layers={n_layers})")
     else:
         step = cfg.int("interleave_moe_layer_step", 1, minimum=1)
@@ -117,7 +115,6 @@ def llama4_layout(cfg: ConfigView) -> MoeLayout:
 
 
 def _check_top_k(cfg: ConfigView, top_k: int, n_routed: int) -> None:
-    from ..errors import InvalidArgument
 
     if top_k > n_routed:
         raise InvalidArgument(cfg.field("num_experts_per_tok"),
