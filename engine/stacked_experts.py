@@ -46,7 +46,7 @@ class StackedExperts:
         self._as_held: set[str] = set()                          # stacked matrices not transposed for x @ W
         self._parts: dict[str, tuple[str, int, str]] = {}    # shown name -> (stacked name, expert, piece)
         self._names: list[str] = []
-        self._held: tuple[str | None, torch.Tensor | None] = (None, None)
+        self._last: tuple[str | None, torch.Tensor | None] = (None, None)   # the stacked tensor last read
         for name in ckpt.names():
             m = _STACKED.match(name)
             if m is None:
@@ -72,10 +72,7 @@ class StackedExperts:
     def _held_as_the_model_holds(self, name: str, kind: str, shape: tuple[int, ...]) -> bool:
         """Is this [E, a, b] matrix the model's orientation (True) or transposed for x @ W (False)?"""
         D, I = self._dims
-        width = 2 * I if kind == "gate_up_proj" else I
-        transposed, held = (D, width), (width, D)
-        if kind == "down_proj":
-            transposed, held = (I, D), (D, I)
+        transposed, held = ((D, 2 * I), (2 * I, D)) if kind == "gate_up_proj" else ((I, D), (D, I))
         if shape[1:] not in (transposed, held):
             raise ShapeMismatch(f"tensor {name!r} has shape {list(shape)}: expected [E, {transposed[0]}, "
                                 f"{transposed[1]}] (or as the model holds it, [E, {held[0]}, {held[1]}])")
@@ -106,9 +103,9 @@ class StackedExperts:
         if part is None:
             return self._ckpt.get(name)
         stacked, e, piece = part
-        if self._held[0] != stacked:
-            self._held = (stacked, self._ckpt.get(stacked))
-        t = self._held[1][e]                                      # [D, 2I], [2I], [I, D] or [D]
+        if self._last[0] != stacked:
+            self._last = (stacked, self._ckpt.get(stacked))
+        t = self._last[1][e]                                      # [D, 2I], [2I], [I, D] or [D]
         if stacked in self._as_held:
             t = t.t()
         if piece != "down":
