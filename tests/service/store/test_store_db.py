@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import threading
 
@@ -127,6 +128,17 @@ def test_migrate_up_down_up(empty_url, tmp_path, monkeypatch):
 
     migrate(empty_url)   # at head already: a no-op
     assert is_at_head(engine)
+
+
+def test_readiness_question_writes_nothing_to_the_log(empty_url, caplog):
+    """The server asks `is_at_head` every second: it must not log a line each time."""
+    migrate(empty_url)
+    engine = make_engine(empty_url)
+    caplog.set_level(logging.DEBUG)
+    assert is_at_head(engine)
+    assert current_revisions(engine) == head_revisions()
+    assert [r.getMessage() for r in caplog.records if not r.name.startswith("sqlalchemy")] == []
+    engine.dispose()
 
     downgrade(empty_url, "base")
     assert not is_at_head(engine)
