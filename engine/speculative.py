@@ -11,7 +11,9 @@ Each round, with `cur` the last accepted token (not yet fed to the target) at po
 Rolling back costs nothing. Both runners use static KV caches indexed by absolute position,
 and a query at position p attends only keys at positions <= p (layers/attention.py, mla.py):
 entries a rejected proposal left beyond the accepted length are never seen, and the next
-forward overwrites them (test_speculative.py proves both attention kinds mask them).
+forward overwrites them (test_speculative.py proves both attention kinds mask them). A
+linear-attention layer (layers/gated_delta_net.py) cannot undo a state, so its cache keeps the
+state after each position a round wrote and the next round continues from the accepted one's.
 
 The runners only need the model conventions (engine/models/__init__.py): `model(input_ids
 [1, T], input_pos [T]) -> logits [1, T, V]`, `setup_caches(batch, max_len, lookahead)`, `clear_caches`.

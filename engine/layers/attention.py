@@ -10,6 +10,9 @@ Mixtral: `sliding_window` W, a query at position i sees keys j with i - W < j <=
 gpt-oss: `sinks`, one learned logit per head that joins every query's softmax as an extra key
 with no value (its share of the probability is dropped: transformers' eager_attention_forward),
 and a window on every other layer (each layer is built with its own `sliding_window`).
+Qwen3-Next: `output_gate`, q_proj writes each head's query and then as many gate features (the head's
+rows [q, gate] next to each other), and the attention output is scaled by sigmoid(gate) before o_proj;
+its q/k norms are `norm=OffsetRMSNorm` (layers/norm.py).
 OLMoE: `qk_norm_span="projection"`: one RMSNorm over the whole q projection (all heads) and
 one over the whole k projection (`q_proj_norm`, `k_proj_norm`; under TP each rank holds its
 heads' part of the weight and the mean of squares is summed over the TP group), then q, k
@@ -38,7 +41,7 @@ class GQAttention(nn.Module):
                  o_bias: bool, qk_norm: bool, rms_norm_eps: float, rotary_dim: int | None = None,
                  dtype: torch.dtype | None = None, tp: TensorParallel | None = None,
                  sliding_window: int | None = None, qk_norm_span: str = "head", clip_qkv: float | None = None,
-                 sinks: bool = False):
+                 sinks: bool = False, output_gate: bool = False, norm: type[RMSNorm] = RMSNorm):
         super().__init__()
         if qk_norm_span not in ("head", "projection"):
             raise ValueError(f"qk_norm_span={qk_norm_span!r}: 'head' or 'projection'")
@@ -58,13 +61,15 @@ class GQAttention(nn.Module):
         n_heads, n_kv_heads = tp.split(n_heads, "num_attention_heads"), tp.split(n_kv_heads, "num_key_value_heads")
         self.n_heads, self.n_kv_heads, self.head_dim, self.rotary_dim = n_heads, n_kv_heads, head_dim, rotary_dim
         self.scale = head_dim ** -0.5
-        self.q_proj = nn.Linear(hidden_size, n_heads * head_dim, bias=qkv_bias, dtype=dtype)
+        self.output_gate = output_gate
+        q_width = n_heads * head_dim * (2 if output_gate else 1)   # a head's rows: its query, then its gate
+        self.q_proj = nn.Linear(hidden_size, q_width, bias=qkv_bias, dtype=dtype)
         self.k_proj = nn.Linear(hidden_size, n_kv_heads * head_dim, bias=qkv_bias, dtype=dtype)
         self.v_proj = nn.Linear(hidden_size, n_kv_heads * head_dim, bias=qkv_bias, dtype=dtype)
         self.o_proj = nn.Linear(n_heads * head_dim, hidden_size, bias=o_bias, dtype=dtype)
         per_head = qk_norm and qk_norm_span == "head"
-        self.q_norm = RMSNorm(head_dim, rms_norm_eps, dtype) if per_head else None
-        self.k_norm = RMSNorm(head_dim, rms_norm_eps, dtype) if per_head else None
+        self.q_norm = norm(head_dim, rms_norm_eps, dtype) if per_head else None
+        self.k_norm = norm(head_dim, rms_norm_eps, dtype) if per_head else None
         self.q_proj_norm = self.k_proj_norm = None
         if qk_norm and qk_norm_span == "projection":
             split = lambda full: dict(full_dim=full, reduce=tp.reduce) if tp.size > 1 else {}  # noqa: E731
@@ -94,6 +99,10 @@ class GQAttention(nn.Module):
         """x [B, T, D], cos/sin [T, rd], input_pos [T] (needed with a cache) -> [B, T, D]."""
         B, T, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)          # [B, T, H * hd], [B, T, H_kv * hd] x2
+        gate = None
+        if self.output_gate:                                               # [B, T, H, 2 * hd]: each head's q, gate
+            q, gate = q.view(B, T, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.reshape(B, T, -1), gate.reshape(B, T, -1)         # [B, T, H * hd] each
         if self.q_proj_norm is not None:
             q, k = self.q_proj_norm(q), self.k_proj_norm(k)
         if self.clip_qkv is not None:
@@ -127,6 +136,8 @@ class GQAttention(nn.Module):
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scale, enable_gqa=gqa)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)   # [B, T, H * hd]
+        if gate is not None:
+            y = y * torch.sigmoid(gate)
         return self.tp.output_projection(self.o_proj, y)                    # [B, T, D]: every rank's heads
 
     def _attend_with_sinks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -34,3 +34,27 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class OffsetRMSNorm(RMSNorm):
+    """RMSNorm whose weight is stored as an offset from 1 (Qwen3-Next's norms): the checkpoint's zeros are
+    the identity, and the scale (1 + weight) is applied in float32 before the cast back, as transformers'
+    Qwen3NextRMSNorm computes it."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, dtype: torch.dtype | None = None):
+        super().__init__(dim, eps, dtype)
+        with torch.no_grad():
+            self.weight.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(RMSNorm):
+    """RMSNorm of x, then times silu(gate) in float32 (the output norm of a gated-delta-net layer, applied per
+    value head: layers/gated_delta_net.py)."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return (super().forward(x) * torch.nn.functional.silu(gate.float())).to(x.dtype)

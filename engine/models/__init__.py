@@ -51,7 +51,9 @@ Running
   entering `plan.forward_running()`. On a stage that is not the first, pass
   `hidden_states=[B, T, D]` instead; a stage that is not the last returns hidden states.
 - `setup_caches(max_batch_size, max_seq_len, lookahead=0)` / `clear_caches()`: a static KV
-  cache (a sliding-window layer's a ring of window + lookahead slots, layers/kv_cache.py);
+  cache (a sliding-window layer's a ring of window + lookahead slots, layers/kv_cache.py; a
+  linear-attention layer's its recurrent states, the last lookahead + 2 of them,
+  layers/gated_delta_net.py), held by each layer's token mixer (`DecoderLayer.mixer`);
   with it, `input_pos` (absolute positions of the new tokens) is required.
 - `logits_and_hidden(input_ids, input_pos)` (causal_lm.CausalLM, last stage): the logits
   and the final hidden states, what a Multi-Token-Prediction draft drafts from. Such a

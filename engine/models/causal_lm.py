@@ -24,8 +24,12 @@ from . import ExpertWeightsView, PPMissingLayer
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); the mlp sees the tokens flattened [B*T, D].
-    `self_attn` has `setup_cache(batch, max_seq_len, dtype, device, lookahead)` and a `kv_cache` attribute."""
+    """Pre-norm block: x + mixer(norm(x)), then x + mlp(norm(x)); the mlp sees the tokens flattened [B*T, D].
+    The token mixer (`mixer`: attention, `self_attn`, unless a family says otherwise) has `setup_cache(batch,
+    max_seq_len, dtype, device, lookahead)` and a `kv_cache` attribute. `NORM`: the norms' class, the model's
+    final norm's too."""
+
+    NORM: type[RMSNorm] = RMSNorm
 
     def __init__(self, layer_id: int, self_attn: nn.Module, mlp: nn.Module, hidden_size: int,
                  rms_norm_eps: float, dtype: torch.dtype):
@@ -33,12 +37,17 @@ class DecoderLayer(nn.Module):
         self.layer_id = layer_id
         self.self_attn = self_attn
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(hidden_size, rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps, dtype)
+        self.input_layernorm = self.NORM(hidden_size, rms_norm_eps, dtype)
+        self.post_attention_layernorm = self.NORM(hidden_size, rms_norm_eps, dtype)
+
+    @property
+    def mixer(self) -> nn.Module:
+        """The module that mixes tokens and holds the layer's cache."""
+        return self.self_attn
 
     def forward(self, x, cos, sin, input_pos=None):
         """x [B, T, D] -> [B, T, D]"""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos)
+        x = x + self.mixer(self.input_layernorm(x), cos, sin, input_pos)
         B, T, D = x.shape
         h = self.post_attention_layernorm(x).reshape(B * T, D)
         return x + self.mlp(h).view(B, T, D)
@@ -55,7 +64,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype) if first else None
         self.layers = nn.ModuleList(decoder_layer(cfg, plan, i, dtype) if lo <= i < hi else PPMissingLayer(i)
                                     for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if last else None
+        self.norm = decoder_layer.NORM(cfg.hidden_size, cfg.rms_norm_eps, dtype) if last else None
 
 
 class CausalLM(nn.Module):
@@ -143,12 +152,12 @@ class CausalLM(nn.Module):
         device = next(self.parameters()).device
         lo, hi = self.layer_range
         for layer in self.model.layers[lo:hi]:
-            layer.self_attn.setup_cache(max_batch_size, max_seq_len, self.dtype, device, lookahead)
+            layer.mixer.setup_cache(max_batch_size, max_seq_len, self.dtype, device, lookahead)
 
     def clear_caches(self) -> None:
         lo, hi = self.layer_range
         for layer in self.model.layers[lo:hi]:
-            layer.self_attn.kv_cache = None
+            layer.mixer.kv_cache = None
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         w = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight

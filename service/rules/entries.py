@@ -73,6 +73,8 @@ FAMILIES: dict[str, Family] = {
         Family("llama4", layouts.llama4_layout, gates.llama4_gate, True),
         # GLM-4.7-Flash: GLM-4-MoE's MoE block and gate (DESIGN 5.2's GLM conditions) over DeepSeek's MLA
         Family("glm4_moe_lite", layouts.glm4_moe_lite_layout, gates.glm4_moe_gate, True),
+        # Qwen3-Next: linear-attention layers, but Qwen2-MoE's MoE block (a sigmoid-gated shared expert) and gate
+        Family("qwen3_next", lambda c: layouts.qwen_moe_layout(c, shared=True), gates.qwen2_moe_gate, True),
     )
 }
 
@@ -90,6 +92,7 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "MiniMaxM2ForCausalLM": Direct("minimax_m2"),
     "Llama4ForCausalLM": Direct("llama4"),
     "Glm4MoeLiteForCausalLM": Direct("glm4_moe_lite"),
+    "Qwen3NextForCausalLM": Direct("qwen3_next"),
     "Llama4ForConditionalGeneration": Wrapper("Llama4ForCausalLM", "text_config", _top_level_quantization),
     "Qwen3VLMoeForConditionalGeneration": Wrapper("Qwen3MoeForCausalLM", "text_config", _top_level_quantization),
     "KimiK25ForConditionalGeneration": Wrapper("DeepseekV3ForCausalLM", "text_config", _top_level_quantization),

@@ -441,6 +441,36 @@ def make_qwen3_vl_moe_checkpoint(path: Path, *, seed: int = 0) -> Path:
     return path
 
 
+# Qwen3-Next: 4 layers (linear, linear, linear, full attention), 8 experts of width 32, top-2, and a shared
+# expert of the same width (so the registry's fusion gate passes); 2 key heads serving 4 value heads.
+QWEN3_NEXT_TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                       linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=256,
+                       eos_token_id=None, pad_token_id=None, bos_token_id=None)
+
+
+def make_qwen3_next_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random Qwen3-Next of QWEN3_NEXT_TINY updated with `config` (transformers' Qwen3NextConfig kwargs):
+    experts one by one as the Hub keeps them; random A_log and dt_bias (decays of every size)."""
+    transformers = _transformers()
+    torch.manual_seed(seed)
+    model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**dict(QWEN3_NEXT_TINY, **config)))
+    randomize(model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(0.01, 4, generator=g).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif name.endswith("conv1d.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) / 2)
+    model.save_pretrained(path)
+    return path
+
+
 def make_mixtral_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     """Save a random Mixtral of MIXTRAL_TINY updated with `config` (transformers' MixtralConfig kwargs): the
     Hub's spelling, block_sparse_moe.experts.{e}.w1/w2/w3."""

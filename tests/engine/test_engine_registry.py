@@ -25,7 +25,7 @@ def test_unknown_entry_class_lists_the_supported_ones():
                                                r"KimiK25ForConditionalGeneration, Llama4ForCausalLM, "
                                                r"Llama4ForConditionalGeneration, "
                                                r"MiniMaxM2ForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, "
-                                               r"Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, "
+                                               r"Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, Qwen3NextForCausalLM, "
                                                r"Qwen3VLMoeForConditionalGeneration"):
         model_class("LlamaForCausalLM")
 

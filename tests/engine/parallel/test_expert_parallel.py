@@ -1,5 +1,5 @@
 """Expert parallelism on 2 gloo ranks: every backend of the registry's table gives the single-process
-logits and greedy tokens (Qwen3-MoE, Mixtral, OLMoE, gpt-oss, MiniMax-M2, Llama 4,
+logits and greedy tokens (Qwen3-MoE, Mixtral, OLMoE, gpt-oss, MiniMax-M2, Llama 4, Qwen3-Next,
 DeepSeek-V2/V3 and its NextN draft, GLM-4-MoE), fused and
 unfused where the plan allows; a forced post-experts all-reduce on the a2a path (the double-reduction
 bug of DESIGN 1) is visible in the logits.
@@ -16,7 +16,7 @@ from loadplan.plan import Keys
 from loadplan.service.rules.backends import BACKENDS
 
 from parallel_helpers import (DEEPSEEK, DEEPSEEK_V2, GLM4, GPT_OSS, LLAMA4, MINIMAX_M2, MIXTRAL, OLMOE, QWEN3,
-                              make_model, single_process)
+                              QWEN3_NEXT, make_model, single_process)
 
 EP = 2
 N_NEW = 4
@@ -165,6 +165,19 @@ def test_deepseek_v3_every_backend_fused_and_unfused_on_two_ranks_matches_one_pr
     by_rank = _check(results, ref_logits, ref_tokens, FUSED_UNDER_EP)
     for r in (0, 1):   # fused on the a2a path: the slot is computed once per token, an extra reduce doubles it
         c = by_rank[r][("deepep", "enforce")]
+        assert c["fused"] and (c["double_reduced"] - ref_logits).abs().max().item() > 1e-2
+
+
+def test_qwen3_next_every_backend_fused_and_unfused_on_two_ranks_matches_one_process(tmp_path):
+    """Linear-attention layers replicated on both EP ranks, experts split; its shared expert (Qwen2-MoE's gated
+    one) fused where a fused slot can live on every rank, as DeepSeek's."""
+    path = make_model(tmp_path, QWEN3_NEXT)
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(6))
+    ref_logits, ref_tokens = single_process(path, ids, N_NEW, disable_shared_experts_fusion=True)
+    results = launch(EP, _ep_ranks, path, ids, ("enforce", "disable"), "mori", timeout_s=240)
+    by_rank = _check(results, ref_logits, ref_tokens, FUSED_UNDER_EP)
+    for r in (0, 1):   # fused on the a2a path: an extra all-reduce after the combine doubles the experts' sum
+        c = by_rank[r][("mori", "enforce")]
         assert c["fused"] and (c["double_reduced"] - ref_logits).abs().max().item() > 1e-2
 
 

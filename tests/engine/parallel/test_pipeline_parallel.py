@@ -1,7 +1,8 @@
 """Pipeline parallelism on 2 gloo ranks (DESIGN 5.5): PP=2 gives PP=1's logits and greedy tokens for
-Qwen3-MoE and DeepSeek-V3; each stage holds only its layers (placeholders without mlp elsewhere), its
-EPLB descriptors hold only its MoE layers keyed by global id, and a rebalance on a stage moves only its
-own experts and leaves the logits unchanged (that it evens the load over EP ranks: test_worker.py).
+Qwen3-MoE, DeepSeek-V3 and Qwen3-Next (linear-attention layers on both stages); each stage holds only its
+layers (placeholders without mlp elsewhere), its EPLB descriptors hold only its MoE layers keyed by global id,
+and a rebalance on a stage moves only its own experts and leaves the logits unchanged (that it evens the load
+over EP ranks: test_worker.py).
 One launch for everything."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 from loadplan.engine.parallel.launch import launch
 from loadplan.plan import Keys
 
-from parallel_helpers import DEEPSEEK, QWEN3, make_model, single_process
+from parallel_helpers import DEEPSEEK, QWEN3, QWEN3_NEXT, make_model, single_process
 
 PP = 2
 N_NEW = 4
@@ -60,7 +61,8 @@ def _stages(rank, world_size, paths, ids):
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
     return {QWEN3: make_model(tmp_path_factory.mktemp("q3"), QWEN3),
-            DEEPSEEK: make_model(tmp_path_factory.mktemp("ds"), DEEPSEEK)}
+            DEEPSEEK: make_model(tmp_path_factory.mktemp("ds"), DEEPSEEK),
+            QWEN3_NEXT: make_model(tmp_path_factory.mktemp("q3n"), QWEN3_NEXT)}
 
 
 def test_two_stages_give_one_stage_logits_and_tokens_and_keep_eplb_to_their_own_layers(paths):
@@ -68,17 +70,20 @@ def test_two_stages_give_one_stage_logits_and_tokens_and_keep_eplb_to_their_own_
     refs = {arch: single_process(path, ids, N_NEW) for arch, path in paths.items()}
     results = launch(PP, _stages, paths, ids, timeout_s=180)
     assert results[0]["timeout_s"] == results[1]["timeout_s"] == 180
-    moe_layers = {QWEN3: [0, 1, 2], DEEPSEEK: [1, 2]}      # DeepSeek's layer 0 is dense (first_k_dense_replace)
+    moe_layers = {QWEN3: [0, 1, 2], DEEPSEEK: [1, 2],      # DeepSeek's layer 0 is dense (first_k_dense_replace)
+                  QWEN3_NEXT: [0, 1, 2, 3]}
     for arch, (ref_logits, ref_tokens) in refs.items():
         s0, s1 = results[0][arch], results[1][arch]
-        assert s0["layer_range"] == (0, 2) and s1["layer_range"] == (2, 3)
+        n_layers = moe_layers[arch][-1] + 1
+        assert s0["layer_range"] == (0, 2) and s1["layer_range"] == (2, n_layers)
         for s in (s0, s1):
             assert (s["logits"] - ref_logits).abs().max().item() <= 1e-4
             assert s["tokens"] == ref_tokens
             lo, hi = s["layer_range"]
             own = [i for i in moe_layers[arch] if lo <= i < hi]
             assert s["descriptor"] == s["eplb_layers"] == s["moe_layer_ids"] == s["rebalanced_layers"] == own
-            assert s["placeholders"] == [i for i in range(3) if not lo <= i < hi] and not s["placeholder_has_mlp"]
+            assert s["placeholders"] == [i for i in range(n_layers) if not lo <= i < hi]
+            assert not s["placeholder_has_mlp"]
             # The replicas are copies: routing to any of them leaves the logits as they were.
             assert (s["logits_after_rebalance"] - s["logits"]).abs().max().item() <= 1e-5
             assert all(s["after"][i] <= s["before"][i] + 1e-9 for i in own)   # (one EP rank: trivially even)

@@ -18,7 +18,7 @@ from loadplan.service.rules.backends import BACKENDS
 
 from engine_helpers import LocalRegistry, make_checkpoint
 from parallel_helpers import (DEEPSEEK, DEEPSEEK_V2, GLM4, GPT_OSS, LLAMA4, MINIMAX_M2, MIXTRAL, OLMOE, QWEN2,
-                              QWEN3, make_model, single_process)
+                              QWEN3, QWEN3_NEXT, make_model, single_process)
 
 N_NEW = 4
 TOL = 1e-4
@@ -29,12 +29,13 @@ CASES = [("qwen3", QWEN3, None), ("qwen2", QWEN2, "enforce"), ("qwen2", QWEN2, "
          ("glm4", GLM4, "enforce"), ("glm4", GLM4, "disable"), ("deepseek", DEEPSEEK, "enforce"),
          ("deepseek", DEEPSEEK, "disable"), ("deepseek_v2", DEEPSEEK_V2, None), ("mixtral", MIXTRAL, None),
          ("olmoe", OLMOE, None), ("gpt_oss", GPT_OSS, None), ("minimax_m2", MINIMAX_M2, None),
-         ("llama4", LLAMA4, None)]
+         ("llama4", LLAMA4, None), ("qwen3_next", QWEN3_NEXT, None)]
 
 
 def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
     from loadplan.engine.generate import generate
     from loadplan.engine.layers.attention import GQAttention
+    from loadplan.engine.layers.gated_delta_net import GatedDeltaNet
     from loadplan.engine.layers.mla import MultiHeadLatentAttention
     from loadplan.engine.layers.mlp import GatedMLP
     from loadplan.engine.moe import RoutedExperts
@@ -68,6 +69,8 @@ def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
             sinks={m.sinks.shape[0] for m in mods if isinstance(m, GQAttention) and m.sinks is not None},
             expert_biases={(m.gate_up_bias.shape[1], m.down_bias.shape[1]) for m in mods
                            if isinstance(m, RoutedExperts) and m.gate_up_bias is not None},
+            linear={(m.n_k, m.n_v, m.in_proj_qkvz.weight.shape[0], m.conv1d.weight.shape[0], m.A_log.shape[0],
+                     m.out_proj.weight.shape[1]) for m in mods if isinstance(m, GatedDeltaNet)},
             logits=logits, tokens=generate(model, ids[0], N_NEW)[0].tolist()))
     return out
 
@@ -86,6 +89,7 @@ def paths(tmp_path_factory):
         "gpt_oss": make_model(tmp_path_factory.mktemp("gpt_oss"), GPT_OSS),
         "minimax_m2": make_model(tmp_path_factory.mktemp("minimax_m2"), MINIMAX_M2),
         "llama4": make_model(tmp_path_factory.mktemp("llama4"), LLAMA4),
+        "qwen3_next": make_model(tmp_path_factory.mktemp("qwen3_next"), QWEN3_NEXT),
     }
 
 
@@ -131,6 +135,11 @@ def test_two_tp_ranks_give_the_single_process_logits_and_tokens(paths, ids, refe
     # Llama 4: its dense layers' 48 features split (24), its unfused shared expert (32) whole on each rank
     assert by_name["llama4"]["heads"] == {(2, 1, 32)} and by_name["llama4"]["expert_inter"] == {16}
     assert by_name["llama4"]["dense_inter"] == {24, 32}
+    # Qwen3-Next: gated attention, each head's query and gate rows together (2 heads of 16: 2 * 2 * 16 rows); its
+    # linear layers 1 of 2 key heads and its 2 value heads: q, k, v, z rows 8 + 8 + 2 * 8 + 2 * 8, conv channels
+    # 8 + 8 + 16 (the checkpoint's regrouped by rank), decays and out_proj columns by value head.
+    assert by_name["qwen3_next"]["heads"] == {(2, 1, 64)} and by_name["qwen3_next"]["expert_inter"] == {16}
+    assert by_name["qwen3_next"]["linear"] == {(1, 2, 48, 32, 2, 16)} and by_name["qwen3_next"]["fused"]
     # MLA: half the heads and their kv_b_proj rows; the latent projection stays whole.
     (heads, kv_b_rows, kv_a_rows), = by_name["deepseek"]["mla_heads"]
     assert (heads, kv_b_rows, kv_a_rows) == (1, 1 * (8 + 12), 16 + 8)     # of 2 heads; nope 8 + v 12; lora 16 + rope 8

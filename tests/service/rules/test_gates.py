@@ -492,3 +492,27 @@ def test_the_qwen3_vl_moe_wrapper_plans_its_text_model():
     assert_off(res.decisions[Keys.SHARED_EXPERTS_FUSION], "qwen3_moe.no_shared_experts", "no shared experts")
     assert res.decisions[Keys.NUM_LOCAL_EXPERTS].value == 16
     assert res.decisions[Keys.PP_LAYER_RANGE].value == [0, 48]
+
+
+# --- Qwen3-Next: linear-attention layers, Qwen2-MoE's MoE block and gate ---------------------
+
+def qwen3_next(**over):
+    """The published Qwen3-Next-80B-A3B sizes that the rules read: 512 experts, top-10, a shared expert as wide as
+    an expert (512), every layer sparse."""
+    cfg = {"architectures": ["Qwen3NextForCausalLM"], "num_hidden_layers": 48, "num_experts": 512,
+           "num_experts_per_tok": 10, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+           "decoder_sparse_step": 1, "mlp_only_layers": [], "full_attention_interval": 4}
+    cfg.update(over)
+    return cfg
+
+
+def test_qwen3_next_is_asked_the_qwen2_moe_gate():
+    res = resolve(qwen3_next(), ep_size=8, ep_rank=1)
+    assert res.family == "qwen3_next"
+    assert_fused(res.decisions[Keys.SHARED_EXPERTS_FUSION], "qwen3_next")
+    assert res.decisions[Keys.NUM_FUSED_SHARED_EXPERTS].value == 1
+    assert res.decisions[Keys.NUM_LOCAL_EXPERTS].value == 64
+    assert res.decisions[Keys.PP_LAYER_RANGE].value == [0, 48]
+    assert_off(fusion(qwen3_next(), a2a_backend="deepep", ep_size=2), "qwen2_moe.deepep_class", "DeepEP-class")
+    assert_off(fusion(qwen3_next(shared_expert_intermediate_size=1024)), "qwen2_moe.structural.intermediate_size",
+               "shared_expert_intermediate_size=1024 != moe_intermediate_size=512")

@@ -1,0 +1,203 @@
+"""Qwen3-Next (`Qwen3NextForCausalLM`), numerically following transformers' modeling_qwen3_next.py.
+
+Shapes: B batch, T tokens, D hidden. A hybrid: most layers mix tokens with Gated DeltaNet linear
+attention (layers/gated_delta_net.py: a recurrent state instead of a KV cache), every
+`full_attention_interval`-th with gated attention: q_proj writes each head's query and an output gate,
+the attention output is scaled by sigmoid(gate), q and k have per-head norms, and only
+`partial_rotary_factor` (0.25) of each head is rotated. Every norm stores its weight as an offset
+from 1 (`OffsetRMSNorm`) but the linear attention's gated output norm. The MoE block is Qwen2-MoE's
+(models/qwen_moe.py): softmax top-k routing and one shared expert scaled by sigmoid(shared_expert_gate(x)),
+fused as routed slot E when the plan says so. The checkpoint's Multi-Token-Prediction module (`mtp.*`)
+is not part of the model: skipped by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..layers.attention import GQAttention
+from ..layers.gated_delta_net import GatedDeltaNet
+from ..layers.mlp import GatedMLP, activation
+from ..layers.norm import OffsetRMSNorm
+from ..layers.rope import RopeConfig, rope_config_from_hf
+from ..parallel.tensor import TensorParallel
+from .causal_lm import DeclaredCausalLM, DecoderLayer
+from .config import ConfigError, get_field as _get, per_layer, top_k
+from .qwen_moe import QwenSparseMoeBlock
+
+# transformers' Qwen3NextConfig defaults for fields a config.json may leave out.
+DEFAULT_PARTIAL_ROTARY_FACTOR = 0.25
+DEFAULT_FULL_ATTENTION_INTERVAL = 4
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+@dataclass(frozen=True)
+class Qwen3NextConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int              # the dense MLP of mlp_only / non-sparse layers
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rotary_dim: int                     # head_dim * partial_rotary_factor
+    attention_bias: bool
+    rms_norm_eps: float
+    hidden_act: str
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope: RopeConfig
+    layer_types: tuple[str, ...]
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    norm_topk_prob: bool
+    moe_layers: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "Qwen3NextConfig":
+        n_layers = _get(d, "num_hidden_layers", kind=int)
+        hidden = _get(d, "hidden_size", kind=int)
+        heads = _get(d, "num_attention_heads", kind=int)
+        head_dim = _get(d, "head_dim", hidden // heads, int)
+        act = _get(d, "hidden_act", "silu", str)
+        if act != "silu":   # the linear attention's conv runs the config's activation; only SiLU is tested
+            raise ConfigError(f"config.hidden_act: {act!r} not supported; Qwen3-Next runs 'silu'")
+        activation(act)
+        rope = rope_config_from_hf(d, partial_rotary_factor=DEFAULT_PARTIAL_ROTARY_FACTOR)
+        rotary_dim = int(head_dim * rope.partial_rotary_factor)
+        if not (0 < rotary_dim <= head_dim and rotary_dim % 2 == 0):
+            raise ConfigError(f"config.partial_rotary_factor: {rope.partial_rotary_factor} of head_dim={head_dim} "
+                              f"gives {rotary_dim} rotated features; needs an even number in (0, head_dim]")
+        interval = _get(d, "full_attention_interval", DEFAULT_FULL_ATTENTION_INTERVAL, int)
+        if interval < 1:
+            raise ConfigError(f"config.full_attention_interval: must be >= 1, got {interval}")
+        layer_types = per_layer(d, "layer_types", n_layers, LAYER_TYPES,
+                                [LAYER_TYPES[(i + 1) % interval == 0] for i in range(n_layers)])
+        k_heads = _get(d, "linear_num_key_heads", kind=int)
+        v_heads = _get(d, "linear_num_value_heads", kind=int)
+        if k_heads < 1 or v_heads % k_heads:
+            raise ConfigError(f"config.linear_num_value_heads: {v_heads} must be a multiple of "
+                              f"linear_num_key_heads={k_heads}")
+        kernel = _get(d, "linear_conv_kernel_dim", kind=int)
+        if kernel < 1:
+            raise ConfigError(f"config.linear_conv_kernel_dim: must be >= 1, got {kernel}")
+        n_experts = _get(d, "num_experts", kind=int)
+        step = _get(d, "decoder_sparse_step", 1, int)
+        if step < 1:
+            raise ConfigError(f"config.decoder_sparse_step: must be >= 1, got {step}")
+        mlp_only = tuple(_get(d, "mlp_only_layers", [], list))
+        shared = _get(d, "shared_expert_intermediate_size", kind=int)
+        if shared < 1:
+            raise ConfigError(f"config.shared_expert_intermediate_size: must be >= 1, got {shared} (Qwen3-Next's "
+                              f"MoE block always has a shared expert)")
+        return cls(
+            vocab_size=_get(d, "vocab_size", kind=int),
+            hidden_size=hidden,
+            intermediate_size=_get(d, "intermediate_size", kind=int),
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=_get(d, "num_key_value_heads", heads, int),
+            head_dim=head_dim,
+            rotary_dim=rotary_dim,
+            attention_bias=bool(_get(d, "attention_bias", False, bool)),
+            rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6)),
+            hidden_act=act,
+            max_position_embeddings=_get(d, "max_position_embeddings", 32768, int),
+            tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
+            rope=rope,
+            layer_types=tuple(layer_types),
+            linear_num_key_heads=k_heads,
+            linear_num_value_heads=v_heads,
+            linear_key_head_dim=_get(d, "linear_key_head_dim", kind=int),
+            linear_value_head_dim=_get(d, "linear_value_head_dim", kind=int),
+            linear_conv_kernel_dim=kernel,
+            num_experts=n_experts,
+            num_experts_per_tok=top_k(d, n_experts, "num_experts"),
+            moe_intermediate_size=_get(d, "moe_intermediate_size", kind=int),
+            shared_expert_intermediate_size=shared,
+            norm_topk_prob=bool(_get(d, "norm_topk_prob", True, bool)),
+            moe_layers=tuple(i for i in range(n_layers) if i not in mlp_only and (i + 1) % step == 0),
+        )
+
+
+class Qwen3NextDecoderLayer(DecoderLayer):
+    NORM = OffsetRMSNorm
+
+    def __init__(self, cfg: Qwen3NextConfig, plan, layer_id: int, dtype: torch.dtype):
+        tp = TensorParallel.of(plan)
+        self.linear = cfg.layer_types[layer_id] == "linear_attention"
+        if self.linear:
+            mixer = GatedDeltaNet(cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+                                  cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim,
+                                  cfg.rms_norm_eps, dtype, tp=tp)
+        else:
+            mixer = GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm=True,
+                                rms_norm_eps=cfg.rms_norm_eps, rotary_dim=cfg.rotary_dim, dtype=dtype, tp=tp,
+                                output_gate=True, norm=OffsetRMSNorm)
+        if layer_id in cfg.moe_layers:
+            mlp = QwenSparseMoeBlock(cfg, plan, layer_id, dtype)
+        else:
+            mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype, tp=tp)
+        super().__init__(layer_id, mixer, mlp, cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if self.linear:   # the checkpoint's name for it
+            self.linear_attn = self.self_attn
+            del self.self_attn
+
+    @property
+    def mixer(self):
+        return self.linear_attn if self.linear else self.self_attn
+
+
+class ConvChannelsByRank:
+    """A checkpoint seen with each linear-attention conv weight's channels, [q of every key head | k | v],
+    regrouped rank by rank, [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] (q_r: rank r's key heads' part), so that the TP
+    split of weights.TP_SPLITS, one contiguous block per rank, gives each rank its own heads' channels."""
+
+    def __init__(self, ckpt, tp_size: int, key_channels: int, value_channels: int):
+        self._ckpt, self._tp = ckpt, tp_size
+        self._split = [key_channels, key_channels, value_channels]
+
+    def names(self):
+        return self._ckpt.names()
+
+    def shape(self, name: str):
+        return self._ckpt.shape(name)
+
+    def get(self, name: str) -> torch.Tensor:
+        t = self._ckpt.get(name)
+        if not name.endswith("linear_attn.conv1d.weight") or t.shape[0] != sum(self._split):
+            return t          # a wrong shape is refused by the loader's shape check, named
+        parts = [p.chunk(self._tp) for p in t.split(self._split)]     # q, k, v: each in tp_size blocks
+        return torch.cat([torch.cat([q, k, v]) for q, k, v in zip(*parts)])
+
+
+class Qwen3NextForCausalLM(DeclaredCausalLM):
+    CONFIG = Qwen3NextConfig
+    DECODER_LAYER = Qwen3NextDecoderLayer
+    TENSOR_PARALLEL = True
+
+    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
+        super().__init__(hf_config, plan, dtype=dtype)
+        # The rotary tables cover the rotated share of a head only (the layers rotate rotary_dim features).
+        assert self.rotary.rotary_dim == self.config.rotary_dim, (self.rotary.rotary_dim, self.config.rotary_dim)
+
+    def ignore_prefixes(self, prefix: str) -> tuple[str, ...]:
+        return (*super().ignore_prefixes(prefix), f"{prefix}mtp.")
+
+    def checkpoint_view(self, ckpt):
+        tp = self.plan.request.parallel.tp_size
+        if tp == 1:
+            return ckpt
+        cfg = self.config
+        return ConvChannelsByRank(ckpt, tp, cfg.linear_num_key_heads * cfg.linear_key_head_dim,
+                                  cfg.linear_num_value_heads * cfg.linear_value_head_dim)
