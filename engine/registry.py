@@ -38,6 +38,8 @@ ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "Glm4MoeLiteForCausalLM": ("loadplan.engine.models.glm4_moe_lite", "Glm4MoeLiteForCausalLM"),
     "Qwen3VLMoeForConditionalGeneration": ("loadplan.engine.models.qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration"),
     "Qwen3NextForCausalLM": ("loadplan.engine.models.qwen3_next", "Qwen3NextForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("loadplan.engine.models.qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
+    "Qwen3_5MoeForConditionalGeneration": ("loadplan.engine.models.qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration"),
     "Llama4ForConditionalGeneration": ("loadplan.engine.models.llama4", "Llama4ForConditionalGeneration"),
 }
 
@@ -53,6 +55,7 @@ ENGINE_WRAPPERS: dict[str, EngineWrapper] = {
     "KimiK25ForConditionalGeneration": EngineWrapper("DeepseekV3ForCausalLM", "text_config"),
     "Llama4ForConditionalGeneration": EngineWrapper("Llama4ForCausalLM", "text_config"),
     "Qwen3VLMoeForConditionalGeneration": EngineWrapper("Qwen3MoeForCausalLM", "text_config"),
+    "Qwen3_5MoeForConditionalGeneration": EngineWrapper("Qwen3_5MoeForCausalLM", "text_config"),
 }
 
 

@@ -185,8 +185,9 @@ TP_SPLITS: list[tuple[re.Pattern, int]] = [
     (re.compile(r"\.self_attn\.[qk]_proj_norm\.weight$"), 0),     # OLMoE: a norm over the whole projection
     (re.compile(r"\.self_attn\.sinks$"), 0),                     # gpt-oss: one sink logit per head
     # Gated DeltaNet (layers/gated_delta_net.py): by key head (each one's rows of q, k, v, z and b, a are
-    # contiguous), the conv's channels as models/qwen3_next.py's checkpoint view regroups them, by value head.
-    (re.compile(r"\.linear_attn\.(in_proj_qkvz|in_proj_ba|conv1d)\.weight$"), 0),
+    # contiguous), the conv's channels and in_proj_qkv's rows as models/qwen3_next.py's checkpoint view
+    # regroups them, by value head.
+    (re.compile(r"\.linear_attn\.(in_proj_qkvz|in_proj_ba|in_proj_qkv|in_proj_[zba]|conv1d)\.weight$"), 0),
     (re.compile(r"\.linear_attn\.(A_log|dt_bias)$"), 0),
     (re.compile(r"\.linear_attn\.out_proj\.weight$"), 1),
     (re.compile(r"\.mlp\.(gate|up)_proj\.weight$"), 0),

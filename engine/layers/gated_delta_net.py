@@ -9,18 +9,20 @@ Per token t, after a depthwise causal conv (kernel K, SiLU) over the concatenate
     S = exp(g) S                                     decay
     S = S + k (beta (v - S^T k))^T                   the delta rule: write only what S does not predict
     o = S^T q
-then a gated RMSNorm per value head (norm(o) * silu(z)) and out_proj. The projections are laid out
-per key head: in_proj_qkvz's rows [q (dk), k (dk), v (r dv), z (r dv)] for each key head, in_proj_ba's
-[b (r), a (r)] for each key head, as transformers' Qwen3NextGatedDeltaNet reads them; the conv's
-channels are [q of every head, k of every head, v of every head].
+then a gated RMSNorm per value head (norm(o) * silu(z)) and out_proj. The conv's channels are
+[q of every head, k of every head, v of every head]. The input projections come two ways
+(`projections`): "grouped" (Qwen3-Next), laid out per key head, in_proj_qkvz's rows [q (dk), k (dk),
+v (r dv), z (r dv)] for each key head and in_proj_ba's [b (r), a (r)]; "separate" (Qwen3.5),
+in_proj_qkv's rows in the conv's channel order, and in_proj_z, in_proj_b, in_proj_a by value head.
 
 Long inputs (a prefill) run chunked: within a chunk the delta rule's updates are one triangular solve
 (the UT transform), across chunks one state carry, so the Python loop is per chunk, not per token.
 
 Under tensor parallelism a rank holds Hk / tp_size key heads and their value heads: in_proj_qkvz and
-in_proj_ba split by output rows (each key head's block is contiguous), the conv's channels take the
-rank's part of each of q, k and v (the checkpoint's channels are reordered for that by the model's
-checkpoint view), A_log and dt_bias by value head, out_proj by input columns, all-reduced.
+in_proj_ba split by output rows (each key head's block is contiguous), the conv's channels and
+in_proj_qkv's rows take the rank's part of each of q, k and v (the model's checkpoint view regroups
+them rank by rank), in_proj_z/b/a, A_log and dt_bias by value head, out_proj by input columns,
+all-reduced.
 
 `LinearStateCache` (`setup_cache`) keeps what the next forward needs: the conv's last K - 1 inputs and
 the state S. A speculative round writes past the tokens it keeps and then rolls back, which a state
@@ -40,6 +42,7 @@ from ..parallel.tensor import TensorParallel
 from .norm import GatedRMSNorm
 
 CHUNK = 64   # positions per chunk of the chunked form
+PROJECTIONS = ("grouped", "separate")
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -157,8 +160,10 @@ class LinearStateCache(nn.Module):
 class GatedDeltaNet(nn.Module):
     def __init__(self, hidden_size: int, n_k_heads: int, n_v_heads: int, k_head_dim: int, v_head_dim: int,
                  conv_kernel: int, rms_norm_eps: float, dtype: torch.dtype | None = None,
-                 tp: TensorParallel | None = None):
+                 tp: TensorParallel | None = None, projections: str = "grouped"):
         super().__init__()
+        if projections not in PROJECTIONS:
+            raise ValueError(f"projections={projections!r}: one of {', '.join(PROJECTIONS)}")
         if n_v_heads % n_k_heads:
             raise ValueError(f"linear_num_value_heads={n_v_heads} is not a multiple of "
                              f"linear_num_key_heads={n_k_heads}")
@@ -168,9 +173,16 @@ class GatedDeltaNet(nn.Module):
         self.n_v = self.n_k * self.r
         self.dk, self.dv, self.kernel = k_head_dim, v_head_dim, conv_kernel
         Hk, Hv, dk, dv = self.n_k, self.n_v, k_head_dim, v_head_dim
-        self.in_proj_qkvz = nn.Linear(hidden_size, Hk * (2 * dk + 2 * self.r * dv), bias=False, dtype=dtype)
-        self.in_proj_ba = nn.Linear(hidden_size, Hk * 2 * self.r, bias=False, dtype=dtype)
         self.channels = 2 * Hk * dk + Hv * dv
+        self.grouped = projections == "grouped"
+        if self.grouped:
+            self.in_proj_qkvz = nn.Linear(hidden_size, Hk * (2 * dk + 2 * self.r * dv), bias=False, dtype=dtype)
+            self.in_proj_ba = nn.Linear(hidden_size, Hk * 2 * self.r, bias=False, dtype=dtype)
+        else:
+            self.in_proj_qkv = nn.Linear(hidden_size, self.channels, bias=False, dtype=dtype)
+            self.in_proj_z = nn.Linear(hidden_size, Hv * dv, bias=False, dtype=dtype)
+            self.in_proj_b = nn.Linear(hidden_size, Hv, bias=False, dtype=dtype)
+            self.in_proj_a = nn.Linear(hidden_size, Hv, bias=False, dtype=dtype)
         self.conv1d = nn.Conv1d(self.channels, self.channels, conv_kernel, groups=self.channels, bias=False,
                                 dtype=dtype)                                    # weight [C, 1, K]
         self.dt_bias = nn.Parameter(torch.ones(Hv, dtype=dtype), requires_grad=False)
@@ -190,11 +202,7 @@ class GatedDeltaNet(nn.Module):
         """x [B, T, D] -> [B, T, D] (cos, sin: unused, no rotary here; input_pos [T] needed with a cache)."""
         B, T, _ = x.shape
         Hk, Hv, dk, dv, r = self.n_k, self.n_v, self.dk, self.dv, self.r
-        qkvz = self.in_proj_qkvz(x).view(B, T, Hk, 2 * dk + 2 * r * dv)
-        q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
-        b, a = self.in_proj_ba(x).view(B, T, Hk, 2 * r).split([r, r], dim=-1)
-        mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)   # [B, T, C]
-        mixed = mixed.transpose(1, 2)                                          # [B, C, T]
+        mixed, z, b, a = self._project(x)                                     # [B, C, T], [B, T, Hv, dv], [B, T, Hv]
 
         start = 0
         cache = self.kv_cache
@@ -216,8 +224,8 @@ class GatedDeltaNet(nn.Module):
         q = l2norm(q.reshape(B, T, Hk, dk).float()).repeat_interleave(r, dim=2) * dk ** -0.5   # [B, T, Hv, dk]
         k = l2norm(k.reshape(B, T, Hk, dk).float()).repeat_interleave(r, dim=2)
         v = v.reshape(B, T, Hv, dv).float()
-        beta = torch.sigmoid(b.reshape(B, T, Hv).float())
-        g = -self.A_log.float().exp() * F.softplus(a.reshape(B, T, Hv).float() + self.dt_bias.float())
+        beta = torch.sigmoid(b.float())
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         q, k, v, beta, g = (t.transpose(1, 2) for t in (q, k, v, beta, g))    # heads first: [B, Hv, T, ...]
         state = state.float()
         if cache is not None and T <= cache.snapshots:       # short (decode, verification): a state per position
@@ -229,5 +237,17 @@ class GatedDeltaNet(nn.Module):
             cache.write(start, mixed, states)
 
         o = o.transpose(1, 2).to(x.dtype)                                     # [B, T, Hv, dv]
-        y = self.norm(o, z.reshape(B, T, Hv, dv)).reshape(B, T, Hv * dv)
+        y = self.norm(o, z).reshape(B, T, Hv * dv)
         return self.tp.output_projection(self.out_proj, y)
+
+    def _project(self, x: torch.Tensor):
+        """x [B, T, D] -> (the conv's input [B, C, T], z [B, T, Hv, dv], b and a [B, T, Hv])."""
+        B, T, _ = x.shape
+        Hk, Hv, dk, dv, r = self.n_k, self.n_v, self.dk, self.dv, self.r
+        if not self.grouped:
+            return (self.in_proj_qkv(x).transpose(1, 2), self.in_proj_z(x).view(B, T, Hv, dv), self.in_proj_b(x),
+                    self.in_proj_a(x))
+        q, k, v, z = self.in_proj_qkvz(x).view(B, T, Hk, 2 * dk + 2 * r * dv).split([dk, dk, r * dv, r * dv], dim=-1)
+        b, a = self.in_proj_ba(x).view(B, T, Hk, 2 * r).split([r, r], dim=-1)
+        mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)   # [B, T, C]
+        return mixed.transpose(1, 2), z.reshape(B, T, Hv, dv), b.reshape(B, T, Hv), a.reshape(B, T, Hv)

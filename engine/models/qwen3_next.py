@@ -61,6 +61,7 @@ class Qwen3NextConfig:
     shared_expert_intermediate_size: int
     norm_topk_prob: bool
     moe_layers: tuple[int, ...]
+    linear_projections: str = "grouped"   # the linear layers' input projections (layers/gated_delta_net.py)
 
     @classmethod
     def from_hf(cls, d: dict) -> "Qwen3NextConfig":
@@ -138,7 +139,7 @@ class Qwen3NextDecoderLayer(DecoderLayer):
         if self.linear:
             mixer = GatedDeltaNet(cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
                                   cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim,
-                                  cfg.rms_norm_eps, dtype, tp=tp)
+                                  cfg.rms_norm_eps, dtype, tp=tp, projections=cfg.linear_projections)
         else:
             mixer = GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                                 qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm=True,
@@ -158,10 +159,13 @@ class Qwen3NextDecoderLayer(DecoderLayer):
         return self.linear_attn if self.linear else self.self_attn
 
 
-class ConvChannelsByRank:
-    """A checkpoint seen with each linear-attention conv weight's channels, [q of every key head | k | v],
-    regrouped rank by rank, [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] (q_r: rank r's key heads' part), so that the TP
-    split of weights.TP_SPLITS, one contiguous block per rank, gives each rank its own heads' channels."""
+class ChannelsByRank:
+    """A checkpoint seen with the linear-attention tensors whose rows are the conv's channels, [q of every key
+    head | k | v] (the conv's weight, Qwen3.5's in_proj_qkv), regrouped rank by rank, [q_0 k_0 v_0 | q_1 k_1 v_1 |
+    ...] (q_r: rank r's key heads' part), so that the TP split of weights.TP_SPLITS, one contiguous block per
+    rank, gives each rank its own heads' channels."""
+
+    SUFFIXES = ("linear_attn.conv1d.weight", "linear_attn.in_proj_qkv.weight")
 
     def __init__(self, ckpt, tp_size: int, key_channels: int, value_channels: int):
         self._ckpt, self._tp = ckpt, tp_size
@@ -175,7 +179,7 @@ class ConvChannelsByRank:
 
     def get(self, name: str) -> torch.Tensor:
         t = self._ckpt.get(name)
-        if not name.endswith("linear_attn.conv1d.weight") or t.shape[0] != sum(self._split):
+        if not name.endswith(self.SUFFIXES) or t.shape[0] != sum(self._split):
             return t          # a wrong shape is refused by the loader's shape check, named
         parts = [p.chunk(self._tp) for p in t.split(self._split)]     # q, k, v: each in tp_size blocks
         return torch.cat([torch.cat([q, k, v]) for q, k, v in zip(*parts)])
@@ -199,5 +203,5 @@ class Qwen3NextForCausalLM(DeclaredCausalLM):
         if tp == 1:
             return ckpt
         cfg = self.config
-        return ConvChannelsByRank(ckpt, tp, cfg.linear_num_key_heads * cfg.linear_key_head_dim,
+        return ChannelsByRank(ckpt, tp, cfg.linear_num_key_heads * cfg.linear_key_head_dim,
                                   cfg.linear_num_value_heads * cfg.linear_value_head_dim)

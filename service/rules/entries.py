@@ -75,6 +75,7 @@ FAMILIES: dict[str, Family] = {
         Family("glm4_moe_lite", layouts.glm4_moe_lite_layout, gates.glm4_moe_gate, True),
         # Qwen3-Next: linear-attention layers, but Qwen2-MoE's MoE block (a sigmoid-gated shared expert) and gate
         Family("qwen3_next", lambda c: layouts.qwen_moe_layout(c, shared=True), gates.qwen2_moe_gate, True),
+        Family("qwen3_5_moe", lambda c: layouts.qwen_moe_layout(c, shared=True), gates.qwen2_moe_gate, True),
     )
 }
 
@@ -93,9 +94,11 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "Llama4ForCausalLM": Direct("llama4"),
     "Glm4MoeLiteForCausalLM": Direct("glm4_moe_lite"),
     "Qwen3NextForCausalLM": Direct("qwen3_next"),
+    "Qwen3_5MoeForCausalLM": Direct("qwen3_5_moe"),
     "Llama4ForConditionalGeneration": Wrapper("Llama4ForCausalLM", "text_config", _top_level_quantization),
     "Qwen3VLMoeForConditionalGeneration": Wrapper("Qwen3MoeForCausalLM", "text_config", _top_level_quantization),
     "KimiK25ForConditionalGeneration": Wrapper("DeepseekV3ForCausalLM", "text_config", _top_level_quantization),
+    "Qwen3_5MoeForConditionalGeneration": Wrapper("Qwen3_5MoeForCausalLM", "text_config", _top_level_quantization),
 }
 
 

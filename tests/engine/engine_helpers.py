@@ -457,6 +457,36 @@ def make_qwen3_next_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     transformers = _transformers()
     torch.manual_seed(seed)
     model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**dict(QWEN3_NEXT_TINY, **config)))
+    _randomize_linear_attention(model, seed)
+    model.save_pretrained(path)
+    return path
+
+
+# Qwen3.5-MoE's text model: QWEN3_NEXT_TINY's sizes (every layer MoE: no dense width).
+QWEN3_5_MOE_TINY = {k: v for k, v in QWEN3_NEXT_TINY.items() if k != "intermediate_size"}
+
+
+def make_qwen3_5_moe_checkpoint(path: Path, *, seed: int = 0, wrapper: bool = False, **config) -> Path:
+    """Save a random Qwen3.5-MoE of QWEN3_5_MOE_TINY updated with `config` (transformers' Qwen3_5MoeTextConfig
+    kwargs): its text model (Qwen3_5MoeForCausalLM), or with `wrapper` the Hub's Qwen3_5MoeForConditionalGeneration
+    (a one-block vision tower beside it); random A_log, dt_bias and conv weights as make_qwen3_next_checkpoint's."""
+    transformers = _transformers()
+    torch.manual_seed(seed)
+    text = transformers.Qwen3_5MoeTextConfig(**dict(QWEN3_5_MOE_TINY, **config))
+    if wrapper:
+        vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
+                      spatial_merge_size=2, temporal_patch_size=2)
+        model = transformers.Qwen3_5MoeForConditionalGeneration(
+            transformers.Qwen3_5MoeConfig(text_config=text.to_dict(), vision_config=vision))
+    else:
+        model = transformers.Qwen3_5MoeForCausalLM(text)
+    _randomize_linear_attention(model, seed)
+    model.save_pretrained(path)
+    return path
+
+
+def _randomize_linear_attention(model: torch.nn.Module, seed: int) -> None:
+    """`randomize`, then decays of every size (A_log, dt_bias) and conv weights of order one."""
     randomize(model, seed)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -467,8 +497,6 @@ def make_qwen3_next_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
                 p.copy_(torch.randn(p.shape, generator=g))
             elif name.endswith("conv1d.weight"):
                 p.copy_(torch.randn(p.shape, generator=g) / 2)
-    model.save_pretrained(path)
-    return path
 
 
 def make_mixtral_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:

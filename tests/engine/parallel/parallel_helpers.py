@@ -15,7 +15,7 @@ import engine_helpers
 from engine_helpers import (LocalRegistry, make_checkpoint, make_deepseek_checkpoint, make_deepseek_v2_checkpoint,
                             make_glm4_checkpoint, make_gpt_oss_checkpoint, make_llama4_checkpoint,
                             make_minimax_m2_checkpoint, make_mixtral_checkpoint, make_olmoe_checkpoint,
-                            make_qwen3_next_checkpoint)
+                            make_qwen3_5_moe_checkpoint, make_qwen3_next_checkpoint)
 
 QWEN3 = "Qwen3MoeForCausalLM"
 QWEN2 = "Qwen2MoeForCausalLM"
@@ -28,6 +28,7 @@ GPT_OSS = "GptOssForCausalLM"
 MINIMAX_M2 = "MiniMaxM2ForCausalLM"
 LLAMA4 = "Llama4ForCausalLM"
 QWEN3_NEXT = "Qwen3NextForCausalLM"
+QWEN3_5_MOE = "Qwen3_5MoeForConditionalGeneration"
 
 # engine_helpers' tiny DeepSeek-V3 (256 routed experts: the fusion gate passes) with the default rope.
 DEEPSEEK_TINY = dict(engine_helpers.DEEPSEEK_TINY, rope_theta=10000.0)
@@ -56,6 +57,8 @@ def make_model(path: Path, arch: str, seed: int = 0) -> str:
         make_llama4_checkpoint(path, seed=seed)
     elif arch == QWEN3_NEXT:
         make_qwen3_next_checkpoint(path, seed=seed)
+    elif arch == QWEN3_5_MOE:
+        make_qwen3_5_moe_checkpoint(path, seed=seed, wrapper=True)
     else:
         make_checkpoint(path, arch, seed=seed)
     cfg = json.loads((path / "config.json").read_text())

@@ -18,7 +18,7 @@ from loadplan.service.rules.backends import BACKENDS
 
 from engine_helpers import LocalRegistry, make_checkpoint
 from parallel_helpers import (DEEPSEEK, DEEPSEEK_V2, GLM4, GPT_OSS, LLAMA4, MINIMAX_M2, MIXTRAL, OLMOE, QWEN2,
-                              QWEN3, QWEN3_NEXT, make_model, single_process)
+                              QWEN3, QWEN3_5_MOE, QWEN3_NEXT, make_model, single_process)
 
 N_NEW = 4
 TOL = 1e-4
@@ -29,7 +29,7 @@ CASES = [("qwen3", QWEN3, None), ("qwen2", QWEN2, "enforce"), ("qwen2", QWEN2, "
          ("glm4", GLM4, "enforce"), ("glm4", GLM4, "disable"), ("deepseek", DEEPSEEK, "enforce"),
          ("deepseek", DEEPSEEK, "disable"), ("deepseek_v2", DEEPSEEK_V2, None), ("mixtral", MIXTRAL, None),
          ("olmoe", OLMOE, None), ("gpt_oss", GPT_OSS, None), ("minimax_m2", MINIMAX_M2, None),
-         ("llama4", LLAMA4, None), ("qwen3_next", QWEN3_NEXT, None)]
+         ("llama4", LLAMA4, None), ("qwen3_next", QWEN3_NEXT, None), ("qwen3_5_moe", QWEN3_5_MOE, None)]
 
 
 def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
@@ -69,8 +69,9 @@ def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
             sinks={m.sinks.shape[0] for m in mods if isinstance(m, GQAttention) and m.sinks is not None},
             expert_biases={(m.gate_up_bias.shape[1], m.down_bias.shape[1]) for m in mods
                            if isinstance(m, RoutedExperts) and m.gate_up_bias is not None},
-            linear={(m.n_k, m.n_v, m.in_proj_qkvz.weight.shape[0], m.conv1d.weight.shape[0], m.A_log.shape[0],
-                     m.out_proj.weight.shape[1]) for m in mods if isinstance(m, GatedDeltaNet)},
+            linear={(m.n_k, m.n_v, (m.in_proj_qkvz if m.grouped else m.in_proj_qkv).weight.shape[0],
+                     m.conv1d.weight.shape[0], m.A_log.shape[0], m.out_proj.weight.shape[1])
+                    for m in mods if isinstance(m, GatedDeltaNet)},
             logits=logits, tokens=generate(model, ids[0], N_NEW)[0].tolist()))
     return out
 
@@ -90,6 +91,7 @@ def paths(tmp_path_factory):
         "minimax_m2": make_model(tmp_path_factory.mktemp("minimax_m2"), MINIMAX_M2),
         "llama4": make_model(tmp_path_factory.mktemp("llama4"), LLAMA4),
         "qwen3_next": make_model(tmp_path_factory.mktemp("qwen3_next"), QWEN3_NEXT),
+        "qwen3_5_moe": make_model(tmp_path_factory.mktemp("qwen3_5_moe"), QWEN3_5_MOE),
     }
 
 
@@ -140,6 +142,8 @@ def test_two_tp_ranks_give_the_single_process_logits_and_tokens(paths, ids, refe
     # 8 + 8 + 16 (the checkpoint's regrouped by rank), decays and out_proj columns by value head.
     assert by_name["qwen3_next"]["heads"] == {(2, 1, 64)} and by_name["qwen3_next"]["expert_inter"] == {16}
     assert by_name["qwen3_next"]["linear"] == {(1, 2, 48, 32, 2, 16)} and by_name["qwen3_next"]["fused"]
+    # Qwen3.5-MoE (its wrapper): in_proj_qkv's rows are the conv's channels, regrouped by rank alike (8 + 8 + 16)
+    assert by_name["qwen3_5_moe"]["linear"] == {(1, 2, 32, 32, 2, 16)} and by_name["qwen3_5_moe"]["fused"]
     # MLA: half the heads and their kv_b_proj rows; the latent projection stays whole.
     (heads, kv_b_rows, kv_a_rows), = by_name["deepseek"]["mla_heads"]
     assert (heads, kv_b_rows, kv_a_rows) == (1, 1 * (8 + 12), 16 + 8)     # of 2 heads; nope 8 + v 12; lora 16 + rope 8

@@ -516,3 +516,16 @@ def test_qwen3_next_is_asked_the_qwen2_moe_gate():
     assert_off(fusion(qwen3_next(), a2a_backend="deepep", ep_size=2), "qwen2_moe.deepep_class", "DeepEP-class")
     assert_off(fusion(qwen3_next(shared_expert_intermediate_size=1024)), "qwen2_moe.structural.intermediate_size",
                "shared_expert_intermediate_size=1024 != moe_intermediate_size=512")
+
+
+def test_the_qwen3_5_moe_wrapper_asks_the_qwen2_moe_gate_with_its_text_config():
+    text = {k: v for k, v in qwen3_next(num_hidden_layers=40, num_experts=256, num_experts_per_tok=8).items()
+            if k not in ("architectures", "decoder_sparse_step", "mlp_only_layers")}
+    cfg = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "text_config": text}
+    res = resolve(cfg, ep_size=8, ep_rank=7)
+    assert res.chain == ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM")
+    assert res.family == "qwen3_5_moe"
+    assert_fused(res.decisions[Keys.SHARED_EXPERTS_FUSION], "qwen3_5_moe")
+    assert res.decisions[Keys.NUM_LOCAL_EXPERTS].value == 32
+    narrower = dict(cfg, text_config=dict(text, shared_expert_intermediate_size=256))
+    assert_off(fusion(narrower), "qwen2_moe.structural.intermediate_size", "shared_expert_intermediate_size=256")
