@@ -13,6 +13,10 @@ simple, exact, and the memory saving MLA exists for. Like the engine's other
 attention, the cache is an attribute the model sets up (`setup_cache`), and a
 forward with a cache takes the positions `input_pos` of its tokens.
 
+DeepSeek-V3.2 adds DeepSeek Sparse Attention (`indexer`, layers/dsa_indexer.py): each query attends
+only to the keys its lightning indexer picks, scored from the query latent and one index key per token
+(kept in the cache beside the latent).
+
 Under tensor parallelism (`tp`, engine/parallel/tensor.py) a rank holds num_heads / tp_size
 query heads: q_proj / q_b_proj and kv_b_proj are split by output rows (whole heads), o_proj
 by input columns; the latent projections (q_a_proj, kv_a_proj_with_mqa) and their norms are
@@ -29,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.tensor import TensorParallel
+from .dsa_indexer import SparseIndexer
 from .norm import RMSNorm
 from .rope import RopeConfig, apply_rotary, softmax_scale
 
@@ -37,15 +42,18 @@ class LatentKVCache(nn.Module):
     """Static per-layer cache (gpt-fast style) of the normalised latent and the rotated shared key.
 
     `update(input_pos [T], kv [B, T, kv_lora_rank], k_rot [B, T, qk_rope_head_dim])` writes
-    the new entries at their positions and returns the buffers up to the last written one.
+    the new entries at their positions and returns the buffers up to the last written one;
+    `update_index` the same for the sparse indexer's keys, when the layer has one (`index_dim`).
     """
 
     def __init__(self, batch_size: int, max_seq_len: int, kv_lora_rank: int, qk_rope_head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, index_dim: int = 0):
         super().__init__()
         self.register_buffer("kv_cache", torch.zeros(batch_size, max_seq_len, kv_lora_rank, dtype=dtype,
                                                      device=device), persistent=False)
         self.register_buffer("k_rot_cache", torch.zeros(batch_size, max_seq_len, qk_rope_head_dim, dtype=dtype,
+                                                        device=device), persistent=False)
+        self.register_buffer("index_cache", torch.zeros(batch_size, max_seq_len, index_dim, dtype=dtype,
                                                         device=device), persistent=False)
 
     @property
@@ -60,6 +68,11 @@ class LatentKVCache(nn.Module):
         # Expanding the latent costs per key: skip the never-written tail of the buffer.
         end = int(input_pos.max()) + 1
         return self.kv_cache[:B, :end], self.k_rot_cache[:B, :end]
+
+    def update_index(self, input_pos: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        B = keys.shape[0]
+        self.index_cache[:B, input_pos] = keys
+        return self.index_cache[:B, :int(input_pos.max()) + 1]
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -77,6 +90,7 @@ class MultiHeadLatentAttention(nn.Module):
         attention_bias: bool = False,
         dtype: torch.dtype | None = None,
         tp: TensorParallel | None = None,
+        indexer: SparseIndexer | None = None,
     ):
         super().__init__()
         self.tp = tp = tp or TensorParallel()
@@ -104,13 +118,16 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False,
                                    dtype=dtype)
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=attention_bias, dtype=dtype)
+        if indexer is not None and q_lora_rank is None:
+            raise ValueError("a sparse indexer reads the query latent: q_lora_rank is needed")
+        self.indexer = indexer                       # whole on every TP rank
         self.kv_cache: LatentKVCache | None = None  # set by the model's setup_caches
 
     def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype,
                     device: torch.device | str, lookahead: int = 0) -> LatentKVCache:
         """One slot per position (no window here, so `lookahead` changes nothing)."""
         self.kv_cache = LatentKVCache(batch_size, max_seq_len, self.kv_lora_rank, self.qk_rope_head_dim,
-                                      dtype, device)
+                                      dtype, device, self.indexer.head_dim if self.indexer is not None else 0)
         return self.kv_cache
 
     @classmethod
@@ -138,7 +155,8 @@ class MultiHeadLatentAttention(nn.Module):
         if self.q_lora_rank is None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(x))                  # [B, T, q_lora_rank]
+            q = self.q_b_proj(q_resid)
         q = q.view(B, T, H, self.qk_head_dim).transpose(1, 2)  # [B, H, T, qk]
         q_nope, q_rot = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         q_rot = apply_rotary(q_rot, cos, sin, interleaved=self.rope_interleave)
@@ -147,13 +165,19 @@ class MultiHeadLatentAttention(nn.Module):
         kv = self.kv_a_layernorm(kv)
         k_rot = apply_rotary(k_rot, cos, sin, interleaved=self.rope_interleave)  # [B, T, r], one shared head
 
-        mask = None
+        mask = None                                                      # [T, S] or [B, 1, T, S]
+        index_keys = self.indexer.keys(x, cos, sin) if self.indexer is not None else None   # [B, T, d]
         if self.kv_cache is not None:
             if input_pos is None:
                 raise ValueError("a KV cache is set up: pass input_pos")
             kv, k_rot = self.kv_cache.update(input_pos, kv, k_rot)  # [B, S, ...]
             mask = torch.arange(kv.shape[1], device=x.device)[None, :] <= input_pos[:, None]  # [T, S]
+            if index_keys is not None:
+                index_keys = self.kv_cache.update_index(input_pos, index_keys)          # [B, S, d]
         S = kv.shape[1]
+        if self.indexer is not None:
+            visible = mask if mask is not None else torch.ones(T, S, dtype=torch.bool, device=x.device).tril()
+            mask = self.indexer(x, q_resid, cos, sin, index_keys, visible)[:, None]     # [B, 1, T, S]
 
         kv = self.kv_b_proj(kv).view(B, S, H, self.qk_nope_head_dim + self.v_head_dim).transpose(1, 2)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)

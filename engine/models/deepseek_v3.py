@@ -1,5 +1,6 @@
 """DeepSeek-V3 (and the Kimi-K2.5 wrapper, text only), gpt-fast style, following transformers numerically.
-DeepSeek-V2 (`DeepseekV2ForCausalLM`, below) is the same model with V2's router.
+DeepSeek-V2 (`DeepseekV2ForCausalLM`, below) is the same model with V2's router; DeepSeek-V3.2
+(`DeepseekV32ForCausalLM`) the same with DeepSeek Sparse Attention (layers/dsa_indexer.py).
 
 Shapes: B batch, T tokens, D hidden, E routed experts, K top-k, V vocab.
 
@@ -29,6 +30,7 @@ from torch import nn
 from ..layers.deepseek_router import DeepseekV3Router
 from ..layers.deepseek_v2_router import TOPK_METHODS as V2_TOPK_METHODS
 from ..layers.deepseek_v2_router import DeepseekV2Router
+from ..layers.dsa_indexer import SparseIndexer
 from ..layers.mla import MultiHeadLatentAttention
 from ..layers.mlp import GatedMLP, activation
 from ..layers.rope import RopeConfig, rope_config_from_hf
@@ -72,6 +74,9 @@ class DeepseekV3Config:
     moe_layers: tuple[int, ...]
     scoring_func: str = "sigmoid"       # V2: softmax
     topk_method: str = "noaux_tc"       # V2: greedy or group_limited_greedy
+    index_n_heads: int = 0              # V3.2's sparse attention indexer (0: none)
+    index_head_dim: int = 0
+    index_topk: int = 0
 
     @classmethod
     def from_hf(cls, d: dict, architecture: str = "DeepseekV3ForCausalLM") -> "DeepseekV3Config":
@@ -86,6 +91,7 @@ class DeepseekV3Config:
             raise ConfigError(f"config.topk_method: {method!r} not supported; supported: {', '.join(methods)}")
         if v2:
             _refuse_where_v2_references_differ(d)
+        index = _sparse_attention_fields(d) if architecture == "DeepseekV32ForCausalLM" else {}
         hidden_act = _get(d, "hidden_act", "silu", str)
         activation(hidden_act)  # refuses unknown activations by name
         n_layers = _get(d, "num_hidden_layers", kind=int)
@@ -129,6 +135,7 @@ class DeepseekV3Config:
             moe_layers=tuple(i for i in range(n_layers) if i >= first_dense and i % freq == 0),
             scoring_func=scoring,
             topk_method=method,
+            **index,
         )
 
 
@@ -149,6 +156,31 @@ def routing_fields(d: dict, n_routed: int, *, n_shared_default: int, norm_topk_p
                 num_experts_per_tok=k, n_group=n_group, topk_group=topk_group,
                 norm_topk_prob=bool(_get(d, "norm_topk_prob", norm_topk_prob_default, bool)),
                 routed_scaling_factor=float(_get(d, "routed_scaling_factor", 1.0)))
+
+
+def _sparse_attention_fields(d: dict) -> dict:
+    """DeepSeek-V3.2's indexer fields, and the fields transformers' V3.2 does not read refused where they would
+    change the arithmetic: its MLA always has a query latent and interleaved rope, and its dense layers are the
+    first first_k_dense_replace (mlp_layer_types spells the same, when given)."""
+    if d.get("q_lora_rank") is None:
+        raise ConfigError("config.q_lora_rank: DeepseekV32ForCausalLM needs a query latent (its indexer reads it)")
+    if d.get("rope_interleave") is False:
+        raise ConfigError("config.rope_interleave: False not supported; DeepSeek-V3.2 runs True")
+    if _get(d, "moe_layer_freq", 1, int) != 1:
+        raise ConfigError(f"config.moe_layer_freq: {d['moe_layer_freq']} not supported; DeepSeek-V3.2 runs 1")
+    n_layers, first_dense = _get(d, "num_hidden_layers", kind=int), _get(d, "first_k_dense_replace", 0, int)
+    types = d.get("mlp_layer_types")
+    expected = ["dense"] * min(first_dense, n_layers) + ["sparse"] * max(n_layers - first_dense, 0)
+    if types is not None and types != expected:
+        raise ConfigError(f"config.mlp_layer_types: {types!r} disagrees with first_k_dense_replace={first_dense}"[:300])
+    fields = {name: _get(d, name, kind=int) for name in ("index_n_heads", "index_head_dim", "index_topk")}
+    if fields["index_topk"] < 1 or fields["index_n_heads"] < 1:
+        bad = "index_topk" if fields["index_topk"] < 1 else "index_n_heads"
+        raise ConfigError(f"config.{bad}: must be >= 1, got {fields[bad]}")
+    rope = _get(d, "qk_rope_head_dim", kind=int)
+    if not rope <= fields["index_head_dim"]:
+        raise ConfigError(f"config.index_head_dim: {fields['index_head_dim']} must hold qk_rope_head_dim={rope}")
+    return fields
 
 
 def _refuse_where_v2_references_differ(d: dict) -> None:
@@ -204,10 +236,14 @@ class DeepseekV3MoE(nn.Module):
 class DeepseekV3DecoderLayer(DecoderLayer):
     def __init__(self, cfg: DeepseekV3Config, plan, layer_id: int, dtype: torch.dtype):
         tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
+        indexer = None
+        if cfg.index_topk:   # DeepSeek-V3.2
+            indexer = SparseIndexer(cfg.hidden_size, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim,
+                                    cfg.qk_rope_head_dim, cfg.index_topk, dtype)
         attn = MultiHeadLatentAttention(
             cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
             cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.rope, rope_interleave=cfg.rope_interleave,
-            attention_bias=cfg.attention_bias, dtype=dtype, tp=tp)
+            attention_bias=cfg.attention_bias, dtype=dtype, tp=tp, indexer=indexer)
         if layer_id in cfg.moe_layers:
             mlp = DeepseekV3MoE(cfg, plan, layer_id, dtype)   # its unfused shared experts run replicated
         else:
@@ -234,6 +270,13 @@ class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
     no renormalisation), layer i MoE iff i >= first_k_dense_replace; shared experts never fused."""
 
     ARCHITECTURE = "DeepseekV2ForCausalLM"
+
+
+class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
+    """DeepSeek-V3.2: V3's model whose MLA attends to the keys a lightning indexer picks (layers/dsa_indexer.py).
+    Not the fused architecture (DESIGN 5.2): its shared expert runs unfused."""
+
+    ARCHITECTURE = "DeepseekV32ForCausalLM"
 
 
 class KimiK25ForConditionalGeneration(TextOnlyWrapper):

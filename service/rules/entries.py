@@ -82,6 +82,8 @@ FAMILIES: dict[str, Family] = {
 ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "DeepseekV2ForCausalLM": Direct("deepseek"),
     "DeepseekV3ForCausalLM": Direct("deepseek"),
+    # V3.2: V3's family and gate; not the fused architecture, so never fused (DESIGN 5.2, condition 4)
+    "DeepseekV32ForCausalLM": Direct("deepseek"),
     "DeepseekV3ForCausalLMNextN": Direct("deepseek_nextn", fused_architecture="DeepseekV3ForCausalLMNextN"),
     "Glm4MoeForCausalLM": Direct("glm4_moe"),
     "Glm4MoeForCausalLMNextN": Direct("glm4_moe_nextn", fused_architecture="Glm4MoeForCausalLMNextN"),

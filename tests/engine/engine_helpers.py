@@ -122,6 +122,17 @@ def _save_random_model(path: Path, family: str, seed: int, config: dict) -> Path
     return path
 
 
+# DeepSeek-V3.2: DEEPSEEK_TINY with its sparse attention indexer (8 index heads of 16, 8 of them rotated) keeping 4
+# keys a query, and the default rope.
+DEEPSEEK_V32_TINY = dict(DEEPSEEK_TINY, index_n_heads=8, index_head_dim=16, index_topk=4, rope_theta=10000.0)
+
+
+def make_deepseek_v32_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random DeepSeek-V3.2 of DEEPSEEK_V32_TINY updated with `config` (transformers' DeepseekV32Config
+    kwargs), routing bias included."""
+    return _save_random_model(path, "DeepseekV32", seed, dict(DEEPSEEK_V32_TINY, **config))
+
+
 def make_deepseek_mtp_checkpoint(path: Path, *, seed: int = 0, **config) -> tuple[Path, Path]:
     return make_mtp_checkpoint(path, "DeepseekV3", seed=seed, **config)
 

@@ -1,7 +1,8 @@
 """Tensor parallelism on gloo ranks: each rank holds its share of the attention heads, the dense MLP's
 and every expert's intermediate features (checked on the built layers), and TP=2 gives the single
 process's logits and greedy tokens for Qwen3-MoE (a dense layer and o_proj's bias included), Mixtral, OLMoE,
-Qwen2-MoE, GLM-4-MoE, DeepSeek-V3 and DeepSeek-V2 (Multi-head Latent Attention), shared experts
+Qwen2-MoE, GLM-4-MoE, DeepSeek-V3, -V3.2 (sparse attention) and -V2 (Multi-head Latent Attention),
+Qwen3-Next and Qwen3.5-MoE (linear attention), shared experts
 fused and unfused; TP=2 x PP=2 too; DeepSeek-V3's NextN draft on TP ranks drafts as on one process.
 EP 2 x TP 2 on 4 ranks too. Every a2a backend on TP 2 and on EP 2 x TP 2: experts whole on each TP
 rank, the single process's logits, a forced reduction after the combine seen. Refusals: a family
@@ -17,8 +18,8 @@ from loadplan.plan import Keys
 from loadplan.service.rules.backends import BACKENDS
 
 from engine_helpers import LocalRegistry, make_checkpoint
-from parallel_helpers import (DEEPSEEK, DEEPSEEK_V2, GLM4, GPT_OSS, LLAMA4, MINIMAX_M2, MIXTRAL, OLMOE, QWEN2,
-                              QWEN3, QWEN3_5_MOE, QWEN3_NEXT, make_model, single_process)
+from parallel_helpers import (DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, GLM4, GPT_OSS, LLAMA4, MINIMAX_M2, MIXTRAL,
+                              OLMOE, QWEN2, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, make_model, single_process)
 
 N_NEW = 4
 TOL = 1e-4
@@ -29,7 +30,8 @@ CASES = [("qwen3", QWEN3, None), ("qwen2", QWEN2, "enforce"), ("qwen2", QWEN2, "
          ("glm4", GLM4, "enforce"), ("glm4", GLM4, "disable"), ("deepseek", DEEPSEEK, "enforce"),
          ("deepseek", DEEPSEEK, "disable"), ("deepseek_v2", DEEPSEEK_V2, None), ("mixtral", MIXTRAL, None),
          ("olmoe", OLMOE, None), ("gpt_oss", GPT_OSS, None), ("minimax_m2", MINIMAX_M2, None),
-         ("llama4", LLAMA4, None), ("qwen3_next", QWEN3_NEXT, None), ("qwen3_5_moe", QWEN3_5_MOE, None)]
+         ("llama4", LLAMA4, None), ("qwen3_next", QWEN3_NEXT, None), ("qwen3_5_moe", QWEN3_5_MOE, None),
+         ("deepseek_v32", DEEPSEEK_V32, None)]
 
 
 def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
@@ -62,6 +64,8 @@ def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
             heads={(m.n_heads, m.n_kv_heads, m.q_proj.weight.shape[0]) for m in mods if isinstance(m, GQAttention)},
             mla_heads={(m.num_heads, m.kv_b_proj.weight.shape[0], m.kv_a_proj_with_mqa.weight.shape[0])
                        for m in mods if isinstance(m, MultiHeadLatentAttention)},
+            indexer_heads={m.indexer.wq_b.weight.shape[0] // m.indexer.head_dim for m in mods
+                           if isinstance(m, MultiHeadLatentAttention) and m.indexer is not None},
             expert_inter={m.gate_up_proj.shape[1] // 2 for m in mods if isinstance(m, RoutedExperts)},
             dense_inter={m.gate_proj.weight.shape[0] for m in mods if isinstance(m, GatedMLP)},
             proj_norms={(m.q_proj_norm.weight.shape[0], m.k_proj_norm.weight.shape[0]) for m in mods
@@ -92,6 +96,7 @@ def paths(tmp_path_factory):
         "llama4": make_model(tmp_path_factory.mktemp("llama4"), LLAMA4),
         "qwen3_next": make_model(tmp_path_factory.mktemp("qwen3_next"), QWEN3_NEXT),
         "qwen3_5_moe": make_model(tmp_path_factory.mktemp("qwen3_5_moe"), QWEN3_5_MOE),
+        "deepseek_v32": make_model(tmp_path_factory.mktemp("deepseek_v32"), DEEPSEEK_V32),
     }
 
 
@@ -144,6 +149,9 @@ def test_two_tp_ranks_give_the_single_process_logits_and_tokens(paths, ids, refe
     assert by_name["qwen3_next"]["linear"] == {(1, 2, 48, 32, 2, 16)} and by_name["qwen3_next"]["fused"]
     # Qwen3.5-MoE (its wrapper): in_proj_qkv's rows are the conv's channels, regrouped by rank alike (8 + 8 + 16)
     assert by_name["qwen3_5_moe"]["linear"] == {(1, 2, 32, 32, 2, 16)} and by_name["qwen3_5_moe"]["fused"]
+    # DeepSeek-V3.2: MLA's heads split as V3's, its sparse attention indexer whole on each rank (8 index heads)
+    assert by_name["deepseek_v32"]["mla_heads"] == by_name["deepseek"]["mla_heads"]
+    assert by_name["deepseek_v32"]["indexer_heads"] == {8} and not by_name["deepseek_v32"]["fused"]
     # MLA: half the heads and their kv_b_proj rows; the latent projection stays whole.
     (heads, kv_b_rows, kv_a_rows), = by_name["deepseek"]["mla_heads"]
     assert (heads, kv_b_rows, kv_a_rows) == (1, 1 * (8 + 12), 16 + 8)     # of 2 heads; nope 8 + v 12; lora 16 + rope 8

@@ -529,3 +529,15 @@ def test_the_qwen3_5_moe_wrapper_asks_the_qwen2_moe_gate_with_its_text_config():
     assert res.decisions[Keys.NUM_LOCAL_EXPERTS].value == 32
     narrower = dict(cfg, text_config=dict(text, shared_expert_intermediate_size=256))
     assert_off(fusion(narrower), "qwen2_moe.structural.intermediate_size", "shared_expert_intermediate_size=256")
+
+
+def test_deepseek_v32_is_the_deepseek_family_and_never_fused():
+    """Not the fused architecture (condition 4, structural: enforce does not lift it), as SGLang decides it."""
+    cfg = dict(deepseek(), architectures=["DeepseekV32ForCausalLM"], index_topk=2048, index_n_heads=64,
+               index_head_dim=128)
+    res = resolve(cfg, ep_size=8, ep_rank=0)
+    assert res.family == "deepseek"
+    for kw in ({}, ENFORCE):
+        assert_off(fusion(cfg, **kw), "deepseek.structural.architecture",
+                   "DeepseekV32ForCausalLM is not the fused architecture DeepseekV3ForCausalLM")
+    assert res.decisions[Keys.NUM_FUSED_SHARED_EXPERTS].value == 0
