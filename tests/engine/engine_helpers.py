@@ -123,8 +123,9 @@ def _save_random_model(path: Path, family: str, seed: int, config: dict) -> Path
 
 
 # DeepSeek-V3.2: DEEPSEEK_TINY with its sparse attention indexer (8 index heads of 16, 8 of them rotated) keeping 4
-# keys a query, and the default rope.
-DEEPSEEK_V32_TINY = dict(DEEPSEEK_TINY, index_n_heads=8, index_head_dim=16, index_topk=4, rope_theta=10000.0)
+# keys a query, and the default rope; 16 routed experts (in 8 groups of 2): it is never fused, whatever the count.
+DEEPSEEK_V32_TINY = dict(DEEPSEEK_TINY, n_routed_experts=16, index_n_heads=8, index_head_dim=16, index_topk=4,
+                         rope_theta=10000.0)
 
 
 def make_deepseek_v32_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:

@@ -20,7 +20,8 @@ def test_qwen_classes_resolve_lazily():
 def test_unknown_entry_class_lists_the_supported_ones():
     with pytest.raises(UnsupportedModel, match=r"'LlamaForCausalLM' not supported by the engine; supported: "
                                                r"DeepseekV2ForCausalLM, DeepseekV32ForCausalLM, "
-                                               r"DeepseekV3ForCausalLM, DeepseekV3ForCausalLMNextN, Glm4MoeForCausalLM, "
+                                               r"DeepseekV3ForCausalLM, DeepseekV3ForCausalLMNextN, "
+                                               r"Glm4MoeForCausalLM, "
                                                r"Glm4MoeForCausalLMNextN, Glm4MoeLiteForCausalLM, GptOssForCausalLM, "
                                                r"KimiK25ForConditionalGeneration, Llama4ForCausalLM, "
                                                r"Llama4ForConditionalGeneration, "

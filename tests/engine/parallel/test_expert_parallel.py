@@ -1,6 +1,6 @@
 """Expert parallelism on 2 gloo ranks: every backend of the registry's table gives the single-process
-logits and greedy tokens (Qwen3-MoE, Mixtral, OLMoE, gpt-oss, MiniMax-M2, Llama 4, Qwen3-Next,
-DeepSeek-V2/V3 and its NextN draft, GLM-4-MoE), fused and
+logits and greedy tokens (Qwen3-MoE, Mixtral, OLMoE, gpt-oss, MiniMax-M2, Llama 4, Qwen3-Next, Qwen3.5-MoE,
+DeepSeek-V2/V3/V3.2 and V3's NextN draft, GLM-4-MoE), fused and
 unfused where the plan allows; a forced post-experts all-reduce on the a2a path (the double-reduction
 bug of DESIGN 1) is visible in the logits.
 
@@ -15,8 +15,8 @@ from loadplan.engine.parallel.launch import launch
 from loadplan.plan import Keys
 from loadplan.service.rules.backends import BACKENDS
 
-from parallel_helpers import (DEEPSEEK, DEEPSEEK_V2, GLM4, GPT_OSS, LLAMA4, MINIMAX_M2, MIXTRAL, OLMOE, QWEN3,
-                              QWEN3_NEXT, make_model, single_process)
+from parallel_helpers import (DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, GLM4, GPT_OSS, LLAMA4, MINIMAX_M2, MIXTRAL,
+                              OLMOE, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, make_model, single_process)
 
 EP = 2
 N_NEW = 4
@@ -137,13 +137,14 @@ def glm4(tmp_path_factory):
 
 @pytest.mark.parametrize("arch, double_reduce_backend", [(QWEN3, "mori"), (MIXTRAL, "nixl"), (OLMOE, "mooncake"),
                                                          (GPT_OSS, "deepep"), (MINIMAX_M2, "flashinfer"),
-                                                         (LLAMA4, "megamoe")])
+                                                         (LLAMA4, "megamoe"), (DEEPSEEK_V32, "nixl")])
 def test_every_backend_on_two_ranks_matches_one_process_and_sees_a_double_reduction(tmp_path, arch,
                                                                                     double_reduce_backend):
     """No shared expert: Qwen3-MoE, Mixtral in the Hub's block_sparse_moe spelling, OLMoE, gpt-oss (experts with
     biases, stacked in the checkpoint), MiniMax-M2 (sigmoid routing with a correction bias); each rank reads 4 of
     the 8 experts. And Llama 4, whose shared expert is never fused (added after the reduction, replicated) and
-    whose experts scale their inputs (2 of its 4 experts a rank)."""
+    whose experts scale their inputs (2 of its 4 experts a rank); DeepSeek-V3.2, never fused either (its sparse
+    attention whole on each rank, 8 of its 16 experts a rank)."""
     path = make_model(tmp_path, arch)
     ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(3))
     ref_logits, ref_tokens = single_process(path, ids, N_NEW)
@@ -168,10 +169,12 @@ def test_deepseek_v3_every_backend_fused_and_unfused_on_two_ranks_matches_one_pr
         assert c["fused"] and (c["double_reduced"] - ref_logits).abs().max().item() > 1e-2
 
 
-def test_qwen3_next_every_backend_fused_and_unfused_on_two_ranks_matches_one_process(tmp_path):
-    """Linear-attention layers replicated on both EP ranks, experts split; its shared expert (Qwen2-MoE's gated
-    one) fused where a fused slot can live on every rank, as DeepSeek's."""
-    path = make_model(tmp_path, QWEN3_NEXT)
+@pytest.mark.parametrize("arch", [QWEN3_NEXT, QWEN3_5_MOE])
+def test_qwen3_next_and_3_5_every_backend_fused_and_unfused_on_two_ranks_matches_one_process(tmp_path, arch):
+    """Linear-attention layers replicated on both EP ranks, experts split; the shared expert (Qwen2-MoE's gated
+    one) fused where a fused slot can live on every rank, as DeepSeek's. Qwen3.5-MoE as the Hub ships it (its
+    multimodal wrapper, text only)."""
+    path = make_model(tmp_path, arch)
     ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(6))
     ref_logits, ref_tokens = single_process(path, ids, N_NEW, disable_shared_experts_fusion=True)
     results = launch(EP, _ep_ranks, path, ids, ("enforce", "disable"), "mori", timeout_s=240)
