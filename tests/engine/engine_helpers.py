@@ -182,8 +182,9 @@ FP8_MAX = 448.0           # float8_e4m3fn
 
 def _quantized(name: str, t: torch.Tensor) -> bool:
     """What DeepSeek's FP8 checkpoint quantizes: the linear layers' matrices, not the router, embedding or head
-    (Mixtral's experts are spelled w1/w2/w3)."""
-    return t.dim() == 2 and (name.endswith("proj.weight") or name.endswith((".w1.weight", ".w2.weight", ".w3.weight")))
+    (Mixtral's experts are spelled w1/w2/w3, Qwen3-Next's linear attention's inputs in_proj_qkvz and in_proj_ba)."""
+    return t.dim() == 2 and (name.endswith("proj.weight") or ".linear_attn.in_proj_" in name
+                             or name.endswith((".w1.weight", ".w2.weight", ".w3.weight")))
 
 
 def _quantize(w: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ from loadplan.engine.weights import UnexpectedTensor
 from loadplan.plan import Keys
 
 from engine_helpers import (check_refused_before_any_plan, hf_greedy, hf_logits_of_order_one, load_local, logits_of,
-                            make_qwen3_next_checkpoint, prompt, with_config, with_tensors)
+                            make_fp8_copies, make_qwen3_next_checkpoint, prompt, with_config, with_tensors)
 
 ARCH = "Qwen3NextForCausalLM"
 TOL = 1e-4
@@ -58,6 +58,27 @@ def generate_tokens(model, ids, n=N_NEW):
     from loadplan.engine.generate import generate
 
     return generate(model, ids[0], n)[0].tolist()
+
+
+def test_a_batch_decodes_each_row_as_alone(ckpt, ids):
+    """Two sequences in one batch: each row's linear-attention state is its own."""
+    from loadplan.engine.generate import generate
+
+    model = load_local(ckpt)
+    both = generate(model, ids, N_NEW).tolist()
+    assert both == [generate(model, ids[i], N_NEW)[0].tolist() for i in range(2)]
+    assert both[0] != both[1]
+
+
+def test_a_block_fp8_copy_as_qwen_ships_it_matches_transformers_on_its_weights(ckpt, ids, tmp_path):
+    """Every projection in FP8 blocks (the linear attention's in_proj_qkvz, in_proj_ba and out_proj too; Qwen's
+    FP8 checkpoints use [128, 128], here [16, 16]); conv, decays, norms, router, embeddings plain."""
+    fp8, dequantized, n = make_fp8_copies(ckpt, tmp_path, [16, 16])
+    assert n == 3 * 3 + 4 + 4 * (8 + 1) * 3          # linear layers' 3, attention's 4, experts' and shared's
+    want = hf_logits_of_order_one(dequantized, ARCH, ids)
+    model = load_local(fp8)
+    assert model.plan.quantization == "fp8"
+    assert (logits_of(model, ids) - want).abs().max().item() <= TOL
 
 
 def test_unfused_gives_the_same_logits(ckpt, ids, reference):
