@@ -39,6 +39,7 @@ ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "Glm4MoeLiteForCausalLM": ("loadplan.engine.models.glm4_moe_lite", "Glm4MoeLiteForCausalLM"),
     "Qwen3VLMoeForConditionalGeneration": ("loadplan.engine.models.qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration"),
     "Qwen3NextForCausalLM": ("loadplan.engine.models.qwen3_next", "Qwen3NextForCausalLM"),
+    "Qwen3NextForCausalLMMTP": ("loadplan.engine.models.qwen3_next_nextn", "Qwen3NextForCausalLMMTP"),
     "Qwen3_5MoeForCausalLM": ("loadplan.engine.models.qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
     "Qwen3_5MoeForConditionalGeneration": ("loadplan.engine.models.qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration"),
     "Llama4ForConditionalGeneration": ("loadplan.engine.models.llama4", "Llama4ForConditionalGeneration"),

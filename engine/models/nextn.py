@@ -1,4 +1,5 @@
-"""A Multi-Token-Prediction (MTP) layer as a speculative draft: the NextN runners of DeepSeek-V3 and GLM-4-MoE.
+"""A Multi-Token-Prediction (MTP) layer as a speculative draft: the NextN runners of DeepSeek-V3 and GLM-4-MoE, and
+Qwen3-Next's (its checkpoint names the same parts otherwise: models/qwen3_next_nextn.py).
 
 Shapes: B batch, T tokens, D hidden, V vocab. L = num_hidden_layers (the target's).
 
@@ -48,24 +49,26 @@ from .config import ConfigError, get_field as _get
 class SharedHead(nn.Module):
     """`shared_head.`: the MTP layer's final norm and vocabulary projection."""
 
-    def __init__(self, hidden_size: int, vocab_size: int, eps: float, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, vocab_size: int, eps: float, dtype: torch.dtype,
+                 norm: type[RMSNorm] = RMSNorm):
         super().__init__()
-        self.norm = RMSNorm(hidden_size, eps, dtype)
+        self.norm = norm(hidden_size, eps, dtype)
         self.head = nn.Linear(hidden_size, vocab_size, bias=False, dtype=dtype)
 
 
 class MultiTokenPredictionLayer(DecoderLayer):
     """`model.layers.{L}`: the family's decoder layer `block` (its attention and MoE block, adopted) with
-    the MTP inputs and head around it."""
+    the MTP inputs and head around it; every norm of the family's kind (`NORM` of its decoder layer)."""
 
     def __init__(self, block: DecoderLayer, cfg, dtype: torch.dtype):
+        self.NORM = type(block).NORM
         super().__init__(block.layer_id, block.self_attn, block.mlp, cfg.hidden_size, cfg.rms_norm_eps, dtype)
         D = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, D, dtype=dtype)
-        self.enorm = RMSNorm(D, cfg.rms_norm_eps, dtype)
-        self.hnorm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+        self.enorm = self.NORM(D, cfg.rms_norm_eps, dtype)
+        self.hnorm = self.NORM(D, cfg.rms_norm_eps, dtype)
         self.eh_proj = nn.Linear(2 * D, D, bias=False, dtype=dtype)
-        self.shared_head = SharedHead(D, cfg.vocab_size, cfg.rms_norm_eps, dtype)
+        self.shared_head = SharedHead(D, cfg.vocab_size, cfg.rms_norm_eps, dtype, self.NORM)
 
     def predict(self, input_ids, hidden_states, cos, sin, input_pos) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [B, T] (t_{i+1}), hidden_states [B, T, D] (h_i) -> (logits [B, T, V], out [B, T, D])"""
@@ -101,12 +104,14 @@ class NextNDraft(nn.Module):
         """As `CausalLM.parse_config`: the family's config with its MTP layer (`mtp_config`)."""
         raise NotImplementedError(f"{cls.__name__} does not say how it reads its config (parse_config)")
 
-    def __init__(self, cfg, plan, decoder_layer: type[DecoderLayer], rope_dim: int, dtype: torch.dtype):
+    def __init__(self, cfg, plan, decoder_layer: type[DecoderLayer], rope_dim: int, dtype: torch.dtype,
+                 n_routed: int | None = None):
+        """`n_routed`: the routed experts (default: the DeepSeek-style config's n_routed_experts)."""
         super().__init__()
         self.config = cfg
         self.plan = plan
         self.dtype = dtype
-        self.n_routed = cfg.n_routed_experts
+        self.n_routed = cfg.n_routed_experts if n_routed is None else n_routed
         L = cfg.num_hidden_layers
         lo, hi = (int(v) for v in plan.decisions[Keys.PP_LAYER_RANGE].value)
         if (lo, hi) != (L, L + 1):
@@ -148,11 +153,11 @@ class NextNDraft(nn.Module):
 
     # -- running ---------------------------------------------------------------
     def setup_caches(self, max_batch_size: int, max_seq_len: int, lookahead: int = 0) -> None:
-        self.mtp.self_attn.setup_cache(max_batch_size, max_seq_len, self.dtype, next(self.parameters()).device,
-                                       lookahead)
+        self.mtp.mixer.setup_cache(max_batch_size, max_seq_len, self.dtype, next(self.parameters()).device,
+                                   lookahead)
 
     def clear_caches(self) -> None:
-        self.mtp.self_attn.kv_cache = None
+        self.mtp.mixer.kv_cache = None
 
     def logits_and_hidden(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None, *,
                           hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

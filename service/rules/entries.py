@@ -76,6 +76,7 @@ FAMILIES: dict[str, Family] = {
         # Qwen3-Next: linear-attention layers, but Qwen2-MoE's MoE block (a sigmoid-gated shared expert) and gate
         Family("qwen3_next", lambda c: layouts.qwen_moe_layout(c, shared=True), gates.qwen2_moe_gate, True),
         Family("qwen3_5_moe", lambda c: layouts.qwen_moe_layout(c, shared=True), gates.qwen2_moe_gate, True),
+        Family("qwen3_next_nextn", layouts.qwen_nextn_layout, gates.qwen2_moe_gate, True),
     )
 }
 
@@ -96,6 +97,7 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "Llama4ForCausalLM": Direct("llama4"),
     "Glm4MoeLiteForCausalLM": Direct("glm4_moe_lite"),
     "Qwen3NextForCausalLM": Direct("qwen3_next"),
+    "Qwen3NextForCausalLMMTP": Direct("qwen3_next_nextn"),
     "Qwen3_5MoeForCausalLM": Direct("qwen3_5_moe"),
     "Llama4ForConditionalGeneration": Wrapper("Llama4ForCausalLM", "text_config", _top_level_quantization),
     "Qwen3VLMoeForConditionalGeneration": Wrapper("Qwen3MoeForCausalLM", "text_config", _top_level_quantization),

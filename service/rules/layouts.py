@@ -56,6 +56,14 @@ def deepseek_nextn_layout(cfg: ConfigView) -> MoeLayout:
     return MoeLayout(ids, ids, n_routed, n_shared, top_k)
 
 
+def qwen_nextn_layout(cfg: ConfigView) -> MoeLayout:
+    """A Qwen3-Next MTP draft: its num_nextn_predict_layers MoE layers after the target's (Qwen's expert fields)."""
+    target = qwen_moe_layout(cfg, shared=True)
+    n_nextn = cfg.int("num_nextn_predict_layers", 1, minimum=1, maximum=MAX_LAYERS)
+    ids = tuple(range(len(target.layer_ids), len(target.layer_ids) + n_nextn))
+    return MoeLayout(ids, ids, target.n_routed, target.n_shared, target.top_k)
+
+
 def qwen_moe_layout(cfg: ConfigView, *, shared: bool) -> MoeLayout:
     n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
     # The Hub's Qwen checkpoints say num_experts; transformers 5's save_pretrained writes

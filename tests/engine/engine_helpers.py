@@ -475,6 +475,36 @@ def make_qwen3_next_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     return path
 
 
+def make_qwen3_next_mtp_checkpoint(path: Path, *, seed: int = 0) -> tuple[Path, Path]:
+    """A Qwen3-Next checkpoint of QWEN3_NEXT_TINY with its Multi-Token-Prediction module as Qwen ships it (`mtp.*`),
+    and its draft folder: (target folder, draft folder). transformers' model of one more layer (full attention,
+    MoE) gives the module's decoder layer, `mtp.layers.0`; its fc and norms are added at random. The draft folder
+    holds the same tensors (a link) and the config with architectures ["Qwen3NextForCausalLMMTP"];
+    `path / "hf_with_mtp_layer"` is transformers' model of the extra layer (its decoder layer's reference)."""
+    from safetensors.torch import load_file, save_file
+
+    L = QWEN3_NEXT_TINY["num_hidden_layers"]
+    types = ["linear_attention"] * (L - 1) + ["full_attention"]
+    full = make_qwen3_next_checkpoint(path / "hf_with_mtp_layer", seed=seed, num_hidden_layers=L + 1,
+                                      layer_types=types + ["full_attention"])
+    tensors = {name.replace(f"model.layers.{L}.", "mtp.layers.0.", 1): t
+               for name, t in load_file(full / "model.safetensors").items()}
+    D = QWEN3_NEXT_TINY["hidden_size"]
+    g = torch.Generator().manual_seed(seed + 2)
+    tensors.update({"mtp.fc.weight": torch.randn(D, 2 * D, generator=g) / math.sqrt(2 * D),
+                    **{f"mtp.{n}.weight": 0.1 * torch.randn(D, generator=g)       # offsets from 1
+                       for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}})
+    target, draft = path / "target", path / "draft"
+    target.mkdir()
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    cfg = dict(json.loads((full / "config.json").read_text()), num_hidden_layers=L, layer_types=types)
+    draft.mkdir()
+    (draft / "model.safetensors").symlink_to(target / "model.safetensors")
+    for folder, arch in ((target, "Qwen3NextForCausalLM"), (draft, "Qwen3NextForCausalLMMTP")):
+        (folder / "config.json").write_text(json.dumps(dict(cfg, architectures=[arch]), indent=2))
+    return target, draft
+
+
 # Qwen3.5-MoE's text model: QWEN3_NEXT_TINY's sizes (every layer MoE: no dense width).
 QWEN3_5_MOE_TINY = {k: v for k, v in QWEN3_NEXT_TINY.items() if k != "intermediate_size"}
 

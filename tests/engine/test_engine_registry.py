@@ -27,6 +27,7 @@ def test_unknown_entry_class_lists_the_supported_ones():
                                                r"Llama4ForConditionalGeneration, "
                                                r"MiniMaxM2ForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, "
                                                r"Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, Qwen3NextForCausalLM, "
+                                               r"Qwen3NextForCausalLMMTP, "
                                                r"Qwen3VLMoeForConditionalGeneration, Qwen3_5MoeForCausalLM, "
                                                r"Qwen3_5MoeForConditionalGeneration"):
         model_class("LlamaForCausalLM")

@@ -21,6 +21,10 @@ BUILT = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "KimiK25ForConditionalGeneration": "deepseek",
+    "DeepseekV32ForCausalLM": "deepseek",
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3NextForCausalLMMTP": "qwen3_next_nextn",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
 }
 
 

@@ -541,3 +541,12 @@ def test_deepseek_v32_is_the_deepseek_family_and_never_fused():
         assert_off(fusion(cfg, **kw), "deepseek.structural.architecture",
                    "DeepseekV32ForCausalLM is not the fused architecture DeepseekV3ForCausalLM")
     assert res.decisions[Keys.NUM_FUSED_SHARED_EXPERTS].value == 0
+
+
+def test_the_qwen3_next_mtp_draft_plans_its_one_layer_after_the_targets_with_the_qwen2_moe_gate():
+    res = resolve(qwen3_next(architectures=["Qwen3NextForCausalLMMTP"]), role="speculative", ep_size=8, ep_rank=2)
+    assert res.family == "qwen3_next_nextn"
+    assert res.decisions[Keys.PP_LAYER_RANGE].value == [48, 49]
+    assert_fused(res.decisions[Keys.SHARED_EXPERTS_FUSION], "qwen3_next_nextn")
+    assert_off(fusion(qwen3_next(architectures=["Qwen3NextForCausalLMMTP"]), a2a_backend="deepep", ep_size=2),
+               "qwen2_moe.deepep_class", "DeepEP-class")

@@ -1,0 +1,98 @@
+"""Qwen3-Next's Multi-Token-Prediction module as a NextN draft (engine/models/qwen3_next_nextn.py): the registry plans
+`Qwen3NextForCausalLMMTP` with the Qwen2-MoE gate, and the draft matches transformers' Qwen3-Next decoder layer,
+norms and partial rotary embedding composed as the module (Qwen's `mtp.*` names), fused and unfused; speculative
+decoding with it gives the target's greedy tokens, on one process and on two EP ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_helpers import (QWEN3_NEXT_TINY, check_speculative_gives_the_targets_greedy_tokens, hf_reference,
+                            load_local, make_qwen3_next_mtp_checkpoint, prompt, target_hidden_states)
+
+ARCH = "Qwen3NextForCausalLM"
+L = QWEN3_NEXT_TINY["num_hidden_layers"]
+ATOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3_next_mtp")
+    target, draft = make_qwen3_next_mtp_checkpoint(root)
+    return root, target, draft
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return prompt(B=1, T=10)
+
+
+@torch.no_grad()
+def hf_qwen3_next_mtp(root, target, ids):
+    """transformers' pieces composed as the module over every position of `ids` but the last: (the target's
+    hidden states after its final norm [1, T, D], logits [1, T-1, V], output [1, T-1, D])."""
+    from safetensors.torch import load_file
+
+    h = hf_reference(target, ARCH).model(ids).last_hidden_state
+    full = hf_reference(root / "hf_with_mtp_layer", ARCH)                  # layer L: the module's decoder layer
+    w = load_file(target / "model.safetensors")
+
+    def norm(name):
+        n = type(full.model.norm)(w[name].shape[0], eps=full.config.rms_norm_eps)
+        n.weight.data.copy_(w[name])
+        return n
+
+    tokens = ids[:, 1:]
+    T = tokens.shape[1]
+    e = norm("mtp.pre_fc_norm_embedding.weight")(F.embedding(tokens, w["model.embed_tokens.weight"]))
+    x = F.linear(torch.cat((e, norm("mtp.pre_fc_norm_hidden.weight")(h[:, :-1])), dim=-1), w["mtp.fc.weight"])
+    pos = torch.arange(T)[None]
+    mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+    x = full.model.layers[L](x, attention_mask=mask, position_ids=pos,
+                             position_embeddings=full.model.rotary_emb(x, pos))
+    out = norm("mtp.norm.weight")(x)
+    return h, F.linear(out, w["lm_head.weight"]), out
+
+
+def test_fused_and_unfused_match_transformers_qwen3_next_composed_as_the_module(ckpt, ids):
+    root, target_dir, draft_dir = ckpt
+    h_ref, logits_ref, out_ref = hf_qwen3_next_mtp(root, target_dir, ids)
+    assert 0.5 < logits_ref.abs().max() < 50                   # O(1): the tolerance means something
+    h = target_hidden_states(target_dir, ids, ARCH, h_ref, ATOL)
+    got = {}
+    for fused in (True, False):
+        draft = load_local(draft_dir, role="speculative", disable_shared_experts_fusion=not fused)
+        d = draft.plan.decisions
+        assert (draft.plan.entry_class, d["model.family"].value) == ("Qwen3NextForCausalLMMTP", "qwen3_next_nextn")
+        assert d["moe.shared_experts_fusion"].value is fused and d["pp.layer_range"].value == [L, L + 1]
+        assert draft.mtp.mlp.experts.gate_up_proj.shape[0] == (9 if fused else 8)
+        assert draft.mtp.self_attn.output_gate and draft.rotary.rotary_dim == 4     # Qwen3-Next's attention
+        with torch.no_grad():
+            logits, out = draft.logits_and_hidden(ids[:, 1:], hidden_states=h[:, :-1])
+        assert (logits - logits_ref).abs().max().item() <= ATOL
+        assert (out - out_ref).abs().max().item() <= ATOL
+        got[fused] = logits
+    assert (got[True] - got[False]).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_speculative_decoding_with_the_mtp_draft_gives_the_targets_greedy_tokens(ckpt, ids, k):
+    """The target's linear layers roll back the rejected proposals (layers/gated_delta_net.py)."""
+    _, target_dir, draft_dir = ckpt
+    check_speculative_gives_the_targets_greedy_tokens(target_dir, draft_dir, ids, k)
+
+
+def test_the_mtp_draft_on_two_ep_ranks_drafts_as_on_one_process(ckpt, tmp_path):
+    from loadplan.engine.speculative import speculative_generate
+    from loadplan.engine.worker import WorkerSpec, generate_distributed
+
+    _, target_dir, draft_dir = ckpt
+    prompt_ids = [5, 17, 42]
+    want, stats = speculative_generate(load_local(target_dir), load_local(draft_dir, role="speculative"),
+                                       prompt_ids, 10, 2)
+    spec = WorkerSpec(model=str(target_dir), draft=str(draft_dir), num_draft_tokens=2, prompt_ids=tuple(prompt_ids),
+                      max_new_tokens=10, ep_size=2, db_url=f"sqlite:///{tmp_path}/p.db")
+    run = generate_distributed(spec, nproc=2, timeout_s=240)
+    assert (run["tokens"], run["accepted"], run["proposed"]) == (want, stats["accepted"], stats["proposed"])
