@@ -25,7 +25,7 @@ from ..layers.rope import RopeConfig, rope_config_from_hf
 from ..parallel.tensor import TensorParallel
 from .causal_lm import DeclaredCausalLM, DecoderLayer
 from .config import ConfigError, get_field as _get, per_layer, top_k
-from .qwen_moe import QwenSparseMoeBlock
+from .qwen_moe import QwenSparseMoeBlock, sparse_layers
 
 # transformers' Qwen3NextConfig defaults for fields a config.json may leave out.
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.25
@@ -92,10 +92,6 @@ class Qwen3NextConfig:
         if kernel < 1:
             raise ConfigError(f"config.linear_conv_kernel_dim: must be >= 1, got {kernel}")
         n_experts = _get(d, "num_experts", kind=int)
-        step = _get(d, "decoder_sparse_step", 1, int)
-        if step < 1:
-            raise ConfigError(f"config.decoder_sparse_step: must be >= 1, got {step}")
-        mlp_only = tuple(_get(d, "mlp_only_layers", [], list))
         shared = _get(d, "shared_expert_intermediate_size", kind=int)
         if shared < 1:
             raise ConfigError(f"config.shared_expert_intermediate_size: must be >= 1, got {shared} (Qwen3-Next's "
@@ -126,7 +122,7 @@ class Qwen3NextConfig:
             moe_intermediate_size=_get(d, "moe_intermediate_size", kind=int),
             shared_expert_intermediate_size=shared,
             norm_topk_prob=bool(_get(d, "norm_topk_prob", True, bool)),
-            moe_layers=tuple(i for i in range(n_layers) if i not in mlp_only and (i + 1) % step == 0),
+            moe_layers=sparse_layers(d, n_layers, n_experts)[2],
         )
 
 

@@ -67,17 +67,12 @@ class QwenMoeConfig:
         if any(t != "full_attention" for t in layer_types):
             raise ConfigError(f"config.layer_types: only full_attention is supported, got {sorted(set(layer_types))}")
         activation(_get(d, "hidden_act", "silu", str))   # refuses unknown activations by name
-        step = _get(d, "decoder_sparse_step", 1, int)
-        if step < 1:
-            raise ConfigError(f"config.decoder_sparse_step: must be >= 1, got {step}")
-        mlp_only = tuple(_get(d, "mlp_only_layers", [], list))
         # The Hub spells it num_experts; transformers 5 saves Qwen3-MoE's as num_local_experts.
         n_experts = _get(d, "num_experts", None, int)
         if n_experts is None:
             n_experts = _get(d, "num_local_experts", kind=int)
         k = top_k(d, n_experts, "num_experts")
-        moe_layers = tuple(i for i in range(n_layers)
-                           if n_experts > 0 and i not in mlp_only and (i + 1) % step == 0)
+        step, mlp_only, moe_layers = sparse_layers(d, n_layers, n_experts)
         return cls(
             architecture=architecture,
             vocab_size=_get(d, "vocab_size", kind=int),
@@ -104,6 +99,17 @@ class QwenMoeConfig:
             shared_expert_intermediate_size=_get(d, "shared_expert_intermediate_size", 0, int) if qwen2 else 0,
             moe_layers=moe_layers,
         )
+
+
+def sparse_layers(d: dict, n_layers: int, n_experts: int) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """(decoder_sparse_step, mlp_only_layers, the MoE layers) of a Qwen config: layer i is sparse iff it is not
+    in mlp_only_layers and (i + 1) % decoder_sparse_step == 0 (and there are experts)."""
+    step = _get(d, "decoder_sparse_step", 1, int)
+    if step < 1:
+        raise ConfigError(f"config.decoder_sparse_step: must be >= 1, got {step}")
+    mlp_only = tuple(_get(d, "mlp_only_layers", [], list))
+    return step, mlp_only, tuple(i for i in range(n_layers) if n_experts > 0 and i not in mlp_only
+                                 and (i + 1) % step == 0)
 
 
 def every_layer_moe_fields(d: dict, *, experts_field: str, rms_norm_eps: float, max_position_embeddings: int,
