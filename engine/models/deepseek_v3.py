@@ -91,7 +91,11 @@ class DeepseekV3Config:
             raise ConfigError(f"config.topk_method: {method!r} not supported; supported: {', '.join(methods)}")
         if v2:
             _refuse_where_v2_references_differ(d)
-        index = _sparse_attention_fields(d) if architecture == "DeepseekV32ForCausalLM" else {}
+        # V3.2's sparse attention: its entry class, and the NextN draft of a V3.2 checkpoint (whose MTP layer's
+        # attention has the indexer too; SGLang plans it as DeepseekV3ForCausalLMNextN with index_topk set).
+        v32 = architecture == "DeepseekV32ForCausalLM" or (
+            architecture == "DeepseekV3ForCausalLMNextN" and d.get("index_topk") is not None)
+        index = _sparse_attention_fields(d) if v32 else {}
         hidden_act = _get(d, "hidden_act", "silu", str)
         activation(hidden_act)  # refuses unknown activations by name
         n_layers = _get(d, "num_hidden_layers", kind=int)

@@ -138,13 +138,14 @@ def make_deepseek_mtp_checkpoint(path: Path, *, seed: int = 0, **config) -> tupl
     return make_mtp_checkpoint(path, "DeepseekV3", seed=seed, **config)
 
 
-def make_mtp_checkpoint(path: Path, family: str, *, seed: int = 0, **config) -> tuple[Path, Path]:
-    """A `family` (DeepseekV3, Glm4Moe) checkpoint in DeepSeek's MTP layout, with one Multi-Token-Prediction
+def make_mtp_checkpoint(path: Path, family: str, *, seed: int = 0, draft_arch: str | None = None,
+                        **config) -> tuple[Path, Path]:
+    """A `family` (DeepseekV3, DeepseekV32, Glm4Moe) checkpoint in DeepSeek's MTP layout, with one Multi-Token-Prediction
     layer, and its NextN draft folder: (target folder, draft folder). transformers' model of num_hidden_layers + 1
     layers gives the MTP layer's decoder part (layer L = num_hidden_layers, MoE); its MTP tensors (enorm, hnorm,
     eh_proj, shared_head, its own embed_tokens) are added at random; config.json then says L layers and
     num_nextn_predict_layers 1. The draft folder holds the same tensors (a link) and the config with
-    architectures [f"{family}ForCausalLMNextN"]. `path / "hf_with_mtp_layer"` is the same checkpoint as
+    architectures [draft_arch] (default f"{family}ForCausalLMNextN"). `path / "hf_with_mtp_layer"` is the same as
     transformers' model of L + 1 layers (for a reference of the MTP layer's decoder part)."""
     from safetensors.torch import load_file, save_file
 
@@ -167,13 +168,14 @@ def make_mtp_checkpoint(path: Path, family: str, *, seed: int = 0, **config) -> 
     save_file(tensors, weights, metadata={"format": "pt"})
     cfg = json.loads((target / "config.json").read_text())
     for folder, arch, layers in ((path / "hf_with_mtp_layer", f"{family}ForCausalLM", L + 1),
-                                 (path / "draft", f"{family}ForCausalLMNextN", L),
+                                 (path / "draft", draft_arch or f"{family}ForCausalLMNextN", L),
                                  (target, f"{family}ForCausalLM", L)):
         folder.mkdir(exist_ok=True)
         if folder != target:
             (folder / "model.safetensors").symlink_to(weights)
+        per_layer = {k: cfg[k][:layers] for k in ("layer_types", "mlp_layer_types") if k in cfg}   # V3.2's lists
         (folder / "config.json").write_text(json.dumps(dict(cfg, architectures=[arch], num_hidden_layers=layers,
-                                                            num_nextn_predict_layers=1), indent=2))
+                                                            num_nextn_predict_layers=1, **per_layer), indent=2))
     return target, path / "draft"
 
 

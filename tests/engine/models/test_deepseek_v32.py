@@ -3,18 +3,22 @@ transformers, float32, with an index_topk small enough that the indexer chooses 
 key kept it is DeepSeek-V3's dense MLA); never fused (not the fused architecture, DESIGN 5.2); a prompt longer
 than the cache's prefill then decoding (the index keys cached per position); the fields transformers' V3.2 does
 not read refused when they would change the arithmetic. TP 2 (the indexer whole on each rank):
-tests/engine/parallel/test_tensor_parallel.py (EP: its MoE is DeepSeek-V3's, checked with every backend there)."""
+tests/engine/parallel/test_tensor_parallel.py; EP 2 with every backend: test_expert_parallel.py. Its MTP layer as
+a NextN draft (DeepseekV3ForCausalLMNextN, as SGLang plans a V3.2 draft), sparse attention included."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from loadplan.engine.layers.dsa_indexer import SparseIndexer
 from loadplan.engine.models.config import ConfigError
 from loadplan.plan import Keys
 
-from engine_helpers import (DEEPSEEK_V32_TINY, check_refused_before_any_plan, hf_greedy, hf_logits_of_order_one,
-                            load_local, logits_of, make_deepseek_v32_checkpoint, prompt, with_config)
+from engine_helpers import (DEEPSEEK_V32_TINY, check_refused_before_any_plan,
+                            check_speculative_gives_the_targets_greedy_tokens, hf_greedy, hf_logits_of_order_one,
+                            hf_mtp, load_local, logits_of, make_deepseek_v32_checkpoint, make_mtp_checkpoint, prompt,
+                            target_hidden_states, with_config)
 
 ARCH = "DeepseekV32ForCausalLM"
 TOL = 1e-4
@@ -72,3 +76,32 @@ def test_the_indexer_chooses_and_with_every_key_kept_it_is_dense_mla(ckpt, ids, 
 ])
 def test_a_config_it_cannot_run_is_refused_by_field_before_any_plan(ckpt, tmp_path, overrides, match):
     check_refused_before_any_plan(with_config(ckpt, tmp_path / "bad", **overrides), ConfigError, match)
+
+
+@pytest.fixture(scope="module")
+def mtp_ckpt(tmp_path_factory):
+    """With 256 experts, so that the draft's fusion gate passes (the target's never does)."""
+    root = tmp_path_factory.mktemp("deepseek_v32_mtp")
+    target, draft = make_mtp_checkpoint(root, "DeepseekV32", draft_arch="DeepseekV3ForCausalLMNextN",
+                                        **dict(DEEPSEEK_V32_TINY, n_routed_experts=256))
+    return root, target, draft
+
+
+def test_its_mtp_layer_drafts_with_sparse_attention_fused_while_the_target_is_not(mtp_ckpt):
+    """The draft (DeepseekV3ForCausalLMNextN over a V3.2 checkpoint: its MTP layer's MLA has the indexer) matches
+    transformers' V3.2 decoder layer composed as the MTP module, fused and unfused; one plan per runner: the
+    draft fuses (its own fused architecture), the target does not."""
+    root, target_dir, draft_dir = mtp_ckpt
+    ids = prompt(B=1, T=10)
+    h_ref, logits_ref, out_ref = hf_mtp(root, target_dir, ids, ARCH)
+    h = target_hidden_states(target_dir, ids, ARCH, h_ref, 1e-3)
+    assert load_local(target_dir).plan.decisions[Keys.SHARED_EXPERTS_FUSION].value is False
+    for fused in (True, False):
+        draft = load_local(draft_dir, role="speculative", disable_shared_experts_fusion=not fused)
+        assert draft.plan.decisions[Keys.SHARED_EXPERTS_FUSION].value is fused
+        assert draft.mtp.self_attn.indexer is not None and draft.mtp.self_attn.indexer.topk == 4
+        with torch.no_grad():
+            logits, out = draft.logits_and_hidden(ids[:, 1:], hidden_states=h[:, :-1])
+        assert (logits - logits_ref).abs().max().item() <= 1e-3
+        assert (out - out_ref).abs().max().item() <= 1e-3
+    check_speculative_gives_the_targets_greedy_tokens(target_dir, draft_dir, ids, 3)
