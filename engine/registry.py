@@ -27,6 +27,7 @@ ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "DeepseekV2ForCausalLM": ("loadplan.engine.models.deepseek_v3", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("loadplan.engine.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "DeepseekV32ForCausalLM": ("loadplan.engine.models.deepseek_v3", "DeepseekV32ForCausalLM"),
+    "GlmMoeDsaForCausalLM": ("loadplan.engine.models.deepseek_v3", "GlmMoeDsaForCausalLM"),
     "DeepseekV3ForCausalLMNextN": ("loadplan.engine.models.deepseek_nextn", "DeepseekV3ForCausalLMNextN"),
     "Glm4MoeForCausalLM": ("loadplan.engine.models.glm4_moe", "Glm4MoeForCausalLM"),
     "Glm4MoeForCausalLMNextN": ("loadplan.engine.models.glm4_moe_nextn", "Glm4MoeForCausalLMNextN"),

@@ -5,7 +5,8 @@ r the rope dims (qk_rope_head_dim), L q_lora_rank.
 
     q = wq_b(q_resid)              [B, T, H, d]   from MLA's normalised query latent (q_a_layernorm(q_a_proj(x)))
     k = LayerNorm(wk(x))           [B, S, d]      one key per token, shared by the heads; cached per position
-    rotate the first r features of q and k (rotate-half pairs, unlike MLA's interleaved ones)
+    rotate the first r features of q and k (V3.2: rotate-half pairs, unlike MLA's interleaved ones; GLM-5:
+    interleaved pairs, `rope_interleave`)
     score[t, s] = sum_h w[t, h] relu(q[t, h] . k[s] / sqrt(d)),   w = weights_proj(x) / sqrt(H)
 and each query keeps its `index_topk` best-scoring visible keys (all of them while it sees fewer), which
 the attention then masks to. As transformers' DeepseekV32Indexer computes it: the reference's Hadamard
@@ -26,8 +27,9 @@ from .rope import apply_rotary
 
 class SparseIndexer(nn.Module):
     def __init__(self, hidden_size: int, q_lora_rank: int, n_heads: int, head_dim: int, rope_dim: int, topk: int,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, rope_interleave: bool = False):
         super().__init__()
+        self.rope_interleave = rope_interleave
         if not 0 < rope_dim <= head_dim:
             raise ValueError(f"index_head_dim={head_dim} must hold qk_rope_head_dim={rope_dim}")
         if topk < 1:
@@ -58,6 +60,6 @@ class SparseIndexer(nn.Module):
         return kept & visible
 
     def _rotate(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """The first rope_dim features of t [..., T, d] rotated (rotate-half pairs), the rest as they are."""
+        """The first rope_dim features of t [..., T, d] rotated, the rest as they are."""
         r = self.rope_dim
-        return torch.cat([apply_rotary(t[..., :r], cos, sin), t[..., r:]], dim=-1)
+        return torch.cat([apply_rotary(t[..., :r], cos, sin, interleaved=self.rope_interleave), t[..., r:]], dim=-1)

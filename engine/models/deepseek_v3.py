@@ -1,6 +1,7 @@
 """DeepSeek-V3 (and the Kimi-K2.5 wrapper, text only), gpt-fast style, following transformers numerically.
 DeepSeek-V2 (`DeepseekV2ForCausalLM`, below) is the same model with V2's router; DeepSeek-V3.2
-(`DeepseekV32ForCausalLM`) the same with DeepSeek Sparse Attention (layers/dsa_indexer.py).
+(`DeepseekV32ForCausalLM`) the same with DeepSeek Sparse Attention (layers/dsa_indexer.py), and GLM-5
+(`GlmMoeDsaForCausalLM`) V3.2's model with the indexer's rope pairs interleaved.
 
 Shapes: B batch, T tokens, D hidden, E routed experts, K top-k, V vocab.
 
@@ -77,6 +78,7 @@ class DeepseekV3Config:
     index_n_heads: int = 0              # V3.2's sparse attention indexer (0: none)
     index_head_dim: int = 0
     index_topk: int = 0
+    index_rope_interleave: bool = False # GLM-5's indexer rotates interleaved pairs
 
     @classmethod
     def from_hf(cls, d: dict, architecture: str = "DeepseekV3ForCausalLM") -> "DeepseekV3Config":
@@ -93,9 +95,11 @@ class DeepseekV3Config:
             _refuse_where_v2_references_differ(d)
         # V3.2's sparse attention: its entry class, and the NextN draft of a V3.2 checkpoint (whose MTP layer's
         # attention has the indexer too; SGLang plans it as DeepseekV3ForCausalLMNextN with index_topk set).
-        v32 = architecture == "DeepseekV32ForCausalLM" or (
+        v32 = architecture in SPARSE_ATTENTION_ARCHITECTURES or (
             architecture == "DeepseekV3ForCausalLMNextN" and d.get("index_topk") is not None)
         index = _sparse_attention_fields(d) if v32 else {}
+        if architecture == "GlmMoeDsaForCausalLM":
+            index.update(_glm5_indexer_fields(d))
         hidden_act = _get(d, "hidden_act", "silu", str)
         activation(hidden_act)  # refuses unknown activations by name
         n_layers = _get(d, "num_hidden_layers", kind=int)
@@ -162,14 +166,35 @@ def routing_fields(d: dict, n_routed: int, *, n_shared_default: int, norm_topk_p
                 routed_scaling_factor=float(_get(d, "routed_scaling_factor", 1.0)))
 
 
+SPARSE_ATTENTION_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+
+
+def _glm5_indexer_fields(d: dict) -> dict:
+    """GLM-5's indexer: interleaved rope, and every layer its own selection. transformers' GLM-MoE-DSA lets "shared"
+    layers reuse the previous layer's top-k (`indexer_types`, `index_topk_pattern`, `index_topk_freq`): not built."""
+    types = d.get("indexer_types")
+    pattern = d.get("index_topk_pattern")
+    freq = _get(d, "index_topk_freq", 1, int)
+    if types is not None and any(t != "full" for t in types):
+        raise ConfigError(f"config.indexer_types: {str(types)[:200]}: layers that share another layer's top-k "
+                          f"are not supported by the engine; supported: every layer 'full'")
+    if pattern is not None and any(c not in ("F", "full") for c in pattern):
+        raise ConfigError(f"config.index_topk_pattern: {str(pattern)[:200]}: shared top-k layers are not supported "
+                          f"by the engine; supported: every layer 'F'")
+    if freq != 1:
+        raise ConfigError(f"config.index_topk_freq: {freq}: shared top-k layers are not supported by the engine; "
+                          f"supported: 1")
+    return {"index_rope_interleave": True}
+
+
 def _sparse_attention_fields(d: dict) -> dict:
     """DeepSeek-V3.2's indexer fields, and the fields transformers' V3.2 does not read refused where they would
     change the arithmetic: its MLA always has a query latent and interleaved rope, and its dense layers are the
     first first_k_dense_replace (mlp_layer_types spells the same, when given)."""
     if d.get("q_lora_rank") is None:
-        raise ConfigError("config.q_lora_rank: DeepseekV32ForCausalLM needs a query latent (its indexer reads it)")
+        raise ConfigError("config.q_lora_rank: sparse attention needs a query latent (its indexer reads it)")
     if d.get("rope_interleave") is False:
-        raise ConfigError("config.rope_interleave: False not supported; DeepSeek-V3.2 runs True")
+        raise ConfigError("config.rope_interleave: False not supported; DeepSeek-V3.2 and GLM-5 run True")
     if _get(d, "moe_layer_freq", 1, int) != 1:
         raise ConfigError(f"config.moe_layer_freq: {d['moe_layer_freq']} not supported; DeepSeek-V3.2 runs 1")
     n_layers, first_dense = _get(d, "num_hidden_layers", kind=int), _get(d, "first_k_dense_replace", 0, int)
@@ -243,7 +268,7 @@ class DeepseekV3DecoderLayer(DecoderLayer):
         indexer = None
         if cfg.index_topk:   # DeepSeek-V3.2
             indexer = SparseIndexer(cfg.hidden_size, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim,
-                                    cfg.qk_rope_head_dim, cfg.index_topk, dtype)
+                                    cfg.qk_rope_head_dim, cfg.index_topk, dtype, cfg.index_rope_interleave)
         attn = MultiHeadLatentAttention(
             cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
             cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.rope, rope_interleave=cfg.rope_interleave,
@@ -281,6 +306,13 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     Not the fused architecture (DESIGN 5.2): its shared expert runs unfused."""
 
     ARCHITECTURE = "DeepseekV32ForCausalLM"
+
+
+class GlmMoeDsaForCausalLM(DeepseekV3ForCausalLM):
+    """GLM-5: V3.2's model (DeepSeek-V3's MoE, MLA with the sparse attention indexer) whose indexer rotates
+    interleaved pairs. Its own fused architecture (as SGLang's): its shared expert fuses where the gate allows."""
+
+    ARCHITECTURE = "GlmMoeDsaForCausalLM"
 
 
 class KimiK25ForConditionalGeneration(TextOnlyWrapper):

@@ -85,6 +85,8 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "DeepseekV3ForCausalLM": Direct("deepseek"),
     # V3.2: V3's family and gate; not the fused architecture, so never fused (DESIGN 5.2, condition 4)
     "DeepseekV32ForCausalLM": Direct("deepseek"),
+    # GLM-5: V3.2's model; the DeepSeek gate with its own fused architecture, as SGLang's GlmMoeDsaForCausalLM
+    "GlmMoeDsaForCausalLM": Direct("deepseek", fused_architecture="GlmMoeDsaForCausalLM"),
     "DeepseekV3ForCausalLMNextN": Direct("deepseek_nextn", fused_architecture="DeepseekV3ForCausalLMNextN"),
     "Glm4MoeForCausalLM": Direct("glm4_moe"),
     "Glm4MoeForCausalLMNextN": Direct("glm4_moe_nextn", fused_architecture="Glm4MoeForCausalLMNextN"),

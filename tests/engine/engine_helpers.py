@@ -134,6 +134,17 @@ def make_deepseek_v32_checkpoint(path: Path, *, seed: int = 0, **config) -> Path
     return _save_random_model(path, "DeepseekV32", seed, dict(DEEPSEEK_V32_TINY, **config))
 
 
+# GLM-5 (GLM-MoE-DSA): DEEPSEEK_TINY's sizes (256 experts: its fusion gate passes) with V3.2's indexer sizes.
+GLM_MOE_DSA_TINY = dict(DEEPSEEK_TINY, index_n_heads=8, index_head_dim=16, index_topk=4, rope_theta=10000.0,
+                        n_group=1, topk_group=1)
+
+
+def make_glm_moe_dsa_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random GLM-5 of GLM_MOE_DSA_TINY updated with `config` (transformers' GlmMoeDsaConfig kwargs),
+    routing bias included."""
+    return _save_random_model(path, "GlmMoeDsa", seed, dict(GLM_MOE_DSA_TINY, **config))
+
+
 def make_deepseek_mtp_checkpoint(path: Path, *, seed: int = 0, **config) -> tuple[Path, Path]:
     return make_mtp_checkpoint(path, "DeepseekV3", seed=seed, **config)
 

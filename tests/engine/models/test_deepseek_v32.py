@@ -66,8 +66,8 @@ def test_the_indexer_chooses_and_with_every_key_kept_it_is_dense_mla(ckpt, ids, 
 
 
 @pytest.mark.parametrize("overrides, match", [
-    ({"q_lora_rank": None}, r"config\.q_lora_rank: DeepseekV32ForCausalLM needs a query latent"),
-    ({"rope_interleave": False}, r"config\.rope_interleave: False not supported; DeepSeek-V3\.2 runs True"),
+    ({"q_lora_rank": None}, r"config\.q_lora_rank: sparse attention needs a query latent"),
+    ({"rope_interleave": False}, r"config\.rope_interleave: False not supported; DeepSeek-V3\.2 and GLM-5 run True"),
     ({"index_topk": 0}, r"config\.index_topk: must be >= 1, got 0"),
     ({"index_head_dim": 4}, r"config\.index_head_dim: 4 must hold qk_rope_head_dim=8"),
     ({"mlp_layer_types": ["dense", "dense", "sparse"]},

@@ -30,6 +30,7 @@ LLAMA4 = "Llama4ForCausalLM"
 QWEN3_NEXT = "Qwen3NextForCausalLM"
 QWEN3_5_MOE = "Qwen3_5MoeForConditionalGeneration"
 DEEPSEEK_V32 = "DeepseekV32ForCausalLM"
+GLM_MOE_DSA = "GlmMoeDsaForCausalLM"
 
 # engine_helpers' tiny DeepSeek-V3 (256 routed experts: the fusion gate passes) with the default rope.
 DEEPSEEK_TINY = dict(engine_helpers.DEEPSEEK_TINY, rope_theta=10000.0)
@@ -58,6 +59,8 @@ def make_model(path: Path, arch: str, seed: int = 0) -> str:
         make_llama4_checkpoint(path, seed=seed)
     elif arch == QWEN3_NEXT:
         make_qwen3_next_checkpoint(path, seed=seed)
+    elif arch == GLM_MOE_DSA:
+        engine_helpers.make_glm_moe_dsa_checkpoint(path, seed=seed)
     elif arch == DEEPSEEK_V32:
         engine_helpers.make_deepseek_v32_checkpoint(path, seed=seed)
     elif arch == QWEN3_5_MOE:

@@ -1,6 +1,6 @@
 """Expert parallelism on 2 gloo ranks: every backend of the registry's table gives the single-process
 logits and greedy tokens (Qwen3-MoE, Mixtral, OLMoE, gpt-oss, MiniMax-M2, Llama 4, Qwen3-Next, Qwen3.5-MoE,
-DeepSeek-V2/V3/V3.2 and V3's NextN draft, GLM-4-MoE), fused and
+DeepSeek-V2/V3/V3.2 and V3's NextN draft, GLM-4-MoE, GLM-5), fused and
 unfused where the plan allows; a forced post-experts all-reduce on the a2a path (the double-reduction
 bug of DESIGN 1) is visible in the logits.
 
@@ -15,8 +15,8 @@ from loadplan.engine.parallel.launch import launch
 from loadplan.plan import Keys
 from loadplan.service.rules.backends import BACKENDS
 
-from parallel_helpers import (DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, GLM4, GPT_OSS, LLAMA4, MINIMAX_M2, MIXTRAL,
-                              OLMOE, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, make_model, single_process)
+from parallel_helpers import (DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, GLM4, GLM_MOE_DSA, GPT_OSS, LLAMA4, MINIMAX_M2,
+                              MIXTRAL, OLMOE, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, make_model, single_process)
 
 EP = 2
 N_NEW = 4
@@ -157,10 +157,14 @@ def test_every_backend_on_two_ranks_matches_one_process_and_sees_a_double_reduct
         assert wrong > 1e-2, "an extra all-reduce after the a2a combine must change the logits"
 
 
-def test_deepseek_v3_every_backend_fused_and_unfused_on_two_ranks_matches_one_process(deepseek):
+@pytest.mark.parametrize("arch", [DEEPSEEK, GLM_MOE_DSA])
+def test_deepseek_v3_and_glm5_every_backend_fused_and_unfused_on_two_ranks_matches_one_process(deepseek, tmp_path,
+                                                                                             arch):
+    """GLM-5: V3.2's sparse attention (whole on each rank) over DeepSeek-V3's MoE, its own fused architecture."""
+    path = deepseek if arch == DEEPSEEK else make_model(tmp_path, arch)
     ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(4))
-    ref_logits, ref_tokens = single_process(deepseek, ids, N_NEW, disable_shared_experts_fusion=True)
-    results = launch(EP, _ep_ranks, deepseek, ids, ("enforce", "disable"), "deepep", timeout_s=240)
+    ref_logits, ref_tokens = single_process(path, ids, N_NEW, disable_shared_experts_fusion=True)
+    results = launch(EP, _ep_ranks, path, ids, ("enforce", "disable"), "deepep", timeout_s=240)
     # DESIGN 5.1/5.2 with ep_size=2 on the torch runner: fusion holds where a fused slot can live on every rank.
     assert FUSED_UNDER_EP == {"none", "deepep", "mooncake", "mori", "megamoe"}
     by_rank = _check(results, ref_logits, ref_tokens, FUSED_UNDER_EP)

@@ -1,7 +1,8 @@
 """Tensor parallelism on gloo ranks: each rank holds its share of the attention heads, the dense MLP's
 and every expert's intermediate features (checked on the built layers), and TP=2 gives the single
 process's logits and greedy tokens for Qwen3-MoE (a dense layer and o_proj's bias included), Mixtral, OLMoE,
-Qwen2-MoE, GLM-4-MoE, DeepSeek-V3, -V3.2 (sparse attention) and -V2 (Multi-head Latent Attention),
+Qwen2-MoE, GLM-4-MoE, DeepSeek-V3, -V3.2 (sparse attention), GLM-5 and DeepSeek-V2 (Multi-head Latent
+Attention),
 Qwen3-Next and Qwen3.5-MoE (linear attention), shared experts
 fused and unfused; TP=2 x PP=2 too; DeepSeek-V3's NextN draft on TP ranks drafts as on one process.
 EP 2 x TP 2 on 4 ranks too. Every a2a backend on TP 2 and on EP 2 x TP 2: experts whole on each TP
@@ -18,8 +19,8 @@ from loadplan.plan import Keys
 from loadplan.service.rules.backends import BACKENDS
 
 from engine_helpers import LocalRegistry, make_checkpoint
-from parallel_helpers import (DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, GLM4, GPT_OSS, LLAMA4, MINIMAX_M2, MIXTRAL,
-                              OLMOE, QWEN2, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, make_model, single_process)
+from parallel_helpers import (DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, GLM4, GLM_MOE_DSA, GPT_OSS, LLAMA4, MINIMAX_M2,
+                              MIXTRAL, OLMOE, QWEN2, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, make_model, single_process)
 
 N_NEW = 4
 TOL = 1e-4
@@ -31,7 +32,7 @@ CASES = [("qwen3", QWEN3, None), ("qwen2", QWEN2, "enforce"), ("qwen2", QWEN2, "
          ("deepseek", DEEPSEEK, "disable"), ("deepseek_v2", DEEPSEEK_V2, None), ("mixtral", MIXTRAL, None),
          ("olmoe", OLMOE, None), ("gpt_oss", GPT_OSS, None), ("minimax_m2", MINIMAX_M2, None),
          ("llama4", LLAMA4, None), ("qwen3_next", QWEN3_NEXT, None), ("qwen3_5_moe", QWEN3_5_MOE, None),
-         ("deepseek_v32", DEEPSEEK_V32, None)]
+         ("deepseek_v32", DEEPSEEK_V32, None), ("glm_moe_dsa", GLM_MOE_DSA, "enforce")]
 
 
 def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
@@ -97,6 +98,7 @@ def paths(tmp_path_factory):
         "qwen3_next": make_model(tmp_path_factory.mktemp("qwen3_next"), QWEN3_NEXT),
         "qwen3_5_moe": make_model(tmp_path_factory.mktemp("qwen3_5_moe"), QWEN3_5_MOE),
         "deepseek_v32": make_model(tmp_path_factory.mktemp("deepseek_v32"), DEEPSEEK_V32),
+        "glm_moe_dsa": make_model(tmp_path_factory.mktemp("glm_moe_dsa"), GLM_MOE_DSA),
     }
 
 
@@ -152,6 +154,7 @@ def test_two_tp_ranks_give_the_single_process_logits_and_tokens(paths, ids, refe
     # DeepSeek-V3.2: MLA's heads split as V3's, its sparse attention indexer whole on each rank (8 index heads)
     assert by_name["deepseek_v32"]["mla_heads"] == by_name["deepseek"]["mla_heads"]
     assert by_name["deepseek_v32"]["indexer_heads"] == {8} and not by_name["deepseek_v32"]["fused"]
+    assert by_name["glm_moe_dsa"]["indexer_heads"] == {8} and by_name["glm_moe_dsa"]["fused"]      # GLM-5 fuses
     # MLA: half the heads and their kv_b_proj rows; the latent projection stays whole.
     (heads, kv_b_rows, kv_a_rows), = by_name["deepseek"]["mla_heads"]
     assert (heads, kv_b_rows, kv_a_rows) == (1, 1 * (8 + 12), 16 + 8)     # of 2 heads; nope 8 + v 12; lora 16 + rope 8

@@ -22,6 +22,7 @@ BUILT = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "KimiK25ForConditionalGeneration": "deepseek",
     "DeepseekV32ForCausalLM": "deepseek",
+    "GlmMoeDsaForCausalLM": "deepseek",
     "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3NextForCausalLMMTP": "qwen3_next_nextn",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",

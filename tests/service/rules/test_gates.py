@@ -550,3 +550,15 @@ def test_the_qwen3_next_mtp_draft_plans_its_one_layer_after_the_targets_with_the
     assert_fused(res.decisions[Keys.SHARED_EXPERTS_FUSION], "qwen3_next_nextn")
     assert_off(fusion(qwen3_next(architectures=["Qwen3NextForCausalLMMTP"]), a2a_backend="deepep", ep_size=2),
                "qwen2_moe.deepep_class", "DeepEP-class")
+
+
+def test_glm5_is_the_deepseek_gate_with_its_own_fused_architecture():
+    """GLM-5 (V3.2's model): fused where DeepSeek-V3 would be (SGLang's GlmMoeDsaForCausalLM fix); the structural
+    conditions still hold (e.g. 256 experts)."""
+    cfg = dict(deepseek(), architectures=["GlmMoeDsaForCausalLM"], index_topk=2048, index_n_heads=32,
+               index_head_dim=128)
+    res = resolve(cfg, ep_size=8, ep_rank=5)
+    assert res.family == "deepseek"
+    assert_fused(res.decisions[Keys.SHARED_EXPERTS_FUSION], "deepseek")
+    assert_off(fusion(dict(cfg, n_routed_experts=160), **ENFORCE), "deepseek.structural.n_routed_experts",
+               "n_routed_experts=160")

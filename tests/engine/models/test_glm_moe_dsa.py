@@ -1,0 +1,65 @@
+"""GLM-5 (`GlmMoeDsaForCausalLM`: DeepSeek-V3.2's sparse attention with the indexer's rope pairs interleaved) from
+save_pretrained checkpoints: logits and greedy tokens against transformers, float32, fused (its own fused
+architecture: the DeepSeek gate passes with 256 experts) and unfused; the interleaved pairs shown to matter (V3.2's
+model on the same weights gives other logits); the cross-layer top-k sharing transformers can configure refused by
+field. TP 2 and EP 2 with every backend: tests/engine/parallel."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadplan.engine.models.config import ConfigError
+from loadplan.plan import Keys
+
+from engine_helpers import (check_refused_before_any_plan, hf_greedy, hf_logits_of_order_one, load_local, logits_of,
+                            make_glm_moe_dsa_checkpoint, prompt, with_config)
+
+ARCH = "GlmMoeDsaForCausalLM"
+TOL = 1e-4
+N_NEW = 6
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_glm_moe_dsa_checkpoint(tmp_path_factory.mktemp("glm_moe_dsa"))
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return prompt(T=11)
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt, ids):
+    return hf_logits_of_order_one(ckpt, ARCH, ids)
+
+
+def test_logits_and_greedy_tokens_match_transformers_fused_and_unfused(ckpt, ids, reference):
+    from loadplan.engine.generate import generate
+
+    for fused in (True, False):
+        model = load_local(ckpt, disable_shared_experts_fusion=not fused)
+        fusion = model.plan.decisions[Keys.SHARED_EXPERTS_FUSION]
+        assert fusion.value is fused and fusion.rule == ("deepseek.fused" if fused
+                                                         else "intent.disable_shared_experts_fusion")
+        assert model.model.layers[0].self_attn.indexer.rope_interleave
+        assert (logits_of(model, ids) - reference).abs().max().item() <= TOL
+    assert generate(model, ids[0], N_NEW)[0].tolist() == hf_greedy(ckpt, ARCH, ids[0].tolist(), N_NEW)
+
+
+def test_the_indexers_interleaved_pairs_matter(ckpt, ids, reference, tmp_path):
+    """The same weights read as DeepSeek-V3.2 (rotate-half pairs in the indexer) select other keys."""
+    as_v32 = load_local(with_config(ckpt, tmp_path / "as_v32", architectures=["DeepseekV32ForCausalLM"],
+                                    model_type="deepseek_v32", indexer_types=None))
+    assert not as_v32.model.layers[0].self_attn.indexer.rope_interleave
+    assert (logits_of(as_v32, ids) - reference).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"indexer_types": ["full", "shared", "full"]}, r"config\.indexer_types: .*share another layer's top-k"),
+    ({"index_topk_pattern": "FSF"}, r"config\.index_topk_pattern: FSF: shared top-k layers are not supported"),
+    ({"index_topk_freq": 2}, r"config\.index_topk_freq: 2: shared top-k layers are not supported"),
+    ({"q_lora_rank": None}, r"config\.q_lora_rank: sparse attention needs a query latent"),
+])
+def test_a_config_it_cannot_run_is_refused_by_field_before_any_plan(ckpt, tmp_path, overrides, match):
+    check_refused_before_any_plan(with_config(ckpt, tmp_path / "bad", **overrides), ConfigError, match)
