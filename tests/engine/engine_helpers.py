@@ -155,8 +155,7 @@ def make_mtp_checkpoint(path: Path, family: str, *, seed: int = 0, draft_arch: s
     Multi-Token-Prediction layer, and its NextN draft folder: (target folder, draft folder). transformers' model of
     num_hidden_layers + 1 layers gives the MTP layer's decoder part (layer L = num_hidden_layers, MoE); its MTP
     tensors (enorm, hnorm, eh_proj, shared_head, its own embed_tokens) are added at random; config.json then says
-    L layers and
-    num_nextn_predict_layers 1. The draft folder holds the same tensors (a link) and the config with
+    L layers and num_nextn_predict_layers 1. The draft folder holds the same tensors (a link) and the config with
     architectures [draft_arch] (default f"{family}ForCausalLMNextN"). `path / "hf_with_mtp_layer"` is the same as
     transformers' model of L + 1 layers (for a reference of the MTP layer's decoder part)."""
     from safetensors.torch import load_file, save_file
