@@ -98,7 +98,9 @@ class DeepseekV3Config:
         v32 = architecture in SPARSE_ATTENTION_ARCHITECTURES or (
             architecture == "DeepseekV3ForCausalLMNextN" and d.get("index_topk") is not None)
         index = _sparse_attention_fields(d) if v32 else {}
-        if architecture == "GlmMoeDsaForCausalLM":
+        # GLM-5's indexer, and its MTP layer's (SGLang plans a GLM-5 draft as DeepseekV3ForCausalLMNextN too: its
+        # config still says model_type glm_moe_dsa).
+        if architecture == "GlmMoeDsaForCausalLM" or (v32 and d.get("model_type") == "glm_moe_dsa"):
             index.update(_glm5_indexer_fields(d))
         hidden_act = _get(d, "hidden_act", "silu", str)
         activation(hidden_act)  # refuses unknown activations by name

@@ -609,6 +609,8 @@ def hf_mtp(root: Path, target: Path, ids: torch.Tensor, arch: str, w: dict | Non
     mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
     x = full.model.layers[L](x, attention_mask=mask, position_ids=pos,
                              position_embeddings=full.model.rotary_emb(x, pos))
+    if isinstance(x, tuple):          # GLM-MoE-DSA's layer also returns its top-k selection
+        x = x[0]
     out = norm(w[p + "shared_head.norm.weight"])(x)
     return h, F.linear(out, w[p + "shared_head.head.weight"]), out
 

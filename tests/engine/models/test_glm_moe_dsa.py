@@ -2,17 +2,21 @@
 save_pretrained checkpoints: logits and greedy tokens against transformers, float32, fused (its own fused
 architecture: the DeepSeek gate passes with 256 experts) and unfused; the interleaved pairs shown to matter (V3.2's
 model on the same weights gives other logits); the cross-layer top-k sharing transformers can configure refused by
-field. TP 2 and EP 2 with every backend: tests/engine/parallel."""
+field. Its MTP layer as a NextN draft (DeepseekV3ForCausalLMNextN over a GLM-5 config, as SGLang plans it) keeps
+the interleaved pairs. TP 2 and EP 2 with every backend: tests/engine/parallel."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from loadplan.engine.models.config import ConfigError
 from loadplan.plan import Keys
 
-from engine_helpers import (check_refused_before_any_plan, hf_greedy, hf_logits_of_order_one, load_local, logits_of,
-                            make_glm_moe_dsa_checkpoint, prompt, with_config)
+from engine_helpers import (GLM_MOE_DSA_TINY, check_refused_before_any_plan,
+                            check_speculative_gives_the_targets_greedy_tokens, hf_greedy, hf_logits_of_order_one,
+                            hf_mtp, load_local, logits_of, make_glm_moe_dsa_checkpoint, make_mtp_checkpoint, prompt,
+                            target_hidden_states, with_config)
 
 ARCH = "GlmMoeDsaForCausalLM"
 TOL = 1e-4
@@ -63,3 +67,19 @@ def test_the_indexers_interleaved_pairs_matter(ckpt, ids, reference, tmp_path):
 ])
 def test_a_config_it_cannot_run_is_refused_by_field_before_any_plan(ckpt, tmp_path, overrides, match):
     check_refused_before_any_plan(with_config(ckpt, tmp_path / "bad", **overrides), ConfigError, match)
+
+
+def test_its_mtp_layer_as_a_nextn_draft_keeps_the_interleaved_indexer(tmp_path):
+    root = tmp_path / "mtp"
+    root.mkdir()
+    target_dir, draft_dir = make_mtp_checkpoint(root, "GlmMoeDsa", draft_arch="DeepseekV3ForCausalLMNextN",
+                                                **GLM_MOE_DSA_TINY)
+    ids = prompt(B=1, T=10)
+    h_ref, logits_ref, out_ref = hf_mtp(root, target_dir, ids, ARCH)
+    h = target_hidden_states(target_dir, ids, ARCH, h_ref, 1e-3)
+    draft = load_local(draft_dir, role="speculative")
+    assert draft.mtp.self_attn.indexer.rope_interleave
+    with torch.no_grad():
+        logits, out = draft.logits_and_hidden(ids[:, 1:], hidden_states=h[:, :-1])
+    assert (logits - logits_ref).abs().max().item() <= 1e-3 and (out - out_ref).abs().max().item() <= 1e-3
+    check_speculative_gives_the_targets_greedy_tokens(target_dir, draft_dir, ids, 2)
