@@ -675,6 +675,20 @@ def target_hidden_states(target_dir: Path, ids: torch.Tensor, arch: str, h_ref: 
     return h
 
 
+def check_nextn_draft(draft_dir: Path, ids: torch.Tensor, h: torch.Tensor, reference: tuple, atol: float,
+                      **load_kw):
+    """The NextN draft at `draft_dir` (loaded with `load_kw`) drafting from the engine target's hidden states `h`
+    gives `reference`'s logits and output (transformers' pieces composed as the module, e.g. `hf_mtp`):
+    returns (the draft, its logits)."""
+    _, logits_ref, out_ref = reference
+    draft = load_local(draft_dir, role="speculative", **load_kw)
+    with torch.no_grad():
+        logits, out = draft.logits_and_hidden(ids[:, 1:], hidden_states=h[:, :-1])
+    assert (logits - logits_ref).abs().max().item() <= atol
+    assert (out - out_ref).abs().max().item() <= atol
+    return draft, logits
+
+
 def check_speculative_gives_the_targets_greedy_tokens(target_dir: Path, draft_dir: Path, ids: torch.Tensor,
                                                       k: int) -> None:
     from loadplan.engine.generate import generate

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_helpers import (QWEN3_NEXT_TINY, check_speculative_gives_the_targets_greedy_tokens, hf_reference,
-                            load_local, make_qwen3_next_mtp_checkpoint, prompt, target_hidden_states)
+from engine_helpers import (QWEN3_NEXT_TINY, check_nextn_draft, check_speculative_gives_the_targets_greedy_tokens,
+                            hf_reference, load_local, make_qwen3_next_mtp_checkpoint, prompt, target_hidden_states)
 
 ARCH = "Qwen3NextForCausalLM"
 L = QWEN3_NEXT_TINY["num_hidden_layers"]
@@ -63,17 +63,13 @@ def test_fused_and_unfused_match_transformers_qwen3_next_composed_as_the_module(
     h = target_hidden_states(target_dir, ids, ARCH, h_ref, ATOL)
     got = {}
     for fused in (True, False):
-        draft = load_local(draft_dir, role="speculative", disable_shared_experts_fusion=not fused)
+        draft, got[fused] = check_nextn_draft(draft_dir, ids, h, (h_ref, logits_ref, out_ref), ATOL,
+                                              disable_shared_experts_fusion=not fused)
         d = draft.plan.decisions
         assert (draft.plan.entry_class, d["model.family"].value) == ("Qwen3NextForCausalLMMTP", "qwen3_next_nextn")
         assert d["moe.shared_experts_fusion"].value is fused and d["pp.layer_range"].value == [L, L + 1]
         assert draft.mtp.mlp.experts.gate_up_proj.shape[0] == (9 if fused else 8)
         assert draft.mtp.self_attn.output_gate and draft.rotary.rotary_dim == 4     # Qwen3-Next's attention
-        with torch.no_grad():
-            logits, out = draft.logits_and_hidden(ids[:, 1:], hidden_states=h[:, :-1])
-        assert (logits - logits_ref).abs().max().item() <= ATOL
-        assert (out - out_ref).abs().max().item() <= ATOL
-        got[fused] = logits
     assert (got[True] - got[False]).abs().max().item() <= 1e-4
 
 
