@@ -125,30 +125,30 @@ class LinearStateCache(nn.Module):
             if int(self.state_pos[slot]) != start - 1:
                 raise self._lost(start - 1, start)
             state = self.states[slot, :batch]
+        # As the sliding-window KV cache checks its ring (layers/kv_cache.py): one comparison, no per-slot syncs.
+        needed = torch.arange(max(0, start - self.kernel + 1), start, device=self.conv_pos.device)
+        slots = needed % self.conv_pos.numel()
+        held = self.conv_pos[slots]
+        if not torch.equal(held, needed):
+            raise self._lost(int(needed[held != needed][0]), start)
         prefix = torch.zeros(batch, self.conv.shape[1], self.kernel - 1, dtype=self.conv.dtype,
                              device=self.conv.device)
-        for j, p in enumerate(range(start - self.kernel + 1, start)):
-            if p < 0:
-                continue
-            slot = p % self.conv_pos.numel()
-            if int(self.conv_pos[slot]) != p:
-                raise self._lost(p, start)
-            prefix[:, :, j] = self.conv[:batch, :, slot]
+        prefix[:, :, self.kernel - 1 - needed.numel():] = self.conv[:batch, :, slots]   # zeros before position 0
         return prefix, state
 
     def write(self, start: int, inputs: torch.Tensor, states: torch.Tensor) -> None:
         """inputs [B, C, T] at positions start .. start+T-1; states [n, B, ...]: the states after the last n of them."""
         B, _, T = inputs.shape
         keep = min(T, self.conv_pos.numel())
-        for p in range(start + T - keep, start + T):
-            slot = p % self.conv_pos.numel()
-            self.conv[:B, :, slot] = inputs[:, :, p - start]
-            self.conv_pos[slot] = p
+        positions = torch.arange(start + T - keep, start + T, device=self.conv_pos.device)
+        slots = positions % self.conv_pos.numel()
+        self.conv[:B, :, slots] = inputs[:, :, T - keep:]
+        self.conv_pos[slots] = positions
         n = min(states.shape[0], self.snapshots)
-        for j in range(n):
-            p = start + T - n + j
-            self.states[p % self.snapshots, :B] = states[states.shape[0] - n + j]
-            self.state_pos[p % self.snapshots] = p
+        positions = torch.arange(start + T - n, start + T, device=self.state_pos.device)
+        slots = positions % self.snapshots
+        self.states[slots, :B] = states[states.shape[0] - n:]
+        self.state_pos[slots] = positions
 
     def _lost(self, position: int, start: int) -> RuntimeError:
         return RuntimeError(f"the linear-attention state cache no longer holds position {position}, which a "
