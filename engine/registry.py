@@ -43,6 +43,7 @@ ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "Qwen3NextForCausalLMMTP": ("loadplan.engine.models.qwen3_next_nextn", "Qwen3NextForCausalLMMTP"),
     "Qwen3_5MoeForCausalLM": ("loadplan.engine.models.qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
     "Qwen3_5MoeForConditionalGeneration": ("loadplan.engine.models.qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration"),
+    "Qwen3_5ForCausalLMMTP": ("loadplan.engine.models.qwen3_5_nextn", "Qwen3_5ForCausalLMMTP"),
     "Llama4ForConditionalGeneration": ("loadplan.engine.models.llama4", "Llama4ForConditionalGeneration"),
 }
 

@@ -20,6 +20,17 @@ from ..weights import WeightLayout
 from .config import ConfigError
 
 
+def read_text_config(parse, text_config: dict):
+    """`parse(text_config)`, a refusal naming its field inside text_config (`config.text_config.<field>`)."""
+    try:
+        return parse(text_config)
+    except ConfigError as e:
+        message = str(e)
+        if message.startswith("config.") and not message.startswith("config.text_config"):
+            raise ConfigError("config.text_config." + message.removeprefix("config.")) from None
+        raise
+
+
 class TextOnlyWrapper(nn.Module):
     INNER: type = nn.Module               # the text model's entry class
     TEXT_PREFIX = "language_model."
@@ -37,13 +48,7 @@ class TextOnlyWrapper(nn.Module):
     @classmethod
     def parse_config(cls, hf_config: dict):
         """The inner class's: text_config read as its own, a refusal naming the field inside text_config."""
-        try:
-            return cls.INNER.parse_config(cls._text_config(hf_config))
-        except ConfigError as e:
-            message = str(e)
-            if message.startswith("config.") and not message.startswith("config.text_config"):
-                raise ConfigError("config.text_config." + message.removeprefix("config.")) from None
-            raise
+        return read_text_config(cls.INNER.parse_config, cls._text_config(hf_config))
 
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
         super().__init__()

@@ -31,6 +31,9 @@ class Family:
 class Direct:
     family: str
     fused_architecture: str | None = None   # overrides the family's (a NextN draft declares its own)
+    # Reads its text model's config from `text_config` when the config has one (a multimodal target's
+    # config.json), with the quantization a wrapper hands down; else the config itself.
+    text_config_if_present: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ FAMILIES: dict[str, Family] = {
         Family("qwen3_next", lambda c: layouts.qwen_moe_layout(c, shared=True), gates.qwen2_moe_gate, True),
         Family("qwen3_5_moe", lambda c: layouts.qwen_moe_layout(c, shared=True), gates.qwen2_moe_gate, True),
         Family("qwen3_next_nextn", layouts.qwen_nextn_layout, gates.qwen2_moe_gate, True),
+        Family("qwen3_5_nextn", layouts.qwen_nextn_layout, gates.qwen2_moe_gate, True),
     )
 }
 
@@ -101,6 +105,9 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "Qwen3NextForCausalLM": Direct("qwen3_next"),
     "Qwen3NextForCausalLMMTP": Direct("qwen3_next_nextn"),
     "Qwen3_5MoeForCausalLM": Direct("qwen3_5_moe"),
+    # SGLang's name for the draft of any Qwen3.5 target; its config.json is the target's (the Hub's wrapper
+    # config, its text model's under text_config, or the text model's own)
+    "Qwen3_5ForCausalLMMTP": Direct("qwen3_5_nextn", text_config_if_present=True),
     "Llama4ForConditionalGeneration": Wrapper("Llama4ForCausalLM", "text_config", _top_level_quantization),
     "Qwen3VLMoeForConditionalGeneration": Wrapper("Qwen3MoeForCausalLM", "text_config", _top_level_quantization),
     "KimiK25ForConditionalGeneration": Wrapper("DeepseekV3ForCausalLM", "text_config", _top_level_quantization),
@@ -155,6 +162,9 @@ def resolve_entry(name: str, cfg: ConfigView, explicit_q: str | None,
         cfg = inner
     built = ENTRY_CLASSES[chain[-1]]
     assert isinstance(built, Direct)
+    if built.text_config_if_present and cfg.has("text_config"):
+        quant = _top_level_quantization(cfg, explicit_q, qconfig)
+        cfg = cfg.sub("text_config", f"{chain[-1]} reads its text model's config from it")
     family = FAMILIES[built.family]
     fused = built.fused_architecture or family.fused_architecture or chain[-1]
     return Resolved(chain, family, fused, cfg, quant)

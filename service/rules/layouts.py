@@ -57,9 +57,11 @@ def deepseek_nextn_layout(cfg: ConfigView) -> MoeLayout:
 
 
 def qwen_nextn_layout(cfg: ConfigView) -> MoeLayout:
-    """A Qwen3-Next MTP draft: its num_nextn_predict_layers MoE layers after the target's (Qwen's expert fields)."""
+    """A Qwen3-Next or Qwen3.5 MTP draft: its num_nextn_predict_layers MoE layers after the target's (Qwen's expert
+    fields). Qwen3.5's config.json counts them as mtp_num_hidden_layers."""
     target = qwen_moe_layout(cfg, shared=True)
-    n_nextn = cfg.int("num_nextn_predict_layers", 1, minimum=1, maximum=MAX_LAYERS)
+    count = "num_nextn_predict_layers" if cfg.has("num_nextn_predict_layers") else "mtp_num_hidden_layers"
+    n_nextn = cfg.int(count, 1, minimum=1, maximum=MAX_LAYERS)
     ids = tuple(range(len(target.layer_ids), len(target.layer_ids) + n_nextn))
     return MoeLayout(ids, ids, target.n_routed, target.n_shared, target.top_k)
 

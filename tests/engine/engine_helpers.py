@@ -494,12 +494,25 @@ def make_qwen3_next_mtp_checkpoint(path: Path, *, seed: int = 0) -> tuple[Path, 
     MoE) gives the module's decoder layer, `mtp.layers.0`; its fc and norms are added at random. The draft folder
     holds the same tensors (a link) and the config with architectures ["Qwen3NextForCausalLMMTP"];
     `path / "hf_with_mtp_layer"` is transformers' model of the extra layer (its decoder layer's reference)."""
+    return _make_qwen_mtp_checkpoint(path, make_qwen3_next_checkpoint, ("Qwen3NextForCausalLM",
+                                                                         "Qwen3NextForCausalLMMTP"), seed)
+
+
+def make_qwen3_5_mtp_checkpoint(path: Path, *, seed: int = 0, **config) -> tuple[Path, Path]:
+    """`make_qwen3_next_mtp_checkpoint` for Qwen3.5-MoE's text model (`Qwen3_5MoeForCausalLM`, its draft
+    `Qwen3_5ForCausalLMMTP`) of QWEN3_5_MOE_TINY updated with `config`, experts one by one."""
+    return _make_qwen_mtp_checkpoint(path, make_qwen3_5_moe_checkpoint, ("Qwen3_5MoeForCausalLM",
+                                                                          "Qwen3_5ForCausalLMMTP"), seed, config)
+
+
+def _make_qwen_mtp_checkpoint(path: Path, make, archs: tuple[str, str], seed: int,
+                              config: dict | None = None) -> tuple[Path, Path]:
     from safetensors.torch import load_file, save_file
 
     L = QWEN3_NEXT_TINY["num_hidden_layers"]
     types = ["linear_attention"] * (L - 1) + ["full_attention"]
-    full = make_qwen3_next_checkpoint(path / "hf_with_mtp_layer", seed=seed, num_hidden_layers=L + 1,
-                                      layer_types=types + ["full_attention"])
+    full = make(path / "hf_with_mtp_layer", seed=seed, num_hidden_layers=L + 1, layer_types=types + ["full_attention"],
+                **(config or {}))
     tensors = {name.replace(f"model.layers.{L}.", "mtp.layers.0.", 1): t
                for name, t in load_file(full / "model.safetensors").items()}
     D = QWEN3_NEXT_TINY["hidden_size"]
@@ -513,7 +526,7 @@ def make_qwen3_next_mtp_checkpoint(path: Path, *, seed: int = 0) -> tuple[Path, 
     cfg = dict(json.loads((full / "config.json").read_text()), num_hidden_layers=L, layer_types=types)
     draft.mkdir()
     (draft / "model.safetensors").symlink_to(target / "model.safetensors")
-    for folder, arch in ((target, "Qwen3NextForCausalLM"), (draft, "Qwen3NextForCausalLMMTP")):
+    for folder, arch in zip((target, draft), archs):
         (folder / "config.json").write_text(json.dumps(dict(cfg, architectures=[arch]), indent=2))
     return target, draft
 
@@ -651,16 +664,46 @@ def with_tensors(src: Path, dst: Path, edit) -> Path:
     return dst
 
 
-def check_refused_before_any_plan(path: Path, error: type[Exception], match: str) -> None:
-    """Loading `path` raises `error` (matching `match`) before the registry is asked for a plan."""
+def check_refused_before_any_plan(path: Path, error: type[Exception], match: str, **load_kw) -> None:
+    """Loading `path` (with `load_kw`) raises `error` (matching `match`) before the registry is asked for a plan."""
     import pytest
 
     from loadplan.engine.loader import load_model
 
     registry = LocalRegistry()
     with pytest.raises(error, match=match):
-        load_model(path, registry=registry)
+        load_model(path, registry=registry, **load_kw)
     assert registry.requests == []
+
+
+@torch.no_grad()
+def hf_qwen_mtp(root: Path, target: Path, ids: torch.Tensor, arch: str):
+    """transformers' pieces of `arch` (Qwen3-Next's or Qwen3.5-MoE's text model) composed as the Qwen MTP module,
+    for a `make_qwen3_next_mtp_checkpoint` folder (Qwen's `mtp.*` names), over every position of `ids` but the
+    last: (the target's hidden states after its final norm [1, T, D], logits [1, T-1, V], output [1, T-1, D])."""
+    import torch.nn.functional as F
+    from safetensors.torch import load_file
+
+    h = hf_reference(target, arch).model(ids).last_hidden_state
+    full = hf_reference(root / "hf_with_mtp_layer", arch)                  # layer L: the module's decoder layer
+    w = load_file(target / "model.safetensors")
+
+    def norm(name):
+        n = type(full.model.norm)(w[name].shape[0], eps=full.config.rms_norm_eps)
+        n.weight.data.copy_(w[name])
+        return n
+
+    tokens = ids[:, 1:]
+    T = tokens.shape[1]
+    e = norm("mtp.pre_fc_norm_embedding.weight")(F.embedding(tokens, w["model.embed_tokens.weight"]))
+    x = F.linear(torch.cat((e, norm("mtp.pre_fc_norm_hidden.weight")(h[:, :-1])), dim=-1), w["mtp.fc.weight"])
+    pos = torch.arange(T)[None]
+    mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+    L = full.config.num_hidden_layers - 1
+    x = full.model.layers[L](x, attention_mask=mask, position_ids=pos,
+                             position_embeddings=full.model.rotary_emb(x, pos))
+    out = norm("mtp.norm.weight")(x)
+    return h, F.linear(out, w["lm_head.weight"]), out
 
 
 def target_hidden_states(target_dir: Path, ids: torch.Tensor, arch: str, h_ref: torch.Tensor,

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engine_helpers import (QWEN3_NEXT_TINY, check_nextn_draft, check_speculative_gives_the_targets_greedy_tokens,
-                            hf_reference, load_local, make_qwen3_next_mtp_checkpoint, prompt, target_hidden_states)
+                            hf_qwen_mtp, load_local, make_qwen3_next_mtp_checkpoint, prompt, target_hidden_states)
 
 ARCH = "Qwen3NextForCausalLM"
 L = QWEN3_NEXT_TINY["num_hidden_layers"]
@@ -29,36 +28,9 @@ def ids():
     return prompt(B=1, T=10)
 
 
-@torch.no_grad()
-def hf_qwen3_next_mtp(root, target, ids):
-    """transformers' pieces composed as the module over every position of `ids` but the last: (the target's
-    hidden states after its final norm [1, T, D], logits [1, T-1, V], output [1, T-1, D])."""
-    from safetensors.torch import load_file
-
-    h = hf_reference(target, ARCH).model(ids).last_hidden_state
-    full = hf_reference(root / "hf_with_mtp_layer", ARCH)                  # layer L: the module's decoder layer
-    w = load_file(target / "model.safetensors")
-
-    def norm(name):
-        n = type(full.model.norm)(w[name].shape[0], eps=full.config.rms_norm_eps)
-        n.weight.data.copy_(w[name])
-        return n
-
-    tokens = ids[:, 1:]
-    T = tokens.shape[1]
-    e = norm("mtp.pre_fc_norm_embedding.weight")(F.embedding(tokens, w["model.embed_tokens.weight"]))
-    x = F.linear(torch.cat((e, norm("mtp.pre_fc_norm_hidden.weight")(h[:, :-1])), dim=-1), w["mtp.fc.weight"])
-    pos = torch.arange(T)[None]
-    mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
-    x = full.model.layers[L](x, attention_mask=mask, position_ids=pos,
-                             position_embeddings=full.model.rotary_emb(x, pos))
-    out = norm("mtp.norm.weight")(x)
-    return h, F.linear(out, w["lm_head.weight"]), out
-
-
 def test_fused_and_unfused_match_transformers_qwen3_next_composed_as_the_module(ckpt, ids):
     root, target_dir, draft_dir = ckpt
-    h_ref, logits_ref, out_ref = hf_qwen3_next_mtp(root, target_dir, ids)
+    h_ref, logits_ref, out_ref = hf_qwen_mtp(root, target_dir, ids, ARCH)
     assert 0.5 < logits_ref.abs().max() < 50                   # O(1): the tolerance means something
     h = target_hidden_states(target_dir, ids, ARCH, h_ref, ATOL)
     got = {}

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from loadplan.plan import Keys
+from loadplan.service.errors import InvalidArgument
 from loadplan.service.rules import entries
 
 from ._fixtures import deepseek, fusion, glm4, kimi_k25, qwen2, qwen3, resolve
@@ -550,6 +551,29 @@ def test_the_qwen3_next_mtp_draft_plans_its_one_layer_after_the_targets_with_the
     assert_fused(res.decisions[Keys.SHARED_EXPERTS_FUSION], "qwen3_next_nextn")
     assert_off(fusion(qwen3_next(architectures=["Qwen3NextForCausalLMMTP"]), a2a_backend="deepep", ep_size=2),
                "qwen2_moe.deepep_class", "DeepEP-class")
+
+
+def test_the_qwen3_5_mtp_draft_reads_the_wrappers_text_config_or_its_own():
+    """SGLang plans every Qwen3.5 draft as Qwen3_5ForCausalLMMTP on the target's config.json: the Hub wrapper's (its
+    text model's config under text_config, the quantization at the top) or the text model's own."""
+    text = {k: v for k, v in qwen3_next(num_hidden_layers=40, num_experts=256, num_experts_per_tok=8,
+                                        mtp_num_hidden_layers=1).items()
+            if k not in ("architectures", "decoder_sparse_step", "mlp_only_layers")}
+    wrapped = {"architectures": ["Qwen3_5ForCausalLMMTP"], "text_config": text}
+    flat = dict(text, architectures=["Qwen3_5ForCausalLMMTP"])
+    for cfg in (wrapped, flat):
+        res = resolve(cfg, role="speculative", ep_size=8, ep_rank=3)
+        assert (res.chain, res.family) == (("Qwen3_5ForCausalLMMTP",), "qwen3_5_nextn")
+        assert res.decisions[Keys.PP_LAYER_RANGE].value == [40, 41]
+        assert res.decisions[Keys.NUM_LOCAL_EXPERTS].value == 32
+        assert_fused(res.decisions[Keys.SHARED_EXPERTS_FUSION], "qwen3_5_nextn")
+    assert_off(fusion(dict(wrapped, quantization_config={"quant_method": "w4afp8"})), "qwen2_moe.quantization",
+               "w4afp8")
+    narrower = dict(wrapped, text_config=dict(text, shared_expert_intermediate_size=1024))
+    assert_off(fusion(narrower), "qwen2_moe.structural.intermediate_size", "shared_expert_intermediate_size=1024")
+    with pytest.raises(InvalidArgument) as e:
+        resolve(dict(wrapped, text_config=dict(text, mtp_num_hidden_layers=0)), role="speculative")
+    assert e.value.field == "config.text_config.mtp_num_hidden_layers"
 
 
 def test_glm5_is_the_deepseek_gate_with_its_own_fused_architecture():
