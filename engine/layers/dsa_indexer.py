@@ -14,6 +14,9 @@ rotation of q and k leaves their dot products unchanged and its FP8 scoring is a
 both left out there and here.
 
 Under tensor parallelism the indexer is whole on every rank (it selects keys for all heads alike).
+
+GLM-5 may run the indexer on some layers only ("full"); each other layer ("shared") attends to the keys the
+full layer before it selected in the same forward (`TopKSelection`), as transformers' GLM-MoE-DSA does.
 """
 
 from __future__ import annotations
@@ -63,3 +66,24 @@ class SparseIndexer(nn.Module):
         """The first rope_dim features of t [..., T, d] rotated, the rest as they are."""
         r = self.rope_dim
         return torch.cat([apply_rotary(t[..., :r], cos, sin, interleaved=self.rope_interleave), t[..., r:]], dim=-1)
+
+
+class TopKSelection:
+    """The keys the latest full layer of a forward selected, for the shared layers after it: the model's layers run
+    in order, so a shared layer reads what the full layer before it kept. A mask of another shape (no full layer
+    ran before it in this forward) is refused."""
+
+    def __init__(self):
+        self.mask: torch.Tensor | None = None
+
+    def keep(self, mask: torch.Tensor) -> None:
+        """mask [B, 1, T, S]: the keys each query of the full layer attends to."""
+        self.mask = mask
+
+    def latest(self, B: int, T: int, S: int) -> torch.Tensor:
+        mask = self.mask
+        if mask is None or tuple(mask.shape) != (B, 1, T, S):
+            raise ValueError(f"a shared top-k layer needs the selection of a full layer run before it in this "
+                             f"forward, [B={B}, 1, T={T}, S={S}]; found "
+                             f"{None if mask is None else list(mask.shape)}")
+        return mask

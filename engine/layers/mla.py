@@ -15,7 +15,8 @@ forward with a cache takes the positions `input_pos` of its tokens.
 
 DeepSeek-V3.2 adds DeepSeek Sparse Attention (`indexer`, layers/dsa_indexer.py): each query attends
 only to the keys its lightning indexer picks, scored from the query latent and one index key per token
-(kept in the cache beside the latent).
+(kept in the cache beside the latent). GLM-5 may let a layer without an indexer (`reuses_selection`)
+attend to the keys the full layer before it picked (`selection`, shared by the model's layers).
 
 Under tensor parallelism (`tp`, engine/parallel/tensor.py) a rank holds num_heads / tp_size
 query heads: q_proj / q_b_proj and kv_b_proj are split by output rows (whole heads), o_proj
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.tensor import TensorParallel
-from .dsa_indexer import SparseIndexer
+from .dsa_indexer import SparseIndexer, TopKSelection
 from .norm import RMSNorm
 from .rope import RopeConfig, apply_rotary, softmax_scale
 
@@ -91,6 +92,7 @@ class MultiHeadLatentAttention(nn.Module):
         dtype: torch.dtype | None = None,
         tp: TensorParallel | None = None,
         indexer: SparseIndexer | None = None,
+        reuses_selection: bool = False,
     ):
         super().__init__()
         self.tp = tp = tp or TensorParallel()
@@ -121,6 +123,12 @@ class MultiHeadLatentAttention(nn.Module):
         if indexer is not None and q_lora_rank is None:
             raise ValueError("a sparse indexer reads the query latent: q_lora_rank is needed")
         self.indexer = indexer                       # whole on every TP rank
+        if indexer is not None and reuses_selection:
+            raise ValueError("a layer either runs its own indexer or reuses another layer's selection")
+        self.reuses_selection = reuses_selection
+        # The model's TopKSelection (layers/dsa_indexer.py), when some of its layers reuse another's selection: a
+        # layer with an indexer writes its selection there, a layer that reuses one reads it.
+        self.selection: TopKSelection | None = None
         self.kv_cache: LatentKVCache | None = None  # set by the model's setup_caches
 
     def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype,
@@ -178,6 +186,13 @@ class MultiHeadLatentAttention(nn.Module):
         if self.indexer is not None:
             visible = mask if mask is not None else torch.ones(T, S, dtype=torch.bool, device=x.device).tril()
             mask = self.indexer(x, q_resid, cos, sin, index_keys, visible)[:, None]     # [B, 1, T, S]
+            if self.selection is not None:
+                self.selection.keep(mask)
+        elif self.reuses_selection:
+            if self.selection is None:
+                raise ValueError("this layer reuses the previous full layer's top-k, but no selection is shared "
+                                 "with it (the model sets `selection`)")
+            mask = self.selection.latest(B, T, S)                                        # [B, 1, T, S]
 
         kv = self.kv_b_proj(kv).view(B, S, H, self.qk_nope_head_dim + self.v_head_dim).transpose(1, 2)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)

@@ -31,7 +31,7 @@ from torch import nn
 from ..layers.deepseek_router import DeepseekV3Router
 from ..layers.deepseek_v2_router import TOPK_METHODS as V2_TOPK_METHODS
 from ..layers.deepseek_v2_router import DeepseekV2Router
-from ..layers.dsa_indexer import SparseIndexer
+from ..layers.dsa_indexer import SparseIndexer, TopKSelection
 from ..layers.mla import MultiHeadLatentAttention
 from ..layers.mlp import GatedMLP, activation
 from ..layers.rope import RopeConfig, rope_config_from_hf
@@ -79,6 +79,7 @@ class DeepseekV3Config:
     index_head_dim: int = 0
     index_topk: int = 0
     index_rope_interleave: bool = False # GLM-5's indexer rotates interleaved pairs
+    index_shared_layers: tuple[int, ...] = ()   # GLM-5: layers that reuse the previous full layer's top-k
 
     @classmethod
     def from_hf(cls, d: dict, architecture: str = "DeepseekV3ForCausalLM") -> "DeepseekV3Config":
@@ -101,7 +102,7 @@ class DeepseekV3Config:
         # GLM-5's indexer, and its MTP layer's (SGLang plans a GLM-5 draft as DeepseekV3ForCausalLMNextN too: its
         # config still says model_type glm_moe_dsa).
         if architecture == "GlmMoeDsaForCausalLM" or (v32 and d.get("model_type") == "glm_moe_dsa"):
-            index.update(_glm5_indexer_fields(d))
+            index.update(_glm5_indexer_fields(d, nextn=architecture == "DeepseekV3ForCausalLMNextN"))
         hidden_act = _get(d, "hidden_act", "silu", str)
         activation(hidden_act)  # refuses unknown activations by name
         n_layers = _get(d, "num_hidden_layers", kind=int)
@@ -171,22 +172,51 @@ def routing_fields(d: dict, n_routed: int, *, n_shared_default: int, norm_topk_p
 SPARSE_ATTENTION_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 
 
-def _glm5_indexer_fields(d: dict) -> dict:
-    """GLM-5's indexer: interleaved rope, and every layer its own selection. transformers' GLM-MoE-DSA lets "shared"
-    layers reuse the previous layer's top-k (`indexer_types`, `index_topk_pattern`, `index_topk_freq`): not built."""
-    types = d.get("indexer_types")
-    pattern = d.get("index_topk_pattern")
-    freq = _get(d, "index_topk_freq", 1, int)
-    if types is not None and any(t != "full" for t in types):
-        raise ConfigError(f"config.indexer_types: {str(types)[:200]}: layers that share another layer's top-k "
-                          f"are not supported by the engine; supported: every layer 'full'")
-    if pattern is not None and any(c not in ("F", "full") for c in pattern):
-        raise ConfigError(f"config.index_topk_pattern: {str(pattern)[:200]}: shared top-k layers are not supported "
-                          f"by the engine; supported: every layer 'F'")
-    if freq != 1:
-        raise ConfigError(f"config.index_topk_freq: {freq}: shared top-k layers are not supported by the engine; "
-                          f"supported: 1")
-    return {"index_rope_interleave": True}
+def _glm5_indexer_fields(d: dict, *, nextn: bool) -> dict:
+    """GLM-5's indexer: interleaved rope, and which layers reuse the previous full layer's top-k instead of running
+    their own indexer (transformers' GLM-MoE-DSA: `indexer_types`, else `index_topk_pattern`, else every
+    `index_topk_freq`-th layer from `index_skip_topk_offset` (default 2) full, the rest shared).
+
+    An MTP draft (`nextn`) runs its own indexer: its layer is separate from the target's, so there is no previous
+    layer's selection to reuse; a config that says its layer (number num_hidden_layers) is shared is refused."""
+    n_layers = _get(d, "num_hidden_layers", kind=int)
+    types = _indexer_types(d, n_layers + (1 if nextn else 0), at_least=n_layers)
+    if nextn:
+        if len(types) > n_layers and types[n_layers] == "shared":
+            raise ConfigError(f"config.indexer_types: layer {n_layers} (the MTP layer) is 'shared': the draft cannot "
+                              f"reuse the target's top-k; supported: 'full'")
+        return {"index_rope_interleave": True}
+    return {"index_rope_interleave": True,
+            "index_shared_layers": tuple(i for i, t in enumerate(types[:n_layers]) if t == "shared")}
+
+
+def _indexer_types(d: dict, n: int, at_least: int) -> list[str]:
+    """'full' or 'shared' for each layer as transformers' GlmMoeDsaConfig derives them: `n` layers' from the
+    schedule, or the config's list, which must name `at_least` (an MTP layer it does not name is full)."""
+    types, pattern = d.get("indexer_types"), d.get("index_topk_pattern")
+    if types is not None:
+        field = "indexer_types"
+    elif pattern is not None:
+        field, types = "index_topk_pattern", pattern
+        if isinstance(pattern, str):
+            if set(pattern) - {"F", "S"}:
+                raise ConfigError(f"config.index_topk_pattern: {pattern[:200]!r}: letters F (full) and S (shared) "
+                                  f"only")
+            types = ["full" if c == "F" else "shared" for c in pattern]
+    else:
+        freq = _get(d, "index_topk_freq", 1, int)
+        offset = _get(d, "index_skip_topk_offset", 2, int)
+        if freq < 1:
+            raise ConfigError(f"config.index_topk_freq: must be >= 1, got {freq}")
+        return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+    if not isinstance(types, list) or any(t not in ("full", "shared") for t in types):
+        raise ConfigError(f"config.{field}: {str(types)[:200]}: expected a list of 'full' and 'shared'")
+    if len(types) < at_least:
+        raise ConfigError(f"config.{field}: {len(types)} entries for {at_least} layers")
+    if types[0] == "shared":
+        raise ConfigError(f"config.{field}: layer 0 is 'shared', but a shared layer reuses the top-k of a previous "
+                          f"'full' layer")
+    return types
 
 
 def _sparse_attention_fields(d: dict) -> dict:
@@ -268,13 +298,14 @@ class DeepseekV3DecoderLayer(DecoderLayer):
     def __init__(self, cfg: DeepseekV3Config, plan, layer_id: int, dtype: torch.dtype):
         tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
         indexer = None
-        if cfg.index_topk:   # DeepSeek-V3.2
+        shared = layer_id in cfg.index_shared_layers   # GLM-5: reuses the previous full layer's top-k
+        if cfg.index_topk and not shared:   # DeepSeek-V3.2
             indexer = SparseIndexer(cfg.hidden_size, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim,
                                     cfg.qk_rope_head_dim, cfg.index_topk, dtype, cfg.index_rope_interleave)
         attn = MultiHeadLatentAttention(
             cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
             cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.rope, rope_interleave=cfg.rope_interleave,
-            attention_bias=cfg.attention_bias, dtype=dtype, tp=tp, indexer=indexer)
+            attention_bias=cfg.attention_bias, dtype=dtype, tp=tp, indexer=indexer, reuses_selection=shared)
         if layer_id in cfg.moe_layers:
             mlp = DeepseekV3MoE(cfg, plan, layer_id, dtype)   # its unfused shared experts run replicated
         else:
@@ -294,6 +325,22 @@ class DeepseekV3ForCausalLM(CausalLM):
         cfg = self.parse_config(hf_config)
         super().__init__(cfg, plan, DeepseekV3DecoderLayer, n_routed=cfg.n_routed_experts,
                          rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype)
+        if cfg.index_shared_layers:
+            self._share_selections(cfg)
+
+    def _share_selections(self, cfg: DeepseekV3Config) -> None:
+        """GLM-5's shared layers read the top-k of the full layer before them: one `TopKSelection` for the stage's
+        layers, written by each full layer and read by the shared ones after it. A stage must start at a full
+        layer: the full layer before it runs on another pipeline stage, whose selection is not sent here."""
+        lo, hi = self.layer_range
+        if lo in cfg.index_shared_layers:
+            full = max(i for i in range(lo) if i not in cfg.index_shared_layers)
+            raise ValueError(f"plan's pp.layer_range [{lo}, {hi}) starts at layer {lo}, which reuses the top-k of "
+                             f"layer {full} on the previous pipeline stage (config.indexer_types): not supported; a "
+                             f"stage must start at a layer with its own indexer")
+        selection = TopKSelection()
+        for layer in self.model.layers[lo:hi]:
+            layer.self_attn.selection = selection
 
 
 class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):

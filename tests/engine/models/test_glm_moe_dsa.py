@@ -1,8 +1,9 @@
 """GLM-5 (`GlmMoeDsaForCausalLM`: DeepSeek-V3.2's sparse attention with the indexer's rope pairs interleaved) from
 save_pretrained checkpoints: logits and greedy tokens against transformers, float32, fused (its own fused
 architecture: the DeepSeek gate passes with 256 experts) and unfused; the interleaved pairs shown to matter (V3.2's
-model on the same weights gives other logits); the cross-layer top-k sharing transformers can configure refused by
-field. Its MTP layer as a NextN draft (DeepseekV3ForCausalLMNextN over a GLM-5 config, as SGLang plans it) keeps
+model on the same weights gives other logits); layers that reuse the previous full layer's top-k (transformers'
+indexer_types, index_topk_pattern, index_topk_freq) against transformers too, and what cannot run refused by field.
+Its MTP layer as a NextN draft (DeepseekV3ForCausalLMNextN over a GLM-5 config, as SGLang plans it) keeps
 the interleaved pairs. TP 2 and EP 2 with every backend: tests/engine/parallel."""
 
 from __future__ import annotations
@@ -58,10 +59,38 @@ def test_the_indexers_interleaved_pairs_matter(ckpt, ids, reference, tmp_path):
     assert (logits_of(as_v32, ids) - reference).abs().max().item() > 1e-2
 
 
+@pytest.mark.parametrize("fields, shared", [
+    ({"index_topk_freq": 2}, [2]),                        # every 2nd layer from index_skip_topk_offset 2 is full
+    ({"index_topk_pattern": "FSS"}, [1, 2]),
+    ({"indexer_types": ["full", "shared", "full", "shared"]}, [1]),   # an entry past the layers is the MTP layer's
+])
+def test_layers_that_reuse_the_previous_full_layers_top_k_match_transformers(ids, tmp_path, fields, shared):
+    """A shared layer has no indexer of its own; it attends to the keys the full layer before it picked (index_topk 4
+    of up to 11 visible keys), in the prompt's forward and in every decode step."""
+    from loadplan.engine.generate import generate
+
+    ckpt = make_glm_moe_dsa_checkpoint(tmp_path / "shared", **fields)
+    want = hf_logits_of_order_one(ckpt, ARCH, ids)
+    model = load_local(ckpt)
+    assert [i for i, layer in enumerate(model.model.layers) if layer.self_attn.indexer is None] == shared
+    assert (logits_of(model, ids) - want).abs().max().item() <= TOL
+    assert generate(model, ids[0], N_NEW)[0].tolist() == hf_greedy(ckpt, ARCH, ids[0].tolist(), N_NEW)
+
+
+def test_a_pipeline_stage_cannot_start_at_a_shared_layer(tmp_path):
+    """The full layer whose top-k it would reuse runs on the previous stage, which does not send its selection."""
+    ckpt = make_glm_moe_dsa_checkpoint(tmp_path / "shared", index_topk_pattern="FSS")
+    with pytest.raises(ValueError, match=r"starts at layer \d, which reuses the top-k of layer 0 on the previous "
+                                         r"pipeline stage"):
+        load_local(ckpt, pp_size=2, pp_rank=1)
+
+
 @pytest.mark.parametrize("overrides, match", [
-    ({"indexer_types": ["full", "shared", "full"]}, r"config\.indexer_types: .*share another layer's top-k"),
-    ({"index_topk_pattern": "FSF"}, r"config\.index_topk_pattern: FSF: shared top-k layers are not supported"),
-    ({"index_topk_freq": 2}, r"config\.index_topk_freq: 2: shared top-k layers are not supported"),
+    ({"indexer_types": ["shared", "full", "full"]}, r"config\.indexer_types: layer 0 is 'shared'"),
+    ({"indexer_types": ["full", "sparse", "full"]}, r"config\.indexer_types: .*a list of 'full' and 'shared'"),
+    ({"indexer_types": ["full", "full"]}, r"config\.indexer_types: 2 entries for 3 layers"),
+    ({"indexer_types": None, "index_topk_pattern": "FXF"}, r"config\.index_topk_pattern: 'FXF': letters F"),
+    ({"indexer_types": None, "index_topk_freq": 0}, r"config\.index_topk_freq: must be >= 1, got 0"),
     ({"q_lora_rank": None}, r"config\.q_lora_rank: sparse attention needs a query latent"),
 ])
 def test_a_config_it_cannot_run_is_refused_by_field_before_any_plan(ckpt, tmp_path, overrides, match):
@@ -78,4 +107,9 @@ def test_its_mtp_layer_as_a_nextn_draft_keeps_the_interleaved_indexer(tmp_path):
     h = target_hidden_states(target_dir, ids, ARCH, h_ref, 1e-3)
     draft, _ = check_nextn_draft(draft_dir, ids, h, (h_ref, logits_ref, out_ref), 1e-3)
     assert draft.mtp.self_attn.indexer.rope_interleave
+    # Its layer cannot reuse a top-k: the target's full layer runs in another model.
+    L = GLM_MOE_DSA_TINY["num_hidden_layers"]
+    check_refused_before_any_plan(with_config(draft_dir, tmp_path / "shared", indexer_types=["full"] * L + ["shared"]),
+                                  ConfigError, rf"config\.indexer_types: layer {L} \(the MTP layer\) is 'shared'",
+                                  role="speculative")
     check_speculative_gives_the_targets_greedy_tokens(target_dir, draft_dir, ids, 2)

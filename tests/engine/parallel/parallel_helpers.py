@@ -60,7 +60,8 @@ def make_model(path: Path, arch: str, seed: int = 0) -> str:
     elif arch == QWEN3_NEXT:
         make_qwen3_next_checkpoint(path, seed=seed)
     elif arch == GLM_MOE_DSA:
-        engine_helpers.make_glm_moe_dsa_checkpoint(path, seed=seed)
+        # Its last layer reuses the top-k of the one before it (no indexer of its own): both kinds on every rank.
+        engine_helpers.make_glm_moe_dsa_checkpoint(path, seed=seed, index_topk_freq=2)
     elif arch == DEEPSEEK_V32:
         engine_helpers.make_deepseek_v32_checkpoint(path, seed=seed)
     elif arch == QWEN3_5_MOE:

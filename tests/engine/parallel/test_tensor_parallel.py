@@ -67,6 +67,7 @@ def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
                        for m in mods if isinstance(m, MultiHeadLatentAttention)},
             indexer_heads={m.indexer.wq_b.weight.shape[0] // m.indexer.head_dim for m in mods
                            if isinstance(m, MultiHeadLatentAttention) and m.indexer is not None},
+            reusing=sum(isinstance(m, MultiHeadLatentAttention) and m.reuses_selection for m in mods),
             expert_inter={m.gate_up_proj.shape[1] // 2 for m in mods if isinstance(m, RoutedExperts)},
             dense_inter={m.gate_proj.weight.shape[0] for m in mods if isinstance(m, GatedMLP)},
             proj_norms={(m.q_proj_norm.weight.shape[0], m.k_proj_norm.weight.shape[0]) for m in mods
@@ -155,6 +156,7 @@ def test_two_tp_ranks_give_the_single_process_logits_and_tokens(paths, ids, refe
     assert by_name["deepseek_v32"]["mla_heads"] == by_name["deepseek"]["mla_heads"]
     assert by_name["deepseek_v32"]["indexer_heads"] == {8} and not by_name["deepseek_v32"]["fused"]
     assert by_name["glm_moe_dsa"]["indexer_heads"] == {8} and by_name["glm_moe_dsa"]["fused"]      # GLM-5 fuses
+    assert by_name["glm_moe_dsa"]["reusing"] == 1    # its last layer reuses the top-k of the one before it
     # MLA: half the heads and their kv_b_proj rows; the latent projection stays whole.
     (heads, kv_b_rows, kv_a_rows), = by_name["deepseek"]["mla_heads"]
     assert (heads, kv_b_rows, kv_a_rows) == (1, 1 * (8 + 12), 16 + 8)     # of 2 heads; nope 8 + v 12; lora 16 + rope 8
