@@ -70,8 +70,8 @@ class SparseIndexer(nn.Module):
 
 class TopKSelection:
     """The keys the latest full layer of a forward selected, for the shared layers after it: the model's layers run
-    in order, so a shared layer reads what the full layer before it kept. A mask of another shape (no full layer
-    ran before it in this forward) is refused."""
+    in order, so a shared layer reads what the full layer before it kept (on this pipeline stage, or on an earlier
+    one: the stages hand it on). A mask of another shape (no full layer ran before it in this forward) is refused."""
 
     def __init__(self):
         self.mask: torch.Tensor | None = None
@@ -80,9 +80,10 @@ class TopKSelection:
         """mask [B, 1, T, S]: the keys each query of the full layer attends to."""
         self.mask = mask
 
-    def latest(self, B: int, T: int, S: int) -> torch.Tensor:
+    def latest(self, B: int | None = None, T: int | None = None, S: int | None = None) -> torch.Tensor:
+        """The latest selection [B, 1, T, S], checked to be of that shape when it is given."""
         mask = self.mask
-        if mask is None or tuple(mask.shape) != (B, 1, T, S):
+        if mask is None or (B is not None and tuple(mask.shape) != (B, 1, T, S)):
             raise ValueError(f"a shared top-k layer needs the selection of a full layer run before it in this "
                              f"forward, [B={B}, 1, T={T}, S={S}]; found "
                              f"{None if mask is None else list(mask.shape)}")

@@ -182,6 +182,18 @@ class CausalLM(nn.Module):
             h = self.model.norm(self._layers(input_ids, input_pos, hidden_states))
             return self._head(h), h
 
+    # -- between pipeline stages (engine/parallel/pipeline.py) --------------------
+    def stage_carry(self) -> list[torch.Tensor]:
+        """What this stage's forward leaves for the next stage's besides its hidden states (none here; GLM-5's
+        latest top-k selection: models/deepseek_v3.py)."""
+        return []
+
+    def take_stage_carry(self, tensors: list[torch.Tensor]) -> None:
+        """What the previous stage's `stage_carry` gave, before this stage's forward."""
+        if tensors:
+            raise ValueError(f"pipeline stage {self.layer_range} takes nothing besides hidden states, got "
+                             f"{len(tensors)} more tensors")
+
     def _layers(self, input_ids, input_pos, hidden_states) -> torch.Tensor:
         """This stage's layers over the embedded input_ids, or over hidden_states: [B, T, D]."""
         if self.is_first_stage:

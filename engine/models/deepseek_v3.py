@@ -325,22 +325,28 @@ class DeepseekV3ForCausalLM(CausalLM):
         cfg = self.parse_config(hf_config)
         super().__init__(cfg, plan, DeepseekV3DecoderLayer, n_routed=cfg.n_routed_experts,
                          rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype)
+        self.selection: TopKSelection | None = None
         if cfg.index_shared_layers:
-            self._share_selections(cfg)
+            # GLM-5's shared layers read the top-k of the full layer before them: one selection for the stage's
+            # layers, written by each full layer, read by the shared ones after it, and handed to the next
+            # pipeline stage (whose first layers may be shared).
+            self.selection = TopKSelection()
+            lo, hi = self.layer_range
+            for layer in self.model.layers[lo:hi]:
+                layer.self_attn.selection = self.selection
 
-    def _share_selections(self, cfg: DeepseekV3Config) -> None:
-        """GLM-5's shared layers read the top-k of the full layer before them: one `TopKSelection` for the stage's
-        layers, written by each full layer and read by the shared ones after it. A stage must start at a full
-        layer: the full layer before it runs on another pipeline stage, whose selection is not sent here."""
-        lo, hi = self.layer_range
-        if lo in cfg.index_shared_layers:
-            full = max(i for i in range(lo) if i not in cfg.index_shared_layers)
-            raise ValueError(f"plan's pp.layer_range [{lo}, {hi}) starts at layer {lo}, which reuses the top-k of "
-                             f"layer {full} on the previous pipeline stage (config.indexer_types): not supported; a "
-                             f"stage must start at a layer with its own indexer")
-        selection = TopKSelection()
-        for layer in self.model.layers[lo:hi]:
-            layer.self_attn.selection = selection
+    def stage_carry(self) -> list[torch.Tensor]:
+        if self.selection is None:
+            return []
+        return [self.selection.latest()]                  # [B, 1, T, S]
+
+    def take_stage_carry(self, tensors: list[torch.Tensor]) -> None:
+        if self.selection is None:
+            return super().take_stage_carry(tensors)
+        if len(tensors) != 1:
+            raise ValueError(f"pipeline stage {self.layer_range} takes the previous stage's top-k selection, got "
+                             f"{len(tensors)} tensors")
+        self.selection.keep(tensors[0])
 
 
 class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):

@@ -69,6 +69,12 @@ class TextOnlyWrapper(nn.Module):
     def tie_weights(self) -> None:
         self.language_model.tie_weights()
 
+    def stage_carry(self) -> list[torch.Tensor]:
+        return self.language_model.stage_carry()
+
+    def take_stage_carry(self, tensors: list[torch.Tensor]) -> None:
+        self.language_model.take_stage_carry(tensors)
+
     def setup_caches(self, max_batch_size: int, max_seq_len: int, lookahead: int = 0) -> None:
         self.language_model.setup_caches(max_batch_size, max_seq_len, lookahead)
 

@@ -10,6 +10,8 @@ decoding loops run in lockstep):
     middle stage:  recv hidden states -> its layers -> send
     last stage:    recv -> its layers -> norm + head = logits
     then the last stage broadcasts the logits over the PP group.
+A stage may hand the next more than its hidden states (`stage_carry`: GLM-5's latest top-k
+selection, which a stage starting at a layer that reuses it needs).
 
 Broadcasting the logits (rather than only a sampled token) lets any decoding loop
 (greedy `generate`, `speculative_generate`'s verification of K tokens) sample on
@@ -70,7 +72,10 @@ class PipelineModel(nn.Module):
 
         g = self.grid
         device = input_ids.device
-        x = None if g.is_first_stage else recv_tensors(g.prev_stage_rank, device=device)[0]
+        x = None
+        if not g.is_first_stage:
+            x, *carry = recv_tensors(g.prev_stage_rank, device=device)
+            self.stage.take_stage_carry(carry)       # e.g. GLM-5's latest top-k, for a stage's shared layers
         ids = input_ids if x is None else None          # a later stage takes the previous one's hidden states
         if g.is_last_stage and with_hidden:
             logits, hidden = self.stage.logits_and_hidden(ids, input_pos, hidden_states=x)
@@ -78,7 +83,7 @@ class PipelineModel(nn.Module):
             logits, hidden = self.stage(ids, input_pos, hidden_states=x), None
         else:
             out = self.stage(ids, input_pos, hidden_states=x)
-            send_tensors([out], g.next_stage_rank)
+            send_tensors([out, *self.stage.stage_carry()], g.next_stage_rank)
             B, T = input_ids.shape
             logits = torch.empty(B, T, self.vocab_size, dtype=out.dtype, device=device)
             hidden = torch.zeros_like(out)

@@ -2,7 +2,8 @@
 save_pretrained checkpoints: logits and greedy tokens against transformers, float32, fused (its own fused
 architecture: the DeepSeek gate passes with 256 experts) and unfused; the interleaved pairs shown to matter (V3.2's
 model on the same weights gives other logits); layers that reuse the previous full layer's top-k (transformers'
-indexer_types, index_topk_pattern, index_topk_freq) against transformers too, and what cannot run refused by field.
+indexer_types, index_topk_pattern, index_topk_freq) against transformers too (on two pipeline stages:
+tests/engine/parallel/test_pipeline_parallel.py), and what cannot run refused by field.
 Its MTP layer as a NextN draft (DeepseekV3ForCausalLMNextN over a GLM-5 config, as SGLang plans it) keeps
 the interleaved pairs. TP 2 and EP 2 with every backend: tests/engine/parallel."""
 
@@ -75,14 +76,6 @@ def test_layers_that_reuse_the_previous_full_layers_top_k_match_transformers(ids
     assert [i for i, layer in enumerate(model.model.layers) if layer.self_attn.indexer is None] == shared
     assert (logits_of(model, ids) - want).abs().max().item() <= TOL
     assert generate(model, ids[0], N_NEW)[0].tolist() == hf_greedy(ckpt, ARCH, ids[0].tolist(), N_NEW)
-
-
-def test_a_pipeline_stage_cannot_start_at_a_shared_layer(tmp_path):
-    """The full layer whose top-k it would reuse runs on the previous stage, which does not send its selection."""
-    ckpt = make_glm_moe_dsa_checkpoint(tmp_path / "shared", index_topk_pattern="FSS")
-    with pytest.raises(ValueError, match=r"starts at layer \d, which reuses the top-k of layer 0 on the previous "
-                                         r"pipeline stage"):
-        load_local(ckpt, pp_size=2, pp_rank=1)
 
 
 @pytest.mark.parametrize("overrides, match", [

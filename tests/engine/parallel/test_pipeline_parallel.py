@@ -1,5 +1,6 @@
 """Pipeline parallelism on 2 gloo ranks (DESIGN 5.5): PP=2 gives PP=1's logits and greedy tokens for
-Qwen3-MoE, DeepSeek-V3 and Qwen3-Next (linear-attention layers on both stages); each stage holds only its
+Qwen3-MoE, DeepSeek-V3, Qwen3-Next (linear-attention layers on both stages) and GLM-5 (its second stage's one
+layer reuses the top-k its first stage's last layer picked, handed on with the hidden states); each stage holds only its
 layers (placeholders without mlp elsewhere), its EPLB descriptors hold only its MoE layers keyed by global id,
 and a rebalance on a stage moves only its own experts and leaves the logits unchanged (that it evens the load
 over EP ranks: test_worker.py).
@@ -13,7 +14,7 @@ import torch
 from loadplan.engine.parallel.launch import launch
 from loadplan.plan import Keys
 
-from parallel_helpers import DEEPSEEK, QWEN3, QWEN3_NEXT, make_model, single_process
+from parallel_helpers import DEEPSEEK, GLM_MOE_DSA, QWEN3, QWEN3_NEXT, make_model, single_process
 
 PP = 2
 N_NEW = 4
@@ -51,6 +52,8 @@ def _stages(rank, world_size, paths, ids):
             descriptor=list(model.routed_experts_weights_of_layer), moe_layer_ids=list(stage.moe_layer_ids),
             placeholders=[i for i, layer in enumerate(layers) if isinstance(layer, PPMissingLayer)],
             placeholder_has_mlp=any(hasattr(layer, "mlp") for layer in layers if isinstance(layer, PPMissingLayer)),
+            reusing_top_k=[i for i, layer in enumerate(layers) if getattr(getattr(layer, "self_attn", None),
+                                                                          "reuses_selection", False)],
             has_embed=stage.model.embed_tokens is not None if hasattr(stage, "model") else None,
             has_head=stage.lm_head is not None, logits=logits, logits_after_rebalance=after,
             rebalanced_layers=list(report.layer_ids), before=report.max_over_mean_before,
@@ -62,7 +65,8 @@ def _stages(rank, world_size, paths, ids):
 def paths(tmp_path_factory):
     return {QWEN3: make_model(tmp_path_factory.mktemp("q3"), QWEN3),
             DEEPSEEK: make_model(tmp_path_factory.mktemp("ds"), DEEPSEEK),
-            QWEN3_NEXT: make_model(tmp_path_factory.mktemp("q3n"), QWEN3_NEXT)}
+            QWEN3_NEXT: make_model(tmp_path_factory.mktemp("q3n"), QWEN3_NEXT),
+            GLM_MOE_DSA: make_model(tmp_path_factory.mktemp("glm5"), GLM_MOE_DSA)}
 
 
 def test_two_stages_give_one_stage_logits_and_tokens_and_keep_eplb_to_their_own_layers(paths):
@@ -71,7 +75,7 @@ def test_two_stages_give_one_stage_logits_and_tokens_and_keep_eplb_to_their_own_
     results = launch(PP, _stages, paths, ids, timeout_s=180)
     assert results[0]["timeout_s"] == results[1]["timeout_s"] == 180
     moe_layers = {QWEN3: [0, 1, 2], DEEPSEEK: [1, 2],      # DeepSeek's layer 0 is dense (first_k_dense_replace)
-                  QWEN3_NEXT: [0, 1, 2, 3]}
+                  QWEN3_NEXT: [0, 1, 2, 3], GLM_MOE_DSA: [1, 2]}
     for arch, (ref_logits, ref_tokens) in refs.items():
         s0, s1 = results[0][arch], results[1][arch]
         n_layers = moe_layers[arch][-1] + 1
@@ -88,3 +92,4 @@ def test_two_stages_give_one_stage_logits_and_tokens_and_keep_eplb_to_their_own_
             assert (s["logits_after_rebalance"] - s["logits"]).abs().max().item() <= 1e-5
             assert all(s["after"][i] <= s["before"][i] + 1e-9 for i in own)   # (one EP rank: trivially even)
         assert (s0["has_embed"], s0["has_head"], s1["has_embed"], s1["has_head"]) == (True, False, False, True)
+    assert (results[0][GLM_MOE_DSA]["reusing_top_k"], results[1][GLM_MOE_DSA]["reusing_top_k"]) == ([], [2])
