@@ -2,7 +2,8 @@
 
 1. read config.json (and its quantization: unquantized, or a format read dequantized:
    block-quantized fp8, engine/fp8.py; compressed-tensors' packed integers,
-   engine/compressed_tensors.py; MXFP4, engine/mxfp4.py);
+   engine/compressed_tensors.py; MXFP4, engine/mxfp4.py; GPTQ and AWQ, engine/gptq.py,
+   engine/awq.py);
 2. ask the registry for this runner's plan;
 3. build the model on `meta` with the (guarded) plan passed to its constructor;
 4. load the weights by the plan (engine/weights.py) and assign them, or assign a
@@ -43,6 +44,8 @@ DEQUANTIZED_FORMATS = {
     "fp8": "loadplan.engine.fp8",                                   # block-quantized (DeepSeek-V3/R1)
     "compressed_tensors": "loadplan.engine.compressed_tensors",     # pack-quantized integers (Kimi-K2.5)
     "mxfp4": "loadplan.engine.mxfp4",                               # microscaled FP4 experts (gpt-oss)
+    "gptq": "loadplan.engine.gptq",                                 # GPTQ's packed integers (AutoGPTQ, GPTQModel)
+    "awq": "loadplan.engine.awq",                                   # AWQ's packed 4-bit integers (AutoAWQ gemm)
 }
 SUPPORTED_QUANTIZATIONS = (None, *DEQUANTIZED_FORMATS)
 

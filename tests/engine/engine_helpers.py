@@ -319,6 +319,53 @@ def make_compressed_copies(plain: Path, root: Path, quantization: dict | None = 
     return root / "packed", root / "dequantized", n
 
 
+def quantize_groups(w: torch.Tensor, bits: int, groups: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Asymmetric min-max quantization of w [N, K] with input k in group groups[k]: (q [K, N], zero points
+    [G, N], fp16 scales [G, N], the dequantized weight [N, K] = scale * (q - zero))."""
+    n_groups, top = int(groups.max()) + 1, (1 << bits) - 1
+    wt = w.float().T                                                           # [K, N]
+    lo = torch.stack([wt[groups == g].amin(0) for g in range(n_groups)]).clamp(max=0)
+    hi = torch.stack([wt[groups == g].amax(0) for g in range(n_groups)]).clamp(min=0)
+    scales = ((hi - lo) / top).clamp(min=1e-6).half()
+    zeros = (-lo / scales.float()).round().clamp(0, top).long()
+    q = (wt / scales.float()[groups] + zeros[groups]).round().clamp(0, top).long()
+    return q, zeros, scales, (scales.float()[groups] * (q - zeros[groups])).T.contiguous()
+
+
+def as_int32(words: torch.Tensor) -> torch.Tensor:
+    """Unsigned 32-bit words held in int64 -> the int32 tensor with those bits."""
+    return (words - (words >= 2 ** 31).long() * 2 ** 32).to(torch.int32)
+
+
+def make_packed_linear_copies(plain: Path, root: Path, pack, quantization: dict) -> tuple[Path, Path, int]:
+    """`plain` (one model.safetensors) with every linear layer's matrix (`_quantized`: not the routers, embedding
+    or head) packed by `pack(w) -> (parts by name, dequantized w)` as a GPTQ / AWQ quantizer stores it, with a
+    zero bias beside each layer that had none (as AutoGPTQ writes one): root/"packed" (its config saying
+    `quantization`), and root/"dequantized" (the dequantized weights, a plain checkpoint): (packed, dequantized,
+    how many matrices were packed)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(plain / "model.safetensors")
+    packed, reference, n = {}, {}, 0
+    for name, t in tensors.items():
+        if not _quantized(name, t):
+            packed[name] = reference[name] = t
+            continue
+        module = name.removesuffix(".weight")
+        parts, reference[name] = pack(t)
+        packed.update({f"{module}.{part}": v for part, v in parts.items()})
+        if f"{module}.bias" not in tensors:
+            packed[f"{module}.bias"] = torch.zeros(t.shape[0], dtype=t.dtype)
+        n += 1
+    cfg = json.loads((plain / "config.json").read_text())
+    for folder, weights, cfg_of in ((root / "packed", packed, dict(cfg, quantization_config=quantization)),
+                                    (root / "dequantized", reference, cfg)):
+        folder.mkdir()
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+        (folder / "config.json").write_text(json.dumps(cfg_of))
+    return root / "packed", root / "dequantized", n
+
+
 # GLM-4-MoE: 16 routed experts in 4 groups, one shared expert, q/k/v bias, qk norm, half-rotary heads (the
 # default partial_rotary_factor). The GLM gate has no expert-count condition, so fusion passes at this size.
 GLM4_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,

@@ -211,12 +211,14 @@ def test_quantized_checkpoints_are_refused_after_the_plan(qwen2, tmp_path):
     q = tmp_path / "q"
     q.mkdir()
     cfg = json.loads((path / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "awq"}
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes"}
     (q / "config.json").write_text(json.dumps(cfg))
     reg = LocalRegistry()
-    with pytest.raises(NotImplementedError, match="quantization 'awq' not supported by the engine"):
+    with pytest.raises(NotImplementedError, match=r"quantization 'bitsandbytes' not supported by the engine; "
+                                                  r"supported: none \(unquantized checkpoints\), fp8, "
+                                                  r"compressed_tensors, mxfp4, gptq, awq"):
         load_model(q, registry=reg)
-    assert reg.requests[0].quantization_config == {"quant_method": "awq"}
+    assert reg.requests[0].quantization_config == {"quant_method": "bitsandbytes"}
 
 
 # --- a config the family cannot run is refused before the plan ------------------------------------
@@ -258,7 +260,7 @@ _BAD_CONFIGS = [
      {"index_topk": 0}, "target"),
     ("GlmMoeDsaForCausalLM", "GlmMoeDsaConfig", dict(n_routed_experts=16, moe_intermediate_size=16, index_n_heads=2,
                                                      index_head_dim=64),
-     {"index_topk_freq": 2}, "target"),
+     {"indexer_types": ["shared", "full"]}, "target"),
     ("Glm4MoeForCausalLM", "Glm4MoeConfig", dict(n_routed_experts=16, moe_intermediate_size=16),
      {"moe_layer_freq": 2}, "target"),
     ("DeepseekV3ForCausalLMNextN", "DeepseekV3Config", dict(n_routed_experts=16, moe_intermediate_size=16),
@@ -271,6 +273,11 @@ _BAD_CONFIGS = [
                                                         linear_num_value_heads=4, linear_key_head_dim=8,
                                                         linear_value_head_dim=8),
      {"num_nextn_predict_layers": 2}, "speculative"),
+    ("Qwen3_5ForCausalLMMTP", "Qwen3_5MoeTextConfig", dict(num_experts=8, moe_intermediate_size=16,
+                                                           shared_expert_intermediate_size=16, linear_num_key_heads=2,
+                                                           linear_num_value_heads=4, linear_key_head_dim=8,
+                                                           linear_value_head_dim=8),
+     {"mtp_num_hidden_layers": 2}, "speculative"),
 ]
 
 
