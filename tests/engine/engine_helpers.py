@@ -279,7 +279,7 @@ def make_compressed_copies(plain: Path, root: Path, quantization: dict | None = 
 
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     quantization = quantization or compressed_quantization()
 
@@ -311,12 +311,20 @@ def make_compressed_copies(plain: Path, root: Path, quantization: dict | None = 
         reference[name] = PackedQuantizationCompressor.decompress(parts, scheme)["weight"].to(t.dtype)
         n += 1
     cfg = config if config is not None else json.loads((plain / "config.json").read_text())
+    return (*_save_packed_and_dequantized(root, packed, reference, cfg, quantization), n)
+
+
+def _save_packed_and_dequantized(root: Path, packed: dict, reference: dict, cfg: dict,
+                                 quantization: dict) -> tuple[Path, Path]:
+    """root/"packed" (its config.json saying `quantization`) and root/"dequantized" (a plain checkpoint)."""
+    from safetensors.torch import save_file
+
     for folder, weights, cfg_of in ((root / "packed", packed, dict(cfg, quantization_config=quantization)),
                                     (root / "dequantized", reference, cfg)):
         folder.mkdir()
         save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
         (folder / "config.json").write_text(json.dumps(cfg_of))
-    return root / "packed", root / "dequantized", n
+    return root / "packed", root / "dequantized"
 
 
 def quantize_groups(w: torch.Tensor, bits: int, groups: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -343,7 +351,7 @@ def make_packed_linear_copies(plain: Path, root: Path, pack, quantization: dict)
     zero bias beside each layer that had none (as AutoGPTQ writes one): root/"packed" (its config saying
     `quantization`), and root/"dequantized" (the dequantized weights, a plain checkpoint): (packed, dequantized,
     how many matrices were packed)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     tensors = load_file(plain / "model.safetensors")
     packed, reference, n = {}, {}, 0
@@ -358,12 +366,7 @@ def make_packed_linear_copies(plain: Path, root: Path, pack, quantization: dict)
             packed[f"{module}.bias"] = torch.zeros(t.shape[0], dtype=t.dtype)
         n += 1
     cfg = json.loads((plain / "config.json").read_text())
-    for folder, weights, cfg_of in ((root / "packed", packed, dict(cfg, quantization_config=quantization)),
-                                    (root / "dequantized", reference, cfg)):
-        folder.mkdir()
-        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
-        (folder / "config.json").write_text(json.dumps(cfg_of))
-    return root / "packed", root / "dequantized", n
+    return (*_save_packed_and_dequantized(root, packed, reference, cfg, quantization), n)
 
 
 # GLM-4-MoE: 16 routed experts in 4 groups, one shared expert, q/k/v bias, qk norm, half-rotary heads (the

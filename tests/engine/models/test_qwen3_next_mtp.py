@@ -6,7 +6,6 @@ decoding with it gives the target's greedy tokens, on one process and on two EP 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine_helpers import (QWEN3_NEXT_TINY, check_nextn_draft, check_speculative_gives_the_targets_greedy_tokens,
                             hf_qwen_mtp, load_local, make_qwen3_next_mtp_checkpoint, prompt, target_hidden_states)
