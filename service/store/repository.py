@@ -115,7 +115,7 @@ _JSON_ORDER = {layout: tuple(c for c in cols if c not in _LONG_TEXTS[layout]) + 
                for layout, cols in _ROW_LAYOUTS.items()}
 
 
-def _pg_from_json(table: sa.Table, where: str = "") -> str:
+def _pg_from_json(table: sa.Table, where: str = "", source: str = "jsonb_array_elements(%s::jsonb) AS r") -> str:
     """`INSERT INTO t (cols) SELECT ... FROM jsonb_array_elements(%s::jsonb) AS r`: a whole batch of
     rows in ONE parameter, a JSON array of row arrays (in the table's column order). jsonb, not
     json: the document is parsed once, where json re-parses a row's text for every `->>` (6x the
@@ -127,7 +127,7 @@ def _pg_from_json(table: sa.Table, where: str = "") -> str:
     cols = ", ".join(c.name for c in table.columns)
     order = _JSON_ORDER[table.name]
     fields = ", ".join(_pg_field(order.index(c.name), c) for c in table.columns)
-    return f"INSERT INTO {table.name} ({cols}) SELECT {fields} FROM jsonb_array_elements(%s::jsonb) AS r{where}"
+    return f"INSERT INTO {table.name} ({cols}) SELECT {fields} FROM {source}{where}"
 
 
 def _pg_cast(column: sa.Column) -> str | None:
@@ -177,12 +177,15 @@ def _group_of(layout: str, alias: str) -> str:
 # fails the whole statement (unique violation): nothing written, the batch goes the careful way.
 # The pins' foreign keys to their plans are checked at the end of the statement.
 _PLAN_GROUP = _group_of("plans", "r")
+# The pins' JSON (the first parameter) is parsed once (`pins_in`) for the two places that read it: 5 us of
+# PostgreSQL's CPU a plan less than parsing it twice, measured in batches of 16 new deployments (of ~70).
 _PG_SAVE = (
-    f"WITH new_pins AS ({_PG_INSERT_PINS}), "
+    "WITH pins_in AS MATERIALIZED (SELECT r FROM jsonb_array_elements(%s::jsonb) AS r), "
+    f"new_pins AS ({_pg_from_json(PINS, source='pins_in')} ON CONFLICT (deployment_id, role) DO NOTHING "
+    f"RETURNING deployment_id, role), "
     f"new_plans AS ("
     + _pg_from_json(PLANS, where=(
-        f" WHERE ({_PLAN_GROUP}) NOT IN (SELECT {_group_of('deployment_pins', 'p')} "
-        f"FROM jsonb_array_elements(%s::jsonb) AS p) "
+        f" WHERE ({_PLAN_GROUP}) NOT IN (SELECT {_group_of('deployment_pins', 'p.r')} FROM pins_in AS p) "
         f"OR ({_PLAN_GROUP}) IN (SELECT deployment_id, role FROM new_pins)"))
     + " RETURNING plan_id) SELECT plan_id FROM new_plans")
 # The same for a batch of ONE plan (a lone caller, the latency that counts): its values as plain
@@ -853,7 +856,7 @@ class SqlPlanStore:
         if not pins:   # ranks of known deployments only (the common case): the plans alone
             return FastStatement(writes, left, [], _PG_INSERT_PLANS, (plans_json,))
         pins_json = _json_rows("deployment_pins", [it.pin_row() for it in pins])
-        return FastStatement(writes, left, pins, _PG_SAVE, (pins_json, plans_json, pins_json))
+        return FastStatement(writes, left, pins, _PG_SAVE, (pins_json, plans_json))
 
     @staticmethod
     def fast_outcomes(items: list["_Item"], fast: "FastStatement",
