@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import hashlib
 import uuid
 
 from hypothesis import given, settings
@@ -50,6 +51,19 @@ def test_fingerprints_are_equal_exactly_when_requests_are_equal_but_for_their_id
     b = dataclasses.replace(b, **{name: getattr(a, name) for name in shared})   # often equal, or nearly
     assert (request_fingerprint(a) == request_fingerprint(b)) == same_but_request_id(a, b)
     assert given_fingerprints(a) == request_fingerprint(a)
+
+
+def test_the_fingerprint_is_the_one_stored_plans_carry():
+    """Plans stored by earlier registries carry sha256 of this text (the body's repr, revision "request/2"):
+    a retry with their request id is a replay only if the registry computes the same text, however it
+    computes it."""
+    req = ResolveRequest("r1", "d'1", role="speculative", parallel=Parallel(ep_size=8, ep_rank=3), host="h\u00e9",
+                         config=CONFIG, quantization_config={"quant_method": "fp8"}, quantization="fp8",
+                         runtime=Runtime(a2a_backend="deepep", enable_eplb=True))
+    text = (f"('request/2', '{fingerprint(CONFIG)}', '{fingerprint({'quant_method': 'fp8'})}', "
+            f"(\"d'1\", 'speculative', 'h\u00e9', 'fp8'), (1, 0, 8, 3, 1, 0, 1, 0), "
+            f"('deepep', 'cpu', 'torch', False, False, False, False, True, 0))")
+    assert request_fingerprint(req) == hashlib.sha256(text.encode()).hexdigest()
 
 
 def _changed(value):
