@@ -12,7 +12,8 @@ engine/packed_linear.py describes, GPTQ's way:
   order, not k // group_size).
 Bits 2, 4 and 8 (3-bit values straddle words: refused), group_size -1 (one group a row) or positive. What the
 quantizer left unquantized (embeddings, the routers, the head) is read as it is. GPTQModel's per-module
-overrides (`dynamic`) and other checkpoint formats (marlin, bitblas) are refused by field.
+overrides (`dynamic`), other checkpoint formats (marlin, bitblas; GPTQModel spells the field `format`) and
+words other than int32 (`pack_dtype`) are refused by field.
 """
 
 from __future__ import annotations
@@ -55,9 +56,12 @@ def scheme(quantization_config: Any) -> GptqScheme:
     size = q.get("group_size", -1)
     _require(isinstance(size, int) and not isinstance(size, bool) and (size == -1 or size > 0), "group_size", size,
              "expected -1 (one group per row) or a positive integer")
-    fmt = str(q.get("checkpoint_format") or "gptq").lower()
-    _require(fmt in CHECKPOINT_FORMATS, "checkpoint_format", q.get("checkpoint_format"),
-             f"supported: {', '.join(CHECKPOINT_FORMATS)}")
+    # GPTQModel writes the format as `format` (AutoGPTQ as `checkpoint_format`), and may pack into other words.
+    fmt_field = "checkpoint_format" if q.get("checkpoint_format") or not q.get("format") else "format"
+    fmt = str(q.get(fmt_field) or "gptq").lower()
+    _require(fmt in CHECKPOINT_FORMATS, fmt_field, q.get(fmt_field), f"supported: {', '.join(CHECKPOINT_FORMATS)}")
+    _require(q.get("pack_dtype", "int32") in ("int32", "torch.int32"), "pack_dtype", q.get("pack_dtype"),
+             "supported: int32")
     _require(not q.get("dynamic"), "dynamic", q.get("dynamic"), "per-module overrides are not read (null or {})")
     return GptqScheme(bits, size, CHECKPOINT_FORMATS[fmt])
 

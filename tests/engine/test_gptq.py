@@ -93,6 +93,8 @@ def test_a_gptq_qwen2_moe_matches_transformers_on_its_dequantized_weights_fused_
     ({"group_size": 0}, r"quantization_config\.group_size: 0 not supported"),
     ({"checkpoint_format": "marlin"}, r"quantization_config\.checkpoint_format: 'marlin' not supported"),
     ({"dynamic": {"-:.*experts.*": {}}}, r"quantization_config\.dynamic: .* per-module overrides"),
+    ({"checkpoint_format": None, "format": "bitblas"}, r"quantization_config\.format: 'bitblas' not supported"),
+    ({"pack_dtype": "int16"}, r"quantization_config\.pack_dtype: 'int16' not supported; supported: int32"),
 ])
 def test_a_config_it_cannot_read_is_refused_by_field_before_any_plan(checkpoints, tmp_path, overrides, match):
     packed, _ = checkpoints
@@ -102,8 +104,10 @@ def test_a_config_it_cannot_read_is_refused_by_field_before_any_plan(checkpoints
                                   GptqConfigError, match)
 
 
-def test_scheme_reads_the_defaults():
+def test_scheme_reads_the_defaults_and_gptqmodels_spelling():
     assert scheme({"quant_method": "gptq", "bits": 8}) == GptqScheme(8, -1, 1)
+    assert scheme({"quant_method": "gptq", "bits": 4, "group_size": 128, "format": "gptq_v2",
+                   "pack_dtype": "int32"}) == GptqScheme(4, 128, 0)
 
 
 def test_a_layer_missing_a_part_or_of_mismatched_parts_is_named():
