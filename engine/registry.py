@@ -30,6 +30,7 @@ ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "GlmMoeDsaForCausalLM": ("loadplan.engine.models.deepseek_v3", "GlmMoeDsaForCausalLM"),
     "DeepseekV3ForCausalLMNextN": ("loadplan.engine.models.deepseek_nextn", "DeepseekV3ForCausalLMNextN"),
     "Glm4MoeForCausalLM": ("loadplan.engine.models.glm4_moe", "Glm4MoeForCausalLM"),
+    "Dots1ForCausalLM": ("loadplan.engine.models.dots1", "Dots1ForCausalLM"),
     "Glm4MoeForCausalLMNextN": ("loadplan.engine.models.glm4_moe_nextn", "Glm4MoeForCausalLMNextN"),
     "KimiK25ForConditionalGeneration": ("loadplan.engine.models.deepseek_v3", "KimiK25ForConditionalGeneration"),
     "MixtralForCausalLM": ("loadplan.engine.models.mixtral", "MixtralForCausalLM"),

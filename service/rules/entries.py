@@ -92,6 +92,9 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     # GLM-5: V3.2's model; the DeepSeek gate with its own fused architecture, as SGLang's GlmMoeDsaForCausalLM
     "GlmMoeDsaForCausalLM": Direct("deepseek", fused_architecture="GlmMoeDsaForCausalLM"),
     "DeepseekV3ForCausalLMNextN": Direct("deepseek_nextn", fused_architecture="DeepseekV3ForCausalLMNextN"),
+    # dots.llm1: DeepSeek-V3's MoE block (its config names it alike) under Qwen3's attention; the DeepSeek gate,
+    # whose structural conditions never fuse it (not the fused architecture; it ships 2 shared experts)
+    "Dots1ForCausalLM": Direct("deepseek"),
     "Glm4MoeForCausalLM": Direct("glm4_moe"),
     "Glm4MoeForCausalLMNextN": Direct("glm4_moe_nextn", fused_architecture="Glm4MoeForCausalLMNextN"),
     "Qwen2MoeForCausalLM": Direct("qwen2_moe"),

@@ -122,6 +122,20 @@ def _save_random_model(path: Path, family: str, seed: int, config: dict) -> Path
     return path
 
 
+# dots.llm1: DeepSeek-V3's MoE (16 routed experts in 4 groups, top-4, 2 shared experts) under Qwen3's attention
+# (qk norm, 16-wide heads); layer 0 dense.
+DOTS1_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=16, n_shared_experts=2,
+                  num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                  max_position_embeddings=256, rms_norm_eps=1e-6, sliding_window=None)
+
+
+def make_dots1_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random dots.llm1 of DOTS1_TINY updated with `config` (transformers' Dots1Config kwargs), routing bias
+    included."""
+    return _save_random_model(path, "Dots1", seed, dict(DOTS1_TINY, **config))
+
+
 # DeepSeek-V3.2: DEEPSEEK_TINY with its sparse attention indexer (8 index heads of 16, 8 of them rotated) keeping 4
 # keys a query, and the default rope; 16 routed experts (in 8 groups of 2): it is never fused, whatever the count.
 DEEPSEEK_V32_TINY = dict(DEEPSEEK_TINY, n_routed_experts=16, index_n_heads=8, index_head_dim=16, index_topk=4,

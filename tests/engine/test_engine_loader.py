@@ -263,6 +263,8 @@ _BAD_CONFIGS = [
      {"indexer_types": ["shared", "full"]}, "target"),
     ("Glm4MoeForCausalLM", "Glm4MoeConfig", dict(n_routed_experts=16, moe_intermediate_size=16),
      {"moe_layer_freq": 2}, "target"),
+    ("Dots1ForCausalLM", "Dots1Config", dict(n_routed_experts=16, n_shared_experts=2, num_experts_per_tok=4,
+                                             moe_intermediate_size=16), {"partial_rotary_factor": 0.5}, "target"),
     ("DeepseekV3ForCausalLMNextN", "DeepseekV3Config", dict(n_routed_experts=16, moe_intermediate_size=16),
      {"num_nextn_predict_layers": 2}, "speculative"),
     ("Glm4MoeForCausalLMNextN", "Glm4MoeConfig", dict(n_routed_experts=16, moe_intermediate_size=16),

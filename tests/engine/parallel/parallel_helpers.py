@@ -31,6 +31,7 @@ QWEN3_NEXT = "Qwen3NextForCausalLM"
 QWEN3_5_MOE = "Qwen3_5MoeForConditionalGeneration"
 DEEPSEEK_V32 = "DeepseekV32ForCausalLM"
 GLM_MOE_DSA = "GlmMoeDsaForCausalLM"
+DOTS1 = "Dots1ForCausalLM"
 
 # engine_helpers' tiny DeepSeek-V3 (256 routed experts: the fusion gate passes) with the default rope.
 DEEPSEEK_TINY = dict(engine_helpers.DEEPSEEK_TINY, rope_theta=10000.0)
@@ -62,6 +63,8 @@ def make_model(path: Path, arch: str, seed: int = 0) -> str:
     elif arch == GLM_MOE_DSA:
         # Its last layer reuses the top-k of the one before it (no indexer of its own): both kinds on every rank.
         engine_helpers.make_glm_moe_dsa_checkpoint(path, seed=seed, index_topk_freq=2)
+    elif arch == DOTS1:
+        engine_helpers.make_dots1_checkpoint(path, seed=seed)
     elif arch == DEEPSEEK_V32:
         engine_helpers.make_deepseek_v32_checkpoint(path, seed=seed)
     elif arch == QWEN3_5_MOE:

@@ -27,6 +27,7 @@ BUILT = {
     "Qwen3NextForCausalLMMTP": "qwen3_next_nextn",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "Qwen3_5ForCausalLMMTP": "qwen3_5_nextn",
+    "Dots1ForCausalLM": "deepseek",
 }
 
 

@@ -576,6 +576,17 @@ def test_the_qwen3_5_mtp_draft_reads_the_wrappers_text_config_or_its_own():
     assert e.value.field == "config.text_config.mtp_num_hidden_layers"
 
 
+def test_dots1_is_the_deepseek_family_and_never_fused():
+    """dots.llm1's MoE is DeepSeek-V3's (its config names it alike): not the fused architecture (structural, so
+    enforce does not lift it), and it ships two shared experts."""
+    cfg = dict(deepseek(n_shared_experts=2, first_k_dense_replace=1), architectures=["Dots1ForCausalLM"])
+    res = resolve(cfg, ep_size=8, ep_rank=2)
+    assert res.family == "deepseek" and res.decisions[Keys.NUM_LOCAL_EXPERTS].value == 32
+    for kw in ({}, ENFORCE):
+        assert_off(fusion(cfg, **kw), "deepseek.structural.architecture",
+                   "Dots1ForCausalLM is not the fused architecture DeepseekV3ForCausalLM")
+
+
 def test_glm5_is_the_deepseek_gate_with_its_own_fused_architecture():
     """GLM-5 (V3.2's model): fused where DeepSeek-V3 would be (SGLang's GlmMoeDsaForCausalLM fix); the structural
     conditions still hold (e.g. 256 experts)."""
