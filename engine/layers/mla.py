@@ -70,10 +70,12 @@ class LatentKVCache(nn.Module):
         end = int(input_pos.max()) + 1
         return self.kv_cache[:B, :end], self.k_rot_cache[:B, :end]
 
-    def update_index(self, input_pos: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    def update_index(self, input_pos: torch.Tensor, keys: torch.Tensor, end: int) -> torch.Tensor:
+        """The index keys of positions [0, end) once `keys` are written at `input_pos` (`end`: what `update`
+        returned the latent of, so the positions' end is not read back from the device again)."""
         B = keys.shape[0]
         self.index_cache[:B, input_pos] = keys
-        return self.index_cache[:B, :int(input_pos.max()) + 1]
+        return self.index_cache[:B, :end]
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -181,7 +183,7 @@ class MultiHeadLatentAttention(nn.Module):
             kv, k_rot = self.kv_cache.update(input_pos, kv, k_rot)  # [B, S, ...]
             mask = torch.arange(kv.shape[1], device=x.device)[None, :] <= input_pos[:, None]  # [T, S]
             if index_keys is not None:
-                index_keys = self.kv_cache.update_index(input_pos, index_keys)          # [B, S, d]
+                index_keys = self.kv_cache.update_index(input_pos, index_keys, kv.shape[1])   # [B, S, d]
         S = kv.shape[1]
         if self.indexer is not None:
             visible = mask if mask is not None else torch.ones(T, S, dtype=torch.bool, device=x.device).tril()
