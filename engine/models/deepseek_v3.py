@@ -178,21 +178,22 @@ def _glm5_indexer_fields(d: dict, *, nextn: bool) -> dict:
     `index_topk_freq`-th layer from `index_skip_topk_offset` (default 2) full, the rest shared).
 
     An MTP draft (`nextn`) runs its own indexer: its layer is separate from the target's, so there is no previous
-    layer's selection to reuse; a config that says its layer (number num_hidden_layers) is shared is refused."""
+    layer's selection to reuse; a list that names its layer (number num_hidden_layers) shared is refused."""
     n_layers = _get(d, "num_hidden_layers", kind=int)
-    types = _indexer_types(d, n_layers + (1 if nextn else 0), at_least=n_layers)
+    types = _indexer_types(d, n_layers)
     if nextn:
         if len(types) > n_layers and types[n_layers] == "shared":
-            raise ConfigError(f"config.indexer_types: layer {n_layers} (the MTP layer) is 'shared': the draft cannot "
+            field = "indexer_types" if d.get("indexer_types") is not None else "index_topk_pattern"
+            raise ConfigError(f"config.{field}: layer {n_layers} (the MTP layer) is 'shared': the draft cannot "
                               f"reuse the target's top-k; supported: 'full'")
         return {"index_rope_interleave": True}
     return {"index_rope_interleave": True,
             "index_shared_layers": tuple(i for i, t in enumerate(types[:n_layers]) if t == "shared")}
 
 
-def _indexer_types(d: dict, n: int, at_least: int) -> list[str]:
-    """'full' or 'shared' for each layer as transformers' GlmMoeDsaConfig derives them: `n` layers' from the
-    schedule, or the config's list, which must name `at_least` (an MTP layer it does not name is full)."""
+def _indexer_types(d: dict, n: int) -> list[str]:
+    """'full' or 'shared' for each of the `n` layers, as transformers' GlmMoeDsaConfig derives them: from the
+    config's list (which may go on to name an MTP layer after them), else from the schedule."""
     types, pattern = d.get("indexer_types"), d.get("index_topk_pattern")
     if types is not None:
         field = "indexer_types"
@@ -211,8 +212,8 @@ def _indexer_types(d: dict, n: int, at_least: int) -> list[str]:
         return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
     if not isinstance(types, list) or any(t not in ("full", "shared") for t in types):
         raise ConfigError(f"config.{field}: {str(types)[:200]}: expected a list of 'full' and 'shared'")
-    if len(types) < at_least:
-        raise ConfigError(f"config.{field}: {len(types)} entries for {at_least} layers")
+    if len(types) < n:
+        raise ConfigError(f"config.{field}: {len(types)} entries for {n} layers")
     if types[0] == "shared":
         raise ConfigError(f"config.{field}: layer 0 is 'shared', but a shared layer reuses the top-k of a previous "
                           f"'full' layer")

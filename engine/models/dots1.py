@@ -51,8 +51,8 @@ class Dots1Config(Glm4MoeConfig):
                                          max_position_embeddings=d.get("max_position_embeddings", 2048),
                                          rms_norm_eps=d.get("rms_norm_eps", 1e-6), use_qk_norm=True))
         n = glm.num_hidden_layers
-        window = _get(d, "sliding_window", 4096, int) if "sliding_window" not in d or d["sliding_window"] is not None \
-            else None
+        # transformers' default window is 4096; null: no layer slides.
+        window = None if d.get("sliding_window", 4096) is None else _get(d, "sliding_window", 4096, int)
         if window is not None and window < 1:
             raise ConfigError(f"config.sliding_window: must be >= 1, got {window}")
         if d.get("layer_types") is not None:
