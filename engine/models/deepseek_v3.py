@@ -295,6 +295,15 @@ class DeepseekV3MoE(nn.Module):
         return y
 
 
+def moe_or_dense_mlp(cfg, plan, layer_id: int, dtype: torch.dtype, tp: TensorParallel) -> nn.Module:
+    """A DeepSeek-style layer's MLP: `DeepseekV3MoE` on cfg.moe_layers (its unfused shared experts run
+    replicated), else the dense GatedMLP, split over the TP ranks. `cfg`: any config naming those fields
+    (DeepSeek-V3's, GLM-4-MoE's, dots.llm1's)."""
+    if layer_id in cfg.moe_layers:
+        return DeepseekV3MoE(cfg, plan, layer_id, dtype)
+    return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype, tp=tp)
+
+
 class DeepseekV3DecoderLayer(DecoderLayer):
     def __init__(self, cfg: DeepseekV3Config, plan, layer_id: int, dtype: torch.dtype):
         tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
@@ -307,11 +316,8 @@ class DeepseekV3DecoderLayer(DecoderLayer):
             cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
             cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.rope, rope_interleave=cfg.rope_interleave,
             attention_bias=cfg.attention_bias, dtype=dtype, tp=tp, indexer=indexer, reuses_selection=shared)
-        if layer_id in cfg.moe_layers:
-            mlp = DeepseekV3MoE(cfg, plan, layer_id, dtype)   # its unfused shared experts run replicated
-        else:
-            mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype, tp=tp)
-        super().__init__(layer_id, attn, mlp, cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        super().__init__(layer_id, attn, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
+                         cfg.rms_norm_eps, dtype)
 
 
 class DeepseekV3ForCausalLM(CausalLM):

@@ -22,11 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from ..layers.attention import GQAttention
-from ..layers.mlp import GatedMLP
 from ..parallel.tensor import TensorParallel
 from .causal_lm import CausalLM, DecoderLayer
 from .config import ConfigError, get_field as _get
-from .deepseek_v3 import DeepseekV3MoE
+from .deepseek_v3 import moe_or_dense_mlp
 from .glm4_moe import Glm4MoeConfig
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -83,11 +82,8 @@ class Dots1DecoderLayer(DecoderLayer):
                            qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm=True,
                            rms_norm_eps=cfg.rms_norm_eps, rotary_dim=cfg.rotary_dim, dtype=dtype, tp=tp,
                            sliding_window=window)
-        if layer_id in cfg.moe_layers:
-            mlp = DeepseekV3MoE(cfg, plan, layer_id, dtype)   # its unfused shared experts run replicated
-        else:
-            mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype, tp=tp)
-        super().__init__(layer_id, attn, mlp, cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        super().__init__(layer_id, attn, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
+                         cfg.rms_norm_eps, dtype)
 
 
 class Dots1ForCausalLM(CausalLM):

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 import torch
 
 from ..layers.attention import GQAttention
-from ..layers.mlp import GatedMLP, activation
+from ..layers.mlp import activation
 from ..layers.rope import RopeConfig, rope_config_from_hf
 from ..parallel.tensor import TensorParallel
 from .causal_lm import CausalLM, DecoderLayer
 from .config import ConfigError, get_field as _get
-from .deepseek_v3 import DeepseekV3MoE, routing_fields
+from .deepseek_v3 import moe_or_dense_mlp, routing_fields
 
 # transformers' Glm4MoeConfig: "partial_rotary_factor" defaults to 0.5 (kept for older configs).
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.5
@@ -123,11 +123,8 @@ class Glm4MoeDecoderLayer(DecoderLayer):
         attn = GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                            qkv_bias=cfg.attention_bias, o_bias=False, qk_norm=cfg.use_qk_norm,
                            rms_norm_eps=cfg.rms_norm_eps, rotary_dim=cfg.rotary_dim, dtype=dtype, tp=tp)
-        if layer_id in cfg.moe_layers:
-            mlp = DeepseekV3MoE(cfg, plan, layer_id, dtype)   # its unfused shared experts run replicated
-        else:
-            mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype, tp=tp)
-        super().__init__(layer_id, attn, mlp, cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        super().__init__(layer_id, attn, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
+                         cfg.rms_norm_eps, dtype)
 
 
 class Glm4MoeForCausalLM(CausalLM):
