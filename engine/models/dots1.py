@@ -23,10 +23,10 @@ import torch
 
 from ..layers.attention import GQAttention
 from ..parallel.tensor import TensorParallel
-from .causal_lm import CausalLM, DecoderLayer
+from .causal_lm import DecoderLayer
 from .config import ConfigError, get_field as _get
 from .deepseek_v3 import moe_or_dense_mlp
-from .glm4_moe import Glm4MoeConfig
+from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -86,15 +86,7 @@ class Dots1DecoderLayer(DecoderLayer):
                          cfg.rms_norm_eps, dtype)
 
 
-class Dots1ForCausalLM(CausalLM):
+class Dots1ForCausalLM(Glm4MoeForCausalLM):
     ARCHITECTURE = "Dots1ForCausalLM"
-    TENSOR_PARALLEL = True
-
-    @classmethod
-    def parse_config(cls, hf_config: dict) -> Dots1Config:
-        return Dots1Config.from_hf(hf_config)
-
-    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        cfg = self.parse_config(hf_config)
-        super().__init__(cfg, plan, Dots1DecoderLayer, n_routed=cfg.n_routed_experts, rope_head_dim=cfg.head_dim,
-                         dtype=dtype)
+    CONFIG = Dots1Config
+    DECODER_LAYER = Dots1DecoderLayer

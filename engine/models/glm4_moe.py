@@ -128,12 +128,18 @@ class Glm4MoeDecoderLayer(DecoderLayer):
 
 
 class Glm4MoeForCausalLM(CausalLM):
+    """Its config and layer classes are attributes, so that a family of the same shape declares its own
+    (models/dots1.py)."""
+
     TENSOR_PARALLEL = True
+    CONFIG: type[Glm4MoeConfig] = Glm4MoeConfig
+    DECODER_LAYER: type[DecoderLayer] = Glm4MoeDecoderLayer
+
     @classmethod
     def parse_config(cls, hf_config: dict) -> Glm4MoeConfig:
-        return Glm4MoeConfig.from_hf(hf_config)
+        return cls.CONFIG.from_hf(hf_config)
 
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
         cfg = self.parse_config(hf_config)
-        super().__init__(cfg, plan, Glm4MoeDecoderLayer, n_routed=cfg.n_routed_experts, rope_head_dim=cfg.head_dim,
+        super().__init__(cfg, plan, self.DECODER_LAYER, n_routed=cfg.n_routed_experts, rope_head_dim=cfg.head_dim,
                          dtype=dtype)
