@@ -820,6 +820,24 @@ def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
         return model(ids)
 
 
+def _rank_logits(rank, world_size, path, ids, tp_size):
+    from loadplan.engine.worker import WorkerSpec, init_rank, load_runner
+
+    spec = WorkerSpec(model=str(path), prompt_ids=(), max_new_tokens=0, tp_size=tp_size, ep_size=world_size // tp_size)
+    return logits_of(load_runner(spec, init_rank(spec), registry=LocalRegistry()), ids)
+
+
+def check_ranks_give_one_process_logits(path: Path, ids: torch.Tensor, *, world: int = 2, atol: float = 1e-4):
+    """The checkpoint at `path` on `world` TP ranks, then on `world` EP ranks: every rank's logits are one process's
+    (each rank reads the whole tensors it shares, dequantized, and then takes its part: heads, features, experts)."""
+    from loadplan.engine.parallel.launch import launch
+
+    want = logits_of(load_local(path), ids)
+    for tp_size in (world, 1):
+        for rank, got in enumerate(launch(world, _rank_logits, path, ids, tp_size, timeout_s=240)):
+            assert (got - want).abs().max().item() <= atol, f"tp {tp_size} ep {world // tp_size} rank {rank}"
+
+
 def hf_greedy(path: Path, arch: str, prompt_ids: list[int], n: int) -> list[int]:
     """transformers' n greedy tokens after `prompt_ids` (no end-of-sequence stop)."""
     with torch.no_grad():

@@ -12,9 +12,9 @@ import torch
 from loadplan.engine.awq import AwqCheckpoint, AwqConfigError, AwqScheme, scheme
 from loadplan.engine.weights import ShapeMismatch
 
-from engine_helpers import (DictCheckpoint, as_int32, check_refused_before_any_plan, hf_logits, load_local,
-                            logits_of, make_checkpoint, make_packed_linear_copies, prompt, quantize_groups,
-                            with_config)
+from engine_helpers import (DictCheckpoint, as_int32, check_ranks_give_one_process_logits,
+                            check_refused_before_any_plan, hf_logits, load_local, logits_of, make_checkpoint,
+                            make_packed_linear_copies, prompt, quantize_groups, with_config)
 
 ARCH = "Qwen3MoeForCausalLM"
 GROUP = 32
@@ -63,6 +63,11 @@ def test_an_awq_qwen3_moe_matches_transformers_on_its_dequantized_weights(checkp
     model = load_local(packed)
     assert model.plan.quantization == "awq"
     assert (logits_of(model, ids) - want).abs().max().item() <= 1e-4
+
+
+def test_on_tp_or_ep_ranks_it_gives_the_single_process_logits(checkpoints):
+    """Activation-ordered groups included: each rank dequantizes a whole layer, then takes its rows or columns."""
+    check_ranks_give_one_process_logits(checkpoints[0], prompt(T=5))
 
 
 @pytest.mark.parametrize("overrides, match", [

@@ -12,9 +12,9 @@ from loadplan.engine.gptq import GptqCheckpoint, GptqConfigError, GptqScheme, sc
 from loadplan.engine.weights import MissingTensor, ShapeMismatch
 from loadplan.plan import Keys
 
-from engine_helpers import (DictCheckpoint, as_int32, check_refused_before_any_plan, hf_logits, load_local,
-                            logits_of, make_checkpoint, make_packed_linear_copies, prompt, quantize_groups,
-                            with_config)
+from engine_helpers import (DictCheckpoint, as_int32, check_ranks_give_one_process_logits,
+                            check_refused_before_any_plan, hf_logits, load_local, logits_of, make_checkpoint,
+                            make_packed_linear_copies, prompt, quantize_groups, with_config)
 
 ARCH = "Qwen2MoeForCausalLM"
 GROUP = 32
@@ -86,6 +86,11 @@ def test_a_gptq_qwen2_moe_matches_transformers_on_its_dequantized_weights_fused_
         assert model.plan.quantization == "gptq"
         assert model.plan.decisions[Keys.SHARED_EXPERTS_FUSION].value is fused
         assert (logits_of(model, ids) - want).abs().max().item() <= 1e-4
+
+
+def test_on_tp_or_ep_ranks_it_gives_the_single_process_logits(checkpoints):
+    """Activation-ordered groups included: each rank dequantizes a whole layer, then takes its rows or columns."""
+    check_ranks_give_one_process_logits(checkpoints[0], prompt(T=5))
 
 
 @pytest.mark.parametrize("overrides, match", [

@@ -3,7 +3,7 @@
 checkpoint the draft matches transformers' Qwen3.5-MoE decoder layer, norms and rotary embedding composed as the
 module, fused and unfused; from the Hub wrapper's (text model under `model.language_model.`, a vision tower, the
 MTP layer's experts stacked) it drafts the same, and speculative decoding behind the wrapper target gives the
-target's greedy tokens. (EP: its layer is Qwen3-Next's MTP layer, tests/engine/models/test_qwen3_next_mtp.py.)"""
+target's greedy tokens, on two EP or TP ranks as on one process."""
 
 from __future__ import annotations
 
@@ -96,6 +96,24 @@ def test_from_the_wrappers_checkpoint_it_drafts_as_from_the_text_models(ckpt, wr
 def test_speculative_decoding_behind_the_wrapper_gives_the_targets_greedy_tokens(wrapped, ids):
     target_dir, draft_dir = wrapped
     check_speculative_gives_the_targets_greedy_tokens(target_dir, draft_dir, ids, 2)
+
+
+@pytest.mark.parametrize("parallel", [{"ep_size": 2}, {"tp_size": 2}], ids=["ep2", "tp2"])
+def test_behind_the_wrapper_on_two_ranks_it_drafts_as_on_one_process(wrapped, tmp_path, parallel):
+    """Its stacked experts split by EP rank, or its heads and experts' features by TP rank: the same tokens and the
+    same accepted / proposed counts as one process."""
+    from loadplan.engine.speculative import speculative_generate
+    from loadplan.engine.worker import WorkerSpec, generate_distributed
+
+    target_dir, draft_dir = wrapped
+    prompt_ids = [5, 17, 42]
+    want, stats = speculative_generate(load_local(target_dir), load_local(draft_dir, role="speculative"),
+                                       prompt_ids, 10, 2)
+    spec = WorkerSpec(model=str(target_dir), draft=str(draft_dir), num_draft_tokens=2, prompt_ids=tuple(prompt_ids),
+                      max_new_tokens=10, db_url=f"sqlite:///{tmp_path}/p.db", **parallel)
+    run = generate_distributed(spec, nproc=2, timeout_s=240)
+    assert (run["tokens"], run["accepted"], run["proposed"]) == (want, stats["accepted"], stats["proposed"])
+    assert stats["proposed"] > 0
 
 
 def test_what_it_cannot_run_is_refused_by_field_before_any_plan(ckpt, wrapped, tmp_path):
