@@ -13,6 +13,9 @@ and a window on every other layer (each layer is built with its own `sliding_win
 Qwen3-Next: `output_gate`, q_proj writes each head's query and then as many gate features (the head's
 rows [q, gate] next to each other), and the attention output is scaled by sigmoid(gate) before o_proj;
 its q/k norms are `norm=OffsetRMSNorm` (layers/norm.py).
+ERNIE-4.5: `rope_interleave`, the rotary embedding turns (even, odd) feature pairs instead of the two
+halves (layers/rope.py: the output comes out de-interleaved, the same permutation for q and k, whose
+dot products it leaves unchanged).
 OLMoE: `qk_norm_span="projection"`: one RMSNorm over the whole q projection (all heads) and
 one over the whole k projection (`q_proj_norm`, `k_proj_norm`; under TP each rank holds its
 heads' part of the weight and the mean of squares is summed over the TP group), then q, k
@@ -41,7 +44,8 @@ class GQAttention(nn.Module):
                  o_bias: bool, qk_norm: bool, rms_norm_eps: float, rotary_dim: int | None = None,
                  dtype: torch.dtype | None = None, tp: TensorParallel | None = None,
                  sliding_window: int | None = None, qk_norm_span: str = "head", clip_qkv: float | None = None,
-                 sinks: bool = False, output_gate: bool = False, norm: type[RMSNorm] = RMSNorm):
+                 sinks: bool = False, output_gate: bool = False, norm: type[RMSNorm] = RMSNorm,
+                 rope_interleave: bool = False):
         super().__init__()
         if qk_norm_span not in ("head", "projection"):
             raise ValueError(f"qk_norm_span={qk_norm_span!r}: 'head' or 'projection'")
@@ -60,6 +64,7 @@ class GQAttention(nn.Module):
         full_q, full_k = n_heads * head_dim, n_kv_heads * head_dim
         n_heads, n_kv_heads = tp.split(n_heads, "num_attention_heads"), tp.split(n_kv_heads, "num_key_value_heads")
         self.n_heads, self.n_kv_heads, self.head_dim, self.rotary_dim = n_heads, n_kv_heads, head_dim, rotary_dim
+        self.rope_interleave = rope_interleave
         self.scale = head_dim ** -0.5
         self.output_gate = output_gate
         q_width = n_heads * head_dim * (2 if output_gate else 1)   # a head's rows: its query, then its gate
@@ -174,6 +179,6 @@ class GQAttention(nn.Module):
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, H, T, hd]: its first rotary_dim features rotated, the others as they are."""
         if self.rotary_dim == self.head_dim:
-            return apply_rotary(x, cos, sin)
+            return apply_rotary(x, cos, sin, interleaved=self.rope_interleave)
         rd = self.rotary_dim
-        return torch.cat([apply_rotary(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
+        return torch.cat([apply_rotary(x[..., :rd], cos, sin, interleaved=self.rope_interleave), x[..., rd:]], dim=-1)

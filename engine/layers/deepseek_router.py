@@ -1,7 +1,8 @@
 """DeepSeek-V3 gate: sigmoid scores, bias-corrected group-limited top-k, optional fused shared slot.
 
 Selection uses `sigmoid(logits) + e_score_correction_bias`; the weights use the
-un-biased scores (the bias only balances load). Experts are split into `n_group`
+un-biased scores (the bias only balances load). ERNIE-4.5's gate is the same with
+softmax scores over the routed experts and one group (`scoring="softmax"`). Experts are split into `n_group`
 groups, each scored by the sum of its two best biased scores; only the best
 `topk_group` groups compete for the top-k.
 
@@ -26,6 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 
+SCORING = ("sigmoid", "softmax")
+
+
 class DeepseekV3Router(nn.Module):
     def __init__(
         self,
@@ -38,8 +42,16 @@ class DeepseekV3Router(nn.Module):
         routed_scaling_factor: float = 1.0,
         num_fused_shared_experts: int = 0,
         fused_shared_expert_scale: float = 1.0,
+        scoring: str = "sigmoid",
+        renorm_min: float | None = None,
     ):
         super().__init__()
+        if scoring not in SCORING:
+            raise ValueError(f"scoring={scoring!r} not supported; supported: {', '.join(SCORING)}")
+        self.scoring = scoring
+        # The renormalisation's divisor: the top-k sum clamped at `renorm_min` (ERNIE-4.5's moe_norm_min), else the
+        # sum + 1e-20 (DeepSeek-V3's).
+        self.renorm_min = renorm_min
         n_group = n_group or 1
         topk_group = topk_group or n_group
         if n_routed_experts % n_group:
@@ -64,7 +76,8 @@ class DeepseekV3Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (topk_ids [T, K'], topk_weights [T, K'] float32), K' = top_k + num_fused_shared_experts."""
         T = x.shape[0]
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        logits = F.linear(x.float(), self.weight.float())                  # [T, E]
+        scores = logits.sigmoid() if self.scoring == "sigmoid" else logits.softmax(dim=-1)
         biased = scores + self.e_score_correction_bias
         if self.n_group > 1:
             per_group = biased.view(T, self.n_group, -1)
@@ -75,7 +88,8 @@ class DeepseekV3Router(nn.Module):
         ids = biased.topk(self.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            total = weights.sum(dim=-1, keepdim=True)
+            weights = weights / (total + 1e-20 if self.renorm_min is None else total.clamp(min=self.renorm_min))
         if self.num_fused_shared_experts:
             shared_ids = torch.full((T, 1), self.n_routed_experts, dtype=ids.dtype, device=ids.device)
             shared_w = torch.full((T, 1), 1.0 / self.routed_scaling_factor, dtype=weights.dtype, device=weights.device)
@@ -88,4 +102,5 @@ class DeepseekV3Router(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"experts={self.n_routed_experts}, top_k={self.top_k}, groups={self.n_group}/{self.topk_group}, "
-                f"rsf={self.routed_scaling_factor}, fused_shared={self.num_fused_shared_experts}")
+                f"rsf={self.routed_scaling_factor}, fused_shared={self.num_fused_shared_experts}, "
+                f"scoring={self.scoring}")

@@ -23,11 +23,12 @@ def get_field(d: dict, name: str, default=_MISSING, kind=None):
     return v
 
 
-def top_k(d: dict, n_experts: int, experts_field: str, default=_MISSING) -> int:
-    """num_experts_per_tok, which must be in [1, n_experts] (`experts_field` names the count in the error)."""
-    k = get_field(d, "num_experts_per_tok", default, int)
+def top_k(d: dict, n_experts: int, experts_field: str, default=_MISSING, *, field: str = "num_experts_per_tok") -> int:
+    """num_experts_per_tok (a family's own name for it: `field`), which must be in [1, n_experts] (`experts_field`
+    names the count in the error)."""
+    k = get_field(d, field, default, int)
     if not 0 < k <= n_experts:
-        raise ConfigError(f"config.num_experts_per_tok: {k} must be in [1, {experts_field}={n_experts}]")
+        raise ConfigError(f"config.{field}: {k} must be in [1, {experts_field}={n_experts}]")
     return k
 
 

@@ -75,6 +75,7 @@ class DeepseekV3Config:
     moe_layers: tuple[int, ...]
     scoring_func: str = "sigmoid"       # V2: softmax
     topk_method: str = "noaux_tc"       # V2: greedy or group_limited_greedy
+    renorm_min: float | None = None     # the router's (layers/deepseek_router.py); None: V3's + 1e-20
     index_n_heads: int = 0              # V3.2's sparse attention indexer (0: none)
     index_head_dim: int = 0
     index_topk: int = 0
@@ -271,7 +272,7 @@ class DeepseekV3MoE(nn.Module):
         if fused and (fused != 1 or cfg.n_shared_experts != 1):
             raise ValueError(f"layer {layer_id}: plan fuses {fused} shared expert slot(s) but the config has "
                              f"n_shared_experts={cfg.n_shared_experts}; only one shared expert can be a slot")
-        if cfg.scoring_func == "softmax":   # DeepSeek-V2
+        if cfg.topk_method != "noaux_tc":   # DeepSeek-V2's greedy or group-limited top-k, no score bias
             if fused:
                 raise ValueError(f"layer {layer_id}: plan fuses the shared experts but DeepSeek-V2's router has no "
                                  f"fused slot (the registry never fuses V2: not the fused architecture)")
@@ -282,7 +283,8 @@ class DeepseekV3MoE(nn.Module):
             self.gate = DeepseekV3Router(
                 D, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
                 cfg.routed_scaling_factor, num_fused_shared_experts=fused,
-                fused_shared_expert_scale=self.experts.fused_shared_expert_scale)
+                fused_shared_expert_scale=self.experts.fused_shared_expert_scale, scoring=cfg.scoring_func,
+                renorm_min=cfg.renorm_min)
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts
         self.shared_experts = GatedMLP(D, shared, cfg.hidden_act, dtype) if shared and not fused else None
 

@@ -63,7 +63,9 @@ class Glm4MoeConfig:
     first_k_dense_replace: int
     num_nextn_predict_layers: int
     moe_layers: tuple[int, ...]
-    scoring_func: str = "sigmoid"     # DeepSeek-V3's router (what DeepseekV3MoE asks)
+    scoring_func: str = "sigmoid"     # DeepSeek-V3's router (what DeepseekV3MoE asks); ERNIE-4.5: softmax
+    topk_method: str = "noaux_tc"     # the bias-corrected top-k of that router
+    renorm_min: float | None = None   # its renormalisation's clamp (ERNIE-4.5); None: + 1e-20
 
     @classmethod
     def from_hf(cls, d: dict) -> "Glm4MoeConfig":

@@ -81,6 +81,8 @@ FAMILIES: dict[str, Family] = {
         Family("qwen3_5_moe", lambda c: layouts.qwen_moe_layout(c, shared=True), gates.qwen2_moe_gate, True),
         Family("qwen3_next_nextn", layouts.qwen_nextn_layout, gates.qwen2_moe_gate, True),
         Family("qwen3_5_nextn", layouts.qwen_nextn_layout, gates.qwen2_moe_gate, True),
+        # ERNIE-4.5: DeepSeek-V3's MoE block with a softmax router and ungated shared experts, never fused
+        Family("ernie4_5_moe", layouts.ernie4_5_moe_layout, gates.ernie4_5_moe_gate, True),
     )
 }
 
@@ -95,6 +97,7 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     # dots.llm1: DeepSeek-V3's MoE block (its config names it alike) under Qwen3's attention; the DeepSeek gate,
     # whose structural conditions never fuse it (not the fused architecture; it ships 2 shared experts)
     "Dots1ForCausalLM": Direct("deepseek"),
+    "Ernie4_5_MoeForCausalLM": Direct("ernie4_5_moe"),
     "Glm4MoeForCausalLM": Direct("glm4_moe"),
     "Glm4MoeForCausalLMNextN": Direct("glm4_moe_nextn", fused_architecture="Glm4MoeForCausalLMNextN"),
     "Qwen2MoeForCausalLM": Direct("qwen2_moe"),

@@ -54,6 +54,15 @@ def llama4_gate(ctx: GateContext) -> Verdict | None:
                    "slot would not count once (no fused layout exists for Llama 4)")
 
 
+def ernie4_5_moe_gate(ctx: GateContext) -> Verdict | None:
+    """ERNIE-4.5 never fuses (not in DESIGN 5.2; our choice, as SGLang and vLLM run it): no checkpoint or kernel has
+    a fused layout for its shared experts (the published models ship 2, one MLP twice as wide as an expert, which
+    no single expert slot can hold). Structural: enforce does not skip it."""
+    return Verdict("ernie4_5_moe.structural.no_fused_layout",
+                   f"its {ctx.layout.n_shared} shared expert(s) run beside the routed experts: no fused layout exists "
+                   f"for ERNIE-4.5")
+
+
 def deepseek_gate(ctx: GateContext) -> Verdict | None:
     rt, lay, q = ctx.runtime, ctx.layout, ctx.quantization
     # 3. overlap schedulers

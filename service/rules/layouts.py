@@ -9,6 +9,9 @@ Conventions follow the architectures' reference implementations:
   but the first).
 - Llama 4: layer i is MoE iff i is in moe_layers, or else i % interleave_moe_layer_step ==
   interleave_moe_layer_step - 1; every MoE layer has one shared expert.
+- ERNIE-4.5: layer i is MoE iff (i + 1) % moe_layer_interval == 0 and moe_layer_start_index <= i <=
+  moe_layer_end_index (-1: the last layer), with moe_num_experts routed experts, moe_k of them a token and
+  moe_num_shared_experts shared ones.
 - A NextN draft has num_nextn_predict_layers MoE layers numbered after the target's.
 """
 
@@ -124,8 +127,24 @@ def llama4_layout(cfg: ConfigView) -> MoeLayout:
     return MoeLayout(tuple(range(n_layers)), moe, n_routed, 1, top_k)
 
 
-def _check_top_k(cfg: ConfigView, top_k: int, n_routed: int) -> None:
+def ernie4_5_moe_layout(cfg: ConfigView) -> MoeLayout:
+    """transformers' Ernie4_5_MoeConfig defaults where a config leaves a field out."""
+    n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
+    n_routed = cfg.int("moe_num_experts", 64, minimum=1)
+    n_shared = cfg.int("moe_num_shared_experts", 2, minimum=0)
+    top_k = cfg.int("moe_k", 6, minimum=1)
+    _check_top_k(cfg, top_k, n_routed, "moe_k")
+    start = cfg.int("moe_layer_start_index", 1, minimum=0)
+    if "moe_layer_end_index" in cfg.data and cfg.raw("moe_layer_end_index") is None:
+        raise InvalidArgument(cfg.field("moe_layer_end_index"), "null; say -1 (the last layer) or a layer number")
+    end = cfg.int("moe_layer_end_index", -1, minimum=-1)
+    end = n_layers - 1 if end == -1 else end
+    interval = cfg.int("moe_layer_interval", 1, minimum=1)
+    moe = tuple(i for i in range(n_layers) if (i + 1) % interval == 0 and start <= i <= end)
+    return MoeLayout(tuple(range(n_layers)), moe, n_routed, n_shared, top_k)
 
+
+def _check_top_k(cfg: ConfigView, top_k: int, n_routed: int, field: str = "num_experts_per_tok") -> None:
     if top_k > n_routed:
-        raise InvalidArgument(cfg.field("num_experts_per_tok"),
+        raise InvalidArgument(cfg.field(field),
                               f"{top_k} exceeds the number of routed experts ({n_routed})")

@@ -136,6 +136,20 @@ def make_dots1_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     return _save_random_model(path, "Dots1", seed, dict(DOTS1_TINY, **config))
 
 
+# ERNIE-4.5 MoE: 8 routed experts (top-2, softmax router with a routing bias) and 2 shared ones, layer 0 dense;
+# untied embeddings (transformers' default ties them: a variant).
+ERNIE4_5_MOE_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, moe_num_experts=8, moe_k=2,
+                         moe_num_shared_experts=2, moe_layer_start_index=1, max_position_embeddings=256,
+                         tie_word_embeddings=False)
+
+
+def make_ernie4_5_moe_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random ERNIE-4.5 MoE of ERNIE4_5_MOE_TINY updated with `config` (transformers' Ernie4_5_MoeConfig
+    kwargs); its routing bias (`mlp.moe_statics.e_score_correction_bias`, [1, E]) random as every bias."""
+    return _save_random_model(path, "Ernie4_5_Moe", seed, dict(ERNIE4_5_MOE_TINY, **config))
+
+
 # DeepSeek-V3.2: DEEPSEEK_TINY with its sparse attention indexer (8 index heads of 16, 8 of them rotated) keeping 4
 # keys a query, and the default rope; 16 routed experts (in 8 groups of 2): it is never fused, whatever the count.
 DEEPSEEK_V32_TINY = dict(DEEPSEEK_TINY, n_routed_experts=16, index_n_heads=8, index_head_dim=16, index_topk=4,

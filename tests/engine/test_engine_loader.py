@@ -265,6 +265,8 @@ _BAD_CONFIGS = [
      {"moe_layer_freq": 2}, "target"),
     ("Dots1ForCausalLM", "Dots1Config", dict(n_routed_experts=16, n_shared_experts=2, num_experts_per_tok=4,
                                              moe_intermediate_size=16), {"partial_rotary_factor": 0.5}, "target"),
+    ("Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeConfig", dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=16),
+     {"use_bias": True}, "target"),
     ("DeepseekV3ForCausalLMNextN", "DeepseekV3Config", dict(n_routed_experts=16, moe_intermediate_size=16),
      {"num_nextn_predict_layers": 2}, "speculative"),
     ("Glm4MoeForCausalLMNextN", "Glm4MoeConfig", dict(n_routed_experts=16, moe_intermediate_size=16),

@@ -21,7 +21,7 @@ def test_unknown_entry_class_lists_the_supported_ones():
     with pytest.raises(UnsupportedModel, match=r"'LlamaForCausalLM' not supported by the engine; supported: "
                                                r"DeepseekV2ForCausalLM, DeepseekV32ForCausalLM, "
                                                r"DeepseekV3ForCausalLM, DeepseekV3ForCausalLMNextN, "
-                                               r"Dots1ForCausalLM, Glm4MoeForCausalLM, "
+                                               r"Dots1ForCausalLM, Ernie4_5_MoeForCausalLM, Glm4MoeForCausalLM, "
                                                r"Glm4MoeForCausalLMNextN, Glm4MoeLiteForCausalLM, "
                                                r"GlmMoeDsaForCausalLM, GptOssForCausalLM, "
                                                r"KimiK25ForConditionalGeneration, Llama4ForCausalLM, "

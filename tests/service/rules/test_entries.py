@@ -28,6 +28,7 @@ BUILT = {
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "Qwen3_5ForCausalLMMTP": "qwen3_5_nextn",
     "Dots1ForCausalLM": "deepseek",
+    "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
 }
 
 

@@ -587,6 +587,18 @@ def test_dots1_is_the_deepseek_family_and_never_fused():
                    "Dots1ForCausalLM is not the fused architecture DeepseekV3ForCausalLM")
 
 
+def test_ernie4_5_moe_is_its_own_family_and_never_fused():
+    """ERNIE-4.5 (its config names the experts moe_*): its two shared experts have no fused layout (structural, so
+    enforce does not lift it); without shared experts the plan says so."""
+    cfg = {"architectures": ["Ernie4_5_MoeForCausalLM"], "num_hidden_layers": 28, "moe_num_experts": 64, "moe_k": 6,
+           "moe_num_shared_experts": 2, "moe_layer_start_index": 1, "moe_layer_end_index": 27}
+    res = resolve(cfg, ep_size=8, ep_rank=3)
+    assert res.family == "ernie4_5_moe" and res.decisions[Keys.NUM_LOCAL_EXPERTS].value == 8
+    for kw in ({}, ENFORCE):
+        assert_off(fusion(cfg, **kw), "ernie4_5_moe.structural.no_fused_layout", "2 shared expert(s)")
+    assert_off(fusion(dict(cfg, moe_num_shared_experts=0)), "ernie4_5_moe.no_shared_experts", "no shared experts")
+
+
 def test_glm5_is_the_deepseek_gate_with_its_own_fused_architecture():
     """GLM-5 (V3.2's model): fused where DeepSeek-V3 would be (SGLang's GlmMoeDsaForCausalLM fix); the structural
     conditions still hold (e.g. 256 experts)."""

@@ -7,8 +7,8 @@ import pytest
 from loadplan.service.errors import InvalidArgument
 from loadplan.service.rules import entries
 from loadplan.service.rules.config_view import ConfigView
-from loadplan.service.rules.layouts import (deepseek_layout, deepseek_nextn_layout, every_layer_moe_layout,
-                                            qwen_moe_layout)
+from loadplan.service.rules.layouts import (deepseek_layout, deepseek_nextn_layout, ernie4_5_moe_layout,
+                                            every_layer_moe_layout, qwen_moe_layout)
 
 from ._fixtures import deepseek, mixtral, qwen2, qwen3
 
@@ -59,6 +59,26 @@ def test_nextn_layers_follow_the_target():
     assert lay.layer_ids == (61, 62) and lay.moe_layers == (61, 62)
     cfg = deepseek(num_hidden_layers=61)
     assert deepseek_nextn_layout(ConfigView(cfg)).layer_ids == (61,)  # one MTP module by default
+
+
+@pytest.mark.parametrize("fields,moe", [
+    ({}, [1, 2, 3, 4, 5]),                                                      # transformers' defaults: from 1
+    ({"moe_layer_start_index": 0, "moe_layer_end_index": 3}, [0, 1, 2, 3]),
+    ({"moe_layer_interval": 2}, [1, 3, 5]),                                     # (i + 1) % 2 == 0
+    ({"moe_layer_start_index": 2, "moe_layer_end_index": -1, "moe_layer_interval": 3}, [2, 5]),
+])
+def test_ernie4_5_moe_layers(fields, moe):
+    lay = ernie4_5_moe_layout(ConfigView({"num_hidden_layers": 6, **fields}))
+    assert list(lay.moe_layers) == moe and (lay.n_routed, lay.n_shared, lay.top_k) == (64, 2, 6)
+
+
+@pytest.mark.parametrize("fields,field", [({"moe_layer_end_index": None}, "moe_layer_end_index"),
+                                          ({"moe_k": 9, "moe_num_experts": 8}, "moe_k"),
+                                          ({"moe_layer_interval": 0}, "moe_layer_interval")])
+def test_ernie4_5_moe_refusals_name_the_field(fields, field):
+    with pytest.raises(InvalidArgument) as e:
+        ernie4_5_moe_layout(ConfigView({"num_hidden_layers": 6, **fields}))
+    assert e.value.field == f"config.{field}"
 
 
 @pytest.mark.parametrize("layout,cfg", [(deepseek_layout, deepseek(num_experts_per_tok=257)),

@@ -1,0 +1,159 @@
+"""ERNIE-4.5 MoE (`Ernie4_5_MoeForCausalLM`: ERNIE-4.5-21B-A3B, -300B-A47B, their Thinking and Base releases),
+following transformers' modeling_ernie4_5_moe numerically: Llama's attention over DeepSeek-V3's MoE block with a
+softmax router, GLM-4-MoE's shape (models/glm4_moe.py) with ERNIE's config names.
+
+Shapes: B batch, T tokens, D hidden, E routed experts, K top-k, V vocab, H/H_kv heads.
+
+- Attention: grouped-query (layers/attention.py), no biases, no q/k norm, the rotary embedding over whole heads
+  turning (even, odd) feature pairs (transformers' ERNIE rotate_half), rope theta 5e5 unless the config says.
+- Layer i is MoE iff (i + 1) % moe_layer_interval == 0 and moe_layer_start_index <= i <= moe_layer_end_index
+  (-1: the last layer); the others are dense SwiGLU MLPs of intermediate_size.
+- MoE: DeepSeek-V3's block (deepseek_v3.DeepseekV3MoE) with the router's softmax scores: the top-k chosen on the
+  scores plus a per-expert correction bias (`moe_statics.e_score_correction_bias`, load balancing only), weighted
+  by the scores themselves, renormalised with the sum clamped at moe_norm_min; moe_num_shared_experts shared
+  experts, one MLP of n_shared x moe_intermediate_size, added ungated:
+    out = routed(x) + shared_experts(x)
+  The registry never fuses them (service/rules/gates.py, `ernie4_5_moe_gate`: our choice, no fused layout).
+- The checkpoint's Multi-Token-Prediction tensors (`model.mtp_*`) are not part of the causal LM: skipped at
+  load, as transformers does.
+What transformers' ERNIE does not run the same way is refused by field: `use_bias: true` (biases on every
+projection and the head), an end index of null, a gate activation other than softmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..layers.attention import GQAttention
+from ..layers.mlp import activation
+from ..layers.rope import rope_config_from_hf
+from ..parallel.tensor import TensorParallel
+from ..weights import ShapeMismatch
+from .causal_lm import DecoderLayer
+from .config import ConfigError, get_field as _get, top_k
+from .deepseek_v3 import moe_or_dense_mlp
+from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
+
+ARCHITECTURE = "Ernie4_5_MoeForCausalLM"
+# The routing bias as the Hub stores it ([1, E]: one group of experts) and where the router keeps it ([E]).
+STATICS, ROUTER_BIAS = "mlp.moe_statics.e_score_correction_bias", "mlp.gate.e_score_correction_bias"
+
+
+@dataclass(frozen=True)
+class Ernie45MoeConfig(Glm4MoeConfig):
+    @classmethod
+    def from_hf(cls, d: dict) -> "Ernie45MoeConfig":
+        if _get(d, "use_bias", False, bool):
+            raise ConfigError("config.use_bias: true not supported; the engine's ERNIE-4.5 has no biases (the "
+                              "published checkpoints have none)")
+        gate_act = d.get("moe_gate_act")
+        if gate_act not in (None, "softmax"):
+            raise ConfigError(f"config.moe_gate_act: {gate_act!r} not supported; supported: softmax")
+        hidden_act = _get(d, "hidden_act", "silu", str)
+        activation(hidden_act)  # refuses unknown activations by name
+        hidden = _get(d, "hidden_size", kind=int)
+        heads = _get(d, "num_attention_heads", kind=int)
+        n_layers = _get(d, "num_hidden_layers", kind=int)
+        head_dim = _get(d, "head_dim", None, int) or hidden // heads
+        n_routed = _get(d, "moe_num_experts", 64, int)
+        start = _get(d, "moe_layer_start_index", 1, int)
+        if "moe_layer_end_index" in d and d["moe_layer_end_index"] is None:
+            raise ConfigError("config.moe_layer_end_index: null; say -1 (the last layer) or a layer number")
+        end = _get(d, "moe_layer_end_index", -1, int)
+        end = n_layers - 1 if end == -1 else end
+        interval = _get(d, "moe_layer_interval", 1, int)
+        if interval < 1:
+            raise ConfigError(f"config.moe_layer_interval: must be >= 1, got {interval}")
+        norm_min = float(_get(d, "moe_norm_min", 1e-12))
+        if not norm_min > 0:
+            raise ConfigError(f"config.moe_norm_min: must be > 0, got {norm_min}")
+        try:
+            rope = rope_config_from_hf(d, default_theta=500000.0)
+        except ValueError as e:
+            raise ConfigError(f"config.rope_scaling/rope_parameters: {e}") from None
+        if rope.partial_rotary_factor != 1.0:
+            raise ConfigError(f"config.partial_rotary_factor: {rope.partial_rotary_factor} not supported; ERNIE-4.5 "
+                              f"rotates whole heads (1.0)")
+        return cls(
+            vocab_size=_get(d, "vocab_size", kind=int),
+            hidden_size=hidden,
+            intermediate_size=_get(d, "intermediate_size", kind=int),
+            moe_intermediate_size=_get(d, "moe_intermediate_size", kind=int),
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=_get(d, "num_key_value_heads", heads, int),
+            head_dim=head_dim,
+            rotary_dim=head_dim,
+            rope=rope,
+            attention_bias=False,
+            use_qk_norm=False,
+            max_position_embeddings=_get(d, "max_position_embeddings", 131072, int),
+            rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-5)),
+            hidden_act=hidden_act,
+            tie_word_embeddings=bool(_get(d, "tie_word_embeddings", True, bool)),
+            n_routed_experts=n_routed,
+            n_shared_experts=_get(d, "moe_num_shared_experts", 2, int),
+            num_experts_per_tok=top_k(d, n_routed, "moe_num_experts", 6, field="moe_k"),
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=1.0,
+            first_k_dense_replace=start,
+            num_nextn_predict_layers=0,      # its MTP tensors are model.mtp_* (ignore_prefixes), not layers
+            moe_layers=tuple(i for i in range(n_layers) if (i + 1) % interval == 0 and start <= i <= end),
+            scoring_func="softmax",
+            renorm_min=norm_min,
+        )
+
+
+class Ernie45MoeDecoderLayer(DecoderLayer):
+    def __init__(self, cfg: Ernie45MoeConfig, plan, layer_id: int, dtype: torch.dtype):
+        tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
+        attn = GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                           qkv_bias=False, o_bias=False, qk_norm=False, rms_norm_eps=cfg.rms_norm_eps, dtype=dtype,
+                           tp=tp, rope_interleave=True)
+        super().__init__(layer_id, attn, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
+                         cfg.rms_norm_eps, dtype)
+
+
+class RouterBiasOfOneGroup:
+    """The checkpoint (`names`/`shape`/`get`) with each layer's `mlp.moe_statics.e_score_correction_bias` [1, E]
+    shown as the router's `mlp.gate.e_score_correction_bias` [E]. A bias of several groups (ERNIE-4.5-VL keeps
+    one for its text experts and one for its vision experts) is refused, naming the tensor."""
+
+    def __init__(self, ckpt):
+        self._ckpt = ckpt
+        self._source = {(name[:-len(STATICS)] + ROUTER_BIAS if name.endswith(STATICS) else name): name
+                        for name in ckpt.names()}
+
+    def names(self) -> list[str]:
+        return list(self._source)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        source = self._source[name]
+        shape = tuple(self._ckpt.shape(source))
+        if source == name:
+            return shape
+        if len(shape) != 2 or shape[0] != 1:
+            raise ShapeMismatch(f"{source}: shape {list(shape)}; one group of experts ([1, E]) expected")
+        return shape[1:]
+
+    def get(self, name: str) -> torch.Tensor:
+        source = self._source[name]
+        tensor = self._ckpt.get(source)
+        return tensor if source == name else tensor.reshape(self.shape(name))
+
+
+class Ernie4_5_MoeForCausalLM(Glm4MoeForCausalLM):
+    ARCHITECTURE = ARCHITECTURE
+    CONFIG = Ernie45MoeConfig
+    DECODER_LAYER = Ernie45MoeDecoderLayer
+
+    def ignore_prefixes(self, prefix: str) -> tuple[str, ...]:
+        return (*super().ignore_prefixes(prefix), f"{prefix}model.mtp_")
+
+    def checkpoint_view(self, ckpt):
+        return RouterBiasOfOneGroup(ckpt)
+
