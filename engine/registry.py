@@ -41,6 +41,7 @@ ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "Llama4ForCausalLM": ("loadplan.engine.models.llama4", "Llama4ForCausalLM"),
     "Glm4MoeLiteForCausalLM": ("loadplan.engine.models.glm4_moe_lite", "Glm4MoeLiteForCausalLM"),
     "Qwen3VLMoeForConditionalGeneration": ("loadplan.engine.models.qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration"),
+    "Glm4vMoeForConditionalGeneration": ("loadplan.engine.models.glm4v_moe", "Glm4vMoeForConditionalGeneration"),
     "Qwen3NextForCausalLM": ("loadplan.engine.models.qwen3_next", "Qwen3NextForCausalLM"),
     "Qwen3NextForCausalLMMTP": ("loadplan.engine.models.qwen3_next_nextn", "Qwen3NextForCausalLMMTP"),
     "Qwen3_5MoeForCausalLM": ("loadplan.engine.models.qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
@@ -61,6 +62,7 @@ ENGINE_WRAPPERS: dict[str, EngineWrapper] = {
     "KimiK25ForConditionalGeneration": EngineWrapper("DeepseekV3ForCausalLM", "text_config"),
     "Llama4ForConditionalGeneration": EngineWrapper("Llama4ForCausalLM", "text_config"),
     "Qwen3VLMoeForConditionalGeneration": EngineWrapper("Qwen3MoeForCausalLM", "text_config"),
+    "Glm4vMoeForConditionalGeneration": EngineWrapper("Glm4MoeForCausalLM", "text_config"),
     "Qwen3_5MoeForConditionalGeneration": EngineWrapper("Qwen3_5MoeForCausalLM", "text_config"),
 }
 

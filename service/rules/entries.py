@@ -116,6 +116,8 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "Qwen3_5ForCausalLMMTP": Direct("qwen3_5_nextn", text_config_if_present=True),
     "Llama4ForConditionalGeneration": Wrapper("Llama4ForCausalLM", "text_config", _top_level_quantization),
     "Qwen3VLMoeForConditionalGeneration": Wrapper("Qwen3MoeForCausalLM", "text_config", _top_level_quantization),
+    # GLM-4.5V run text-only: GLM-4-MoE's text model; its gate is GLM-4-MoE's, asked with text_config
+    "Glm4vMoeForConditionalGeneration": Wrapper("Glm4MoeForCausalLM", "text_config", _top_level_quantization),
     "KimiK25ForConditionalGeneration": Wrapper("DeepseekV3ForCausalLM", "text_config", _top_level_quantization),
     "Qwen3_5MoeForConditionalGeneration": Wrapper("Qwen3_5MoeForCausalLM", "text_config", _top_level_quantization),
 }

@@ -411,6 +411,29 @@ def make_glm4_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     return _save_random_model(path, "Glm4Moe", seed, config)
 
 
+def make_glm4v_moe_checkpoint(path: Path, *, seed: int = 0, **text_config) -> Path:
+    """Save a random GLM-4.5V (`Glm4vMoeForConditionalGeneration`): GLM4_TINY's text model (without q/k norm, which
+    GLM-4.5V's attention does not have) updated with `text_config`, its MRoPE sections [2, 1, 1] over the 8
+    rotated features, and a one-block vision tower; routing bias included."""
+    transformers = _transformers()
+    text = {k: v for k, v in GLM4_TINY.items() if k != "use_qk_norm"}
+    text.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                                 "partial_rotary_factor": 0.5}, **text_config)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=text["hidden_size"],
+                  patch_size=2, spatial_merge_size=1, temporal_patch_size=1)
+    torch.manual_seed(seed)
+    model = transformers.Glm4vMoeForConditionalGeneration(transformers.Glm4vMoeConfig(text_config=text,
+                                                                                      vision_config=vision))
+    randomize(model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn(b.shape, generator=g))
+    model.save_pretrained(path)
+    return path
+
+
 # GLM-4-MoE-Lite (GLM-4.7-Flash): MLA attention, 16 routed experts and one shared, layers 1 and 2 sparse (its
 # mlp_layer_types default: the first dense); transformers' defaults for the routing (1.8 scaling, one group).
 GLM4_LITE_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,

@@ -239,6 +239,7 @@ _BAD_CONFIGS = [
     ("Llama4ForCausalLM", "Llama4TextConfig", dict(num_local_experts=4), {"attention_chunk_size": 0}, "target"),
     ("Llama4ForConditionalGeneration", None, {}, {"text_config": None}, "target"),
     ("Qwen3VLMoeForConditionalGeneration", None, {}, {"text_config": None}, "target"),
+    ("Glm4vMoeForConditionalGeneration", None, {}, {"text_config": None}, "target"),
     ("Glm4MoeLiteForCausalLM", "Glm4MoeLiteConfig", dict(n_routed_experts=16, moe_intermediate_size=16),
      {"mlp_layer_types": ["sparse"]}, "target"),
     ("Qwen3NextForCausalLM", "Qwen3NextConfig", dict(num_experts=8, moe_intermediate_size=16,

@@ -15,8 +15,8 @@ from loadplan.engine.parallel.launch import launch
 from loadplan.plan import Keys
 from loadplan.service.rules.backends import BACKENDS
 
-from parallel_helpers import (DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, DOTS1, ERNIE4_5_MOE, GLM4, GLM_MOE_DSA, GPT_OSS,
-                              LLAMA4, MINIMAX_M2, MIXTRAL, OLMOE, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, make_model,
+from parallel_helpers import (DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, DOTS1, ERNIE4_5_MOE, GLM4, GLM4V_MOE, GLM_MOE_DSA,
+                              GPT_OSS, LLAMA4, MINIMAX_M2, MIXTRAL, OLMOE, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, make_model,
                               single_process)
 
 EP = 2
@@ -249,10 +249,13 @@ def test_glm4_moe_lite_every_backend_fused_and_unfused_on_two_ranks_matches_one_
     _check(results, ref_logits, ref_tokens, FUSED_UNDER_EP)
 
 
-def test_glm4_moe_every_backend_fused_and_unfused_on_two_ranks_matches_one_process(glm4):
+@pytest.mark.parametrize("arch", [GLM4, GLM4V_MOE])
+def test_glm4_moe_every_backend_fused_and_unfused_on_two_ranks_matches_one_process(glm4, tmp_path, arch):
+    """GLM-4.5V too: GLM-4-MoE's text model behind its multimodal wrapper, run text-only."""
+    path = glm4 if arch == GLM4 else make_model(tmp_path, arch)
     ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(5))
-    ref_logits, ref_tokens = single_process(glm4, ids, N_NEW, disable_shared_experts_fusion=True)
-    results = launch(EP, _ep_ranks, glm4, ids, ("enforce", "disable"), "mooncake", timeout_s=240)
+    ref_logits, ref_tokens = single_process(path, ids, N_NEW, disable_shared_experts_fusion=True)
+    results = launch(EP, _ep_ranks, path, ids, ("enforce", "disable"), "mooncake", timeout_s=240)
     # The GLM gate (DESIGN 5.2) lets the torch runner fuse under EP; where a slot lives is the table's.
     by_rank = _check(results, ref_logits, ref_tokens, FUSED_UNDER_EP)
     for r in (0, 1):

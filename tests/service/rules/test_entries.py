@@ -29,6 +29,7 @@ BUILT = {
     "Qwen3_5ForCausalLMMTP": "qwen3_5_nextn",
     "Dots1ForCausalLM": "deepseek",
     "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
+    "Glm4vMoeForConditionalGeneration": "glm4_moe",
 }
 
 
@@ -72,7 +73,8 @@ def test_missing_inner_class_is_reported(monkeypatch):
 
 def test_gated_family_without_gate_is_reported(monkeypatch):
     monkeypatch.setitem(entries.FAMILIES, "glm4_moe", dataclasses.replace(entries.FAMILIES["glm4_moe"], gate=None))
-    assert check_table() == ["Glm4MoeForCausalLM: family glm4_moe has shared experts but no gate"]
+    assert check_table() == ["Glm4MoeForCausalLM: family glm4_moe has shared experts but no gate",
+                             "Glm4vMoeForConditionalGeneration: family glm4_moe has shared experts but no gate"]
 
 
 def test_wrapper_reaching_an_ungated_family_is_reported(monkeypatch):
