@@ -22,7 +22,7 @@ from loadplan.engine.weights import MissingTensor
 
 import engine_helpers
 from engine_helpers import DEEPSEEK_TINY as TINY
-from engine_helpers import (check_speculative_gives_the_targets_greedy_tokens, hf_reference, load_local,
+from engine_helpers import (check_speculative_gives_the_targets_greedy_tokens, load_local,
                             make_deepseek_mtp_checkpoint, prompt, target_hidden_states)
 
 transformers = pytest.importorskip("transformers")

@@ -6,7 +6,6 @@ import dataclasses
 import json
 
 import pytest
-import torch
 
 from loadplan.engine.generate import generate
 from loadplan.engine.layers.mlp import GatedMLP
