@@ -112,14 +112,19 @@ def _save_random_model(path: Path, family: str, seed: int, config: dict) -> Path
     transformers = _transformers()
     torch.manual_seed(seed)
     model = getattr(transformers, f"{family}ForCausalLM")(getattr(transformers, f"{family}Config")(**config))
+    _randomize_with_routing_bias(model, seed)
+    model.save_pretrained(path)
+    return path
+
+
+def _randomize_with_routing_bias(model: torch.nn.Module, seed: int) -> None:
+    """randomize(), and a random e_score_correction_bias where the router keeps it as a buffer (skipped there)."""
     randomize(model, seed)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.3 * torch.randn(b.shape, generator=g))
-    model.save_pretrained(path)
-    return path
 
 
 # dots.llm1: DeepSeek-V3's MoE (16 routed experts in 4 groups, top-4, 2 shared experts) under Qwen3's attention
@@ -424,12 +429,7 @@ def make_glm4v_moe_checkpoint(path: Path, *, seed: int = 0, **text_config) -> Pa
     torch.manual_seed(seed)
     model = transformers.Glm4vMoeForConditionalGeneration(transformers.Glm4vMoeConfig(text_config=text,
                                                                                       vision_config=vision))
-    randomize(model, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.3 * torch.randn(b.shape, generator=g))
+    _randomize_with_routing_bias(model, seed)
     model.save_pretrained(path)
     return path
 
