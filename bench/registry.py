@@ -1,7 +1,7 @@
 """Registry throughput and latency: a bare echo RPC vs ResolveLoadPlan with durable writes.
 
     python bench/registry.py [--postgres-url URL] [--json] [--requests N] [--rounds N] [--ranks-per-deployment N]
-                             [--accept-ahead N]
+                             [--accept-ahead N] [--floor]
 
 For each database (SQLite file; PostgreSQL when --postgres-url or
 LOADPLAN_TEST_POSTGRES_URL is given) it starts one registry server process
@@ -35,6 +35,10 @@ remote one; 0 for SQLite, which runs in the server's process), with
 a server whose one event loop is the bottleneck for both; `cpu_bound`, the same for
 server, client and database together, is the ratio of a machine whose CPUs are all
 busy for both. On a machine this small, resolve_vs_echo_qps stays below both.
+
+With `--floor` the server is bench/floor_server.py's: each resolve after the first of its shape skips the
+rules and the answer's encoding and only saves a copy of that plan (same group commit, same statement). Its
+resolve_vs_echo_qps is what a registry whose own work cost nothing would reach on this machine and database.
 
 Prints one JSON object per (db, inflight) with --json, else a table.
 """
@@ -207,14 +211,19 @@ def _commit_p50_ms(db_url: str, n: int = 200) -> float:
     return statistics.median(times) * 1e3
 
 
+FLOOR_SERVER = pathlib.Path(__file__).with_name("floor_server.py")
+
+
 class Server:
-    def __init__(self, db_url: str, serve_args: tuple[str, ...] = ()):
+    def __init__(self, db_url: str, serve_args: tuple[str, ...] = (), floor: bool = False):
+        """`floor`: bench/floor_server.py's registry, whose resolves skip the rules (see its docstring)."""
         self.port = _free_port()
         self.address = f"127.0.0.1:{self.port}"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         subprocess.run([sys.executable, "-m", "loadplan.cli.main", "migrate", "--db", db_url], check=True, env=env,
                        stdout=subprocess.DEVNULL)
-        self.proc = subprocess.Popen([sys.executable, "-m", "loadplan.cli.main", "serve", "--db", db_url,
+        program = [str(FLOOR_SERVER)] if floor else ["-m", "loadplan.cli.main"]
+        self.proc = subprocess.Popen([sys.executable, *program, "serve", "--db", db_url,
                                       "--listen", self.address, *serve_args], env=env, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE)
         from loadplan.service.healthcheck import check
@@ -373,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="consecutive resolves that are ranks of one deployment (1: each its own deployment)")
     ap.add_argument("--accept-ahead", type=int, default=None, metavar="N",
                     help="the server's `serve --accept-ahead N` (default: the server's default)")
+    ap.add_argument("--floor", action="store_true",
+                    help="against bench/floor_server.py: resolves that skip the rules and only save a plan (the "
+                         "floor the database path sets; rows say server: floor)")
     args = ap.parse_args(argv)
     if args.ranks_per_deployment < 1:
         ap.error(f"--ranks-per-deployment must be >= 1, got {args.ranks_per_deployment}")
@@ -389,14 +401,16 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         for name, url, _ in targets:
-            server = Server(url, () if args.accept_ahead is None else ("--accept-ahead", str(args.accept_ahead)))
+            server = Server(url, () if args.accept_ahead is None else ("--accept-ahead", str(args.accept_ahead)),
+                            floor=args.floor)
             try:
                 commit = round(_commit_p50_ms(url), 3)
                 for inflight, n in ((1, args.sequential_requests), (64, args.requests)):
                     where = "in-server" if name == "sqlite" else "local" if _local_postgres(url) else "remote"
                     meters = {method: CpuMeter(server.proc.pid, where) for method in ("echo", "resolve")}
-                    row = {"db": name, **measure(server.address, inflight, n, args.ranks_per_deployment,
-                                                 args.rounds, meters), "commit_p50_ms": commit}
+                    row = {"db": name, **({"server": "floor"} if args.floor else {}),
+                           **measure(server.address, inflight, n, args.ranks_per_deployment, args.rounds, meters),
+                           "commit_p50_ms": commit}
                     row.update(target_figures(row))
                     rows.append(row)
                     if args.json:
