@@ -857,6 +857,17 @@ def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
         return model(ids)
 
 
+def check_matches_transformers(path: Path, arch: str, ids: torch.Tensor, n_new: int = 6, tol: float = 1e-4):
+    """The engine's model of `path` (planned locally) gives transformers' `arch` logits of `ids` within `tol` (they
+    are O(1)) and its `n_new` greedy tokens after ids[0]; returns the model."""
+    from loadplan.engine.generate import generate
+
+    model = load_local(path)
+    assert (logits_of(model, ids) - hf_logits_of_order_one(path, arch, ids)).abs().max().item() <= tol
+    assert generate(model, ids[0], n_new)[0].tolist() == hf_greedy(path, arch, ids[0].tolist(), n_new)
+    return model
+
+
 def _rank_logits(rank, world_size, path, ids, tp_size):
     from loadplan.engine.worker import WorkerSpec, init_rank, load_runner
 

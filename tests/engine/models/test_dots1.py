@@ -11,12 +11,10 @@ from loadplan.engine.layers.attention import GQAttention
 from loadplan.engine.models.config import ConfigError
 from loadplan.plan import Keys
 
-from engine_helpers import (check_refused_before_any_plan, hf_greedy, hf_logits_of_order_one, load_local, logits_of,
-                            make_dots1_checkpoint, prompt, with_config)
+from engine_helpers import (check_matches_transformers, check_refused_before_any_plan, make_dots1_checkpoint, prompt,
+                            with_config)
 
 ARCH = "Dots1ForCausalLM"
-TOL = 1e-4
-N_NEW = 6
 
 
 @pytest.fixture(scope="module")
@@ -29,17 +27,8 @@ def ids():
     return prompt(T=11)
 
 
-def check_matches_transformers(path, ids):
-    from loadplan.engine.generate import generate
-
-    model = load_local(path)
-    assert (logits_of(model, ids) - hf_logits_of_order_one(path, ARCH, ids)).abs().max().item() <= TOL
-    assert generate(model, ids[0], N_NEW)[0].tolist() == hf_greedy(path, ARCH, ids[0].tolist(), N_NEW)
-    return model
-
-
 def test_logits_and_greedy_tokens_match_transformers_and_its_shared_experts_are_never_fused(ckpt, ids):
-    model = check_matches_transformers(ckpt, ids)
+    model = check_matches_transformers(ckpt, ARCH, ids)
     d = model.plan.decisions
     assert d[Keys.ENTRY_FAMILY].value == "deepseek" and d[Keys.SHARED_EXPERTS_FUSION].value is False
     assert d[Keys.SHARED_EXPERTS_FUSION].rule == "deepseek.structural.architecture"
@@ -53,7 +42,7 @@ def test_logits_and_greedy_tokens_match_transformers_and_its_shared_experts_are_
     dict(norm_topk_prob=True, attention_bias=True),     # renormalised top-k; q/k/v and o biased (Qwen3's)
 ])
 def test_its_variants_match_transformers(tmp_path, ids, config):
-    model = check_matches_transformers(make_dots1_checkpoint(tmp_path / "v", **config), ids)
+    model = check_matches_transformers(make_dots1_checkpoint(tmp_path / "v", **config), ARCH, ids)
     if "sliding_window" in config:
         assert [layer.self_attn.sliding_window for layer in model.model.layers] == [None, 4, 4]
 
