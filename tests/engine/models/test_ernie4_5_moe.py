@@ -61,11 +61,16 @@ def test_the_routing_bias_only_chooses_the_experts(ckpt, ids, tmp_path):
 @pytest.mark.parametrize("config, moe_layers", [
     (dict(num_hidden_layers=4, moe_layer_start_index=0, moe_layer_end_index=2, moe_layer_interval=1), (0, 1, 2)),
     (dict(num_hidden_layers=4, moe_layer_interval=2, tie_word_embeddings=True), (1, 3)),
+    (dict(moe_num_shared_experts=0), (1, 2)),                                  # routed experts alone
 ])
 def test_its_variants_match_transformers(tmp_path, ids, config, moe_layers):
     model = check_matches_transformers(make_ernie4_5_moe_checkpoint(tmp_path / "v", **config), ARCH, ids)
     assert model.moe_layer_ids == moe_layers
     assert (model.lm_head is None) == config.get("tie_word_embeddings", False)
+    shared = model.model.layers[moe_layers[0]].mlp.shared_experts
+    assert (shared is None) == (config.get("moe_num_shared_experts") == 0)
+    if shared is None:
+        assert model.plan.decisions[Keys.SHARED_EXPERTS_FUSION].rule == "ernie4_5_moe.no_shared_experts"
 
 
 def test_the_checkpoints_mtp_tensors_are_skipped(ckpt, ids, tmp_path):
