@@ -35,14 +35,17 @@ GATE_UP_LAYOUTS = ("interleaved", "concatenated")
 
 class StackedExperts:
     def __init__(self, ckpt, n_experts: int, *, gate_up: str, hidden_size: int | None = None,
-                 expert_width: int | None = None):
+                 expert_width: int | None = None, as_held: bool = False):
         """`hidden_size` and `expert_width` (D, I), when given, let a stacked matrix come either way round
-        ([E, D, 2I] or [E, 2I, D]; [E, I, D] or [E, D, I]); without them it must be transposed for x @ W."""
+        ([E, D, 2I] or [E, 2I, D]; [E, I, D] or [E, D, I]); without them it must be transposed for x @ W.
+        `as_held`: the family's checkpoints always keep them as the model holds them (Granite MoE's; then D and
+        I, which may not tell the two apart, e.g. 2I == D, check the shapes)."""
         if gate_up not in GATE_UP_LAYOUTS:
             raise ValueError(f"gate_up={gate_up!r}: one of {', '.join(GATE_UP_LAYOUTS)}")
         self._ckpt = ckpt
         self._interleaved = gate_up == "interleaved"
         self._dims = (hidden_size, expert_width) if hidden_size and expert_width else None
+        self._always_held = as_held
         self._as_held: set[str] = set()                          # stacked matrices not transposed for x @ W
         self._parts: dict[str, tuple[str, int, str]] = {}    # shown name -> (stacked name, expert, piece)
         self._names: list[str] = []
@@ -59,7 +62,8 @@ class StackedExperts:
                 raise ShapeMismatch(f"tensor {name!r} has shape {list(shape)}: expected {dims} dimensions, the "
                                     f"first num_local_experts={n_experts}"
                                     + (", the last even (gate and up)" if kind.startswith("gate_up") else ""))
-            if dims == 3 and self._dims is not None and self._held_as_the_model_holds(name, kind, shape):
+            if dims == 3 and (self._dims is not None and self._held_as_the_model_holds(name, kind, shape)
+                              or self._always_held):
                 self._as_held.add(name)
             tensor = "bias" if kind.endswith("_bias") else "weight"
             pieces = ("gate", "up") if kind.startswith("gate_up") else ("down",)
@@ -73,6 +77,10 @@ class StackedExperts:
         """Is this [E, a, b] matrix the model's orientation (True) or transposed for x @ W (False)?"""
         D, I = self._dims
         transposed, held = ((D, 2 * I), (2 * I, D)) if kind == "gate_up_proj" else ((I, D), (D, I))
+        if self._always_held:
+            if shape[1:] != held:
+                raise ShapeMismatch(f"tensor {name!r} has shape {list(shape)}: expected [E, {held[0]}, {held[1]}]")
+            return True
         if shape[1:] not in (transposed, held):
             raise ShapeMismatch(f"tensor {name!r} has shape {list(shape)}: expected [E, {transposed[0]}, "
                                 f"{transposed[1]}] (or as the model holds it, [E, {held[0]}, {held[1]}])")

@@ -159,6 +159,10 @@ class CausalLM(nn.Module):
         for layer in self.model.layers[lo:hi]:
             layer.mixer.kv_cache = None
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, T] -> [B, T, D]: the embedding (a family that scales it overrides this: granitemoe.py)."""
+        return self.model.embed_tokens(input_ids)
+
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         w = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
         return F.linear(h, w)
@@ -199,7 +203,7 @@ class CausalLM(nn.Module):
         if self.is_first_stage:
             if input_ids is None:
                 raise ValueError("the first pipeline stage takes input_ids")
-            x = self.model.embed_tokens(input_ids)                         # [B, T, D]
+            x = self._embed(input_ids)                                     # [B, T, D]
         else:
             if hidden_states is None:
                 raise ValueError(f"pipeline stage {self.layer_range} takes hidden_states")

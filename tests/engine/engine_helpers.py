@@ -155,6 +155,18 @@ def make_ernie4_5_moe_checkpoint(path: Path, *, seed: int = 0, **config) -> Path
     return _save_random_model(path, "Ernie4_5_Moe", seed, dict(ERNIE4_5_MOE_TINY, **config))
 
 
+# Granite MoE: 8 experts of 16 (top-2) on every layer, with granite-3.0-1b-a400m's multipliers.
+GRANITEMOE_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+                       num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256,
+                       embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22,
+                       logits_scaling=6.0)
+
+
+def make_granitemoe_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random Granite MoE of GRANITEMOE_TINY updated with `config` (transformers' GraniteMoeConfig kwargs)."""
+    return _save_random_model(path, "GraniteMoe", seed, dict(GRANITEMOE_TINY, **config))
+
+
 # DeepSeek-V3.2: DEEPSEEK_TINY with its sparse attention indexer (8 index heads of 16, 8 of them rotated) keeping 4
 # keys a query, and the default rope; 16 routed experts (in 8 groups of 2): it is never fused, whatever the count.
 DEEPSEEK_V32_TINY = dict(DEEPSEEK_TINY, n_routed_experts=16, index_n_heads=8, index_head_dim=16, index_topk=4,

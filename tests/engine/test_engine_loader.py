@@ -236,6 +236,7 @@ _BAD_CONFIGS = [
     ("GptOssForCausalLM", "GptOssConfig", dict(num_local_experts=8), {"layer_types": ["chunked_attention"]},
      "target"),
     ("MiniMaxM2ForCausalLM", "MiniMaxM2Config", dict(num_local_experts=8), {"scoring_func": "softmax"}, "target"),
+    ("GraniteMoeForCausalLM", "GraniteMoeConfig", dict(num_local_experts=8), {"logits_scaling": 0}, "target"),
     ("Llama4ForCausalLM", "Llama4TextConfig", dict(num_local_experts=4), {"attention_chunk_size": 0}, "target"),
     ("Llama4ForConditionalGeneration", None, {}, {"text_config": None}, "target"),
     ("Qwen3VLMoeForConditionalGeneration", None, {}, {"text_config": None}, "target"),

@@ -24,7 +24,7 @@ def test_unknown_entry_class_lists_the_supported_ones():
                                                r"Dots1ForCausalLM, Ernie4_5_MoeForCausalLM, Glm4MoeForCausalLM, "
                                                r"Glm4MoeForCausalLMNextN, Glm4MoeLiteForCausalLM, "
                                                r"Glm4vMoeForConditionalGeneration, GlmMoeDsaForCausalLM, "
-                                               r"GptOssForCausalLM, "
+                                               r"GptOssForCausalLM, GraniteMoeForCausalLM, "
                                                r"KimiK25ForConditionalGeneration, Llama4ForCausalLM, "
                                                r"Llama4ForConditionalGeneration, "
                                                r"MiniMaxM2ForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, "

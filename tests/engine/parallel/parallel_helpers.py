@@ -34,6 +34,7 @@ GLM_MOE_DSA = "GlmMoeDsaForCausalLM"
 DOTS1 = "Dots1ForCausalLM"
 ERNIE4_5_MOE = "Ernie4_5_MoeForCausalLM"
 GLM4V_MOE = "Glm4vMoeForConditionalGeneration"
+GRANITEMOE = "GraniteMoeForCausalLM"
 
 # engine_helpers' tiny DeepSeek-V3 (256 routed experts: the fusion gate passes) with the default rope.
 DEEPSEEK_TINY = dict(engine_helpers.DEEPSEEK_TINY, rope_theta=10000.0)
@@ -71,6 +72,8 @@ def make_model(path: Path, arch: str, seed: int = 0) -> str:
         engine_helpers.make_ernie4_5_moe_checkpoint(path, seed=seed)
     elif arch == GLM4V_MOE:
         engine_helpers.make_glm4v_moe_checkpoint(path, seed=seed)
+    elif arch == GRANITEMOE:
+        engine_helpers.make_granitemoe_checkpoint(path, seed=seed)
     elif arch == DEEPSEEK_V32:
         engine_helpers.make_deepseek_v32_checkpoint(path, seed=seed)
     elif arch == QWEN3_5_MOE:

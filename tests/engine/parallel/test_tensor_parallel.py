@@ -2,9 +2,8 @@
 and every expert's intermediate features (checked on the built layers), and TP=2 gives the single
 process's logits and greedy tokens for Qwen3-MoE (a dense layer and o_proj's bias included), Mixtral, OLMoE,
 Qwen2-MoE, GLM-4-MoE, DeepSeek-V3, -V3.2 (sparse attention), GLM-5 and DeepSeek-V2 (Multi-head Latent
-Attention),
-Qwen3-Next and Qwen3.5-MoE (linear attention), ERNIE-4.5 (pairwise rope), GLM-4.5V's text model, shared experts
-fused and unfused; TP=2 x PP=2 too; DeepSeek-V3's NextN draft on TP ranks drafts as on one process.
+Attention), Qwen3-Next and Qwen3.5-MoE (linear attention), ERNIE-4.5 (pairwise rope), GLM-4.5V's text model and
+Granite MoE, shared experts fused and unfused; TP=2 x PP=2 too; DeepSeek-V3's NextN draft on TP ranks drafts as on one process.
 EP 2 x TP 2 on 4 ranks too. Every a2a backend on TP 2 and on EP 2 x TP 2: experts whole on each TP
 rank, the single process's logits, a forced reduction after the combine seen. Refusals: a family
 whose layers do not split, heads that do not divide."""
@@ -20,8 +19,8 @@ from loadplan.service.rules.backends import BACKENDS
 
 from engine_helpers import LocalRegistry, make_checkpoint
 from parallel_helpers import (DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, ERNIE4_5_MOE, GLM4, GLM4V_MOE, GLM_MOE_DSA, GPT_OSS,
-                              LLAMA4, MINIMAX_M2, MIXTRAL, OLMOE, QWEN2, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, make_model,
-                              single_process)
+                              GRANITEMOE, LLAMA4, MINIMAX_M2, MIXTRAL, OLMOE, QWEN2, QWEN3, QWEN3_5_MOE, QWEN3_NEXT,
+                              make_model, single_process)
 
 N_NEW = 4
 TOL = 1e-4
@@ -34,7 +33,7 @@ CASES = [("qwen3", QWEN3, None), ("qwen2", QWEN2, "enforce"), ("qwen2", QWEN2, "
          ("olmoe", OLMOE, None), ("gpt_oss", GPT_OSS, None), ("minimax_m2", MINIMAX_M2, None),
          ("llama4", LLAMA4, None), ("qwen3_next", QWEN3_NEXT, None), ("qwen3_5_moe", QWEN3_5_MOE, None),
          ("deepseek_v32", DEEPSEEK_V32, None), ("glm_moe_dsa", GLM_MOE_DSA, "enforce"),
-         ("ernie4_5_moe", ERNIE4_5_MOE, None), ("glm4v_moe", GLM4V_MOE, "enforce")]
+         ("ernie4_5_moe", ERNIE4_5_MOE, None), ("glm4v_moe", GLM4V_MOE, "enforce"), ("granitemoe", GRANITEMOE, None)]
 
 
 def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
@@ -104,6 +103,7 @@ def paths(tmp_path_factory):
         "glm_moe_dsa": make_model(tmp_path_factory.mktemp("glm_moe_dsa"), GLM_MOE_DSA),
         "ernie4_5_moe": make_model(tmp_path_factory.mktemp("ernie4_5_moe"), ERNIE4_5_MOE),
         "glm4v_moe": make_model(tmp_path_factory.mktemp("glm4v_moe"), GLM4V_MOE),
+        "granitemoe": make_model(tmp_path_factory.mktemp("granitemoe"), GRANITEMOE),
     }
 
 
@@ -167,6 +167,8 @@ def test_two_tp_ranks_give_the_single_process_logits_and_tokens(paths, ids, refe
     assert by_name["ernie4_5_moe"]["dense_inter"] == {24, 32} and not by_name["ernie4_5_moe"]["fused"]
     # GLM-4.5V behind its wrapper: GLM-4-MoE's split, its shared expert fused as GLM-4-MoE's
     assert by_name["glm4v_moe"]["heads"] == by_name["glm4"]["heads"] and by_name["glm4v_moe"]["fused"]
+    # Granite MoE: 2 of its 4 heads of 8, its experts' 16 features split (its multipliers on every rank)
+    assert by_name["granitemoe"]["heads"] == {(2, 1, 16)} and by_name["granitemoe"]["expert_inter"] == {8}
     # MLA: half the heads and their kv_b_proj rows; the latent projection stays whole.
     (heads, kv_b_rows, kv_a_rows), = by_name["deepseek"]["mla_heads"]
     assert (heads, kv_b_rows, kv_a_rows) == (1, 1 * (8 + 12), 16 + 8)     # of 2 heads; nope 8 + v 12; lora 16 + rope 8

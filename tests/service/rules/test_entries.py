@@ -30,6 +30,7 @@ BUILT = {
     "Dots1ForCausalLM": "deepseek",
     "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
     "Glm4vMoeForConditionalGeneration": "glm4_moe",
+    "GraniteMoeForCausalLM": "granitemoe",
 }
 
 

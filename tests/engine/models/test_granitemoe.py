@@ -1,0 +1,49 @@
+"""Granite MoE (`GraniteMoeForCausalLM`: Mixtral's layer with embedding, attention, residual and logit multipliers)
+from save_pretrained checkpoints: logits and greedy tokens against transformers, float32, with granite-3.0's
+multipliers and with attention biases; its stacked experts read as the model holds them even where 2I == D (the
+shapes cannot tell the orientation); the registry plans it with no shared experts; what it cannot run is refused
+by field. EP 2 with every backend: tests/engine/parallel/test_expert_parallel.py; TP 2: test_tensor_parallel.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadplan.engine.models.config import ConfigError
+from loadplan.plan import Keys
+
+from engine_helpers import (check_matches_transformers, check_refused_before_any_plan, make_granitemoe_checkpoint,
+                            prompt, with_config)
+
+ARCH = "GraniteMoeForCausalLM"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_granitemoe_checkpoint(tmp_path_factory.mktemp("granitemoe"))
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return prompt(T=11)
+
+
+def test_logits_and_greedy_tokens_match_transformers(ckpt, ids):
+    model = check_matches_transformers(ckpt, ARCH, ids)
+    d = model.plan.decisions
+    assert d[Keys.ENTRY_FAMILY].value == "granitemoe" and d[Keys.SHARED_EXPERTS_FUSION].value is False
+    assert model.model.layers[0].self_attn.scale == 0.015625 and model.model.layers[0].residual_multiplier == 0.22
+    # gate_up [8, 2 x 16, 32]: as wide as it is tall, read as the model holds it
+    assert model.model.layers[0].mlp.experts.gate_up_proj.shape == (8, 32, 32)
+
+
+@pytest.mark.parametrize("config", [
+    dict(attention_bias=True, tie_word_embeddings=True, num_experts_per_tok=3),
+    dict(intermediate_size=24, embedding_multiplier=1.0, residual_multiplier=1.0),   # 2I != D; no multipliers
+])
+def test_its_variants_match_transformers(tmp_path, ids, config):
+    check_matches_transformers(make_granitemoe_checkpoint(tmp_path / "v", **config), ARCH, ids)
+
+
+def test_what_it_cannot_run_is_refused_by_field_before_any_plan(ckpt, tmp_path):
+    check_refused_before_any_plan(with_config(ckpt, tmp_path / "zero", logits_scaling=0), ConfigError,
+                                  r"config\.logits_scaling: must not be 0")
