@@ -33,6 +33,7 @@ ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "Dots1ForCausalLM": ("loadplan.engine.models.dots1", "Dots1ForCausalLM"),
     "Ernie4_5_MoeForCausalLM": ("loadplan.engine.models.ernie4_5_moe", "Ernie4_5_MoeForCausalLM"),
     "GraniteMoeForCausalLM": ("loadplan.engine.models.granitemoe", "GraniteMoeForCausalLM"),
+    "GraniteMoeSharedForCausalLM": ("loadplan.engine.models.granitemoe", "GraniteMoeSharedForCausalLM"),
     "Glm4MoeForCausalLMNextN": ("loadplan.engine.models.glm4_moe_nextn", "Glm4MoeForCausalLMNextN"),
     "KimiK25ForConditionalGeneration": ("loadplan.engine.models.deepseek_v3", "KimiK25ForConditionalGeneration"),
     "MixtralForCausalLM": ("loadplan.engine.models.mixtral", "MixtralForCausalLM"),

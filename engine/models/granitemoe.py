@@ -4,7 +4,9 @@ modeling_granitemoe numerically.
 Shapes: B batch, T tokens, D hidden, E experts, K top-k, V vocab.
 
 Mixtral's layer (built by qwen_moe.py's, as models/mixtral.py does: every layer sparse, no shared expert, so no
-fusion) with four multipliers from its config:
+fusion; `GraniteMoeSharedForCausalLM` adds an ungated shared MLP of `shared_intermediate_size`, stored as
+`shared_mlp.input_linear` [2S, D] (gate, then up) and `output_linear`, which the registry never fuses) with four
+multipliers from its config:
 - `embedding_multiplier`: the token embeddings are scaled by it;
 - `attention_multiplier`: the attention scores' scale, instead of 1/sqrt(head_dim);
 - `residual_multiplier`: each block's output (attention, then MoE) is scaled by it before the residual sum;
@@ -22,24 +24,30 @@ from dataclasses import dataclass
 
 import torch
 
+from ..layers.mlp import GatedMLP
 from ..stacked_experts import StackedExperts
-from ..weights import CheckpointNames
+from ..weights import CheckpointNames, ShapeMismatch
 from .causal_lm import CausalLM
 from .config import ConfigError, get_field as _get
-from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, every_layer_moe_fields
+from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, QwenSparseMoeBlock, every_layer_moe_fields
 
 ARCHITECTURE = "GraniteMoeForCausalLM"
+SHARED_ARCHITECTURE = "GraniteMoeSharedForCausalLM"
 
 # (checkpoint, engine) suffixes under model.layers.{i}: the stacked experts as StackedExperts reads them.
 GRANITE_NAMES = CheckpointNames((
     ("block_sparse_moe.input_linear.weight", "mlp.experts.gate_up_proj"),
     ("block_sparse_moe.output_linear.weight", "mlp.experts.down_proj"),
     ("block_sparse_moe.router.layer.weight", "mlp.gate.weight"),
+    ("shared_mlp.output_linear.weight", "mlp.shared_mlp.down_proj.weight"),
 ))
+# GraniteMoeShared's shared MLP keeps gate and up in one matrix [2S, D]: shown as the two halves.
+SHARED_GATE_UP = "shared_mlp.input_linear.weight"
 
 
 @dataclass(frozen=True)
 class GraniteMoeConfig(QwenMoeConfig):
+    shared_intermediate_size: int = 0          # GraniteMoeShared's ungated shared MLP (0: none)
     embedding_multiplier: float = 1.0
     attention_multiplier: float = 1.0
     residual_multiplier: float = 1.0
@@ -57,6 +65,9 @@ class GraniteMoeConfig(QwenMoeConfig):
         if multipliers["logits_scaling"] == 0:
             raise ConfigError("config.logits_scaling: must not be 0 (the logits are divided by it)")
         bias = bool(_get(d, "attention_bias", False, bool))
+        shared = _get(d, "shared_intermediate_size", 0, int) if architecture == SHARED_ARCHITECTURE else 0
+        if shared < 0:
+            raise ConfigError(f"config.shared_intermediate_size: must be >= 0, got {shared}")
         return cls(
             architecture=architecture,
             **common,
@@ -66,11 +77,29 @@ class GraniteMoeConfig(QwenMoeConfig):
             qkv_bias=bias,
             o_bias=bias,
             qk_norm=False,
+            shared_intermediate_size=shared,
             **multipliers,
         )
 
 
+class GraniteMoeBlock(QwenSparseMoeBlock):
+    """The routed experts, and GraniteMoeShared's shared MLP (when its config sizes one) added ungated: replicated,
+    after the experts' reduction (never fused: the registry's gate)."""
+
+    def __init__(self, cfg: GraniteMoeConfig, plan, layer_id: int, dtype: torch.dtype):
+        super().__init__(cfg, plan, layer_id, dtype)
+        shared = cfg.shared_intermediate_size
+        self.shared_mlp = GatedMLP(cfg.hidden_size, shared, cfg.hidden_act, dtype) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> [T, D]"""
+        y = super().forward(x)
+        return y if self.shared_mlp is None else y + self.shared_mlp(x)
+
+
 class GraniteMoeDecoderLayer(QwenDecoderLayer):
+    MOE_BLOCK = GraniteMoeBlock
+
     def __init__(self, cfg: GraniteMoeConfig, plan, layer_id: int, dtype: torch.dtype):
         super().__init__(cfg, plan, layer_id, dtype)
         self.self_attn.scale = cfg.attention_multiplier
@@ -89,7 +118,7 @@ class GraniteMoeForCausalLM(QwenLayerCausalLM):
 
     @classmethod
     def parse_config(cls, hf_config: dict) -> GraniteMoeConfig:
-        return GraniteMoeConfig.from_hf(hf_config)
+        return GraniteMoeConfig.from_hf(hf_config, cls.ARCHITECTURE)
 
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
         cfg = self.parse_config(hf_config)
@@ -108,19 +137,40 @@ class GraniteMoeForCausalLM(QwenLayerCausalLM):
         return super()._head(h) / self.config.logits_scaling
 
 
+class GraniteMoeSharedForCausalLM(GraniteMoeForCausalLM):
+    """Granite MoE with an ungated shared MLP of `shared_intermediate_size` beside the experts of every layer."""
+
+    ARCHITECTURE = SHARED_ARCHITECTURE
+
+
 class _EngineNames:
-    """The checkpoint (`names`/`shape`/`get`) with Granite's stacked experts and router under the names
-    StackedExperts and the engine read (`GRANITE_NAMES`)."""
+    """The checkpoint (`names`/`shape`/`get`) with Granite's stacked experts, router and shared MLP under the
+    names StackedExperts and the engine read (`GRANITE_NAMES`; the shared MLP's [2S, D] as its gate and up)."""
 
     def __init__(self, ckpt):
         self._ckpt = ckpt
-        self._source = {GRANITE_NAMES.to_engine(name): name for name in ckpt.names()}
+        self._source: dict[str, tuple[str, int | None]] = {}     # shown -> (checkpoint name, half or None)
+        for name in ckpt.names():
+            if name.endswith(SHARED_GATE_UP):
+                head = name[:-len(SHARED_GATE_UP)]
+                self._source[f"{head}mlp.shared_mlp.gate_proj.weight"] = (name, 0)
+                self._source[f"{head}mlp.shared_mlp.up_proj.weight"] = (name, 1)
+            else:
+                self._source[GRANITE_NAMES.to_engine(name)] = (name, None)
 
     def names(self) -> list[str]:
         return list(self._source)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._ckpt.shape(self._source[name]))
+        source, half = self._source[name]
+        shape = tuple(self._ckpt.shape(source))
+        if half is None:
+            return shape
+        if len(shape) != 2 or shape[0] % 2:
+            raise ShapeMismatch(f"tensor {source!r} has shape {list(shape)}: expected [2 x shared width, hidden]")
+        return (shape[0] // 2, shape[1])
 
     def get(self, name: str) -> torch.Tensor:
-        return self._ckpt.get(self._source[name])
+        source, half = self._source[name]
+        tensor = self._ckpt.get(source)
+        return tensor if half is None else tensor.chunk(2, dim=0)[half]

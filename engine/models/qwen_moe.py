@@ -184,6 +184,8 @@ class QwenSparseMoeBlock(nn.Module):
 
 
 class QwenDecoderLayer(DecoderLayer):
+    MOE_BLOCK: type[nn.Module] = QwenSparseMoeBlock   # a family's own block of the same constructor (granitemoe.py)
+
     def __init__(self, cfg: QwenMoeConfig, plan, layer_id: int, dtype: torch.dtype):
         tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
         attn = GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
@@ -191,7 +193,7 @@ class QwenDecoderLayer(DecoderLayer):
                            rms_norm_eps=cfg.rms_norm_eps, dtype=dtype, tp=tp, sliding_window=cfg.sliding_window,
                            qk_norm_span=cfg.qk_norm_span, clip_qkv=cfg.clip_qkv)
         if layer_id in cfg.moe_layers:
-            mlp = QwenSparseMoeBlock(cfg, plan, layer_id, dtype)
+            mlp = self.MOE_BLOCK(cfg, plan, layer_id, dtype)
         else:
             mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype, tp=tp)
         super().__init__(layer_id, attn, mlp, cfg.hidden_size, cfg.rms_norm_eps, dtype)

@@ -74,6 +74,8 @@ FAMILIES: dict[str, Family] = {
         Family("gpt_oss", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
         Family("minimax_m2", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
         Family("granitemoe", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
+        # GraniteMoeShared: Granite MoE with an ungated shared MLP, never fused
+        Family("granitemoe_shared", layouts.granitemoe_shared_layout, gates.granitemoe_shared_gate, True),
         Family("llama4", layouts.llama4_layout, gates.llama4_gate, True),
         # GLM-4.7-Flash: GLM-4-MoE's MoE block and gate (DESIGN 5.2's GLM conditions) over DeepSeek's MLA
         Family("glm4_moe_lite", layouts.glm4_moe_lite_layout, gates.glm4_moe_gate, True),
@@ -108,6 +110,7 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "GptOssForCausalLM": Direct("gpt_oss"),
     "MiniMaxM2ForCausalLM": Direct("minimax_m2"),
     "GraniteMoeForCausalLM": Direct("granitemoe"),
+    "GraniteMoeSharedForCausalLM": Direct("granitemoe_shared"),
     "Llama4ForCausalLM": Direct("llama4"),
     "Glm4MoeLiteForCausalLM": Direct("glm4_moe_lite"),
     "Qwen3NextForCausalLM": Direct("qwen3_next"),

@@ -63,6 +63,14 @@ def ernie4_5_moe_gate(ctx: GateContext) -> Verdict | None:
                    f"for ERNIE-4.5")
 
 
+def granitemoe_shared_gate(ctx: GateContext) -> Verdict | None:
+    """GraniteMoeShared never fuses (not in DESIGN 5.2; our choice, as SGLang and vLLM run it): its shared MLP is
+    sized on its own (`shared_intermediate_size`), with no fused layout or kernel. Structural: enforce does not
+    skip it."""
+    return Verdict("granitemoe_shared.structural.no_fused_layout",
+                   "its shared MLP runs beside the routed experts: no fused layout exists for Granite MoE")
+
+
 def deepseek_gate(ctx: GateContext) -> Verdict | None:
     rt, lay, q = ctx.runtime, ctx.layout, ctx.quantization
     # 3. overlap schedulers

@@ -96,6 +96,14 @@ def every_layer_moe_layout(cfg: ConfigView, experts_field: str) -> MoeLayout:
     return MoeLayout(layers, layers, n_routed, 0, top_k)
 
 
+def granitemoe_shared_layout(cfg: ConfigView) -> MoeLayout:
+    """Granite MoE with an ungated shared MLP beside the experts of every layer (none when
+    shared_intermediate_size is 0, transformers' default)."""
+    lay = every_layer_moe_layout(cfg, "num_local_experts")
+    shared = cfg.int("shared_intermediate_size", 0, minimum=0)
+    return MoeLayout(lay.layer_ids, lay.moe_layers, lay.n_routed, 1 if shared else 0, lay.top_k)
+
+
 def glm4_moe_lite_layout(cfg: ConfigView) -> MoeLayout:
     n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
     n_routed = cfg.int("n_routed_experts", minimum=1)

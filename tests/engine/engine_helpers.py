@@ -162,9 +162,10 @@ GRANITEMOE_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=16, num
                        logits_scaling=6.0)
 
 
-def make_granitemoe_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
-    """Save a random Granite MoE of GRANITEMOE_TINY updated with `config` (transformers' GraniteMoeConfig kwargs)."""
-    return _save_random_model(path, "GraniteMoe", seed, dict(GRANITEMOE_TINY, **config))
+def make_granitemoe_checkpoint(path: Path, *, seed: int = 0, family: str = "GraniteMoe", **config) -> Path:
+    """Save a random Granite MoE of GRANITEMOE_TINY updated with `config` (transformers' GraniteMoeConfig kwargs);
+    `family="GraniteMoeShared"` for GraniteMoeSharedForCausalLM (with shared_intermediate_size)."""
+    return _save_random_model(path, family, seed, dict(GRANITEMOE_TINY, **config))
 
 
 # DeepSeek-V3.2: DEEPSEEK_TINY with its sparse attention indexer (8 index heads of 16, 8 of them rotated) keeping 4

@@ -237,6 +237,8 @@ _BAD_CONFIGS = [
      "target"),
     ("MiniMaxM2ForCausalLM", "MiniMaxM2Config", dict(num_local_experts=8), {"scoring_func": "softmax"}, "target"),
     ("GraniteMoeForCausalLM", "GraniteMoeConfig", dict(num_local_experts=8), {"logits_scaling": 0}, "target"),
+    ("GraniteMoeSharedForCausalLM", "GraniteMoeSharedConfig", dict(num_local_experts=8, shared_intermediate_size=16),
+     {"shared_intermediate_size": -1}, "target"),
     ("Llama4ForCausalLM", "Llama4TextConfig", dict(num_local_experts=4), {"attention_chunk_size": 0}, "target"),
     ("Llama4ForConditionalGeneration", None, {}, {"text_config": None}, "target"),
     ("Qwen3VLMoeForConditionalGeneration", None, {}, {"text_config": None}, "target"),

@@ -2,7 +2,8 @@
 from save_pretrained checkpoints: logits and greedy tokens against transformers, float32, with granite-3.0's
 multipliers and with attention biases; its stacked experts read as the model holds them even where 2I == D (the
 shapes cannot tell the orientation); the registry plans it with no shared experts; what it cannot run is refused
-by field. EP 2 with every backend: tests/engine/parallel/test_expert_parallel.py; TP 2: test_tensor_parallel.py."""
+by field; GraniteMoeShared's ungated shared MLP, never fused. EP 2 with every backend: tests/engine/parallel/
+test_expert_parallel.py; TP 2: test_tensor_parallel.py."""
 
 from __future__ import annotations
 
@@ -47,3 +48,13 @@ def test_its_variants_match_transformers(tmp_path, ids, config):
 def test_what_it_cannot_run_is_refused_by_field_before_any_plan(ckpt, tmp_path):
     check_refused_before_any_plan(with_config(ckpt, tmp_path / "zero", logits_scaling=0), ConfigError,
                                   r"config\.logits_scaling: must not be 0")
+
+
+def test_the_shared_variant_matches_transformers_and_its_shared_mlp_is_never_fused(tmp_path, ids):
+    """GraniteMoeShared: the shared MLP's [2S, D] gate-and-up matrix read as its two halves, added ungated."""
+    path = make_granitemoe_checkpoint(tmp_path / "shared", family="GraniteMoeShared", shared_intermediate_size=24)
+    model = check_matches_transformers(path, "GraniteMoeSharedForCausalLM", ids)
+    d = model.plan.decisions
+    assert d[Keys.ENTRY_FAMILY].value == "granitemoe_shared" and d[Keys.SHARED_EXPERTS_FUSION].value is False
+    assert d[Keys.SHARED_EXPERTS_FUSION].rule == "granitemoe_shared.structural.no_fused_layout"
+    assert model.model.layers[0].mlp.shared_mlp.gate_proj.out_features == 24

@@ -35,6 +35,7 @@ DOTS1 = "Dots1ForCausalLM"
 ERNIE4_5_MOE = "Ernie4_5_MoeForCausalLM"
 GLM4V_MOE = "Glm4vMoeForConditionalGeneration"
 GRANITEMOE = "GraniteMoeForCausalLM"
+GRANITEMOE_SHARED = "GraniteMoeSharedForCausalLM"
 
 # engine_helpers' tiny DeepSeek-V3 (256 routed experts: the fusion gate passes) with the default rope.
 DEEPSEEK_TINY = dict(engine_helpers.DEEPSEEK_TINY, rope_theta=10000.0)
@@ -74,6 +75,9 @@ def make_model(path: Path, arch: str, seed: int = 0) -> str:
         engine_helpers.make_glm4v_moe_checkpoint(path, seed=seed)
     elif arch == GRANITEMOE:
         engine_helpers.make_granitemoe_checkpoint(path, seed=seed)
+    elif arch == GRANITEMOE_SHARED:
+        engine_helpers.make_granitemoe_checkpoint(path, seed=seed, family="GraniteMoeShared",
+                                                  shared_intermediate_size=24)
     elif arch == DEEPSEEK_V32:
         engine_helpers.make_deepseek_v32_checkpoint(path, seed=seed)
     elif arch == QWEN3_5_MOE:

@@ -3,8 +3,8 @@ and every expert's intermediate features (checked on the built layers), and TP=2
 process's logits and greedy tokens for Qwen3-MoE (a dense layer and o_proj's bias included), Mixtral, OLMoE,
 Qwen2-MoE, GLM-4-MoE, DeepSeek-V3, -V3.2 (sparse attention), GLM-5 and DeepSeek-V2 (Multi-head Latent
 Attention), Qwen3-Next and Qwen3.5-MoE (linear attention), ERNIE-4.5 (pairwise rope), GLM-4.5V's text model and
-Granite MoE, shared experts fused and unfused; TP=2 x PP=2 too; DeepSeek-V3's NextN draft on TP ranks drafts as on one process.
-EP 2 x TP 2 on 4 ranks too. Every a2a backend on TP 2 and on EP 2 x TP 2: experts whole on each TP
+Granite MoE, shared experts fused and unfused; TP=2 x PP=2 too; DeepSeek-V3's NextN draft on TP ranks drafts
+as on one process. EP 2 x TP 2 on 4 ranks too. Every a2a backend on TP 2 and on EP 2 x TP 2: experts whole on each TP
 rank, the single process's logits, a forced reduction after the combine seen. Refusals: a family
 whose layers do not split, heads that do not divide."""
 

@@ -31,6 +31,7 @@ BUILT = {
     "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
     "Glm4vMoeForConditionalGeneration": "glm4_moe",
     "GraniteMoeForCausalLM": "granitemoe",
+    "GraniteMoeSharedForCausalLM": "granitemoe_shared",
 }
 
 

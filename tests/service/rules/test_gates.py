@@ -599,6 +599,16 @@ def test_ernie4_5_moe_is_its_own_family_and_never_fused():
     assert_off(fusion(dict(cfg, moe_num_shared_experts=0)), "ernie4_5_moe.no_shared_experts", "no shared experts")
 
 
+def test_granitemoe_shared_is_never_fused_and_granitemoe_has_no_shared_experts():
+    base = {"num_hidden_layers": 4, "num_local_experts": 32, "num_experts_per_tok": 8}
+    shared = dict(base, architectures=["GraniteMoeSharedForCausalLM"], shared_intermediate_size=1024)
+    assert resolve(shared, ep_size=4, ep_rank=1).decisions[Keys.NUM_LOCAL_EXPERTS].value == 8
+    for kw in ({}, ENFORCE):
+        assert_off(fusion(shared, **kw), "granitemoe_shared.structural.no_fused_layout", "shared MLP")
+    assert_off(fusion(dict(shared, shared_intermediate_size=0)), "granitemoe_shared.no_shared_experts")
+    assert_off(fusion(dict(base, architectures=["GraniteMoeForCausalLM"])), "granitemoe.no_shared_experts")
+
+
 def test_glm5_is_the_deepseek_gate_with_its_own_fused_architecture():
     """GLM-5 (V3.2's model): fused where DeepSeek-V3 would be (SGLang's GlmMoeDsaForCausalLM fix); the structural
     conditions still hold (e.g. 256 experts)."""
