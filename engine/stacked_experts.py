@@ -62,8 +62,8 @@ class StackedExperts:
                 raise ShapeMismatch(f"tensor {name!r} has shape {list(shape)}: expected {dims} dimensions, the "
                                     f"first num_local_experts={n_experts}"
                                     + (", the last even (gate and up)" if kind.startswith("gate_up") else ""))
-            if dims == 3 and (self._dims is not None and self._held_as_the_model_holds(name, kind, shape)
-                              or self._always_held):
+            if dims == 3 and (self._always_held or self._dims is not None) and \
+                    self._held_as_the_model_holds(name, kind, shape):
                 self._as_held.add(name)
             tensor = "bias" if kind.endswith("_bias") else "weight"
             pieces = ("gate", "up") if kind.startswith("gate_up") else ("down",)
@@ -75,6 +75,8 @@ class StackedExperts:
 
     def _held_as_the_model_holds(self, name: str, kind: str, shape: tuple[int, ...]) -> bool:
         """Is this [E, a, b] matrix the model's orientation (True) or transposed for x @ W (False)?"""
+        if self._dims is None:               # always held, nothing to check it against
+            return True
         D, I = self._dims
         transposed, held = ((D, 2 * I), (2 * I, D)) if kind == "gate_up_proj" else ((I, D), (D, I))
         if self._always_held:

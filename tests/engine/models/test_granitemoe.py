@@ -45,6 +45,26 @@ def test_its_variants_match_transformers(tmp_path, ids, config):
     check_matches_transformers(make_granitemoe_checkpoint(tmp_path / "v", **config), ARCH, ids)
 
 
+def test_a_stacked_matrix_not_as_the_model_holds_it_is_refused_naming_it(tmp_path):
+    """Granite's checkpoints keep the experts as the model holds them; one transposed for x @ W is not guessed."""
+    from safetensors.torch import load_file, save_file
+
+    from loadplan.engine.weights import ShapeMismatch
+
+    from engine_helpers import load_local
+
+    path = make_granitemoe_checkpoint(tmp_path / "ok", intermediate_size=24)        # 2I = 48, D = 32
+    tensors = load_file(path / "model.safetensors")
+    name = "model.layers.1.block_sparse_moe.input_linear.weight"
+    tensors[name] = tensors[name].transpose(1, 2).contiguous()                    # [8, 32, 48]
+    bad = tmp_path / "transposed"
+    bad.mkdir()
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    (bad / "config.json").write_text((path / "config.json").read_text())
+    with pytest.raises(ShapeMismatch, match=r"experts\.gate_up_proj' has shape \[8, 32, 48\]: expected \[E, 48, 32\]"):
+        load_local(bad)
+
+
 def test_what_it_cannot_run_is_refused_by_field_before_any_plan(ckpt, tmp_path):
     check_refused_before_any_plan(with_config(ckpt, tmp_path / "zero", logits_scaling=0), ConfigError,
                                   r"config\.logits_scaling: must not be 0")
