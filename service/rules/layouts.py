@@ -17,7 +17,7 @@ Conventions follow the architectures' reference implementations:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import InvalidArgument
 from .config_view import ConfigView
@@ -100,8 +100,7 @@ def granitemoe_shared_layout(cfg: ConfigView) -> MoeLayout:
     """Granite MoE with an ungated shared MLP beside the experts of every layer (none when
     shared_intermediate_size is 0, transformers' default)."""
     lay = every_layer_moe_layout(cfg, "num_local_experts")
-    shared = cfg.int("shared_intermediate_size", 0, minimum=0)
-    return MoeLayout(lay.layer_ids, lay.moe_layers, lay.n_routed, 1 if shared else 0, lay.top_k)
+    return replace(lay, n_shared=1 if cfg.int("shared_intermediate_size", 0, minimum=0) else 0)
 
 
 def glm4_moe_lite_layout(cfg: ConfigView) -> MoeLayout:
