@@ -34,6 +34,7 @@ ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "Ernie4_5_MoeForCausalLM": ("loadplan.engine.models.ernie4_5_moe", "Ernie4_5_MoeForCausalLM"),
     "GraniteMoeForCausalLM": ("loadplan.engine.models.granitemoe", "GraniteMoeForCausalLM"),
     "GraniteMoeSharedForCausalLM": ("loadplan.engine.models.granitemoe", "GraniteMoeSharedForCausalLM"),
+    "HunYuanMoEV1ForCausalLM": ("loadplan.engine.models.hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM"),
     "Glm4MoeForCausalLMNextN": ("loadplan.engine.models.glm4_moe_nextn", "Glm4MoeForCausalLMNextN"),
     "KimiK25ForConditionalGeneration": ("loadplan.engine.models.deepseek_v3", "KimiK25ForConditionalGeneration"),
     "MixtralForCausalLM": ("loadplan.engine.models.mixtral", "MixtralForCausalLM"),

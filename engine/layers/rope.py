@@ -1,4 +1,4 @@
-"""Rotary position embeddings: default, linear, YaRN and Llama 3's, in HF's cos/sin layout.
+"""Rotary position embeddings: default, linear, YaRN, Llama 3's and Hunyuan's NTK-alpha, in HF's cos/sin layout.
 
 Numerics follow transformers' rotary classes op for op in float32, so logits match
 the reference. Two config spellings exist on the Hub: the older top-level
@@ -20,6 +20,9 @@ import torch
 from torch import nn
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+# What a family that reads NTK-alpha (`rope_config_from_hf(..., ntk_alpha=True)`) supports besides: Hunyuan's
+# configs say "dynamic" with an `alpha`, a fixed stretch of the base (no dependence on the sequence length).
+NTK_ALPHA_ROPE_TYPES = ("dynamic (with alpha)",)
 
 
 @dataclass(frozen=True)
@@ -40,12 +43,16 @@ class RopeConfig:
     # original / high_freq_factor kept, smoothly interpolated between
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
+    # NTK-alpha (Hunyuan): the base is theta * alpha ** (d / (d - 2)) for rotary dimension d
+    alpha: float = 1.0
 
 
 def rope_config_from_hf(hf_config: Mapping[str, Any], *, partial_rotary_factor: float = 1.0,
-                        default_theta: float = 10000.0) -> RopeConfig:
+                        default_theta: float = 10000.0, ntk_alpha: bool = False) -> RopeConfig:
     """Read either spelling of a HF config.json (a dict) into a RopeConfig. `partial_rotary_factor` and
-    `default_theta`: the family's values where the config does not give them (GLM-4-MoE: 0.5; Mixtral: 1e6)."""
+    `default_theta`: the family's values where the config does not give them (GLM-4-MoE: 0.5; Mixtral: 1e6).
+    `ntk_alpha`: the family reads a "dynamic" rope with an `alpha` as NTK-alpha (transformers' Hunyuan does; a
+    "dynamic" rope without one, whose frequencies change with the sequence length, stays refused)."""
     params = hf_config.get("rope_parameters")
     scaling = hf_config.get("rope_scaling")
     # HF gives rope_scaling priority when both exist (convert_rope_params_to_dict).
@@ -56,8 +63,15 @@ def rope_config_from_hf(hf_config: Mapping[str, Any], *, partial_rotary_factor: 
     theta = p.get("rope_theta", hf_config.get("rope_theta", default_theta))
     rope_type = p.get("rope_type", p.get("type", "default"))
     partial = p.get("partial_rotary_factor", hf_config.get("partial_rotary_factor")) or partial_rotary_factor
+    if ntk_alpha and rope_type == "dynamic" and p.get("alpha"):
+        alpha = p["alpha"]
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
+            raise ValueError(f"rope alpha must be a number > 0, got {alpha!r}")
+        return RopeConfig(rope_type="ntk_alpha", theta=float(theta), alpha=float(alpha),
+                          partial_rotary_factor=float(partial))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope type {rope_type!r} not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        supported = SUPPORTED_ROPE_TYPES + (NTK_ALPHA_ROPE_TYPES if ntk_alpha else ())
+        raise ValueError(f"rope type {rope_type!r} not supported; supported: {', '.join(supported)}")
     if rope_type == "default":
         return RopeConfig(theta=float(theta), partial_rotary_factor=float(partial))
     if rope_type == "linear":
@@ -115,7 +129,9 @@ def softmax_scale(head_dim: int, rope: RopeConfig) -> float:
 def _inv_freq(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
     cpu = torch.device("cpu")  # explicit: construction may run under a meta device context
     base = rope.theta
-    if rope.rope_type in ("default", "linear", "llama3"):
+    if rope.rope_type == "ntk_alpha":   # transformers' compute_ntk_alpha_rope_parameters
+        base = rope.theta * rope.alpha ** (dim / (dim - 2))
+    if rope.rope_type in ("default", "linear", "llama3", "ntk_alpha"):
         inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=cpu).to(torch.float) / dim))
         if rope.rope_type == "linear":
             inv = inv / rope.factor

@@ -24,12 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layers.mlp import GatedMLP
 from ..stacked_experts import StackedExperts
 from ..weights import CheckpointNames, ShapeMismatch
 from .causal_lm import CausalLM
 from .config import ConfigError, get_field as _get
-from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, QwenSparseMoeBlock, every_layer_moe_fields
+from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, SharedMlpMoeBlock, every_layer_moe_fields
 
 ARCHITECTURE = "GraniteMoeForCausalLM"
 SHARED_ARCHITECTURE = "GraniteMoeSharedForCausalLM"
@@ -47,7 +46,6 @@ SHARED_GATE_UP = "shared_mlp.input_linear.weight"
 
 @dataclass(frozen=True)
 class GraniteMoeConfig(QwenMoeConfig):
-    shared_intermediate_size: int = 0          # GraniteMoeShared's ungated shared MLP (0: none)
     embedding_multiplier: float = 1.0
     attention_multiplier: float = 1.0
     residual_multiplier: float = 1.0
@@ -82,23 +80,8 @@ class GraniteMoeConfig(QwenMoeConfig):
         )
 
 
-class GraniteMoeBlock(QwenSparseMoeBlock):
-    """The routed experts, and GraniteMoeShared's shared MLP (when its config sizes one) added ungated: replicated,
-    after the experts' reduction (never fused: the registry's gate)."""
-
-    def __init__(self, cfg: GraniteMoeConfig, plan, layer_id: int, dtype: torch.dtype):
-        super().__init__(cfg, plan, layer_id, dtype)
-        shared = cfg.shared_intermediate_size
-        self.shared_mlp = GatedMLP(cfg.hidden_size, shared, cfg.hidden_act, dtype) if shared else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, D] -> [T, D]"""
-        y = super().forward(x)
-        return y if self.shared_mlp is None else y + self.shared_mlp(x)
-
-
 class GraniteMoeDecoderLayer(QwenDecoderLayer):
-    MOE_BLOCK = GraniteMoeBlock
+    MOE_BLOCK = SharedMlpMoeBlock   # the shared MLP only where shared_intermediate_size > 0
 
     def __init__(self, cfg: GraniteMoeConfig, plan, layer_id: int, dtype: torch.dtype):
         super().__init__(cfg, plan, layer_id, dtype)

@@ -50,10 +50,12 @@ class QwenMoeConfig:
     o_bias: bool                        # o_proj carries a bias (Qwen3 attention_bias)
     qk_norm: bool                       # Qwen3: RMSNorm per head on q and k
     shared_expert_intermediate_size: int = 0   # Qwen2-MoE; 0 = no shared expert
+    shared_intermediate_size: int = 0          # an ungated shared MLP (SharedMlpMoeBlock); 0 = none
     moe_layers: tuple[int, ...] = field(default=())
     sliding_window: int | None = None          # Mixtral's (models/mixtral.py); the Qwen families refuse theirs
     qk_norm_span: str = "head"                 # OLMoE (models/olmoe.py): "projection", one norm over all heads
     clip_qkv: float | None = None              # OLMoE: q, k, v clamped to +-clip_qkv
+    qk_norm_after_rope: bool = False           # Hunyuan (models/hunyuan_v1_moe.py): q/k norms after the rotation
 
     @classmethod
     def from_hf(cls, d: dict, architecture: str) -> "QwenMoeConfig":
@@ -166,9 +168,13 @@ class QwenSparseMoeBlock(nn.Module):
         self.shared_expert = GatedMLP(D, shared, cfg.hidden_act, dtype) if shared and not fused else None
         self.shared_expert_gate = nn.Linear(D, 1, bias=False, dtype=dtype) if shared else None
 
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> [T, E] (a family whose router computes otherwise overrides it: models/hunyuan_v1_moe.py)"""
+        return self.gate(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> [T, D]"""
-        logits = self.gate(x)                                              # [T, E]
+        logits = self.router_logits(x)                                     # [T, E]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)           # [T, E]
         weights, ids = torch.topk(probs, self.top_k, dim=-1)               # [T, K]
         if self.norm_topk_prob:
@@ -183,6 +189,22 @@ class QwenSparseMoeBlock(nn.Module):
         return y
 
 
+class SharedMlpMoeBlock(QwenSparseMoeBlock):
+    """The routed experts and, when the config sizes one (`cfg.shared_intermediate_size` > 0), an ungated shared MLP
+    `shared_mlp` added to their output after the experts' reduction, replicated on every rank: GraniteMoeShared's
+    (models/granitemoe.py) and Hunyuan's (models/hunyuan_v1_moe.py), which their registry gates never fuse."""
+
+    def __init__(self, cfg: QwenMoeConfig, plan, layer_id: int, dtype: torch.dtype):
+        super().__init__(cfg, plan, layer_id, dtype)
+        shared = cfg.shared_intermediate_size
+        self.shared_mlp = GatedMLP(cfg.hidden_size, shared, cfg.hidden_act, dtype) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> [T, D]"""
+        y = super().forward(x)
+        return y if self.shared_mlp is None else y + self.shared_mlp(x)
+
+
 class QwenDecoderLayer(DecoderLayer):
     MOE_BLOCK: type[nn.Module] = QwenSparseMoeBlock   # a family's own block of the same constructor (granitemoe.py)
 
@@ -191,7 +213,8 @@ class QwenDecoderLayer(DecoderLayer):
         attn = GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                            qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, qk_norm=cfg.qk_norm,
                            rms_norm_eps=cfg.rms_norm_eps, dtype=dtype, tp=tp, sliding_window=cfg.sliding_window,
-                           qk_norm_span=cfg.qk_norm_span, clip_qkv=cfg.clip_qkv)
+                           qk_norm_span=cfg.qk_norm_span, clip_qkv=cfg.clip_qkv,
+                           qk_norm_after_rope=cfg.qk_norm_after_rope)
         if layer_id in cfg.moe_layers:
             mlp = self.MOE_BLOCK(cfg, plan, layer_id, dtype)
         else:

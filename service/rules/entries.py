@@ -86,6 +86,8 @@ FAMILIES: dict[str, Family] = {
         Family("qwen3_5_nextn", layouts.qwen_nextn_layout, gates.qwen2_moe_gate, True),
         # ERNIE-4.5: DeepSeek-V3's MoE block with a softmax router and ungated shared experts, never fused
         Family("ernie4_5_moe", layouts.ernie4_5_moe_layout, gates.ernie4_5_moe_gate, True),
+        # Hunyuan-A13B: every layer MoE with an ungated shared MLP beside the experts, never fused
+        Family("hunyuan_v1_moe", layouts.hunyuan_v1_moe_layout, gates.hunyuan_v1_moe_gate, True),
     )
 }
 
@@ -111,6 +113,7 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "MiniMaxM2ForCausalLM": Direct("minimax_m2"),
     "GraniteMoeForCausalLM": Direct("granitemoe"),
     "GraniteMoeSharedForCausalLM": Direct("granitemoe_shared"),
+    "HunYuanMoEV1ForCausalLM": Direct("hunyuan_v1_moe"),
     "Llama4ForCausalLM": Direct("llama4"),
     "Glm4MoeLiteForCausalLM": Direct("glm4_moe_lite"),
     "Qwen3NextForCausalLM": Direct("qwen3_next"),

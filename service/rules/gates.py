@@ -71,6 +71,13 @@ def granitemoe_shared_gate(ctx: GateContext) -> Verdict | None:
                    "its shared MLP runs beside the routed experts: no fused layout exists for Granite MoE")
 
 
+def hunyuan_v1_moe_gate(ctx: GateContext) -> Verdict | None:
+    """Hunyuan never fuses (not in DESIGN 5.2; our choice, as SGLang and vLLM run it): its shared MLP runs beside the
+    routed experts, ungated, with no fused layout or kernel. Structural: enforce does not skip it."""
+    return Verdict("hunyuan_v1_moe.structural.no_fused_layout",
+                   "its shared MLP runs beside the routed experts: no fused layout exists for Hunyuan")
+
+
 def deepseek_gate(ctx: GateContext) -> Verdict | None:
     rt, lay, q = ctx.runtime, ctx.layout, ctx.quantization
     # 3. overlap schedulers

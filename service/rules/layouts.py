@@ -12,6 +12,8 @@ Conventions follow the architectures' reference implementations:
 - ERNIE-4.5: layer i is MoE iff (i + 1) % moe_layer_interval == 0 and moe_layer_start_index <= i <=
   moe_layer_end_index (-1: the last layer), with moe_num_experts routed experts, moe_k of them a token and
   moe_num_shared_experts shared ones.
+- Hunyuan (A13B): every layer is MoE, with num_experts routed experts, moe_topk of them a token and
+  num_shared_expert shared MLPs (1 by default); the Hub's configs write these per layer (lists that agree).
 - A NextN draft has num_nextn_predict_layers MoE layers numbered after the target's.
 """
 
@@ -101,6 +103,33 @@ def granitemoe_shared_layout(cfg: ConfigView) -> MoeLayout:
     shared_intermediate_size is 0, transformers' default)."""
     lay = every_layer_moe_layout(cfg, "num_local_experts")
     return replace(lay, n_shared=1 if cfg.int("shared_intermediate_size", 0, minimum=0) else 0)
+
+
+def hunyuan_v1_moe_layout(cfg: ConfigView) -> MoeLayout:
+    """transformers' HunYuanMoEV1Config defaults (one expert, top-1) where a config leaves a field out."""
+    n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
+    n_routed = _one_per_model(cfg, "num_experts", n_layers, 1, minimum=1)
+    top_k = _one_per_model(cfg, "moe_topk", n_layers, 1, minimum=1)
+    n_shared = _one_per_model(cfg, "num_shared_expert", n_layers, 1, minimum=0)
+    _check_top_k(cfg, top_k, n_routed, "moe_topk")
+    layers = tuple(range(n_layers))
+    return MoeLayout(layers, layers, n_routed, n_shared, top_k)
+
+
+def _one_per_model(cfg: ConfigView, name: str, n_layers: int, default: int, *, minimum: int) -> int:
+    """`name` as an integer, or as a list of one integer per layer that all agree (Hunyuan's per-layer fields)."""
+    value = cfg.raw(name)
+    if not isinstance(value, list):
+        return cfg.int(name, default, minimum=minimum)
+    values = cfg.int_list(name)
+    if len(values) != n_layers:
+        raise InvalidArgument(cfg.field(name), f"expected one value per layer ({n_layers}), got {len(values)}")
+    if len(set(values)) != 1:
+        raise InvalidArgument(cfg.field(name), f"per-layer values {sorted(set(values))[:8]} differ; every layer "
+                                               f"must have the same")
+    if values[0] < minimum:
+        raise InvalidArgument(cfg.field(name), f"must be >= {minimum}, got {values[0]}")
+    return values[0]
 
 
 def glm4_moe_lite_layout(cfg: ConfigView) -> MoeLayout:

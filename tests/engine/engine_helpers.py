@@ -155,6 +155,19 @@ def make_ernie4_5_moe_checkpoint(path: Path, *, seed: int = 0, **config) -> Path
     return _save_random_model(path, "Ernie4_5_Moe", seed, dict(ERNIE4_5_MOE_TINY, **config))
 
 
+# Hunyuan (A13B's layout, tiny): 8 experts of 16 (top-2) and a shared MLP as wide on every layer; GQA with 8-wide heads
+# and q/k norms after the rotation; Hunyuan-A13B's NTK-alpha rope (alpha 1000 barely turns 8-wide heads: tests of the
+# rope itself use a small alpha).
+HUNYUAN_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=8, num_experts=8, moe_topk=2, max_position_embeddings=256,
+                    rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0})
+
+
+def make_hunyuan_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random Hunyuan MoE of HUNYUAN_TINY updated with `config` (transformers' HunYuanMoEV1Config kwargs)."""
+    return _save_random_model(path, "HunYuanMoEV1", seed, dict(HUNYUAN_TINY, **config))
+
+
 # Granite MoE: 8 experts of 16 (top-2) on every layer, with granite-3.0-1b-a400m's multipliers.
 GRANITEMOE_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
                        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256,

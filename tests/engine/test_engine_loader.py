@@ -239,6 +239,8 @@ _BAD_CONFIGS = [
     ("GraniteMoeForCausalLM", "GraniteMoeConfig", dict(num_local_experts=8), {"logits_scaling": 0}, "target"),
     ("GraniteMoeSharedForCausalLM", "GraniteMoeSharedConfig", dict(num_local_experts=8, shared_intermediate_size=16),
      {"shared_intermediate_size": -1}, "target"),
+    ("HunYuanMoEV1ForCausalLM", "HunYuanMoEV1Config", dict(num_experts=8, moe_topk=2, head_dim=8), {"use_cla": True},
+     "target"),
     ("Llama4ForCausalLM", "Llama4TextConfig", dict(num_local_experts=4), {"attention_chunk_size": 0}, "target"),
     ("Llama4ForConditionalGeneration", None, {}, {"text_config": None}, "target"),
     ("Qwen3VLMoeForConditionalGeneration", None, {}, {"text_config": None}, "target"),

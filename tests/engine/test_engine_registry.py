@@ -25,7 +25,7 @@ def test_unknown_entry_class_lists_the_supported_ones():
                                                r"Glm4MoeForCausalLMNextN, Glm4MoeLiteForCausalLM, "
                                                r"Glm4vMoeForConditionalGeneration, GlmMoeDsaForCausalLM, "
                                                r"GptOssForCausalLM, GraniteMoeForCausalLM, "
-                                               r"GraniteMoeSharedForCausalLM, "
+                                               r"GraniteMoeSharedForCausalLM, HunYuanMoEV1ForCausalLM, "
                                                r"KimiK25ForConditionalGeneration, Llama4ForCausalLM, "
                                                r"Llama4ForConditionalGeneration, "
                                                r"MiniMaxM2ForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, "

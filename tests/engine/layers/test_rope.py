@@ -119,6 +119,22 @@ def test_unsupported_rope_type_names_the_supported_ones():
         rope_config_from_hf({"rope_scaling": {"type": "longrope", "factor": 2.0}})
 
 
+def test_ntk_alpha_is_only_a_dynamic_rope_with_an_alpha_read_by_a_family_that_says_so():
+    """Hunyuan's "dynamic" rope with an alpha is a fixed stretch of the base; elsewhere (and without an alpha, where
+    the frequencies would follow the sequence length) "dynamic" is refused."""
+    hub = {"rope_theta": 10000.0, "rope_scaling": {"type": "dynamic", "alpha": 1000.0, "factor": 1.0}}
+    with pytest.raises(ValueError, match="'dynamic' not supported; supported: default, linear, yarn, llama3$"):
+        rope_config_from_hf(hub)
+    cfg = rope_config_from_hf(hub, ntk_alpha=True)
+    assert (cfg.rope_type, cfg.theta, cfg.alpha) == ("ntk_alpha", 10000.0, 1000.0)
+    inv = RotaryEmbedding(8, cfg, 64).inv_freq                       # base 1e4 * 1000 ** (8 / 6) = 1e8
+    torch.testing.assert_close(inv, torch.tensor([1.0, 1e-2, 1e-4, 1e-6]))
+    with pytest.raises(ValueError, match=r"supported: .*dynamic \(with alpha\)"):
+        rope_config_from_hf({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, ntk_alpha=True)
+    with pytest.raises(ValueError, match="alpha must be a number > 0"):
+        rope_config_from_hf({"rope_scaling": {"type": "dynamic", "alpha": "big"}}, ntk_alpha=True)
+
+
 def test_null_rope_scaling_is_default():
     cfg = rope_config_from_hf({"rope_theta": 5e5, "rope_scaling": None})
     assert cfg == RopeConfig(theta=5e5)

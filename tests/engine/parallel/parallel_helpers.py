@@ -36,6 +36,7 @@ ERNIE4_5_MOE = "Ernie4_5_MoeForCausalLM"
 GLM4V_MOE = "Glm4vMoeForConditionalGeneration"
 GRANITEMOE = "GraniteMoeForCausalLM"
 GRANITEMOE_SHARED = "GraniteMoeSharedForCausalLM"
+HUNYUAN = "HunYuanMoEV1ForCausalLM"
 
 # engine_helpers' tiny DeepSeek-V3 (256 routed experts: the fusion gate passes) with the default rope.
 DEEPSEEK_TINY = dict(engine_helpers.DEEPSEEK_TINY, rope_theta=10000.0)
@@ -78,6 +79,8 @@ def make_model(path: Path, arch: str, seed: int = 0) -> str:
     elif arch == GRANITEMOE_SHARED:
         engine_helpers.make_granitemoe_checkpoint(path, seed=seed, family="GraniteMoeShared",
                                                   shared_intermediate_size=24)
+    elif arch == HUNYUAN:
+        engine_helpers.make_hunyuan_checkpoint(path, seed=seed)
     elif arch == DEEPSEEK_V32:
         engine_helpers.make_deepseek_v32_checkpoint(path, seed=seed)
     elif arch == QWEN3_5_MOE:

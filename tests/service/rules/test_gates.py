@@ -609,6 +609,22 @@ def test_granitemoe_shared_is_never_fused_and_granitemoe_has_no_shared_experts()
     assert_off(fusion(dict(base, architectures=["GraniteMoeForCausalLM"])), "granitemoe.no_shared_experts")
 
 
+# The fields of tencent/Hunyuan-A13B-Instruct's config.json that the rules read, as it writes them (per layer).
+HUNYUAN_A13B = {"architectures": ["HunYuanMoEV1ForCausalLM"], "num_hidden_layers": 32, "num_experts": 64,
+                "moe_topk": [8] * 32, "num_shared_expert": [1] * 32, "intermediate_size": 3072,
+                "moe_intermediate_size": [3072] * 32, "use_mixed_mlp_moe": True}
+
+
+def test_hunyuan_is_its_own_family_and_its_shared_mlp_never_fused():
+    """Hunyuan-A13B: 64 experts on every layer, top-8 and one shared MLP as its config writes them (per layer); the
+    shared MLP has no fused layout (structural, so enforce does not lift it)."""
+    res = resolve(HUNYUAN_A13B, ep_size=8, ep_rank=5)
+    assert res.family == "hunyuan_v1_moe" and res.decisions[Keys.NUM_LOCAL_EXPERTS].value == 8
+    for kw in ({}, ENFORCE):
+        assert_off(fusion(HUNYUAN_A13B, **kw), "hunyuan_v1_moe.structural.no_fused_layout", "shared MLP")
+    assert_off(fusion(dict(HUNYUAN_A13B, num_shared_expert=[0] * 32)), "hunyuan_v1_moe.no_shared_experts")
+
+
 def test_glm5_is_the_deepseek_gate_with_its_own_fused_architecture():
     """GLM-5 (V3.2's model): fused where DeepSeek-V3 would be (SGLang's GlmMoeDsaForCausalLM fix); the structural
     conditions still hold (e.g. 256 experts)."""

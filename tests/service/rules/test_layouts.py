@@ -8,7 +8,7 @@ from loadplan.service.errors import InvalidArgument
 from loadplan.service.rules import entries
 from loadplan.service.rules.config_view import ConfigView
 from loadplan.service.rules.layouts import (deepseek_layout, deepseek_nextn_layout, ernie4_5_moe_layout,
-                                            every_layer_moe_layout, qwen_moe_layout)
+                                            every_layer_moe_layout, hunyuan_v1_moe_layout, qwen_moe_layout)
 
 from ._fixtures import deepseek, mixtral, qwen2, qwen3
 
@@ -79,6 +79,29 @@ def test_ernie4_5_moe_refusals_name_the_field(fields, field):
     with pytest.raises(InvalidArgument) as e:
         ernie4_5_moe_layout(ConfigView({"num_hidden_layers": 6, **fields}))
     assert e.value.field == f"config.{field}"
+
+
+@pytest.mark.parametrize("fields,want", [
+    ({}, (1, 1, 1)),                                                            # transformers' defaults
+    ({"num_experts": 64, "moe_topk": 8, "num_shared_expert": 1}, (64, 1, 8)),
+    ({"num_experts": [16] * 4, "moe_topk": [4] * 4, "num_shared_expert": [0] * 4}, (16, 0, 4)),   # per layer
+])
+def test_hunyuan_every_layer_moe_with_per_layer_fields(fields, want):
+    lay = hunyuan_v1_moe_layout(ConfigView({"num_hidden_layers": 4, **fields}))
+    assert lay.moe_layers == (0, 1, 2, 3) and (lay.n_routed, lay.n_shared, lay.top_k) == want
+
+
+@pytest.mark.parametrize("fields,field,why", [
+    ({"moe_topk": [8, 8, 8, 4]}, "moe_topk", "differ"),
+    ({"moe_topk": [8, 8]}, "moe_topk", "one value per layer (4), got 2"),
+    ({"num_experts": 8, "moe_topk": 9}, "moe_topk", "exceeds"),
+    ({"num_experts": [0] * 4}, "num_experts", "must be >= 1"),
+    ({"num_shared_expert": [1, 1, 1, "1"]}, "num_shared_expert", "list of integers"),
+])
+def test_hunyuan_refusals_name_the_field(fields, field, why):
+    with pytest.raises(InvalidArgument) as e:
+        hunyuan_v1_moe_layout(ConfigView({"num_hidden_layers": 4, **fields}))
+    assert e.value.field == f"config.{field}" and why in str(e.value)
 
 
 @pytest.mark.parametrize("layout,cfg", [(deepseek_layout, deepseek(num_experts_per_tok=257)),

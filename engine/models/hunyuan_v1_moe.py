@@ -1,0 +1,151 @@
+"""Hunyuan MoE (`HunYuanMoEV1ForCausalLM`: Tencent's Hunyuan-A13B), following transformers' modeling_hunyuan_v1_moe
+numerically.
+
+Shapes: B batch, T tokens, D hidden, E experts, K top-k, V vocab.
+
+Built from qwen_moe.py's layer (every layer sparse) with three differences:
+- attention: GQA whose per-head q and k RMSNorms (the checkpoint's `query_layernorm` / `key_layernorm`) run on q
+  and k AFTER the rotary embedding (`qk_norm_after_rope`);
+- RoPE: the Hub's configs say `"type": "dynamic"` with an `alpha`, which transformers reads as a fixed NTK stretch
+  of the base, theta * alpha ** (d / (d - 2)) (layers/rope.py's "ntk_alpha");
+- MoE: the router (`mlp.gate.wg`) is float32 and scores float32 inputs; softmax, top-k, renormalised; an ungated
+  shared MLP (`mlp.shared_mlp`, as wide as an expert) is added to the experts' output (`SharedMlpMoeBlock`),
+  never fused (the registry's gate).
+
+The Hub's config.json says some fields per layer (`moe_topk`, `num_experts`, `moe_intermediate_size`,
+`num_shared_expert`: lists) and carries switches for variants transformers does not build (cross-layer attention,
+MLA, no qk norm, no shared MLP). transformers sizes every expert and the shared MLP by `intermediate_size` and
+takes one expert count and top-k: a config is run where it says the same, and refused by field where it does not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers.rope import rope_config_from_hf
+from ..weights import CheckpointNames
+from .causal_lm import CausalLM
+from .config import ConfigError, get_field as _get
+from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, SharedMlpMoeBlock, every_layer_moe_fields
+
+ARCHITECTURE = "HunYuanMoEV1ForCausalLM"
+
+# (checkpoint, engine) suffixes under model.layers.{i}.
+HUNYUAN_NAMES = CheckpointNames((
+    ("self_attn.query_layernorm.weight", "self_attn.q_norm.weight"),
+    ("self_attn.key_layernorm.weight", "self_attn.k_norm.weight"),
+    ("mlp.gate.wg.weight", "mlp.gate.weight"),
+))
+
+# Switches of Tencent's own modeling code whose variants transformers does not build: (field, the value it runs).
+_VARIANT_SWITCHES = (("use_qk_norm", True), ("use_mixed_mlp_moe", True), ("use_cla", False), ("use_mla", False),
+                     ("mlp_bias", False), ("norm_topk_prob", True))
+
+
+def one_per_model(d: dict, name: str, n_layers: int, default=None) -> int | None:
+    """`name`, an integer or a list of one integer per layer that all agree (the Hub's Hunyuan configs write
+    `moe_topk` and the like per layer); `default` when absent."""
+    value = d.get(name)
+    if value is None:
+        return default
+    if isinstance(value, list):
+        if len(value) != n_layers or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+            raise ConfigError(f"config.{name}: expected an integer or {n_layers} integers (one per layer), "
+                              f"got {value!r}"[:300])
+        if len(set(value)) != 1:
+            raise ConfigError(f"config.{name}: per-layer values {sorted(set(value))} differ; the engine (as "
+                              f"transformers) builds every layer alike")
+        return value[0]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"config.{name}: expected an integer or a list of integers, got {value!r}"[:300])
+    return value
+
+
+@dataclass(frozen=True)
+class HunyuanMoeConfig(QwenMoeConfig):
+    @classmethod
+    def from_hf(cls, d: dict, architecture: str = ARCHITECTURE) -> "HunyuanMoeConfig":
+        """transformers' HunYuanMoEV1Config defaults where a checkpoint may leave a field out."""
+        for name, runs in _VARIANT_SWITCHES:
+            if name in d and d[name] is not None and d[name] != runs:
+                raise ConfigError(f"config.{name}: {d[name]!r} is not supported; the engine (as transformers) runs "
+                                  f"{name}={runs!r} only")
+        n_layers = _get(d, "num_hidden_layers", kind=int)
+        skipped = _get(d, "moe_layer_num_skipped", 0, int)
+        if skipped:
+            raise ConfigError(f"config.moe_layer_num_skipped: {skipped} is not supported; every layer is MoE")
+        n_experts = one_per_model(d, "num_experts", n_layers, 1)
+        k = one_per_model(d, "moe_topk", n_layers, 1)
+        width = _get(d, "intermediate_size", kind=int)
+        expert_width = one_per_model(d, "moe_intermediate_size", n_layers, width)
+        if expert_width != width:
+            raise ConfigError(f"config.moe_intermediate_size: {expert_width} differs from intermediate_size={width}, "
+                              f"which sizes the experts and the shared MLP (as in transformers)")
+        n_shared = one_per_model(d, "num_shared_expert", n_layers, 1)
+        if n_shared != 1:
+            raise ConfigError(f"config.num_shared_expert: {n_shared} is not supported; one shared MLP of "
+                              f"intermediate_size per layer (as in transformers)")
+        if n_experts < 1:
+            raise ConfigError(f"config.num_experts: must be >= 1, got {n_experts}")
+        if not 0 < k <= n_experts:
+            raise ConfigError(f"config.moe_topk: {k} must be in [1, num_experts={n_experts}]")
+        # The per-layer fields read as one, and the rope read below (its NTK-alpha is this family's reading).
+        flat = {name: v for name, v in d.items() if name not in ("rope_scaling", "rope_parameters")}
+        common = every_layer_moe_fields(dict(flat, num_experts=n_experts, num_experts_per_tok=k),
+                                        experts_field="num_experts", rms_norm_eps=1e-5, max_position_embeddings=2048,
+                                        rope_theta=10000.0)
+        hidden, heads = common["hidden_size"], common["num_attention_heads"]
+        try:
+            common["rope"] = rope_config_from_hf(d, default_theta=10000.0, ntk_alpha=True)
+        except ValueError as e:
+            field = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
+            raise ConfigError(f"config.{field}: {e}") from None
+        head_dim = _get(d, "head_dim", None, int) or _get(d, "attention_head_dim", hidden // heads, int)
+        bias = bool(_get(d, "attention_bias", False, bool))
+        return cls(
+            architecture=architecture,
+            **common,
+            num_key_value_heads=_get(d, "num_key_value_heads", heads, int),
+            head_dim=head_dim,
+            norm_topk_prob=True,
+            qkv_bias=bias,
+            o_bias=bias,
+            qk_norm=True,
+            qk_norm_after_rope=True,
+            shared_intermediate_size=width,
+        )
+
+
+class HunyuanMoeBlock(SharedMlpMoeBlock):
+    """Routed experts under a float32 router, and the ungated shared MLP."""
+
+    def __init__(self, cfg: HunyuanMoeConfig, plan, layer_id: int, dtype: torch.dtype):
+        super().__init__(cfg, plan, layer_id, dtype)
+        # transformers keeps the router's weight in float32 whatever the model's dtype, and scores float32 inputs
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False, dtype=torch.float32)
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> [T, E] float32"""
+        return F.linear(x.float(), self.gate.weight)
+
+
+class HunyuanDecoderLayer(QwenDecoderLayer):
+    MOE_BLOCK = HunyuanMoeBlock
+
+
+class HunYuanMoEV1ForCausalLM(QwenLayerCausalLM):
+    ARCHITECTURE = ARCHITECTURE
+    CHECKPOINT_NAMES = HUNYUAN_NAMES
+
+    @classmethod
+    def parse_config(cls, hf_config: dict) -> HunyuanMoeConfig:
+        return HunyuanMoeConfig.from_hf(hf_config, cls.ARCHITECTURE)
+
+    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
+        cfg = self.parse_config(hf_config)
+        CausalLM.__init__(self, cfg, plan, HunyuanDecoderLayer, n_routed=cfg.num_experts, rope_head_dim=cfg.head_dim,
+                          dtype=dtype)
