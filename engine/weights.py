@@ -221,6 +221,11 @@ def remap(name: str, layout: WeightLayout) -> Target:
     return Target(name)
 
 
+# The last stage's tensors outside the layers, by how their names end (a wrapper's `language_model.norm.weight`
+# too): the final norm and the head, with their biases (Phi-3.5-MoE's).
+_HEAD = re.compile(r"(lm_head|model\.norm)\.(weight|bias)$")
+
+
 def is_local(target: Target, layout: WeightLayout) -> bool:
     """Does this runner hold the target? (Other stages' layers and other ranks' experts: no.)"""
     m = _LAYER_ID.search(target.param)
@@ -230,8 +235,7 @@ def is_local(target: Target, layout: WeightLayout) -> bool:
             return False
     if target.param.endswith("embed_tokens.weight") and not layout.has_embed:
         return False
-    if not m and (target.param.endswith("lm_head.weight") or target.param.endswith("model.norm.weight")) \
-            and not layout.has_head:
+    if not m and _HEAD.search(target.param) and not layout.has_head:
         return False
     if target.expert is not None and target.expert < layout.n_routed:
         return bool(_slots(target.expert, layout))

@@ -36,6 +36,14 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm with a weight and a bias (Phi-3.5-MoE's norms), built like RMSNorm: (dim, eps, dtype)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, dtype: torch.dtype | None = None):
+        super().__init__(dim, eps=eps, elementwise_affine=True, bias=True, dtype=dtype)
+        self.requires_grad_(False)
+
+
 class OffsetRMSNorm(RMSNorm):
     """RMSNorm whose weight is stored as an offset from 1 (Qwen3-Next's norms): the checkpoint's zeros are
     the identity, and the scale (1 + weight) is applied in float32 before the cast back, as transformers'

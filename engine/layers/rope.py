@@ -1,4 +1,5 @@
-"""Rotary position embeddings: default, linear, YaRN, Llama 3's and Hunyuan's NTK-alpha, in HF's cos/sin layout.
+"""Rotary position embeddings: default, linear, YaRN, Llama 3's, Hunyuan's NTK-alpha and Phi-3.5-MoE's LongRoPE,
+in HF's cos/sin layout.
 
 Numerics follow transformers' rotary classes op for op in float32, so logits match
 the reference. Two config spellings exist on the Hub: the older top-level
@@ -45,14 +46,20 @@ class RopeConfig:
     high_freq_factor: float = 4.0
     # NTK-alpha (Hunyuan): the base is theta * alpha ** (d / (d - 2)) for rotary dimension d
     alpha: float = 1.0
+    # LongRoPE as Phi-3.5-MoE runs it (`rope_config_from_hf(..., longrope=True)`): each frequency divided by its
+    # short factor, cos/sin times `attention_factor` (its short_mscale), for positions below
+    # original_max_position_embeddings only (`RotaryEmbedding` refuses the others)
+    short_factor: tuple[float, ...] = ()
 
 
 def rope_config_from_hf(hf_config: Mapping[str, Any], *, partial_rotary_factor: float = 1.0,
-                        default_theta: float = 10000.0, ntk_alpha: bool = False) -> RopeConfig:
+                        default_theta: float = 10000.0, ntk_alpha: bool = False, longrope: bool = False) -> RopeConfig:
     """Read either spelling of a HF config.json (a dict) into a RopeConfig. `partial_rotary_factor` and
     `default_theta`: the family's values where the config does not give them (GLM-4-MoE: 0.5; Mixtral: 1e6).
     `ntk_alpha`: the family reads a "dynamic" rope with an `alpha` as NTK-alpha (transformers' Hunyuan does; a
-    "dynamic" rope without one, whose frequencies change with the sequence length, stays refused)."""
+    "dynamic" rope without one, whose frequencies change with the sequence length, stays refused). `longrope`:
+    the family reads "longrope" as Phi-3.5-MoE does (transformers' PhimoeRotaryEmbedding: the short factors and
+    short_mscale while the sequence stays within original_max_position_embeddings)."""
     params = hf_config.get("rope_parameters")
     scaling = hf_config.get("rope_scaling")
     # HF gives rope_scaling priority when both exist (convert_rope_params_to_dict).
@@ -69,8 +76,11 @@ def rope_config_from_hf(hf_config: Mapping[str, Any], *, partial_rotary_factor: 
             raise ValueError(f"rope alpha must be a number > 0, got {alpha!r}")
         return RopeConfig(rope_type="ntk_alpha", theta=float(theta), alpha=float(alpha),
                           partial_rotary_factor=float(partial))
+    if longrope and rope_type == "longrope":
+        return _longrope(p, hf_config, float(theta), float(partial))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        supported = SUPPORTED_ROPE_TYPES + (NTK_ALPHA_ROPE_TYPES if ntk_alpha else ())
+        supported = SUPPORTED_ROPE_TYPES + (NTK_ALPHA_ROPE_TYPES if ntk_alpha else ()) + (("longrope",) if longrope
+                                                                                          else ())
         raise ValueError(f"rope type {rope_type!r} not supported; supported: {', '.join(supported)}")
     if rope_type == "default":
         return RopeConfig(theta=float(theta), partial_rotary_factor=float(partial))
@@ -110,6 +120,27 @@ def rope_config_from_hf(hf_config: Mapping[str, Any], *, partial_rotary_factor: 
     )
 
 
+def _longrope(p: Mapping[str, Any], hf_config: Mapping[str, Any], theta: float, partial: float) -> RopeConfig:
+    original = p.get("original_max_position_embeddings") or hf_config.get("original_max_position_embeddings")
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise ValueError(f"longrope needs original_max_position_embeddings, a positive integer, got {original!r}")
+    factors = {}
+    for name in ("short_factor", "long_factor"):
+        value = p.get(name)
+        if not isinstance(value, list) or not value or \
+                any(isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 for v in value):
+            raise ValueError(f"longrope {name} must be a list of numbers > 0, got {str(value)[:80]}")
+        factors[name] = tuple(float(v) for v in value)
+    if len(factors["short_factor"]) != len(factors["long_factor"]):
+        raise ValueError("longrope short_factor and long_factor must have the same length")
+    mscale = p.get("short_mscale")
+    if isinstance(mscale, bool) or not isinstance(mscale, (int, float)):
+        raise ValueError(f"longrope short_mscale must be a number, got {mscale!r}")
+    return RopeConfig(rope_type="longrope", theta=theta, original_max_position_embeddings=original,
+                      short_factor=factors["short_factor"], attention_factor=float(mscale),
+                      partial_rotary_factor=partial)
+
+
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
     """YaRN's magnitude correction; DeepSeek squares it (with mscale_all_dim) into the softmax scale."""
     if scale <= 1:
@@ -131,6 +162,13 @@ def _inv_freq(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
     base = rope.theta
     if rope.rope_type == "ntk_alpha":   # transformers' compute_ntk_alpha_rope_parameters
         base = rope.theta * rope.alpha ** (dim / (dim - 2))
+    if rope.rope_type == "longrope":    # transformers' _compute_longrope_parameters with its short factors
+        if len(rope.short_factor) != dim // 2:
+            raise ValueError(f"longrope short_factor has {len(rope.short_factor)} values; the rotary dimension "
+                             f"{dim} needs {dim // 2}")
+        shape = torch.arange(0, dim, 2, dtype=torch.int64, device=cpu).float() / dim
+        factors = torch.tensor(rope.short_factor, dtype=torch.float32, device=cpu)
+        return 1.0 / (factors * base ** shape), rope.attention_factor
     if rope.rope_type in ("default", "linear", "llama3", "ntk_alpha"):
         inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=cpu).to(torch.float) / dim))
         if rope.rope_type == "linear":
@@ -191,6 +229,12 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq, self.attention_factor = _inv_freq(self.rotary_dim, rope)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rope = self.rope
+        if rope.rope_type == "longrope" and positions.numel() and int(positions.max()) >= \
+                rope.original_max_position_embeddings:
+            raise ValueError(f"position {int(positions.max())} is beyond original_max_position_embeddings="
+                             f"{rope.original_max_position_embeddings}: the long LongRoPE factors are not supported "
+                             f"by the engine")
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions[..., None].float() * self.inv_freq

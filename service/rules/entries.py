@@ -74,6 +74,7 @@ FAMILIES: dict[str, Family] = {
         Family("gpt_oss", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
         Family("minimax_m2", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
         Family("granitemoe", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
+        Family("phimoe", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
         # GraniteMoeShared: Granite MoE with an ungated shared MLP, never fused
         Family("granitemoe_shared", layouts.granitemoe_shared_layout, gates.granitemoe_shared_gate, True),
         Family("llama4", layouts.llama4_layout, gates.llama4_gate, True),
@@ -114,6 +115,9 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "GraniteMoeForCausalLM": Direct("granitemoe"),
     "GraniteMoeSharedForCausalLM": Direct("granitemoe_shared"),
     "HunYuanMoEV1ForCausalLM": Direct("hunyuan_v1_moe"),
+    # Phi-3.5-MoE: the Hub's spelling, and transformers' (what its save_pretrained writes)
+    "PhiMoEForCausalLM": Direct("phimoe"),
+    "PhimoeForCausalLM": Direct("phimoe"),
     "Llama4ForCausalLM": Direct("llama4"),
     "Glm4MoeLiteForCausalLM": Direct("glm4_moe_lite"),
     "Qwen3NextForCausalLM": Direct("qwen3_next"),

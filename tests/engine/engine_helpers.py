@@ -168,6 +168,21 @@ def make_hunyuan_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     return _save_random_model(path, "HunYuanMoEV1", seed, dict(HUNYUAN_TINY, **config))
 
 
+# Phi-3.5-MoE (its layout, tiny): 8 experts of 16, two a token (sparsemixer), LayerNorms, q/k/v/o and head biases,
+# LongRoPE with 4 short factors (8-wide heads) and its mscales, the original context 64.
+PHIMOE_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+                   num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256,
+                   attention_bias=True, lm_head_bias=True, router_jitter_noise=0.01,
+                   rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                    "short_factor": [1.0, 1.25, 1.5, 3.0], "long_factor": [1.0, 2.0, 4.0, 8.0],
+                                    "short_mscale": 1.2, "long_mscale": 1.4, "original_max_position_embeddings": 64})
+
+
+def make_phimoe_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random Phi-3.5-MoE of PHIMOE_TINY updated with `config` (transformers' PhimoeConfig kwargs)."""
+    return _save_random_model(path, "Phimoe", seed, dict(PHIMOE_TINY, **config))
+
+
 # Granite MoE: 8 experts of 16 (top-2) on every layer, with granite-3.0-1b-a400m's multipliers.
 GRANITEMOE_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
                        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256,

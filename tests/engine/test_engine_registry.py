@@ -29,6 +29,7 @@ def test_unknown_entry_class_lists_the_supported_ones():
                                                r"KimiK25ForConditionalGeneration, Llama4ForCausalLM, "
                                                r"Llama4ForConditionalGeneration, "
                                                r"MiniMaxM2ForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, "
+                                               r"PhiMoEForCausalLM, PhimoeForCausalLM, "
                                                r"Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, Qwen3NextForCausalLM, "
                                                r"Qwen3NextForCausalLMMTP, "
                                                r"Qwen3VLMoeForConditionalGeneration, Qwen3_5ForCausalLMMTP, "

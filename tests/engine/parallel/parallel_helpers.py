@@ -37,6 +37,7 @@ GLM4V_MOE = "Glm4vMoeForConditionalGeneration"
 GRANITEMOE = "GraniteMoeForCausalLM"
 GRANITEMOE_SHARED = "GraniteMoeSharedForCausalLM"
 HUNYUAN = "HunYuanMoEV1ForCausalLM"
+PHIMOE = "PhimoeForCausalLM"
 
 # engine_helpers' tiny DeepSeek-V3 (256 routed experts: the fusion gate passes) with the default rope.
 DEEPSEEK_TINY = dict(engine_helpers.DEEPSEEK_TINY, rope_theta=10000.0)
@@ -79,6 +80,8 @@ def make_model(path: Path, arch: str, seed: int = 0) -> str:
     elif arch == GRANITEMOE_SHARED:
         engine_helpers.make_granitemoe_checkpoint(path, seed=seed, family="GraniteMoeShared",
                                                   shared_intermediate_size=24)
+    elif arch == PHIMOE:
+        engine_helpers.make_phimoe_checkpoint(path, seed=seed)
     elif arch == HUNYUAN:
         engine_helpers.make_hunyuan_checkpoint(path, seed=seed)
     elif arch == DEEPSEEK_V32:

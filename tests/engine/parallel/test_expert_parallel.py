@@ -17,7 +17,7 @@ from loadplan.service.rules.backends import BACKENDS
 
 from parallel_helpers import (DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, DOTS1, ERNIE4_5_MOE, GLM4, GLM4V_MOE, GLM_MOE_DSA,
                               GPT_OSS, GRANITEMOE, GRANITEMOE_SHARED, HUNYUAN, LLAMA4, MINIMAX_M2, MIXTRAL, OLMOE,
-                              QWEN3, QWEN3_5_MOE, QWEN3_NEXT, make_model, single_process)
+                              PHIMOE, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, make_model, single_process)
 
 EP = 2
 N_NEW = 4
@@ -141,7 +141,7 @@ def glm4(tmp_path_factory):
                                                          (LLAMA4, "megamoe"), (DEEPSEEK_V32, "nixl"),
                                                          (DOTS1, "mooncake"), (ERNIE4_5_MOE, "deepep"),
                                                          (GRANITEMOE, "mori"), (GRANITEMOE_SHARED, "nixl"),
-                                                         (HUNYUAN, "megamoe")])
+                                                         (HUNYUAN, "megamoe"), (PHIMOE, "deepep")])
 def test_every_backend_on_two_ranks_matches_one_process_and_sees_a_double_reduction(tmp_path, arch,
                                                                                     double_reduce_backend):
     """No shared expert: Qwen3-MoE, Mixtral in the Hub's block_sparse_moe spelling, OLMoE, gpt-oss (experts with
@@ -151,7 +151,8 @@ def test_every_backend_on_two_ranks_matches_one_process_and_sees_a_double_reduct
     attention whole on each rank, 8 of its 16 experts a rank); dots.llm1, whose two shared experts are never fused
     (8 of its 16 experts a rank), and ERNIE-4.5 the same with its softmax router (4 of its 8 experts a rank).
     Granite MoE: Mixtral's layer with its multipliers, its stacked experts split by rank; GraniteMoeShared's shared
-    MLP never fused (replicated, added after the reduction), as Hunyuan's beside its float32 router."""
+    MLP never fused (replicated, added after the reduction), as Hunyuan's beside its float32 router. Phi-3.5-MoE:
+    its sparsemixer's two picks a token, 4 of its 8 experts a rank."""
     path = make_model(tmp_path, arch)
     ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(3))
     ref_logits, ref_tokens = single_process(path, ids, N_NEW)

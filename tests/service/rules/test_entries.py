@@ -33,6 +33,8 @@ BUILT = {
     "GraniteMoeForCausalLM": "granitemoe",
     "GraniteMoeSharedForCausalLM": "granitemoe_shared",
     "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe",
+    "PhiMoEForCausalLM": "phimoe",
+    "PhimoeForCausalLM": "phimoe",
 }
 
 

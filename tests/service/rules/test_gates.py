@@ -625,6 +625,15 @@ def test_hunyuan_is_its_own_family_and_its_shared_mlp_never_fused():
     assert_off(fusion(dict(HUNYUAN_A13B, num_shared_expert=[0] * 32)), "hunyuan_v1_moe.no_shared_experts")
 
 
+@pytest.mark.parametrize("arch", ["PhiMoEForCausalLM", "PhimoeForCausalLM"])
+def test_phimoe_in_either_spelling_has_no_shared_experts(arch):
+    """Phi-3.5-MoE: 16 experts on every layer, two a token; the Hub's spelling and transformers' plan alike."""
+    cfg = {"architectures": [arch], "num_hidden_layers": 32, "num_local_experts": 16, "num_experts_per_tok": 2}
+    res = resolve(cfg, ep_size=4, ep_rank=3)
+    assert res.family == "phimoe" and res.decisions[Keys.NUM_LOCAL_EXPERTS].value == 4
+    assert_off(fusion(cfg), "phimoe.no_shared_experts")
+
+
 def test_glm5_is_the_deepseek_gate_with_its_own_fused_architecture():
     """GLM-5 (V3.2's model): fused where DeepSeek-V3 would be (SGLang's GlmMoeDsaForCausalLM fix); the structural
     conditions still hold (e.g. 256 experts)."""

@@ -1,0 +1,144 @@
+"""Phi-3.5-MoE (`PhiMoEForCausalLM` on the Hub, `PhimoeForCausalLM` as transformers 5 saves it), following
+transformers' modeling_phimoe numerically.
+
+Shapes: B batch, T tokens, D hidden, E experts, V vocab.
+
+Mixtral's layer (qwen_moe.py's, every layer sparse, no shared expert, so no fusion; the checkpoint spells the
+experts as Mixtral does, `block_sparse_moe.experts.{e}.w1/w3/w2` and the router `block_sparse_moe.gate`) with:
+- LayerNorm (weight and bias) for every norm, the final one too, at `rms_norm_eps`;
+- q/k/v/o biases (`attention_bias`) and a bias on the head (`lm_head_bias`);
+- the sparsemixer router, which picks exactly two experts: the best logit, then the best of the others, each
+  weighted by a softmax over the logits within a relative margin of 2 * router_jitter_noise of it (the others
+  masked out), as transformers evaluates it (no jitter, no sampling);
+- LongRoPE: the frequencies divided by the config's short factors, cos/sin times short_mscale, what transformers
+  computes while a sequence stays within original_max_position_embeddings (positions beyond are refused by the
+  rotary embedding: layers/rope.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers.norm import LayerNorm
+from ..layers.rope import rope_config_from_hf
+from .causal_lm import CausalLM
+from .config import ConfigError, get_field as _get
+from .mixtral import MIXTRAL_NAMES
+from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, QwenSparseMoeBlock, every_layer_moe_fields
+
+HUB_ARCHITECTURE = "PhiMoEForCausalLM"       # microsoft/Phi-3.5-MoE-instruct's config.json
+ARCHITECTURE = "PhimoeForCausalLM"           # transformers' class, what its save_pretrained writes
+
+
+@dataclass(frozen=True)
+class PhimoeConfig(QwenMoeConfig):
+    router_jitter_noise: float = 0.01        # the sparsemixer's margin: logits within 2x this (relative) compete
+    lm_head_bias: bool = False
+
+    @classmethod
+    def from_hf(cls, d: dict, architecture: str = ARCHITECTURE) -> "PhimoeConfig":
+        """transformers' PhimoeConfig defaults where a checkpoint may leave a field out."""
+        no_rope = {name: v for name, v in d.items() if name not in ("rope_scaling", "rope_parameters")}
+        common = every_layer_moe_fields(no_rope, experts_field="num_local_experts", rms_norm_eps=1e-5,
+                                        max_position_embeddings=4096 * 32, rope_theta=1e6)
+        if common["num_experts_per_tok"] != 2:
+            raise ConfigError(f"config.num_experts_per_tok: {common['num_experts_per_tok']} is not supported; "
+                              f"Phi-3.5-MoE's sparsemixer routes every token to exactly 2 experts")
+        try:
+            common["rope"] = rope_config_from_hf(d, default_theta=1e6, longrope=True)
+        except ValueError as e:
+            field = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
+            raise ConfigError(f"config.{field}: {e}") from None
+        jitter = float(_get(d, "router_jitter_noise", 0.01, (int, float)))
+        if jitter < 0:
+            raise ConfigError(f"config.router_jitter_noise: must be >= 0, got {jitter}")
+        window = _get(d, "sliding_window", None, int)
+        if window is not None and window < 1:
+            raise ConfigError(f"config.sliding_window: must be >= 1 or null, got {window}")
+        head_bias = bool(_get(d, "lm_head_bias", False, bool))
+        if head_bias and common["tie_word_embeddings"]:
+            raise ConfigError("config.lm_head_bias: a head bias with tie_word_embeddings is not supported")
+        hidden, heads = common["hidden_size"], common["num_attention_heads"]
+        head_dim = _get(d, "head_dim", hidden // heads, int)
+        rope = common["rope"]
+        if rope.rope_type == "longrope" and len(rope.short_factor) != int(head_dim * rope.partial_rotary_factor) // 2:
+            field = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
+            raise ConfigError(f"config.{field}: {len(rope.short_factor)} short factors; the rotary dimension "
+                              f"{int(head_dim * rope.partial_rotary_factor)} needs one per pair of features")
+        bias = bool(_get(d, "attention_bias", False, bool))
+        return cls(
+            architecture=architecture,
+            **common,
+            num_key_value_heads=_get(d, "num_key_value_heads", 8, int),
+            head_dim=head_dim,
+            norm_topk_prob=False,
+            qkv_bias=bias,
+            o_bias=bias,
+            qk_norm=False,
+            sliding_window=window,
+            router_jitter_noise=jitter,
+            lm_head_bias=head_bias,
+        )
+
+
+def sparsemixer(scores: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores [T, E] -> (ids [T, 2], weights [T, 2]) in scores' dtype: transformers' sparsemixer in eval mode."""
+    ids, weights = [], []
+    remaining = scores
+    for _ in range(2):
+        best, index = remaining.max(dim=-1, keepdim=True)                  # [T, 1] each
+        margin = (best - scores) / scores.abs().clamp(min=best)            # [T, E]
+        gates = torch.softmax(remaining.masked_fill(margin > 2 * eps, float("-inf")), dim=-1)
+        ids.append(index)
+        weights.append(gates.gather(-1, index))
+        remaining = remaining.scatter(-1, index, float("-inf"))           # the next pick is among the others
+    return torch.cat(ids, dim=-1), torch.cat(weights, dim=-1)
+
+
+class PhimoeMoeBlock(QwenSparseMoeBlock):
+    """The sparsemixer router and the routed experts."""
+
+    def __init__(self, cfg: PhimoeConfig, plan, layer_id: int, dtype: torch.dtype):
+        super().__init__(cfg, plan, layer_id, dtype)
+        self.router_jitter_noise = cfg.router_jitter_noise
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> [T, D]"""
+        ids, weights = sparsemixer(self.router_logits(x), self.router_jitter_noise)   # [T, 2] each
+        return self.experts(x, ids, weights.to(x.dtype))                               # reduced if the plan says
+
+
+class PhimoeDecoderLayer(QwenDecoderLayer):
+    NORM = LayerNorm
+    MOE_BLOCK = PhimoeMoeBlock
+
+
+class PhimoeForCausalLM(QwenLayerCausalLM):
+    ARCHITECTURE = ARCHITECTURE
+    CHECKPOINT_NAMES = MIXTRAL_NAMES
+
+    @classmethod
+    def parse_config(cls, hf_config: dict) -> PhimoeConfig:
+        return PhimoeConfig.from_hf(hf_config, cls.ARCHITECTURE)
+
+    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
+        cfg = self.parse_config(hf_config)
+        CausalLM.__init__(self, cfg, plan, PhimoeDecoderLayer, n_routed=cfg.num_experts, rope_head_dim=cfg.head_dim,
+                          dtype=dtype)
+        if cfg.lm_head_bias and self.lm_head is not None:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=True, dtype=dtype)
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is not None and self.lm_head.bias is not None:
+            return F.linear(h, self.lm_head.weight, self.lm_head.bias)
+        return super()._head(h)
+
+
+class PhiMoEForCausalLM(PhimoeForCausalLM):
+    """The Hub's spelling of the entry class (microsoft/Phi-3.5-MoE-instruct's config.json)."""
+
+    ARCHITECTURE = HUB_ARCHITECTURE
