@@ -21,6 +21,11 @@ from engine_helpers import (QWEN3_5_MOE_TINY, check_refused_before_any_plan, hf_
 
 TEXT, WRAPPER = "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"
 TOL = 1e-4
+# The text model's random checkpoint is ill-conditioned in float32: transformers' own logits move by 6.7e-4 when its
+# input embeddings are perturbed by 1e-7 relative (float32 rounding), so another CPU's rounding (AMD EPYC against
+# the Intel parts this was first run on) puts the engine 1.7e-4 from transformers. A wrong fusion decision moves the
+# logits by far more (a shared expert counted twice or dropped: O(0.1)).
+TEXT_TOL = 1e-3
 N_NEW = 6
 
 
@@ -56,11 +61,12 @@ def test_logits_and_greedy_tokens_match_transformers_fused_and_unfused(text_ckpt
     assert [type(layer.mixer) for layer in layers] == [GatedDeltaNet] * 3 + [GQAttention]
     assert not layers[0].mixer.grouped and hasattr(layers[0].mixer, "in_proj_qkv")
     assert text.moe_layer_ids == (0, 1, 2, 3)
-    assert (logits_of(model, ids) - want).abs().max().item() <= TOL
+    tol = TEXT_TOL if which == TEXT else TOL
+    assert (logits_of(model, ids) - want).abs().max().item() <= tol
     assert generate_tokens(model, ids) == hf_greedy(ckpt, which, ids[0].tolist(), N_NEW)
     unfused = load_local(ckpt, disable_shared_experts_fusion=True)
     assert unfused.plan.decisions[Keys.SHARED_EXPERTS_FUSION].value is False
-    assert (logits_of(unfused, ids) - want).abs().max().item() <= TOL
+    assert (logits_of(unfused, ids) - want).abs().max().item() <= tol
 
 
 def test_the_wrappers_stacked_experts_and_skipped_towers(ids, tmp_path):
