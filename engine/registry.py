@@ -35,6 +35,7 @@ ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "GraniteMoeForCausalLM": ("loadplan.engine.models.granitemoe", "GraniteMoeForCausalLM"),
     "GraniteMoeSharedForCausalLM": ("loadplan.engine.models.granitemoe", "GraniteMoeSharedForCausalLM"),
     "HunYuanMoEV1ForCausalLM": ("loadplan.engine.models.hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM"),
+    "ExaoneMoeForCausalLM": ("loadplan.engine.models.exaone_moe", "ExaoneMoeForCausalLM"),
     "PhiMoEForCausalLM": ("loadplan.engine.models.phimoe", "PhiMoEForCausalLM"),
     "PhimoeForCausalLM": ("loadplan.engine.models.phimoe", "PhimoeForCausalLM"),
     "Glm4MoeForCausalLMNextN": ("loadplan.engine.models.glm4_moe_nextn", "Glm4MoeForCausalLMNextN"),

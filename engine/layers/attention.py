@@ -16,6 +16,7 @@ its q/k norms are `norm=OffsetRMSNorm` (layers/norm.py).
 ERNIE-4.5: `rope_interleave`, the rotary embedding turns (even, odd) feature pairs instead of the two
 halves (layers/rope.py: the output comes out de-interleaved, the same permutation for q and k, whose
 dot products it leaves unchanged).
+EXAONE-MoE: `use_rope=False` on its global layers (NoPE: q and k are not rotated; its windowed layers are).
 Hunyuan (A13B): `qk_norm_after_rope`, its per-head q and k norms run on the rotated q and k, not before.
 OLMoE: `qk_norm_span="projection"`: one RMSNorm over the whole q projection (all heads) and
 one over the whole k projection (`q_proj_norm`, `k_proj_norm`; under TP each rank holds its
@@ -46,7 +47,7 @@ class GQAttention(nn.Module):
                  dtype: torch.dtype | None = None, tp: TensorParallel | None = None,
                  sliding_window: int | None = None, qk_norm_span: str = "head", clip_qkv: float | None = None,
                  sinks: bool = False, output_gate: bool = False, norm: type[RMSNorm] = RMSNorm,
-                 rope_interleave: bool = False, qk_norm_after_rope: bool = False):
+                 rope_interleave: bool = False, qk_norm_after_rope: bool = False, use_rope: bool = True):
         super().__init__()
         if qk_norm_span not in ("head", "projection"):
             raise ValueError(f"qk_norm_span={qk_norm_span!r}: 'head' or 'projection'")
@@ -77,6 +78,7 @@ class GQAttention(nn.Module):
         if qk_norm_after_rope and not per_head:
             raise ValueError("qk_norm_after_rope needs per-head q and k norms (qk_norm, qk_norm_span='head')")
         self.qk_norm_after_rope = qk_norm_after_rope
+        self.use_rope = use_rope
         self.q_norm = norm(head_dim, rms_norm_eps, dtype) if per_head else None
         self.k_norm = norm(head_dim, rms_norm_eps, dtype) if per_head else None
         self.q_proj_norm = self.k_proj_norm = None
@@ -122,7 +124,8 @@ class GQAttention(nn.Module):
         if self.q_norm is not None and not self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, hd]
-        q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        if self.use_rope:
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         if self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self._after_rotary(q, k, input_pos if input_pos is not None else torch.arange(T, device=x.device))

@@ -183,6 +183,21 @@ def make_phimoe_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     return _save_random_model(path, "Phimoe", seed, dict(PHIMOE_TINY, **config))
 
 
+# EXAONE-MoE (K-EXAONE's layout, tiny): layer 0 dense; 8 routed experts of 16 in 2 groups (top-2 of the best group)
+# with a routing bias, 1 shared; windowed layers (4 positions, rotated) alternating with global NoPE ones.
+EXAONE_MOE_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8,
+                       num_experts_per_tok=2, num_shared_experts=1, n_group=2, topk_group=1,
+                       routed_scaling_factor=2.5, sliding_window=4, sliding_window_pattern=2,
+                       max_position_embeddings=256)
+
+
+def make_exaone_moe_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random EXAONE-MoE of EXAONE_MOE_TINY updated with `config` (transformers' ExaoneMoeConfig kwargs),
+    routing bias included."""
+    return _save_random_model(path, "ExaoneMoe", seed, dict(EXAONE_MOE_TINY, **config))
+
+
 # Granite MoE: 8 experts of 16 (top-2) on every layer, with granite-3.0-1b-a400m's multipliers.
 GRANITEMOE_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
                        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256,

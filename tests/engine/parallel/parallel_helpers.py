@@ -38,6 +38,7 @@ GRANITEMOE = "GraniteMoeForCausalLM"
 GRANITEMOE_SHARED = "GraniteMoeSharedForCausalLM"
 HUNYUAN = "HunYuanMoEV1ForCausalLM"
 PHIMOE = "PhimoeForCausalLM"
+EXAONE_MOE = "ExaoneMoeForCausalLM"
 
 # engine_helpers' tiny DeepSeek-V3 (256 routed experts: the fusion gate passes) with the default rope.
 DEEPSEEK_TINY = dict(engine_helpers.DEEPSEEK_TINY, rope_theta=10000.0)
@@ -80,6 +81,8 @@ def make_model(path: Path, arch: str, seed: int = 0) -> str:
     elif arch == GRANITEMOE_SHARED:
         engine_helpers.make_granitemoe_checkpoint(path, seed=seed, family="GraniteMoeShared",
                                                   shared_intermediate_size=24)
+    elif arch == EXAONE_MOE:
+        engine_helpers.make_exaone_moe_checkpoint(path, seed=seed)
     elif arch == PHIMOE:
         engine_helpers.make_phimoe_checkpoint(path, seed=seed)
     elif arch == HUNYUAN:

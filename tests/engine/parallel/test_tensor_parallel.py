@@ -18,9 +18,9 @@ from loadplan.plan import Keys
 from loadplan.service.rules.backends import BACKENDS
 
 from engine_helpers import LocalRegistry, make_checkpoint
-from parallel_helpers import (DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, ERNIE4_5_MOE, GLM4, GLM4V_MOE, GLM_MOE_DSA, GPT_OSS,
-                              GRANITEMOE, HUNYUAN, LLAMA4, MINIMAX_M2, MIXTRAL, OLMOE, PHIMOE, QWEN2, QWEN3,
-                              QWEN3_5_MOE, QWEN3_NEXT, make_model, single_process)
+from parallel_helpers import (DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, ERNIE4_5_MOE, EXAONE_MOE, GLM4, GLM4V_MOE,
+                              GLM_MOE_DSA, GPT_OSS, GRANITEMOE, HUNYUAN, LLAMA4, MINIMAX_M2, MIXTRAL, OLMOE, PHIMOE,
+                              QWEN2, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, make_model, single_process)
 
 N_NEW = 4
 TOL = 1e-4
@@ -34,7 +34,7 @@ CASES = [("qwen3", QWEN3, None), ("qwen2", QWEN2, "enforce"), ("qwen2", QWEN2, "
          ("llama4", LLAMA4, None), ("qwen3_next", QWEN3_NEXT, None), ("qwen3_5_moe", QWEN3_5_MOE, None),
          ("deepseek_v32", DEEPSEEK_V32, None), ("glm_moe_dsa", GLM_MOE_DSA, "enforce"),
          ("ernie4_5_moe", ERNIE4_5_MOE, None), ("glm4v_moe", GLM4V_MOE, "enforce"), ("granitemoe", GRANITEMOE, None),
-         ("hunyuan", HUNYUAN, None), ("phimoe", PHIMOE, None)]
+         ("hunyuan", HUNYUAN, None), ("phimoe", PHIMOE, None), ("exaone_moe", EXAONE_MOE, None)]
 
 
 def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
@@ -107,6 +107,7 @@ def paths(tmp_path_factory):
         "granitemoe": make_model(tmp_path_factory.mktemp("granitemoe"), GRANITEMOE),
         "hunyuan": make_model(tmp_path_factory.mktemp("hunyuan"), HUNYUAN),
         "phimoe": make_model(tmp_path_factory.mktemp("phimoe"), PHIMOE),
+        "exaone_moe": make_model(tmp_path_factory.mktemp("exaone_moe"), EXAONE_MOE),
     }
 
 
@@ -178,6 +179,10 @@ def test_two_tp_ranks_give_the_single_process_logits_and_tokens(paths, ids, refe
     assert by_name["hunyuan"]["dense_inter"] == {16} and not by_name["hunyuan"]["fused"]
     # Phi-3.5-MoE: 2 of 4 heads of 8 with their q/k/v biases, o_proj's bias added once; the head's bias whole
     assert by_name["phimoe"]["heads"] == {(2, 1, 16)} and by_name["phimoe"]["expert_inter"] == {8}
+    # EXAONE-MoE: 2 of 4 heads of 8 (windowed and NoPE layers alike), its dense layer's 48 features split, its shared
+    # expert (16) whole on each rank
+    assert by_name["exaone_moe"]["heads"] == {(2, 1, 16)} and by_name["exaone_moe"]["expert_inter"] == {8}
+    assert by_name["exaone_moe"]["dense_inter"] == {24, 16} and not by_name["exaone_moe"]["fused"]
     # MLA: half the heads and their kv_b_proj rows; the latent projection stays whole.
     (heads, kv_b_rows, kv_a_rows), = by_name["deepseek"]["mla_heads"]
     assert (heads, kv_b_rows, kv_a_rows) == (1, 1 * (8 + 12), 16 + 8)     # of 2 heads; nope 8 + v 12; lora 16 + rope 8

@@ -33,6 +33,7 @@ BUILT = {
     "GraniteMoeForCausalLM": "granitemoe",
     "GraniteMoeSharedForCausalLM": "granitemoe_shared",
     "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe",
+    "ExaoneMoeForCausalLM": "exaone_moe",
     "PhiMoEForCausalLM": "phimoe",
     "PhimoeForCausalLM": "phimoe",
 }

@@ -625,6 +625,18 @@ def test_hunyuan_is_its_own_family_and_its_shared_mlp_never_fused():
     assert_off(fusion(dict(HUNYUAN_A13B, num_shared_expert=[0] * 32)), "hunyuan_v1_moe.no_shared_experts")
 
 
+def test_exaone_moe_is_its_own_family_and_never_fused():
+    """EXAONE-MoE: DeepSeek-V3's MoE block under its own names (num_experts, num_shared_experts, mlp_layer_types);
+    its shared expert has no fused layout (structural, so enforce does not lift it)."""
+    cfg = {"architectures": ["ExaoneMoeForCausalLM"], "num_hidden_layers": 6, "num_experts": 128,
+           "num_experts_per_tok": 8, "num_shared_experts": 1, "mlp_layer_types": ["dense"] + ["sparse"] * 5}
+    res = resolve(cfg, ep_size=8, ep_rank=7)
+    assert res.family == "exaone_moe" and res.decisions[Keys.NUM_LOCAL_EXPERTS].value == 16
+    for kw in ({}, ENFORCE):
+        assert_off(fusion(cfg, **kw), "exaone_moe.structural.no_fused_layout", "1 shared expert(s)")
+    assert_off(fusion(dict(cfg, num_shared_experts=0)), "exaone_moe.no_shared_experts")
+
+
 @pytest.mark.parametrize("arch", ["PhiMoEForCausalLM", "PhimoeForCausalLM"])
 def test_phimoe_in_either_spelling_has_no_shared_experts(arch):
     """Phi-3.5-MoE: 16 experts on every layer, two a token; the Hub's spelling and transformers' plan alike."""

@@ -8,7 +8,8 @@ from loadplan.service.errors import InvalidArgument
 from loadplan.service.rules import entries
 from loadplan.service.rules.config_view import ConfigView
 from loadplan.service.rules.layouts import (deepseek_layout, deepseek_nextn_layout, ernie4_5_moe_layout,
-                                            every_layer_moe_layout, hunyuan_v1_moe_layout, qwen_moe_layout)
+                                            every_layer_moe_layout, exaone_moe_layout, hunyuan_v1_moe_layout,
+                                            qwen_moe_layout)
 
 from ._fixtures import deepseek, mixtral, qwen2, qwen3
 
@@ -79,6 +80,22 @@ def test_ernie4_5_moe_refusals_name_the_field(fields, field):
     with pytest.raises(InvalidArgument) as e:
         ernie4_5_moe_layout(ConfigView({"num_hidden_layers": 6, **fields}))
     assert e.value.field == f"config.{field}"
+
+
+@pytest.mark.parametrize("fields,moe", [
+    ({}, [1, 2, 3]),                                                            # transformers' default: from 1
+    ({"first_k_dense_replace": 2}, [2, 3]),
+    ({"mlp_layer_types": ["sparse", "dense", "sparse", "dense"]}, [0, 2]),      # the list wins
+])
+def test_exaone_moe_layers(fields, moe):
+    lay = exaone_moe_layout(ConfigView({"num_hidden_layers": 4, **fields}))
+    assert list(lay.moe_layers) == moe and (lay.n_routed, lay.n_shared, lay.top_k) == (64, 1, 8)
+
+
+def test_exaone_moe_refuses_a_bad_mlp_layer_types_by_field():
+    with pytest.raises(InvalidArgument) as e:
+        exaone_moe_layout(ConfigView({"num_hidden_layers": 4, "mlp_layer_types": ["sparse"] * 3}))
+    assert e.value.field == "config.mlp_layer_types"
 
 
 @pytest.mark.parametrize("fields,want", [

@@ -1,0 +1,96 @@
+"""EXAONE-MoE (`ExaoneMoeForCausalLM`: LG AI Research's K-EXAONE), following transformers' modeling_exaone_moe
+numerically: Qwen3's attention over DeepSeek-V3's MoE block, in a hybrid of windowed and global layers.
+
+Shapes: B batch, T tokens, D hidden, E routed experts, K top-k, V vocab, H/H_kv heads.
+
+- Attention: grouped-query (layers/attention.py) with per-head RMSNorm on q and k (before the rotation), no
+  biases. Layer i is windowed (`sliding_window`) unless (i + 1) % sliding_window_pattern == 0 (transformers'
+  layer_types, or the config's own); windowed layers rotate q and k, the global ones do not (NoPE).
+- Layer i is MoE iff mlp_layer_types[i] is "sparse" (by default every layer from first_k_dense_replace).
+- MoE: DeepSeek-V3's block (deepseek_v3.DeepseekV3MoE): the sigmoid router with e_score_correction_bias (the
+  checkpoint keeps it as `mlp.e_score_correction_bias`) and group-limited top-k, weights renormalised and scaled
+  by routed_scaling_factor, num_experts routed experts and num_shared_experts shared ones (one MLP of that many
+  times the width, added ungated), which the registry never fuses (our choice: no fused layout exists).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ..layers.attention import GQAttention
+from ..parallel.tensor import TensorParallel
+from ..weights import CheckpointNames
+from .causal_lm import DecoderLayer
+from .config import ConfigError, get_field as _get, per_layer
+from .deepseek_v3 import moe_or_dense_mlp
+from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
+
+ARCHITECTURE = "ExaoneMoeForCausalLM"
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+# (checkpoint, engine) suffixes under model.layers.{i}.
+EXAONE_MOE_NAMES = CheckpointNames((("mlp.e_score_correction_bias", "mlp.gate.e_score_correction_bias"),))
+
+
+@dataclass(frozen=True)
+class ExaoneMoeConfig(Glm4MoeConfig):
+    sliding_window: int = 4096
+    layer_types: tuple[str, ...] = ()        # per layer; "sliding_attention" ones are windowed and rotated
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "ExaoneMoeConfig":
+        """transformers' ExaoneMoeConfig defaults where a checkpoint may leave a field out."""
+        partial = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor"))
+        if partial not in (None, 1, 1.0):
+            raise ConfigError(f"config.partial_rotary_factor: {partial!r} not supported; EXAONE-MoE rotates whole "
+                              f"heads (1.0)")
+        if d.get("attention_bias"):
+            raise ConfigError("config.attention_bias: true is not supported; EXAONE-MoE's projections have none")
+        # Glm4MoeConfig reads the fields both share, under GLM's names, with EXAONE-MoE's defaults.
+        glm = Glm4MoeConfig.from_hf(dict(
+            d, n_routed_experts=_get(d, "num_experts", 64, int), n_shared_experts=_get(d, "num_shared_experts", 1, int),
+            partial_rotary_factor=1.0, first_k_dense_replace=d.get("first_k_dense_replace", 1),
+            norm_topk_prob=d.get("norm_topk_prob", True), routed_scaling_factor=d.get("routed_scaling_factor", 2.5),
+            max_position_embeddings=d.get("max_position_embeddings", 2048), use_qk_norm=True,
+            moe_intermediate_size=d.get("moe_intermediate_size", 1024)))
+        n = glm.num_hidden_layers
+        mlp_types = per_layer(d, "mlp_layer_types", n, ("dense", "sparse"),
+                              ["dense" if i < glm.first_k_dense_replace else "sparse" for i in range(n)])
+        if "sliding_window" in d and d["sliding_window"] is None:
+            raise ConfigError("config.sliding_window: null is not supported; EXAONE-MoE's windowed layers need one "
+                              "(transformers requires an integer)")
+        window = _get(d, "sliding_window", 4096, int)
+        if window < 1:
+            raise ConfigError(f"config.sliding_window: must be >= 1, got {window}")
+        if d.get("layer_types") is not None:
+            types = per_layer(d, "layer_types", n, LAYER_TYPES, [])
+        else:
+            pattern = _get(d, "sliding_window_pattern", 4, int)
+            if pattern < 1:
+                raise ConfigError(f"config.sliding_window_pattern: must be >= 1, got {pattern}")
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+        return cls(**{f.name: getattr(glm, f.name) for f in dataclasses.fields(Glm4MoeConfig)
+                      if f.name != "moe_layers"},
+                   moe_layers=tuple(i for i, t in enumerate(mlp_types) if t == "sparse"),
+                   sliding_window=window, layer_types=tuple(types))
+
+
+class ExaoneMoeDecoderLayer(DecoderLayer):
+    def __init__(self, cfg: ExaoneMoeConfig, plan, layer_id: int, dtype: torch.dtype):
+        tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
+        windowed = cfg.layer_types[layer_id] == "sliding_attention"
+        attn = GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                           qkv_bias=False, o_bias=False, qk_norm=True, rms_norm_eps=cfg.rms_norm_eps, dtype=dtype,
+                           tp=tp, sliding_window=cfg.sliding_window if windowed else None, use_rope=windowed)
+        super().__init__(layer_id, attn, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
+                         cfg.rms_norm_eps, dtype)
+
+
+class ExaoneMoeForCausalLM(Glm4MoeForCausalLM):
+    ARCHITECTURE = ARCHITECTURE
+    CONFIG = ExaoneMoeConfig
+    DECODER_LAYER = ExaoneMoeDecoderLayer
+    CHECKPOINT_NAMES = EXAONE_MOE_NAMES
