@@ -36,6 +36,7 @@ ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "GraniteMoeSharedForCausalLM": ("loadplan.engine.models.granitemoe", "GraniteMoeSharedForCausalLM"),
     "HunYuanMoEV1ForCausalLM": ("loadplan.engine.models.hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM"),
     "ExaoneMoeForCausalLM": ("loadplan.engine.models.exaone_moe", "ExaoneMoeForCausalLM"),
+    "AfmoeForCausalLM": ("loadplan.engine.models.afmoe", "AfmoeForCausalLM"),
     "PhiMoEForCausalLM": ("loadplan.engine.models.phimoe", "PhiMoEForCausalLM"),
     "PhimoeForCausalLM": ("loadplan.engine.models.phimoe", "PhimoeForCausalLM"),
     "Glm4MoeForCausalLMNextN": ("loadplan.engine.models.glm4_moe_nextn", "Glm4MoeForCausalLMNextN"),

@@ -16,7 +16,8 @@ its q/k norms are `norm=OffsetRMSNorm` (layers/norm.py).
 ERNIE-4.5: `rope_interleave`, the rotary embedding turns (even, odd) feature pairs instead of the two
 halves (layers/rope.py: the output comes out de-interleaved, the same permutation for q and k, whose
 dot products it leaves unchanged).
-EXAONE-MoE: `use_rope=False` on its global layers (NoPE: q and k are not rotated; its windowed layers are).
+AFMoE: `gate_proj`, the output gate from a projection of its own (H x head_dim features, split with the heads).
+EXAONE-MoE (and AFMoE): `use_rope=False` on its global layers (NoPE: q and k are not rotated; its windowed layers are).
 Hunyuan (A13B): `qk_norm_after_rope`, its per-head q and k norms run on the rotated q and k, not before.
 OLMoE: `qk_norm_span="projection"`: one RMSNorm over the whole q projection (all heads) and
 one over the whole k projection (`q_proj_norm`, `k_proj_norm`; under TP each rank holds its
@@ -47,7 +48,8 @@ class GQAttention(nn.Module):
                  dtype: torch.dtype | None = None, tp: TensorParallel | None = None,
                  sliding_window: int | None = None, qk_norm_span: str = "head", clip_qkv: float | None = None,
                  sinks: bool = False, output_gate: bool = False, norm: type[RMSNorm] = RMSNorm,
-                 rope_interleave: bool = False, qk_norm_after_rope: bool = False, use_rope: bool = True):
+                 rope_interleave: bool = False, qk_norm_after_rope: bool = False, use_rope: bool = True,
+                 gate_proj: bool = False):
         super().__init__()
         if qk_norm_span not in ("head", "projection"):
             raise ValueError(f"qk_norm_span={qk_norm_span!r}: 'head' or 'projection'")
@@ -74,6 +76,9 @@ class GQAttention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, n_kv_heads * head_dim, bias=qkv_bias, dtype=dtype)
         self.v_proj = nn.Linear(hidden_size, n_kv_heads * head_dim, bias=qkv_bias, dtype=dtype)
         self.o_proj = nn.Linear(n_heads * head_dim, hidden_size, bias=o_bias, dtype=dtype)
+        if output_gate and gate_proj:
+            raise ValueError("output_gate (in q_proj's rows) and gate_proj (a projection of its own): one or the other")
+        self.gate_proj = nn.Linear(hidden_size, n_heads * head_dim, bias=False, dtype=dtype) if gate_proj else None
         per_head = qk_norm and qk_norm_span == "head"
         if qk_norm_after_rope and not per_head:
             raise ValueError("qk_norm_after_rope needs per-head q and k norms (qk_norm, qk_norm_span='head')")
@@ -114,6 +119,8 @@ class GQAttention(nn.Module):
         if self.output_gate:                                               # [B, T, H, 2 * hd]: each head's q, gate
             q, gate = q.view(B, T, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
             q, gate = q.reshape(B, T, -1), gate.reshape(B, T, -1)         # [B, T, H * hd] each
+        elif self.gate_proj is not None:
+            gate = self.gate_proj(x)                                       # [B, T, H * hd]
         if self.q_proj_norm is not None:
             q, k = self.q_proj_norm(q), self.k_proj_norm(k)
         if self.clip_qkv is not None:

@@ -87,6 +87,8 @@ FAMILIES: dict[str, Family] = {
         Family("qwen3_5_nextn", layouts.qwen_nextn_layout, gates.qwen2_moe_gate, True),
         # ERNIE-4.5: DeepSeek-V3's MoE block with a softmax router and ungated shared experts, never fused
         Family("ernie4_5_moe", layouts.ernie4_5_moe_layout, gates.ernie4_5_moe_gate, True),
+        # AFMoE (Arcee's Trinity): DeepSeek-V3's MoE block, one group, its shared experts beside it, never fused
+        Family("afmoe", layouts.afmoe_layout, gates.afmoe_gate, True),
         # EXAONE-MoE (K-EXAONE): DeepSeek-V3's MoE block with its shared experts beside it, never fused
         Family("exaone_moe", layouts.exaone_moe_layout, gates.exaone_moe_gate, True),
         # Hunyuan-A13B: every layer MoE with an ungated shared MLP beside the experts, never fused
@@ -118,6 +120,7 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "GraniteMoeSharedForCausalLM": Direct("granitemoe_shared"),
     "HunYuanMoEV1ForCausalLM": Direct("hunyuan_v1_moe"),
     "ExaoneMoeForCausalLM": Direct("exaone_moe"),
+    "AfmoeForCausalLM": Direct("afmoe"),
     # Phi-3.5-MoE: the Hub's spelling, and transformers' (what its save_pretrained writes)
     "PhiMoEForCausalLM": Direct("phimoe"),
     "PhimoeForCausalLM": Direct("phimoe"),

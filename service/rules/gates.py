@@ -71,6 +71,14 @@ def granitemoe_shared_gate(ctx: GateContext) -> Verdict | None:
                    "its shared MLP runs beside the routed experts: no fused layout exists for Granite MoE")
 
 
+def afmoe_gate(ctx: GateContext) -> Verdict | None:
+    """AFMoE never fuses (not in DESIGN 5.2; our choice, as SGLang and vLLM run it): its shared experts run beside
+    the routed ones, with no fused layout or kernel. Structural: enforce does not skip it."""
+    return Verdict("afmoe.structural.no_fused_layout",
+                   f"its {ctx.layout.n_shared} shared expert(s) run beside the routed experts: no fused layout exists "
+                   f"for AFMoE")
+
+
 def exaone_moe_gate(ctx: GateContext) -> Verdict | None:
     """EXAONE-MoE never fuses (not in DESIGN 5.2; our choice, as SGLang and vLLM run it): its shared experts run
     beside the routed ones, with no fused layout or kernel. Structural: enforce does not skip it."""

@@ -198,6 +198,19 @@ def make_exaone_moe_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     return _save_random_model(path, "ExaoneMoe", seed, dict(EXAONE_MOE_TINY, **config))
 
 
+# AFMoE (Trinity's layout, tiny): layer 0 dense; 8 routed experts of 16 (top-2, sigmoid with a routing bias, scaled
+# by 2.5) and 2 shared; gated attention, windowed layers (4 positions, rotated) alternating with global NoPE ones.
+AFMOE_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+                  num_shared_experts=2, num_dense_layers=1, route_scale=2.5, global_attn_every_n_layers=2,
+                  sliding_window=4, max_position_embeddings=256)
+
+
+def make_afmoe_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random AFMoE of AFMOE_TINY updated with `config` (transformers' AfmoeConfig kwargs)."""
+    return _save_random_model(path, "Afmoe", seed, dict(AFMOE_TINY, **config))
+
+
 # Granite MoE: 8 experts of 16 (top-2) on every layer, with granite-3.0-1b-a400m's multipliers.
 GRANITEMOE_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
                        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256,

@@ -241,6 +241,8 @@ _BAD_CONFIGS = [
      {"shared_intermediate_size": -1}, "target"),
     ("HunYuanMoEV1ForCausalLM", "HunYuanMoEV1Config", dict(num_experts=8, moe_topk=2, head_dim=8), {"use_cla": True},
      "target"),
+    ("AfmoeForCausalLM", "AfmoeConfig", dict(num_experts=8, moe_intermediate_size=16, num_experts_per_tok=2,
+                                             head_dim=12), {"n_group": 2}, "target"),
     ("ExaoneMoeForCausalLM", "ExaoneMoeConfig", dict(num_experts=8, moe_intermediate_size=16, num_experts_per_tok=2),
      {"mlp_layer_types": ["dense"]}, "target"),
     ("PhimoeForCausalLM", "PhimoeConfig", dict(num_local_experts=8), {"num_experts_per_tok": 1}, "target"),

@@ -39,6 +39,7 @@ GRANITEMOE_SHARED = "GraniteMoeSharedForCausalLM"
 HUNYUAN = "HunYuanMoEV1ForCausalLM"
 PHIMOE = "PhimoeForCausalLM"
 EXAONE_MOE = "ExaoneMoeForCausalLM"
+AFMOE = "AfmoeForCausalLM"
 
 # engine_helpers' tiny DeepSeek-V3 (256 routed experts: the fusion gate passes) with the default rope.
 DEEPSEEK_TINY = dict(engine_helpers.DEEPSEEK_TINY, rope_theta=10000.0)
@@ -81,6 +82,8 @@ def make_model(path: Path, arch: str, seed: int = 0) -> str:
     elif arch == GRANITEMOE_SHARED:
         engine_helpers.make_granitemoe_checkpoint(path, seed=seed, family="GraniteMoeShared",
                                                   shared_intermediate_size=24)
+    elif arch == AFMOE:
+        engine_helpers.make_afmoe_checkpoint(path, seed=seed)
     elif arch == EXAONE_MOE:
         engine_helpers.make_exaone_moe_checkpoint(path, seed=seed)
     elif arch == PHIMOE:

@@ -18,7 +18,7 @@ from loadplan.plan import Keys
 from loadplan.service.rules.backends import BACKENDS
 
 from engine_helpers import LocalRegistry, make_checkpoint
-from parallel_helpers import (DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, ERNIE4_5_MOE, EXAONE_MOE, GLM4, GLM4V_MOE,
+from parallel_helpers import (AFMOE, DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, ERNIE4_5_MOE, EXAONE_MOE, GLM4, GLM4V_MOE,
                               GLM_MOE_DSA, GPT_OSS, GRANITEMOE, HUNYUAN, LLAMA4, MINIMAX_M2, MIXTRAL, OLMOE, PHIMOE,
                               QWEN2, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, make_model, single_process)
 
@@ -34,7 +34,8 @@ CASES = [("qwen3", QWEN3, None), ("qwen2", QWEN2, "enforce"), ("qwen2", QWEN2, "
          ("llama4", LLAMA4, None), ("qwen3_next", QWEN3_NEXT, None), ("qwen3_5_moe", QWEN3_5_MOE, None),
          ("deepseek_v32", DEEPSEEK_V32, None), ("glm_moe_dsa", GLM_MOE_DSA, "enforce"),
          ("ernie4_5_moe", ERNIE4_5_MOE, None), ("glm4v_moe", GLM4V_MOE, "enforce"), ("granitemoe", GRANITEMOE, None),
-         ("hunyuan", HUNYUAN, None), ("phimoe", PHIMOE, None), ("exaone_moe", EXAONE_MOE, None)]
+         ("hunyuan", HUNYUAN, None), ("phimoe", PHIMOE, None), ("exaone_moe", EXAONE_MOE, None),
+         ("afmoe", AFMOE, None)]
 
 
 def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
@@ -75,6 +76,8 @@ def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
             proj_norms={(m.q_proj_norm.weight.shape[0], m.k_proj_norm.weight.shape[0]) for m in mods
                         if isinstance(m, GQAttention) and m.q_proj_norm is not None},
             sinks={m.sinks.shape[0] for m in mods if isinstance(m, GQAttention) and m.sinks is not None},
+            attn_gate_rows={m.gate_proj.weight.shape[0] for m in mods
+                            if isinstance(m, GQAttention) and m.gate_proj is not None},
             expert_biases={(m.gate_up_bias.shape[1], m.down_bias.shape[1]) for m in mods
                            if isinstance(m, RoutedExperts) and m.gate_up_bias is not None},
             linear={(m.n_k, m.n_v, (m.in_proj_qkvz if m.grouped else m.in_proj_qkv).weight.shape[0],
@@ -108,6 +111,7 @@ def paths(tmp_path_factory):
         "hunyuan": make_model(tmp_path_factory.mktemp("hunyuan"), HUNYUAN),
         "phimoe": make_model(tmp_path_factory.mktemp("phimoe"), PHIMOE),
         "exaone_moe": make_model(tmp_path_factory.mktemp("exaone_moe"), EXAONE_MOE),
+        "afmoe": make_model(tmp_path_factory.mktemp("afmoe"), AFMOE),
     }
 
 
@@ -183,6 +187,9 @@ def test_two_tp_ranks_give_the_single_process_logits_and_tokens(paths, ids, refe
     # expert (16) whole on each rank
     assert by_name["exaone_moe"]["heads"] == {(2, 1, 16)} and by_name["exaone_moe"]["expert_inter"] == {8}
     assert by_name["exaone_moe"]["dense_inter"] == {24, 16} and not by_name["exaone_moe"]["fused"]
+    # AFMoE: 2 of 4 heads of 8 and their rows of the output gate's projection, its two shared experts (32) whole
+    assert by_name["afmoe"]["heads"] == {(2, 1, 16)} and by_name["afmoe"]["attn_gate_rows"] == {16}
+    assert by_name["afmoe"]["dense_inter"] == {24, 32} and not by_name["afmoe"]["fused"]
     # MLA: half the heads and their kv_b_proj rows; the latent projection stays whole.
     (heads, kv_b_rows, kv_a_rows), = by_name["deepseek"]["mla_heads"]
     assert (heads, kv_b_rows, kv_a_rows) == (1, 1 * (8 + 12), 16 + 8)     # of 2 heads; nope 8 + v 12; lora 16 + rope 8
@@ -293,7 +300,7 @@ def test_a_family_whose_layers_do_not_split_is_refused_before_any_plan(paths, mo
     monkeypatch.setattr(Qwen3MoeForCausalLM, "TENSOR_PARALLEL", False)   # as a family added without TP would be
     registry, load = _load(paths["qwen3"], tp_size=2, tp_rank=1)
     refusal = (r"tensor parallelism \(tp_size=2\) is not implemented by the engine for Qwen3MoeForCausalLM; "
-               r"it is for: DeepseekV2ForCausalLM, ")
+               r"it is for: AfmoeForCausalLM, DeepseekV2ForCausalLM, ")
     with pytest.raises(NotImplementedError, match=refusal) as err:
         load()
     assert "Qwen3MoeForCausalLM" not in str(err.value).split("it is for:")[1]

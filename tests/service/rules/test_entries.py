@@ -34,6 +34,7 @@ BUILT = {
     "GraniteMoeSharedForCausalLM": "granitemoe_shared",
     "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe",
     "ExaoneMoeForCausalLM": "exaone_moe",
+    "AfmoeForCausalLM": "afmoe",
     "PhiMoEForCausalLM": "phimoe",
     "PhimoeForCausalLM": "phimoe",
 }

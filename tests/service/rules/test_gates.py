@@ -625,6 +625,18 @@ def test_hunyuan_is_its_own_family_and_its_shared_mlp_never_fused():
     assert_off(fusion(dict(HUNYUAN_A13B, num_shared_expert=[0] * 32)), "hunyuan_v1_moe.no_shared_experts")
 
 
+def test_afmoe_is_its_own_family_and_never_fused():
+    """AFMoE (Trinity): every layer from num_dense_layers MoE, with num_shared_experts beside the routed ones, which
+    have no fused layout (structural, so enforce does not lift it)."""
+    cfg = {"architectures": ["AfmoeForCausalLM"], "num_hidden_layers": 8, "num_experts": 128, "num_experts_per_tok": 8,
+           "num_shared_experts": 1, "num_dense_layers": 2}
+    res = resolve(cfg, ep_size=4, ep_rank=1)
+    assert res.family == "afmoe" and res.decisions[Keys.NUM_LOCAL_EXPERTS].value == 32
+    for kw in ({}, ENFORCE):
+        assert_off(fusion(cfg, **kw), "afmoe.structural.no_fused_layout", "1 shared expert(s)")
+    assert_off(fusion(dict(cfg, num_shared_experts=0)), "afmoe.no_shared_experts")
+
+
 def test_exaone_moe_is_its_own_family_and_never_fused():
     """EXAONE-MoE: DeepSeek-V3's MoE block under its own names (num_experts, num_shared_experts, mlp_layer_types);
     its shared expert has no fused layout (structural, so enforce does not lift it)."""

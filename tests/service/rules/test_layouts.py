@@ -7,9 +7,9 @@ import pytest
 from loadplan.service.errors import InvalidArgument
 from loadplan.service.rules import entries
 from loadplan.service.rules.config_view import ConfigView
-from loadplan.service.rules.layouts import (deepseek_layout, deepseek_nextn_layout, ernie4_5_moe_layout,
-                                            every_layer_moe_layout, exaone_moe_layout, hunyuan_v1_moe_layout,
-                                            qwen_moe_layout)
+from loadplan.service.rules.layouts import (afmoe_layout, deepseek_layout, deepseek_nextn_layout,
+                                            ernie4_5_moe_layout, every_layer_moe_layout, exaone_moe_layout,
+                                            hunyuan_v1_moe_layout, qwen_moe_layout)
 
 from ._fixtures import deepseek, mixtral, qwen2, qwen3
 
@@ -90,6 +90,13 @@ def test_ernie4_5_moe_refusals_name_the_field(fields, field):
 def test_exaone_moe_layers(fields, moe):
     lay = exaone_moe_layout(ConfigView({"num_hidden_layers": 4, **fields}))
     assert list(lay.moe_layers) == moe and (lay.n_routed, lay.n_shared, lay.top_k) == (64, 1, 8)
+
+
+@pytest.mark.parametrize("fields,moe,shared", [({}, [1, 2, 3], 2), ({"num_dense_layers": 0, "num_shared_experts": 1},
+                                                                    [0, 1, 2, 3], 1)])
+def test_afmoe_layers(fields, moe, shared):
+    lay = afmoe_layout(ConfigView({"num_hidden_layers": 4, **fields}))
+    assert list(lay.moe_layers) == moe and (lay.n_routed, lay.n_shared, lay.top_k) == (64, shared, 6)
 
 
 def test_exaone_moe_refuses_a_bad_mlp_layer_types_by_field():

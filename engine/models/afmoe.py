@@ -1,0 +1,119 @@
+"""AFMoE (`AfmoeForCausalLM`: Arcee's Trinity models), following transformers' modeling_afmoe numerically.
+
+Shapes: B batch, T tokens, D hidden, E routed experts, K top-k, V vocab, H/H_kv heads.
+
+- Attention: grouped-query (layers/attention.py) with per-head RMSNorm on q and k, an output gate (its own
+  `gate_proj`, H x head_dim features: the attention output times sigmoid(gate) before o_proj) and q/k/v/o biases
+  with `attention_bias`. Layer i is windowed (`sliding_window`) unless (i + 1) % global_attn_every_n_layers == 0
+  (transformers' layer_types, or the config's own); windowed layers rotate q and k, the global ones do not (NoPE).
+- Sandwich norms: the attention's output and the MLP's output are each normalised before their residual sum, as
+  their inputs are (input_layernorm / post_attention_layernorm, pre_mlp_layernorm / post_mlp_layernorm).
+- Layer i is MoE iff i >= num_dense_layers. MoE: DeepSeek-V3's block (deepseek_v3.DeepseekV3MoE) as a sigmoid router
+  with a routing bias (the checkpoint's `mlp.expert_bias`) and one group: top-k of sigmoid + bias, the sigmoid
+  scores renormalised and scaled by `route_scale`; num_shared_experts shared experts (one MLP of that many times
+  the width) added ungated, which the registry never fuses (our choice: no fused layout exists). The router's
+  weight is kept float32 (transformers computes the logits in the model's dtype, then casts: alike in float32).
+- muP (`mup_enabled`): the token embeddings are scaled by sqrt(hidden_size).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ..layers.attention import GQAttention
+from ..parallel.tensor import TensorParallel
+from ..weights import CheckpointNames
+from .causal_lm import DecoderLayer
+from .config import ConfigError, get_field as _get, per_layer
+from .deepseek_v3 import moe_or_dense_mlp
+from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
+
+ARCHITECTURE = "AfmoeForCausalLM"
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+# (checkpoint, engine) suffixes under model.layers.{i}.
+AFMOE_NAMES = CheckpointNames((
+    ("mlp.router.gate.weight", "mlp.gate.weight"),
+    ("mlp.expert_bias", "mlp.gate.e_score_correction_bias"),
+))
+
+
+@dataclass(frozen=True)
+class AfmoeConfig(Glm4MoeConfig):
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()        # per layer; "sliding_attention" ones are windowed and rotated
+    mup_enabled: bool = False
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "AfmoeConfig":
+        """transformers' AfmoeConfig defaults where a checkpoint may leave a field out."""
+        partial = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor"))
+        if partial not in (None, 1, 1.0):
+            raise ConfigError(f"config.partial_rotary_factor: {partial!r} not supported; AFMoE rotates whole heads")
+        for name in ("n_group", "topk_group"):
+            if d.get(name) not in (None, 1):
+                raise ConfigError(f"config.{name}: {d[name]!r} not supported; AFMoE's router has no expert groups")
+        # Glm4MoeConfig reads the fields both share, under GLM's names, with AFMoE's defaults.
+        glm = Glm4MoeConfig.from_hf(dict(
+            d, n_routed_experts=_get(d, "num_experts", 64, int), n_shared_experts=_get(d, "num_shared_experts", 2, int),
+            num_experts_per_tok=d.get("num_experts_per_tok", 6), n_group=1, topk_group=1, norm_topk_prob=True,
+            routed_scaling_factor=float(_get(d, "route_scale", 1.0, (int, float))), partial_rotary_factor=1.0,
+            first_k_dense_replace=_get(d, "num_dense_layers", 1, int), head_dim=_get(d, "head_dim", 128, int),
+            max_position_embeddings=d.get("max_position_embeddings", 16384), use_qk_norm=True,
+            moe_intermediate_size=d.get("moe_intermediate_size", 1408)))
+        n = glm.num_hidden_layers
+        if d.get("layer_types") is not None:
+            types = per_layer(d, "layer_types", n, LAYER_TYPES, [])
+        else:
+            every = _get(d, "global_attn_every_n_layers", 4, int)
+            if every < 1:
+                raise ConfigError(f"config.global_attn_every_n_layers: must be >= 1, got {every}")
+            types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+        window = _get(d, "sliding_window", 1024, int) if "sliding_window" not in d or d["sliding_window"] is not None \
+            else None
+        if window is None and "sliding_attention" in types:
+            raise ConfigError("config.sliding_window: null, but layer_types has sliding_attention layers")
+        if window is not None and window < 1:
+            raise ConfigError(f"config.sliding_window: must be >= 1, got {window}")
+        return cls(**{f.name: getattr(glm, f.name) for f in dataclasses.fields(Glm4MoeConfig)},
+                   sliding_window=window, layer_types=tuple(types),
+                   mup_enabled=bool(_get(d, "mup_enabled", False, bool)))
+
+
+class AfmoeDecoderLayer(DecoderLayer):
+    """x + post_attention_layernorm(attn(input_layernorm(x))), then
+    x + post_mlp_layernorm(mlp(pre_mlp_layernorm(x)))."""
+
+    def __init__(self, cfg: AfmoeConfig, plan, layer_id: int, dtype: torch.dtype):
+        tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
+        windowed = cfg.layer_types[layer_id] == "sliding_attention"
+        attn = GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                           qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm=True,
+                           rms_norm_eps=cfg.rms_norm_eps, dtype=dtype, tp=tp,
+                           sliding_window=cfg.sliding_window if windowed else None, use_rope=windowed,
+                           gate_proj=True)
+        super().__init__(layer_id, attn, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
+                         cfg.rms_norm_eps, dtype)
+        self.pre_mlp_layernorm = self.NORM(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_mlp_layernorm = self.NORM(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, x, cos, sin, input_pos=None):
+        """x [B, T, D] -> [B, T, D]"""
+        x = x + self.post_attention_layernorm(self.mixer(self.input_layernorm(x), cos, sin, input_pos))
+        B, T, D = x.shape
+        h = self.pre_mlp_layernorm(x).reshape(B * T, D)
+        return x + self.post_mlp_layernorm(self.mlp(h)).view(B, T, D)
+
+
+class AfmoeForCausalLM(Glm4MoeForCausalLM):
+    ARCHITECTURE = ARCHITECTURE
+    CONFIG = AfmoeConfig
+    DECODER_LAYER = AfmoeDecoderLayer
+    CHECKPOINT_NAMES = AFMOE_NAMES
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)
+        return h * self.config.hidden_size ** 0.5 if self.config.mup_enabled else h
