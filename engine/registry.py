@@ -37,6 +37,7 @@ ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "HunYuanMoEV1ForCausalLM": ("loadplan.engine.models.hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM"),
     "ExaoneMoeForCausalLM": ("loadplan.engine.models.exaone_moe", "ExaoneMoeForCausalLM"),
     "AfmoeForCausalLM": ("loadplan.engine.models.afmoe", "AfmoeForCausalLM"),
+    "FlexOlmoForCausalLM": ("loadplan.engine.models.flex_olmo", "FlexOlmoForCausalLM"),
     "PhiMoEForCausalLM": ("loadplan.engine.models.phimoe", "PhiMoEForCausalLM"),
     "PhimoeForCausalLM": ("loadplan.engine.models.phimoe", "PhimoeForCausalLM"),
     "Glm4MoeForCausalLMNextN": ("loadplan.engine.models.glm4_moe_nextn", "Glm4MoeForCausalLMNextN"),

@@ -21,7 +21,8 @@ EXAONE-MoE (and AFMoE): `use_rope=False` on its global layers (NoPE: q and k are
 Hunyuan (A13B): `qk_norm_after_rope`, its per-head q and k norms run on the rotated q and k, not before.
 OLMoE: `qk_norm_span="projection"`: one RMSNorm over the whole q projection (all heads) and
 one over the whole k projection (`q_proj_norm`, `k_proj_norm`; under TP each rank holds its
-heads' part of the weight and the mean of squares is summed over the TP group), then q, k
+heads' part of the weight and the mean of squares is summed over the TP group; of the class `norm`: FlexOlmo's
+`WeightFirstRMSNorm`), then q, k
 and v clamped to +-`clip_qkv` when the config sets it.
 Under tensor parallelism (`tp`, engine/parallel/tensor.py) a rank holds H / tp_size heads
 and H_kv / tp_size key/value heads (q/k/v split by output features, o_proj by input
@@ -89,8 +90,8 @@ class GQAttention(nn.Module):
         self.q_proj_norm = self.k_proj_norm = None
         if qk_norm and qk_norm_span == "projection":
             split = lambda full: dict(full_dim=full, reduce=tp.reduce) if tp.size > 1 else {}  # noqa: E731
-            self.q_proj_norm = RMSNorm(n_heads * head_dim, rms_norm_eps, dtype, **split(full_q))
-            self.k_proj_norm = RMSNorm(n_kv_heads * head_dim, rms_norm_eps, dtype, **split(full_k))
+            self.q_proj_norm = norm(n_heads * head_dim, rms_norm_eps, dtype, **split(full_q))
+            self.k_proj_norm = norm(n_kv_heads * head_dim, rms_norm_eps, dtype, **split(full_k))
         # [H] this rank's heads' sink logits (TP splits them with the heads)
         self.sinks = nn.Parameter(torch.empty(n_heads, dtype=dtype), requires_grad=False) if sinks else None
         self.kv_cache: KVCache | None = None   # set by the model's setup_caches

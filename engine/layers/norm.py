@@ -36,6 +36,20 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
+class WeightFirstRMSNorm(RMSNorm):
+    """RMSNorm whose weight multiplies the float32 normalised vector before the cast back (OLMo 2's and FlexOlmo's
+    norms): alike in float32, one rounding fewer in bfloat16."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        if self.reduce is None:
+            variance = h.pow(2).mean(-1, keepdim=True)
+        else:
+            variance = self.reduce(h.pow(2).sum(-1, keepdim=True)) / self.full_dim
+        return (self.weight * (h * torch.rsqrt(variance + self.eps))).to(dtype)
+
+
 class LayerNorm(nn.LayerNorm):
     """LayerNorm with a weight and a bias (Phi-3.5-MoE's norms), built like RMSNorm: (dim, eps, dtype)."""
 

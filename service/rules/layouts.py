@@ -3,8 +3,8 @@
 Conventions follow the architectures' reference implementations:
 - DeepSeek/GLM: layer i is MoE iff i >= first_k_dense_replace and i % moe_layer_freq == 0.
 - Qwen2/Qwen3-MoE: layer i is MoE iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0.
-- Mixtral, OLMoE, gpt-oss, MiniMax-M2, Granite MoE and Phi-3.5-MoE: every layer is MoE (num_experts routed experts for
-  OLMoE, num_local_experts for the others; no shared expert).
+- Mixtral, OLMoE, FlexOlmo, gpt-oss, MiniMax-M2, Granite MoE and Phi-3.5-MoE: every layer is MoE (num_experts
+  routed experts for OLMoE and FlexOlmo, num_local_experts for the others; no shared expert).
 - GLM-4-MoE-Lite: layer i is MoE iff mlp_layer_types[i] is "sparse" (by default every layer
   but the first).
 - Llama 4: layer i is MoE iff i is in moe_layers, or else i % interleave_moe_layer_step ==

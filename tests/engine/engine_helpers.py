@@ -211,6 +211,17 @@ def make_afmoe_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     return _save_random_model(path, "Afmoe", seed, dict(AFMOE_TINY, **config))
 
 
+# FlexOlmo: 8 experts of 16 (top-2) on every layer, OLMoE's projection norms in OLMo 2's post-norm layer.
+FLEX_OLMO_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, max_position_embeddings=256,
+                      pad_token_id=0, eos_token_id=1)
+
+
+def make_flex_olmo_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random FlexOlmo of FLEX_OLMO_TINY updated with `config` (transformers' FlexOlmoConfig kwargs)."""
+    return _save_random_model(path, "FlexOlmo", seed, dict(FLEX_OLMO_TINY, **config))
+
+
 # Granite MoE: 8 experts of 16 (top-2) on every layer, with granite-3.0-1b-a400m's multipliers.
 GRANITEMOE_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
                        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256,

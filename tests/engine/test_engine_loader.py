@@ -243,6 +243,8 @@ _BAD_CONFIGS = [
      "target"),
     ("AfmoeForCausalLM", "AfmoeConfig", dict(num_experts=8, moe_intermediate_size=16, num_experts_per_tok=2,
                                              head_dim=12), {"n_group": 2}, "target"),
+    ("FlexOlmoForCausalLM", "FlexOlmoConfig", dict(num_experts=8, pad_token_id=0, eos_token_id=1),
+     {"clip_qkv": 8.0}, "target"),
     ("ExaoneMoeForCausalLM", "ExaoneMoeConfig", dict(num_experts=8, moe_intermediate_size=16, num_experts_per_tok=2),
      {"mlp_layer_types": ["dense"]}, "target"),
     ("PhimoeForCausalLM", "PhimoeConfig", dict(num_local_experts=8), {"num_experts_per_tok": 1}, "target"),

@@ -22,7 +22,7 @@ def test_unknown_entry_class_lists_the_supported_ones():
                                                r"AfmoeForCausalLM, DeepseekV2ForCausalLM, DeepseekV32ForCausalLM, "
                                                r"DeepseekV3ForCausalLM, DeepseekV3ForCausalLMNextN, "
                                                r"Dots1ForCausalLM, Ernie4_5_MoeForCausalLM, ExaoneMoeForCausalLM, "
-                                               r"Glm4MoeForCausalLM, "
+                                               r"FlexOlmoForCausalLM, Glm4MoeForCausalLM, "
                                                r"Glm4MoeForCausalLMNextN, Glm4MoeLiteForCausalLM, "
                                                r"Glm4vMoeForConditionalGeneration, GlmMoeDsaForCausalLM, "
                                                r"GptOssForCausalLM, GraniteMoeForCausalLM, "

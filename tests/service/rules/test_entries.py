@@ -35,6 +35,7 @@ BUILT = {
     "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe",
     "ExaoneMoeForCausalLM": "exaone_moe",
     "AfmoeForCausalLM": "afmoe",
+    "FlexOlmoForCausalLM": "flex_olmo",
     "PhiMoEForCausalLM": "phimoe",
     "PhimoeForCausalLM": "phimoe",
 }

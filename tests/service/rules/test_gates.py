@@ -649,6 +649,14 @@ def test_exaone_moe_is_its_own_family_and_never_fused():
     assert_off(fusion(dict(cfg, num_shared_experts=0)), "exaone_moe.no_shared_experts")
 
 
+def test_flex_olmo_has_no_shared_experts():
+    cfg = {"architectures": ["FlexOlmoForCausalLM"], "num_hidden_layers": 32, "num_experts": 7,
+           "num_experts_per_tok": 7}
+    res = resolve(cfg, ep_size=1, ep_rank=0)
+    assert res.family == "flex_olmo" and res.decisions[Keys.NUM_LOCAL_EXPERTS].value == 7
+    assert_off(fusion(cfg), "flex_olmo.no_shared_experts")
+
+
 @pytest.mark.parametrize("arch", ["PhiMoEForCausalLM", "PhimoeForCausalLM"])
 def test_phimoe_in_either_spelling_has_no_shared_experts(arch):
     """Phi-3.5-MoE: 16 experts on every layer, two a token; the Hub's spelling and transformers' plan alike."""

@@ -1,0 +1,84 @@
+"""FlexOlmo (`FlexOlmoForCausalLM`: AllenAI's FlexOlmo), following transformers' modeling_flex_olmo numerically.
+
+Shapes: as qwen_moe.py (T tokens, D hidden, E experts, K top-k).
+
+OLMoE's attention and MoE (models/olmoe.py: q and k each normalised by one RMSNorm over the whole projection,
+the checkpoint's `self_attn.q_norm` / `k_norm`; every layer sparse, the router softmax -> top-k, renormalised only
+with norm_topk_prob; no shared expert, so no fusion) in OLMo 2's post-norm layer: a block's input is not
+normalised, its output is, before the residual sum:
+    x = x + post_attention_layernorm(attn(x));  x = x + post_feedforward_layernorm(mlp(x))
+No clip_qkv; the heads may be narrower than hidden_size / heads (`head_dim`). Every norm multiplies by its weight
+before the cast back (`WeightFirstRMSNorm`), as transformers' FlexOlmoRMSNorm does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layers.attention import GQAttention
+from ..layers.norm import WeightFirstRMSNorm
+from ..parallel.tensor import TensorParallel
+from .causal_lm import CausalLM, DecoderLayer
+from .config import ConfigError, get_field as _get
+from .olmoe import OLMOE_NAMES
+from .qwen_moe import QwenLayerCausalLM, QwenMoeConfig, QwenSparseMoeBlock, every_layer_moe_fields
+
+ARCHITECTURE = "FlexOlmoForCausalLM"
+
+
+def flex_olmo_config(d: dict) -> QwenMoeConfig:
+    """FlexOlmo's config.json as the layer's config; transformers' FlexOlmoConfig defaults where a checkpoint may
+    leave a field out."""
+    if d.get("clip_qkv") is not None:
+        raise ConfigError(f"config.clip_qkv: {d['clip_qkv']!r} is not supported; FlexOlmo does not clip q, k, v")
+    common = every_layer_moe_fields(d, experts_field="num_experts", rms_norm_eps=1e-6, max_position_embeddings=4096,
+                                    rope_theta=10000.0)
+    hidden, heads = common["hidden_size"], common["num_attention_heads"]
+    bias = bool(_get(d, "attention_bias", False, bool))
+    return QwenMoeConfig(
+        architecture=ARCHITECTURE,
+        **common,
+        num_key_value_heads=_get(d, "num_key_value_heads", heads, int),
+        head_dim=_get(d, "head_dim", hidden // heads, int),
+        norm_topk_prob=bool(_get(d, "norm_topk_prob", False, bool)),
+        qkv_bias=bias,
+        o_bias=bias,
+        qk_norm=True,
+        qk_norm_span="projection",
+    )
+
+
+class FlexOlmoDecoderLayer(DecoderLayer):
+    """x + post_attention_layernorm(attn(x)), then x + post_feedforward_layernorm(mlp(x))."""
+
+    NORM = WeightFirstRMSNorm
+
+    def __init__(self, cfg: QwenMoeConfig, plan, layer_id: int, dtype: torch.dtype):
+        tp = TensorParallel.of(plan)   # heads split over the TP ranks (the experts: RoutedExperts)
+        attn = GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                           qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, qk_norm=True, rms_norm_eps=cfg.rms_norm_eps,
+                           dtype=dtype, tp=tp, qk_norm_span="projection", norm=WeightFirstRMSNorm)
+        super().__init__(layer_id, attn, QwenSparseMoeBlock(cfg, plan, layer_id, dtype), cfg.hidden_size,
+                         cfg.rms_norm_eps, dtype)
+        del self.input_layernorm                   # OLMo 2's layer normalises outputs, not inputs
+        self.post_feedforward_layernorm = self.NORM(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, x, cos, sin, input_pos=None):
+        """x [B, T, D] -> [B, T, D]"""
+        x = x + self.post_attention_layernorm(self.mixer(x, cos, sin, input_pos))
+        B, T, D = x.shape
+        return x + self.post_feedforward_layernorm(self.mlp(x.reshape(B * T, D))).view(B, T, D)
+
+
+class FlexOlmoForCausalLM(QwenLayerCausalLM):
+    ARCHITECTURE = ARCHITECTURE
+    CHECKPOINT_NAMES = OLMOE_NAMES
+
+    @classmethod
+    def parse_config(cls, hf_config: dict) -> QwenMoeConfig:
+        return flex_olmo_config(hf_config)
+
+    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
+        cfg = self.parse_config(hf_config)
+        CausalLM.__init__(self, cfg, plan, FlexOlmoDecoderLayer, n_routed=cfg.num_experts, rope_head_dim=cfg.head_dim,
+                          dtype=dtype)
