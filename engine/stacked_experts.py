@@ -59,8 +59,8 @@ class StackedExperts:
             kind = m["kind"]
             dims = 2 if kind.endswith("_bias") else 3
             if len(shape) != dims or shape[0] != n_experts or (kind.startswith("gate_up") and shape[-1] % 2):
-                raise ShapeMismatch(f"tensor {name!r} has shape {list(shape)}: expected {dims} dimensions, the "
-                                    f"first num_local_experts={n_experts}"
+                raise ShapeMismatch(f"tensor {self._source(name)!r} has shape {list(shape)}: expected {dims} "
+                                    f"dimensions, the first num_local_experts={n_experts}"
                                     + (", the last even (gate and up)" if kind.startswith("gate_up") else ""))
             if dims == 3 and (self._always_held or self._dims is not None) and \
                     self._held_as_the_model_holds(name, kind, shape):
@@ -73,6 +73,12 @@ class StackedExperts:
                     self._parts[shown] = (name, e, piece)
                     self._names.append(shown)
 
+    def _source(self, name: str) -> str:
+        """The checkpoint's own name for `name`, where the view under this one renamed it (`source_name`: Granite's),
+        so that an error names the tensor as the checkpoint spells it."""
+        source = getattr(self._ckpt, "source_name", None)
+        return source(name) if source is not None else name
+
     def _held_as_the_model_holds(self, name: str, kind: str, shape: tuple[int, ...]) -> bool:
         """Is this [E, a, b] matrix the model's orientation (True) or transposed for x @ W (False)?"""
         if self._dims is None:               # always held, nothing to check it against
@@ -81,14 +87,15 @@ class StackedExperts:
         transposed, held = ((D, 2 * I), (2 * I, D)) if kind == "gate_up_proj" else ((I, D), (D, I))
         if self._always_held:
             if shape[1:] != held:
-                raise ShapeMismatch(f"tensor {name!r} has shape {list(shape)}: expected [E, {held[0]}, {held[1]}]")
+                raise ShapeMismatch(f"tensor {self._source(name)!r} has shape {list(shape)}: expected [E, {held[0]}, "
+                                    f"{held[1]}]")
             return True
         if shape[1:] not in (transposed, held):
-            raise ShapeMismatch(f"tensor {name!r} has shape {list(shape)}: expected [E, {transposed[0]}, "
+            raise ShapeMismatch(f"tensor {self._source(name)!r} has shape {list(shape)}: expected [E, {transposed[0]}, "
                                 f"{transposed[1]}] (or as the model holds it, [E, {held[0]}, {held[1]}])")
         if transposed == held:
-            raise ShapeMismatch(f"tensor {name!r} has shape {list(shape)}, which fits both orientations (hidden "
-                                f"size {D}, expert width {I}): which way round it is cannot be told")
+            raise ShapeMismatch(f"tensor {self._source(name)!r} has shape {list(shape)}, which fits both orientations "
+                                f"(hidden size {D}, expert width {I}): which way round it is cannot be told")
         return shape[1:] == held
 
     def names(self) -> list[str]:

@@ -144,6 +144,10 @@ class _EngineNames:
     def names(self) -> list[str]:
         return list(self._source)
 
+    def source_name(self, name: str) -> str:
+        """The checkpoint's name of the tensor shown as `name` (for errors)."""
+        return self._source[name][0] if name in self._source else name
+
     def shape(self, name: str) -> tuple[int, ...]:
         source, half = self._source[name]
         shape = tuple(self._ckpt.shape(source))
