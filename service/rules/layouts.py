@@ -12,6 +12,7 @@ Conventions follow the architectures' reference implementations:
 - ERNIE-4.5: layer i is MoE iff (i + 1) % moe_layer_interval == 0 and moe_layer_start_index <= i <=
   moe_layer_end_index (-1: the last layer), with moe_num_experts routed experts, moe_k of them a token and
   moe_num_shared_experts shared ones.
+- LFM2-MoE: layer i is MoE iff i >= num_dense_layers (2), with num_experts routed experts; no shared one.
 - AFMoE: layer i is MoE iff i >= num_dense_layers (1), with num_experts routed experts and
   num_shared_experts (2) shared ones.
 - EXAONE-MoE: layer i is MoE iff mlp_layer_types[i] is "sparse" (by default every layer from
@@ -107,6 +108,16 @@ def granitemoe_shared_layout(cfg: ConfigView) -> MoeLayout:
     shared_intermediate_size is 0, transformers' default)."""
     lay = every_layer_moe_layout(cfg, "num_local_experts")
     return replace(lay, n_shared=1 if cfg.int("shared_intermediate_size", 0, minimum=0) else 0)
+
+
+def lfm2_moe_layout(cfg: ConfigView) -> MoeLayout:
+    """transformers' Lfm2MoeConfig defaults where a config leaves a field out."""
+    n_layers = cfg.int("num_hidden_layers", 32, minimum=1, maximum=MAX_LAYERS)
+    n_routed = cfg.int("num_experts", 32, minimum=1)
+    top_k = cfg.int("num_experts_per_tok", 4, minimum=1)
+    _check_top_k(cfg, top_k, n_routed)
+    first_moe = cfg.int("num_dense_layers", 2, minimum=0)
+    return MoeLayout(tuple(range(n_layers)), tuple(range(first_moe, n_layers)), n_routed, 0, top_k)
 
 
 def afmoe_layout(cfg: ConfigView) -> MoeLayout:

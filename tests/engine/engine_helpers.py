@@ -118,12 +118,13 @@ def _save_random_model(path: Path, family: str, seed: int, config: dict) -> Path
 
 
 def _randomize_with_routing_bias(model: torch.nn.Module, seed: int) -> None:
-    """randomize(), and a random e_score_correction_bias where the router keeps it as a buffer (skipped there)."""
+    """randomize(), and a random routing bias where the router keeps it as a buffer (skipped there):
+    e_score_correction_bias, LFM2-MoE's expert_bias."""
     randomize(model, seed)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
+            if name.endswith(("e_score_correction_bias", "expert_bias")):   # DeepSeek's and others'; LFM2-MoE's
                 b.copy_(0.3 * torch.randn(b.shape, generator=g))
 
 
@@ -220,6 +221,20 @@ FLEX_OLMO_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=16, num_
 def make_flex_olmo_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     """Save a random FlexOlmo of FLEX_OLMO_TINY updated with `config` (transformers' FlexOlmoConfig kwargs)."""
     return _save_random_model(path, "FlexOlmo", seed, dict(FLEX_OLMO_TINY, **config))
+
+
+# LFM2-MoE (LFM2-8B-A1B's layout, tiny): conv and attention layers alternating, layer 0 dense, then 8 experts of 16
+# (top-2, sigmoid with a routing bias, scaled by 1.5).
+LFM2_MOE_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                     num_experts_per_tok=2, num_dense_layers=1, conv_L_cache=3, routed_scaling_factor=1.5,
+                     max_position_embeddings=256, layer_types=["conv", "full_attention", "conv", "full_attention"])
+
+
+def make_lfm2_moe_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random LFM2-MoE of LFM2_MOE_TINY updated with `config` (transformers' Lfm2MoeConfig kwargs), its
+    routing bias random."""
+    return _save_random_model(path, "Lfm2Moe", seed, dict(LFM2_MOE_TINY, **config))
 
 
 # Granite MoE: 8 experts of 16 (top-2) on every layer, with granite-3.0-1b-a400m's multipliers.

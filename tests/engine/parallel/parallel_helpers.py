@@ -41,6 +41,7 @@ PHIMOE = "PhimoeForCausalLM"
 EXAONE_MOE = "ExaoneMoeForCausalLM"
 AFMOE = "AfmoeForCausalLM"
 FLEX_OLMO = "FlexOlmoForCausalLM"
+LFM2_MOE = "Lfm2MoeForCausalLM"
 
 # engine_helpers' tiny DeepSeek-V3 (256 routed experts: the fusion gate passes) with the default rope.
 DEEPSEEK_TINY = dict(engine_helpers.DEEPSEEK_TINY, rope_theta=10000.0)
@@ -83,6 +84,8 @@ def make_model(path: Path, arch: str, seed: int = 0) -> str:
     elif arch == GRANITEMOE_SHARED:
         engine_helpers.make_granitemoe_checkpoint(path, seed=seed, family="GraniteMoeShared",
                                                   shared_intermediate_size=24)
+    elif arch == LFM2_MOE:
+        engine_helpers.make_lfm2_moe_checkpoint(path, seed=seed)
     elif arch == FLEX_OLMO:
         engine_helpers.make_flex_olmo_checkpoint(path, seed=seed, head_dim=6)
     elif arch == AFMOE:

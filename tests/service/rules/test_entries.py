@@ -36,6 +36,7 @@ BUILT = {
     "ExaoneMoeForCausalLM": "exaone_moe",
     "AfmoeForCausalLM": "afmoe",
     "FlexOlmoForCausalLM": "flex_olmo",
+    "Lfm2MoeForCausalLM": "lfm2_moe",
     "PhiMoEForCausalLM": "phimoe",
     "PhimoeForCausalLM": "phimoe",
 }

@@ -649,6 +649,14 @@ def test_exaone_moe_is_its_own_family_and_never_fused():
     assert_off(fusion(dict(cfg, num_shared_experts=0)), "exaone_moe.no_shared_experts")
 
 
+def test_lfm2_moe_has_no_shared_experts_and_dense_first_layers():
+    cfg = {"architectures": ["Lfm2MoeForCausalLM"], "num_hidden_layers": 24, "num_experts": 32,
+           "num_experts_per_tok": 4, "num_dense_layers": 2}
+    res = resolve(cfg, ep_size=8, ep_rank=3)
+    assert res.family == "lfm2_moe" and res.decisions[Keys.NUM_LOCAL_EXPERTS].value == 4
+    assert_off(fusion(cfg), "lfm2_moe.no_shared_experts")
+
+
 def test_flex_olmo_has_no_shared_experts():
     cfg = {"architectures": ["FlexOlmoForCausalLM"], "num_hidden_layers": 32, "num_experts": 7,
            "num_experts_per_tok": 7}

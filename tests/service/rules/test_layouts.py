@@ -9,7 +9,7 @@ from loadplan.service.rules import entries
 from loadplan.service.rules.config_view import ConfigView
 from loadplan.service.rules.layouts import (afmoe_layout, deepseek_layout, deepseek_nextn_layout,
                                             ernie4_5_moe_layout, every_layer_moe_layout, exaone_moe_layout,
-                                            hunyuan_v1_moe_layout, qwen_moe_layout)
+                                            hunyuan_v1_moe_layout, lfm2_moe_layout, qwen_moe_layout)
 
 from ._fixtures import deepseek, mixtral, qwen2, qwen3
 
@@ -97,6 +97,11 @@ def test_exaone_moe_layers(fields, moe):
 def test_afmoe_layers(fields, moe, shared):
     lay = afmoe_layout(ConfigView({"num_hidden_layers": 4, **fields}))
     assert list(lay.moe_layers) == moe and (lay.n_routed, lay.n_shared, lay.top_k) == (64, shared, 6)
+
+
+def test_lfm2_moe_layers_follow_num_dense_layers():
+    lay = lfm2_moe_layout(ConfigView({"num_hidden_layers": 6}))
+    assert list(lay.moe_layers) == [2, 3, 4, 5] and (lay.n_routed, lay.n_shared, lay.top_k) == (32, 0, 4)
 
 
 def test_exaone_moe_refuses_a_bad_mlp_layer_types_by_field():
