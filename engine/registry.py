@@ -39,6 +39,7 @@ ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "AfmoeForCausalLM": ("loadplan.engine.models.afmoe", "AfmoeForCausalLM"),
     "FlexOlmoForCausalLM": ("loadplan.engine.models.flex_olmo", "FlexOlmoForCausalLM"),
     "Lfm2MoeForCausalLM": ("loadplan.engine.models.lfm2_moe", "Lfm2MoeForCausalLM"),
+    "DbrxForCausalLM": ("loadplan.engine.models.dbrx", "DbrxForCausalLM"),
     "PhiMoEForCausalLM": ("loadplan.engine.models.phimoe", "PhiMoEForCausalLM"),
     "PhimoeForCausalLM": ("loadplan.engine.models.phimoe", "PhimoeForCausalLM"),
     "Glm4MoeForCausalLMNextN": ("loadplan.engine.models.glm4_moe_nextn", "Glm4MoeForCausalLMNextN"),

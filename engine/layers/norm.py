@@ -53,9 +53,17 @@ class WeightFirstRMSNorm(RMSNorm):
 class LayerNorm(nn.LayerNorm):
     """LayerNorm with a weight and a bias (Phi-3.5-MoE's norms), built like RMSNorm: (dim, eps, dtype)."""
 
+    BIAS = True
+
     def __init__(self, dim: int, eps: float = 1e-5, dtype: torch.dtype | None = None):
-        super().__init__(dim, eps=eps, elementwise_affine=True, bias=True, dtype=dtype)
+        super().__init__(dim, eps=eps, elementwise_affine=True, bias=self.BIAS, dtype=dtype)
         self.requires_grad_(False)
+
+
+class BiaslessLayerNorm(LayerNorm):
+    """LayerNorm with a weight only (DBRX's norms)."""
+
+    BIAS = False
 
 
 class OffsetRMSNorm(RMSNorm):

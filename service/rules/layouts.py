@@ -12,6 +12,8 @@ Conventions follow the architectures' reference implementations:
 - ERNIE-4.5: layer i is MoE iff (i + 1) % moe_layer_interval == 0 and moe_layer_start_index <= i <=
   moe_layer_end_index (-1: the last layer), with moe_num_experts routed experts, moe_k of them a token and
   moe_num_shared_experts shared ones.
+- DBRX: every one of n_layers is MoE, with ffn_config.moe_num_experts routed experts, moe_top_k a token; no shared
+  expert.
 - LFM2-MoE: layer i is MoE iff i >= num_dense_layers (2), with num_experts routed experts; no shared one.
 - AFMoE: layer i is MoE iff i >= num_dense_layers (1), with num_experts routed experts and
   num_shared_experts (2) shared ones.
@@ -108,6 +110,17 @@ def granitemoe_shared_layout(cfg: ConfigView) -> MoeLayout:
     shared_intermediate_size is 0, transformers' default)."""
     lay = every_layer_moe_layout(cfg, "num_local_experts")
     return replace(lay, n_shared=1 if cfg.int("shared_intermediate_size", 0, minimum=0) else 0)
+
+
+def dbrx_layout(cfg: ConfigView) -> MoeLayout:
+    """transformers' DbrxConfig defaults where a config leaves a field out (ffn_config is an object of its own)."""
+    n_layers = cfg.int("n_layers", 24, minimum=1, maximum=MAX_LAYERS)
+    ffn = cfg.sub("ffn_config") if cfg.has("ffn_config") else ConfigView({}, cfg.field("ffn_config"))
+    n_routed = ffn.int("moe_num_experts", 4, minimum=1)
+    top_k = ffn.int("moe_top_k", 1, minimum=1)
+    _check_top_k(ffn, top_k, n_routed, "moe_top_k")
+    layers = tuple(range(n_layers))
+    return MoeLayout(layers, layers, n_routed, 0, top_k)
 
 
 def lfm2_moe_layout(cfg: ConfigView) -> MoeLayout:

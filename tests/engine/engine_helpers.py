@@ -237,6 +237,19 @@ def make_lfm2_moe_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     return _save_random_model(path, "Lfm2Moe", seed, dict(LFM2_MOE_TINY, **config))
 
 
+# DBRX (its layout, tiny): 8 experts of 16 (top-2, weights divided by their 1-norm) on every layer, GQA with a fused
+# q/k/v clamped to +-0.5 (which random weights reach: the clamp bites).
+DBRX_TINY = dict(d_model=32, n_heads=4, n_layers=3, max_seq_len=256, vocab_size=128,
+                 attn_config={"kv_n_heads": 2, "clip_qkv": 0.5, "rope_theta": 10000.0},
+                 ffn_config={"ffn_hidden_size": 16, "moe_num_experts": 8, "moe_top_k": 2,
+                             "moe_normalize_expert_weights": 1.0})
+
+
+def make_dbrx_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random DBRX of DBRX_TINY updated with `config` (transformers' DbrxConfig kwargs)."""
+    return _save_random_model(path, "Dbrx", seed, dict(DBRX_TINY, **config))
+
+
 # Granite MoE: 8 experts of 16 (top-2) on every layer, with granite-3.0-1b-a400m's multipliers.
 GRANITEMOE_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
                        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256,

@@ -243,6 +243,7 @@ _BAD_CONFIGS = [
      "target"),
     ("AfmoeForCausalLM", "AfmoeConfig", dict(num_experts=8, moe_intermediate_size=16, num_experts_per_tok=2,
                                              head_dim=12), {"n_group": 2}, "target"),
+    ("DbrxForCausalLM", None, {}, {"n_heads": 5}, "target"),
     ("Lfm2MoeForCausalLM", "Lfm2MoeConfig", dict(num_experts=8, moe_intermediate_size=16, num_experts_per_tok=2,
                                                  layer_types=["conv", "full_attention"]), {"conv_L_cache": 0},
      "target"),

@@ -42,6 +42,7 @@ EXAONE_MOE = "ExaoneMoeForCausalLM"
 AFMOE = "AfmoeForCausalLM"
 FLEX_OLMO = "FlexOlmoForCausalLM"
 LFM2_MOE = "Lfm2MoeForCausalLM"
+DBRX = "DbrxForCausalLM"
 
 # engine_helpers' tiny DeepSeek-V3 (256 routed experts: the fusion gate passes) with the default rope.
 DEEPSEEK_TINY = dict(engine_helpers.DEEPSEEK_TINY, rope_theta=10000.0)
@@ -84,6 +85,8 @@ def make_model(path: Path, arch: str, seed: int = 0) -> str:
     elif arch == GRANITEMOE_SHARED:
         engine_helpers.make_granitemoe_checkpoint(path, seed=seed, family="GraniteMoeShared",
                                                   shared_intermediate_size=24)
+    elif arch == DBRX:
+        engine_helpers.make_dbrx_checkpoint(path, seed=seed)
     elif arch == LFM2_MOE:
         engine_helpers.make_lfm2_moe_checkpoint(path, seed=seed)
     elif arch == FLEX_OLMO:

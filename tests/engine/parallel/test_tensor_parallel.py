@@ -18,9 +18,9 @@ from loadplan.plan import Keys
 from loadplan.service.rules.backends import BACKENDS
 
 from engine_helpers import LocalRegistry, make_checkpoint
-from parallel_helpers import (AFMOE, DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, ERNIE4_5_MOE, EXAONE_MOE, FLEX_OLMO, GLM4,
-                              GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE, HUNYUAN, LLAMA4, MINIMAX_M2, MIXTRAL, OLMOE,
-                              PHIMOE, QWEN2, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, make_model, single_process)
+from parallel_helpers import (AFMOE, DBRX, DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, ERNIE4_5_MOE, EXAONE_MOE, FLEX_OLMO,
+                              GLM4, GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE, HUNYUAN, LLAMA4, MINIMAX_M2, MIXTRAL,
+                              OLMOE, PHIMOE, QWEN2, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, make_model, single_process)
 
 N_NEW = 4
 TOL = 1e-4
@@ -35,7 +35,8 @@ CASES = [("qwen3", QWEN3, None), ("qwen2", QWEN2, "enforce"), ("qwen2", QWEN2, "
          ("deepseek_v32", DEEPSEEK_V32, None), ("glm_moe_dsa", GLM_MOE_DSA, "enforce"),
          ("ernie4_5_moe", ERNIE4_5_MOE, None), ("glm4v_moe", GLM4V_MOE, "enforce"), ("granitemoe", GRANITEMOE, None),
          ("hunyuan", HUNYUAN, None), ("phimoe", PHIMOE, None), ("exaone_moe", EXAONE_MOE, None),
-         ("afmoe", AFMOE, None), ("flex_olmo", FLEX_OLMO, None)]
+         ("afmoe", AFMOE, None), ("flex_olmo", FLEX_OLMO, None),
+         ("dbrx", DBRX, None)]
 
 
 def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
@@ -113,6 +114,7 @@ def paths(tmp_path_factory):
         "exaone_moe": make_model(tmp_path_factory.mktemp("exaone_moe"), EXAONE_MOE),
         "afmoe": make_model(tmp_path_factory.mktemp("afmoe"), AFMOE),
         "flex_olmo": make_model(tmp_path_factory.mktemp("flex_olmo"), FLEX_OLMO),
+        "dbrx": make_model(tmp_path_factory.mktemp("dbrx"), DBRX),
     }
 
 
@@ -193,6 +195,8 @@ def test_two_tp_ranks_give_the_single_process_logits_and_tokens(paths, ids, refe
     assert by_name["afmoe"]["dense_inter"] == {24, 32} and not by_name["afmoe"]["fused"]
     # FlexOlmo: its projection norms split with the heads (2 of 4 heads of 6: 12 of q's 24 features, 6 of k's 12)
     assert by_name["flex_olmo"]["heads"] == {(2, 1, 12)} and by_name["flex_olmo"]["proj_norms"] == {(12, 6)}
+    # DBRX: its fused q/k/v shown as three projections, each split by head (2 of 4, 1 of 2); experts' 16 features
+    assert by_name["dbrx"]["heads"] == {(2, 1, 16)} and by_name["dbrx"]["expert_inter"] == {8}
     # MLA: half the heads and their kv_b_proj rows; the latent projection stays whole.
     (heads, kv_b_rows, kv_a_rows), = by_name["deepseek"]["mla_heads"]
     assert (heads, kv_b_rows, kv_a_rows) == (1, 1 * (8 + 12), 16 + 8)     # of 2 heads; nope 8 + v 12; lora 16 + rope 8
@@ -303,7 +307,7 @@ def test_a_family_whose_layers_do_not_split_is_refused_before_any_plan(paths, mo
     monkeypatch.setattr(Qwen3MoeForCausalLM, "TENSOR_PARALLEL", False)   # as a family added without TP would be
     registry, load = _load(paths["qwen3"], tp_size=2, tp_rank=1)
     refusal = (r"tensor parallelism \(tp_size=2\) is not implemented by the engine for Qwen3MoeForCausalLM; "
-               r"it is for: AfmoeForCausalLM, DeepseekV2ForCausalLM, ")
+               r"it is for: AfmoeForCausalLM, DbrxForCausalLM, DeepseekV2ForCausalLM, ")
     with pytest.raises(NotImplementedError, match=refusal) as err:
         load()
     assert "Qwen3MoeForCausalLM" not in str(err.value).split("it is for:")[1]

@@ -37,6 +37,7 @@ BUILT = {
     "AfmoeForCausalLM": "afmoe",
     "FlexOlmoForCausalLM": "flex_olmo",
     "Lfm2MoeForCausalLM": "lfm2_moe",
+    "DbrxForCausalLM": "dbrx",
     "PhiMoEForCausalLM": "phimoe",
     "PhimoeForCausalLM": "phimoe",
 }

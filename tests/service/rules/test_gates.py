@@ -649,6 +649,15 @@ def test_exaone_moe_is_its_own_family_and_never_fused():
     assert_off(fusion(dict(cfg, num_shared_experts=0)), "exaone_moe.no_shared_experts")
 
 
+def test_dbrx_reads_its_experts_from_ffn_config_and_has_no_shared_ones():
+    """DBRX (dbrx-instruct's shape): 16 experts, 4 a token, on each of 40 layers, under ffn_config."""
+    cfg = {"architectures": ["DbrxForCausalLM"], "n_layers": 40,
+           "ffn_config": {"moe_num_experts": 16, "moe_top_k": 4, "ffn_hidden_size": 10752}}
+    res = resolve(cfg, ep_size=8, ep_rank=6)
+    assert res.family == "dbrx" and res.decisions[Keys.NUM_LOCAL_EXPERTS].value == 2
+    assert_off(fusion(cfg), "dbrx.no_shared_experts")
+
+
 def test_lfm2_moe_has_no_shared_experts_and_dense_first_layers():
     cfg = {"architectures": ["Lfm2MoeForCausalLM"], "num_hidden_layers": 24, "num_experts": 32,
            "num_experts_per_tok": 4, "num_dense_layers": 2}

@@ -7,7 +7,7 @@ import pytest
 from loadplan.service.errors import InvalidArgument
 from loadplan.service.rules import entries
 from loadplan.service.rules.config_view import ConfigView
-from loadplan.service.rules.layouts import (afmoe_layout, deepseek_layout, deepseek_nextn_layout,
+from loadplan.service.rules.layouts import (afmoe_layout, dbrx_layout, deepseek_layout, deepseek_nextn_layout,
                                             ernie4_5_moe_layout, every_layer_moe_layout, exaone_moe_layout,
                                             hunyuan_v1_moe_layout, lfm2_moe_layout, qwen_moe_layout)
 
@@ -97,6 +97,15 @@ def test_exaone_moe_layers(fields, moe):
 def test_afmoe_layers(fields, moe, shared):
     lay = afmoe_layout(ConfigView({"num_hidden_layers": 4, **fields}))
     assert list(lay.moe_layers) == moe and (lay.n_routed, lay.n_shared, lay.top_k) == (64, shared, 6)
+
+
+def test_dbrx_layout_reads_ffn_config_and_names_its_fields():
+    lay = dbrx_layout(ConfigView({"n_layers": 3, "ffn_config": {"moe_num_experts": 16, "moe_top_k": 4}}))
+    assert lay.moe_layers == (0, 1, 2) and (lay.n_routed, lay.n_shared, lay.top_k) == (16, 0, 4)
+    assert dbrx_layout(ConfigView({})).moe_layers == tuple(range(24))              # transformers' defaults
+    with pytest.raises(InvalidArgument) as e:
+        dbrx_layout(ConfigView({"ffn_config": {"moe_num_experts": 4, "moe_top_k": 5}}))
+    assert e.value.field == "config.ffn_config.moe_top_k"
 
 
 def test_lfm2_moe_layers_follow_num_dense_layers():

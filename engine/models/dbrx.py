@@ -1,0 +1,207 @@
+"""DBRX (`DbrxForCausalLM`: Databricks' DBRX), following transformers' modeling_dbrx numerically.
+
+Shapes: B batch, T tokens, D hidden, E experts, F expert width, K top-k, V vocab, H/H_kv heads.
+
+Mixtral's layer (qwen_moe.py's: every layer sparse, no shared expert, so no fusion) with:
+- LayerNorms without bias for every norm, the final one too;
+- one fused q/k/v projection (`Wqkv` [D + 2 H_kv hd, D]) whose output is clamped to +-clip_qkv;
+- the router: softmax of the logits, top-k, the top-k weights divided by their p-norm
+  (`moe_normalize_expert_weights` = p; none: not divided).
+Its checkpoints hold the whole model under `transformer.` with their own names, the projection fused and each
+layer's experts flattened (`ffn.experts.mlp.w1` / `v1` / `w2`, each [E x F, D]; w2 is the down projection transposed):
+`DbrxView` shows them to the weight remapping as the engine spells them, q, k and v as three matrices and every
+expert's projections apart, so tensor and expert parallelism split them as any other family's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..layers.mlp import activation
+from ..layers.norm import BiaslessLayerNorm
+from ..layers.rope import RopeConfig
+from ..weights import ShapeMismatch
+from .causal_lm import CausalLM
+from .config import ConfigError, get_field as _get
+from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, QwenSparseMoeBlock
+
+ARCHITECTURE = "DbrxForCausalLM"
+
+
+@dataclass(frozen=True)
+class DbrxConfig(QwenMoeConfig):
+    normalize_p: float | None = 1.0          # moe_normalize_expert_weights: the p of the top-k weights' norm
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "DbrxConfig":
+        """transformers' DbrxConfig defaults where a checkpoint may leave a field out (attn_config and ffn_config
+        are objects of their own: `config.attn_config.kv_n_heads` and so on)."""
+        attn, ffn = _sub(d, "attn_config"), _sub(d, "ffn_config")
+        hidden, heads, n_layers = (_get(d, name, default, int) for name, default in
+                                   (("d_model", 2048), ("n_heads", 16), ("n_layers", 24)))
+        kv = _sub_int(attn, "attn_config", "kv_n_heads", 1)
+        if hidden % heads or heads % kv:
+            raise ConfigError(f"config.n_heads: {heads} heads must divide d_model={hidden} and be a multiple of "
+                              f"attn_config.kv_n_heads={kv}")
+        clip = attn.get("clip_qkv")
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip <= 0):
+            raise ConfigError(f"config.attn_config.clip_qkv: must be > 0 or null, got {clip!r}")
+        n_experts = _sub_int(ffn, "ffn_config", "moe_num_experts", 4)
+        k = _sub_int(ffn, "ffn_config", "moe_top_k", 1)
+        if not 0 < k <= n_experts:
+            raise ConfigError(f"config.ffn_config.moe_top_k: {k} must be in [1, moe_num_experts={n_experts}]")
+        width = _sub_int(ffn, "ffn_config", "ffn_hidden_size", 3584)
+        act = (ffn.get("ffn_act_fn") or {}).get("name", "silu")
+        try:
+            activation(act)
+        except ValueError as e:
+            raise ConfigError(f"config.ffn_config.ffn_act_fn: {e}") from None
+        p = ffn.get("moe_normalize_expert_weights", 1.0)
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or p <= 0):
+            raise ConfigError(f"config.ffn_config.moe_normalize_expert_weights: must be > 0 or null, got {p!r}")
+        params = d.get("rope_parameters") or {}
+        if params.get("rope_type", "default") != "default" or d.get("rope_scaling"):
+            raise ConfigError("config.rope_parameters: only the default rope is supported (DBRX's)")
+        theta = params.get("rope_theta", attn.get("rope_theta", 10000.0))
+        return cls(
+            architecture=ARCHITECTURE, vocab_size=_get(d, "vocab_size", 32000, int), hidden_size=hidden,
+            intermediate_size=width, num_hidden_layers=n_layers, num_attention_heads=heads, num_key_value_heads=kv,
+            head_dim=hidden // heads, rms_norm_eps=1e-5, hidden_act=act,
+            max_position_embeddings=_get(d, "max_seq_len", 2048, int),
+            tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)), rope=RopeConfig(theta=float(theta)),
+            num_experts=n_experts, num_experts_per_tok=k, moe_intermediate_size=width, norm_topk_prob=False,
+            decoder_sparse_step=1, mlp_only_layers=(), qkv_bias=False, o_bias=False, qk_norm=False,
+            moe_layers=tuple(range(n_layers)), clip_qkv=None if clip is None else float(clip),
+            normalize_p=None if p is None else float(p))
+
+
+def _sub(d: dict, name: str) -> dict:
+    value = d.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"config.{name}: expected an object, got {value!r}"[:200])
+    return value
+
+
+def _sub_int(sub: dict, where: str, name: str, default: int) -> int:
+    value = sub.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"config.{where}.{name}: expected an integer >= 1, got {value!r}")
+    return value
+
+
+class DbrxMoeBlock(QwenSparseMoeBlock):
+    """Softmax router, top-k weights divided by their p-norm, and the routed experts."""
+
+    def __init__(self, cfg: DbrxConfig, plan, layer_id: int, dtype: torch.dtype):
+        super().__init__(cfg, plan, layer_id, dtype)
+        self.normalize_p = cfg.normalize_p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> [T, D]"""
+        logits = self.router_logits(x)                                     # [T, E]
+        weights, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=logits.dtype), self.top_k, dim=-1)   # [T, K]
+        if self.normalize_p is not None:
+            weights = weights / torch.norm(weights, p=self.normalize_p, dim=-1, keepdim=True)
+        return self.experts(x, ids, weights.to(x.dtype))                   # reduced if the plan says
+
+
+class DbrxDecoderLayer(QwenDecoderLayer):
+    NORM = BiaslessLayerNorm
+    MOE_BLOCK = DbrxMoeBlock
+
+
+class DbrxForCausalLM(QwenLayerCausalLM):
+    ARCHITECTURE = ARCHITECTURE
+
+    @classmethod
+    def parse_config(cls, hf_config: dict) -> DbrxConfig:
+        return DbrxConfig.from_hf(hf_config)
+
+    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
+        cfg = self.parse_config(hf_config)
+        CausalLM.__init__(self, cfg, plan, DbrxDecoderLayer, n_routed=cfg.num_experts, rope_head_dim=cfg.head_dim,
+                          dtype=dtype)
+
+    def checkpoint_view(self, ckpt):
+        return DbrxView(ckpt, self.config)
+
+
+class DbrxView:
+    """The checkpoint (`names`/`shape`/`get`) as the engine spells it: `transformer.` as `model.`, the fused q/k/v
+    as three matrices, each layer's flattened experts one expert at a time (down as [D, F])."""
+
+    RENAMES = (("transformer.wte.weight", "model.embed_tokens.weight"),
+               ("transformer.norm_f.weight", "model.norm.weight"))
+    IN_BLOCK = (("norm_attn_norm.norm_1.weight", "input_layernorm.weight"),
+                ("norm_attn_norm.norm_2.weight", "post_attention_layernorm.weight"),
+                ("norm_attn_norm.attn.out_proj.weight", "self_attn.o_proj.weight"),
+                ("ffn.router.layer.weight", "mlp.gate.weight"))
+
+    def __init__(self, ckpt, cfg: DbrxConfig):
+        self._ckpt = ckpt
+        E, F, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        # shown name -> (checkpoint name, its shape as shown, how to take it from the checkpoint's tensor)
+        self._shown: dict[str, tuple[str, tuple[int, ...], Callable[[torch.Tensor], torch.Tensor] | None]] = {}
+        renames = dict(self.RENAMES)
+        for name in ckpt.names():
+            if name in renames:
+                self._add(renames[name], name)
+                continue
+            head, sep, rest = name.partition(".blocks.")
+            layer, _, suffix = rest.partition(".")
+            if head != "transformer" or not sep or not layer.isdigit():
+                self._add(name, name)                       # as it is (lm_head; anything unknown is refused later)
+                continue
+            out = f"model.layers.{layer}."
+            shape = tuple(ckpt.shape(name))
+            renamed = dict(self.IN_BLOCK).get(suffix)
+            if renamed is not None:
+                self._add(out + renamed, name)
+            elif suffix == "norm_attn_norm.attn.Wqkv.weight":
+                self._expect(name, shape, (q + 2 * kv, D))
+                for part, lo, hi in (("q", 0, q), ("k", q, q + kv), ("v", q + kv, q + 2 * kv)):
+                    self._add(f"{out}self_attn.{part}_proj.weight", name, (hi - lo, D),
+                              lambda t, lo=lo, hi=hi: t[lo:hi])
+            elif suffix in ("ffn.experts.mlp.w1", "ffn.experts.mlp.v1", "ffn.experts.mlp.w2"):
+                self._expect(name, shape, (E * F, D))
+                proj = {"w1": "gate", "v1": "up", "w2": "down"}[suffix.rsplit(".", 1)[1]]
+                for e in range(E):
+                    take = (lambda t, e=e: t.view(E, F, D)[e].t()) if proj == "down" else \
+                        (lambda t, e=e: t.view(E, F, D)[e])
+                    self._add(f"{out}mlp.experts.{e}.{proj}_proj.weight", name, (D, F) if proj == "down" else (F, D),
+                              take)
+            else:
+                self._add(name, name)
+        self._last: tuple[str | None, torch.Tensor | None] = (None, None)
+
+    def _add(self, shown: str, source: str, shape: tuple[int, ...] | None = None, take=None) -> None:
+        self._shown[shown] = (source, shape if shape is not None else tuple(self._ckpt.shape(source)), take)
+
+    @staticmethod
+    def _expect(name: str, shape: tuple[int, ...], want: tuple[int, int]) -> None:
+        if shape != want:
+            raise ShapeMismatch(f"tensor {name!r} has shape {list(shape)}: expected {list(want)}")
+
+    def names(self) -> list[str]:
+        return list(self._shown)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shown[name][1]
+
+    def get(self, name: str) -> torch.Tensor:
+        source, _, take = self._shown[name]
+        if take is None:
+            return self._ckpt.get(source)
+        held, tensor = self._last
+        if held != source:                                  # each expert of a flattened matrix reads it once
+            tensor = self._ckpt.get(source)
+            self._last = (source, tensor)
+        return take(tensor).contiguous()
