@@ -89,15 +89,20 @@ def test_only_a_postgresql_on_this_machine_is_measured(bench):
     assert not bench._local_postgres("sqlite:///x.db")
 
 
+N_CALLS = 400
+
+
 @linux_only
 def test_measure_reports_cpu_per_call_for_both_methods(bench, sqlite_url):
     with EmbeddedRegistry(sqlite_url) as reg:        # in this process: server and client are one process
         meters = {m: bench.CpuMeter(os.getpid(), "in-server") for m in ("echo", "resolve")}
-        row = bench.measure(reg.address, inflight=4, n=40, rounds=1, meters=meters)
+        # Enough calls that each window spans several clock ticks (/proc counts in ticks of 10 ms): 40 echo calls
+        # took less than one on a fast machine, and read as no CPU at all.
+        row = bench.measure(reg.address, inflight=4, n=N_CALLS, rounds=1, meters=meters)
     for method in ("echo", "resolve"):
         assert row[f"{method}_server_cpu_ms"] > 0 and row[f"{method}_busy_cores"] > 0
         # one process measured twice: /proc in clock ticks, process_time() finer
-        tick_ms = 1e3 / os.sysconf("SC_CLK_TCK") / 40
+        tick_ms = 1e3 / os.sysconf("SC_CLK_TCK") / N_CALLS
         assert row[f"{method}_client_cpu_ms"] == pytest.approx(row[f"{method}_server_cpu_ms"], abs=2 * tick_ms)
     assert row["server_cpu_bound"] > 0 and row["cpu_bound"] > 0
 
