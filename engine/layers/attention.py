@@ -16,6 +16,8 @@ its q/k norms are `norm=OffsetRMSNorm` (layers/norm.py).
 ERNIE-4.5: `rope_interleave`, the rotary embedding turns (even, odd) feature pairs instead of the two
 halves (layers/rope.py: the output comes out de-interleaved, the same permutation for q and k, whose
 dot products it leaves unchanged).
+MiMo-V2-Flash: `v_head_dim`, values (and the attention's output per head) narrower than queries and keys, and
+`v_scale`, the values scaled as they are projected.
 AFMoE: `gate_proj`, the output gate from a projection of its own (H x head_dim features, split with the heads).
 EXAONE-MoE (and AFMoE): `use_rope=False` on its global layers (NoPE: q and k are not rotated; its windowed layers are).
 Hunyuan (A13B): `qk_norm_after_rope`, its per-head q and k norms run on the rotated q and k, not before.
@@ -50,7 +52,7 @@ class GQAttention(nn.Module):
                  sliding_window: int | None = None, qk_norm_span: str = "head", clip_qkv: float | None = None,
                  sinks: bool = False, output_gate: bool = False, norm: type[RMSNorm] = RMSNorm,
                  rope_interleave: bool = False, qk_norm_after_rope: bool = False, use_rope: bool = True,
-                 gate_proj: bool = False):
+                 gate_proj: bool = False, v_head_dim: int | None = None, v_scale: float = 1.0):
         super().__init__()
         if qk_norm_span not in ("head", "projection"):
             raise ValueError(f"qk_norm_span={qk_norm_span!r}: 'head' or 'projection'")
@@ -69,14 +71,18 @@ class GQAttention(nn.Module):
         full_q, full_k = n_heads * head_dim, n_kv_heads * head_dim
         n_heads, n_kv_heads = tp.split(n_heads, "num_attention_heads"), tp.split(n_kv_heads, "num_key_value_heads")
         self.n_heads, self.n_kv_heads, self.head_dim, self.rotary_dim = n_heads, n_kv_heads, head_dim, rotary_dim
+        self.v_head_dim = v_head_dim = v_head_dim or head_dim
+        if v_head_dim != head_dim and (output_gate or gate_proj):
+            raise ValueError("an output gate needs values as wide as the heads (v_head_dim == head_dim)")
+        self.v_scale = v_scale
         self.rope_interleave = rope_interleave
         self.scale = head_dim ** -0.5
         self.output_gate = output_gate
         q_width = n_heads * head_dim * (2 if output_gate else 1)   # a head's rows: its query, then its gate
         self.q_proj = nn.Linear(hidden_size, q_width, bias=qkv_bias, dtype=dtype)
         self.k_proj = nn.Linear(hidden_size, n_kv_heads * head_dim, bias=qkv_bias, dtype=dtype)
-        self.v_proj = nn.Linear(hidden_size, n_kv_heads * head_dim, bias=qkv_bias, dtype=dtype)
-        self.o_proj = nn.Linear(n_heads * head_dim, hidden_size, bias=o_bias, dtype=dtype)
+        self.v_proj = nn.Linear(hidden_size, n_kv_heads * v_head_dim, bias=qkv_bias, dtype=dtype)
+        self.o_proj = nn.Linear(n_heads * v_head_dim, hidden_size, bias=o_bias, dtype=dtype)
         if output_gate and gate_proj:
             raise ValueError("output_gate (in q_proj's rows) and gate_proj (a projection of its own): one or the other")
         self.gate_proj = nn.Linear(hidden_size, n_heads * head_dim, bias=False, dtype=dtype) if gate_proj else None
@@ -106,9 +112,10 @@ class GQAttention(nn.Module):
         W = self.sliding_window
         if W is not None and W + lookahead < max_seq_len:
             self.kv_cache = WindowKVCache(batch_size, self.n_kv_heads, W + lookahead, self.head_dim, dtype, device,
-                                          window=W)
+                                          window=W, v_head_dim=self.v_head_dim)
         else:
-            self.kv_cache = KVCache(batch_size, self.n_kv_heads, max_seq_len, self.head_dim, dtype, device)
+            self.kv_cache = KVCache(batch_size, self.n_kv_heads, max_seq_len, self.head_dim, dtype, device,
+                                    v_head_dim=self.v_head_dim)
         return self.kv_cache
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -128,7 +135,9 @@ class GQAttention(nn.Module):
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = q.view(B, T, self.n_heads, self.head_dim)                      # [B, T, H, hd]
         k = k.view(B, T, self.n_kv_heads, self.head_dim)                   # [B, T, H_kv, hd]
-        v = v.view(B, T, self.n_kv_heads, self.head_dim)
+        v = v.view(B, T, self.n_kv_heads, self.v_head_dim)
+        if self.v_scale != 1.0:
+            v = v * self.v_scale
         if self.q_norm is not None and not self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, hd]
@@ -157,7 +166,7 @@ class GQAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scale, enable_gqa=gqa)
-        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)   # [B, T, H * hd]
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.v_head_dim)   # [B, T, H * dv]
         if gate is not None:
             y = y * torch.sigmoid(gate)
         return self.tp.output_projection(self.o_proj, y)                    # [B, T, D]: every rank's heads

@@ -25,11 +25,12 @@ from torch import nn
 
 class KVCache(nn.Module):
     def __init__(self, batch_size: int, n_kv_heads: int, max_seq_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, v_head_dim: int | None = None):
         super().__init__()
         shape = (batch_size, n_kv_heads, max_seq_len, head_dim)
+        v_shape = shape[:3] + (v_head_dim or head_dim,)   # values may be narrower than keys (MiMo-V2-Flash)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(v_shape, dtype=dtype, device=device), persistent=False)
 
     @property
     def max_seq_len(self) -> int:
@@ -45,14 +46,15 @@ class KVCache(nn.Module):
 
 class WindowKVCache(nn.Module):
     def __init__(self, batch_size: int, n_kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str, *, window: int):
+                 device: torch.device | str, *, window: int, v_head_dim: int | None = None):
         super().__init__()
         if not 1 <= window <= capacity:
             raise ValueError(f"a window of {window} does not fit a ring of {capacity} slots")
         self.window = window
         shape = (batch_size, n_kv_heads, capacity, head_dim)
+        v_shape = shape[:3] + (v_head_dim or head_dim,)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(v_shape, dtype=dtype, device=device), persistent=False)
         # the position each slot holds; -1: none yet
         self.register_buffer("slot_pos", torch.full((capacity,), -1, dtype=torch.long, device=device),
                              persistent=False)

@@ -71,6 +71,8 @@ FAMILIES: dict[str, Family] = {
         Family("qwen3_moe", lambda c: layouts.qwen_moe_layout(c, shared=False), None, False),
         Family("mixtral", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
         Family("olmoe", lambda c: layouts.every_layer_moe_layout(c, "num_experts"), None, False),
+        # MiMo-V2-Flash: DeepSeek-V3's router without shared experts, under windowed and global attention layers
+        Family("mimo_v2_flash", layouts.mimo_v2_flash_layout, None, False),
         # DBRX: every layer MoE, no shared expert (its expert fields under ffn_config)
         Family("dbrx", layouts.dbrx_layout, None, False),
         # LFM2-MoE: short-conv and attention layers over a sigmoid-routed MoE, no shared expert
@@ -123,6 +125,7 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "FlexOlmoForCausalLM": Direct("flex_olmo"),
     "Lfm2MoeForCausalLM": Direct("lfm2_moe"),
     "DbrxForCausalLM": Direct("dbrx"),
+    "MiMoV2FlashForCausalLM": Direct("mimo_v2_flash"),
     "GptOssForCausalLM": Direct("gpt_oss"),
     "MiniMaxM2ForCausalLM": Direct("minimax_m2"),
     "GraniteMoeForCausalLM": Direct("granitemoe"),

@@ -12,6 +12,8 @@ Conventions follow the architectures' reference implementations:
 - ERNIE-4.5: layer i is MoE iff (i + 1) % moe_layer_interval == 0 and moe_layer_start_index <= i <=
   moe_layer_end_index (-1: the last layer), with moe_num_experts routed experts, moe_k of them a token and
   moe_num_shared_experts shared ones.
+- MiMo-V2-Flash: layer i is MoE iff mlp_layer_types[i] is "sparse" (by default all but the first), with
+  n_routed_experts routed experts; no shared one.
 - DBRX: every one of n_layers is MoE, with ffn_config.moe_num_experts routed experts, moe_top_k a token; no shared
   expert.
 - LFM2-MoE: layer i is MoE iff i >= num_dense_layers (2), with num_experts routed experts; no shared one.
@@ -152,14 +154,30 @@ def exaone_moe_layout(cfg: ConfigView) -> MoeLayout:
     top_k = cfg.int("num_experts_per_tok", 8, minimum=1)
     _check_top_k(cfg, top_k, n_routed)
     first_dense = cfg.int("first_k_dense_replace", 1, minimum=0)
+    return MoeLayout(tuple(range(n_layers)), _sparse_by_mlp_layer_types(cfg, n_layers, first_dense), n_routed,
+                     n_shared, top_k)
+
+
+def mimo_v2_flash_layout(cfg: ConfigView) -> MoeLayout:
+    """transformers' MiMoV2FlashConfig defaults where a config leaves a field out."""
+    n_layers = cfg.int("num_hidden_layers", 48, minimum=1, maximum=MAX_LAYERS)
+    field = "num_local_experts" if cfg.has("num_local_experts") and not cfg.has("n_routed_experts") \
+        else "n_routed_experts"
+    n_routed = cfg.int(field, 256, minimum=1)
+    top_k = cfg.int("num_experts_per_tok", 8, minimum=1)
+    _check_top_k(cfg, top_k, n_routed)
+    return MoeLayout(tuple(range(n_layers)), _sparse_by_mlp_layer_types(cfg, n_layers, 1), n_routed, 0, top_k)
+
+
+def _sparse_by_mlp_layer_types(cfg: ConfigView, n_layers: int, first_sparse: int) -> tuple[int, ...]:
+    """The layers mlp_layer_types says "sparse"; absent, every layer from `first_sparse`."""
     types = cfg.raw("mlp_layer_types")
     if types is None:
-        types = ["dense" if i < first_dense else "sparse" for i in range(n_layers)]
+        types = ["dense" if i < first_sparse else "sparse" for i in range(n_layers)]
     if not isinstance(types, list) or len(types) != n_layers or any(t not in ("dense", "sparse") for t in types):
         raise InvalidArgument(cfg.field("mlp_layer_types"),
                               f"expected {n_layers} entries of dense or sparse, got {str(types)[:200]}")
-    return MoeLayout(tuple(range(n_layers)), tuple(i for i, t in enumerate(types) if t == "sparse"), n_routed,
-                     n_shared, top_k)
+    return tuple(i for i, t in enumerate(types) if t == "sparse")
 
 
 def hunyuan_v1_moe_layout(cfg: ConfigView) -> MoeLayout:

@@ -250,6 +250,26 @@ def make_dbrx_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     return _save_random_model(path, "Dbrx", seed, dict(DBRX_TINY, **config))
 
 
+# MiMo-V2-Flash (its layout, tiny): a global layer then windowed ones (4 positions, twice the key/value heads, sinks);
+# 12-wide queries and keys, 8-wide values scaled; each kind its own rope (theta, rotated fraction); layer 0 dense,
+# then 8 routed experts of 16 in 2 groups (top-2 of the best group), no shared one.
+MIMO_V2_FLASH_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1, head_dim=12, v_head_dim=8,
+                          n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, sliding_window=4,
+                          layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+                          max_position_embeddings=256,
+                          rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0,
+                                                              "partial_rotary_factor": 0.5},
+                                           "sliding_attention": {"rope_type": "default", "rope_theta": 500.0,
+                                                                 "partial_rotary_factor": 0.334}})
+
+
+def make_mimo_v2_flash_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random MiMo-V2-Flash of MIMO_V2_FLASH_TINY updated with `config` (transformers' MiMoV2FlashConfig
+    kwargs), routing bias included."""
+    return _save_random_model(path, "MiMoV2Flash", seed, dict(MIMO_V2_FLASH_TINY, **config))
+
+
 # Granite MoE: 8 experts of 16 (top-2) on every layer, with granite-3.0-1b-a400m's multipliers.
 GRANITEMOE_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
                        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256,

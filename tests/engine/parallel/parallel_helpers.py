@@ -43,6 +43,7 @@ AFMOE = "AfmoeForCausalLM"
 FLEX_OLMO = "FlexOlmoForCausalLM"
 LFM2_MOE = "Lfm2MoeForCausalLM"
 DBRX = "DbrxForCausalLM"
+MIMO_V2_FLASH = "MiMoV2FlashForCausalLM"
 
 # engine_helpers' tiny DeepSeek-V3 (256 routed experts: the fusion gate passes) with the default rope.
 DEEPSEEK_TINY = dict(engine_helpers.DEEPSEEK_TINY, rope_theta=10000.0)
@@ -85,6 +86,8 @@ def make_model(path: Path, arch: str, seed: int = 0) -> str:
     elif arch == GRANITEMOE_SHARED:
         engine_helpers.make_granitemoe_checkpoint(path, seed=seed, family="GraniteMoeShared",
                                                   shared_intermediate_size=24)
+    elif arch == MIMO_V2_FLASH:
+        engine_helpers.make_mimo_v2_flash_checkpoint(path, seed=seed, num_key_value_heads=2)
     elif arch == DBRX:
         engine_helpers.make_dbrx_checkpoint(path, seed=seed)
     elif arch == LFM2_MOE:

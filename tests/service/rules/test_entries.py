@@ -38,6 +38,7 @@ BUILT = {
     "FlexOlmoForCausalLM": "flex_olmo",
     "Lfm2MoeForCausalLM": "lfm2_moe",
     "DbrxForCausalLM": "dbrx",
+    "MiMoV2FlashForCausalLM": "mimo_v2_flash",
     "PhiMoEForCausalLM": "phimoe",
     "PhimoeForCausalLM": "phimoe",
 }

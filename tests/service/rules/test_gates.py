@@ -649,6 +649,14 @@ def test_exaone_moe_is_its_own_family_and_never_fused():
     assert_off(fusion(dict(cfg, num_shared_experts=0)), "exaone_moe.no_shared_experts")
 
 
+def test_mimo_v2_flash_has_no_shared_experts_and_a_dense_first_layer():
+    cfg = {"architectures": ["MiMoV2FlashForCausalLM"], "num_hidden_layers": 48, "n_routed_experts": 256,
+           "num_experts_per_tok": 8}
+    res = resolve(cfg, ep_size=16, ep_rank=15)
+    assert res.family == "mimo_v2_flash" and res.decisions[Keys.NUM_LOCAL_EXPERTS].value == 16
+    assert_off(fusion(cfg), "mimo_v2_flash.no_shared_experts")
+
+
 def test_dbrx_reads_its_experts_from_ffn_config_and_has_no_shared_ones():
     """DBRX (dbrx-instruct's shape): 16 experts, 4 a token, on each of 40 layers, under ffn_config."""
     cfg = {"architectures": ["DbrxForCausalLM"], "n_layers": 40,

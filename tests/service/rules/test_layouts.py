@@ -9,7 +9,8 @@ from loadplan.service.rules import entries
 from loadplan.service.rules.config_view import ConfigView
 from loadplan.service.rules.layouts import (afmoe_layout, dbrx_layout, deepseek_layout, deepseek_nextn_layout,
                                             ernie4_5_moe_layout, every_layer_moe_layout, exaone_moe_layout,
-                                            hunyuan_v1_moe_layout, lfm2_moe_layout, qwen_moe_layout)
+                                            hunyuan_v1_moe_layout, lfm2_moe_layout, mimo_v2_flash_layout,
+                                            qwen_moe_layout)
 
 from ._fixtures import deepseek, mixtral, qwen2, qwen3
 
@@ -97,6 +98,13 @@ def test_exaone_moe_layers(fields, moe):
 def test_afmoe_layers(fields, moe, shared):
     lay = afmoe_layout(ConfigView({"num_hidden_layers": 4, **fields}))
     assert list(lay.moe_layers) == moe and (lay.n_routed, lay.n_shared, lay.top_k) == (64, shared, 6)
+
+
+def test_mimo_v2_flash_layers_by_mlp_layer_types():
+    assert mimo_v2_flash_layout(ConfigView({"num_hidden_layers": 4})).moe_layers == (1, 2, 3)   # dense first
+    lay = mimo_v2_flash_layout(ConfigView({"num_hidden_layers": 3, "num_local_experts": 16,
+                                           "mlp_layer_types": ["sparse", "dense", "sparse"]}))
+    assert lay.moe_layers == (0, 2) and (lay.n_routed, lay.n_shared, lay.top_k) == (16, 0, 8)
 
 
 def test_dbrx_layout_reads_ffn_config_and_names_its_fields():
