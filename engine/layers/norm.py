@@ -23,14 +23,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+        return self.weight * self._normalized(x).to(x.dtype)
+
+    def _normalized(self, x: torch.Tensor) -> torch.Tensor:
+        """x in float32 divided by its root mean square (over the ranks' whole vector with `reduce`)."""
         h = x.float()
         if self.reduce is None:
             variance = h.pow(2).mean(-1, keepdim=True)
         else:
             variance = self.reduce(h.pow(2).sum(-1, keepdim=True)) / self.full_dim
-        h = h * torch.rsqrt(variance + self.eps)
-        return self.weight * h.to(dtype)
+        return h * torch.rsqrt(variance + self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -41,13 +43,7 @@ class WeightFirstRMSNorm(RMSNorm):
     norms): alike in float32, one rounding fewer in bfloat16."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        if self.reduce is None:
-            variance = h.pow(2).mean(-1, keepdim=True)
-        else:
-            variance = self.reduce(h.pow(2).sum(-1, keepdim=True)) / self.full_dim
-        return (self.weight * (h * torch.rsqrt(variance + self.eps))).to(dtype)
+        return (self.weight * self._normalized(x)).to(x.dtype)
 
 
 class LayerNorm(nn.LayerNorm):

@@ -27,12 +27,11 @@ from ..layers.attention import GQAttention
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .causal_lm import DecoderLayer
-from .config import ConfigError, get_field as _get, per_layer
+from .config import ConfigError, get_field as _get, windowed_layer_types
 from .deepseek_v3 import moe_or_dense_mlp
 from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
 
 ARCHITECTURE = "AfmoeForCausalLM"
-LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # (checkpoint, engine) suffixes under model.layers.{i}.
 AFMOE_NAMES = CheckpointNames((
@@ -65,13 +64,7 @@ class AfmoeConfig(Glm4MoeConfig):
             max_position_embeddings=d.get("max_position_embeddings", 16384), use_qk_norm=True,
             moe_intermediate_size=d.get("moe_intermediate_size", 1408)))
         n = glm.num_hidden_layers
-        if d.get("layer_types") is not None:
-            types = per_layer(d, "layer_types", n, LAYER_TYPES, [])
-        else:
-            every = _get(d, "global_attn_every_n_layers", 4, int)
-            if every < 1:
-                raise ConfigError(f"config.global_attn_every_n_layers: must be >= 1, got {every}")
-            types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+        types = windowed_layer_types(d, n, "global_attn_every_n_layers", 4)
         window = _get(d, "sliding_window", 1024, int) if "sliding_window" not in d or d["sliding_window"] is not None \
             else None
         if window is None and "sliding_attention" in types:

@@ -40,3 +40,27 @@ def per_layer(d: dict, name: str, n_layers: int, choices: tuple[str, ...], defau
     if not isinstance(value, list) or len(value) != n_layers or any(v not in choices for v in value):
         raise ConfigError(f"config.{name}: expected {n_layers} entries of {', '.join(choices)}, got {value!r}"[:300])
     return value
+
+
+def read_rope(d: dict, **options):
+    """`layers.rope.rope_config_from_hf(d, **options)`, its refusal naming the field the config says it in."""
+    from ..layers.rope import rope_config_from_hf
+
+    try:
+        return rope_config_from_hf(d, **options)
+    except ValueError as e:
+        raise ConfigError(f"config.{'rope_scaling' if d.get('rope_scaling') else 'rope_parameters'}: {e}") from None
+
+
+WINDOW_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def windowed_layer_types(d: dict, n_layers: int, every_field: str, every_default: int) -> list[str]:
+    """`layer_types` (full_attention / sliding_attention per layer), else every `every_field`-th layer global and the
+    others windowed: layer i global iff (i + 1) % every == 0 (transformers' default for EXAONE-MoE and AFMoE)."""
+    if d.get("layer_types") is not None:
+        return per_layer(d, "layer_types", n_layers, WINDOW_LAYER_TYPES, [])
+    every = get_field(d, every_field, every_default, int)
+    if every < 1:
+        raise ConfigError(f"config.{every_field}: must be >= 1, got {every}")
+    return ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n_layers)]

@@ -24,9 +24,9 @@ from ..layers.mlp import activation
 from ..layers.norm import BiaslessLayerNorm
 from ..layers.rope import RopeConfig
 from ..weights import ShapeMismatch
-from .causal_lm import CausalLM
+from .causal_lm import DeclaredCausalLM
 from .config import ConfigError, get_field as _get
-from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, QwenSparseMoeBlock
+from .qwen_moe import QwenDecoderLayer, QwenMoeConfig, QwenSparseMoeBlock
 
 ARCHITECTURE = "DbrxForCausalLM"
 
@@ -117,17 +117,11 @@ class DbrxDecoderLayer(QwenDecoderLayer):
     MOE_BLOCK = DbrxMoeBlock
 
 
-class DbrxForCausalLM(QwenLayerCausalLM):
+class DbrxForCausalLM(DeclaredCausalLM):
     ARCHITECTURE = ARCHITECTURE
-
-    @classmethod
-    def parse_config(cls, hf_config: dict) -> DbrxConfig:
-        return DbrxConfig.from_hf(hf_config)
-
-    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        cfg = self.parse_config(hf_config)
-        CausalLM.__init__(self, cfg, plan, DbrxDecoderLayer, n_routed=cfg.num_experts, rope_head_dim=cfg.head_dim,
-                          dtype=dtype)
+    TENSOR_PARALLEL = True
+    CONFIG = DbrxConfig
+    DECODER_LAYER = DbrxDecoderLayer
 
     def checkpoint_view(self, ckpt):
         return DbrxView(ckpt, self.config)

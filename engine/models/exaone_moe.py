@@ -24,12 +24,11 @@ from ..layers.attention import GQAttention
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .causal_lm import DecoderLayer
-from .config import ConfigError, get_field as _get, per_layer
+from .config import ConfigError, get_field as _get, per_layer, windowed_layer_types
 from .deepseek_v3 import moe_or_dense_mlp
 from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
 
 ARCHITECTURE = "ExaoneMoeForCausalLM"
-LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # (checkpoint, engine) suffixes under model.layers.{i}.
 EXAONE_MOE_NAMES = CheckpointNames((("mlp.e_score_correction_bias", "mlp.gate.e_score_correction_bias"),))
@@ -65,13 +64,7 @@ class ExaoneMoeConfig(Glm4MoeConfig):
         window = _get(d, "sliding_window", 4096, int)
         if window < 1:
             raise ConfigError(f"config.sliding_window: must be >= 1, got {window}")
-        if d.get("layer_types") is not None:
-            types = per_layer(d, "layer_types", n, LAYER_TYPES, [])
-        else:
-            pattern = _get(d, "sliding_window_pattern", 4, int)
-            if pattern < 1:
-                raise ConfigError(f"config.sliding_window_pattern: must be >= 1, got {pattern}")
-            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+        types = windowed_layer_types(d, n, "sliding_window_pattern", 4)
         return cls(**{f.name: getattr(glm, f.name) for f in dataclasses.fields(Glm4MoeConfig)
                       if f.name != "moe_layers"},
                    moe_layers=tuple(i for i, t in enumerate(mlp_types) if t == "sparse"),

@@ -18,10 +18,10 @@ import torch
 from ..layers.attention import GQAttention
 from ..layers.norm import WeightFirstRMSNorm
 from ..parallel.tensor import TensorParallel
-from .causal_lm import CausalLM, DecoderLayer
+from .causal_lm import DeclaredCausalLM, DecoderLayer
 from .config import ConfigError, get_field as _get
 from .olmoe import OLMOE_NAMES
-from .qwen_moe import QwenLayerCausalLM, QwenMoeConfig, QwenSparseMoeBlock, every_layer_moe_fields
+from .qwen_moe import QwenMoeConfig, QwenSparseMoeBlock, every_layer_moe_fields
 
 ARCHITECTURE = "FlexOlmoForCausalLM"
 
@@ -70,15 +70,12 @@ class FlexOlmoDecoderLayer(DecoderLayer):
         return x + self.post_feedforward_layernorm(self.mlp(x.reshape(B * T, D))).view(B, T, D)
 
 
-class FlexOlmoForCausalLM(QwenLayerCausalLM):
+class FlexOlmoForCausalLM(DeclaredCausalLM):
     ARCHITECTURE = ARCHITECTURE
+    TENSOR_PARALLEL = True
     CHECKPOINT_NAMES = OLMOE_NAMES
+    DECODER_LAYER = FlexOlmoDecoderLayer
 
     @classmethod
     def parse_config(cls, hf_config: dict) -> QwenMoeConfig:
         return flex_olmo_config(hf_config)
-
-    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        cfg = self.parse_config(hf_config)
-        CausalLM.__init__(self, cfg, plan, FlexOlmoDecoderLayer, n_routed=cfg.num_experts, rope_head_dim=cfg.head_dim,
-                          dtype=dtype)

@@ -26,11 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers.rope import rope_config_from_hf
 from ..weights import CheckpointNames
-from .causal_lm import CausalLM
-from .config import ConfigError, get_field as _get
-from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, SharedMlpMoeBlock, every_layer_moe_fields
+from .causal_lm import DeclaredCausalLM
+from .config import ConfigError, get_field as _get, read_rope
+from .qwen_moe import QwenDecoderLayer, QwenMoeConfig, SharedMlpMoeBlock, every_layer_moe_fields
 
 ARCHITECTURE = "HunYuanMoEV1ForCausalLM"
 
@@ -99,11 +98,7 @@ class HunyuanMoeConfig(QwenMoeConfig):
                                         experts_field="num_experts", rms_norm_eps=1e-5, max_position_embeddings=2048,
                                         rope_theta=10000.0)
         hidden, heads = common["hidden_size"], common["num_attention_heads"]
-        try:
-            common["rope"] = rope_config_from_hf(d, default_theta=10000.0, ntk_alpha=True)
-        except ValueError as e:
-            field = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
-            raise ConfigError(f"config.{field}: {e}") from None
+        common["rope"] = read_rope(d, default_theta=10000.0, ntk_alpha=True)
         head_dim = _get(d, "head_dim", None, int) or _get(d, "attention_head_dim", hidden // heads, int)
         bias = bool(_get(d, "attention_bias", False, bool))
         return cls(
@@ -137,15 +132,9 @@ class HunyuanDecoderLayer(QwenDecoderLayer):
     MOE_BLOCK = HunyuanMoeBlock
 
 
-class HunYuanMoEV1ForCausalLM(QwenLayerCausalLM):
+class HunYuanMoEV1ForCausalLM(DeclaredCausalLM):
     ARCHITECTURE = ARCHITECTURE
+    TENSOR_PARALLEL = True
     CHECKPOINT_NAMES = HUNYUAN_NAMES
-
-    @classmethod
-    def parse_config(cls, hf_config: dict) -> HunyuanMoeConfig:
-        return HunyuanMoeConfig.from_hf(hf_config, cls.ARCHITECTURE)
-
-    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        cfg = self.parse_config(hf_config)
-        CausalLM.__init__(self, cfg, plan, HunyuanDecoderLayer, n_routed=cfg.num_experts, rope_head_dim=cfg.head_dim,
-                          dtype=dtype)
+    CONFIG = HunyuanMoeConfig
+    DECODER_LAYER = HunyuanDecoderLayer

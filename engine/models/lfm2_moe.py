@@ -23,12 +23,12 @@ from torch import nn
 
 from ..layers.attention import GQAttention
 from ..layers.mlp import GatedMLP
-from ..layers.rope import RopeConfig, rope_config_from_hf
+from ..layers.rope import RopeConfig
 from ..layers.short_conv import ShortConv
 from ..moe import RoutedExperts
 from ..weights import CheckpointNames
-from .causal_lm import CausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, per_layer, top_k
+from .causal_lm import DeclaredCausalLM, DecoderLayer
+from .config import ConfigError, get_field as _get, per_layer, read_rope, top_k
 
 ARCHITECTURE = "Lfm2MoeForCausalLM"
 LAYER_TYPES = ("conv", "full_attention")
@@ -91,10 +91,7 @@ class Lfm2MoeConfig:
             raise ConfigError(f"config.conv_L_cache: must be >= 1, got {kernel}")
         if d.get("layer_types") is None:
             raise ConfigError("config.layer_types: missing (transformers reads each layer's kind from it)")
-        try:
-            rope = rope_config_from_hf(d, default_theta=1e6)
-        except ValueError as e:
-            raise ConfigError(f"config.rope_scaling/rope_parameters: {e}") from None
+        rope = read_rope(d, default_theta=1e6)
         tie = d.get("tie_word_embeddings", d.get("tie_embedding", True))   # tie_embedding: its older name
         return cls(
             vocab_size=_get(d, "vocab_size", 65536, int),
@@ -162,15 +159,8 @@ class Lfm2MoeDecoderLayer(DecoderLayer):
         return self.conv if self.conv is not None else self.self_attn
 
 
-class Lfm2MoeForCausalLM(CausalLM):
+class Lfm2MoeForCausalLM(DeclaredCausalLM):
     ARCHITECTURE = ARCHITECTURE
     CHECKPOINT_NAMES = LFM2_MOE_NAMES
-
-    @classmethod
-    def parse_config(cls, hf_config: dict) -> Lfm2MoeConfig:
-        return Lfm2MoeConfig.from_hf(hf_config)
-
-    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        cfg = self.parse_config(hf_config)
-        super().__init__(cfg, plan, Lfm2MoeDecoderLayer, n_routed=cfg.num_experts, rope_head_dim=cfg.head_dim,
-                         dtype=dtype)
+    CONFIG = Lfm2MoeConfig
+    DECODER_LAYER = Lfm2MoeDecoderLayer

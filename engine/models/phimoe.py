@@ -24,11 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.norm import LayerNorm
-from ..layers.rope import rope_config_from_hf
-from .causal_lm import CausalLM
-from .config import ConfigError, get_field as _get
+from .causal_lm import DeclaredCausalLM
+from .config import ConfigError, get_field as _get, read_rope
 from .mixtral import MIXTRAL_NAMES
-from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, QwenSparseMoeBlock, every_layer_moe_fields
+from .qwen_moe import QwenDecoderLayer, QwenMoeConfig, QwenSparseMoeBlock, every_layer_moe_fields
 
 HUB_ARCHITECTURE = "PhiMoEForCausalLM"       # microsoft/Phi-3.5-MoE-instruct's config.json
 ARCHITECTURE = "PhimoeForCausalLM"           # transformers' class, what its save_pretrained writes
@@ -48,11 +47,7 @@ class PhimoeConfig(QwenMoeConfig):
         if common["num_experts_per_tok"] != 2:
             raise ConfigError(f"config.num_experts_per_tok: {common['num_experts_per_tok']} is not supported; "
                               f"Phi-3.5-MoE's sparsemixer routes every token to exactly 2 experts")
-        try:
-            common["rope"] = rope_config_from_hf(d, default_theta=1e6, longrope=True)
-        except ValueError as e:
-            field = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
-            raise ConfigError(f"config.{field}: {e}") from None
+        common["rope"] = read_rope(d, default_theta=1e6, longrope=True)
         jitter = float(_get(d, "router_jitter_noise", 0.01, (int, float)))
         if jitter < 0:
             raise ConfigError(f"config.router_jitter_noise: must be >= 0, got {jitter}")
@@ -117,18 +112,20 @@ class PhimoeDecoderLayer(QwenDecoderLayer):
     MOE_BLOCK = PhimoeMoeBlock
 
 
-class PhimoeForCausalLM(QwenLayerCausalLM):
+class PhimoeForCausalLM(DeclaredCausalLM):
     ARCHITECTURE = ARCHITECTURE
+    TENSOR_PARALLEL = True
     CHECKPOINT_NAMES = MIXTRAL_NAMES
+    CONFIG = PhimoeConfig
+    DECODER_LAYER = PhimoeDecoderLayer
 
     @classmethod
     def parse_config(cls, hf_config: dict) -> PhimoeConfig:
         return PhimoeConfig.from_hf(hf_config, cls.ARCHITECTURE)
 
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        cfg = self.parse_config(hf_config)
-        CausalLM.__init__(self, cfg, plan, PhimoeDecoderLayer, n_routed=cfg.num_experts, rope_head_dim=cfg.head_dim,
-                          dtype=dtype)
+        super().__init__(hf_config, plan, dtype=dtype)
+        cfg = self.config
         if cfg.lm_head_bias and self.lm_head is not None:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=True, dtype=dtype)
 

@@ -127,23 +127,26 @@ def dbrx_layout(cfg: ConfigView) -> MoeLayout:
 
 def lfm2_moe_layout(cfg: ConfigView) -> MoeLayout:
     """transformers' Lfm2MoeConfig defaults where a config leaves a field out."""
-    n_layers = cfg.int("num_hidden_layers", 32, minimum=1, maximum=MAX_LAYERS)
-    n_routed = cfg.int("num_experts", 32, minimum=1)
-    top_k = cfg.int("num_experts_per_tok", 4, minimum=1)
-    _check_top_k(cfg, top_k, n_routed)
-    first_moe = cfg.int("num_dense_layers", 2, minimum=0)
-    return MoeLayout(tuple(range(n_layers)), tuple(range(first_moe, n_layers)), n_routed, 0, top_k)
+    return _moe_after_dense_layers(cfg, layers=32, experts=32, top_k=4, dense=2, shared=None)
 
 
 def afmoe_layout(cfg: ConfigView) -> MoeLayout:
     """transformers' AfmoeConfig defaults where a config leaves a field out."""
-    n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
-    n_routed = cfg.int("num_experts", 64, minimum=1)
-    n_shared = cfg.int("num_shared_experts", 2, minimum=0)
-    top_k = cfg.int("num_experts_per_tok", 6, minimum=1)
-    _check_top_k(cfg, top_k, n_routed)
-    first_moe = cfg.int("num_dense_layers", 1, minimum=0)
-    return MoeLayout(tuple(range(n_layers)), tuple(range(first_moe, n_layers)), n_routed, n_shared, top_k)
+    return _moe_after_dense_layers(cfg, layers=None, experts=64, top_k=6, dense=1, shared=2)
+
+
+def _moe_after_dense_layers(cfg: ConfigView, *, layers: int | None, experts: int, top_k: int, dense: int,
+                            shared: int | None) -> MoeLayout:
+    """Every layer from num_dense_layers MoE, num_experts routed experts, num_experts_per_tok a token, and
+    num_shared_experts shared ones (`shared`: its default; None: the family has none). The keywords are the
+    family's defaults for fields a config leaves out (`layers` None: num_hidden_layers is required)."""
+    n_layers = cfg.int("num_hidden_layers", *(() if layers is None else (layers,)), minimum=1, maximum=MAX_LAYERS)
+    n_routed = cfg.int("num_experts", experts, minimum=1)
+    k = cfg.int("num_experts_per_tok", top_k, minimum=1)
+    _check_top_k(cfg, k, n_routed)
+    first_moe = cfg.int("num_dense_layers", dense, minimum=0)
+    n_shared = 0 if shared is None else cfg.int("num_shared_experts", shared, minimum=0)
+    return MoeLayout(tuple(range(n_layers)), tuple(range(first_moe, n_layers)), n_routed, n_shared, k)
 
 
 def exaone_moe_layout(cfg: ConfigView) -> MoeLayout:

@@ -12,7 +12,7 @@ import pytest
 from loadplan.engine.models.config import ConfigError
 from loadplan.plan import Keys
 
-from engine_helpers import (check_matches_transformers, check_refused_before_any_plan, make_afmoe_checkpoint, prompt,
+from engine_helpers import (check_matches_transformers, check_refused_before_any_plan, make_afmoe_checkpoint,
                             with_config)
 
 ARCH = "AfmoeForCausalLM"
@@ -21,11 +21,6 @@ ARCH = "AfmoeForCausalLM"
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return make_afmoe_checkpoint(tmp_path_factory.mktemp("afmoe"))
-
-
-@pytest.fixture(scope="module")
-def ids():
-    return prompt(T=11)
 
 
 def test_logits_and_greedy_tokens_match_transformers(ckpt, ids):

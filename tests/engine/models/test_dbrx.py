@@ -13,7 +13,7 @@ from loadplan.engine.weights import ShapeMismatch
 from loadplan.plan import Keys
 
 from engine_helpers import (DBRX_TINY, check_matches_transformers, check_refused_before_any_plan, load_local,
-                            make_dbrx_checkpoint, prompt, with_config, with_tensors)
+                            make_dbrx_checkpoint, with_config, with_tensors)
 
 ARCH = "DbrxForCausalLM"
 
@@ -21,11 +21,6 @@ ARCH = "DbrxForCausalLM"
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return make_dbrx_checkpoint(tmp_path_factory.mktemp("dbrx"))
-
-
-@pytest.fixture(scope="module")
-def ids():
-    return prompt(T=11)
 
 
 def test_logits_and_greedy_tokens_match_transformers(ckpt, ids):

@@ -13,7 +13,7 @@ from loadplan.engine.models.config import ConfigError
 from loadplan.plan import Keys
 
 from engine_helpers import (check_matches_transformers, check_refused_before_any_plan, make_exaone_moe_checkpoint,
-                            prompt, with_config)
+                            with_config)
 
 ARCH = "ExaoneMoeForCausalLM"
 
@@ -21,11 +21,6 @@ ARCH = "ExaoneMoeForCausalLM"
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return make_exaone_moe_checkpoint(tmp_path_factory.mktemp("exaone_moe"))
-
-
-@pytest.fixture(scope="module")
-def ids():
-    return prompt(T=11)
 
 
 def test_logits_and_greedy_tokens_match_transformers(ckpt, ids):

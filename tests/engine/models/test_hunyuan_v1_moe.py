@@ -14,7 +14,7 @@ from loadplan.engine.models.config import ConfigError
 from loadplan.plan import Keys
 
 from engine_helpers import (check_matches_transformers, check_refused_before_any_plan, load_local,
-                            make_hunyuan_checkpoint, prompt, with_config)
+                            make_hunyuan_checkpoint, with_config)
 
 ARCH = "HunYuanMoEV1ForCausalLM"
 L = 3   # HUNYUAN_TINY's layers
@@ -23,11 +23,6 @@ L = 3   # HUNYUAN_TINY's layers
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return make_hunyuan_checkpoint(tmp_path_factory.mktemp("hunyuan"))
-
-
-@pytest.fixture(scope="module")
-def ids():
-    return prompt(T=11)
 
 
 def test_logits_and_greedy_tokens_match_transformers(ckpt, ids):

@@ -27,11 +27,6 @@ def ckpt(tmp_path_factory):
     return make_lfm2_moe_checkpoint(tmp_path_factory.mktemp("lfm2_moe"))
 
 
-@pytest.fixture(scope="module")
-def ids():
-    return prompt(T=11)
-
-
 def generate_tokens(model, ids, n):
     from loadplan.engine.generate import generate
 

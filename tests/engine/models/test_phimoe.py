@@ -15,7 +15,7 @@ from loadplan.engine.models.config import ConfigError
 from loadplan.plan import Keys
 
 from engine_helpers import (PHIMOE_TINY, check_matches_transformers, check_refused_before_any_plan, load_local,
-                            make_phimoe_checkpoint, prompt, with_config)
+                            make_phimoe_checkpoint, with_config)
 
 ARCH = "PhimoeForCausalLM"
 
@@ -23,11 +23,6 @@ ARCH = "PhimoeForCausalLM"
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return make_phimoe_checkpoint(tmp_path_factory.mktemp("phimoe"))
-
-
-@pytest.fixture(scope="module")
-def ids():
-    return prompt(T=11)
 
 
 def test_logits_and_greedy_tokens_match_transformers(ckpt, ids):

@@ -53,61 +53,47 @@ def make_deepseek(path: Path, seed: int = 0) -> Path:
     return make_deepseek_checkpoint(path, seed=seed, **DEEPSEEK_TINY)
 
 
+# arch -> how to save its tiny checkpoint (path, seed); any other arch: engine_helpers.make_checkpoint's Qwen ones.
+MAKERS = {
+    DEEPSEEK: lambda path, seed: make_deepseek(path, seed),
+    GLM4: lambda path, seed: make_glm4_checkpoint(path, seed=seed, **engine_helpers.GLM4_TINY),
+    DEEPSEEK_V2: lambda path, seed: make_deepseek_v2_checkpoint(path, seed=seed, **engine_helpers.DEEPSEEK_V2_TINY),
+    MIXTRAL: lambda path, seed: make_mixtral_checkpoint(path, seed=seed),
+    OLMOE: lambda path, seed: make_olmoe_checkpoint(path, seed=seed),
+    GPT_OSS: lambda path, seed: make_gpt_oss_checkpoint(path, seed=seed),
+    MINIMAX_M2: lambda path, seed: make_minimax_m2_checkpoint(path, seed=seed),
+    LLAMA4: lambda path, seed: make_llama4_checkpoint(path, seed=seed),
+    QWEN3_NEXT: lambda path, seed: make_qwen3_next_checkpoint(path, seed=seed),
+    # Its last layer reuses the top-k of the one before it (no indexer of its own): both kinds on every rank.
+    GLM_MOE_DSA: lambda path, seed: engine_helpers.make_glm_moe_dsa_checkpoint(path, seed=seed, index_topk_freq=2),
+    DOTS1: lambda path, seed: engine_helpers.make_dots1_checkpoint(path, seed=seed),
+    ERNIE4_5_MOE: lambda path, seed: engine_helpers.make_ernie4_5_moe_checkpoint(path, seed=seed),
+    GLM4V_MOE: lambda path, seed: engine_helpers.make_glm4v_moe_checkpoint(path, seed=seed),
+    GRANITEMOE: lambda path, seed: engine_helpers.make_granitemoe_checkpoint(path, seed=seed),
+    GRANITEMOE_SHARED: lambda path, seed: engine_helpers.make_granitemoe_checkpoint(
+        path, seed=seed, family="GraniteMoeShared", shared_intermediate_size=24),
+    # 2 key/value heads on the global layer, 4 on the windowed ones: both split over 2 TP ranks
+    MIMO_V2_FLASH: lambda path, seed: engine_helpers.make_mimo_v2_flash_checkpoint(path, seed=seed,
+                                                                                   num_key_value_heads=2),
+    DBRX: lambda path, seed: engine_helpers.make_dbrx_checkpoint(path, seed=seed),
+    LFM2_MOE: lambda path, seed: engine_helpers.make_lfm2_moe_checkpoint(path, seed=seed),
+    # heads of 6: q's norm spans 24 features, not hidden_size's 32
+    FLEX_OLMO: lambda path, seed: engine_helpers.make_flex_olmo_checkpoint(path, seed=seed, head_dim=6),
+    AFMOE: lambda path, seed: engine_helpers.make_afmoe_checkpoint(path, seed=seed),
+    EXAONE_MOE: lambda path, seed: engine_helpers.make_exaone_moe_checkpoint(path, seed=seed),
+    PHIMOE: lambda path, seed: engine_helpers.make_phimoe_checkpoint(path, seed=seed),
+    HUNYUAN: lambda path, seed: engine_helpers.make_hunyuan_checkpoint(path, seed=seed),
+    DEEPSEEK_V32: lambda path, seed: engine_helpers.make_deepseek_v32_checkpoint(path, seed=seed),
+    QWEN3_5_MOE: lambda path, seed: make_qwen3_5_moe_checkpoint(path, seed=seed, wrapper=True),
+}
+
+
 def make_model(path: Path, arch: str, seed: int = 0) -> str:
-    if arch == DEEPSEEK:
-        make_deepseek(path, seed)
-    elif arch == GLM4:
-        make_glm4_checkpoint(path, seed=seed, **engine_helpers.GLM4_TINY)
-    elif arch == DEEPSEEK_V2:
-        make_deepseek_v2_checkpoint(path, seed=seed, **engine_helpers.DEEPSEEK_V2_TINY)
-    elif arch == MIXTRAL:
-        make_mixtral_checkpoint(path, seed=seed)
-    elif arch == OLMOE:
-        make_olmoe_checkpoint(path, seed=seed)
-    elif arch == GPT_OSS:
-        make_gpt_oss_checkpoint(path, seed=seed)
-    elif arch == MINIMAX_M2:
-        make_minimax_m2_checkpoint(path, seed=seed)
-    elif arch == LLAMA4:
-        make_llama4_checkpoint(path, seed=seed)
-    elif arch == QWEN3_NEXT:
-        make_qwen3_next_checkpoint(path, seed=seed)
-    elif arch == GLM_MOE_DSA:
-        # Its last layer reuses the top-k of the one before it (no indexer of its own): both kinds on every rank.
-        engine_helpers.make_glm_moe_dsa_checkpoint(path, seed=seed, index_topk_freq=2)
-    elif arch == DOTS1:
-        engine_helpers.make_dots1_checkpoint(path, seed=seed)
-    elif arch == ERNIE4_5_MOE:
-        engine_helpers.make_ernie4_5_moe_checkpoint(path, seed=seed)
-    elif arch == GLM4V_MOE:
-        engine_helpers.make_glm4v_moe_checkpoint(path, seed=seed)
-    elif arch == GRANITEMOE:
-        engine_helpers.make_granitemoe_checkpoint(path, seed=seed)
-    elif arch == GRANITEMOE_SHARED:
-        engine_helpers.make_granitemoe_checkpoint(path, seed=seed, family="GraniteMoeShared",
-                                                  shared_intermediate_size=24)
-    elif arch == MIMO_V2_FLASH:
-        engine_helpers.make_mimo_v2_flash_checkpoint(path, seed=seed, num_key_value_heads=2)
-    elif arch == DBRX:
-        engine_helpers.make_dbrx_checkpoint(path, seed=seed)
-    elif arch == LFM2_MOE:
-        engine_helpers.make_lfm2_moe_checkpoint(path, seed=seed)
-    elif arch == FLEX_OLMO:
-        engine_helpers.make_flex_olmo_checkpoint(path, seed=seed, head_dim=6)
-    elif arch == AFMOE:
-        engine_helpers.make_afmoe_checkpoint(path, seed=seed)
-    elif arch == EXAONE_MOE:
-        engine_helpers.make_exaone_moe_checkpoint(path, seed=seed)
-    elif arch == PHIMOE:
-        engine_helpers.make_phimoe_checkpoint(path, seed=seed)
-    elif arch == HUNYUAN:
-        engine_helpers.make_hunyuan_checkpoint(path, seed=seed)
-    elif arch == DEEPSEEK_V32:
-        engine_helpers.make_deepseek_v32_checkpoint(path, seed=seed)
-    elif arch == QWEN3_5_MOE:
-        make_qwen3_5_moe_checkpoint(path, seed=seed, wrapper=True)
-    else:
+    maker = MAKERS.get(arch)
+    if maker is None:
         make_checkpoint(path, arch, seed=seed)
+    else:
+        maker(path, seed)
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["architectures"] == [arch]
     return str(path)
