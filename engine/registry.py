@@ -34,6 +34,7 @@ ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "Ernie4_5_MoeForCausalLM": ("loadplan.engine.models.ernie4_5_moe", "Ernie4_5_MoeForCausalLM"),
     "GraniteMoeForCausalLM": ("loadplan.engine.models.granitemoe", "GraniteMoeForCausalLM"),
     "GraniteMoeSharedForCausalLM": ("loadplan.engine.models.granitemoe", "GraniteMoeSharedForCausalLM"),
+    "GraniteMoeSWAForCausalLM": ("loadplan.engine.models.granitemoe", "GraniteMoeSWAForCausalLM"),
     "HunYuanMoEV1ForCausalLM": ("loadplan.engine.models.hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM"),
     "ExaoneMoeForCausalLM": ("loadplan.engine.models.exaone_moe", "ExaoneMoeForCausalLM"),
     "AfmoeForCausalLM": ("loadplan.engine.models.afmoe", "AfmoeForCausalLM"),

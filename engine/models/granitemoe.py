@@ -11,6 +11,9 @@ multipliers from its config:
 - `attention_multiplier`: the attention scores' scale, instead of 1/sqrt(head_dim);
 - `residual_multiplier`: each block's output (attention, then MoE) is scaled by it before the residual sum;
 - `logits_scaling`: the logits are divided by it.
+`GraniteMoeSWAForCausalLM` (granite-swash) adds to that layer a sink logit per head on every layer (as gpt-oss's),
+a window on its "sliding_attention" layers and a rope theta per layer (`layer_rope_theta`; 0: no rotary
+embedding), each layer turning q and k with its own tables.
 The router takes the top-k of the logits and a softmax over them, which is the renormalised top-k of the softmax
 (`norm_topk_prob`). Its checkpoints keep each layer's experts stacked, `block_sparse_moe.input_linear.weight`
 [E, 2I, D] (gate, then up) and `output_linear.weight` [E, D, I], and the router as
@@ -20,24 +23,35 @@ stacked_experts.py) under the engine's names (`GRANITE_NAMES`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, replace
 
 import torch
 
+from ..layers.attention import GQAttention
+from ..layers.rope import RotaryEmbedding
 from ..stacked_experts import StackedExperts
 from ..weights import CheckpointNames, ShapeMismatch
 from .causal_lm import CausalLM
-from .config import ConfigError, get_field as _get
+from .config import ConfigError, get_field as _get, per_layer
 from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, SharedMlpMoeBlock, every_layer_moe_fields
 
 ARCHITECTURE = "GraniteMoeForCausalLM"
 SHARED_ARCHITECTURE = "GraniteMoeSharedForCausalLM"
+SWA_ARCHITECTURE = "GraniteMoeSWAForCausalLM"
 
 # (checkpoint, engine) suffixes under model.layers.{i}: the stacked experts as StackedExperts reads them.
 GRANITE_NAMES = CheckpointNames((
     ("block_sparse_moe.input_linear.weight", "mlp.experts.gate_up_proj"),
     ("block_sparse_moe.output_linear.weight", "mlp.experts.down_proj"),
     ("block_sparse_moe.router.layer.weight", "mlp.gate.weight"),
+    ("shared_mlp.output_linear.weight", "mlp.shared_mlp.down_proj.weight"),
+))
+# Granite MoE SWA's checkpoints keep transformers 5's names for the experts and the router ([E, 2I, D], [E, D, I]).
+GRANITE_SWA_NAMES = CheckpointNames((
+    ("block_sparse_moe.experts.gate_up_proj", "mlp.experts.gate_up_proj"),
+    ("block_sparse_moe.experts.down_proj", "mlp.experts.down_proj"),
+    ("block_sparse_moe.router.weight", "mlp.gate.weight"),
     ("shared_mlp.output_linear.weight", "mlp.shared_mlp.down_proj.weight"),
 ))
 # GraniteMoeShared's shared MLP keeps gate and up in one matrix [2S, D]: shown as the two halves.
@@ -63,7 +77,7 @@ class GraniteMoeConfig(QwenMoeConfig):
         if multipliers["logits_scaling"] == 0:
             raise ConfigError("config.logits_scaling: must not be 0 (the logits are divided by it)")
         bias = bool(_get(d, "attention_bias", False, bool))
-        shared = _get(d, "shared_intermediate_size", 0, int) if architecture == SHARED_ARCHITECTURE else 0
+        shared = _get(d, "shared_intermediate_size", 0, int) if architecture != ARCHITECTURE else 0
         if shared < 0:
             raise ConfigError(f"config.shared_intermediate_size: must be >= 0, got {shared}")
         return cls(
@@ -98,18 +112,21 @@ class GraniteMoeDecoderLayer(QwenDecoderLayer):
 
 class GraniteMoeForCausalLM(QwenLayerCausalLM):
     ARCHITECTURE = ARCHITECTURE
+    CONFIG: type[GraniteMoeConfig] = GraniteMoeConfig
+    DECODER_LAYER: type[GraniteMoeDecoderLayer] = GraniteMoeDecoderLayer
+    NAMES = GRANITE_NAMES                      # its checkpoints' spellings of the experts, router, shared MLP
 
     @classmethod
     def parse_config(cls, hf_config: dict) -> GraniteMoeConfig:
-        return GraniteMoeConfig.from_hf(hf_config, cls.ARCHITECTURE)
+        return cls.CONFIG.from_hf(hf_config, cls.ARCHITECTURE)
 
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
         cfg = self.parse_config(hf_config)
-        CausalLM.__init__(self, cfg, plan, GraniteMoeDecoderLayer, n_routed=cfg.num_experts,
+        CausalLM.__init__(self, cfg, plan, self.DECODER_LAYER, n_routed=cfg.num_experts,
                           rope_head_dim=cfg.head_dim, dtype=dtype)
 
     def checkpoint_view(self, ckpt):
-        return StackedExperts(_EngineNames(ckpt), self.config.num_experts, gate_up="concatenated",
+        return StackedExperts(_EngineNames(ckpt, self.NAMES), self.config.num_experts, gate_up="concatenated",
                               hidden_size=self.config.hidden_size, expert_width=self.config.moe_intermediate_size,
                               as_held=True)
 
@@ -126,11 +143,76 @@ class GraniteMoeSharedForCausalLM(GraniteMoeForCausalLM):
     ARCHITECTURE = SHARED_ARCHITECTURE
 
 
+@dataclass(frozen=True)
+class GraniteMoeSwaConfig(GraniteMoeConfig):
+    layer_types: tuple[str, ...] = ()           # "sliding_attention" layers see sliding_window positions
+    layer_rope_theta: tuple[float, ...] = ()    # each layer's rope theta; 0: no rotary embedding (NoPE)
+
+    @classmethod
+    def from_hf(cls, d: dict, architecture: str = SWA_ARCHITECTURE) -> "GraniteMoeSwaConfig":
+        """transformers' GraniteMoeSWAConfig defaults where a checkpoint may leave a field out."""
+        base = GraniteMoeConfig.from_hf(d, architecture)
+        n = base.num_hidden_layers
+        window = _get(d, "sliding_window", 128, int)
+        if window < 1:
+            raise ConfigError(f"config.sliding_window: must be >= 1, got {window}")
+        types = per_layer(d, "layer_types", n, ("full_attention", "sliding_attention"),
+                          ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(n)])
+        thetas = d.get("layer_rope_theta")
+        if thetas is None:
+            thetas = [base.rope.theta] * n
+        if not isinstance(thetas, list) or len(thetas) != n or \
+                any(isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0 for t in thetas):
+            raise ConfigError(f"config.layer_rope_theta: expected {n} numbers >= 0 (0: no rotary embedding), got "
+                              f"{thetas!r}"[:300])
+        if base.rope.rope_type != "default" and any(thetas):
+            raise ConfigError(f"config.rope_parameters: rope type {base.rope.rope_type!r} with per-layer thetas is "
+                              f"not supported; supported: default")
+        return cls(**{f.name: getattr(base, f.name) for f in dataclasses.fields(GraniteMoeConfig)
+                      if f.name != "sliding_window"},
+                   sliding_window=window, layer_types=tuple(types), layer_rope_theta=tuple(float(t) for t in thetas))
+
+
+class GraniteMoeSwaDecoderLayer(GraniteMoeDecoderLayer):
+    """Granite MoE's layer whose attention has a sink logit per head on every layer, a window on the
+    "sliding_attention" ones, and its own rope theta (0: none)."""
+
+    @classmethod
+    def make_attention(cls, cfg: GraniteMoeSwaConfig, layer_id: int, dtype: torch.dtype, tp) -> GQAttention:
+        windowed = cfg.layer_types[layer_id] == "sliding_attention"
+        return GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                           qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, qk_norm=False, rms_norm_eps=cfg.rms_norm_eps,
+                           dtype=dtype, tp=tp, sliding_window=cfg.sliding_window if windowed else None, sinks=True,
+                           use_rope=cfg.layer_rope_theta[layer_id] > 0)
+
+    def __init__(self, cfg: GraniteMoeSwaConfig, plan, layer_id: int, dtype: torch.dtype):
+        super().__init__(cfg, plan, layer_id, dtype)
+        theta = cfg.layer_rope_theta[layer_id]
+        self.rotary = RotaryEmbedding(cfg.head_dim, replace(cfg.rope, theta=theta), cfg.max_position_embeddings) \
+            if theta else None
+
+    def forward(self, x, cos, sin, input_pos=None):
+        """x [B, T, D] -> [B, T, D]: q and k turned by this layer's own theta (not the model's tables)."""
+        if self.rotary is not None:
+            cos, sin = self.rotary(input_pos if input_pos is not None else torch.arange(x.shape[1], device=x.device))
+        return super().forward(x, cos, sin, input_pos)
+
+
+class GraniteMoeSWAForCausalLM(GraniteMoeForCausalLM):
+    """Granite MoE with attention sinks, windowed layers and a rope theta per layer (NoPE where 0)."""
+
+    ARCHITECTURE = SWA_ARCHITECTURE
+    CONFIG = GraniteMoeSwaConfig
+    DECODER_LAYER = GraniteMoeSwaDecoderLayer
+    NAMES = GRANITE_SWA_NAMES
+
+
 class _EngineNames:
     """The checkpoint (`names`/`shape`/`get`) with Granite's stacked experts, router and shared MLP under the
-    names StackedExperts and the engine read (`GRANITE_NAMES`; the shared MLP's [2S, D] as its gate and up)."""
+    names StackedExperts and the engine read (`names`: the family's table, GRANITE_NAMES or GRANITE_SWA_NAMES; the
+    shared MLP's [2S, D] as its gate and up)."""
 
-    def __init__(self, ckpt):
+    def __init__(self, ckpt, names: CheckpointNames = GRANITE_NAMES):
         self._ckpt = ckpt
         self._source: dict[str, tuple[str, int | None]] = {}     # shown -> (checkpoint name, half or None)
         for name in ckpt.names():
@@ -139,7 +221,7 @@ class _EngineNames:
                 self._source[f"{head}mlp.shared_mlp.gate_proj.weight"] = (name, 0)
                 self._source[f"{head}mlp.shared_mlp.up_proj.weight"] = (name, 1)
             else:
-                self._source[GRANITE_NAMES.to_engine(name)] = (name, None)
+                self._source[names.to_engine(name)] = (name, None)
 
     def names(self) -> list[str]:
         return list(self._source)

@@ -208,13 +208,18 @@ class SharedMlpMoeBlock(QwenSparseMoeBlock):
 class QwenDecoderLayer(DecoderLayer):
     MOE_BLOCK: type[nn.Module] = QwenSparseMoeBlock   # a family's own block of the same constructor (granitemoe.py)
 
-    def __init__(self, cfg: QwenMoeConfig, plan, layer_id: int, dtype: torch.dtype):
-        tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
-        attn = GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+    @classmethod
+    def make_attention(cls, cfg: QwenMoeConfig, layer_id: int, dtype: torch.dtype, tp: TensorParallel) -> GQAttention:
+        """The layer's attention (a family whose layers differ overrides it: Granite MoE SWA's, granitemoe.py)."""
+        return GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                            qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, qk_norm=cfg.qk_norm,
                            rms_norm_eps=cfg.rms_norm_eps, dtype=dtype, tp=tp, sliding_window=cfg.sliding_window,
                            qk_norm_span=cfg.qk_norm_span, clip_qkv=cfg.clip_qkv,
                            qk_norm_after_rope=cfg.qk_norm_after_rope)
+
+    def __init__(self, cfg: QwenMoeConfig, plan, layer_id: int, dtype: torch.dtype):
+        tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
+        attn = self.make_attention(cfg, layer_id, dtype, tp)
         if layer_id in cfg.moe_layers:
             mlp = self.MOE_BLOCK(cfg, plan, layer_id, dtype)
         else:

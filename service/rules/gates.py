@@ -87,6 +87,12 @@ def exaone_moe_gate(ctx: GateContext) -> Verdict | None:
                    f"for EXAONE-MoE")
 
 
+def granitemoe_swa_gate(ctx: GateContext) -> Verdict | None:
+    """Granite MoE SWA never fuses its shared MLP, as GraniteMoeShared (`granitemoe_shared_gate`)."""
+    return Verdict("granitemoe_swa.structural.no_fused_layout",
+                   "its shared MLP runs beside the routed experts: no fused layout exists for Granite MoE SWA")
+
+
 def hunyuan_v1_moe_gate(ctx: GateContext) -> Verdict | None:
     """Hunyuan never fuses (not in DESIGN 5.2; our choice, as SGLang and vLLM run it): its shared MLP runs beside the
     routed experts, ungated, with no fused layout or kernel. Structural: enforce does not skip it."""

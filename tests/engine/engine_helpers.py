@@ -277,6 +277,13 @@ GRANITEMOE_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=16, num
                        logits_scaling=6.0)
 
 
+# Granite MoE SWA: GRANITEMOE_TINY's layer with sinks, windowed layers 1 and 2 (4 positions), per-layer thetas (layer
+# 2 NoPE) and a shared MLP; attention scaled by 1 (granite-3.0's 1/64 leaves the scores too flat for the rope to show).
+GRANITEMOE_SWA_TINY = dict(GRANITEMOE_TINY, sliding_window=4, shared_intermediate_size=24, attention_multiplier=1.0,
+                           layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+                           layer_rope_theta=[10000.0, 500.0, 0])
+
+
 def make_granitemoe_checkpoint(path: Path, *, seed: int = 0, family: str = "GraniteMoe", **config) -> Path:
     """Save a random Granite MoE of GRANITEMOE_TINY updated with `config` (transformers' GraniteMoeConfig kwargs);
     `family="GraniteMoeShared"` for GraniteMoeSharedForCausalLM (with shared_intermediate_size)."""

@@ -256,6 +256,7 @@ _BAD_CONFIGS = [
      {"mlp_layer_types": ["dense"]}, "target"),
     ("PhimoeForCausalLM", "PhimoeConfig", dict(num_local_experts=8), {"num_experts_per_tok": 1}, "target"),
     ("PhiMoEForCausalLM", "PhimoeConfig", dict(num_local_experts=8), {"router_jitter_noise": -1.0}, "target"),
+    ("GraniteMoeSWAForCausalLM", "GraniteMoeSWAConfig", dict(num_local_experts=8), {"sliding_window": 0}, "target"),
     ("Llama4ForCausalLM", "Llama4TextConfig", dict(num_local_experts=4), {"attention_chunk_size": 0}, "target"),
     ("Llama4ForConditionalGeneration", None, {}, {"text_config": None}, "target"),
     ("Qwen3VLMoeForConditionalGeneration", None, {}, {"text_config": None}, "target"),

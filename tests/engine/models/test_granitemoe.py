@@ -12,8 +12,8 @@ import pytest
 from loadplan.engine.models.config import ConfigError
 from loadplan.plan import Keys
 
-from engine_helpers import (check_matches_transformers, check_refused_before_any_plan, make_granitemoe_checkpoint,
-                            prompt, with_config)
+from engine_helpers import (GRANITEMOE_SWA_TINY, check_matches_transformers, check_refused_before_any_plan,
+                            make_granitemoe_checkpoint, prompt, with_config)
 
 ARCH = "GraniteMoeForCausalLM"
 
@@ -80,3 +80,26 @@ def test_the_shared_variant_matches_transformers_and_its_shared_mlp_is_never_fus
     assert d[Keys.ENTRY_FAMILY].value == "granitemoe_shared" and d[Keys.SHARED_EXPERTS_FUSION].value is False
     assert d[Keys.SHARED_EXPERTS_FUSION].rule == "granitemoe_shared.structural.no_fused_layout"
     assert model.model.layers[0].mlp.shared_mlp.gate_proj.out_features == 24
+
+
+def test_the_swa_variant_matches_transformers_with_its_sinks_windows_and_thetas(tmp_path, ids):
+    """Granite MoE SWA (granite-swash): a sink logit per head on every layer, layers 1 and 2 windowed, each layer its
+    own rope theta (layer 2 none), a shared MLP never fused; its checkpoints name the experts as transformers 5 does."""
+    path = make_granitemoe_checkpoint(tmp_path / "swa", family="GraniteMoeSWA", **GRANITEMOE_SWA_TINY)
+    model = check_matches_transformers(path, "GraniteMoeSWAForCausalLM", ids)
+    d = model.plan.decisions
+    assert d[Keys.ENTRY_FAMILY].value == "granitemoe_swa" and d[Keys.SHARED_EXPERTS_FUSION].value is False
+    attn = [layer.self_attn for layer in model.model.layers]
+    assert [(a.sliding_window, a.use_rope, a.sinks is not None) for a in attn] == \
+        [(None, True, True), (4, True, True), (4, False, True)]
+    assert [layer.rotary.rope.theta if layer.rotary else None for layer in model.model.layers] == [1e4, 500.0, None]
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(layer_rope_theta=[1e4, -1, 0]), r"config\.layer_rope_theta: expected 3 numbers >= 0"),
+    (dict(layer_types=["full_attention"] * 2), r"config\.layer_types: expected 3 entries"),
+    (dict(sliding_window=0), r"config\.sliding_window: must be >= 1"),
+])
+def test_what_the_swa_variant_cannot_run_is_refused_by_field_before_any_plan(tmp_path, overrides, match):
+    path = make_granitemoe_checkpoint(tmp_path / "swa", family="GraniteMoeSWA", **GRANITEMOE_SWA_TINY)
+    check_refused_before_any_plan(with_config(path, tmp_path / "bad", **overrides), ConfigError, match)

@@ -36,6 +36,7 @@ ERNIE4_5_MOE = "Ernie4_5_MoeForCausalLM"
 GLM4V_MOE = "Glm4vMoeForConditionalGeneration"
 GRANITEMOE = "GraniteMoeForCausalLM"
 GRANITEMOE_SHARED = "GraniteMoeSharedForCausalLM"
+GRANITEMOE_SWA = "GraniteMoeSWAForCausalLM"
 HUNYUAN = "HunYuanMoEV1ForCausalLM"
 PHIMOE = "PhimoeForCausalLM"
 EXAONE_MOE = "ExaoneMoeForCausalLM"
@@ -72,6 +73,8 @@ MAKERS = {
     GRANITEMOE: lambda path, seed: engine_helpers.make_granitemoe_checkpoint(path, seed=seed),
     GRANITEMOE_SHARED: lambda path, seed: engine_helpers.make_granitemoe_checkpoint(
         path, seed=seed, family="GraniteMoeShared", shared_intermediate_size=24),
+    GRANITEMOE_SWA: lambda path, seed: engine_helpers.make_granitemoe_checkpoint(
+        path, seed=seed, family="GraniteMoeSWA", **engine_helpers.GRANITEMOE_SWA_TINY),
     # 2 key/value heads on the global layer, 4 on the windowed ones: both split over 2 TP ranks
     MIMO_V2_FLASH: lambda path, seed: engine_helpers.make_mimo_v2_flash_checkpoint(path, seed=seed,
                                                                                    num_key_value_heads=2),

@@ -16,9 +16,9 @@ from loadplan.plan import Keys
 from loadplan.service.rules.backends import BACKENDS
 
 from parallel_helpers import (AFMOE, DBRX, DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, DOTS1, ERNIE4_5_MOE, EXAONE_MOE,
-                              FLEX_OLMO, GLM4, GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE, GRANITEMOE_SHARED, HUNYUAN,
-                              LFM2_MOE, LLAMA4, MIMO_V2_FLASH, MINIMAX_M2, MIXTRAL, OLMOE, PHIMOE, QWEN3,
-                              QWEN3_5_MOE, QWEN3_NEXT, make_model, single_process)
+                              FLEX_OLMO, GLM4, GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE, GRANITEMOE_SHARED,
+                              GRANITEMOE_SWA, HUNYUAN, LFM2_MOE, LLAMA4, MIMO_V2_FLASH, MINIMAX_M2, MIXTRAL, OLMOE,
+                              PHIMOE, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, make_model, single_process)
 
 EP = 2
 N_NEW = 4
@@ -148,7 +148,8 @@ def glm4(tmp_path_factory):
                                                          (HUNYUAN, "megamoe"), (PHIMOE, "deepep"),
                                                          (EXAONE_MOE, "flashinfer"), (AFMOE, "mooncake"),
                                                          (FLEX_OLMO, "nixl"), (LFM2_MOE, "deepep"),
-                                                         (DBRX, "mori"), (MIMO_V2_FLASH, "mooncake")])
+                                                         (DBRX, "mori"), (MIMO_V2_FLASH, "mooncake"),
+                                                         (GRANITEMOE_SWA, "megamoe")])
 def test_every_backend_on_two_ranks_matches_one_process_and_sees_a_double_reduction(tmp_path, arch,
                                                                                     double_reduce_backend):
     """No shared expert: Qwen3-MoE, Mixtral in the Hub's block_sparse_moe spelling, OLMoE, gpt-oss (experts with

@@ -19,9 +19,9 @@ from loadplan.service.rules.backends import BACKENDS
 
 from engine_helpers import LocalRegistry, make_checkpoint
 from parallel_helpers import (AFMOE, DBRX, DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, ERNIE4_5_MOE, EXAONE_MOE, FLEX_OLMO,
-                              GLM4, GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE, HUNYUAN, LLAMA4, MIMO_V2_FLASH,
-                              MINIMAX_M2, MIXTRAL, OLMOE, PHIMOE, QWEN2, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, make_model,
-                              single_process)
+                              GLM4, GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE, GRANITEMOE_SWA, HUNYUAN, LLAMA4,
+                              MIMO_V2_FLASH, MINIMAX_M2, MIXTRAL, OLMOE, PHIMOE, QWEN2, QWEN3, QWEN3_5_MOE, QWEN3_NEXT,
+                              make_model, single_process)
 
 N_NEW = 4
 TOL = 1e-4
@@ -37,7 +37,8 @@ CASES = [("qwen3", QWEN3, None), ("qwen2", QWEN2, "enforce"), ("qwen2", QWEN2, "
          ("ernie4_5_moe", ERNIE4_5_MOE, None), ("glm4v_moe", GLM4V_MOE, "enforce"), ("granitemoe", GRANITEMOE, None),
          ("hunyuan", HUNYUAN, None), ("phimoe", PHIMOE, None), ("exaone_moe", EXAONE_MOE, None),
          ("afmoe", AFMOE, None), ("flex_olmo", FLEX_OLMO, None),
-         ("dbrx", DBRX, None), ("mimo_v2_flash", MIMO_V2_FLASH, None)]
+         ("dbrx", DBRX, None), ("mimo_v2_flash", MIMO_V2_FLASH, None),
+         ("granitemoe_swa", GRANITEMOE_SWA, None)]
 
 
 def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
@@ -117,6 +118,7 @@ def paths(tmp_path_factory):
         "flex_olmo": make_model(tmp_path_factory.mktemp("flex_olmo"), FLEX_OLMO),
         "dbrx": make_model(tmp_path_factory.mktemp("dbrx"), DBRX),
         "mimo_v2_flash": make_model(tmp_path_factory.mktemp("mimo_v2_flash"), MIMO_V2_FLASH),
+        "granitemoe_swa": make_model(tmp_path_factory.mktemp("granitemoe_swa"), GRANITEMOE_SWA),
     }
 
 
@@ -203,6 +205,8 @@ def test_two_tp_ranks_give_the_single_process_logits_and_tokens(paths, ids, refe
     # 4 with 2 sink logits; its dense layer's 48 features split
     assert by_name["mimo_v2_flash"]["heads"] == {(2, 1, 24), (2, 2, 24)} and by_name["mimo_v2_flash"]["sinks"] == {2}
     assert by_name["mimo_v2_flash"]["dense_inter"] == {24}
+    # Granite MoE SWA: each rank its heads' sink logits on every layer, its shared MLP (24) whole
+    assert by_name["granitemoe_swa"]["sinks"] == {2} and by_name["granitemoe_swa"]["dense_inter"] == {24}
     # MLA: half the heads and their kv_b_proj rows; the latent projection stays whole.
     (heads, kv_b_rows, kv_a_rows), = by_name["deepseek"]["mla_heads"]
     assert (heads, kv_b_rows, kv_a_rows) == (1, 1 * (8 + 12), 16 + 8)     # of 2 heads; nope 8 + v 12; lora 16 + rope 8

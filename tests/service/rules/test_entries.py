@@ -32,6 +32,7 @@ BUILT = {
     "Glm4vMoeForConditionalGeneration": "glm4_moe",
     "GraniteMoeForCausalLM": "granitemoe",
     "GraniteMoeSharedForCausalLM": "granitemoe_shared",
+    "GraniteMoeSWAForCausalLM": "granitemoe_swa",
     "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe",
     "ExaoneMoeForCausalLM": "exaone_moe",
     "AfmoeForCausalLM": "afmoe",

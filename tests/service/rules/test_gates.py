@@ -607,6 +607,10 @@ def test_granitemoe_shared_is_never_fused_and_granitemoe_has_no_shared_experts()
         assert_off(fusion(shared, **kw), "granitemoe_shared.structural.no_fused_layout", "shared MLP")
     assert_off(fusion(dict(shared, shared_intermediate_size=0)), "granitemoe_shared.no_shared_experts")
     assert_off(fusion(dict(base, architectures=["GraniteMoeForCausalLM"])), "granitemoe.no_shared_experts")
+    swa = dict(shared, architectures=["GraniteMoeSWAForCausalLM"])
+    for kw in ({}, ENFORCE):
+        assert_off(fusion(swa, **kw), "granitemoe_swa.structural.no_fused_layout", "shared MLP")
+    assert_off(fusion(dict(swa, shared_intermediate_size=0)), "granitemoe_swa.no_shared_experts")
 
 
 # The fields of tencent/Hunyuan-A13B-Instruct's config.json that the rules read, as it writes them (per layer).
