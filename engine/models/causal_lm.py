@@ -27,7 +27,8 @@ class DecoderLayer(nn.Module):
     """Pre-norm block: x + mixer(norm(x)), then x + mlp(norm(x)); the mlp sees the tokens flattened [B*T, D].
     The token mixer (`mixer`: attention, `self_attn`, unless a family says otherwise) has `setup_cache(batch,
     max_seq_len, dtype, device, lookahead)` and a `kv_cache` attribute. `NORM`: the norms' class, the model's
-    final norm's too."""
+    final norm's too. `rotary`: the layer's own rotary tables, where its kind has a rope of its own (MiMo-V2-Flash's,
+    Granite MoE SWA's): the model hands it those instead of its own."""
 
     NORM: type[RMSNorm] = RMSNorm
 
@@ -39,6 +40,7 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = self.NORM(hidden_size, rms_norm_eps, dtype)
         self.post_attention_layernorm = self.NORM(hidden_size, rms_norm_eps, dtype)
+        self.rotary: RotaryEmbedding | None = None    # a subclass's own tables (a submodule once set)
 
     @property
     def mixer(self) -> nn.Module:
@@ -214,7 +216,10 @@ class CausalLM(nn.Module):
         cos, sin = self.rotary(input_pos)                                  # [T, rotary_dim] each
         lo, hi = self.layer_range
         for layer in self.model.layers[lo:hi]:
-            x = layer(x, cos, sin, input_pos)
+            if layer.rotary is None:
+                x = layer(x, cos, sin, input_pos)
+            else:                                                          # its kind's own tables
+                x = layer(x, *layer.rotary(input_pos), input_pos)
         return x
 
 

@@ -188,14 +188,9 @@ class GraniteMoeSwaDecoderLayer(GraniteMoeDecoderLayer):
     def __init__(self, cfg: GraniteMoeSwaConfig, plan, layer_id: int, dtype: torch.dtype):
         super().__init__(cfg, plan, layer_id, dtype)
         theta = cfg.layer_rope_theta[layer_id]
+        # its own theta's tables (the model hands it those); none where its attention turns nothing (NoPE)
         self.rotary = RotaryEmbedding(cfg.head_dim, replace(cfg.rope, theta=theta), cfg.max_position_embeddings) \
             if theta else None
-
-    def forward(self, x, cos, sin, input_pos=None):
-        """x [B, T, D] -> [B, T, D]: q and k turned by this layer's own theta (not the model's tables)."""
-        if self.rotary is not None:
-            cos, sin = self.rotary(input_pos if input_pos is not None else torch.arange(x.shape[1], device=x.device))
-        return super().forward(x, cos, sin, input_pos)
 
 
 class GraniteMoeSWAForCausalLM(GraniteMoeForCausalLM):

@@ -108,7 +108,7 @@ class MiMoV2FlashConfig(Glm4MoeConfig):
 
 
 class MiMoV2FlashDecoderLayer(DecoderLayer):
-    """Turns q and k with its own kind's rotary tables (not the model's, which it is handed)."""
+    """Turns q and k with its own kind's rotary tables (`rotary`: the model hands it those)."""
 
     def __init__(self, cfg: MiMoV2FlashConfig, plan, layer_id: int, dtype: torch.dtype):
         tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
@@ -123,13 +123,7 @@ class MiMoV2FlashDecoderLayer(DecoderLayer):
                            v_head_dim=cfg.v_head_dim, v_scale=cfg.attention_value_scale)
         super().__init__(layer_id, attn, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
                          cfg.rms_norm_eps, dtype)
-        self.rotary = RotaryEmbedding(cfg.head_dim, self_rope, cfg.max_position_embeddings)
-
-    def forward(self, x, cos, sin, input_pos=None):
-        """x [B, T, D] -> [B, T, D]"""
-        positions = input_pos if input_pos is not None else torch.arange(x.shape[1], device=x.device)
-        cos, sin = self.rotary(positions)                                  # [T, rd] each: this kind's
-        return super().forward(x, cos, sin, input_pos)
+        self.rotary = RotaryEmbedding(cfg.head_dim, self_rope, cfg.max_position_embeddings)   # this kind's tables
 
 
 class MiMoV2FlashForCausalLM(Glm4MoeForCausalLM):
