@@ -9,20 +9,19 @@ Mixtral's layer (qwen_moe.py's: every layer sparse, no shared expert, so no fusi
   (`moe_normalize_expert_weights` = p; none: not divided).
 Its checkpoints hold the whole model under `transformer.` with their own names, the projection fused and each
 layer's experts flattened (`ffn.experts.mlp.w1` / `v1` / `w2`, each [E x F, D]; w2 is the down projection transposed):
-`DbrxView` shows them to the weight remapping as the engine spells them, q, k and v as three matrices and every
+`dbrx_view` shows them to the weight remapping as the engine spells them, q, k and v as three matrices and every
 expert's projections apart, so tensor and expert parallelism split them as any other family's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
 import torch
 
 from ..layers.mlp import activation
 from ..layers.norm import BiaslessLayerNorm
 from ..layers.rope import RopeConfig
+from ..shown_tensors import ShownTensors
 from ..weights import ShapeMismatch
 from .causal_lm import DeclaredCausalLM
 from .config import ConfigError, get_field as _get
@@ -124,78 +123,54 @@ class DbrxForCausalLM(DeclaredCausalLM):
     DECODER_LAYER = DbrxDecoderLayer
 
     def checkpoint_view(self, ckpt):
-        return DbrxView(ckpt, self.config)
+        return dbrx_view(ckpt, self.config)
 
 
-class DbrxView:
-    """The checkpoint (`names`/`shape`/`get`) as the engine spells it: `transformer.` as `model.`, the fused q/k/v
-    as three matrices, each layer's flattened experts one expert at a time (down as [D, F])."""
+# checkpoint name -> the engine's, outside the blocks
+RENAMES = {"transformer.wte.weight": "model.embed_tokens.weight", "transformer.norm_f.weight": "model.norm.weight"}
+# under transformer.blocks.{i}. -> under model.layers.{i}.
+IN_BLOCK = {"norm_attn_norm.norm_1.weight": "input_layernorm.weight",
+            "norm_attn_norm.norm_2.weight": "post_attention_layernorm.weight",
+            "norm_attn_norm.attn.out_proj.weight": "self_attn.o_proj.weight",
+            "ffn.router.layer.weight": "mlp.gate.weight"}
+EXPERT_PROJ = {"w1": "gate", "v1": "up", "w2": "down"}
 
-    RENAMES = (("transformer.wte.weight", "model.embed_tokens.weight"),
-               ("transformer.norm_f.weight", "model.norm.weight"))
-    IN_BLOCK = (("norm_attn_norm.norm_1.weight", "input_layernorm.weight"),
-                ("norm_attn_norm.norm_2.weight", "post_attention_layernorm.weight"),
-                ("norm_attn_norm.attn.out_proj.weight", "self_attn.o_proj.weight"),
-                ("ffn.router.layer.weight", "mlp.gate.weight"))
 
-    def __init__(self, ckpt, cfg: DbrxConfig):
-        self._ckpt = ckpt
-        E, F, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        # shown name -> (checkpoint name, its shape as shown, how to take it from the checkpoint's tensor)
-        self._shown: dict[str, tuple[str, tuple[int, ...], Callable[[torch.Tensor], torch.Tensor] | None]] = {}
-        renames = dict(self.RENAMES)
-        for name in ckpt.names():
-            if name in renames:
-                self._add(renames[name], name)
-                continue
-            head, sep, rest = name.partition(".blocks.")
-            layer, _, suffix = rest.partition(".")
-            if head != "transformer" or not sep or not layer.isdigit():
-                self._add(name, name)                       # as it is (lm_head; anything unknown is refused later)
-                continue
-            out = f"model.layers.{layer}."
-            shape = tuple(ckpt.shape(name))
-            renamed = dict(self.IN_BLOCK).get(suffix)
-            if renamed is not None:
-                self._add(out + renamed, name)
-            elif suffix == "norm_attn_norm.attn.Wqkv.weight":
-                self._expect(name, shape, (q + 2 * kv, D))
-                for part, lo, hi in (("q", 0, q), ("k", q, q + kv), ("v", q + kv, q + 2 * kv)):
-                    self._add(f"{out}self_attn.{part}_proj.weight", name, (hi - lo, D),
-                              lambda t, lo=lo, hi=hi: t[lo:hi])
-            elif suffix in ("ffn.experts.mlp.w1", "ffn.experts.mlp.v1", "ffn.experts.mlp.w2"):
-                self._expect(name, shape, (E * F, D))
-                proj = {"w1": "gate", "v1": "up", "w2": "down"}[suffix.rsplit(".", 1)[1]]
-                for e in range(E):
-                    take = (lambda t, e=e: t.view(E, F, D)[e].t()) if proj == "down" else \
-                        (lambda t, e=e: t.view(E, F, D)[e])
-                    self._add(f"{out}mlp.experts.{e}.{proj}_proj.weight", name, (D, F) if proj == "down" else (F, D),
-                              take)
-            else:
-                self._add(name, name)
-        self._last: tuple[str | None, torch.Tensor | None] = (None, None)
+def dbrx_view(ckpt, cfg: DbrxConfig) -> ShownTensors:
+    """The checkpoint as the engine spells it: `transformer.` as `model.`, the fused q/k/v as three matrices, each
+    layer's flattened experts one at a time (down as [D, F])."""
+    view = ShownTensors(ckpt)
+    E, F, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    for name in ckpt.names():
+        head, sep, rest = name.partition(".blocks.")
+        layer, _, suffix = rest.partition(".")
+        if head != "transformer" or not sep or not layer.isdigit():
+            view.show(RENAMES.get(name, name), name)    # lm_head as it is; anything unknown is refused later
+            continue
+        out = f"model.layers.{layer}."
+        shape = tuple(ckpt.shape(name))
+        if suffix in IN_BLOCK:
+            view.show(out + IN_BLOCK[suffix], name)
+        elif suffix == "norm_attn_norm.attn.Wqkv.weight":
+            _expect(name, shape, (q + 2 * kv, D))
+            for part, lo, hi in (("q", 0, q), ("k", q, q + kv), ("v", q + kv, q + 2 * kv)):
+                view.show(f"{out}self_attn.{part}_proj.weight", name, (hi - lo, D), lambda t, lo=lo, hi=hi: t[lo:hi])
+        elif suffix.startswith("ffn.experts.mlp.") and suffix.rsplit(".", 1)[1] in EXPERT_PROJ:
+            _expect(name, shape, (E * F, D))
+            proj = EXPERT_PROJ[suffix.rsplit(".", 1)[1]]
+            for e in range(E):
+                if proj == "down":                          # w2 is the down projection transposed
+                    view.show(f"{out}mlp.experts.{e}.down_proj.weight", name, (D, F),
+                              lambda t, e=e: t.view(E, F, D)[e].t())
+                else:
+                    view.show(f"{out}mlp.experts.{e}.{proj}_proj.weight", name, (F, D),
+                              lambda t, e=e: t.view(E, F, D)[e])
+        else:
+            view.show(name, name)
+    return view
 
-    def _add(self, shown: str, source: str, shape: tuple[int, ...] | None = None, take=None) -> None:
-        self._shown[shown] = (source, shape if shape is not None else tuple(self._ckpt.shape(source)), take)
 
-    @staticmethod
-    def _expect(name: str, shape: tuple[int, ...], want: tuple[int, int]) -> None:
-        if shape != want:
-            raise ShapeMismatch(f"tensor {name!r} has shape {list(shape)}: expected {list(want)}")
-
-    def names(self) -> list[str]:
-        return list(self._shown)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._shown[name][1]
-
-    def get(self, name: str) -> torch.Tensor:
-        source, _, take = self._shown[name]
-        if take is None:
-            return self._ckpt.get(source)
-        held, tensor = self._last
-        if held != source:                                  # each expert of a flattened matrix reads it once
-            tensor = self._ckpt.get(source)
-            self._last = (source, tensor)
-        return take(tensor).contiguous()
+def _expect(name: str, shape: tuple[int, ...], want: tuple[int, int]) -> None:
+    if shape != want:
+        raise ShapeMismatch(f"tensor {name!r} has shape {list(shape)}: expected {list(want)}")

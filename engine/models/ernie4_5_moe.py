@@ -30,6 +30,7 @@ from ..layers.attention import GQAttention
 from ..layers.mlp import activation
 from ..layers.rope import rope_config_from_hf
 from ..parallel.tensor import TensorParallel
+from ..shown_tensors import ShownTensors
 from ..weights import ShapeMismatch
 from .causal_lm import DecoderLayer
 from .config import ConfigError, get_field as _get, top_k
@@ -118,32 +119,20 @@ class Ernie45MoeDecoderLayer(DecoderLayer):
                          cfg.rms_norm_eps, dtype)
 
 
-class RouterBiasOfOneGroup:
-    """The checkpoint (`names`/`shape`/`get`) with each layer's `mlp.moe_statics.e_score_correction_bias` [1, E]
-    shown as the router's `mlp.gate.e_score_correction_bias` [E]. A bias of several groups (ERNIE-4.5-VL keeps
-    one for its text experts and one for its vision experts) is refused, naming the tensor."""
-
-    def __init__(self, ckpt):
-        self._ckpt = ckpt
-        self._source = {(name[:-len(STATICS)] + ROUTER_BIAS if name.endswith(STATICS) else name): name
-                        for name in ckpt.names()}
-
-    def names(self) -> list[str]:
-        return list(self._source)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        source = self._source[name]
-        shape = tuple(self._ckpt.shape(source))
-        if source == name:
-            return shape
+def router_bias_of_one_group(ckpt) -> ShownTensors:
+    """The checkpoint with each layer's `mlp.moe_statics.e_score_correction_bias` [1, E] shown as the router's
+    `mlp.gate.e_score_correction_bias` [E]. A bias of several groups (ERNIE-4.5-VL keeps one for its text experts and
+    one for its vision experts) is refused, naming the tensor."""
+    view = ShownTensors(ckpt)
+    for name in ckpt.names():
+        if not name.endswith(STATICS):
+            view.show(name, name)
+            continue
+        shape = tuple(ckpt.shape(name))
         if len(shape) != 2 or shape[0] != 1:
-            raise ShapeMismatch(f"{source}: shape {list(shape)}; one group of experts ([1, E]) expected")
-        return shape[1:]
-
-    def get(self, name: str) -> torch.Tensor:
-        source = self._source[name]
-        tensor = self._ckpt.get(source)
-        return tensor if source == name else tensor.reshape(self.shape(name))
+            raise ShapeMismatch(f"{name}: shape {list(shape)}; one group of experts ([1, E]) expected")
+        view.show(name[:-len(STATICS)] + ROUTER_BIAS, name, shape[1:], lambda t, n=shape[1]: t.reshape(n))
+    return view
 
 
 class Ernie4_5_MoeForCausalLM(Glm4MoeForCausalLM):
@@ -155,5 +144,5 @@ class Ernie4_5_MoeForCausalLM(Glm4MoeForCausalLM):
         return (*super().ignore_prefixes(prefix), f"{prefix}model.mtp_")
 
     def checkpoint_view(self, ckpt):
-        return RouterBiasOfOneGroup(ckpt)
+        return router_bias_of_one_group(ckpt)
 

@@ -13,9 +13,10 @@ refused when true (the checkpoints hold no q/k norm weights; transformers would 
 
 from __future__ import annotations
 
+from ..shown_tensors import renamed
 from .config import ConfigError
 from .glm4_moe import Glm4MoeForCausalLM
-from .qwen3_vl_moe import PREFIXES, Renamed
+from .qwen3_vl_moe import PREFIXES
 from .text_wrapper import TextOnlyWrapper
 
 
@@ -33,4 +34,4 @@ class Glm4vMoeForConditionalGeneration(TextOnlyWrapper):
         return dict(text, use_qk_norm=False)
 
     def checkpoint_view(self, ckpt):
-        return self.language_model.checkpoint_view(Renamed(ckpt, PREFIXES))
+        return self.language_model.checkpoint_view(renamed(ckpt, PREFIXES))

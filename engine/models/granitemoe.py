@@ -18,7 +18,7 @@ The router takes the top-k of the logits and a softmax over them, which is the r
 (`norm_topk_prob`). Its checkpoints keep each layer's experts stacked, `block_sparse_moe.input_linear.weight`
 [E, 2I, D] (gate, then up) and `output_linear.weight` [E, D, I], and the router as
 `block_sparse_moe.router.layer.weight`: shown to the weight remapping one expert at a time (engine/
-stacked_experts.py) under the engine's names (`GRANITE_NAMES`).
+stacked_experts.py) under the engine's names (`GRANITE_NAMES`, through `engine_names`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch
 
 from ..layers.attention import GQAttention
 from ..layers.rope import RotaryEmbedding
+from ..shown_tensors import ShownTensors
 from ..stacked_experts import StackedExperts
 from ..weights import CheckpointNames, ShapeMismatch
 from .causal_lm import CausalLM
@@ -126,7 +127,7 @@ class GraniteMoeForCausalLM(QwenLayerCausalLM):
                           rope_head_dim=cfg.head_dim, dtype=dtype)
 
     def checkpoint_view(self, ckpt):
-        return StackedExperts(_EngineNames(ckpt, self.NAMES), self.config.num_experts, gate_up="concatenated",
+        return StackedExperts(engine_names(ckpt, self.NAMES), self.config.num_experts, gate_up="concatenated",
                               hidden_size=self.config.hidden_size, expert_width=self.config.moe_intermediate_size,
                               as_held=True)
 
@@ -202,39 +203,20 @@ class GraniteMoeSWAForCausalLM(GraniteMoeForCausalLM):
     NAMES = GRANITE_SWA_NAMES
 
 
-class _EngineNames:
-    """The checkpoint (`names`/`shape`/`get`) with Granite's stacked experts, router and shared MLP under the
-    names StackedExperts and the engine read (`names`: the family's table, GRANITE_NAMES or GRANITE_SWA_NAMES; the
-    shared MLP's [2S, D] as its gate and up)."""
-
-    def __init__(self, ckpt, names: CheckpointNames = GRANITE_NAMES):
-        self._ckpt = ckpt
-        self._source: dict[str, tuple[str, int | None]] = {}     # shown -> (checkpoint name, half or None)
-        for name in ckpt.names():
-            if name.endswith(SHARED_GATE_UP):
-                head = name[:-len(SHARED_GATE_UP)]
-                self._source[f"{head}mlp.shared_mlp.gate_proj.weight"] = (name, 0)
-                self._source[f"{head}mlp.shared_mlp.up_proj.weight"] = (name, 1)
-            else:
-                self._source[names.to_engine(name)] = (name, None)
-
-    def names(self) -> list[str]:
-        return list(self._source)
-
-    def source_name(self, name: str) -> str:
-        """The checkpoint's name of the tensor shown as `name` (for errors)."""
-        return self._source[name][0] if name in self._source else name
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        source, half = self._source[name]
-        shape = tuple(self._ckpt.shape(source))
-        if half is None:
-            return shape
+def engine_names(ckpt, names: CheckpointNames = GRANITE_NAMES) -> ShownTensors:
+    """The checkpoint with Granite's stacked experts, router and shared MLP under the names StackedExperts and the
+    engine read (`names`: the family's table, GRANITE_NAMES or GRANITE_SWA_NAMES; the shared MLP's [2S, D] as its
+    gate and up)."""
+    view = ShownTensors(ckpt)
+    for name in ckpt.names():
+        if not name.endswith(SHARED_GATE_UP):
+            view.show(names.to_engine(name), name)
+            continue
+        shape = tuple(ckpt.shape(name))
         if len(shape) != 2 or shape[0] % 2:
-            raise ShapeMismatch(f"tensor {source!r} has shape {list(shape)}: expected [2 x shared width, hidden]")
-        return (shape[0] // 2, shape[1])
-
-    def get(self, name: str) -> torch.Tensor:
-        source, half = self._source[name]
-        tensor = self._ckpt.get(source)
-        return tensor if half is None else tensor.chunk(2, dim=0)[half]
+            raise ShapeMismatch(f"tensor {name!r} has shape {list(shape)}: expected [2 x shared width, hidden]")
+        head = name[:-len(SHARED_GATE_UP)]
+        for half, proj in enumerate(("gate", "up")):
+            view.show(f"{head}mlp.shared_mlp.{proj}_proj.weight", name, (shape[0] // 2, shape[1]),
+                      lambda t, half=half: t.chunk(2, dim=0)[half])
+    return view

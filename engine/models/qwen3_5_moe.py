@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..shown_tensors import renamed
 from ..stacked_experts import StackedExperts
 from .config import ConfigError
 from .qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
-from .qwen3_vl_moe import PREFIXES, Renamed
+from .qwen3_vl_moe import PREFIXES
 from .text_wrapper import TextOnlyWrapper
 
 # Fields transformers' Qwen3.5-MoE does not read, and the only values its model has.
@@ -49,5 +50,5 @@ class Qwen3_5MoeForConditionalGeneration(TextOnlyWrapper):
         inner model's own view (its linear layers' channels regrouped under TP)."""
         cfg = self.config
         return self.language_model.checkpoint_view(
-            StackedExperts(Renamed(ckpt, PREFIXES), cfg.num_experts, gate_up="concatenated",
+            StackedExperts(renamed(ckpt, PREFIXES), cfg.num_experts, gate_up="concatenated",
                            hidden_size=cfg.hidden_size, expert_width=cfg.moe_intermediate_size))

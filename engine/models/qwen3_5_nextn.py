@@ -21,6 +21,7 @@ import dataclasses
 
 import torch
 
+from ..shown_tensors import renamed
 from ..stacked_experts import StackedExperts
 from ..weights import WeightLayout
 from .config import ConfigError, get_field as _get
@@ -28,7 +29,6 @@ from .nextn import NextNDraft
 from .qwen3_5_moe import read_config
 from .qwen3_next import Qwen3NextConfig, Qwen3NextDecoderLayer
 from .qwen3_next_nextn import mtp_names
-from .qwen3_vl_moe import Renamed
 from .text_wrapper import read_text_config
 
 ARCHITECTURE = "Qwen3_5ForCausalLMMTP"
@@ -72,8 +72,8 @@ class Qwen3_5ForCausalLMMTP(NextNDraft):
 
     def checkpoint_view(self, ckpt):
         cfg = self.config
-        renamed = Renamed(ckpt, (*TEXT_PREFIX, *mtp_names(cfg.num_hidden_layers)))
-        return StackedExperts(renamed, cfg.num_experts, gate_up="concatenated", hidden_size=cfg.hidden_size,
+        shown = renamed(ckpt, (*TEXT_PREFIX, *mtp_names(cfg.num_hidden_layers)))
+        return StackedExperts(shown, cfg.num_experts, gate_up="concatenated", hidden_size=cfg.hidden_size,
                               expert_width=cfg.moe_intermediate_size)
 
     def weight_layout(self) -> WeightLayout:

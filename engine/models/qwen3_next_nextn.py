@@ -22,10 +22,10 @@ import dataclasses
 
 import torch
 
+from ..shown_tensors import renamed
 from .config import ConfigError, get_field as _get
 from .nextn import NextNDraft
 from .qwen3_next import Qwen3NextConfig, Qwen3NextDecoderLayer
-from .qwen3_vl_moe import Renamed
 
 ARCHITECTURE = "Qwen3NextForCausalLMMTP"
 
@@ -55,4 +55,4 @@ class Qwen3NextForCausalLMMTP(NextNDraft):
         super().__init__(cfg, plan, Qwen3NextDecoderLayer, cfg.head_dim, dtype, n_routed=cfg.num_experts)
 
     def checkpoint_view(self, ckpt):
-        return Renamed(ckpt, mtp_names(self.config.num_hidden_layers))
+        return renamed(ckpt, mtp_names(self.config.num_hidden_layers))

@@ -18,6 +18,7 @@ It differs from the other wrappers in three ways:
 
 from __future__ import annotations
 
+from ..shown_tensors import renamed
 from ..stacked_experts import StackedExperts
 from .config import ConfigError
 from .qwen_moe import Qwen3MoeForCausalLM
@@ -25,26 +26,6 @@ from .text_wrapper import TextOnlyWrapper
 
 # checkpoint prefix -> the wrapper's (its text model under `language_model.`, as TextOnlyWrapper keeps it)
 PREFIXES = (("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."))
-
-
-class Renamed:
-    """A checkpoint (`names`/`shape`/`get`) with the first matching prefix of each name replaced."""
-
-    def __init__(self, ckpt, prefixes: tuple[tuple[str, str], ...]):
-        self._ckpt = ckpt
-        self._source: dict[str, str] = {}
-        for name in ckpt.names():
-            shown = next((new + name[len(old):] for old, new in prefixes if name.startswith(old)), name)
-            self._source[shown] = name
-
-    def names(self) -> list[str]:
-        return list(self._source)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._ckpt.shape(self._source[name]))
-
-    def get(self, name: str):
-        return self._ckpt.get(self._source[name])
 
 
 class Qwen3VLMoeForConditionalGeneration(TextOnlyWrapper):
@@ -62,5 +43,5 @@ class Qwen3VLMoeForConditionalGeneration(TextOnlyWrapper):
 
     def checkpoint_view(self, ckpt):
         cfg = self.config
-        return StackedExperts(Renamed(ckpt, PREFIXES), cfg.num_experts, gate_up="concatenated",
+        return StackedExperts(renamed(ckpt, PREFIXES), cfg.num_experts, gate_up="concatenated",
                               hidden_size=cfg.hidden_size, expert_width=cfg.moe_intermediate_size)

@@ -1,0 +1,59 @@
+"""`ShownTensors`: a checkpoint shown to the weight remapping under other names, some tensors reshaped.
+
+A family whose checkpoints arrange tensors otherwise than the engine builds them shows the checkpoint (`names`,
+`shape`, `get`, as engine/checkpoint.py's readers) through one of these: each shown name reads one checkpoint
+tensor, whole or through a function of it (a slice of a fused projection, a reshape, a transposed expert), with
+the shape that function gives. What a family shows is a table built once (`show`); nothing is read until `get`.
+
+Its views: `renamed` (a wrapper's prefixes: models/qwen3_vl_moe.py and the wrappers and drafts built like it),
+ERNIE-4.5's routing bias of one group (models/ernie4_5_moe.py), Granite's experts and halved shared MLP
+(models/granitemoe.py) and DBRX's fused q/k/v and flattened experts (models/dbrx.py).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+class ShownTensors:
+    """`ckpt` as `show` lays it out; `source_name(shown)` is the checkpoint's name of a shown tensor (for errors)."""
+
+    def __init__(self, ckpt):
+        self._ckpt = ckpt
+        # shown name -> (checkpoint name, its shape as shown, how to take it from the checkpoint's tensor)
+        self._shown: dict[str, tuple[str, tuple[int, ...], Callable[[torch.Tensor], torch.Tensor] | None]] = {}
+        self._last: tuple[str | None, torch.Tensor | None] = (None, None)   # the source last read through a function
+
+    def show(self, shown: str, source: str, shape: tuple[int, ...] | None = None,
+             take: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """Show checkpoint tensor `source` as `shown`: whole, or `take(tensor)` of shape `shape`."""
+        self._shown[shown] = (source, tuple(self._ckpt.shape(source)) if shape is None else tuple(shape), take)
+
+    def names(self) -> list[str]:
+        return list(self._shown)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shown[name][1]
+
+    def source_name(self, name: str) -> str:
+        return self._shown[name][0] if name in self._shown else name
+
+    def get(self, name: str) -> torch.Tensor:
+        source, _, take = self._shown[name]
+        if take is None:
+            return self._ckpt.get(source)
+        held, tensor = self._last
+        if held != source:                  # the parts of one tensor (each expert of a flattened matrix) read it once
+            tensor = self._ckpt.get(source)
+            self._last = (source, tensor)
+        return take(tensor).contiguous()
+
+
+def renamed(ckpt, prefixes: tuple[tuple[str, str], ...]) -> ShownTensors:
+    """`ckpt` with the first matching prefix of each name replaced ((old, new) pairs)."""
+    view = ShownTensors(ckpt)
+    for name in ckpt.names():
+        view.show(next((new + name[len(old):] for old, new in prefixes if name.startswith(old)), name), name)
+    return view
