@@ -100,7 +100,8 @@ class GraniteMoeDecoderLayer(QwenDecoderLayer):
 
     def __init__(self, cfg: GraniteMoeConfig, plan, layer_id: int, dtype: torch.dtype):
         super().__init__(cfg, plan, layer_id, dtype)
-        self.self_attn.scale = cfg.attention_multiplier
+        if self.self_attn is not None:   # None: a layer whose token mixer is not attention (granitemoe_hybrid.py)
+            self.self_attn.scale = cfg.attention_multiplier
         self.residual_multiplier = cfg.residual_multiplier
 
     def forward(self, x, cos, sin, input_pos=None):

@@ -87,6 +87,8 @@ FAMILIES: dict[str, Family] = {
         Family("granitemoe_shared", layouts.granitemoe_shared_layout, gates.granitemoe_shared_gate, True),
         # Granite MoE SWA (granite-swash): Granite MoE's layer, its optional shared MLP never fused
         Family("granitemoe_swa", layouts.granitemoe_shared_layout, gates.granitemoe_swa_gate, True),
+        # Granite 4.0-H: Granite MoE's layer under Mamba2 or attention token mixers, its shared MLP never fused
+        Family("granitemoe_hybrid", layouts.granitemoe_hybrid_layout, gates.granitemoe_hybrid_gate, True),
         Family("llama4", layouts.llama4_layout, gates.llama4_gate, True),
         # GLM-4.7-Flash: GLM-4-MoE's MoE block and gate (DESIGN 5.2's GLM conditions) over DeepSeek's MLA
         Family("glm4_moe_lite", layouts.glm4_moe_lite_layout, gates.glm4_moe_gate, True),
@@ -133,6 +135,7 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "GraniteMoeForCausalLM": Direct("granitemoe"),
     "GraniteMoeSharedForCausalLM": Direct("granitemoe_shared"),
     "GraniteMoeSWAForCausalLM": Direct("granitemoe_swa"),
+    "GraniteMoeHybridForCausalLM": Direct("granitemoe_hybrid"),
     "HunYuanMoEV1ForCausalLM": Direct("hunyuan_v1_moe"),
     "ExaoneMoeForCausalLM": Direct("exaone_moe"),
     "AfmoeForCausalLM": Direct("afmoe"),

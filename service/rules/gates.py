@@ -93,6 +93,12 @@ def granitemoe_swa_gate(ctx: GateContext) -> Verdict | None:
                    "its shared MLP runs beside the routed experts: no fused layout exists for Granite MoE SWA")
 
 
+def granitemoe_hybrid_gate(ctx: GateContext) -> Verdict | None:
+    """Granite 4.0-H never fuses its shared MLP, as GraniteMoeShared (`granitemoe_shared_gate`)."""
+    return Verdict("granitemoe_hybrid.structural.no_fused_layout",
+                   "its shared MLP runs beside the routed experts: no fused layout exists for Granite 4.0-H")
+
+
 def hunyuan_v1_moe_gate(ctx: GateContext) -> Verdict | None:
     """Hunyuan never fuses (not in DESIGN 5.2; our choice, as SGLang and vLLM run it): its shared MLP runs beside the
     routed experts, ungated, with no fused layout or kernel. Structural: enforce does not skip it."""

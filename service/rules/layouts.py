@@ -114,6 +114,19 @@ def granitemoe_shared_layout(cfg: ConfigView) -> MoeLayout:
     return replace(lay, n_shared=1 if cfg.int("shared_intermediate_size", 0, minimum=0) else 0)
 
 
+def granitemoe_hybrid_layout(cfg: ConfigView) -> MoeLayout:
+    """Granite 4.0-H: Granite MoE's experts and shared MLP on every layer, whether its token mixer is Mamba2 or
+    attention; transformers' GraniteMoeHybridConfig defaults where a config leaves a field out (8 experts, a shared
+    MLP of 1024: one shared MLP unless sized 0)."""
+    n_layers = cfg.int("num_hidden_layers", 32, minimum=1, maximum=MAX_LAYERS)
+    n_routed = cfg.int("num_local_experts", 8, minimum=1)
+    top_k = cfg.int("num_experts_per_tok", 2, minimum=1)
+    _check_top_k(cfg, top_k, n_routed)
+    layers = tuple(range(n_layers))
+    return MoeLayout(layers, layers, n_routed, 1 if cfg.int("shared_intermediate_size", 1024, minimum=0) else 0,
+                     top_k)
+
+
 def dbrx_layout(cfg: ConfigView) -> MoeLayout:
     """transformers' DbrxConfig defaults where a config leaves a field out (ffn_config is an object of its own)."""
     n_layers = cfg.int("n_layers", 24, minimum=1, maximum=MAX_LAYERS)

@@ -290,6 +290,19 @@ def make_granitemoe_checkpoint(path: Path, *, seed: int = 0, family: str = "Gran
     return _save_random_model(path, family, seed, dict(GRANITEMOE_TINY, **config))
 
 
+# Granite 4.0-H: GRANITEMOE_TINY's MoE layer and a shared MLP under Mamba2 (4 heads of 16 in 2 groups of 8 state
+# features; transformers runs chunks of 4) and NoPE attention token mixers.
+GRANITEMOE_HYBRID_TINY = dict(GRANITEMOE_TINY, shared_intermediate_size=24, layer_types=["mamba", "attention", "mamba"],
+                              mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+                              mamba_chunk_size=4)
+
+
+def make_granitemoe_hybrid_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random Granite 4.0-H of GRANITEMOE_HYBRID_TINY updated with `config` (transformers'
+    GraniteMoeHybridConfig kwargs)."""
+    return _save_random_model(path, "GraniteMoeHybrid", seed, dict(GRANITEMOE_HYBRID_TINY, **config))
+
+
 # DeepSeek-V3.2: DEEPSEEK_TINY with its sparse attention indexer (8 index heads of 16, 8 of them rotated) keeping 4
 # keys a query, and the default rope; 16 routed experts (in 8 groups of 2): it is never fused, whatever the count.
 DEEPSEEK_V32_TINY = dict(DEEPSEEK_TINY, n_routed_experts=16, index_n_heads=8, index_head_dim=16, index_topk=4,

@@ -257,6 +257,8 @@ _BAD_CONFIGS = [
     ("PhimoeForCausalLM", "PhimoeConfig", dict(num_local_experts=8), {"num_experts_per_tok": 1}, "target"),
     ("PhiMoEForCausalLM", "PhimoeConfig", dict(num_local_experts=8), {"router_jitter_noise": -1.0}, "target"),
     ("GraniteMoeSWAForCausalLM", "GraniteMoeSWAConfig", dict(num_local_experts=8), {"sliding_window": 0}, "target"),
+    ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig", dict(num_local_experts=8, mamba_n_heads=4),
+     {"mamba_n_groups": 3}, "target"),
     ("Llama4ForCausalLM", "Llama4TextConfig", dict(num_local_experts=4), {"attention_chunk_size": 0}, "target"),
     ("Llama4ForConditionalGeneration", None, {}, {"text_config": None}, "target"),
     ("Qwen3VLMoeForConditionalGeneration", None, {}, {"text_config": None}, "target"),

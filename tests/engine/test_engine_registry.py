@@ -27,7 +27,7 @@ def test_unknown_entry_class_lists_the_supported_ones():
                                                r"Glm4MoeForCausalLMNextN, Glm4MoeLiteForCausalLM, "
                                                r"Glm4vMoeForConditionalGeneration, GlmMoeDsaForCausalLM, "
                                                r"GptOssForCausalLM, GraniteMoeForCausalLM, "
-                                               r"GraniteMoeSWAForCausalLM, GraniteMoeSharedForCausalLM, "
+                                               r"GraniteMoeHybridForCausalLM, GraniteMoeSWAForCausalLM, GraniteMoeSharedForCausalLM, "
                                                r"HunYuanMoEV1ForCausalLM, "
                                                r"KimiK25ForConditionalGeneration, Lfm2MoeForCausalLM, "
                                                r"Llama4ForCausalLM, "

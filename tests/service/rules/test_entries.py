@@ -33,6 +33,7 @@ BUILT = {
     "GraniteMoeForCausalLM": "granitemoe",
     "GraniteMoeSharedForCausalLM": "granitemoe_shared",
     "GraniteMoeSWAForCausalLM": "granitemoe_swa",
+    "GraniteMoeHybridForCausalLM": "granitemoe_hybrid",
     "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe",
     "ExaoneMoeForCausalLM": "exaone_moe",
     "AfmoeForCausalLM": "afmoe",

@@ -613,6 +613,17 @@ def test_granitemoe_shared_is_never_fused_and_granitemoe_has_no_shared_experts()
     assert_off(fusion(dict(swa, shared_intermediate_size=0)), "granitemoe_swa.no_shared_experts")
 
 
+def test_granitemoe_hybrid_never_fuses_its_shared_mlp():
+    """Granite 4.0-H (granite-4.0-h-tiny's expert fields): its shared MLP (there by default) is never fused."""
+    cfg = {"architectures": ["GraniteMoeHybridForCausalLM"], "num_hidden_layers": 40, "num_local_experts": 64,
+           "num_experts_per_tok": 6, "layer_types": ["mamba"] * 40}
+    res = resolve(cfg, ep_size=8, ep_rank=2)
+    assert res.family == "granitemoe_hybrid" and res.decisions[Keys.NUM_LOCAL_EXPERTS].value == 8
+    for kw in ({}, ENFORCE):
+        assert_off(fusion(cfg, **kw), "granitemoe_hybrid.structural.no_fused_layout", "shared MLP")
+    assert_off(fusion(dict(cfg, shared_intermediate_size=0)), "granitemoe_hybrid.no_shared_experts")
+
+
 # The fields of tencent/Hunyuan-A13B-Instruct's config.json that the rules read, as it writes them (per layer).
 HUNYUAN_A13B = {"architectures": ["HunYuanMoEV1ForCausalLM"], "num_hidden_layers": 32, "num_experts": 64,
                 "moe_topk": [8] * 32, "num_shared_expert": [1] * 32, "intermediate_size": 3072,

@@ -9,7 +9,7 @@ from loadplan.service.rules import entries
 from loadplan.service.rules.config_view import ConfigView
 from loadplan.service.rules.layouts import (afmoe_layout, dbrx_layout, deepseek_layout, deepseek_nextn_layout,
                                             ernie4_5_moe_layout, every_layer_moe_layout, exaone_moe_layout,
-                                            hunyuan_v1_moe_layout, lfm2_moe_layout, mimo_v2_flash_layout,
+                                            granitemoe_hybrid_layout, hunyuan_v1_moe_layout, lfm2_moe_layout, mimo_v2_flash_layout,
                                             qwen_moe_layout)
 
 from ._fixtures import deepseek, mixtral, qwen2, qwen3
@@ -119,6 +119,19 @@ def test_dbrx_layout_reads_ffn_config_and_names_its_fields():
 def test_lfm2_moe_layers_follow_num_dense_layers():
     lay = lfm2_moe_layout(ConfigView({"num_hidden_layers": 6}))
     assert list(lay.moe_layers) == [2, 3, 4, 5] and (lay.n_routed, lay.n_shared, lay.top_k) == (32, 0, 4)
+
+
+def test_granitemoe_hybrid_has_experts_and_a_shared_mlp_on_every_layer_by_default():
+    """Granite 4.0-H: transformers' defaults (32 layers, 8 experts, top-2, a shared MLP of 1024) where a config leaves
+    a field out, whatever each layer's token mixer; a dense one (no experts) is refused by field."""
+    lay = granitemoe_hybrid_layout(ConfigView({"layer_types": ["mamba"] * 32}))
+    assert lay.moe_layers == tuple(range(32)) and (lay.n_routed, lay.n_shared, lay.top_k) == (8, 1, 2)
+    lay = granitemoe_hybrid_layout(ConfigView({"num_hidden_layers": 4, "num_local_experts": 64,
+                                               "num_experts_per_tok": 6, "shared_intermediate_size": 0}))
+    assert lay.moe_layers == (0, 1, 2, 3) and (lay.n_routed, lay.n_shared, lay.top_k) == (64, 0, 6)
+    with pytest.raises(InvalidArgument) as e:
+        granitemoe_hybrid_layout(ConfigView({"num_local_experts": 0}))
+    assert e.value.field == "config.num_local_experts"
 
 
 def test_exaone_moe_refuses_a_bad_mlp_layer_types_by_field():

@@ -1,0 +1,156 @@
+"""Mamba2: the state-space token mixer of hybrid models (Granite 4.0-H: models/granitemoe_hybrid.py), with a
+state cache that rolls back.
+
+Shapes: B batch, T new tokens, D hidden, H heads of P features (I = H P, the inner width), G groups of N state
+features (each group's B and C serve H / G heads), K the conv kernel, C = I + 2 G N conv channels, S the state
+[B, H, N, P].
+
+    z, xBC, dt = in_proj(h)                   [I], [C], [H]
+    x, B, C = silu(causal_depthwise_conv(xBC))    (channels [x of every head, B of every group, C of every group])
+    dt = clamp(softplus(dt + dt_bias), time_step_limit); A = -exp(A_log)
+per token t and head h:
+    S = exp(dt A) S + B (dt x)^T              decay, then write (no delta rule: layers/gated_delta_net.py has one)
+    y = S^T C + D x
+then a gated RMSNorm over each group's heads (norm(y * silu(z)), `GroupedGatedRMSNorm`) and out_proj.
+That is linear attention with q = C, k = B, v = dt x and a log decay dt A per position: long inputs (a prefill) run
+a chunk at a time (`ssd_chunked`), short ones (decode, speculative verification) token by token (`ssd_steps`),
+which yields the state after every position for the cache.
+
+`LinearStateCache` (layers/gated_delta_net.py) keeps the conv's last inputs and the states by position, so a
+speculative round that keeps fewer tokens than it wrote continues from where it kept them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .gated_delta_net import LinearStateCache
+
+CHUNK = 64   # positions per chunk of the chunked form
+
+
+def ssd_steps(q, k, v, g, state):
+    """The recurrence token by token. q/k [B, H, T, N], v [B, H, T, P], g [B, H, T] (log decay), state S [B, H, N, P]
+    (float32) -> (y [B, H, T, P], the states after each position [T, B, H, N, P])."""
+    outs, states = [], []
+    for t in range(q.shape[2]):
+        state = state * g[:, :, t, None, None].exp() + k[:, :, t, :, None] * v[:, :, t, None, :]
+        outs.append((state * q[:, :, t, :, None]).sum(dim=-2))                  # S^T q  [B, H, P]
+        states.append(state)
+    return torch.stack(outs, dim=2), torch.stack(states)
+
+
+def ssd_chunked(q, k, v, g, state, chunk: int = CHUNK):
+    """The same recurrence a chunk at a time -> (y [B, H, T, P], the final state)."""
+    B, H, T, _ = k.shape
+    pad = (-T) % chunk
+    if pad:   # g = 0, k = 0: the padding neither decays nor writes
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g = F.pad(g, (0, pad))
+    n = (T + pad) // chunk
+    q, k, v = (x.reshape(B, H, n, chunk, -1) for x in (q, k, v))                  # [B, H, n, c, .]
+    cum = g.reshape(B, H, n, chunk).cumsum(dim=-1)           # [B, H, n, c]: log decay since the chunk's start
+    later = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(later, float("-inf")).exp()   # [.., c, c] j -> i
+    within = ((q @ k.transpose(-1, -2)) * decay) @ v                            # [.., c, P]: this chunk's writes
+    q_decayed = q * cum.exp()[..., None]                                        # reads the chunk's start state
+    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]                       # writes, decayed to its end
+    out = torch.empty_like(v)
+    for i in range(n):
+        out[:, :, i] = within[:, :, i] + q_decayed[:, :, i] @ state
+        state = state * cum[:, :, i, -1, None, None].exp() + k_to_end[:, :, i].transpose(-1, -2) @ v[:, :, i]
+    return out.reshape(B, H, n * chunk, -1)[:, :, :T], state
+
+
+class GroupedGatedRMSNorm(nn.Module):
+    """y * silu(z), then RMS-normalised over each of `groups` equal slices of the features, in float32, scaled by the
+    weight (Mamba2's output norm with its gate before the norm: transformers' BambaRMSNormGated)."""
+
+    def __init__(self, dim: int, groups: int, eps: float, dtype: torch.dtype | None = None):
+        super().__init__()
+        if dim % groups:
+            raise ValueError(f"{dim} features do not split into {groups} norm groups")
+        self.groups, self.eps = groups, eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """y [..., I] (float32), z [..., I] -> float32 [..., I]"""
+        h = y.float() * F.silu(z.float())
+        h = h.unflatten(-1, (self.groups, -1))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.flatten(-2)
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, hidden_size: int, n_heads: int, head_dim: int, n_groups: int, state_size: int,
+                 conv_kernel: int, conv_bias: bool, proj_bias: bool, rms_norm_eps: float,
+                 time_step_limit: tuple[float, float], dtype: torch.dtype | None = None):
+        super().__init__()
+        if n_heads % n_groups:
+            raise ValueError(f"mamba_n_heads={n_heads} is not a multiple of mamba_n_groups={n_groups}")
+        self.H, self.P, self.G, self.N, self.kernel = n_heads, head_dim, n_groups, state_size, conv_kernel
+        self.inner = n_heads * head_dim
+        self.channels = self.inner + 2 * n_groups * state_size
+        self.time_step_limit = time_step_limit
+        self.in_proj = nn.Linear(hidden_size, self.inner + self.channels + n_heads, bias=proj_bias, dtype=dtype)
+        self.conv1d = nn.Conv1d(self.channels, self.channels, conv_kernel, groups=self.channels, bias=conv_bias,
+                                dtype=dtype)                                    # weight [C, 1, K]
+        self.dt_bias = nn.Parameter(torch.ones(n_heads, dtype=dtype), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(n_heads, dtype=dtype), requires_grad=False)
+        self.D = nn.Parameter(torch.ones(n_heads, dtype=dtype), requires_grad=False)
+        self.norm = GroupedGatedRMSNorm(self.inner, n_groups, rms_norm_eps, dtype)
+        self.out_proj = nn.Linear(self.inner, hidden_size, bias=proj_bias, dtype=dtype)
+        self.kv_cache: LinearStateCache | None = None   # the model's setup_caches sets it (named as attention's)
+
+    def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype, device,
+                    lookahead: int = 0) -> LinearStateCache:
+        """`max_seq_len` does not matter: the state is the same size at every length."""
+        self.kv_cache = LinearStateCache(batch_size, self.channels, self.kernel, (self.H, self.N, self.P),
+                                         lookahead, dtype, device)
+        return self.kv_cache
+
+    def forward(self, x: torch.Tensor, cos=None, sin=None, input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D] (cos, sin: unused, no rotary here; input_pos [T] needed with a cache)."""
+        B, T, _ = x.shape
+        H, P, G, N = self.H, self.P, self.G, self.N
+        z, xbc, dt = self.in_proj(x).split([self.inner, self.channels, H], dim=-1)
+        xbc = xbc.transpose(1, 2)                                               # [B, C, T]
+
+        start = 0
+        cache = self.kv_cache
+        if cache is not None:
+            if input_pos is None:
+                raise ValueError("a state cache is set up: pass input_pos")
+            start = int(input_pos[0])
+            if int(input_pos[-1]) - start != T - 1:
+                raise ValueError(f"a Mamba2 layer takes consecutive positions, got {input_pos.tolist()}")
+            prefix, state = cache.read(start, B)
+        elif input_pos is not None and int(input_pos[0]) != 0:
+            raise ValueError("without a state cache a Mamba2 layer runs a whole sequence from position 0")
+        else:
+            prefix = xbc.new_zeros(B, self.channels, self.kernel - 1)
+            state = xbc.new_zeros(B, H, N, P, dtype=torch.float32)
+        weight = self.conv1d.weight
+        conv = F.silu(F.conv1d(torch.cat([prefix, xbc], dim=-1).to(weight.dtype), weight, self.conv1d.bias,
+                               groups=self.channels)).to(x.dtype)              # [B, C, T]
+        xs, b, c = conv.transpose(1, 2).split([self.inner, G * N, G * N], dim=-1)
+
+        dt = F.softplus(dt + self.dt_bias.to(dt.dtype)).clamp(*self.time_step_limit).float()   # [B, T, H]
+        g = dt * -self.A_log.float().exp()                                      # log decay [B, T, H]
+        xs = xs.reshape(B, T, H, P).float()
+        k = b.reshape(B, T, G, N).float().repeat_interleave(H // G, dim=2)     # [B, T, H, N]
+        q = c.reshape(B, T, G, N).float().repeat_interleave(H // G, dim=2)
+        q, k, v, g = (t.transpose(1, 2) for t in (q, k, xs * dt[..., None], g))   # heads first: [B, H, T, ...]
+        if cache is not None and T <= cache.snapshots:       # short (decode, verification): a state per position
+            y, states = ssd_steps(q, k, v, g, state.float())
+        else:
+            y, final = ssd_chunked(q, k, v, g, state.float())
+            states = final[None]
+        if cache is not None:
+            cache.write(start, xbc, states)
+
+        y = y.transpose(1, 2) + xs * self.D.float()[:, None]                   # [B, T, H, P]
+        y = self.norm(y.reshape(B, T, self.inner), z)
+        return self.out_proj(y.to(x.dtype))

@@ -1,0 +1,121 @@
+"""Granite 4.0-H (`GraniteMoeHybridForCausalLM`) from save_pretrained checkpoints: logits and greedy tokens (decoded
+through the Mamba2 layers' state cache and the attention layers' KV cache) against transformers, float32: Mamba2 and
+NoPE attention layers over Granite MoE's experts and shared MLP; rotary attention, one Mamba2 group, conv and
+projection biases, a tied head, the Hub's layer-kind spellings; a prompt longer than a chunk; a batch decodes each
+row as alone; speculative decoding with a Granite 4.0-H target rolls its Mamba2 layers back; the registry plans it
+with its shared MLP unfused; what it cannot run is refused by field before any plan (tensor parallelism too). EP 2
+with every backend: tests/engine/parallel/test_expert_parallel.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loadplan.engine.layers.attention import GQAttention
+from loadplan.engine.layers.mamba2 import Mamba2Mixer
+from loadplan.engine.models.config import ConfigError
+from loadplan.plan import Keys
+
+from engine_helpers import (check_matches_transformers, check_refused_before_any_plan, hf_logits_of_order_one,
+                            load_local, logits_of, make_granitemoe_hybrid_checkpoint, prompt, with_config,
+                            with_tensors)
+
+ARCH = "GraniteMoeHybridForCausalLM"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_granitemoe_hybrid_checkpoint(tmp_path_factory.mktemp("granitemoe_hybrid"))
+
+
+def generate_tokens(model, ids, n):
+    from loadplan.engine.generate import generate
+
+    return generate(model, ids[0], n)[0].tolist()
+
+
+def test_logits_and_greedy_tokens_match_transformers(ckpt, ids):
+    model = check_matches_transformers(ckpt, ARCH, ids)
+    d = model.plan.decisions
+    assert d[Keys.ENTRY_FAMILY].value == "granitemoe_hybrid" and d[Keys.SHARED_EXPERTS_FUSION].value is False
+    assert [type(layer.mixer) for layer in model.model.layers] == [Mamba2Mixer, GQAttention, Mamba2Mixer]
+    assert model.moe_layer_ids == (0, 1, 2) and not model.model.layers[1].self_attn.use_rope
+    assert all(layer.mlp.shared_mlp is not None for layer in model.model.layers)
+
+
+@pytest.mark.parametrize("config", [
+    dict(position_embedding_type="rope", attention_multiplier=1.0),
+    dict(mamba_n_groups=1, mamba_conv_bias=False, mamba_proj_bias=True, tie_word_embeddings=True),
+    dict(layer_types=["attention", "mamba", "mamba"], mamba_d_conv=2, mamba_n_heads=8),
+])
+def test_its_variants_match_transformers(tmp_path, ids, config):
+    check_matches_transformers(make_granitemoe_hybrid_checkpoint(tmp_path / "v", **config), ARCH, ids)
+
+
+def test_the_hubs_spellings_of_its_config_are_read_alike(ckpt, tmp_path, ids):
+    """Its published config.json says "mamba" / "attention" and "nope" (transformers 5 writes other names)."""
+    hub = with_config(ckpt, tmp_path / "hub", layer_types=["mamba", "attention", "mamba"],
+                      position_embedding_type="nope", time_step_limit=[0.0, float("inf")])
+    torch.testing.assert_close(logits_of(load_local(hub), ids), logits_of(load_local(ckpt), ids))
+
+
+def test_a_prompt_longer_than_a_chunk_matches_transformers(ckpt):
+    """150 tokens: the engine's scan runs three chunks of 64, transformers' 38 chunks of 4."""
+    check_matches_transformers(ckpt, ARCH, prompt(B=1, T=150, seed=3), n_new=3)
+
+
+@torch.no_grad()
+def test_decoding_token_by_token_gives_transformers_logits_of_the_whole_prompt(ckpt, ids):
+    """A cached prefill of 4 tokens, then one token a forward: every position's logits are transformers' (the Mamba2
+    layers' step-by-step recurrence and conv cache, not only the chunked scan)."""
+    model = load_local(ckpt)
+    model.setup_caches(ids.shape[0], 32)
+    got = [model(ids[:, :4], input_pos=torch.arange(4))]
+    got += [model(ids[:, t:t + 1], input_pos=torch.tensor([t])) for t in range(4, ids.shape[1])]
+    assert (torch.cat(got, dim=1) - hf_logits_of_order_one(ckpt, ARCH, ids)).abs().max() <= 1e-4
+
+
+def test_a_batch_decodes_each_row_as_alone(ckpt, ids):
+    model = load_local(ckpt)
+    together = generate_tokens(model, ids, 5)
+    model = load_local(ckpt)
+    assert together == generate_tokens(model, ids[:1], 5)
+    assert torch.allclose(logits_of(model, ids)[1], logits_of(model, ids[1:])[0], atol=1e-5)
+
+
+def test_speculative_decoding_with_a_granite_hybrid_target_gives_its_greedy_tokens(tmp_path):
+    """The target verifies several drafted tokens in one forward and rolls back the rejected ones: its Mamba2 layers
+    continue from the state of the last accepted position. The draft is the target with a noisy head."""
+    from loadplan.engine.speculative import speculative_generate
+
+    path = make_granitemoe_hybrid_checkpoint(tmp_path / "target")
+
+    def noisy_head(tensors):
+        g = torch.Generator().manual_seed(4)
+        tensors["lm_head.weight"] = tensors["lm_head.weight"] + 0.05 * torch.randn(128, 32, generator=g)
+    draft_path = with_tensors(path, tmp_path / "draft", noisy_head)
+    ids = prompt(B=1, T=6, seed=2)
+    target = load_local(path)
+    want = generate_tokens(target, ids, 12)
+    tokens, stats = speculative_generate(target, load_local(draft_path, role="speculative"), ids[0], 12, 3)
+    assert tokens == want
+    assert 0 < stats["accepted"] < stats["proposed"]                   # some rejected: rolled back
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(num_local_experts=0), r"config\.num_local_experts: must be >= 1"),
+    (dict(layer_types=["mamba", "sliding_attention", "mamba"]), r"config\.layer_types: expected 3 entries"),
+    (dict(position_embedding_type="alibi"), r"config\.position_embedding_type: 'alibi' not supported"),
+    (dict(mamba_d_head=8), r"config\.mamba_d_head: 8 x mamba_n_heads=4 must be"),
+    (dict(mamba_n_heads=4, mamba_n_groups=3), r"config\.mamba_n_groups: 3 must be >= 1 and divide"),
+    (dict(mamba_n_heads=5), r"config\.mamba_n_heads: 5 must be >= 1 and divide"),
+    (dict(time_step_limit=[1.0, 0.0]), r"config\.time_step_limit: expected \[low, high\]"),
+])
+def test_what_it_cannot_run_is_refused_by_field_before_any_plan(ckpt, tmp_path, overrides, match):
+    check_refused_before_any_plan(with_config(ckpt, tmp_path / "bad", **overrides), ConfigError, match)
+
+
+def test_tensor_parallelism_is_refused_before_any_plan(ckpt):
+    check_refused_before_any_plan(ckpt, NotImplementedError, r"tensor parallelism \(tp_size=2\) is not implemented "
+                                                             r"by the engine for GraniteMoeHybridForCausalLM",
+                                  tp_size=2)
