@@ -191,6 +191,10 @@ TP_SPLITS: list[tuple[re.Pattern, int]] = [
     (re.compile(r"\.linear_attn\.(in_proj_qkvz|in_proj_ba|in_proj_qkv|in_proj_[zba]|conv1d)\.weight$"), 0),
     (re.compile(r"\.linear_attn\.(A_log|dt_bias)$"), 0),
     (re.compile(r"\.linear_attn\.out_proj\.weight$"), 1),
+    # Mamba2 (layers/mamba2.py): by head, in_proj's rows and the conv's channels as its `rows_by_rank` regroups them.
+    (re.compile(r"\.mamba\.(in_proj|conv1d)\.(weight|bias)$"), 0),
+    (re.compile(r"\.mamba\.(dt_bias|A_log|D|norm\.weight)$"), 0),
+    (re.compile(r"\.mamba\.out_proj\.weight$"), 1),
     (re.compile(r"\.mlp\.(gate|up)_proj\.weight$"), 0),
     (re.compile(r"\.mlp\.down_proj\.weight$"), 1),
     (re.compile(r"\.mlp\.experts\.gate_up_proj$"), 0),

@@ -18,6 +18,12 @@ which yields the state after every position for the cache.
 
 `LinearStateCache` (layers/gated_delta_net.py) keeps the conv's last inputs and the states by position, so a
 speculative round that keeps fewer tokens than it wrote continues from where it kept them.
+
+Under tensor parallelism a rank holds H / tp_size heads (their z, x and dt rows of in_proj, x conv channels, dt_bias,
+A_log, D and norm features; out_proj's input columns, all-reduced) and the groups those heads read: G / tp_size of
+them when they divide, else (G = 1, the published models) the one group, B and C replicated on every rank and the
+norm's mean square summed over the ranks. `rows_by_rank` shows a checkpoint's in_proj and conv1d regrouped rank by
+rank, so that weights.TP_SPLITS' contiguous split gives each rank its own rows.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..parallel.tensor import TensorParallel
 from .gated_delta_net import LinearStateCache
 
 CHUNK = 64   # positions per chunk of the chunked form
@@ -66,31 +73,48 @@ def ssd_chunked(q, k, v, g, state, chunk: int = CHUNK):
 
 class GroupedGatedRMSNorm(nn.Module):
     """y * silu(z), then RMS-normalised over each of `groups` equal slices of the features, in float32, scaled by the
-    weight (Mamba2's output norm with its gate before the norm: transformers' BambaRMSNormGated)."""
+    weight (Mamba2's output norm with its gate before the norm: transformers' BambaRMSNormGated). With `reduce` the
+    one group is split over tensor-parallel ranks: each sums its squares, `reduce` sums them over the ranks, and the
+    mean is over `full_dim`."""
 
-    def __init__(self, dim: int, groups: int, eps: float, dtype: torch.dtype | None = None):
+    def __init__(self, dim: int, groups: int, eps: float, dtype: torch.dtype | None = None, *,
+                 full_dim: int | None = None, reduce=None):
         super().__init__()
         if dim % groups:
             raise ValueError(f"{dim} features do not split into {groups} norm groups")
-        self.groups, self.eps = groups, eps
+        if reduce is not None and groups != 1:
+            raise ValueError("a norm group split over ranks is the only group of its rank")
+        self.groups, self.eps, self.full_dim, self.reduce = groups, eps, full_dim, reduce
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """y [..., I] (float32), z [..., I] -> float32 [..., I]"""
         h = y.float() * F.silu(z.float())
         h = h.unflatten(-1, (self.groups, -1))
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.flatten(-2)
+        if self.reduce is None:
+            mean_square = h.pow(2).mean(-1, keepdim=True)
+        else:
+            mean_square = self.reduce(h.pow(2).sum(-1, keepdim=True)) / self.full_dim
+        return self.weight * (h * torch.rsqrt(mean_square + self.eps)).flatten(-2)
 
 
 class Mamba2Mixer(nn.Module):
     def __init__(self, hidden_size: int, n_heads: int, head_dim: int, n_groups: int, state_size: int,
                  conv_kernel: int, conv_bias: bool, proj_bias: bool, rms_norm_eps: float,
-                 time_step_limit: tuple[float, float], dtype: torch.dtype | None = None):
+                 time_step_limit: tuple[float, float], dtype: torch.dtype | None = None,
+                 tp: TensorParallel | None = None):
         super().__init__()
         if n_heads % n_groups:
             raise ValueError(f"mamba_n_heads={n_heads} is not a multiple of mamba_n_groups={n_groups}")
-        self.H, self.P, self.G, self.N, self.kernel = n_heads, head_dim, n_groups, state_size, conv_kernel
+        self.tp = tp = tp or TensorParallel()
+        groups_split = tp.size > 1 and n_groups % tp.size != 0
+        if groups_split and n_groups != 1:
+            raise ValueError(f"mamba_n_groups={n_groups} does not divide over tp_size={tp.size} (and is not 1, "
+                             f"one group every rank reads)")
+        # this rank's heads, and the groups they read
+        self.H, self.P, self.N, self.kernel = tp.split(n_heads, "mamba_n_heads"), head_dim, state_size, conv_kernel
+        self.G = 1 if groups_split else n_groups // tp.size
+        n_heads, n_groups = self.H, self.G
         self.inner = n_heads * head_dim
         self.channels = self.inner + 2 * n_groups * state_size
         self.time_step_limit = time_step_limit
@@ -100,7 +124,9 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(n_heads, dtype=dtype), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(n_heads, dtype=dtype), requires_grad=False)
         self.D = nn.Parameter(torch.ones(n_heads, dtype=dtype), requires_grad=False)
-        self.norm = GroupedGatedRMSNorm(self.inner, n_groups, rms_norm_eps, dtype)
+        self.norm = GroupedGatedRMSNorm(self.inner, n_groups, rms_norm_eps, dtype, full_dim=self.inner * tp.size,
+                                        reduce=tp.reduce) if groups_split else \
+            GroupedGatedRMSNorm(self.inner, n_groups, rms_norm_eps, dtype)
         self.out_proj = nn.Linear(self.inner, hidden_size, bias=proj_bias, dtype=dtype)
         self.kv_cache: LinearStateCache | None = None   # the model's setup_caches sets it (named as attention's)
 
@@ -153,4 +179,43 @@ class Mamba2Mixer(nn.Module):
 
         y = y.transpose(1, 2) + xs * self.D.float()[:, None]                   # [B, T, H, P]
         y = self.norm(y.reshape(B, T, self.inner), z)
-        return self.out_proj(y.to(x.dtype))
+        return self.tp.output_projection(self.out_proj, y.to(x.dtype))
+
+
+def rows_by_rank(ckpt, prefixes: list[str], tp_size: int, n_heads: int, head_dim: int, n_groups: int,
+                 state_size: int):
+    """`ckpt` with the in_proj and conv1d tensors of each Mamba2 layer under `prefixes` (e.g.
+    "model.layers.0.mamba.") regrouped rank by rank: in_proj's rows [z | x | B | C | dt] as [z_0 x_0 B_0 C_0 dt_0 |
+    z_1 ...] and the conv's channels [x | B | C] as [x_0 B_0 C_0 | ...], where z_r, x_r, dt_r are rank r's heads'
+    and B_r, C_r its groups' (the whole of each where one group serves every rank: repeated per rank)."""
+    from ..shown_tensors import ShownTensors
+
+    inner, gn = n_heads * head_dim, n_groups * state_size
+    own_groups = n_groups % tp_size == 0
+    rank_gn = gn // tp_size if own_groups else gn
+
+    def regroup(parts: list[int], by_group: list[bool]):
+        """Rows split into `parts`, each cut in tp_size blocks (by head or, where `by_group`, by group unless one
+        group serves every rank), then laid out rank by rank."""
+        def take(t: torch.Tensor) -> torch.Tensor:
+            pieces = [p.chunk(tp_size) if not grouped or own_groups else [p] * tp_size
+                      for p, grouped in zip(t.split(parts), by_group)]
+            return torch.cat([torch.cat(rank) for rank in zip(*pieces)])
+        return take
+
+    in_proj = regroup([inner, inner, gn, gn, n_heads], [False, False, True, True, False])
+    conv = regroup([inner, gn, gn], [False, True, True])
+    in_rows, conv_rows = 2 * inner + 2 * gn + n_heads, inner + 2 * gn
+    view = ShownTensors(ckpt)
+    for name in ckpt.names():
+        shape = tuple(ckpt.shape(name))
+        prefix = next((p for p in prefixes if name.startswith(p)), None)
+        part = name[len(prefix):] if prefix is not None else ""
+        if part in ("in_proj.weight", "in_proj.bias") and shape[0] == in_rows:
+            view.show(name, name, (tp_size * (2 * inner // tp_size + 2 * rank_gn + n_heads // tp_size), *shape[1:]),
+                      in_proj)
+        elif part in ("conv1d.weight", "conv1d.bias") and shape[0] == conv_rows:
+            view.show(name, name, (tp_size * (inner // tp_size + 2 * rank_gn), *shape[1:]), conv)
+        else:   # a wrong shape is refused by the loader's shape check, named
+            view.show(name, name)
+    return view

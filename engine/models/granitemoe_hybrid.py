@@ -8,8 +8,9 @@ MLP beside them, which the registry never fuses) whose token mixer is, by `layer
 layer (layers/mamba2.py, "mamba", transformers 5's "linear_attention") or attention ("attention" /
 "full_attention"), rotated only with `position_embedding_type: "rope"` (the published models are NoPE).
 Its checkpoints keep Granite MoE's stacked experts and shared MLP (GRANITE_NAMES) and the Mamba2 layers under
-`mamba.*`, as the engine names them. Tensor parallelism is not built for it (the loader refuses tp_size > 1): a
-Mamba2 layer's in_proj rows hold z, x, B, C and dt one after the other, and its norm spans each group's heads.
+`mamba.*`, as the engine names them. Under tensor parallelism the attention and the experts split as Granite MoE's,
+the shared MLP is replicated, and each Mamba2 layer holds its rank's heads (layers/mamba2.py: the checkpoint view
+regroups its in_proj rows and conv channels rank by rank).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from ..layers.attention import GQAttention
-from ..layers.mamba2 import Mamba2Mixer
+from ..layers.mamba2 import Mamba2Mixer, rows_by_rank
+from ..parallel.tensor import TensorParallel
 from .config import ConfigError, get_field as _get
 from .granitemoe import GraniteMoeConfig, GraniteMoeDecoderLayer, GraniteMoeForCausalLM
 
@@ -124,7 +126,7 @@ class GraniteMoeHybridDecoderLayer(GraniteMoeDecoderLayer):
         super().__init__(cfg, plan, layer_id, dtype)
         self.mamba = Mamba2Mixer(cfg.hidden_size, cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_n_groups,
                                  cfg.mamba_d_state, cfg.mamba_d_conv, cfg.mamba_conv_bias, cfg.mamba_proj_bias,
-                                 cfg.rms_norm_eps, cfg.time_step_limit, dtype) \
+                                 cfg.rms_norm_eps, cfg.time_step_limit, dtype, tp=TensorParallel.of(plan)) \
             if cfg.layer_types[layer_id] == "mamba" else None
 
     @property
@@ -136,4 +138,12 @@ class GraniteMoeHybridForCausalLM(GraniteMoeForCausalLM):
     ARCHITECTURE = ARCHITECTURE
     CONFIG = GraniteMoeHybridConfig
     DECODER_LAYER = GraniteMoeHybridDecoderLayer
-    TENSOR_PARALLEL = False
+
+    def checkpoint_view(self, ckpt):
+        """Granite MoE's view, over the Mamba2 layers' rows regrouped by TP rank (when tp_size > 1)."""
+        tp, cfg = self.plan.request.parallel.tp_size, self.config
+        if tp > 1:
+            ckpt = rows_by_rank(ckpt, [f"model.layers.{i}.mamba." for i, kind in enumerate(cfg.layer_types)
+                                       if kind == "mamba"],
+                                tp, cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_n_groups, cfg.mamba_d_state)
+        return super().checkpoint_view(ckpt)

@@ -3,8 +3,8 @@ through the Mamba2 layers' state cache and the attention layers' KV cache) again
 NoPE attention layers over Granite MoE's experts and shared MLP; rotary attention, one Mamba2 group, conv and
 projection biases, a tied head, the Hub's layer-kind spellings; a prompt longer than a chunk; a batch decodes each
 row as alone; speculative decoding with a Granite 4.0-H target rolls its Mamba2 layers back; the registry plans it
-with its shared MLP unfused; what it cannot run is refused by field before any plan (tensor parallelism too). EP 2
-with every backend: tests/engine/parallel/test_expert_parallel.py."""
+with its shared MLP unfused; what it cannot run is refused by field before any plan. EP 2 with every backend, TP 2
+and PP 2: tests/engine/parallel/."""
 
 from __future__ import annotations
 
@@ -113,9 +113,3 @@ def test_speculative_decoding_with_a_granite_hybrid_target_gives_its_greedy_toke
 ])
 def test_what_it_cannot_run_is_refused_by_field_before_any_plan(ckpt, tmp_path, overrides, match):
     check_refused_before_any_plan(with_config(ckpt, tmp_path / "bad", **overrides), ConfigError, match)
-
-
-def test_tensor_parallelism_is_refused_before_any_plan(ckpt):
-    check_refused_before_any_plan(ckpt, NotImplementedError, r"tensor parallelism \(tp_size=2\) is not implemented "
-                                                             r"by the engine for GraniteMoeHybridForCausalLM",
-                                  tp_size=2)

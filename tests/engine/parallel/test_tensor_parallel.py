@@ -2,8 +2,9 @@
 and every expert's intermediate features (checked on the built layers), and TP=2 gives the single
 process's logits and greedy tokens for Qwen3-MoE (a dense layer and o_proj's bias included), Mixtral, OLMoE,
 Qwen2-MoE, GLM-4-MoE, DeepSeek-V3, -V3.2 (sparse attention), GLM-5 and DeepSeek-V2 (Multi-head Latent
-Attention), Qwen3-Next and Qwen3.5-MoE (linear attention), ERNIE-4.5 (pairwise rope), GLM-4.5V's text model and
-Granite MoE, shared experts fused and unfused; TP=2 x PP=2 too; DeepSeek-V3's NextN draft on TP ranks drafts
+Attention), Qwen3-Next and Qwen3.5-MoE (linear attention), ERNIE-4.5 (pairwise rope), GLM-4.5V's text model,
+Granite MoE and Granite 4.0-H (Mamba2 layers, their groups split or one group on every rank), shared experts fused and
+unfused; TP=2 x PP=2 too; DeepSeek-V3's NextN draft on TP ranks drafts
 as on one process. EP 2 x TP 2 on 4 ranks too. Every a2a backend on TP 2 and on EP 2 x TP 2: experts whole on each TP
 rank, the single process's logits, a forced reduction after the combine seen. Refusals: a family
 whose layers do not split, heads that do not divide."""
@@ -17,9 +18,10 @@ from loadplan.engine.parallel.launch import launch
 from loadplan.plan import Keys
 from loadplan.service.rules.backends import BACKENDS
 
-from engine_helpers import LocalRegistry, make_checkpoint
+from engine_helpers import LocalRegistry, make_checkpoint, make_granitemoe_hybrid_checkpoint
 from parallel_helpers import (AFMOE, DBRX, DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, ERNIE4_5_MOE, EXAONE_MOE, FLEX_OLMO,
-                              GLM4, GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE, GRANITEMOE_SWA, HUNYUAN, LLAMA4,
+                              GLM4, GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE, GRANITEMOE_HYBRID, GRANITEMOE_SWA,
+                              HUNYUAN, LLAMA4,
                               MIMO_V2_FLASH, MINIMAX_M2, MIXTRAL, OLMOE, PHIMOE, QWEN2, QWEN3, QWEN3_5_MOE, QWEN3_NEXT,
                               make_model, single_process)
 
@@ -38,13 +40,15 @@ CASES = [("qwen3", QWEN3, None), ("qwen2", QWEN2, "enforce"), ("qwen2", QWEN2, "
          ("hunyuan", HUNYUAN, None), ("phimoe", PHIMOE, None), ("exaone_moe", EXAONE_MOE, None),
          ("afmoe", AFMOE, None), ("flex_olmo", FLEX_OLMO, None),
          ("dbrx", DBRX, None), ("mimo_v2_flash", MIMO_V2_FLASH, None),
-         ("granitemoe_swa", GRANITEMOE_SWA, None)]
+         ("granitemoe_swa", GRANITEMOE_SWA, None), ("granitemoe_hybrid", GRANITEMOE_HYBRID, None),
+         ("granitemoe_hybrid_g1", GRANITEMOE_HYBRID, None)]
 
 
 def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
     from loadplan.engine.generate import generate
     from loadplan.engine.layers.attention import GQAttention
     from loadplan.engine.layers.gated_delta_net import GatedDeltaNet
+    from loadplan.engine.layers.mamba2 import Mamba2Mixer
     from loadplan.engine.layers.mla import MultiHeadLatentAttention
     from loadplan.engine.layers.mlp import GatedMLP
     from loadplan.engine.moe import RoutedExperts
@@ -86,6 +90,8 @@ def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
             linear={(m.n_k, m.n_v, (m.in_proj_qkvz if m.grouped else m.in_proj_qkv).weight.shape[0],
                      m.conv1d.weight.shape[0], m.A_log.shape[0], m.out_proj.weight.shape[1])
                     for m in mods if isinstance(m, GatedDeltaNet)},
+            mamba={(m.H, m.G, m.in_proj.weight.shape[0], m.conv1d.weight.shape[0], m.norm.weight.shape[0],
+                    m.out_proj.weight.shape[1], m.norm.reduce is not None) for m in mods if isinstance(m, Mamba2Mixer)},
             logits=logits, tokens=generate(model, ids[0], N_NEW)[0].tolist()))
     return out
 
@@ -119,6 +125,10 @@ def paths(tmp_path_factory):
         "dbrx": make_model(tmp_path_factory.mktemp("dbrx"), DBRX),
         "mimo_v2_flash": make_model(tmp_path_factory.mktemp("mimo_v2_flash"), MIMO_V2_FLASH),
         "granitemoe_swa": make_model(tmp_path_factory.mktemp("granitemoe_swa"), GRANITEMOE_SWA),
+        "granitemoe_hybrid": make_model(tmp_path_factory.mktemp("granitemoe_hybrid"), GRANITEMOE_HYBRID),
+        # one group of B and C for all 4 Mamba2 heads, as the published models have
+        "granitemoe_hybrid_g1": str(make_granitemoe_hybrid_checkpoint(tmp_path_factory.mktemp("granite_g1"),
+                                                                      mamba_n_groups=1)),
     }
 
 
@@ -207,6 +217,12 @@ def test_two_tp_ranks_give_the_single_process_logits_and_tokens(paths, ids, refe
     assert by_name["mimo_v2_flash"]["dense_inter"] == {24}
     # Granite MoE SWA: each rank its heads' sink logits on every layer, its shared MLP (24) whole
     assert by_name["granitemoe_swa"]["sinks"] == {2} and by_name["granitemoe_swa"]["dense_inter"] == {24}
+    # Granite 4.0-H: each Mamba2 layer 2 of its 4 heads of 16 and the group they read: in_proj rows 32 (z) + 32 (x) +
+    # 8 (B) + 8 (C) + 2 (dt), conv channels 32 + 8 + 8, norm features and out_proj columns 32. With 2 groups each
+    # rank has its own and normalises alone; with one, B and C are on both and the norm's mean square is summed.
+    assert by_name["granitemoe_hybrid"]["mamba"] == {(2, 1, 82, 48, 32, 32, False)}
+    assert by_name["granitemoe_hybrid_g1"]["mamba"] == {(2, 1, 82, 48, 32, 32, True)}
+    assert by_name["granitemoe_hybrid"]["heads"] == {(2, 1, 16)} and by_name["granitemoe_hybrid"]["dense_inter"] == {24}
     # MLA: half the heads and their kv_b_proj rows; the latent projection stays whole.
     (heads, kv_b_rows, kv_a_rows), = by_name["deepseek"]["mla_heads"]
     assert (heads, kv_b_rows, kv_a_rows) == (1, 1 * (8 + 12), 16 + 8)     # of 2 heads; nope 8 + v 12; lora 16 + rope 8
