@@ -124,7 +124,8 @@ def load_weights(model: nn.Module, ckpt: Checkpoint, device: str | torch.device)
         ckpt = view(ckpt)
     layout = model.weight_layout()
     expected = model.state_dict()
-    state, report = build_state_dict(ckpt.names(), ckpt.get, ckpt.shape, expected, layout, device=device)
+    state, report = build_state_dict(ckpt.names(), ckpt.get, ckpt.shape, expected, layout, device=device,
+                                     source_name=getattr(ckpt, "source_name", None))
     assign_state_dict(model, state)
     log.info("loaded %d tensors (%d held by other ranks)", report.loaded, report.skipped_other_ranks)
 

@@ -12,6 +12,8 @@ experts in all (= routed experts without EPLB redundancy).
     down_proj    [E + S, D, I]
     gate_up_bias [E + S, 2I], down_bias [E + S, D]   (gpt-oss only: `bias=True`, with its own
                                                   `activation`; expert_kernel.general_experts)
+With `gated=False` (Nemotron-H's relu^2 experts: up_proj and down_proj, no gate) the first projection holds the up
+rows alone, gate_up_proj [E + S, I, D], and the layer's `activation` maps [N, I] to [N, I].
 
 Expert ids in `topk_ids` are GLOBAL LOGICAL ids: routed experts are [0, n_routed),
 the fused shared slots n_routed, n_routed + 1, ... (DESIGN 5.3). With EPLB they are
@@ -76,8 +78,11 @@ def _dist_all_reduce(x: torch.Tensor) -> torch.Tensor:
 class RoutedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, plan, *,
                  layer_id: int, dtype: torch.dtype | None = None, bias: bool = False, activation=None,
-                 weight_inputs: bool = False):
+                 weight_inputs: bool = False, gated: bool = True):
         super().__init__()
+        if not gated and activation is None:
+            raise ValueError(f"layer {layer_id}: experts without a gate need their activation (silu_mul gates)")
+        self.gated = gated
         par = plan.request.parallel
         self.layer_id = layer_id
         self.num_experts = num_experts                      # global routed (logical) experts
@@ -111,7 +116,8 @@ class RoutedExperts(nn.Module):
                              f"without EPLB: nothing would map experts to their replicas")
         self.local_start = par.ep_rank * self.num_local_experts
         self.num_slots = self.num_local_experts + self.num_fused_shared_experts
-        self.gate_up_proj = nn.Parameter(torch.empty(self.num_slots, 2 * intermediate_size, hidden_size, dtype=dtype),
+        rows = (2 if gated else 1) * intermediate_size      # gate and up rows, or up alone
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_slots, rows, hidden_size, dtype=dtype),
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(self.num_slots, hidden_size, intermediate_size, dtype=dtype),
                                       requires_grad=False)
@@ -121,8 +127,7 @@ class RoutedExperts(nn.Module):
         # are summed onto it).
         self.gate_up_bias = self.down_bias = None
         if bias:
-            self.gate_up_bias = nn.Parameter(torch.empty(self.num_slots, 2 * intermediate_size, dtype=dtype),
-                                             requires_grad=False)
+            self.gate_up_bias = nn.Parameter(torch.empty(self.num_slots, rows, dtype=dtype), requires_grad=False)
             self.down_bias = nn.Parameter(torch.empty(self.num_slots, hidden_size, dtype=dtype),
                                           requires_grad=False)
         self.activation = activation
@@ -238,7 +243,7 @@ class RoutedExperts(nn.Module):
         fused shared slots, its physical slots and the local range of them, whether TP splits the experts."""
         return dict(num_fused_shared=self.num_fused_shared_experts,
                     local_experts=(self.local_start, self.local_start + self.num_local_experts),
-                    num_physical=self.num_physical, tp_split_experts=self.tp.size > 1)
+                    num_physical=self.num_physical, tp_split_experts=self.tp.size > 1, gated_experts=self.gated)
 
     # -- EPLB ----------------------------------------------------------------
     def get_moe_weights(self) -> list[torch.Tensor]:

@@ -38,7 +38,10 @@ class ShownTensors:
         return self._shown[name][1]
 
     def source_name(self, name: str) -> str:
-        return self._shown[name][0] if name in self._shown else name
+        """The checkpoint's own name for shown tensor `name` (through the views under this one)."""
+        source = self._shown[name][0] if name in self._shown else name
+        inner = getattr(self._ckpt, "source_name", None)
+        return inner(source) if inner is not None else source
 
     def get(self, name: str) -> torch.Tensor:
         source, _, take = self._shown[name]

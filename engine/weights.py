@@ -122,6 +122,7 @@ class WeightLayout:
     tp_rank: int = 0
     tp_split_experts: bool = True               # False: routed experts whole on every TP rank (the a2a path)
     names: CheckpointNames | None = None        # the family's own spellings (None: the engine's)
+    gated_experts: bool = True                  # False: an expert's first projection is up_proj alone (relu^2)
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,11 @@ def _expert_target(kind: str, tensor: str = "proj"):
                 f"layout (shared expert pre-fused as a routed slot), but the plan built an unfused model")
         if kind == "down":
             return Target(f"{m['mlp']}.experts.down_{tensor}", e)
+        if not lay.gated_experts:   # up_proj fills the whole first projection; there is no gate to fill
+            if m["part"] == "gate":
+                raise UnexpectedTensor(f"unexpected tensor {m.string!r}: this model's experts have no gate "
+                                       f"projection (up_proj and down_proj only)")
+            return Target(f"{m['mlp']}.experts.gate_up_{tensor}", e)
         return Target(f"{m['mlp']}.experts.gate_up_{tensor}", e, m["part"])
     return make
 
@@ -196,6 +202,7 @@ TP_SPLITS: list[tuple[re.Pattern, int]] = [
     (re.compile(r"\.mamba\.(dt_bias|A_log|D|norm\.weight)$"), 0),
     (re.compile(r"\.mamba\.out_proj\.weight$"), 1),
     (re.compile(r"\.mlp\.(gate|up)_proj\.weight$"), 0),
+    (re.compile(r"\.mlp\.up_proj\.bias$"), 0),                  # Nemotron-H's relu^2 MLP with mlp_bias
     (re.compile(r"\.mlp\.down_proj\.weight$"), 1),
     (re.compile(r"\.mlp\.experts\.gate_up_proj$"), 0),
     (re.compile(r"\.mlp\.experts\.gate_up_bias$"), 0),        # gpt-oss; its down_bias is whole (added once)
@@ -279,7 +286,7 @@ def _engine_spelling(param: str, expert: int | None, part: str | None, layout: W
             return param[: -len("lm_head.weight")] + "model.embed_tokens.weight"
         return param
     mlp = param.rsplit(".experts.", 1)[0]
-    proj = part or "down"
+    proj = part or ("up" if ".experts.gate_up_" in param else "down")
     tensor = "bias" if param.endswith("_bias") else "weight"
     if expert < layout.n_routed:
         return f"{mlp}.experts.{expert}.{proj}_proj.{tensor}"
@@ -302,7 +309,7 @@ def expected_targets(expected: Mapping[str, torch.Tensor],
         if not m:
             need.add((param, None, None))
             continue
-        parts = ("gate", "up") if m.group(1).startswith("gate_up") else (None,)
+        parts = ("gate", "up") if m.group(1).startswith("gate_up") and layout.gated_experts else (None,)
         for slot in range(t.shape[0]):
             for part in parts:
                 need.add((param, _global_id(slot, layout), part))
@@ -311,9 +318,11 @@ def expected_targets(expected: Mapping[str, torch.Tensor],
 
 def build_state_dict(names: list[str], get: Callable[[str], torch.Tensor], shape_of: Callable[[str], tuple],
                      expected: Mapping[str, torch.Tensor], layout: WeightLayout, *,
-                     device: torch.device | str = "cpu") -> tuple[dict[str, torch.Tensor], LoadReport]:
+                     device: torch.device | str = "cpu",
+                     source_name: Callable[[str], str] | None = None) -> tuple[dict[str, torch.Tensor], LoadReport]:
     """Read the checkpoint tensors this runner holds into tensors shaped and typed like `expected`
-    (a meta state dict of the built model). Raises a WeightError naming the first bad tensor."""
+    (a meta state dict of the built model). Raises a WeightError naming the first bad tensor, and, where the
+    names are a view's (`source_name`: engine/shown_tensors.py), how the checkpoint itself spells it."""
     out: dict[str, torch.Tensor] = {}
     filled: dict[tuple[str, int | None, str | None], str] = {}
     report = LoadReport()
@@ -324,57 +333,63 @@ def build_state_dict(names: list[str], get: Callable[[str], torch.Tensor], shape
         get_, shape_of_ = get, shape_of
         get, shape_of = (lambda n: get_(aliases.get(n, n))), (lambda n: shape_of_(aliases.get(n, n)))
     for name in names:
-        prefix = next((p for p in layout.ignore_prefixes if name.startswith(p)), None)
-        if prefix is not None:
-            report.ignored[prefix] = report.ignored.get(prefix, 0) + 1
-            continue
-        target = remap(name, layout)
-        beyond = _LAYER_ID.search(target.param)
-        if beyond and layout.n_layers is not None and int(beyond.group(1)) >= layout.n_layers:
-            raise UnexpectedTensor(f"unexpected tensor {name!r}: layer {beyond.group(1)} is beyond the model's "
-                                   f"{layout.n_layers} layers (num_hidden_layers, and any draft layers it stores "
-                                   f"and skips by name)")
-        if not is_local(target, layout):
-            report.skipped_other_ranks += 1
-            continue
-        if target.param not in expected:
-            raise UnexpectedTensor(f"unexpected tensor {name!r} in the checkpoint (engine parameter "
-                                   f"{target.param!r} does not exist in this model)")
-        key = (target.param, target.expert, target.part)
-        if key in filled:
-            raise DuplicateTensor(f"{name!r} and {filled[key]!r} both load into {target.param}"
-                                  + (f" expert {target.expert}" if target.expert is not None else ""))
-        meta = expected[target.param]
-        if target.param not in out:
-            out[target.param] = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-        views = [out[target.param]]
-        if target.expert is not None:
-            slots = _slots(target.expert, layout)
-            if not all(0 <= s < views[0].shape[0] for s in slots):
-                raise UnexpectedTensor(f"unexpected tensor {name!r}: expert {target.expert} has no slot in "
-                                       f"{target.param} ({views[0].shape[0]} slots)")
-            views = [views[0][s] for s in slots]      # every local replica of the expert
-            if target.part is not None:
-                half = views[0].shape[0] // 2
-                views = [v[:half] if target.part == "gate" else v[half:] for v in views]
-        shape = tuple(shape_of(name))
-        split = tp_split_dim(target.param, layout)
-        if split is not None:
-            if split >= len(shape) or shape[split] % layout.tp_size:
-                raise ShapeMismatch(f"tensor {name!r} of shape {list(shape)} does not split over tp_size="
-                                    f"{layout.tp_size} along dimension {split}")
-            shape = shape[:split] + (shape[split] // layout.tp_size,) + shape[split + 1:]
-        if shape != tuple(views[0].shape):
-            raise ShapeMismatch(f"tensor {name!r} has shape {list(shape)}, the model expects "
-                                f"{list(views[0].shape)} for {target.param}"
-                                + (f" expert {target.expert}" if target.expert is not None else ""))
-        tensor = get(name)
-        if split is not None:       # this rank's part of the whole tensor
-            tensor = tensor.narrow(split, layout.tp_rank * shape[split], shape[split])
-        for view in views:
-            view.copy_(tensor)
-        filled[key] = name
-        report.loaded += 1
+        try:
+            prefix = next((p for p in layout.ignore_prefixes if name.startswith(p)), None)
+            if prefix is not None:
+                report.ignored[prefix] = report.ignored.get(prefix, 0) + 1
+                continue
+            target = remap(name, layout)
+            beyond = _LAYER_ID.search(target.param)
+            if beyond and layout.n_layers is not None and int(beyond.group(1)) >= layout.n_layers:
+                raise UnexpectedTensor(f"unexpected tensor {name!r}: layer {beyond.group(1)} is beyond the model's "
+                                       f"{layout.n_layers} layers (num_hidden_layers, and any draft layers it stores "
+                                       f"and skips by name)")
+            if not is_local(target, layout):
+                report.skipped_other_ranks += 1
+                continue
+            if target.param not in expected:
+                raise UnexpectedTensor(f"unexpected tensor {name!r} in the checkpoint (engine parameter "
+                                       f"{target.param!r} does not exist in this model)")
+            key = (target.param, target.expert, target.part)
+            if key in filled:
+                raise DuplicateTensor(f"{name!r} and {filled[key]!r} both load into {target.param}"
+                                      + (f" expert {target.expert}" if target.expert is not None else ""))
+            meta = expected[target.param]
+            if target.param not in out:
+                out[target.param] = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+            views = [out[target.param]]
+            if target.expert is not None:
+                slots = _slots(target.expert, layout)
+                if not all(0 <= s < views[0].shape[0] for s in slots):
+                    raise UnexpectedTensor(f"unexpected tensor {name!r}: expert {target.expert} has no slot in "
+                                           f"{target.param} ({views[0].shape[0]} slots)")
+                views = [views[0][s] for s in slots]      # every local replica of the expert
+                if target.part is not None:
+                    half = views[0].shape[0] // 2
+                    views = [v[:half] if target.part == "gate" else v[half:] for v in views]
+            shape = tuple(shape_of(name))
+            split = tp_split_dim(target.param, layout)
+            if split is not None:
+                if split >= len(shape) or shape[split] % layout.tp_size:
+                    raise ShapeMismatch(f"tensor {name!r} of shape {list(shape)} does not split over tp_size="
+                                        f"{layout.tp_size} along dimension {split}")
+                shape = shape[:split] + (shape[split] // layout.tp_size,) + shape[split + 1:]
+            if shape != tuple(views[0].shape):
+                raise ShapeMismatch(f"tensor {name!r} has shape {list(shape)}, the model expects "
+                                    f"{list(views[0].shape)} for {target.param}"
+                                    + (f" expert {target.expert}" if target.expert is not None else ""))
+            tensor = get(name)
+            if split is not None:       # this rank's part of the whole tensor
+                tensor = tensor.narrow(split, layout.tp_rank * shape[split], shape[split])
+            for view in views:
+                view.copy_(tensor)
+            filled[key] = name
+            report.loaded += 1
+        except WeightError as e:
+            if source_name is None or source_name(name) == name:
+                raise
+            raise type(e)(f"{e} [checkpoint tensor {source_name(name)!r}]") from None
+
     missing = expected_targets(expected, layout) - filled.keys()
     if missing:
         first = sorted(missing, key=lambda k: (k[0], -1 if k[1] is None else k[1], k[2] or ""))

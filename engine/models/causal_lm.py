@@ -154,12 +154,14 @@ class CausalLM(nn.Module):
         device = next(self.parameters()).device
         lo, hi = self.layer_range
         for layer in self.model.layers[lo:hi]:
-            layer.mixer.setup_cache(max_batch_size, max_seq_len, self.dtype, device, lookahead)
+            if layer.mixer is not None:   # None: a layer without a token mixer (Nemotron-H's MLP / MoE layers)
+                layer.mixer.setup_cache(max_batch_size, max_seq_len, self.dtype, device, lookahead)
 
     def clear_caches(self) -> None:
         lo, hi = self.layer_range
         for layer in self.model.layers[lo:hi]:
-            layer.mixer.kv_cache = None
+            if layer.mixer is not None:
+                layer.mixer.kv_cache = None
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [B, T] -> [B, T, D]: the embedding (a family that scales it overrides this: granitemoe.py)."""

@@ -89,6 +89,8 @@ FAMILIES: dict[str, Family] = {
         Family("granitemoe_swa", layouts.granitemoe_shared_layout, gates.granitemoe_swa_gate, True),
         # Granite 4.0-H: Granite MoE's layer under Mamba2 or attention token mixers, its shared MLP never fused
         Family("granitemoe_hybrid", layouts.granitemoe_hybrid_layout, gates.granitemoe_hybrid_gate, True),
+        # Nemotron-H: Mamba2, attention, MLP and MoE blocks; ungated experts and a shared MLP, never fused
+        Family("nemotron_h", layouts.nemotron_h_layout, gates.nemotron_h_gate, True),
         Family("llama4", layouts.llama4_layout, gates.llama4_gate, True),
         # GLM-4.7-Flash: GLM-4-MoE's MoE block and gate (DESIGN 5.2's GLM conditions) over DeepSeek's MLA
         Family("glm4_moe_lite", layouts.glm4_moe_lite_layout, gates.glm4_moe_gate, True),
@@ -136,6 +138,7 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "GraniteMoeSharedForCausalLM": Direct("granitemoe_shared"),
     "GraniteMoeSWAForCausalLM": Direct("granitemoe_swa"),
     "GraniteMoeHybridForCausalLM": Direct("granitemoe_hybrid"),
+    "NemotronHForCausalLM": Direct("nemotron_h"),
     "HunYuanMoEV1ForCausalLM": Direct("hunyuan_v1_moe"),
     "ExaoneMoeForCausalLM": Direct("exaone_moe"),
     "AfmoeForCausalLM": Direct("afmoe"),

@@ -99,6 +99,14 @@ def granitemoe_hybrid_gate(ctx: GateContext) -> Verdict | None:
                    "its shared MLP runs beside the routed experts: no fused layout exists for Granite 4.0-H")
 
 
+def nemotron_h_gate(ctx: GateContext) -> Verdict | None:
+    """Nemotron-H never fuses (not in DESIGN 5.2; our choice, as SGLang and vLLM run it): its shared MLP is sized on
+    its own and its experts have no gate, so no fused layout or kernel exists. Structural: enforce does not skip
+    it."""
+    return Verdict("nemotron_h.structural.no_fused_layout",
+                   "its shared MLP runs beside the routed experts: no fused layout exists for Nemotron-H")
+
+
 def hunyuan_v1_moe_gate(ctx: GateContext) -> Verdict | None:
     """Hunyuan never fuses (not in DESIGN 5.2; our choice, as SGLang and vLLM run it): its shared MLP runs beside the
     routed experts, ungated, with no fused layout or kernel. Structural: enforce does not skip it."""

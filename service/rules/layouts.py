@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..errors import InvalidArgument
-from .config_view import ConfigView
+from .config_view import ConfigView, quote
 
 # Layers are enumerated (ids, MoE ids, a stage's EPLB layers): an absurd count from a
 # config would make one request take the registry's memory. Real models have < 200.
@@ -124,6 +124,44 @@ def granitemoe_hybrid_layout(cfg: ConfigView) -> MoeLayout:
     _check_top_k(cfg, top_k, n_routed)
     layers = tuple(range(n_layers))
     return MoeLayout(layers, layers, n_routed, 1 if cfg.int("shared_intermediate_size", 1024, minimum=0) else 0,
+                     top_k)
+
+
+# Nemotron-H's hybrid_override_pattern letters, and its layer kinds' spellings (transformers 5's and older).
+_NEMOTRON_H_PATTERN = {"M": "mamba", "*": "attention", "E": "moe", "-": "mlp"}
+_NEMOTRON_H_KINDS = {"linear_attention": "mamba", "mamba": "mamba", "full_attention": "attention",
+                     "attention": "attention", "moe": "moe", "mlp": "mlp"}
+
+
+def nemotron_h_layout(cfg: ConfigView) -> MoeLayout:
+    """Nemotron-H: one block a layer, by layers_block_type (or hybrid_override_pattern: M Mamba2, * attention, E MoE,
+    - MLP); the MoE ones have n_routed_experts routed experts and one shared MLP (transformers builds it whatever
+    n_shared_experts says). transformers' NemotronHConfig defaults where a config leaves a field out."""
+    field = next((f for f in ("layers_block_type", "layer_types") if cfg.has(f)), None)
+    if field is not None:
+        kinds = cfg.raw(field)
+        if not isinstance(kinds, list) or not kinds or any(k not in _NEMOTRON_H_KINDS for k in kinds):
+            raise InvalidArgument(cfg.field(field), f"expected a list of {', '.join(_NEMOTRON_H_KINDS)}, got "
+                                                    f"{quote(kinds)}")
+        kinds = [_NEMOTRON_H_KINDS[k] for k in kinds]
+    elif cfg.has("hybrid_override_pattern"):
+        pattern = cfg.raw("hybrid_override_pattern")
+        if not isinstance(pattern, str) or not pattern or any(c not in _NEMOTRON_H_PATTERN for c in pattern):
+            raise InvalidArgument(cfg.field("hybrid_override_pattern"),
+                                  f"expected a string of {''.join(_NEMOTRON_H_PATTERN)}, got {quote(pattern)}")
+        if cfg.has("num_hidden_layers") and cfg.int("num_hidden_layers") != len(pattern):
+            raise InvalidArgument(cfg.field("hybrid_override_pattern"),
+                                  f"{len(pattern)} layers, but num_hidden_layers={cfg.int('num_hidden_layers')}")
+        kinds = [_NEMOTRON_H_PATTERN[c] for c in pattern]
+    else:
+        kinds = ["mamba", "moe", "attention", "mlp"]
+    if len(kinds) > MAX_LAYERS:
+        raise InvalidArgument(cfg.field(field or "hybrid_override_pattern"),
+                              f"{len(kinds)} layers: more than {MAX_LAYERS}")
+    n_routed = cfg.int("n_routed_experts", 8, minimum=1)
+    top_k = cfg.int("num_experts_per_tok", 2, minimum=1)
+    _check_top_k(cfg, top_k, n_routed)
+    return MoeLayout(tuple(range(len(kinds))), tuple(i for i, k in enumerate(kinds) if k == "moe"), n_routed, 1,
                      top_k)
 
 

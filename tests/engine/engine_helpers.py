@@ -303,6 +303,24 @@ def make_granitemoe_hybrid_checkpoint(path: Path, *, seed: int = 0, **config) ->
     return _save_random_model(path, "GraniteMoeHybrid", seed, dict(GRANITEMOE_HYBRID_TINY, **config))
 
 
+# Nemotron-H: every kind of block (Mamba2 with 4 heads of 16 in 2 groups of 8 state features; NoPE attention; a
+# dense relu^2 MLP; two MoE blocks of 8 ungated experts of 16 in 2 groups, top-2, a shared MLP of 24); transformers
+# runs chunks of 4.
+NEMOTRON_H_TINY = dict(vocab_size=128, hidden_size=32, layers_block_type=["linear_attention", "moe", "full_attention",
+                                                                          "mlp", "moe"],
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+                       mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=8, conv_kernel=4, chunk_size=4,
+                       n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                       moe_shared_expert_intermediate_size=24, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                       max_position_embeddings=256)
+
+
+def make_nemotron_h_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random Nemotron-H of NEMOTRON_H_TINY updated with `config` (transformers' NemotronHConfig kwargs),
+    routing bias included."""
+    return _save_random_model(path, "NemotronH", seed, dict(NEMOTRON_H_TINY, **config))
+
+
 # DeepSeek-V3.2: DEEPSEEK_TINY with its sparse attention indexer (8 index heads of 16, 8 of them rotated) keeping 4
 # keys a query, and the default rope; 16 routed experts (in 8 groups of 2): it is never fused, whatever the count.
 DEEPSEEK_V32_TINY = dict(DEEPSEEK_TINY, n_routed_experts=16, index_n_heads=8, index_head_dim=16, index_topk=4,

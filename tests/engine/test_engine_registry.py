@@ -33,7 +33,7 @@ def test_unknown_entry_class_lists_the_supported_ones():
                                                r"Llama4ForCausalLM, "
                                                r"Llama4ForConditionalGeneration, "
                                                r"MiMoV2FlashForCausalLM, MiniMaxM2ForCausalLM, MixtralForCausalLM, "
-                                               r"OlmoeForCausalLM, "
+                                               r"NemotronHForCausalLM, OlmoeForCausalLM, "
                                                r"PhiMoEForCausalLM, PhimoeForCausalLM, "
                                                r"Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, Qwen3NextForCausalLM, "
                                                r"Qwen3NextForCausalLMMTP, "

@@ -198,6 +198,46 @@ def test_a_tensor_the_checkpoint_shares_is_read_from_its_source_only_when_absent
         _build(ck, expected, lay)
 
 
+def _ungated(drop=(), add=()):
+    """A checkpoint and meta state dict of one MoE layer whose experts have no gate (up_proj, down_proj)."""
+    g = torch.Generator().manual_seed(3)
+    ck = {f"{L}.experts.{e}.{p}_proj.weight": torch.randn(*shape, generator=g)
+          for e in range(E) for p, shape in (("up", (I, D)), ("down", (D, I)))}
+    for name in drop:
+        del ck[name]
+    ck.update({name: torch.zeros(I, D) for name in add})
+    expected = {f"{L}.experts.gate_up_proj": torch.empty(E, I, D, device="meta"),
+                f"{L}.experts.down_proj": torch.empty(E, D, I, device="meta")}
+    return ck, expected
+
+
+def test_ungated_experts_read_up_proj_into_the_whole_first_projection():
+    ck, expected = _ungated()
+    sd, report = _build(ck, expected, WeightLayout(n_routed=E, gated_experts=False))
+    for e in range(E):
+        assert torch.equal(sd[f"{L}.experts.gate_up_proj"][e], ck[f"{L}.experts.{e}.up_proj.weight"])
+    assert report.loaded == 2 * E
+
+
+def test_ungated_experts_refuse_a_gate_projection_and_name_a_missing_up_projection():
+    ck, expected = _ungated(add=[f"{L}.experts.1.gate_proj.weight"])
+    with pytest.raises(UnexpectedTensor, match=r"experts\.1\.gate_proj\.weight': this model's experts have no gate"):
+        _build(ck, expected, WeightLayout(n_routed=E, gated_experts=False))
+    ck, expected = _ungated(drop=[f"{L}.experts.1.up_proj.weight"])
+    with pytest.raises(MissingTensor, match=r"1 tensor\(s\) missing .* model\.layers\.3\.mlp\.experts\.1\.up_proj"):
+        _build(ck, expected, WeightLayout(n_routed=E, gated_experts=False))
+
+
+def test_an_error_names_the_checkpoint_spelling_of_a_tensor_a_view_renamed():
+    ck = _checkpoint()
+    ck[f"{L}.experts.0.down_proj.weight"] = torch.zeros(D, I + 1)
+    spelled = {f"{L}.experts.0.down_proj.weight": "backbone.layers.3.mixer.experts.0.down_proj.weight"}
+    with pytest.raises(ShapeMismatch, match=r"experts\.0\.down_proj\.weight.* \[checkpoint tensor "
+                                            r"'backbone\.layers\.3\.mixer\.experts\.0\.down_proj\.weight'\]"):
+        build_state_dict(list(ck), ck.__getitem__, lambda n: tuple(ck[n].shape), _expected(fused=False),
+                         UNFUSED_SMALL, source_name=lambda n: spelled.get(n, n))
+
+
 # -- tensor parallelism: each rank reads its part of the split tensors -----------------------
 
 A = "model.layers.0.self_attn"

@@ -48,3 +48,11 @@ def test_renamed_replaces_the_first_matching_prefix_only():
                           ("lm_head.", "language_model.lm_head.")))
     assert view.names() == ["language_model.model.layers.0.w", "language_model.lm_head.weight", "other.visual.x"]
     assert view.source_name("other.visual.x") == "model.visual.x"
+
+
+def test_a_view_over_a_view_names_the_checkpoints_own_tensor():
+    ckpt = FakeCheckpoint({"backbone.w": torch.zeros(1)})
+    inner = renamed(ckpt, (("backbone.", "model."),))
+    outer = ShownTensors(inner)
+    outer.show("model.v", "model.w")
+    assert outer.source_name("model.v") == "backbone.w"

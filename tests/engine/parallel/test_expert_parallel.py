@@ -18,7 +18,8 @@ from loadplan.service.rules.backends import BACKENDS
 from parallel_helpers import (AFMOE, DBRX, DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, DOTS1, ERNIE4_5_MOE, EXAONE_MOE,
                               FLEX_OLMO, GLM4, GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE, GRANITEMOE_HYBRID,
                               GRANITEMOE_SHARED, GRANITEMOE_SWA, HUNYUAN, LFM2_MOE, LLAMA4, MIMO_V2_FLASH, MINIMAX_M2,
-                              MIXTRAL, OLMOE, PHIMOE, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, make_model, single_process)
+                              MIXTRAL, NEMOTRON_H, OLMOE, PHIMOE, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, make_model,
+                              single_process)
 
 EP = 2
 N_NEW = 4
@@ -150,7 +151,8 @@ def glm4(tmp_path_factory):
                                                          (FLEX_OLMO, "nixl"), (LFM2_MOE, "deepep"),
                                                          (DBRX, "mori"), (MIMO_V2_FLASH, "mooncake"),
                                                          (GRANITEMOE_SWA, "megamoe"),
-                                                         (GRANITEMOE_HYBRID, "flashinfer")])
+                                                         (GRANITEMOE_HYBRID, "flashinfer"),
+                                                         (NEMOTRON_H, "mori")])
 def test_every_backend_on_two_ranks_matches_one_process_and_sees_a_double_reduction(tmp_path, arch,
                                                                                     double_reduce_backend):
     """No shared expert: Qwen3-MoE, Mixtral in the Hub's block_sparse_moe spelling, OLMoE, gpt-oss (experts with
@@ -165,7 +167,8 @@ def test_every_backend_on_two_ranks_matches_one_process_and_sees_a_double_reduct
     windowed and NoPE layers, its shared expert never fused; AFMoE the same with gated attention and sandwich norms.
     LFM2-MoE: its short-conv layers replicated on both ranks; DBRX: its flattened experts, 4 of 8 a rank;
     MiMo-V2-Flash: its windowed and global layers (sinks, narrow values) replicated, DeepSeek's router. Granite 4.0-H:
-    its Mamba2 layers replicated, its shared MLP never fused. FlexOlmo:
+    its Mamba2 layers replicated, its shared MLP never fused. Nemotron-H: its ungated experts, 4 of 8 a rank, under
+    DeepSeek's grouped router, beside Mamba2, attention and dense MLP blocks. FlexOlmo:
     OLMoE's layer with post-norms, whose RMSNorm of the experts' output normalises a uniform scale away: a
     double reduction (twice every token's output) leaves its logits as they are, and the test says so."""
     path = make_model(tmp_path, arch)

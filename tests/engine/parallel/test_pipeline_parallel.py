@@ -14,8 +14,8 @@ import torch
 from loadplan.engine.parallel.launch import launch
 from loadplan.plan import Keys
 
-from parallel_helpers import (DEEPSEEK, GLM_MOE_DSA, GRANITEMOE_HYBRID, PHIMOE, QWEN3, QWEN3_NEXT, make_model,
-                              single_process)
+from parallel_helpers import (DEEPSEEK, GLM_MOE_DSA, GRANITEMOE_HYBRID, NEMOTRON_H, PHIMOE, QWEN3, QWEN3_NEXT,
+                              make_model, single_process)
 
 PP = 2
 N_NEW = 4
@@ -71,7 +71,9 @@ def paths(tmp_path_factory):
             # its final norm and head have biases, which only the last stage reads
             PHIMOE: make_model(tmp_path_factory.mktemp("phimoe"), PHIMOE),
             # Mamba2 and attention layers on the first stage, a Mamba2 layer on the second
-            GRANITEMOE_HYBRID: make_model(tmp_path_factory.mktemp("granite_hybrid"), GRANITEMOE_HYBRID)}
+            GRANITEMOE_HYBRID: make_model(tmp_path_factory.mktemp("granite_hybrid"), GRANITEMOE_HYBRID),
+            # Mamba2, MoE and attention blocks on the first stage; MLP and MoE blocks on the second
+            NEMOTRON_H: make_model(tmp_path_factory.mktemp("nemotron_h"), NEMOTRON_H)}
 
 
 def test_two_stages_give_one_stage_logits_and_tokens_and_keep_eplb_to_their_own_layers(paths):
@@ -80,11 +82,13 @@ def test_two_stages_give_one_stage_logits_and_tokens_and_keep_eplb_to_their_own_
     results = launch(PP, _stages, paths, ids, timeout_s=180)
     assert results[0]["timeout_s"] == results[1]["timeout_s"] == 180
     moe_layers = {QWEN3: [0, 1, 2], DEEPSEEK: [1, 2],      # DeepSeek's layer 0 is dense (first_k_dense_replace)
-                  QWEN3_NEXT: [0, 1, 2, 3], GLM_MOE_DSA: [1, 2], PHIMOE: [0, 1, 2], GRANITEMOE_HYBRID: [0, 1, 2]}
+                  QWEN3_NEXT: [0, 1, 2, 3], GLM_MOE_DSA: [1, 2], PHIMOE: [0, 1, 2], GRANITEMOE_HYBRID: [0, 1, 2],
+                  NEMOTRON_H: [1, 4]}
     for arch, (ref_logits, ref_tokens) in refs.items():
         s0, s1 = results[0][arch], results[1][arch]
         n_layers = moe_layers[arch][-1] + 1
-        assert s0["layer_range"] == (0, 2) and s1["layer_range"] == (2, n_layers)
+        cut = (n_layers + 1) // 2                                      # the first stage takes the odd layer
+        assert s0["layer_range"] == (0, cut) and s1["layer_range"] == (cut, n_layers)
         for s in (s0, s1):
             assert (s["logits"] - ref_logits).abs().max().item() <= 1e-4
             assert s["tokens"] == ref_tokens

@@ -3,10 +3,10 @@ and every expert's intermediate features (checked on the built layers), and TP=2
 process's logits and greedy tokens for Qwen3-MoE (a dense layer and o_proj's bias included), Mixtral, OLMoE,
 Qwen2-MoE, GLM-4-MoE, DeepSeek-V3, -V3.2 (sparse attention), GLM-5 and DeepSeek-V2 (Multi-head Latent
 Attention), Qwen3-Next and Qwen3.5-MoE (linear attention), ERNIE-4.5 (pairwise rope), GLM-4.5V's text model,
-Granite MoE and Granite 4.0-H (Mamba2 layers, their groups split or one group on every rank), shared experts fused and
-unfused; TP=2 x PP=2 too; DeepSeek-V3's NextN draft on TP ranks drafts
-as on one process. EP 2 x TP 2 on 4 ranks too. Every a2a backend on TP 2 and on EP 2 x TP 2: experts whole on each TP
-rank, the single process's logits, a forced reduction after the combine seen. Refusals: a family
+Granite MoE and Granite 4.0-H (Mamba2 layers, their groups split or one group on every rank), Nemotron-H (ungated
+experts, a dense relu^2 MLP), shared experts fused and unfused; TP=2 x PP=2 too; DeepSeek-V3's NextN draft on TP
+ranks drafts as on one process. EP 2 x TP 2 on 4 ranks too. Every a2a backend on TP 2 and on EP 2 x TP 2: experts
+whole on each TP rank, the single process's logits, a forced reduction after the combine seen. Refusals: a family
 whose layers do not split, heads that do not divide."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from loadplan.engine.parallel.launch import launch
 from loadplan.plan import Keys
 from loadplan.service.rules.backends import BACKENDS
 
-from engine_helpers import LocalRegistry, make_checkpoint, make_granitemoe_hybrid_checkpoint
+from engine_helpers import LocalRegistry, make_checkpoint, make_granitemoe_hybrid_checkpoint, make_nemotron_h_checkpoint
 from parallel_helpers import (AFMOE, DBRX, DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, ERNIE4_5_MOE, EXAONE_MOE, FLEX_OLMO,
                               GLM4, GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE, GRANITEMOE_HYBRID, GRANITEMOE_SWA,
-                              HUNYUAN, LLAMA4,
+                              HUNYUAN, LLAMA4, NEMOTRON_H,
                               MIMO_V2_FLASH, MINIMAX_M2, MIXTRAL, OLMOE, PHIMOE, QWEN2, QWEN3, QWEN3_5_MOE, QWEN3_NEXT,
                               make_model, single_process)
 
@@ -41,7 +41,7 @@ CASES = [("qwen3", QWEN3, None), ("qwen2", QWEN2, "enforce"), ("qwen2", QWEN2, "
          ("afmoe", AFMOE, None), ("flex_olmo", FLEX_OLMO, None),
          ("dbrx", DBRX, None), ("mimo_v2_flash", MIMO_V2_FLASH, None),
          ("granitemoe_swa", GRANITEMOE_SWA, None), ("granitemoe_hybrid", GRANITEMOE_HYBRID, None),
-         ("granitemoe_hybrid_g1", GRANITEMOE_HYBRID, None)]
+         ("granitemoe_hybrid_g1", GRANITEMOE_HYBRID, None), ("nemotron_h", NEMOTRON_H, None)]
 
 
 def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
@@ -50,7 +50,7 @@ def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
     from loadplan.engine.layers.gated_delta_net import GatedDeltaNet
     from loadplan.engine.layers.mamba2 import Mamba2Mixer
     from loadplan.engine.layers.mla import MultiHeadLatentAttention
-    from loadplan.engine.layers.mlp import GatedMLP
+    from loadplan.engine.layers.mlp import GatedMLP, UngatedMLP
     from loadplan.engine.moe import RoutedExperts
     from loadplan.engine.worker import WorkerSpec, init_rank, load_runner
 
@@ -78,7 +78,8 @@ def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
             indexer_heads={m.indexer.wq_b.weight.shape[0] // m.indexer.head_dim for m in mods
                            if isinstance(m, MultiHeadLatentAttention) and m.indexer is not None},
             reusing=sum(isinstance(m, MultiHeadLatentAttention) and m.reuses_selection for m in mods),
-            expert_inter={m.gate_up_proj.shape[1] // 2 for m in mods if isinstance(m, RoutedExperts)},
+            expert_inter={m.gate_up_proj.shape[1] // (2 if m.gated else 1) for m in mods
+                          if isinstance(m, RoutedExperts)},
             dense_inter={m.gate_proj.weight.shape[0] for m in mods if isinstance(m, GatedMLP)},
             proj_norms={(m.q_proj_norm.weight.shape[0], m.k_proj_norm.weight.shape[0]) for m in mods
                         if isinstance(m, GQAttention) and m.q_proj_norm is not None},
@@ -87,6 +88,8 @@ def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
                             if isinstance(m, GQAttention) and m.gate_proj is not None},
             expert_biases={(m.gate_up_bias.shape[1], m.down_bias.shape[1]) for m in mods
                            if isinstance(m, RoutedExperts) and m.gate_up_bias is not None},
+            ungated_mlp={(m.up_proj.weight.shape[0], m.down_proj.weight.shape[1]) for m in mods
+                         if isinstance(m, UngatedMLP)},
             linear={(m.n_k, m.n_v, (m.in_proj_qkvz if m.grouped else m.in_proj_qkv).weight.shape[0],
                      m.conv1d.weight.shape[0], m.A_log.shape[0], m.out_proj.weight.shape[1])
                     for m in mods if isinstance(m, GatedDeltaNet)},
@@ -129,6 +132,9 @@ def paths(tmp_path_factory):
         # one group of B and C for all 4 Mamba2 heads, as the published models have
         "granitemoe_hybrid_g1": str(make_granitemoe_hybrid_checkpoint(tmp_path_factory.mktemp("granite_g1"),
                                                                       mamba_n_groups=1)),
+        # a shared MLP (40) wider than the dense MLP's rank share (24)
+        "nemotron_h": str(make_nemotron_h_checkpoint(tmp_path_factory.mktemp("nemotron_h"),
+                                                     moe_shared_expert_intermediate_size=40)),
     }
 
 
@@ -223,6 +229,11 @@ def test_two_tp_ranks_give_the_single_process_logits_and_tokens(paths, ids, refe
     assert by_name["granitemoe_hybrid"]["mamba"] == {(2, 1, 82, 48, 32, 32, False)}
     assert by_name["granitemoe_hybrid_g1"]["mamba"] == {(2, 1, 82, 48, 32, 32, True)}
     assert by_name["granitemoe_hybrid"]["heads"] == {(2, 1, 16)} and by_name["granitemoe_hybrid"]["dense_inter"] == {24}
+    # Nemotron-H: its ungated experts' 16 features split (8 up rows each); the dense relu^2 MLP's 48 split (24), the
+    # shared one (40) whole; its Mamba2 layer 2 of 4 heads and 1 of 2 groups; its attention NoPE, 2 of 4 heads of 8
+    n = by_name["nemotron_h"]
+    assert n["expert_inter"] == {8} and n["ungated_mlp"] == {(24, 24), (40, 40)}
+    assert n["heads"] == {(2, 1, 16)} and n["mamba"] == {(2, 1, 82, 48, 32, 32, False)} and not n["fused"]
     # MLA: half the heads and their kv_b_proj rows; the latent projection stays whole.
     (heads, kv_b_rows, kv_a_rows), = by_name["deepseek"]["mla_heads"]
     assert (heads, kv_b_rows, kv_a_rows) == (1, 1 * (8 + 12), 16 + 8)     # of 2 heads; nope 8 + v 12; lora 16 + rope 8

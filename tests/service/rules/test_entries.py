@@ -34,6 +34,7 @@ BUILT = {
     "GraniteMoeSharedForCausalLM": "granitemoe_shared",
     "GraniteMoeSWAForCausalLM": "granitemoe_swa",
     "GraniteMoeHybridForCausalLM": "granitemoe_hybrid",
+    "NemotronHForCausalLM": "nemotron_h",
     "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe",
     "ExaoneMoeForCausalLM": "exaone_moe",
     "AfmoeForCausalLM": "afmoe",

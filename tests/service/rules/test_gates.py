@@ -624,6 +624,16 @@ def test_granitemoe_hybrid_never_fuses_its_shared_mlp():
     assert_off(fusion(dict(cfg, shared_intermediate_size=0)), "granitemoe_hybrid.no_shared_experts")
 
 
+def test_nemotron_h_never_fuses_its_shared_mlp():
+    """Nemotron 3 Nano's expert fields: 128 ungated experts a MoE block, top-6, beside one shared MLP."""
+    cfg = {"architectures": ["NemotronHForCausalLM"], "hybrid_override_pattern": "MEMEM*E", "num_hidden_layers": 7,
+           "n_routed_experts": 128, "num_experts_per_tok": 6, "n_shared_experts": 1}
+    res = resolve(cfg, ep_size=8, ep_rank=2)
+    assert res.family == "nemotron_h" and res.decisions[Keys.NUM_LOCAL_EXPERTS].value == 16
+    for kw in ({}, ENFORCE):
+        assert_off(fusion(cfg, **kw), "nemotron_h.structural.no_fused_layout", "shared MLP")
+
+
 # The fields of tencent/Hunyuan-A13B-Instruct's config.json that the rules read, as it writes them (per layer).
 HUNYUAN_A13B = {"architectures": ["HunYuanMoEV1ForCausalLM"], "num_hidden_layers": 32, "num_experts": 64,
                 "moe_topk": [8] * 32, "num_shared_expert": [1] * 32, "intermediate_size": 3072,

@@ -9,8 +9,8 @@ from loadplan.service.rules import entries
 from loadplan.service.rules.config_view import ConfigView
 from loadplan.service.rules.layouts import (afmoe_layout, dbrx_layout, deepseek_layout, deepseek_nextn_layout,
                                             ernie4_5_moe_layout, every_layer_moe_layout, exaone_moe_layout,
-                                            granitemoe_hybrid_layout, hunyuan_v1_moe_layout, lfm2_moe_layout, mimo_v2_flash_layout,
-                                            qwen_moe_layout)
+                                            granitemoe_hybrid_layout, hunyuan_v1_moe_layout, lfm2_moe_layout,
+                                            mimo_v2_flash_layout, nemotron_h_layout, qwen_moe_layout)
 
 from ._fixtures import deepseek, mixtral, qwen2, qwen3
 
@@ -132,6 +132,33 @@ def test_granitemoe_hybrid_has_experts_and_a_shared_mlp_on_every_layer_by_defaul
     with pytest.raises(InvalidArgument) as e:
         granitemoe_hybrid_layout(ConfigView({"num_local_experts": 0}))
     assert e.value.field == "config.num_local_experts"
+
+
+# Nemotron 3 Nano's hybrid_override_pattern (52 layers: 23 Mamba2, 23 MoE, 6 attention), as its config.json writes it.
+NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
+
+
+def test_nemotron_h_moe_layers_are_its_e_blocks_however_its_config_spells_them():
+    lay = nemotron_h_layout(ConfigView({"hybrid_override_pattern": NANO_PATTERN, "num_hidden_layers": 52,
+                                        "n_routed_experts": 128, "num_experts_per_tok": 6}))
+    assert lay.layer_ids == tuple(range(52)) and lay.moe_layers == tuple(i for i, c in enumerate(NANO_PATTERN) if c == "E")
+    assert (len(lay.moe_layers), lay.n_routed, lay.n_shared, lay.top_k) == (23, 128, 1, 6)
+    kinds = {"M": "mamba", "E": "moe", "*": "attention", "-": "mlp"}
+    for spelled in ([kinds[c] for c in "ME*-E"], ["linear_attention", "moe", "full_attention", "mlp", "moe"]):
+        assert nemotron_h_layout(ConfigView({"layers_block_type": spelled})).moe_layers == (1, 4)
+    assert nemotron_h_layout(ConfigView({})).moe_layers == (1,)                      # transformers' default: M E * -
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"hybrid_override_pattern": "ME*X"}, "config.hybrid_override_pattern"),
+    ({"hybrid_override_pattern": "ME*", "num_hidden_layers": 4}, "config.hybrid_override_pattern"),
+    ({"layers_block_type": ["moe", "sliding_attention"]}, "config.layers_block_type"),
+    ({"layers_block_type": ["moe"], "n_routed_experts": 4, "num_experts_per_tok": 5}, "config.num_experts_per_tok"),
+])
+def test_nemotron_h_refuses_a_bad_layout_by_field(fields, field):
+    with pytest.raises(InvalidArgument) as e:
+        nemotron_h_layout(ConfigView(fields))
+    assert e.value.field == field
 
 
 def test_exaone_moe_refuses_a_bad_mlp_layer_types_by_field():

@@ -1,0 +1,137 @@
+"""Nemotron-H (`NemotronHForCausalLM`: Nemotron 3 Nano) from save_pretrained checkpoints: logits and greedy tokens
+(decoded through the Mamba2 layers' state cache and the attention layers' KV cache) against transformers, float32:
+Mamba2, NoPE attention, dense relu^2 MLP and MoE blocks (DeepSeek-V3's grouped sigmoid router over ungated relu^2
+experts, a shared MLP beside them); biases, one Mamba2 group, unnormalised routing weights; the Hub's older spellings
+of its config; a prompt longer than a chunk; token-by-token decoding; a batch decodes each row as alone; speculative
+decoding rolls its Mamba2 layers back; the registry plans it unfused; what it cannot run is refused by field before
+any plan; an expert's gate projection (which it has none of) is refused by name. EP 2 with every backend, TP 2 and
+PP 2: tests/engine/parallel/."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from loadplan.engine.layers.attention import GQAttention
+from loadplan.engine.layers.mamba2 import Mamba2Mixer
+from loadplan.engine.models.config import ConfigError
+from loadplan.engine.weights import MissingTensor, UnexpectedTensor
+from loadplan.plan import Keys
+
+from engine_helpers import (check_matches_transformers, check_refused_before_any_plan, hf_logits_of_order_one,
+                            load_local, logits_of, make_nemotron_h_checkpoint, prompt, with_config, with_tensors)
+
+ARCH = "NemotronHForCausalLM"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_nemotron_h_checkpoint(tmp_path_factory.mktemp("nemotron_h"))
+
+
+def generate_tokens(model, ids, n):
+    from loadplan.engine.generate import generate
+
+    return generate(model, ids[0], n)[0].tolist()
+
+
+def test_logits_and_greedy_tokens_match_transformers(ckpt, ids):
+    model = check_matches_transformers(ckpt, ARCH, ids)
+    d = model.plan.decisions
+    assert d[Keys.ENTRY_FAMILY].value == "nemotron_h" and d[Keys.SHARED_EXPERTS_FUSION].value is False
+    assert [type(layer.mixer) for layer in model.model.layers] == [Mamba2Mixer, type(None), GQAttention,
+                                                                     type(None), type(None)]
+    assert model.moe_layer_ids == (1, 4) and not model.model.layers[2].self_attn.use_rope
+    experts = model.model.layers[1].mlp.experts
+    assert not experts.gated and experts.gate_up_proj.shape == (8, 16, 32)           # up rows only, no gate
+    assert model.model.layers[1].mlp.gate.e_score_correction_bias.abs().sum() > 0
+
+
+@pytest.mark.parametrize("config", [
+    dict(mlp_bias=True, use_bias=True, use_conv_bias=False, n_groups=1, norm_topk_prob=False),
+    # transformers ties nothing, whatever tie_word_embeddings says
+    dict(tie_word_embeddings=True, layers_block_type=["moe", "linear_attention", "linear_attention",
+                                                      "full_attention"], n_group=1, conv_kernel=2),
+])
+def test_its_variants_match_transformers(tmp_path, ids, config):
+    check_matches_transformers(make_nemotron_h_checkpoint(tmp_path / "v", **config), ARCH, ids)
+
+
+def test_the_hubs_older_spellings_of_its_config_are_read_alike(ckpt, tmp_path, ids):
+    """Nemotron 3 Nano's config.json says hybrid_override_pattern with num_hidden_layers, and some of the Mamba2
+    fields by their older names (mamba_n_groups, mamba_d_conv), which transformers reads first."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+    hub = with_config(ckpt, tmp_path / "hub", layers_block_type=None, hybrid_override_pattern="ME*-E",
+                      num_hidden_layers=5, n_groups=8, mamba_n_groups=cfg["n_groups"], conv_kernel=None,
+                      mamba_d_conv=cfg["conv_kernel"])
+    torch.testing.assert_close(logits_of(load_local(hub), ids), logits_of(load_local(ckpt), ids))
+
+
+def test_a_prompt_longer_than_a_chunk_matches_transformers(ckpt):
+    """150 tokens: the engine's scan runs three chunks of 64, transformers' 38 chunks of 4."""
+    check_matches_transformers(ckpt, ARCH, prompt(B=1, T=150, seed=3), n_new=3)
+
+
+@torch.no_grad()
+def test_decoding_token_by_token_gives_transformers_logits_of_the_whole_prompt(ckpt, ids):
+    model = load_local(ckpt)
+    model.setup_caches(ids.shape[0], 32)
+    got = [model(ids[:, :4], input_pos=torch.arange(4))]
+    got += [model(ids[:, t:t + 1], input_pos=torch.tensor([t])) for t in range(4, ids.shape[1])]
+    assert (torch.cat(got, dim=1) - hf_logits_of_order_one(ckpt, ARCH, ids)).abs().max() <= 1e-4
+
+
+def test_a_batch_decodes_each_row_as_alone(ckpt, ids):
+    model = load_local(ckpt)
+    together = generate_tokens(model, ids, 5)
+    model = load_local(ckpt)
+    assert together == generate_tokens(model, ids[:1], 5)
+    assert torch.allclose(logits_of(model, ids)[1], logits_of(model, ids[1:])[0], atol=1e-5)
+
+
+def test_speculative_decoding_with_a_nemotron_h_target_gives_its_greedy_tokens(tmp_path):
+    from loadplan.engine.speculative import speculative_generate
+
+    path = make_nemotron_h_checkpoint(tmp_path / "target")
+
+    def noisy_head(tensors):
+        g = torch.Generator().manual_seed(4)
+        tensors["lm_head.weight"] = tensors["lm_head.weight"] + 0.1 * torch.randn(128, 32, generator=g)
+    draft_path = with_tensors(path, tmp_path / "draft", noisy_head)
+    ids = prompt(B=1, T=6, seed=2)
+    target = load_local(path)
+    want = generate_tokens(target, ids, 12)
+    tokens, stats = speculative_generate(target, load_local(draft_path, role="speculative"), ids[0], 12, 3)
+    assert tokens == want
+    assert 0 < stats["accepted"] < stats["proposed"]                   # some rejected: rolled back
+
+
+def test_an_experts_gate_projection_is_refused_by_name_and_a_missing_up_projection_named(ckpt, tmp_path):
+    def add_gate(tensors):
+        tensors["backbone.layers.1.mixer.experts.3.gate_proj.weight"] = torch.zeros(16, 32)
+    with pytest.raises(UnexpectedTensor, match=r"experts have no gate projection .* \[checkpoint tensor "
+                                               r"'backbone\.layers\.1\.mixer\.experts\.3\.gate_proj\.weight'\]"):
+        load_local(with_tensors(ckpt, tmp_path / "gated", add_gate))
+
+    def drop_up(tensors):
+        del tensors["backbone.layers.4.mixer.experts.5.up_proj.weight"]
+    with pytest.raises(MissingTensor, match=r"model\.layers\.4\.mlp\.experts\.5\.up_proj\.weight"):
+        load_local(with_tensors(ckpt, tmp_path / "no_up", drop_up))
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(moe_latent_size=16), r"config\.moe_latent_size: 16 not supported"),
+    (dict(layers_block_type=["mamba", "moe", "sliding_attention"]), r"config\.layers_block_type: expected a list"),
+    (dict(layers_block_type=None, hybrid_override_pattern="ME*X"), r"config\.hybrid_override_pattern: expected"),
+    (dict(layers_block_type=None, hybrid_override_pattern="ME*", num_hidden_layers=4),
+     r"config\.hybrid_override_pattern: 3 layers, but num_hidden_layers=4"),
+    (dict(n_groups=3), r"config\.n_groups: 3 must be >= 1 and divide mamba_num_heads=4"),
+    (dict(mlp_hidden_act="gelu"), r"config\.mlp_hidden_act: 'gelu' not supported"),
+    (dict(n_group=3), r"config\.n_group: 3 must be >= 1 and divide n_routed_experts=8"),
+    (dict(topk_group=3), r"config\.topk_group: 3 must be in \[1, n_group=2\]"),
+    (dict(num_experts_per_tok=9), r"config\.num_experts_per_tok: 9 must be in \[1, n_routed_experts=8\]"),
+])
+def test_what_it_cannot_run_is_refused_by_field_before_any_plan(ckpt, tmp_path, overrides, match):
+    check_refused_before_any_plan(with_config(ckpt, tmp_path / "bad", **overrides), ConfigError, match)
