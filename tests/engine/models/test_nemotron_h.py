@@ -24,6 +24,21 @@ from engine_helpers import (check_matches_transformers, check_refused_before_any
                             load_local, logits_of, make_nemotron_h_checkpoint, prompt, with_config, with_tensors)
 
 ARCH = "NemotronHForCausalLM"
+# nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16's config.json, its fields as published (auto_map and generation fields
+# left out): the Hub's older spellings (hybrid_override_pattern with num_hidden_layers, rope_theta, norm_eps).
+NANO = {"architectures": [ARCH], "model_type": "nemotron_h", "attention_bias": False, "chunk_size": 128,
+        "conv_kernel": 4, "expand": 2, "head_dim": 128, "hidden_size": 2688,
+        "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME", "intermediate_size": 1856,
+        "layer_norm_epsilon": 1e-05, "mamba_head_dim": 64, "mamba_hidden_act": "silu", "mamba_num_heads": 64,
+        "mamba_proj_bias": False, "mamba_ssm_cache_dtype": "float32", "max_position_embeddings": 262144,
+        "mlp_bias": False, "mlp_hidden_act": "relu2", "moe_intermediate_size": 1856,
+        "moe_shared_expert_intermediate_size": 3712, "n_group": 1, "n_groups": 8, "n_routed_experts": 128,
+        "n_shared_experts": 1, "norm_eps": 1e-05, "norm_topk_prob": True, "num_attention_heads": 32,
+        "num_experts_per_tok": 6, "num_hidden_layers": 52, "num_key_value_heads": 2, "partial_rotary_factor": 1.0,
+        "rescale_prenorm_residual": True, "residual_in_fp32": False, "rope_theta": 10000,
+        "routed_scaling_factor": 2.5, "sliding_window": None, "ssm_state_size": 128, "tie_word_embeddings": False,
+        "time_step_floor": 0.0001, "time_step_max": 0.1, "time_step_min": 0.001, "topk_group": 1,
+        "torch_dtype": "bfloat16", "use_bias": False, "use_conv_bias": True, "vocab_size": 131072}
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +82,24 @@ def test_the_hubs_older_spellings_of_its_config_are_read_alike(ckpt, tmp_path, i
                       num_hidden_layers=5, n_groups=8, mamba_n_groups=cfg["n_groups"], conv_kernel=None,
                       mamba_d_conv=cfg["conv_kernel"])
     torch.testing.assert_close(logits_of(load_local(hub), ids), logits_of(load_local(ckpt), ids))
+
+
+def test_the_published_nano_config_is_read_as_transformers_reads_it_and_planned():
+    """Its 52 blocks (23 Mamba2, 23 MoE, 6 attention) and sizes; the registry plans its 23 MoE layers for EPLB, 16 of
+    the 128 experts on each of 8 EP ranks, the shared MLP unfused."""
+    from loadplan.engine.registry import model_class
+
+    from engine_helpers import make_plan
+
+    cfg = model_class(ARCH).parse_config(NANO)
+    assert [cfg.layer_kinds.count(k) for k in ("mamba", "moe", "attention", "mlp")] == [23, 23, 6, 0]
+    assert (cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok, cfg.n_group) == (52, 128, 6, 1)
+    assert (cfg.mamba_num_heads * cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size) == (4096, 8, 128)
+    assert (cfg.moe_intermediate_size, cfg.moe_shared_expert_intermediate_size, cfg.time_step_min) == \
+        (1856, 3712, 0.001)
+    d = make_plan(NANO, ep_size=8, ep_rank=5, enable_eplb=True).decisions
+    assert d[Keys.EPLB_ENABLED].value and [int(i) for i in d[Keys.EPLB_LAYERS].value] == list(cfg.moe_layers)
+    assert d[Keys.NUM_LOCAL_EXPERTS].value == 16 and d[Keys.SHARED_EXPERTS_FUSION].value is False
 
 
 def test_a_prompt_longer_than_a_chunk_matches_transformers(ckpt):
