@@ -102,17 +102,19 @@ class Mamba2Mixer(nn.Module):
     def __init__(self, hidden_size: int, n_heads: int, head_dim: int, n_groups: int, state_size: int,
                  conv_kernel: int, conv_bias: bool, proj_bias: bool, rms_norm_eps: float,
                  time_step_limit: tuple[float, float], dtype: torch.dtype | None = None,
-                 tp: TensorParallel | None = None):
+                 tp: TensorParallel | None = None, fields: tuple[str, str] = ("mamba_n_heads", "mamba_n_groups")):
+        """`fields`: the config's names of the head and group counts, for errors (Granite's by default)."""
         super().__init__()
+        heads_field, groups_field = fields
         if n_heads % n_groups:
-            raise ValueError(f"mamba_n_heads={n_heads} is not a multiple of mamba_n_groups={n_groups}")
+            raise ValueError(f"{heads_field}={n_heads} is not a multiple of {groups_field}={n_groups}")
         self.tp = tp = tp or TensorParallel()
         groups_split = tp.size > 1 and n_groups % tp.size != 0
         if groups_split and n_groups != 1:
-            raise ValueError(f"mamba_n_groups={n_groups} does not divide over tp_size={tp.size} (and is not 1, "
+            raise ValueError(f"{groups_field}={n_groups} does not divide over tp_size={tp.size} (and is not 1, "
                              f"one group every rank reads)")
         # this rank's heads, and the groups they read
-        self.H, self.P, self.N, self.kernel = tp.split(n_heads, "mamba_n_heads"), head_dim, state_size, conv_kernel
+        self.H, self.P, self.N, self.kernel = tp.split(n_heads, heads_field), head_dim, state_size, conv_kernel
         self.G = 1 if groups_split else n_groups // tp.size
         n_heads, n_groups = self.H, self.G
         self.inner = n_heads * head_dim

@@ -215,7 +215,8 @@ class NemotronHBlock(nn.Module):
         if self.kind == "mamba":
             self.mamba = Mamba2Mixer(cfg.hidden_size, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups,
                                      cfg.ssm_state_size, cfg.conv_kernel, cfg.use_conv_bias, cfg.use_bias,
-                                     cfg.rms_norm_eps, (cfg.time_step_min, math.inf), dtype, tp=tp)
+                                     cfg.rms_norm_eps, (cfg.time_step_min, math.inf), dtype, tp=tp,
+                                     fields=("mamba_num_heads", "n_groups"))
         elif self.kind == "attention":
             self.self_attn = GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                                          cfg.head_dim, qkv_bias=False, o_bias=False, qk_norm=False,

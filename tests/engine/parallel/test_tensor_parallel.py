@@ -437,3 +437,15 @@ def test_heads_that_do_not_divide_are_named(tmp_path):
     _, load = _load(str(path), tp_size=2)
     with pytest.raises(ValueError, match="num_key_value_heads=1 does not divide over tp_size=2"):
         load()
+
+
+@pytest.mark.parametrize("config, message", [
+    (dict(mamba_num_heads=6, n_groups=3), "n_groups=3 does not divide over tp_size=2"),
+    (dict(mamba_num_heads=3, n_groups=1), "mamba_num_heads=3 does not divide over tp_size=2"),
+])
+def test_mamba2_heads_and_groups_that_do_not_divide_are_named_as_the_config_does(tmp_path, config, message):
+    """Nemotron-H's names for them (Granite 4.0-H's are mamba_n_heads and mamba_n_groups); one group is read by
+    every rank, so only a count of groups other than 1 must divide."""
+    _, load = _load(str(make_nemotron_h_checkpoint(tmp_path / "nh", **config)), tp_size=2)
+    with pytest.raises(ValueError, match=message):
+        load()
