@@ -14,9 +14,11 @@ Each layer is ONE block, x + mixer(norm(x)), whose mixer is by `layers_block_typ
 - "mlp" (-): a dense relu^2 MLP.
 The norms multiply their weight before the cast back (`WeightFirstRMSNorm`). Its checkpoints keep the model under
 `backbone.` (`embeddings`, `norm_f`) and every block's mixer as `mixer.`: shown to the loader under the engine's names
-by the layer's kind (`engine_names`). The Multi-Token-Prediction layers (`mtp.*`) are skipped by name; a latent MoE
-(`moe_latent_size`, Nemotron 3 Super's) is refused. Under tensor parallelism the attention heads, the Mamba2 heads
-(layers/mamba2.py), the dense MLP's and every expert's features split; the shared MLP is replicated.
+by the layer's kind (`engine_names`). The Multi-Token-Prediction layers (`mtp.*`) are skipped by name. A latent MoE
+(`moe_latent_size` L, Nemotron 3 Super's) routes on the hidden state but runs its experts on fc1_latent_proj(x)
+[T, L] and returns fc2_latent_proj of their reduced sum (both projections replicated; the shared MLP reads x).
+Under tensor parallelism the attention heads, the Mamba2 heads (layers/mamba2.py), the dense MLP's and every
+expert's features split; the shared MLP is replicated.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ class NemotronHConfig:
     routed_scaling_factor: float
     num_nextn_predict_layers: int
     moe_layers: tuple[int, ...]
+    moe_latent_size: int | None = None    # the experts' width in and out (None: hidden_size, no projections)
     rope: RopeConfig = RopeConfig()       # unused: no layer turns q or k (CausalLM builds its tables anyway)
 
     @classmethod
@@ -90,9 +93,9 @@ class NemotronHConfig:
         (mamba_n_groups, mamba_d_conv, ...) read first as transformers reads them."""
         kinds = _layer_kinds(d)
         n = len(kinds)
-        if d.get("moe_latent_size") is not None:
-            raise ConfigError(f"config.moe_latent_size: {d['moe_latent_size']!r} not supported (a latent MoE's "
-                              f"projections are not built); supported: null")
+        latent = d.get("moe_latent_size")
+        if latent is not None and (isinstance(latent, bool) or not isinstance(latent, int) or latent < 1):
+            raise ConfigError(f"config.moe_latent_size: expected an integer >= 1 or null, got {latent!r}")
         for field, default in (("mamba_hidden_act", "silu"), ("mlp_hidden_act", "relu2")):
             act = _get(d, field, default, str)
             if act != default and not (field == "mlp_hidden_act" and act in UNGATED_ACTIVATIONS):
@@ -148,6 +151,7 @@ class NemotronHConfig:
             routed_scaling_factor=float(_get(d, "routed_scaling_factor", 1.0, (int, float))),
             num_nextn_predict_layers=_get(d, "num_nextn_predict_layers", 0, int),
             moe_layers=tuple(i for i, kind in enumerate(kinds) if kind == "moe"),
+            moe_latent_size=latent,
         )
 
 
@@ -178,14 +182,20 @@ def _layer_kinds(d: dict) -> tuple[str, ...]:
 
 
 class NemotronHMoE(nn.Module):
-    """The router, the ungated routed experts, and the shared MLP added after their reduction (replicated)."""
+    """The router, the ungated routed experts (in the latent width, between its projections, where the config has
+    one), and the shared MLP added after their reduction (replicated)."""
 
     def __init__(self, cfg: NemotronHConfig, plan, layer_id: int, dtype: torch.dtype):
         super().__init__()
-        self.gate = DeepseekV3Router(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.n_group,
+        D, L = cfg.hidden_size, cfg.moe_latent_size
+        self.gate = DeepseekV3Router(D, cfg.num_experts, cfg.num_experts_per_tok, cfg.n_group,
                                      cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        self.fc1_latent_proj = self.fc2_latent_proj = None
+        if L is not None:
+            self.fc1_latent_proj = nn.Linear(D, L, bias=cfg.mlp_bias, dtype=dtype)
+            self.fc2_latent_proj = nn.Linear(L, D, bias=cfg.mlp_bias, dtype=dtype)
         act = UNGATED_ACTIVATIONS[cfg.mlp_act]
-        self.experts = RoutedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, plan,
+        self.experts = RoutedExperts(cfg.num_experts, L or D, cfg.moe_intermediate_size, plan,
                                      layer_id=layer_id, dtype=dtype, activation=act, gated=False)
         if self.experts.num_fused_shared_experts:
             raise ValueError(f"layer {layer_id}: the plan fuses a shared expert, but Nemotron-H's experts have no "
@@ -196,7 +206,10 @@ class NemotronHMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> [T, D]"""
         ids, weights = self.gate(x)                                    # [T, K], rsf applied
-        return self.experts(x, ids, weights.to(x.dtype)) + self.shared_experts(x)
+        if self.fc1_latent_proj is None:
+            return self.experts(x, ids, weights.to(x.dtype)) + self.shared_experts(x)
+        y = self.experts(self.fc1_latent_proj(x), ids, weights.to(x.dtype))   # [T, L], reduced if the plan says
+        return self.fc2_latent_proj(y) + self.shared_experts(x)
 
 
 class NemotronHBlock(nn.Module):

@@ -260,7 +260,7 @@ _BAD_CONFIGS = [
     ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig", dict(num_local_experts=8, mamba_n_heads=4),
      {"mamba_n_groups": 3}, "target"),
     ("NemotronHForCausalLM", "NemotronHConfig", dict(n_routed_experts=8, mamba_num_heads=4),
-     {"moe_latent_size": 16}, "target"),
+     {"moe_latent_size": 0}, "target"),
     ("Llama4ForCausalLM", "Llama4TextConfig", dict(num_local_experts=4), {"attention_chunk_size": 0}, "target"),
     ("Llama4ForConditionalGeneration", None, {}, {"text_config": None}, "target"),
     ("Qwen3VLMoeForConditionalGeneration", None, {}, {"text_config": None}, "target"),

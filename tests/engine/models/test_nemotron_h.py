@@ -1,11 +1,11 @@
 """Nemotron-H (`NemotronHForCausalLM`: Nemotron 3 Nano) from save_pretrained checkpoints: logits and greedy tokens
 (decoded through the Mamba2 layers' state cache and the attention layers' KV cache) against transformers, float32:
 Mamba2, NoPE attention, dense relu^2 MLP and MoE blocks (DeepSeek-V3's grouped sigmoid router over ungated relu^2
-experts, a shared MLP beside them); biases, one Mamba2 group, unnormalised routing weights; the Hub's older spellings
-of its config; a prompt longer than a chunk; token-by-token decoding; a batch decodes each row as alone; speculative
-decoding rolls its Mamba2 layers back; the registry plans it unfused; what it cannot run is refused by field before
-any plan; an expert's gate projection (which it has none of) is refused by name. EP 2 with every backend, TP 2 and
-PP 2: tests/engine/parallel/."""
+experts, a shared MLP beside them); biases, one Mamba2 group, unnormalised routing weights, a latent MoE (Nemotron 3
+Super's); the Hub's older spellings of its config; a prompt longer than a chunk; token-by-token decoding; a batch
+decodes each row as alone; speculative decoding rolls its Mamba2 layers back; the registry plans it unfused; what it
+cannot run is refused by field before any plan; an expert's gate projection (which it has none of) is refused by
+name. EP 2 with every backend, TP 2 (with a latent MoE) and PP 2: tests/engine/parallel/."""
 
 from __future__ import annotations
 
@@ -66,6 +66,8 @@ def test_logits_and_greedy_tokens_match_transformers(ckpt, ids):
 
 @pytest.mark.parametrize("config", [
     dict(mlp_bias=True, use_bias=True, use_conv_bias=False, n_groups=1, norm_topk_prob=False),
+    # a latent MoE (Nemotron 3 Super's): experts 16 wide in and out, between projections with biases
+    dict(moe_latent_size=16, mlp_bias=True),
     # transformers ties nothing, whatever tie_word_embeddings says
     dict(tie_word_embeddings=True, layers_block_type=["moe", "linear_attention", "linear_attention",
                                                       "full_attention"], n_group=1, conv_kernel=2),
@@ -155,7 +157,7 @@ def test_an_experts_gate_projection_is_refused_by_name_and_a_missing_up_projecti
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (dict(moe_latent_size=16), r"config\.moe_latent_size: 16 not supported"),
+    (dict(moe_latent_size=0), r"config\.moe_latent_size: expected an integer >= 1 or null, got 0"),
     (dict(layers_block_type=["mamba", "moe", "sliding_attention"]), r"config\.layers_block_type: expected a list"),
     (dict(layers_block_type=None, hybrid_override_pattern="ME*X"), r"config\.hybrid_override_pattern: expected"),
     (dict(layers_block_type=None, hybrid_override_pattern="ME*", num_hidden_layers=4),

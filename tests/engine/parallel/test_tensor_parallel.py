@@ -80,6 +80,7 @@ def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
             reusing=sum(isinstance(m, MultiHeadLatentAttention) and m.reuses_selection for m in mods),
             expert_inter={m.gate_up_proj.shape[1] // (2 if m.gated else 1) for m in mods
                           if isinstance(m, RoutedExperts)},
+            expert_width={m.hidden_size for m in mods if isinstance(m, RoutedExperts)},
             dense_inter={m.gate_proj.weight.shape[0] for m in mods if isinstance(m, GatedMLP)},
             proj_norms={(m.q_proj_norm.weight.shape[0], m.k_proj_norm.weight.shape[0]) for m in mods
                         if isinstance(m, GQAttention) and m.q_proj_norm is not None},
@@ -132,9 +133,10 @@ def paths(tmp_path_factory):
         # one group of B and C for all 4 Mamba2 heads, as the published models have
         "granitemoe_hybrid_g1": str(make_granitemoe_hybrid_checkpoint(tmp_path_factory.mktemp("granite_g1"),
                                                                       mamba_n_groups=1)),
-        # a shared MLP (40) wider than the dense MLP's rank share (24)
+        # a shared MLP (40) wider than the dense MLP's rank share (24); a latent MoE (Nemotron 3 Super's): experts
+        # 16 wide in and out, between replicated projections
         "nemotron_h": str(make_nemotron_h_checkpoint(tmp_path_factory.mktemp("nemotron_h"),
-                                                     moe_shared_expert_intermediate_size=40)),
+                                                     moe_shared_expert_intermediate_size=40, moe_latent_size=16)),
     }
 
 
@@ -229,10 +231,11 @@ def test_two_tp_ranks_give_the_single_process_logits_and_tokens(paths, ids, refe
     assert by_name["granitemoe_hybrid"]["mamba"] == {(2, 1, 82, 48, 32, 32, False)}
     assert by_name["granitemoe_hybrid_g1"]["mamba"] == {(2, 1, 82, 48, 32, 32, True)}
     assert by_name["granitemoe_hybrid"]["heads"] == {(2, 1, 16)} and by_name["granitemoe_hybrid"]["dense_inter"] == {24}
-    # Nemotron-H: its ungated experts' 16 features split (8 up rows each); the dense relu^2 MLP's 48 split (24), the
-    # shared one (40) whole; its Mamba2 layer 2 of 4 heads and 1 of 2 groups; its attention NoPE, 2 of 4 heads of 8
+    # Nemotron-H: its ungated experts' 16 features split (8 up rows each), in the latent width (16); the dense relu^2
+    # MLP's 48 split (24), the shared one (40) whole; its Mamba2 layer 2 of 4 heads and 1 of 2 groups; its attention
+    # NoPE, 2 of 4 heads of 8
     n = by_name["nemotron_h"]
-    assert n["expert_inter"] == {8} and n["ungated_mlp"] == {(24, 24), (40, 40)}
+    assert n["expert_inter"] == {8} and n["expert_width"] == {16} and n["ungated_mlp"] == {(24, 24), (40, 40)}
     assert n["heads"] == {(2, 1, 16)} and n["mamba"] == {(2, 1, 82, 48, 32, 32, False)} and not n["fused"]
     # MLA: half the heads and their kv_b_proj rows; the latent projection stays whole.
     (heads, kv_b_rows, kv_a_rows), = by_name["deepseek"]["mla_heads"]
