@@ -14,6 +14,8 @@ head dims.
 - Layer i is MoE iff mlp_layer_types[i] is "sparse" (by default all but the first). MoE: DeepSeek-V3's block
   (deepseek_v3.DeepseekV3MoE) with no shared expert: the sigmoid router with e_score_correction_bias and
   group-limited top-k, renormalised, scaled by routed_scaling_factor (the Hub's null: 1).
+- Its released checkpoints store Multi-Token-Prediction layers under `model.mtp.`: skipped by name, as transformers
+  skips them.
 """
 
 from __future__ import annotations
@@ -131,3 +133,6 @@ class MiMoV2FlashForCausalLM(Glm4MoeForCausalLM):
     CONFIG = MiMoV2FlashConfig
     DECODER_LAYER = MiMoV2FlashDecoderLayer
     CHECKPOINT_NAMES = MIMO_V2_FLASH_NAMES
+
+    def ignore_prefixes(self, prefix: str) -> tuple[str, ...]:
+        return (*super().ignore_prefixes(prefix), f"{prefix}model.mtp.")

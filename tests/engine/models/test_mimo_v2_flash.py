@@ -2,8 +2,8 @@
 transformers, float32: a global layer and windowed ones (twice the key/value heads, sink logits stored as
 `attention_sink_bias`), values narrower than keys and scaled, each layer kind its own rotary tables (theta, rotated
 fraction), DeepSeek-V3's grouped sigmoid router without shared experts; the Hub's `sliding_window_size` and null
-routed_scaling_factor; the registry plans it with no shared experts; what it cannot run is refused by field before
-any plan. EP 2 with every backend: tests/engine/parallel/test_expert_parallel.py; TP 2: test_tensor_parallel.py."""
+routed_scaling_factor; its released checkpoints' MTP layers skipped; the registry plans it with no shared experts;
+what it cannot run is refused by field before any plan. EP 2 with every backend: tests/engine/parallel/test_expert_parallel.py; TP 2: test_tensor_parallel.py."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from loadplan.engine.models.config import ConfigError
 from loadplan.plan import Keys
 
-from engine_helpers import (check_matches_transformers, check_refused_before_any_plan, make_mimo_v2_flash_checkpoint,
-                            with_config)
+from engine_helpers import (check_matches_transformers, check_refused_before_any_plan, load_local, logits_of,
+                            make_mimo_v2_flash_checkpoint, with_config, with_tensors)
 
 ARCH = "MiMoV2FlashForCausalLM"
 
@@ -42,6 +42,25 @@ def test_the_hubs_spellings_are_read_as_transformers_reads_them(ckpt, tmp_path, 
                       attention_value_scale=0.5)
     model = check_matches_transformers(hub, ARCH, ids)
     assert model.model.layers[1].self_attn.sliding_window == 3
+
+
+def test_its_checkpoints_mtp_layers_are_skipped_as_transformers_skips_them(ckpt, tmp_path, ids):
+    """The released checkpoints store Multi-Token-Prediction layers under model.mtp.: not part of the model (any
+    other unknown tensor is still refused)."""
+    import torch
+
+    from loadplan.engine.weights import UnexpectedTensor
+
+    def add_mtp(tensors):
+        tensors["model.mtp.layers.0.enorm.weight"] = torch.ones(32)
+        tensors["model.mtp.layers.0.eh_proj.weight"] = torch.zeros(32, 64)
+    with_mtp = with_tensors(ckpt, tmp_path / "mtp", add_mtp)
+    torch.testing.assert_close(logits_of(load_local(with_mtp), ids), logits_of(load_local(ckpt), ids))
+
+    def add_other(tensors):
+        tensors["model.extra.weight"] = torch.ones(32)
+    with pytest.raises(UnexpectedTensor, match=r"model\.extra\.weight"):
+        load_local(with_tensors(ckpt, tmp_path / "other", add_other))
 
 
 @pytest.mark.parametrize("overrides,match", [
