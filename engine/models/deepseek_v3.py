@@ -34,11 +34,11 @@ from ..layers.deepseek_v2_router import DeepseekV2Router
 from ..layers.dsa_indexer import SparseIndexer, TopKSelection
 from ..layers.mla import MultiHeadLatentAttention
 from ..layers.mlp import GatedMLP, activation
-from ..layers.rope import RopeConfig, rope_config_from_hf
+from ..layers.rope import RopeConfig
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from .causal_lm import CausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, top_k
+from .config import ConfigError, get_field as _get, read_rope, top_k
 from .text_wrapper import TextOnlyWrapper
 
 
@@ -116,10 +116,7 @@ class DeepseekV3Config:
         q_lora_rank = d.get("q_lora_rank")
         if q_lora_rank is not None and (not isinstance(q_lora_rank, int) or isinstance(q_lora_rank, bool)):
             raise ConfigError(f"config.q_lora_rank: expected int or null, got {q_lora_rank!r}")
-        try:
-            rope = rope_config_from_hf(d)
-        except ValueError as e:
-            raise ConfigError(f"config.rope_scaling/rope_parameters: {e}") from None
+        rope = read_rope(d)
         return cls(
             vocab_size=_get(d, "vocab_size", kind=int),
             hidden_size=_get(d, "hidden_size", kind=int),

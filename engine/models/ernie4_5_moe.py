@@ -28,12 +28,11 @@ import torch
 
 from ..layers.attention import GQAttention
 from ..layers.mlp import activation
-from ..layers.rope import rope_config_from_hf
 from ..parallel.tensor import TensorParallel
 from ..shown_tensors import ShownTensors
 from ..weights import ShapeMismatch
 from .causal_lm import DecoderLayer
-from .config import ConfigError, get_field as _get, top_k
+from .config import ConfigError, get_field as _get, read_rope, top_k
 from .deepseek_v3 import moe_or_dense_mlp
 from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
 
@@ -70,10 +69,7 @@ class Ernie45MoeConfig(Glm4MoeConfig):
         norm_min = float(_get(d, "moe_norm_min", 1e-12))
         if not norm_min > 0:
             raise ConfigError(f"config.moe_norm_min: must be > 0, got {norm_min}")
-        try:
-            rope = rope_config_from_hf(d, default_theta=500000.0)
-        except ValueError as e:
-            raise ConfigError(f"config.rope_scaling/rope_parameters: {e}") from None
+        rope = read_rope(d, default_theta=500000.0)
         if rope.partial_rotary_factor != 1.0:
             raise ConfigError(f"config.partial_rotary_factor: {rope.partial_rotary_factor} not supported; ERNIE-4.5 "
                               f"rotates whole heads (1.0)")

@@ -25,10 +25,10 @@ import torch
 
 from ..layers.attention import GQAttention
 from ..layers.mlp import activation
-from ..layers.rope import RopeConfig, rope_config_from_hf
+from ..layers.rope import RopeConfig
 from ..parallel.tensor import TensorParallel
 from .causal_lm import CausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get
+from .config import ConfigError, get_field as _get, read_rope
 from .deepseek_v3 import moe_or_dense_mlp, routing_fields
 
 # transformers' Glm4MoeConfig: "partial_rotary_factor" defaults to 0.5 (kept for older configs).
@@ -87,10 +87,7 @@ class Glm4MoeConfig:
         if first_dense < 0:
             raise ConfigError(f"config.first_k_dense_replace: must be >= 0, got {first_dense}")
         head_dim = _get(d, "head_dim", None, int) or hidden // heads
-        try:
-            rope = rope_config_from_hf(d, partial_rotary_factor=DEFAULT_PARTIAL_ROTARY_FACTOR)
-        except ValueError as e:
-            raise ConfigError(f"config.rope_scaling/rope_parameters: {e}") from None
+        rope = read_rope(d, partial_rotary_factor=DEFAULT_PARTIAL_ROTARY_FACTOR)
         rotary_dim = int(head_dim * rope.partial_rotary_factor)
         if not (0 < rotary_dim <= head_dim and rotary_dim % 2 == 0):
             raise ConfigError(f"config.partial_rotary_factor: {rope.partial_rotary_factor} of head_dim={head_dim} "

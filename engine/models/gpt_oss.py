@@ -31,12 +31,12 @@ from torch import nn
 
 from ..expert_kernel import ClampedSwiGLU
 from ..layers.attention import GQAttention
-from ..layers.rope import RopeConfig, rope_config_from_hf
+from ..layers.rope import RopeConfig
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..stacked_experts import StackedExperts
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, per_layer, top_k
+from .config import ConfigError, get_field as _get, per_layer, read_rope, top_k
 
 ARCHITECTURE = "GptOssForCausalLM"
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -96,8 +96,7 @@ class GptOssConfig:
             rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-5)),
             max_position_embeddings=_get(d, "max_position_embeddings", 131072, int),
             tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
-            rope=rope_config_from_hf(d if rope_given else dict(d, rope_parameters=DEFAULT_ROPE),
-                                     default_theta=150000.0),
+            rope=read_rope(d if rope_given else dict(d, rope_parameters=DEFAULT_ROPE), default_theta=150000.0),
             num_experts=n_experts,
             num_experts_per_tok=k,
             attention_bias=bool(_get(d, "attention_bias", True, bool)),

@@ -31,13 +31,13 @@ from torch import nn
 
 from ..layers.attention import GQAttention
 from ..layers.mlp import GatedMLP, activation
-from ..layers.rope import RopeConfig, apply_rotary, rope_config_from_hf
+from ..layers.rope import RopeConfig, apply_rotary
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..stacked_experts import StackedExperts
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, per_layer, top_k
+from .config import ConfigError, get_field as _get, per_layer, read_rope, top_k
 from .text_wrapper import TextOnlyWrapper
 
 ARCHITECTURE = "Llama4ForCausalLM"
@@ -136,7 +136,7 @@ class Llama4Config:
             hidden_act=act,
             max_position_embeddings=_get(d, "max_position_embeddings", 4096 * 32, int),
             tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
-            rope=rope_config_from_hf(d, default_theta=500000.0),
+            rope=read_rope(d, default_theta=500000.0),
             num_experts=n_experts,
             num_experts_per_tok=k,
             moe_layers=tuple(sorted(set(moe_layers))),

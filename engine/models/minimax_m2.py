@@ -28,12 +28,12 @@ from torch import nn
 from ..layers.attention import GQAttention
 from ..layers.deepseek_router import DeepseekV3Router
 from ..layers.mlp import activation
-from ..layers.rope import RopeConfig, rope_config_from_hf
+from ..layers.rope import RopeConfig
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, top_k
+from .config import ConfigError, get_field as _get, read_rope, top_k
 from .mixtral import MIXTRAL_NAMES
 from .olmoe import OLMOE_NAMES
 
@@ -89,7 +89,7 @@ class MiniMaxM2Config:
         head_dim = _get(d, "head_dim", 128, int)
         # The rotated share: transformers takes rope_parameters' (or rope_scaling's, or the top-level)
         # partial_rotary_factor when there is one, else rotary_dim / head_dim (the Hub's files give rotary_dim).
-        rope = rope_config_from_hf(d, partial_rotary_factor=0.0, default_theta=5e6)
+        rope = read_rope(d, partial_rotary_factor=0.0, default_theta=5e6)
         rotary_dim = d.get("rotary_dim")
         if rope.partial_rotary_factor:
             shared = round(head_dim * rope.partial_rotary_factor)

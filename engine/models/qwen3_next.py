@@ -21,10 +21,10 @@ from ..layers.attention import GQAttention
 from ..layers.gated_delta_net import GatedDeltaNet
 from ..layers.mlp import GatedMLP, activation
 from ..layers.norm import OffsetRMSNorm
-from ..layers.rope import RopeConfig, rope_config_from_hf
+from ..layers.rope import RopeConfig
 from ..parallel.tensor import TensorParallel
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, per_layer, top_k
+from .config import ConfigError, get_field as _get, per_layer, read_rope, top_k
 from .qwen_moe import QwenSparseMoeBlock, sparse_layers
 
 # transformers' Qwen3NextConfig defaults for fields a config.json may leave out.
@@ -73,7 +73,7 @@ class Qwen3NextConfig:
         if act != "silu":   # the linear attention's conv runs the config's activation; only SiLU is tested
             raise ConfigError(f"config.hidden_act: {act!r} not supported; Qwen3-Next runs 'silu'")
         activation(act)
-        rope = rope_config_from_hf(d, partial_rotary_factor=DEFAULT_PARTIAL_ROTARY_FACTOR)
+        rope = read_rope(d, partial_rotary_factor=DEFAULT_PARTIAL_ROTARY_FACTOR)
         rotary_dim = int(head_dim * rope.partial_rotary_factor)
         if not (0 < rotary_dim <= head_dim and rotary_dim % 2 == 0):
             raise ConfigError(f"config.partial_rotary_factor: {rope.partial_rotary_factor} of head_dim={head_dim} "

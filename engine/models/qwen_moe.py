@@ -18,11 +18,11 @@ from torch import nn
 
 from ..layers.attention import GQAttention
 from ..layers.mlp import GatedMLP, activation
-from ..layers.rope import RopeConfig, rope_config_from_hf
+from ..layers.rope import RopeConfig
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from .causal_lm import CausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, top_k
+from .config import ConfigError, get_field as _get, read_rope, top_k
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class QwenMoeConfig:
             hidden_act=_get(d, "hidden_act", "silu", str),
             max_position_embeddings=_get(d, "max_position_embeddings", 32768, int),
             tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
-            rope=rope_config_from_hf(d),
+            rope=read_rope(d),
             num_experts=n_experts,
             num_experts_per_tok=k,
             moe_intermediate_size=_get(d, "moe_intermediate_size", kind=int),
@@ -135,7 +135,7 @@ def every_layer_moe_fields(d: dict, *, experts_field: str, rms_norm_eps: float, 
         hidden_act=act,
         max_position_embeddings=_get(d, "max_position_embeddings", max_position_embeddings, int),
         tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
-        rope=rope_config_from_hf(d, default_theta=rope_theta),
+        rope=read_rope(d, default_theta=rope_theta),
         num_experts=n_experts,
         num_experts_per_tok=k,
         moe_intermediate_size=width,

@@ -267,7 +267,7 @@ _BAD_CONFIGS = [
     ("Glm4vMoeForConditionalGeneration", None, {}, {"text_config": None}, "target"),
     ("Glm4MoeLiteForCausalLM", "Glm4MoeLiteConfig", dict(n_routed_experts=16, moe_intermediate_size=16),
      {"mlp_layer_types": ["sparse"]}, "target"),
-    ("Qwen3NextForCausalLM", "Qwen3NextConfig", dict(num_experts=8, moe_intermediate_size=16,
+    ("Qwen3NextForCausalLM", "Qwen3NextConfig", dict(num_experts=8, moe_intermediate_size=16, num_experts_per_tok=2,
                                                      shared_expert_intermediate_size=16, linear_num_key_heads=2,
                                                      linear_num_value_heads=4, linear_key_head_dim=8,
                                                      linear_value_head_dim=8), {"linear_num_value_heads": 3}, "target"),
@@ -279,8 +279,8 @@ _BAD_CONFIGS = [
     ("Qwen3_5MoeForConditionalGeneration", None, {}, {"text_config": None}, "target"),
     ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(n_routed_experts=16, moe_intermediate_size=16),
      {"scoring_func": "relu"}, "target"),
-    ("DeepseekV2ForCausalLM", "DeepseekV2Config", dict(n_routed_experts=16, moe_intermediate_size=16),
-     {"topk_method": "bogus"}, "target"),
+    ("DeepseekV2ForCausalLM", "DeepseekV2Config", dict(n_routed_experts=16, moe_intermediate_size=16,
+                                                       num_experts_per_tok=2), {"topk_method": "bogus"}, "target"),
     ("DeepseekV32ForCausalLM", "DeepseekV32Config", dict(n_routed_experts=16, moe_intermediate_size=16,
                                                          index_n_heads=2, index_head_dim=64),
      {"index_topk": 0}, "target"),
@@ -320,6 +320,31 @@ def test_every_engine_entry_class_reads_its_config_before_the_plan():
     assert {arch for arch, *_ in _BAD_CONFIGS} == set(ENGINE_ENTRY_CLASSES)    # a bad config for each
     for arch in ENGINE_ENTRY_CLASSES:
         assert model_class(arch).parse_config.__func__ not in bases, arch
+
+
+# Entry classes of _BAD_CONFIGS whose config has no rope of the kind the others read: Nemotron-H (no layer turns q or
+# k), MiMo-V2-Flash (one rope_parameters object per layer type, refused by type in its own test), the wrappers (their
+# text_config's family is here too) and the drafts (their target's family is).
+_NO_PLAIN_ROPE = {"NemotronHForCausalLM", "MiMoV2FlashForCausalLM"}
+
+
+@pytest.mark.parametrize("arch, hf_class, kwargs", [(a, h, k) for a, h, k, _, role in _BAD_CONFIGS
+                                                    if h and role == "target" and a not in _NO_PLAIN_ROPE],
+                         ids=lambda v: v if isinstance(v, str) and v.endswith(("LM", "Generation")) else "")
+def test_a_rope_the_family_cannot_run_is_refused_naming_the_field_it_is_in(arch, hf_class, kwargs):
+    """Whichever spelling the config uses (rope_parameters, transformers 5's; rope_scaling, the Hub's older one)."""
+    from loadplan.engine.models.config import ConfigError
+    from loadplan.engine.registry import model_class
+
+    transformers = pytest.importorskip("transformers")
+    cfg = getattr(transformers, hf_class)(**_TINY, **kwargs).to_dict()
+    cfg.pop("rope_scaling", None)
+    model_class(arch).parse_config(dict(cfg, architectures=[arch]))     # the config itself is one it runs
+    for field in ("rope_parameters", "rope_scaling"):
+        bad = {k: v for k, v in cfg.items() if k != "rope_parameters"}
+        bad[field] = {"rope_type": "foo", "rope_theta": 10000.0, "factor": 2.0}
+        with pytest.raises(ConfigError, match=rf"^config\.{field}: rope type 'foo' not supported; supported: "):
+            model_class(arch).parse_config(dict(bad, architectures=[arch]))
 
 
 def test_a_wrappers_refusal_names_the_field_inside_its_text_config(tmp_path):
