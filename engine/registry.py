@@ -37,6 +37,7 @@ ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "GraniteMoeSWAForCausalLM": ("loadplan.engine.models.granitemoe", "GraniteMoeSWAForCausalLM"),
     "GraniteMoeHybridForCausalLM": ("loadplan.engine.models.granitemoe_hybrid", "GraniteMoeHybridForCausalLM"),
     "NemotronHForCausalLM": ("loadplan.engine.models.nemotron_h", "NemotronHForCausalLM"),
+    "JambaForCausalLM": ("loadplan.engine.models.jamba", "JambaForCausalLM"),
     "HunYuanMoEV1ForCausalLM": ("loadplan.engine.models.hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM"),
     "ExaoneMoeForCausalLM": ("loadplan.engine.models.exaone_moe", "ExaoneMoeForCausalLM"),
     "AfmoeForCausalLM": ("loadplan.engine.models.afmoe", "AfmoeForCausalLM"),

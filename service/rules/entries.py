@@ -75,6 +75,8 @@ FAMILIES: dict[str, Family] = {
         Family("mimo_v2_flash", layouts.mimo_v2_flash_layout, None, False),
         # DBRX: every layer MoE, no shared expert (its expert fields under ffn_config)
         Family("dbrx", layouts.dbrx_layout, None, False),
+        # Jamba: Mamba and attention layers, Mixtral's experts on every expert_layer_period-th, no shared expert
+        Family("jamba", layouts.jamba_layout, None, False),
         # LFM2-MoE: short-conv and attention layers over a sigmoid-routed MoE, no shared expert
         Family("lfm2_moe", layouts.lfm2_moe_layout, None, False),
         # FlexOlmo: OLMoE's attention and MoE in OLMo 2's post-norm layer
@@ -130,6 +132,7 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "OlmoeForCausalLM": Direct("olmoe"),
     "FlexOlmoForCausalLM": Direct("flex_olmo"),
     "Lfm2MoeForCausalLM": Direct("lfm2_moe"),
+    "JambaForCausalLM": Direct("jamba"),
     "DbrxForCausalLM": Direct("dbrx"),
     "MiMoV2FlashForCausalLM": Direct("mimo_v2_flash"),
     "GptOssForCausalLM": Direct("gpt_oss"),

@@ -165,6 +165,19 @@ def nemotron_h_layout(cfg: ConfigView) -> MoeLayout:
                      top_k)
 
 
+def jamba_layout(cfg: ConfigView) -> MoeLayout:
+    """Jamba: layer i is MoE iff i % expert_layer_period == expert_layer_offset (whatever its token mixer); no shared
+    expert. transformers' JambaConfig defaults where a config leaves a field out."""
+    n_layers = cfg.int("num_hidden_layers", 32, minimum=1, maximum=MAX_LAYERS)
+    n_routed = cfg.int("num_experts", 16, minimum=2)
+    top_k = cfg.int("num_experts_per_tok", 2, minimum=1)
+    _check_top_k(cfg, top_k, n_routed)
+    period = cfg.int("expert_layer_period", 2, minimum=1)
+    offset = cfg.int("expert_layer_offset", 1, minimum=0, maximum=period - 1)
+    return MoeLayout(tuple(range(n_layers)), tuple(i for i in range(n_layers) if i % period == offset), n_routed, 0,
+                     top_k)
+
+
 def dbrx_layout(cfg: ConfigView) -> MoeLayout:
     """transformers' DbrxConfig defaults where a config leaves a field out (ffn_config is an object of its own)."""
     n_layers = cfg.int("n_layers", 24, minimum=1, maximum=MAX_LAYERS)

@@ -321,6 +321,19 @@ def make_nemotron_h_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     return _save_random_model(path, "NemotronH", seed, dict(NEMOTRON_H_TINY, **config))
 
 
+# Jamba: 4 layers, attention on layer 2 (period 4, offset 2), Mamba on the others (64 inner channels, 8 state
+# features, dt rank 2); 8 experts of 48 (top-2) on layers 1 and 3, a dense MLP on 0 and 2.
+JAMBA_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, expert_layer_period=2,
+                  expert_layer_offset=1, attn_layer_period=4, attn_layer_offset=2, mamba_d_state=8, mamba_d_conv=4,
+                  mamba_expand=2, max_position_embeddings=256)
+
+
+def make_jamba_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random Jamba of JAMBA_TINY updated with `config` (transformers' JambaConfig kwargs)."""
+    return _save_random_model(path, "Jamba", seed, dict(JAMBA_TINY, **config))
+
+
 # DeepSeek-V3.2: DEEPSEEK_TINY with its sparse attention indexer (8 index heads of 16, 8 of them rotated) keeping 4
 # keys a query, and the default rope; 16 routed experts (in 8 groups of 2): it is never fused, whatever the count.
 DEEPSEEK_V32_TINY = dict(DEEPSEEK_TINY, n_routed_experts=16, index_n_heads=8, index_head_dim=16, index_topk=4,

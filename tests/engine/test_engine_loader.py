@@ -259,6 +259,8 @@ _BAD_CONFIGS = [
     ("GraniteMoeSWAForCausalLM", "GraniteMoeSWAConfig", dict(num_local_experts=8), {"sliding_window": 0}, "target"),
     ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig", dict(num_local_experts=8, mamba_n_heads=4),
      {"mamba_n_groups": 3}, "target"),
+    ("JambaForCausalLM", "JambaConfig", dict(num_experts=8, attn_layer_period=2, attn_layer_offset=1),
+     {"attn_layer_offset": 2}, "target"),
     ("NemotronHForCausalLM", "NemotronHConfig", dict(n_routed_experts=8, mamba_num_heads=4),
      {"moe_latent_size": 0}, "target"),
     ("Llama4ForCausalLM", "Llama4TextConfig", dict(num_local_experts=4), {"attention_chunk_size": 0}, "target"),

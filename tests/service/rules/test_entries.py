@@ -40,6 +40,7 @@ BUILT = {
     "AfmoeForCausalLM": "afmoe",
     "FlexOlmoForCausalLM": "flex_olmo",
     "Lfm2MoeForCausalLM": "lfm2_moe",
+    "JambaForCausalLM": "jamba",
     "DbrxForCausalLM": "dbrx",
     "MiMoV2FlashForCausalLM": "mimo_v2_flash",
     "PhiMoEForCausalLM": "phimoe",

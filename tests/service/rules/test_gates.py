@@ -624,6 +624,13 @@ def test_granitemoe_hybrid_never_fuses_its_shared_mlp():
     assert_off(fusion(dict(cfg, shared_intermediate_size=0)), "granitemoe_hybrid.no_shared_experts")
 
 
+def test_jamba_has_no_shared_experts():
+    cfg = {"architectures": ["JambaForCausalLM"], "num_hidden_layers": 32, "num_experts": 16, "num_experts_per_tok": 2}
+    res = resolve(cfg, ep_size=4, ep_rank=3)
+    assert res.family == "jamba" and res.decisions[Keys.NUM_LOCAL_EXPERTS].value == 4
+    assert_off(fusion(cfg), "jamba.no_shared_experts")
+
+
 def test_nemotron_h_never_fuses_its_shared_mlp():
     """Nemotron 3 Nano's expert fields: 128 ungated experts a MoE block, top-6, beside one shared MLP."""
     cfg = {"architectures": ["NemotronHForCausalLM"], "hybrid_override_pattern": "MEMEM*E", "num_hidden_layers": 7,

@@ -9,7 +9,8 @@ from loadplan.service.rules import entries
 from loadplan.service.rules.config_view import ConfigView
 from loadplan.service.rules.layouts import (afmoe_layout, dbrx_layout, deepseek_layout, deepseek_nextn_layout,
                                             ernie4_5_moe_layout, every_layer_moe_layout, exaone_moe_layout,
-                                            granitemoe_hybrid_layout, hunyuan_v1_moe_layout, lfm2_moe_layout,
+                                            granitemoe_hybrid_layout, hunyuan_v1_moe_layout, jamba_layout,
+                                            lfm2_moe_layout,
                                             mimo_v2_flash_layout, nemotron_h_layout, qwen_moe_layout)
 
 from ._fixtures import deepseek, mixtral, qwen2, qwen3
@@ -159,6 +160,18 @@ def test_nemotron_h_refuses_a_bad_layout_by_field(fields, field):
     with pytest.raises(InvalidArgument) as e:
         nemotron_h_layout(ConfigView(fields))
     assert e.value.field == field
+
+
+def test_jamba_moe_layers_follow_the_expert_period_and_offset():
+    """Jamba 1.5 Mini's layout (32 layers, 16 experts, every other layer from 1); a bad offset refused by field."""
+    lay = jamba_layout(ConfigView({"num_hidden_layers": 32, "num_experts": 16, "num_experts_per_tok": 2,
+                                   "expert_layer_period": 2, "expert_layer_offset": 1}))
+    assert lay.moe_layers == tuple(range(1, 32, 2)) and (lay.n_routed, lay.n_shared, lay.top_k) == (16, 0, 2)
+    assert jamba_layout(ConfigView({"num_hidden_layers": 7, "expert_layer_period": 3,
+                                    "expert_layer_offset": 0})).moe_layers == (0, 3, 6)
+    with pytest.raises(InvalidArgument) as e:
+        jamba_layout(ConfigView({"expert_layer_period": 2, "expert_layer_offset": 2}))
+    assert e.value.field == "config.expert_layer_offset"
 
 
 def test_exaone_moe_refuses_a_bad_mlp_layer_types_by_field():

@@ -1,0 +1,136 @@
+"""Jamba (`JambaForCausalLM`: AI21's Jamba 1.5 / 1.7 Mini and Large), following transformers' modeling_jamba
+numerically.
+
+Shapes: B batch, T tokens, D hidden, E experts, K top-k, V vocab.
+
+A hybrid of Mamba layers (layers/mamba1.py, with dt, B and C RMS-normalised) and attention layers without rotary
+embedding or biases: layer i is attention iff i % attn_layer_period == attn_layer_offset. Each layer's feed-forward
+is, iff i % expert_layer_period == expert_layer_offset (and num_experts > 1), Mixtral's routed experts with the top-k of
+the softmax over every expert, NOT renormalised; else a dense SwiGLU MLP. No shared expert, so no fusion.
+The checkpoints spell the parts otherwise than the engine (`JAMBA_NAMES`): `feed_forward` for the MLP (its `router`
+for the router), `pre_ff_layernorm` for the second norm, `model.final_layernorm` for the final one. Tensor
+parallelism is not built for it (the loader refuses tp_size > 1): its x_proj reads every inner channel of a Mamba
+layer, which a split by channels would leave partial.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..layers.attention import GQAttention
+from ..layers.mamba1 import Mamba1Mixer
+from ..weights import CheckpointNames
+from .config import ConfigError, get_field as _get, top_k
+from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, every_layer_moe_fields
+
+ARCHITECTURE = "JambaForCausalLM"
+
+# (checkpoint, engine) suffixes (under model.layers.{i}, and the final norm's).
+JAMBA_NAMES = CheckpointNames((
+    ("feed_forward.router.weight", "mlp.gate.weight"),
+    ("feed_forward.experts.{e}.gate_proj.weight", "mlp.experts.{e}.gate_proj.weight"),
+    ("feed_forward.experts.{e}.up_proj.weight", "mlp.experts.{e}.up_proj.weight"),
+    ("feed_forward.experts.{e}.down_proj.weight", "mlp.experts.{e}.down_proj.weight"),
+    ("feed_forward.gate_proj.weight", "mlp.gate_proj.weight"),
+    ("feed_forward.up_proj.weight", "mlp.up_proj.weight"),
+    ("feed_forward.down_proj.weight", "mlp.down_proj.weight"),
+    ("pre_ff_layernorm.weight", "post_attention_layernorm.weight"),
+    ("model.final_layernorm.weight", "model.norm.weight"),
+))
+
+
+def _period_offset(d: dict, period_field: str, offset_field: str, period: int, offset: int) -> tuple[int, int]:
+    p, o = _get(d, period_field, period, int), _get(d, offset_field, offset, int)
+    if p < 1:
+        raise ConfigError(f"config.{period_field}: must be >= 1, got {p}")
+    if not 0 <= o < p:
+        raise ConfigError(f"config.{offset_field}: must be in [0, {period_field}={p}), got {o}")
+    return p, o
+
+
+@dataclass(frozen=True)
+class JambaConfig(QwenMoeConfig):
+    layer_kinds: tuple[str, ...] = ()     # "mamba" / "attention" per layer
+    mamba_d_state: int = 16
+    mamba_d_conv: int = 4
+    mamba_inner: int = 0                  # mamba_expand * hidden_size
+    mamba_dt_rank: int = 0
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+
+    @classmethod
+    def from_hf(cls, d: dict, architecture: str = ARCHITECTURE) -> "JambaConfig":
+        """transformers' JambaConfig defaults where a checkpoint may leave a field out."""
+        n_experts = _get(d, "num_experts", 16, int)
+        if n_experts < 2:
+            raise ConfigError(f"config.num_experts: {n_experts}: a Jamba without routed experts is dense, not served "
+                              f"here (>= 2)")
+        filled = dict(d, num_experts=n_experts, num_experts_per_tok=top_k(d, n_experts, "num_experts", 2))
+        for name, default in (("vocab_size", 65536), ("hidden_size", 4096), ("intermediate_size", 14336),
+                              ("num_hidden_layers", 32), ("num_attention_heads", 32)):
+            filled[name] = _get(d, name, default, int)
+        common = every_layer_moe_fields(filled, experts_field="num_experts", rms_norm_eps=1e-6,
+                                        max_position_embeddings=262144, rope_theta=10000.0)
+        if common["hidden_act"] != "silu":   # the Mamba conv runs the config's activation; only SiLU is tested
+            raise ConfigError(f"config.hidden_act: {common['hidden_act']!r} not supported; Jamba runs 'silu'")
+        n, hidden, heads = common["num_hidden_layers"], common["hidden_size"], common["num_attention_heads"]
+        attn_period, attn_offset = _period_offset(d, "attn_layer_period", "attn_layer_offset", 8, 4)
+        moe_period, moe_offset = _period_offset(d, "expert_layer_period", "expert_layer_offset", 2, 1)
+        expand, state = _get(d, "mamba_expand", 2, int), _get(d, "mamba_d_state", 16, int)
+        kernel = _get(d, "mamba_d_conv", 4, int)
+        for name, value in (("mamba_expand", expand), ("mamba_d_state", state), ("mamba_d_conv", kernel)):
+            if value < 1:
+                raise ConfigError(f"config.{name}: must be >= 1, got {value}")
+        rank = d.get("mamba_dt_rank", "auto")
+        rank = math.ceil(hidden / 16) if rank in ("auto", None) else _get(d, "mamba_dt_rank", kind=int)
+        if rank < 1:
+            raise ConfigError(f"config.mamba_dt_rank: must be >= 1 or \"auto\", got {rank}")
+        common.update(
+            moe_layers=tuple(i for i in range(n) if i % moe_period == moe_offset),
+            tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)))
+        return cls(architecture=architecture, **common, num_key_value_heads=_get(d, "num_key_value_heads", 8, int),
+                   head_dim=hidden // heads, norm_topk_prob=False, qkv_bias=False, o_bias=False, qk_norm=False,
+                   layer_kinds=tuple("attention" if i % attn_period == attn_offset else "mamba" for i in range(n)),
+                   mamba_d_state=state, mamba_d_conv=kernel, mamba_inner=expand * hidden, mamba_dt_rank=rank,
+                   mamba_conv_bias=bool(_get(d, "mamba_conv_bias", True, bool)),
+                   mamba_proj_bias=bool(_get(d, "mamba_proj_bias", False, bool)))
+
+
+class JambaDecoderLayer(QwenDecoderLayer):
+    """Mixtral's layer (routed experts not renormalised, or a dense MLP); its token mixer Mamba or NoPE attention."""
+
+    @classmethod
+    def make_attention(cls, cfg: JambaConfig, layer_id: int, dtype: torch.dtype, tp) -> GQAttention | None:
+        if cfg.layer_kinds[layer_id] == "mamba":
+            return None
+        return GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                           qkv_bias=False, o_bias=False, qk_norm=False, rms_norm_eps=cfg.rms_norm_eps, dtype=dtype,
+                           tp=tp, use_rope=False)
+
+    def __init__(self, cfg: JambaConfig, plan, layer_id: int, dtype: torch.dtype):
+        super().__init__(cfg, plan, layer_id, dtype)
+        self.mamba = Mamba1Mixer(cfg.hidden_size, cfg.mamba_inner, cfg.mamba_d_state, cfg.mamba_dt_rank,
+                                 cfg.mamba_d_conv, cfg.mamba_conv_bias, cfg.mamba_proj_bias, cfg.rms_norm_eps,
+                                 dtype) if cfg.layer_kinds[layer_id] == "mamba" else None
+
+    @property
+    def mixer(self):
+        return self.mamba if self.mamba is not None else self.self_attn
+
+
+class JambaForCausalLM(QwenLayerCausalLM):
+    ARCHITECTURE = ARCHITECTURE
+    CHECKPOINT_NAMES = JAMBA_NAMES
+    TENSOR_PARALLEL = False
+
+    @classmethod
+    def parse_config(cls, hf_config: dict) -> JambaConfig:
+        return JambaConfig.from_hf(hf_config)
+
+    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
+        cfg = self.parse_config(hf_config)
+        super(QwenLayerCausalLM, self).__init__(cfg, plan, JambaDecoderLayer, n_routed=cfg.num_experts,
+                                                rope_head_dim=cfg.head_dim, dtype=dtype)
