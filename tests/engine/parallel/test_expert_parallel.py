@@ -18,8 +18,8 @@ from loadplan.service.rules.backends import BACKENDS
 from parallel_helpers import (AFMOE, DBRX, DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, DOTS1, ERNIE4_5_MOE, EXAONE_MOE,
                               FLEX_OLMO, GLM4, GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE, GRANITEMOE_HYBRID,
                               GRANITEMOE_SHARED, GRANITEMOE_SWA, HUNYUAN, JAMBA, LFM2_MOE, LLAMA4, MIMO_V2_FLASH,
-                              MINIMAX_M2, MIXTRAL, NEMOTRON_H, OLMOE, PHIMOE, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, make_model,
-                              single_process)
+                              MINIMAX_M2, MIXTRAL, NEMOTRON_H, OLMOE, PHIMOE, QWEN3, QWEN3_5_MOE, QWEN3_NEXT,
+                              make_model, single_process)
 
 EP = 2
 N_NEW = 4
