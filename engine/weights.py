@@ -201,6 +201,9 @@ TP_SPLITS: list[tuple[re.Pattern, int]] = [
     (re.compile(r"\.mamba\.(in_proj|conv1d)\.(weight|bias)$"), 0),
     (re.compile(r"\.mamba\.(dt_bias|A_log|D|norm\.weight)$"), 0),
     (re.compile(r"\.mamba\.out_proj\.weight$"), 1),
+    # Mamba (layers/mamba1.py): x_proj reads every channel (its partial products all-reduced), dt_proj writes them.
+    (re.compile(r"\.mamba\.x_proj\.weight$"), 1),
+    (re.compile(r"\.mamba\.dt_proj\.(weight|bias)$"), 0),
     (re.compile(r"\.mlp\.(gate|up)_proj\.weight$"), 0),
     (re.compile(r"\.mlp\.up_proj\.bias$"), 0),                  # Nemotron-H's relu^2 MLP with mlp_bias
     (re.compile(r"\.mlp\.down_proj\.weight$"), 1),

@@ -16,6 +16,11 @@ token (`selective_scan`), which also yields the state after every position for t
 
 `LinearStateCache` (layers/gated_delta_net.py) keeps the conv's last inputs and the states by position, so a
 speculative round that keeps fewer tokens than it wrote continues from where it kept them.
+
+Under tensor parallelism a rank holds I / tp_size channels: their x and z rows of in_proj (`in_proj_by_rank` shows a
+checkpoint's in_proj regrouped rank by rank, so that weights.TP_SPLITS' contiguous split gives each its own), conv
+channels, dt_proj rows, A_log and D rows, out_proj columns (all-reduced). x_proj reads every channel: each rank's
+product is a partial sum, all-reduced before dt, b and c are normalised.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..parallel.tensor import TensorParallel
 from .gated_delta_net import LinearStateCache
 from .norm import RMSNorm
 
@@ -43,9 +49,11 @@ def selective_scan(x, dt, A, b, c, state):
 class Mamba1Mixer(nn.Module):
     def __init__(self, hidden_size: int, inner: int, state_size: int, dt_rank: int, conv_kernel: int,
                  conv_bias: bool, proj_bias: bool, rms_norm_eps: float, dtype: torch.dtype | None = None,
-                 bcdt_norms: bool = True):
+                 bcdt_norms: bool = True, tp: TensorParallel | None = None):
         """`bcdt_norms`: RMS-normalise dt, b and c after x_proj (Jamba's dt_layernorm, b_layernorm, c_layernorm)."""
         super().__init__()
+        self.tp = tp = tp or TensorParallel()
+        inner = tp.split(inner, "mamba_expand * hidden_size")   # this rank's channels
         self.inner, self.N, self.R, self.kernel = inner, state_size, dt_rank, conv_kernel
         self.in_proj = nn.Linear(hidden_size, 2 * inner, bias=proj_bias, dtype=dtype)
         self.conv1d = nn.Conv1d(inner, inner, conv_kernel, groups=inner, bias=conv_bias, dtype=dtype)   # [I, 1, K]
@@ -89,7 +97,8 @@ class Mamba1Mixer(nn.Module):
         weight = self.conv1d.weight
         conv = F.silu(F.conv1d(torch.cat([prefix, x], dim=-1).to(weight.dtype), weight, self.conv1d.bias,
                                groups=self.inner)).to(h.dtype).transpose(1, 2)  # [B, T, I]
-        dt, b, c = self.x_proj(conv).split([self.R, self.N, self.N], dim=-1)
+        projected = self.x_proj(conv) if self.tp.size == 1 else self.tp.reduce(F.linear(conv, self.x_proj.weight))
+        dt, b, c = projected.split([self.R, self.N, self.N], dim=-1)
         if self.dt_layernorm is not None:
             dt, b, c = self.dt_layernorm(dt), self.b_layernorm(b), self.c_layernorm(c)
         dt = F.softplus((dt @ self.dt_proj.weight.t()).float() + self.dt_proj.bias.float())   # [B, T, I]
@@ -99,4 +108,24 @@ class Mamba1Mixer(nn.Module):
         if cache is not None:
             cache.write(start, x, states[-min(T, cache.snapshots):])
         y = (y + xs * self.D.float()) * F.silu(z.transpose(1, 2).float())     # [B, T, I]
-        return self.out_proj(y.to(h.dtype))
+        return self.tp.output_projection(self.out_proj, y.to(h.dtype))
+
+
+def in_proj_by_rank(ckpt, prefixes: list[str], tp_size: int, inner: int):
+    """`ckpt` with the in_proj of each Mamba layer under `prefixes` (e.g. "model.layers.0.mamba.") regrouped rank by
+    rank: its rows [x | z] as [x_0 z_0 | x_1 z_1 | ...], where x_r, z_r are rank r's channels."""
+    from ..shown_tensors import ShownTensors
+
+    def regroup(t: torch.Tensor) -> torch.Tensor:
+        x, z = (part.chunk(tp_size) for part in t.split([inner, inner]))
+        return torch.cat([torch.cat(pair) for pair in zip(x, z)])
+
+    view = ShownTensors(ckpt)
+    for name in ckpt.names():
+        shape = tuple(ckpt.shape(name))
+        if name.endswith(("mamba.in_proj.weight", "mamba.in_proj.bias")) and name.startswith(tuple(prefixes)) \
+                and shape[0] == 2 * inner:
+            view.show(name, name, shape, regroup)
+        else:   # a wrong shape is refused by the loader's shape check, named
+            view.show(name, name)
+    return view

@@ -8,9 +8,9 @@ embedding or biases: layer i is attention iff i % attn_layer_period == attn_laye
 is, iff i % expert_layer_period == expert_layer_offset (and num_experts > 1), Mixtral's routed experts with the top-k of
 the softmax over every expert, NOT renormalised; else a dense SwiGLU MLP. No shared expert, so no fusion.
 The checkpoints spell the parts otherwise than the engine (`JAMBA_NAMES`): `feed_forward` for the MLP (its `router`
-for the router), `pre_ff_layernorm` for the second norm, `model.final_layernorm` for the final one. Tensor
-parallelism is not built for it (the loader refuses tp_size > 1): its x_proj reads every inner channel of a Mamba
-layer, which a split by channels would leave partial.
+for the router), `pre_ff_layernorm` for the second norm, `model.final_layernorm` for the final one. Under tensor
+parallelism the attention heads, the dense MLP's and every expert's features split as Mixtral's, and each Mamba layer
+holds its rank's channels (layers/mamba1.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from ..layers.attention import GQAttention
-from ..layers.mamba1 import Mamba1Mixer
+from ..layers.mamba1 import Mamba1Mixer, in_proj_by_rank
+from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .config import ConfigError, get_field as _get, top_k
 from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, every_layer_moe_fields
@@ -114,7 +115,7 @@ class JambaDecoderLayer(QwenDecoderLayer):
         super().__init__(cfg, plan, layer_id, dtype)
         self.mamba = Mamba1Mixer(cfg.hidden_size, cfg.mamba_inner, cfg.mamba_d_state, cfg.mamba_dt_rank,
                                  cfg.mamba_d_conv, cfg.mamba_conv_bias, cfg.mamba_proj_bias, cfg.rms_norm_eps,
-                                 dtype) if cfg.layer_kinds[layer_id] == "mamba" else None
+                                 dtype, tp=TensorParallel.of(plan)) if cfg.layer_kinds[layer_id] == "mamba" else None
 
     @property
     def mixer(self):
@@ -124,7 +125,6 @@ class JambaDecoderLayer(QwenDecoderLayer):
 class JambaForCausalLM(QwenLayerCausalLM):
     ARCHITECTURE = ARCHITECTURE
     CHECKPOINT_NAMES = JAMBA_NAMES
-    TENSOR_PARALLEL = False
 
     @classmethod
     def parse_config(cls, hf_config: dict) -> JambaConfig:
@@ -134,3 +134,11 @@ class JambaForCausalLM(QwenLayerCausalLM):
         cfg = self.parse_config(hf_config)
         super(QwenLayerCausalLM, self).__init__(cfg, plan, JambaDecoderLayer, n_routed=cfg.num_experts,
                                                 rope_head_dim=cfg.head_dim, dtype=dtype)
+
+    def checkpoint_view(self, ckpt):
+        """With tp_size > 1, the Mamba layers' in_proj rows regrouped by rank (layers/mamba1.py)."""
+        tp, cfg = self.plan.request.parallel.tp_size, self.config
+        if tp == 1:
+            return ckpt
+        return in_proj_by_rank(ckpt, [f"model.layers.{i}.mamba." for i, k in enumerate(cfg.layer_kinds)
+                                      if k == "mamba"], tp, cfg.mamba_inner)

@@ -3,8 +3,8 @@ layers' state cache and the attention layers' KV cache) against transformers, fl
 RMS-normalised) and a NoPE attention layer, Mixtral's experts with unrenormalised top-k weights on every other layer
 and dense MLPs between; projection biases, no conv bias, a tied head, other periods and dt rank; token-by-token
 decoding; a batch decodes each row as alone; speculative decoding rolls its Mamba layers back; the registry plans it
-with no shared experts; what it cannot run is refused by field before any plan (tensor parallelism too). EP 2 with
-every backend and PP 2: tests/engine/parallel/."""
+with no shared experts; what it cannot run is refused by field before any plan. EP 2 with every backend, TP 2 and
+PP 2: tests/engine/parallel/."""
 
 from __future__ import annotations
 
@@ -108,8 +108,3 @@ def test_speculative_decoding_with_a_jamba_target_gives_its_greedy_tokens(tmp_pa
 ])
 def test_what_it_cannot_run_is_refused_by_field_before_any_plan(ckpt, tmp_path, overrides, match):
     check_refused_before_any_plan(with_config(ckpt, tmp_path / "bad", **overrides), ConfigError, match)
-
-
-def test_tensor_parallelism_is_refused_before_any_plan(ckpt):
-    check_refused_before_any_plan(ckpt, NotImplementedError, r"tensor parallelism \(tp_size=2\) is not implemented "
-                                                             r"by the engine for JambaForCausalLM", tp_size=2)
