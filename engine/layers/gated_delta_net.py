@@ -157,6 +157,22 @@ class LinearStateCache(nn.Module):
                             f"how far a round writes past the tokens it keeps")
 
 
+def continue_from(cache: LinearStateCache | None, input_pos: torch.Tensor | None, T: int, B: int, what: str, zeros):
+    """(start, conv prefix [B, C, K-1], state) a forward of T consecutive positions continues from: with a cache
+    (input_pos then required), what it holds before input_pos[0]; without one, position 0 and `zeros()`'s (prefix,
+    state): a whole sequence. `what` names the layer kind in errors. Every layer with a LinearStateCache reads it so."""
+    if cache is None:
+        if input_pos is not None and int(input_pos[0]) != 0:
+            raise ValueError(f"without a state cache a {what} layer runs a whole sequence from position 0")
+        return (0, *zeros())
+    if input_pos is None:
+        raise ValueError(f"a {what} layer's state cache is set up: pass input_pos")
+    start = int(input_pos[0])
+    if int(input_pos[-1]) - start != T - 1:
+        raise ValueError(f"a {what} layer takes consecutive positions, got {input_pos.tolist()}")
+    return (start, *cache.read(start, B))
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(self, hidden_size: int, n_k_heads: int, n_v_heads: int, k_head_dim: int, v_head_dim: int,
                  conv_kernel: int, rms_norm_eps: float, dtype: torch.dtype | None = None,
@@ -204,20 +220,9 @@ class GatedDeltaNet(nn.Module):
         Hk, Hv, dk, dv, r = self.n_k, self.n_v, self.dk, self.dv, self.r
         mixed, z, b, a = self._project(x)                                     # [B, C, T], [B, T, Hv, dv], [B, T, Hv]
 
-        start = 0
         cache = self.kv_cache
-        if cache is not None:
-            if input_pos is None:
-                raise ValueError("a state cache is set up: pass input_pos")
-            start = int(input_pos[0])
-            if int(input_pos[-1]) - start != T - 1:
-                raise ValueError(f"a linear-attention layer takes consecutive positions, got {input_pos.tolist()}")
-            prefix, state = cache.read(start, B)
-        elif input_pos is not None and int(input_pos[0]) != 0:
-            raise ValueError("without a state cache a linear-attention layer runs a whole sequence from position 0")
-        else:
-            prefix = mixed.new_zeros(B, self.channels, self.kernel - 1)
-            state = mixed.new_zeros(B, Hv, dk, dv, dtype=torch.float32)
+        start, prefix, state = continue_from(cache, input_pos, T, B, "linear-attention", lambda: (
+            mixed.new_zeros(B, self.channels, self.kernel - 1), mixed.new_zeros(B, Hv, dk, dv, dtype=torch.float32)))
         conv = F.conv1d(torch.cat([prefix, mixed], dim=-1), self.conv1d.weight, groups=self.channels)   # [B, C, T]
         q, k, v = F.silu(conv).transpose(1, 2).split([Hk * dk, Hk * dk, Hv * dv], dim=-1)
 

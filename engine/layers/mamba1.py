@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.tensor import TensorParallel
-from .gated_delta_net import LinearStateCache
+from .gated_delta_net import LinearStateCache, continue_from
 from .norm import RMSNorm
 
 
@@ -80,20 +80,9 @@ class Mamba1Mixer(nn.Module):
         """h [B, T, D] -> [B, T, D] (cos, sin: unused, no rotary here; input_pos [T] needed with a cache)."""
         B, T, _ = h.shape
         x, z = self.in_proj(h).transpose(1, 2).chunk(2, dim=1)                    # [B, I, T] each
-        start = 0
         cache = self.kv_cache
-        if cache is not None:
-            if input_pos is None:
-                raise ValueError("a state cache is set up: pass input_pos")
-            start = int(input_pos[0])
-            if int(input_pos[-1]) - start != T - 1:
-                raise ValueError(f"a Mamba layer takes consecutive positions, got {input_pos.tolist()}")
-            prefix, state = cache.read(start, B)
-        elif input_pos is not None and int(input_pos[0]) != 0:
-            raise ValueError("without a state cache a Mamba layer runs a whole sequence from position 0")
-        else:
-            prefix = x.new_zeros(B, self.inner, self.kernel - 1)
-            state = x.new_zeros(B, self.inner, self.N, dtype=torch.float32)
+        start, prefix, state = continue_from(cache, input_pos, T, B, "Mamba", lambda: (
+            x.new_zeros(B, self.inner, self.kernel - 1), x.new_zeros(B, self.inner, self.N, dtype=torch.float32)))
         weight = self.conv1d.weight
         conv = F.silu(F.conv1d(torch.cat([prefix, x], dim=-1).to(weight.dtype), weight, self.conv1d.bias,
                                groups=self.inner)).to(h.dtype).transpose(1, 2)  # [B, T, I]

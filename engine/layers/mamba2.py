@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.tensor import TensorParallel
-from .gated_delta_net import LinearStateCache
+from .gated_delta_net import LinearStateCache, continue_from
 
 CHUNK = 64   # positions per chunk of the chunked form
 
@@ -146,20 +146,9 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt = self.in_proj(x).split([self.inner, self.channels, H], dim=-1)
         xbc = xbc.transpose(1, 2)                                               # [B, C, T]
 
-        start = 0
         cache = self.kv_cache
-        if cache is not None:
-            if input_pos is None:
-                raise ValueError("a state cache is set up: pass input_pos")
-            start = int(input_pos[0])
-            if int(input_pos[-1]) - start != T - 1:
-                raise ValueError(f"a Mamba2 layer takes consecutive positions, got {input_pos.tolist()}")
-            prefix, state = cache.read(start, B)
-        elif input_pos is not None and int(input_pos[0]) != 0:
-            raise ValueError("without a state cache a Mamba2 layer runs a whole sequence from position 0")
-        else:
-            prefix = xbc.new_zeros(B, self.channels, self.kernel - 1)
-            state = xbc.new_zeros(B, H, N, P, dtype=torch.float32)
+        start, prefix, state = continue_from(cache, input_pos, T, B, "Mamba2", lambda: (
+            xbc.new_zeros(B, self.channels, self.kernel - 1), xbc.new_zeros(B, H, N, P, dtype=torch.float32)))
         weight = self.conv1d.weight
         conv = F.silu(F.conv1d(torch.cat([prefix, xbc], dim=-1).to(weight.dtype), weight, self.conv1d.bias,
                                groups=self.channels)).to(x.dtype)              # [B, C, T]

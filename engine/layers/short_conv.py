@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .gated_delta_net import LinearStateCache
+from .gated_delta_net import LinearStateCache, continue_from
 
 NO_STATE = (0,)    # the cache's per-position state: nothing but the conv inputs is carried
 
@@ -46,17 +46,8 @@ class ShortConv(nn.Module):
         gate_in, gate_out, value = self.in_proj(x).transpose(1, 2).chunk(3, dim=1)      # [B, D, T] each
         mixed = gate_in * value                                                          # [B, D, T]
         cache = self.kv_cache
-        if cache is not None:
-            if input_pos is None:
-                raise ValueError("a conv cache is set up: pass input_pos")
-            start = int(input_pos[0])
-            if int(input_pos[-1]) - start != T - 1:
-                raise ValueError(f"a short-conv layer takes consecutive positions, got {input_pos.tolist()}")
-            prefix, _ = cache.read(start, B)                                             # [B, D, K-1]
-        else:
-            if input_pos is not None and int(input_pos[0]) != 0:
-                raise ValueError("without a cache a short-conv layer runs a whole sequence from position 0")
-            prefix = mixed.new_zeros(B, D, self.kernel - 1)
+        start, prefix, _ = continue_from(cache, input_pos, T, B, "short-conv",
+                                         lambda: (mixed.new_zeros(B, D, self.kernel - 1), None))   # [B, D, K-1]
         weight = self.conv.weight
         conv = F.conv1d(torch.cat([prefix, mixed], dim=-1).to(weight.dtype), weight, self.conv.bias,
                         groups=D).to(mixed.dtype)                                        # [B, D, T]

@@ -1047,6 +1047,50 @@ def check_matches_transformers(path: Path, arch: str, ids: torch.Tensor, n_new: 
     return model
 
 
+def generated_tokens(model, ids: torch.Tensor, n: int) -> list[int]:
+    """The engine's n greedy tokens after ids[0] (through its caches)."""
+    from loadplan.engine.generate import generate
+
+    return generate(model, ids[0], n)[0].tolist()
+
+
+@torch.no_grad()
+def check_decoding_token_by_token(path: Path, arch: str, ids: torch.Tensor, prefill: int = 4, tol: float = 1e-4):
+    """A cached prefill of `prefill` tokens, then one token a forward: every position's logits are transformers' of
+    the whole of `ids` (a layer's step-by-step path and its cache, not only its whole-sequence one)."""
+    model = load_local(path)
+    model.setup_caches(ids.shape[0], 32)
+    got = [model(ids[:, :prefill], input_pos=torch.arange(prefill))]
+    got += [model(ids[:, t:t + 1], input_pos=torch.tensor([t])) for t in range(prefill, ids.shape[1])]
+    assert (torch.cat(got, dim=1) - hf_logits_of_order_one(path, arch, ids)).abs().max() <= tol
+
+
+def check_batch_rows_decode_alone(path: Path, ids: torch.Tensor) -> None:
+    """A batch decodes its first row as that row alone, and the second row's logits are its own."""
+    model = load_local(path)
+    together = generated_tokens(model, ids, 5)
+    model = load_local(path)
+    assert together == generated_tokens(model, ids[:1], 5)
+    assert torch.allclose(logits_of(model, ids)[1], logits_of(model, ids[1:])[0], atol=1e-5)
+
+
+def check_speculative_target_rolls_back(path: Path, draft_dir: Path, noise: float) -> None:
+    """Speculative decoding with the checkpoint at `path` as the target gives its greedy tokens, some drafts rejected:
+    it verifies several drafted tokens in one forward and rolls back the rejected ones (its recurrent layers continue
+    from the last accepted position). The draft (written to `draft_dir`) is the target with `noise` on its head."""
+    from loadplan.engine.speculative import speculative_generate
+
+    def noisy_head(tensors):
+        head = tensors["lm_head.weight"]
+        tensors["lm_head.weight"] = head + noise * torch.randn(head.shape, generator=torch.Generator().manual_seed(4))
+    draft_path = with_tensors(path, draft_dir, noisy_head)
+    ids = prompt(B=1, T=6, seed=2)
+    want = generated_tokens(load_local(path), ids, 12)
+    tokens, stats = speculative_generate(load_local(path), load_local(draft_path, role="speculative"), ids[0], 12, 3)
+    assert tokens == want
+    assert 0 < stats["accepted"] < stats["proposed"]                   # some rejected: rolled back
+
+
 def _rank_logits(rank, world_size, path, ids, tp_size):
     from loadplan.engine.worker import WorkerSpec, init_rank, load_runner
 

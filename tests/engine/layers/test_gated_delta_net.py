@@ -112,3 +112,20 @@ def test_without_a_cache_it_runs_from_position_zero_only():
 def test_value_heads_must_group_over_key_heads():
     with pytest.raises(ValueError, match="linear_num_value_heads=3 is not a multiple of linear_num_key_heads=2"):
         GatedDeltaNet(16, 2, 3, 8, 4, 4, 1e-6)
+
+
+def test_a_forward_that_cannot_continue_from_the_cache_is_refused_naming_the_layer():
+    """Every layer with a LinearStateCache reads it through continue_from: a cached forward needs its positions, and
+    consecutive ones; without a cache a forward starts at position 0."""
+    from loadplan.engine.layers.gated_delta_net import continue_from
+
+    layer = _layer()
+    x = torch.randn(1, 3, 16)
+    with pytest.raises(ValueError, match="without a state cache a linear-attention layer runs a whole sequence"):
+        layer(x, None, None, torch.arange(2, 5))
+    layer.setup_cache(1, 64, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="linear-attention layer's state cache is set up: pass input_pos"):
+        layer(x)
+    with pytest.raises(ValueError, match=r"a linear-attention layer takes consecutive positions, got \[0, 2, 3\]"):
+        layer(x, None, None, torch.tensor([0, 2, 3]))
+    assert continue_from(None, None, 3, 1, "any", lambda: ("prefix", "state")) == (0, "prefix", "state")

@@ -16,9 +16,9 @@ from loadplan.engine.layers.mamba2 import Mamba2Mixer
 from loadplan.engine.models.config import ConfigError
 from loadplan.plan import Keys
 
-from engine_helpers import (check_matches_transformers, check_refused_before_any_plan, hf_logits_of_order_one,
-                            load_local, logits_of, make_granitemoe_hybrid_checkpoint, prompt, with_config,
-                            with_tensors)
+from engine_helpers import (check_batch_rows_decode_alone, check_decoding_token_by_token, check_matches_transformers,
+                            check_refused_before_any_plan, check_speculative_target_rolls_back, load_local, logits_of,
+                            make_granitemoe_hybrid_checkpoint, prompt, with_config)
 
 ARCH = "GraniteMoeHybridForCausalLM"
 
@@ -28,10 +28,7 @@ def ckpt(tmp_path_factory):
     return make_granitemoe_hybrid_checkpoint(tmp_path_factory.mktemp("granitemoe_hybrid"))
 
 
-def generate_tokens(model, ids, n):
-    from loadplan.engine.generate import generate
 
-    return generate(model, ids[0], n)[0].tolist()
 
 
 def test_logits_and_greedy_tokens_match_transformers(ckpt, ids):
@@ -64,42 +61,18 @@ def test_a_prompt_longer_than_a_chunk_matches_transformers(ckpt):
     check_matches_transformers(ckpt, ARCH, prompt(B=1, T=150, seed=3), n_new=3)
 
 
-@torch.no_grad()
 def test_decoding_token_by_token_gives_transformers_logits_of_the_whole_prompt(ckpt, ids):
-    """A cached prefill of 4 tokens, then one token a forward: every position's logits are transformers' (the Mamba2
-    layers' step-by-step recurrence and conv cache, not only the chunked scan)."""
-    model = load_local(ckpt)
-    model.setup_caches(ids.shape[0], 32)
-    got = [model(ids[:, :4], input_pos=torch.arange(4))]
-    got += [model(ids[:, t:t + 1], input_pos=torch.tensor([t])) for t in range(4, ids.shape[1])]
-    assert (torch.cat(got, dim=1) - hf_logits_of_order_one(ckpt, ARCH, ids)).abs().max() <= 1e-4
+    check_decoding_token_by_token(ckpt, ARCH, ids)
 
 
 def test_a_batch_decodes_each_row_as_alone(ckpt, ids):
-    model = load_local(ckpt)
-    together = generate_tokens(model, ids, 5)
-    model = load_local(ckpt)
-    assert together == generate_tokens(model, ids[:1], 5)
-    assert torch.allclose(logits_of(model, ids)[1], logits_of(model, ids[1:])[0], atol=1e-5)
+    check_batch_rows_decode_alone(ckpt, ids)
 
 
 def test_speculative_decoding_with_a_granite_hybrid_target_gives_its_greedy_tokens(tmp_path):
-    """The target verifies several drafted tokens in one forward and rolls back the rejected ones: its Mamba2 layers
-    continue from the state of the last accepted position. The draft is the target with a noisy head."""
-    from loadplan.engine.speculative import speculative_generate
-
-    path = make_granitemoe_hybrid_checkpoint(tmp_path / "target")
-
-    def noisy_head(tensors):
-        g = torch.Generator().manual_seed(4)
-        tensors["lm_head.weight"] = tensors["lm_head.weight"] + 0.05 * torch.randn(128, 32, generator=g)
-    draft_path = with_tensors(path, tmp_path / "draft", noisy_head)
-    ids = prompt(B=1, T=6, seed=2)
-    target = load_local(path)
-    want = generate_tokens(target, ids, 12)
-    tokens, stats = speculative_generate(target, load_local(draft_path, role="speculative"), ids[0], 12, 3)
-    assert tokens == want
-    assert 0 < stats["accepted"] < stats["proposed"]                   # some rejected: rolled back
+    """Its Mamba2 layers continue from the state of the last accepted position."""
+    check_speculative_target_rolls_back(make_granitemoe_hybrid_checkpoint(tmp_path / "target"), tmp_path / "draft",
+                                        0.05)
 
 
 @pytest.mark.parametrize("overrides,match", [

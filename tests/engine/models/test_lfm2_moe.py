@@ -9,15 +9,14 @@ test_expert_parallel.py."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from loadplan.engine.layers.attention import GQAttention
 from loadplan.engine.layers.short_conv import ShortConv
 from loadplan.engine.models.config import ConfigError
 from loadplan.plan import Keys
 
-from engine_helpers import (check_matches_transformers, check_refused_before_any_plan, load_local, logits_of,
-                            make_lfm2_moe_checkpoint, prompt, with_config, with_tensors)
+from engine_helpers import (check_batch_rows_decode_alone, check_matches_transformers, check_refused_before_any_plan,
+                            check_speculative_target_rolls_back, make_lfm2_moe_checkpoint, with_config)
 
 ARCH = "Lfm2MoeForCausalLM"
 
@@ -27,10 +26,7 @@ def ckpt(tmp_path_factory):
     return make_lfm2_moe_checkpoint(tmp_path_factory.mktemp("lfm2_moe"))
 
 
-def generate_tokens(model, ids, n):
-    from loadplan.engine.generate import generate
 
-    return generate(model, ids[0], n)[0].tolist()
 
 
 def test_logits_and_greedy_tokens_match_transformers(ckpt, ids):
@@ -50,30 +46,13 @@ def test_its_variants_match_transformers(tmp_path, ids, config):
 
 
 def test_a_batch_decodes_each_row_as_alone(ckpt, ids):
-    model = load_local(ckpt)
-    together = generate_tokens(model, ids, 5)
-    model = load_local(ckpt)
-    assert together == generate_tokens(model, ids[:1], 5)
-    assert torch.allclose(logits_of(model, ids)[1], logits_of(model, ids[1:])[0], atol=1e-5)
+    check_batch_rows_decode_alone(ckpt, ids)
 
 
 def test_speculative_decoding_with_an_lfm2_moe_target_gives_its_greedy_tokens(tmp_path):
-    """The target verifies several drafted tokens in one forward and rolls back the rejected ones: its conv layers
-    continue from the inputs of the last accepted position. The draft is the target with a noisy head."""
-    from loadplan.engine.speculative import speculative_generate
-
-    path = make_lfm2_moe_checkpoint(tmp_path / "target", tie_word_embeddings=False)
-
-    def noisy_head(tensors):
-        g = torch.Generator().manual_seed(4)
-        tensors["lm_head.weight"] = tensors["lm_head.weight"] + 0.3 * torch.randn(128, 32, generator=g)
-    draft_path = with_tensors(path, tmp_path / "draft", noisy_head)
-    ids = prompt(B=1, T=6, seed=2)
-    target = load_local(path)
-    want = generate_tokens(target, ids, 12)
-    tokens, stats = speculative_generate(target, load_local(draft_path, role="speculative"), ids[0], 12, 3)
-    assert tokens == want
-    assert 0 < stats["accepted"] < stats["proposed"]                   # some rejected: rolled back
+    """Its conv layers continue from the inputs of the last accepted position."""
+    check_speculative_target_rolls_back(make_lfm2_moe_checkpoint(tmp_path / "target", tie_word_embeddings=False),
+                                        tmp_path / "draft", 0.3)
 
 
 @pytest.mark.parametrize("overrides,match", [

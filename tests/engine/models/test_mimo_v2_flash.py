@@ -3,7 +3,8 @@ transformers, float32: a global layer and windowed ones (twice the key/value hea
 `attention_sink_bias`), values narrower than keys and scaled, each layer kind its own rotary tables (theta, rotated
 fraction), DeepSeek-V3's grouped sigmoid router without shared experts; the Hub's `sliding_window_size` and null
 routed_scaling_factor; its released checkpoints' MTP layers skipped; the registry plans it with no shared experts;
-what it cannot run is refused by field before any plan. EP 2 with every backend: tests/engine/parallel/test_expert_parallel.py; TP 2: test_tensor_parallel.py."""
+what it cannot run is refused by field before any plan. EP 2 with every backend:
+tests/engine/parallel/test_expert_parallel.py; TP 2: test_tensor_parallel.py."""
 
 from __future__ import annotations
 
