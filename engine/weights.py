@@ -191,6 +191,10 @@ TP_SPLITS: list[tuple[re.Pattern, int]] = [
     (re.compile(r"\.self_attn\.[qk]_proj_norm\.weight$"), 0),     # OLMoE: a norm over the whole projection
     (re.compile(r"\.self_attn\.sinks$"), 0),                     # gpt-oss: one sink logit per head
     (re.compile(r"\.self_attn\.gate_proj\.weight$"), 0),          # AFMoE: its output gate's rows, by head
+    # MiniMax's lightning attention: each head's q, k, v rows together, its output gate's and its norm's features
+    (re.compile(r"\.self_attn\.(qkv_proj|output_gate)\.weight$"), 0),
+    (re.compile(r"\.self_attn\.norm\.weight$"), 0),
+    (re.compile(r"\.self_attn\.out_proj\.weight$"), 1),
     # Gated DeltaNet (layers/gated_delta_net.py): by key head (each one's rows of q, k, v, z and b, a are
     # contiguous), the conv's channels and in_proj_qkv's rows as models/qwen3_next.py's checkpoint view
     # regroups them, by value head.

@@ -83,6 +83,8 @@ FAMILIES: dict[str, Family] = {
         Family("flex_olmo", lambda c: layouts.every_layer_moe_layout(c, "num_experts"), None, False),
         Family("gpt_oss", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
         Family("minimax_m2", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
+        # MiniMax-Text-01 / M1: lightning and softmax attention layers over Mixtral's experts, no shared expert
+        Family("minimax", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
         Family("granitemoe", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
         Family("phimoe", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
         # GraniteMoeShared: Granite MoE with an ungated shared MLP, never fused
@@ -137,6 +139,7 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "MiMoV2FlashForCausalLM": Direct("mimo_v2_flash"),
     "GptOssForCausalLM": Direct("gpt_oss"),
     "MiniMaxM2ForCausalLM": Direct("minimax_m2"),
+    "MiniMaxForCausalLM": Direct("minimax"),
     "GraniteMoeForCausalLM": Direct("granitemoe"),
     "GraniteMoeSharedForCausalLM": Direct("granitemoe_shared"),
     "GraniteMoeSWAForCausalLM": Direct("granitemoe_swa"),

@@ -334,6 +334,20 @@ def make_jamba_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     return _save_random_model(path, "Jamba", seed, dict(JAMBA_TINY, **config))
 
 
+# MiniMax-Text-01 / M1: 4 layers, full attention on 0 and 2 and lightning attention on 1 and 3 (transformers' default),
+# 4 heads of 8 (transformers runs blocks of 4); 8 experts of 16 (top-2); residual factors other than 1.
+MINIMAX_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=8, num_local_experts=8, num_experts_per_tok=2, block_size=4,
+                    max_position_embeddings=256, full_attn_alpha_factor=1.5, full_attn_beta_factor=0.8,
+                    linear_attn_alpha_factor=0.7, linear_attn_beta_factor=1.3, mlp_alpha_factor=1.2,
+                    mlp_beta_factor=0.9)
+
+
+def make_minimax_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random MiniMax of MINIMAX_TINY updated with `config` (transformers' MiniMaxConfig kwargs)."""
+    return _save_random_model(path, "MiniMax", seed, dict(MINIMAX_TINY, **config))
+
+
 # DeepSeek-V3.2: DEEPSEEK_TINY with its sparse attention indexer (8 index heads of 16, 8 of them rotated) keeping 4
 # keys a query, and the default rope; 16 routed experts (in 8 groups of 2): it is never fused, whatever the count.
 DEEPSEEK_V32_TINY = dict(DEEPSEEK_TINY, n_routed_experts=16, index_n_heads=8, index_head_dim=16, index_topk=4,

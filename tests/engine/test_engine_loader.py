@@ -259,6 +259,8 @@ _BAD_CONFIGS = [
     ("GraniteMoeSWAForCausalLM", "GraniteMoeSWAConfig", dict(num_local_experts=8), {"sliding_window": 0}, "target"),
     ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig", dict(num_local_experts=8, mamba_n_heads=4),
      {"mamba_n_groups": 3}, "target"),
+    ("MiniMaxForCausalLM", "MiniMaxConfig", dict(num_local_experts=8, num_experts_per_tok=2), {"sliding_window": 8},
+     "target"),
     ("JambaForCausalLM", "JambaConfig", dict(num_experts=8, attn_layer_period=2, attn_layer_offset=1),
      {"attn_layer_offset": 2}, "target"),
     ("NemotronHForCausalLM", "NemotronHConfig", dict(n_routed_experts=8, mamba_num_heads=4),

@@ -32,7 +32,7 @@ def test_unknown_entry_class_lists_the_supported_ones():
                                                r"KimiK25ForConditionalGeneration, Lfm2MoeForCausalLM, "
                                                r"Llama4ForCausalLM, "
                                                r"Llama4ForConditionalGeneration, "
-                                               r"MiMoV2FlashForCausalLM, MiniMaxM2ForCausalLM, MixtralForCausalLM, "
+                                               r"MiMoV2FlashForCausalLM, MiniMaxForCausalLM, MiniMaxM2ForCausalLM, MixtralForCausalLM, "
                                                r"NemotronHForCausalLM, OlmoeForCausalLM, "
                                                r"PhiMoEForCausalLM, PhimoeForCausalLM, "
                                                r"Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, Qwen3NextForCausalLM, "

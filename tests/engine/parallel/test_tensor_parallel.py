@@ -21,7 +21,7 @@ from loadplan.service.rules.backends import BACKENDS
 from engine_helpers import LocalRegistry, make_checkpoint, make_granitemoe_hybrid_checkpoint, make_nemotron_h_checkpoint
 from parallel_helpers import (AFMOE, DBRX, DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, ERNIE4_5_MOE, EXAONE_MOE, FLEX_OLMO,
                               GLM4, GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE, GRANITEMOE_HYBRID, GRANITEMOE_SWA,
-                              HUNYUAN, JAMBA, LLAMA4, NEMOTRON_H,
+                              HUNYUAN, JAMBA, LLAMA4, MINIMAX, NEMOTRON_H,
                               MIMO_V2_FLASH, MINIMAX_M2, MIXTRAL, OLMOE, PHIMOE, QWEN2, QWEN3, QWEN3_5_MOE, QWEN3_NEXT,
                               make_model, single_process)
 
@@ -42,13 +42,14 @@ CASES = [("qwen3", QWEN3, None), ("qwen2", QWEN2, "enforce"), ("qwen2", QWEN2, "
          ("dbrx", DBRX, None), ("mimo_v2_flash", MIMO_V2_FLASH, None),
          ("granitemoe_swa", GRANITEMOE_SWA, None), ("granitemoe_hybrid", GRANITEMOE_HYBRID, None),
          ("granitemoe_hybrid_g1", GRANITEMOE_HYBRID, None), ("nemotron_h", NEMOTRON_H, None),
-         ("jamba", JAMBA, None)]
+         ("jamba", JAMBA, None), ("minimax", MINIMAX, None)]
 
 
 def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
     from loadplan.engine.generate import generate
     from loadplan.engine.layers.attention import GQAttention
     from loadplan.engine.layers.gated_delta_net import GatedDeltaNet
+    from loadplan.engine.layers.lightning_attention import LightningAttention
     from loadplan.engine.layers.mamba1 import Mamba1Mixer
     from loadplan.engine.layers.mamba2 import Mamba2Mixer
     from loadplan.engine.layers.mla import MultiHeadLatentAttention
@@ -91,6 +92,8 @@ def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
                             if isinstance(m, GQAttention) and m.gate_proj is not None},
             expert_biases={(m.gate_up_bias.shape[1], m.down_bias.shape[1]) for m in mods
                            if isinstance(m, RoutedExperts) and m.gate_up_bias is not None},
+            lightning={(m.H, m.qkv_proj.weight.shape[0], m.output_gate.weight.shape[0], m.out_proj.weight.shape[1],
+                        tuple(round(float(v), 6) for v in m.slope)) for m in mods if isinstance(m, LightningAttention)},
             mamba1={(m.inner, m.in_proj.weight.shape[0], m.x_proj.weight.shape[1], m.dt_proj.weight.shape[0],
                      m.A_log.shape[0], m.out_proj.weight.shape[1]) for m in mods if isinstance(m, Mamba1Mixer)},
             ungated_mlp={(m.up_proj.weight.shape[0], m.down_proj.weight.shape[1]) for m in mods
@@ -140,6 +143,7 @@ def paths(tmp_path_factory):
         # a shared MLP (40) wider than the dense MLP's rank share (24); a latent MoE (Nemotron 3 Super's): experts
         # 16 wide in and out, between replicated projections
         "jamba": make_model(tmp_path_factory.mktemp("jamba"), JAMBA),
+        "minimax": make_model(tmp_path_factory.mktemp("minimax"), MINIMAX),
         "nemotron_h": str(make_nemotron_h_checkpoint(tmp_path_factory.mktemp("nemotron_h"),
                                                      moe_shared_expert_intermediate_size=40, moe_latent_size=16)),
     }
@@ -246,6 +250,14 @@ def test_two_tp_ranks_give_the_single_process_logits_and_tokens(paths, ids, refe
     # A_log's rows, out_proj's columns); its experts' and dense MLP's 48 features split (24)
     assert by_name["jamba"]["mamba1"] == {(32, 64, 32, 32, 32, 32)} and by_name["jamba"]["expert_inter"] == {24}
     assert by_name["jamba"]["heads"] == {(2, 1, 16)} and by_name["jamba"]["dense_inter"] == {24}
+    # MiniMax: each lightning layer 2 of its 4 heads (q, k, v rows 2 x 24, output gate 16, out_proj columns 16) with
+    # those heads' slopes (rank 0 the faster-decaying half), its norm's mean square summed over the pair
+    from loadplan.engine.layers.lightning_attention import slopes
+    for tp_rank, cases in enumerate(ranks):
+        lightning = {c["name"]: c for c in cases}["minimax"]["lightning"]
+        assert {(h, q, g, o) for h, q, g, o, _ in lightning} == {(2, 48, 16, 16)}
+        assert {s for *_, s in lightning} == {tuple(round(float(v), 6) for v in slopes(4, layer, 4)[2 * tp_rank:][:2])
+                                             for layer in (1, 3)}
     # MLA: half the heads and their kv_b_proj rows; the latent projection stays whole.
     (heads, kv_b_rows, kv_a_rows), = by_name["deepseek"]["mla_heads"]
     assert (heads, kv_b_rows, kv_a_rows) == (1, 1 * (8 + 12), 16 + 8)     # of 2 heads; nope 8 + v 12; lora 16 + rope 8

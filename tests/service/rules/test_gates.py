@@ -624,6 +624,15 @@ def test_granitemoe_hybrid_never_fuses_its_shared_mlp():
     assert_off(fusion(dict(cfg, shared_intermediate_size=0)), "granitemoe_hybrid.no_shared_experts")
 
 
+def test_minimax_has_no_shared_experts():
+    """MiniMax-Text-01 / M1's expert fields: 32 experts, top-2, on every one of its 80 layers."""
+    cfg = {"architectures": ["MiniMaxForCausalLM"], "num_hidden_layers": 80, "num_local_experts": 32,
+           "num_experts_per_tok": 2}
+    res = resolve(cfg, ep_size=8, ep_rank=7)
+    assert res.family == "minimax" and res.decisions[Keys.NUM_LOCAL_EXPERTS].value == 4
+    assert_off(fusion(cfg), "minimax.no_shared_experts")
+
+
 def test_jamba_has_no_shared_experts():
     cfg = {"architectures": ["JambaForCausalLM"], "num_hidden_layers": 32, "num_experts": 16, "num_experts_per_tok": 2}
     res = resolve(cfg, ep_size=4, ep_rank=3)
