@@ -24,7 +24,7 @@ from torch import nn
 
 from ..parallel.tensor import TensorParallel
 from .gated_delta_net import LinearStateCache, continue_from
-from .mamba2 import ssd_chunked, ssd_steps
+from .mamba2 import ssd
 from .norm import RMSNorm
 
 
@@ -73,11 +73,7 @@ class LightningAttention(nn.Module):
         if self.slope.device != h.device:
             self.slope = self.slope.to(h.device)
         g = (-self.slope)[None, :, None].expand(B, H, T)                       # log decay per position
-        if cache is not None and T <= cache.snapshots:      # short (decode, verification): a state per position
-            o, states = ssd_steps(q, k, v, g, state.float())
-        else:
-            o, final = ssd_chunked(q, k, v, g, state.float())
-            states = final[None]
+        o, states = ssd(q, k, v, g, state.float(), per_position=cache is not None and T <= cache.snapshots)
         if cache is not None:
             cache.write(start, h.new_zeros(B, 1, T), states)
         o = self.norm(o.transpose(1, 2).reshape(B, T, H * hd).to(h.dtype))

@@ -71,6 +71,16 @@ def ssd_chunked(q, k, v, g, state, chunk: int = CHUNK):
     return out.reshape(B, H, n * chunk, -1)[:, :, :T], state
 
 
+def ssd(q, k, v, g, state, per_position: bool):
+    """The recurrence of `ssd_steps` / `ssd_chunked` -> (y [B, H, T, P], states [n, B, H, N, P]): token by token with the
+    state after every position when `per_position` (a short forward with a cache: decode, verification), else a chunk
+    at a time with the final state alone (n = 1)."""
+    if per_position:
+        return ssd_steps(q, k, v, g, state)
+    y, final = ssd_chunked(q, k, v, g, state)
+    return y, final[None]
+
+
 class GroupedGatedRMSNorm(nn.Module):
     """y * silu(z), then RMS-normalised over each of `groups` equal slices of the features, in float32, scaled by the
     weight (Mamba2's output norm with its gate before the norm: transformers' BambaRMSNormGated). With `reduce` the
@@ -160,11 +170,7 @@ class Mamba2Mixer(nn.Module):
         k = b.reshape(B, T, G, N).float().repeat_interleave(H // G, dim=2)     # [B, T, H, N]
         q = c.reshape(B, T, G, N).float().repeat_interleave(H // G, dim=2)
         q, k, v, g = (t.transpose(1, 2) for t in (q, k, xs * dt[..., None], g))   # heads first: [B, H, T, ...]
-        if cache is not None and T <= cache.snapshots:       # short (decode, verification): a state per position
-            y, states = ssd_steps(q, k, v, g, state.float())
-        else:
-            y, final = ssd_chunked(q, k, v, g, state.float())
-            states = final[None]
+        y, states = ssd(q, k, v, g, state.float(), per_position=cache is not None and T <= cache.snapshots)
         if cache is not None:
             cache.write(start, xbc, states)
 

@@ -33,7 +33,6 @@ from ..layers.rope import RotaryEmbedding
 from ..shown_tensors import ShownTensors
 from ..stacked_experts import StackedExperts
 from ..weights import CheckpointNames, ShapeMismatch
-from .causal_lm import CausalLM
 from .config import ConfigError, get_field as _get, per_layer
 from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, SharedMlpMoeBlock, every_layer_moe_fields
 
@@ -122,10 +121,6 @@ class GraniteMoeForCausalLM(QwenLayerCausalLM):
     def parse_config(cls, hf_config: dict) -> GraniteMoeConfig:
         return cls.CONFIG.from_hf(hf_config, cls.ARCHITECTURE)
 
-    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        cfg = self.parse_config(hf_config)
-        CausalLM.__init__(self, cfg, plan, self.DECODER_LAYER, n_routed=cfg.num_experts,
-                          rope_head_dim=cfg.head_dim, dtype=dtype)
 
     def checkpoint_view(self, ckpt):
         return StackedExperts(engine_names(ckpt, self.NAMES), self.config.num_experts, gate_up="concatenated",

@@ -124,16 +124,12 @@ class JambaDecoderLayer(QwenDecoderLayer):
 
 class JambaForCausalLM(QwenLayerCausalLM):
     ARCHITECTURE = ARCHITECTURE
+    DECODER_LAYER = JambaDecoderLayer
     CHECKPOINT_NAMES = JAMBA_NAMES
 
     @classmethod
     def parse_config(cls, hf_config: dict) -> JambaConfig:
         return JambaConfig.from_hf(hf_config)
-
-    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        cfg = self.parse_config(hf_config)
-        super(QwenLayerCausalLM, self).__init__(cfg, plan, JambaDecoderLayer, n_routed=cfg.num_experts,
-                                                rope_head_dim=cfg.head_dim, dtype=dtype)
 
     def checkpoint_view(self, ckpt):
         """With tp_size > 1, the Mamba layers' in_proj rows regrouped by rank (layers/mamba1.py)."""

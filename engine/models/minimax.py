@@ -92,16 +92,12 @@ class MiniMaxDecoderLayer(QwenDecoderLayer):
 
 class MiniMaxForCausalLM(QwenLayerCausalLM):
     ARCHITECTURE = ARCHITECTURE
+    DECODER_LAYER = MiniMaxDecoderLayer
     CHECKPOINT_NAMES = MIXTRAL_NAMES
 
     @classmethod
     def parse_config(cls, hf_config: dict) -> MiniMaxConfig:
         return MiniMaxConfig.from_hf(hf_config)
-
-    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        cfg = self.parse_config(hf_config)
-        super(QwenLayerCausalLM, self).__init__(cfg, plan, MiniMaxDecoderLayer, n_routed=cfg.num_experts,
-                                                rope_head_dim=cfg.head_dim, dtype=dtype)
 
     def checkpoint_view(self, ckpt):
         """The checkpoint without its lightning layers' decay tables, once their stored slopes are checked to be the

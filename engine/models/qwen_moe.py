@@ -228,11 +228,13 @@ class QwenDecoderLayer(DecoderLayer):
 
 
 class QwenLayerCausalLM(CausalLM):
-    """An entry class built from `QwenDecoderLayer`: the Qwen families here, Mixtral and OLMoE (their own
-    files), each giving `parse_config` (and `CHECKPOINT_NAMES` where its checkpoints spell tensors otherwise)."""
+    """An entry class built from `QwenDecoderLayer` (or a subclass: `DECODER_LAYER`): the Qwen families here,
+    Mixtral, OLMoE, Granite MoE, Jamba, MiniMax (their own files), each giving `parse_config` (and `CHECKPOINT_NAMES`
+    where its checkpoints spell tensors otherwise)."""
 
     ARCHITECTURE = ""
     TENSOR_PARALLEL = True
+    DECODER_LAYER: type[QwenDecoderLayer] = QwenDecoderLayer
 
     @classmethod
     def parse_config(cls, hf_config: dict) -> QwenMoeConfig:
@@ -240,7 +242,7 @@ class QwenLayerCausalLM(CausalLM):
 
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
         cfg = self.parse_config(hf_config)
-        super().__init__(cfg, plan, QwenDecoderLayer, n_routed=cfg.num_experts, rope_head_dim=cfg.head_dim,
+        super().__init__(cfg, plan, self.DECODER_LAYER, n_routed=cfg.num_experts, rope_head_dim=cfg.head_dim,
                          dtype=dtype)
 
 
