@@ -51,7 +51,7 @@ class MiniMaxConfig(QwenMoeConfig):
         second, linear)."""
         if d.get("sliding_window") is not None:
             raise ConfigError(f"config.sliding_window: {d['sliding_window']!r} not supported; supported: null")
-        base = mixtral_config(dict(d, rope_theta=d.get("rope_theta", 1e6)))
+        base = mixtral_config(d)   # rope theta 1e6 unless the config says otherwise, as transformers
         if base.rope.partial_rotary_factor != 1.0:   # transformers' MiniMax turns whole heads, whatever it says
             raise ConfigError(f"config.partial_rotary_factor: {base.rope.partial_rotary_factor} not supported; "
                               f"MiniMax rotates whole heads (1.0)")
