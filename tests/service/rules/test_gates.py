@@ -613,41 +613,37 @@ def test_granitemoe_shared_is_never_fused_and_granitemoe_has_no_shared_experts()
     assert_off(fusion(dict(swa, shared_intermediate_size=0)), "granitemoe_swa.no_shared_experts")
 
 
-def test_granitemoe_hybrid_never_fuses_its_shared_mlp():
-    """Granite 4.0-H (granite-4.0-h-tiny's expert fields): its shared MLP (there by default) is never fused."""
-    cfg = {"architectures": ["GraniteMoeHybridForCausalLM"], "num_hidden_layers": 40, "num_local_experts": 64,
-           "num_experts_per_tok": 6, "layer_types": ["mamba"] * 40}
-    res = resolve(cfg, ep_size=8, ep_rank=2)
-    assert res.family == "granitemoe_hybrid" and res.decisions[Keys.NUM_LOCAL_EXPERTS].value == 8
+# The hybrid families' expert fields as their published configs give them: (config, EP size, family, local experts
+# a rank, the verdict fusion gets, enforced too, with what its reason names), and the config without a shared MLP
+# where the family allows one.
+HYBRIDS = [
+    # Granite 4.0-H (granite-4.0-h-tiny's): its shared MLP (there by default) is never fused
+    ({"architectures": ["GraniteMoeHybridForCausalLM"], "num_hidden_layers": 40, "num_local_experts": 64,
+      "num_experts_per_tok": 6, "layer_types": ["mamba"] * 40}, 8, "granitemoe_hybrid", 8,
+     ("granitemoe_hybrid.structural.no_fused_layout", "shared MLP"), {"shared_intermediate_size": 0}),
+    # Nemotron 3 Nano's: 128 ungated experts a MoE block, top-6, beside one shared MLP
+    ({"architectures": ["NemotronHForCausalLM"], "hybrid_override_pattern": "MEMEM*E", "num_hidden_layers": 7,
+      "n_routed_experts": 128, "num_experts_per_tok": 6, "n_shared_experts": 1}, 8, "nemotron_h", 16,
+     ("nemotron_h.structural.no_fused_layout", "shared MLP"), None),
+    # MiniMax-Text-01 / M1's: 32 experts, top-2, on every one of its 80 layers, no shared expert
+    ({"architectures": ["MiniMaxForCausalLM"], "num_hidden_layers": 80, "num_local_experts": 32,
+      "num_experts_per_tok": 2}, 8, "minimax", 4, ("minimax.no_shared_experts", "no shared experts"), None),
+    # Jamba 1.5 Mini's: 16 experts, top-2, no shared expert
+    ({"architectures": ["JambaForCausalLM"], "num_hidden_layers": 32, "num_experts": 16, "num_experts_per_tok": 2},
+     4, "jamba", 4, ("jamba.no_shared_experts", "no shared experts"), None),
+]
+
+
+@pytest.mark.parametrize("cfg, ep_size, family, local, verdict, unshared", HYBRIDS, ids=[h[2] for h in HYBRIDS])
+def test_the_hybrid_families_never_fuse(cfg, ep_size, family, local, verdict, unshared):
+    """Their experts split by EP rank as any family's; a shared MLP beside them is never fused (structural: enforce
+    does not lift it), and without one the plan says so."""
+    res = resolve(cfg, ep_size=ep_size, ep_rank=ep_size - 1)
+    assert res.family == family and res.decisions[Keys.NUM_LOCAL_EXPERTS].value == local
     for kw in ({}, ENFORCE):
-        assert_off(fusion(cfg, **kw), "granitemoe_hybrid.structural.no_fused_layout", "shared MLP")
-    assert_off(fusion(dict(cfg, shared_intermediate_size=0)), "granitemoe_hybrid.no_shared_experts")
-
-
-def test_minimax_has_no_shared_experts():
-    """MiniMax-Text-01 / M1's expert fields: 32 experts, top-2, on every one of its 80 layers."""
-    cfg = {"architectures": ["MiniMaxForCausalLM"], "num_hidden_layers": 80, "num_local_experts": 32,
-           "num_experts_per_tok": 2}
-    res = resolve(cfg, ep_size=8, ep_rank=7)
-    assert res.family == "minimax" and res.decisions[Keys.NUM_LOCAL_EXPERTS].value == 4
-    assert_off(fusion(cfg), "minimax.no_shared_experts")
-
-
-def test_jamba_has_no_shared_experts():
-    cfg = {"architectures": ["JambaForCausalLM"], "num_hidden_layers": 32, "num_experts": 16, "num_experts_per_tok": 2}
-    res = resolve(cfg, ep_size=4, ep_rank=3)
-    assert res.family == "jamba" and res.decisions[Keys.NUM_LOCAL_EXPERTS].value == 4
-    assert_off(fusion(cfg), "jamba.no_shared_experts")
-
-
-def test_nemotron_h_never_fuses_its_shared_mlp():
-    """Nemotron 3 Nano's expert fields: 128 ungated experts a MoE block, top-6, beside one shared MLP."""
-    cfg = {"architectures": ["NemotronHForCausalLM"], "hybrid_override_pattern": "MEMEM*E", "num_hidden_layers": 7,
-           "n_routed_experts": 128, "num_experts_per_tok": 6, "n_shared_experts": 1}
-    res = resolve(cfg, ep_size=8, ep_rank=2)
-    assert res.family == "nemotron_h" and res.decisions[Keys.NUM_LOCAL_EXPERTS].value == 16
-    for kw in ({}, ENFORCE):
-        assert_off(fusion(cfg, **kw), "nemotron_h.structural.no_fused_layout", "shared MLP")
+        assert_off(fusion(cfg, **kw), *verdict)
+    if unshared is not None:
+        assert_off(fusion(dict(cfg, **unshared)), f"{family}.no_shared_experts")
 
 
 # The fields of tencent/Hunyuan-A13B-Instruct's config.json that the rules read, as it writes them (per layer).
