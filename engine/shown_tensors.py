@@ -6,7 +6,8 @@ tensor, whole or through a function of it (a slice of a fused projection, a resh
 the shape that function gives. What a family shows is a table built once (`show`); nothing is read until `get`.
 
 Its views: `renamed` (a wrapper's prefixes: models/qwen3_vl_moe.py and the wrappers and drafts built like it),
-ERNIE-4.5's routing bias of one group (models/ernie4_5_moe.py), Granite's experts and halved shared MLP
+`rows_by_rank` (a fused projection's parts regrouped by tensor-parallel rank: the linear-attention, Mamba and Mamba2
+layers), ERNIE-4.5's routing bias of one group (models/ernie4_5_moe.py), Granite's experts and halved shared MLP
 (models/granitemoe.py) and DBRX's fused q/k/v and flattened experts (models/dbrx.py).
 """
 
@@ -59,4 +60,28 @@ def renamed(ckpt, prefixes: tuple[tuple[str, str], ...]) -> ShownTensors:
     view = ShownTensors(ckpt)
     for name in ckpt.names():
         view.show(next((new + name[len(old):] for old, new in prefixes if name.startswith(old)), name), name)
+    return view
+
+
+def rows_by_rank(ckpt, tp_size: int, layouts: dict[str, tuple[list[int], list[bool]]],
+                 prefixes: tuple[str, ...] = ("",)) -> ShownTensors:
+    """`ckpt` with each tensor named `prefix + suffix` (a prefix of `prefixes`, a suffix of `layouts`) shown with its
+    rows regrouped rank by rank, so that weights.TP_SPLITS' contiguous split gives each rank its own rows. `layouts`:
+    suffix -> (the row counts of the tensor's parts, in order; for each, whether it is whole on every rank, repeated,
+    instead of cut in tp_size blocks). E.g. parts [q, k, v] become [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]. A tensor whose
+    rows are not its parts' sum is shown as it is: the loader's shape check refuses it, named."""
+    view = ShownTensors(ckpt)
+    for name in ckpt.names():
+        suffix = next((x for x in layouts if name.endswith(x) and name[:-len(x)].startswith(prefixes)), None)
+        shape = tuple(ckpt.shape(name))
+        if suffix is None or not shape or shape[0] != sum(layouts[suffix][0]):
+            view.show(name, name)
+            continue
+        parts, whole = layouts[suffix]
+        per_rank = sum(p if w else p // tp_size for p, w in zip(parts, whole))
+
+        def take(t: torch.Tensor, parts=parts, whole=whole) -> torch.Tensor:
+            pieces = [[p] * tp_size if w else p.chunk(tp_size) for p, w in zip(t.split(parts), whole)]
+            return torch.cat([torch.cat(rank) for rank in zip(*pieces)])
+        view.show(name, name, (tp_size * per_rank, *shape[1:]), take)
     return view

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.tensor import TensorParallel
+from ..shown_tensors import rows_by_rank
 from .gated_delta_net import LinearStateCache, continue_from
 from .norm import RMSNorm
 
@@ -102,19 +103,7 @@ class Mamba1Mixer(nn.Module):
 
 def in_proj_by_rank(ckpt, prefixes: list[str], tp_size: int, inner: int):
     """`ckpt` with the in_proj of each Mamba layer under `prefixes` (e.g. "model.layers.0.mamba.") regrouped rank by
-    rank: its rows [x | z] as [x_0 z_0 | x_1 z_1 | ...], where x_r, z_r are rank r's channels."""
-    from ..shown_tensors import ShownTensors
-
-    def regroup(t: torch.Tensor) -> torch.Tensor:
-        x, z = (part.chunk(tp_size) for part in t.split([inner, inner]))
-        return torch.cat([torch.cat(pair) for pair in zip(x, z)])
-
-    view = ShownTensors(ckpt)
-    for name in ckpt.names():
-        shape = tuple(ckpt.shape(name))
-        if name.endswith(("mamba.in_proj.weight", "mamba.in_proj.bias")) and name.startswith(tuple(prefixes)) \
-                and shape[0] == 2 * inner:
-            view.show(name, name, shape, regroup)
-        else:   # a wrong shape is refused by the loader's shape check, named
-            view.show(name, name)
-    return view
+    rank (shown_tensors.rows_by_rank): its rows [x | z] as [x_0 z_0 | x_1 z_1 | ...], where x_r, z_r are rank r's
+    channels."""
+    layout = ([inner, inner], [False, False])
+    return rows_by_rank(ckpt, tp_size, {"in_proj.weight": layout, "in_proj.bias": layout}, tuple(prefixes))

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.tensor import TensorParallel
+from ..shown_tensors import rows_by_rank as shown_rows_by_rank
 from .gated_delta_net import LinearStateCache, continue_from
 
 CHUNK = 64   # positions per chunk of the chunked form
@@ -72,9 +73,9 @@ def ssd_chunked(q, k, v, g, state, chunk: int = CHUNK):
 
 
 def ssd(q, k, v, g, state, per_position: bool):
-    """The recurrence of `ssd_steps` / `ssd_chunked` -> (y [B, H, T, P], states [n, B, H, N, P]): token by token with the
-    state after every position when `per_position` (a short forward with a cache: decode, verification), else a chunk
-    at a time with the final state alone (n = 1)."""
+    """The recurrence of `ssd_steps` / `ssd_chunked` -> (y [B, H, T, P], states [n, B, H, N, P]): token by token
+    with the state after every position when `per_position` (a short forward with a cache: decode, verification),
+    else a chunk at a time with the final state alone (n = 1)."""
     if per_position:
         return ssd_steps(q, k, v, g, state)
     y, final = ssd_chunked(q, k, v, g, state)
@@ -182,37 +183,12 @@ class Mamba2Mixer(nn.Module):
 def rows_by_rank(ckpt, prefixes: list[str], tp_size: int, n_heads: int, head_dim: int, n_groups: int,
                  state_size: int):
     """`ckpt` with the in_proj and conv1d tensors of each Mamba2 layer under `prefixes` (e.g.
-    "model.layers.0.mamba.") regrouped rank by rank: in_proj's rows [z | x | B | C | dt] as [z_0 x_0 B_0 C_0 dt_0 |
-    z_1 ...] and the conv's channels [x | B | C] as [x_0 B_0 C_0 | ...], where z_r, x_r, dt_r are rank r's heads'
-    and B_r, C_r its groups' (the whole of each where one group serves every rank: repeated per rank)."""
-    from ..shown_tensors import ShownTensors
-
+    "model.layers.0.mamba.") regrouped rank by rank (shown_tensors.rows_by_rank): in_proj's rows [z | x | B | C | dt]
+    as [z_0 x_0 B_0 C_0 dt_0 | z_1 ...] and the conv's channels [x | B | C] as [x_0 B_0 C_0 | ...], where z_r, x_r,
+    dt_r are rank r's heads' and B_r, C_r its groups' (the whole of each where one group serves every rank)."""
     inner, gn = n_heads * head_dim, n_groups * state_size
-    own_groups = n_groups % tp_size == 0
-    rank_gn = gn // tp_size if own_groups else gn
-
-    def regroup(parts: list[int], by_group: list[bool]):
-        """Rows split into `parts`, each cut in tp_size blocks (by head or, where `by_group`, by group unless one
-        group serves every rank), then laid out rank by rank."""
-        def take(t: torch.Tensor) -> torch.Tensor:
-            pieces = [p.chunk(tp_size) if not grouped or own_groups else [p] * tp_size
-                      for p, grouped in zip(t.split(parts), by_group)]
-            return torch.cat([torch.cat(rank) for rank in zip(*pieces)])
-        return take
-
-    in_proj = regroup([inner, inner, gn, gn, n_heads], [False, False, True, True, False])
-    conv = regroup([inner, gn, gn], [False, True, True])
-    in_rows, conv_rows = 2 * inner + 2 * gn + n_heads, inner + 2 * gn
-    view = ShownTensors(ckpt)
-    for name in ckpt.names():
-        shape = tuple(ckpt.shape(name))
-        prefix = next((p for p in prefixes if name.startswith(p)), None)
-        part = name[len(prefix):] if prefix is not None else ""
-        if part in ("in_proj.weight", "in_proj.bias") and shape[0] == in_rows:
-            view.show(name, name, (tp_size * (2 * inner // tp_size + 2 * rank_gn + n_heads // tp_size), *shape[1:]),
-                      in_proj)
-        elif part in ("conv1d.weight", "conv1d.bias") and shape[0] == conv_rows:
-            view.show(name, name, (tp_size * (inner // tp_size + 2 * rank_gn), *shape[1:]), conv)
-        else:   # a wrong shape is refused by the loader's shape check, named
-            view.show(name, name)
-    return view
+    shared = n_groups % tp_size != 0          # one group read by every rank: B and C repeated
+    in_proj = ([inner, inner, gn, gn, n_heads], [False, False, shared, shared, False])
+    conv = ([inner, gn, gn], [False, shared, shared])
+    return shown_rows_by_rank(ckpt, tp_size, {"in_proj.weight": in_proj, "in_proj.bias": in_proj,
+                                              "conv1d.weight": conv, "conv1d.bias": conv}, tuple(prefixes))

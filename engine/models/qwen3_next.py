@@ -23,6 +23,7 @@ from ..layers.mlp import GatedMLP, activation
 from ..layers.norm import OffsetRMSNorm
 from ..layers.rope import RopeConfig
 from ..parallel.tensor import TensorParallel
+from ..shown_tensors import rows_by_rank
 from .causal_lm import DeclaredCausalLM, DecoderLayer
 from .config import ConfigError, get_field as _get, per_layer, read_rope, top_k
 from .qwen_moe import QwenSparseMoeBlock, sparse_layers
@@ -155,32 +156,6 @@ class Qwen3NextDecoderLayer(DecoderLayer):
         return self.linear_attn if self.linear else self.self_attn
 
 
-class ChannelsByRank:
-    """A checkpoint seen with the linear-attention tensors whose rows are the conv's channels, [q of every key
-    head | k | v] (the conv's weight, Qwen3.5's in_proj_qkv), regrouped rank by rank, [q_0 k_0 v_0 | q_1 k_1 v_1 |
-    ...] (q_r: rank r's key heads' part), so that the TP split of weights.TP_SPLITS, one contiguous block per
-    rank, gives each rank its own heads' channels."""
-
-    SUFFIXES = ("linear_attn.conv1d.weight", "linear_attn.in_proj_qkv.weight")
-
-    def __init__(self, ckpt, tp_size: int, key_channels: int, value_channels: int):
-        self._ckpt, self._tp = ckpt, tp_size
-        self._split = [key_channels, key_channels, value_channels]
-
-    def names(self):
-        return self._ckpt.names()
-
-    def shape(self, name: str):
-        return self._ckpt.shape(name)
-
-    def get(self, name: str) -> torch.Tensor:
-        t = self._ckpt.get(name)
-        if not name.endswith(self.SUFFIXES) or t.shape[0] != sum(self._split):
-            return t          # a wrong shape is refused by the loader's shape check, named
-        parts = [p.chunk(self._tp) for p in t.split(self._split)]     # q, k, v: each in tp_size blocks
-        return torch.cat([torch.cat([q, k, v]) for q, k, v in zip(*parts)])
-
-
 class Qwen3NextForCausalLM(DeclaredCausalLM):
     CONFIG = Qwen3NextConfig
     DECODER_LAYER = Qwen3NextDecoderLayer
@@ -198,6 +173,9 @@ class Qwen3NextForCausalLM(DeclaredCausalLM):
         tp = self.plan.request.parallel.tp_size
         if tp == 1:
             return ckpt
+        # the linear-attention tensors whose rows are the conv's channels, [q of every key head | k | v] (the conv's
+        # weight, Qwen3.5's in_proj_qkv), regrouped rank by rank: each rank's block holds its key heads' channels
         cfg = self.config
-        return ChannelsByRank(ckpt, tp, cfg.linear_num_key_heads * cfg.linear_key_head_dim,
-                                  cfg.linear_num_value_heads * cfg.linear_value_head_dim)
+        key = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+        layout = ([key, key, cfg.linear_num_value_heads * cfg.linear_value_head_dim], [False, False, False])
+        return rows_by_rank(ckpt, tp, {"linear_attn.conv1d.weight": layout, "linear_attn.in_proj_qkv.weight": layout})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from loadplan.engine.shown_tensors import ShownTensors, renamed
+from loadplan.engine.shown_tensors import ShownTensors, renamed, rows_by_rank
 
 
 class FakeCheckpoint:
@@ -56,3 +56,16 @@ def test_a_view_over_a_view_names_the_checkpoints_own_tensor():
     outer = ShownTensors(inner)
     outer.show("model.v", "model.w")
     assert outer.source_name("model.v") == "backbone.w"
+
+
+def test_rows_by_rank_lays_each_ranks_share_of_every_part_together_and_repeats_whole_parts():
+    """Parts [a (4 rows) | b (2, whole on every rank) | c (2)] over 2 ranks: [a_0 b c_0 | a_1 b c_1]; only the tensors
+    of the given suffixes under the given prefixes, and only where their rows are the parts' sum."""
+    t = torch.arange(8.)[:, None]
+    ckpt = FakeCheckpoint({"l.0.m.w": t, "l.1.m.w": t, "other.m.w": t, "l.0.m.short": t[:5], "l.0.m.x": t})
+    layout = ([4, 2, 2], [False, True, False])
+    view = rows_by_rank(ckpt, 2, {"m.w": layout, "m.short": layout}, ("l.0.", "l.1."))
+    assert view.shape("l.0.m.w") == (10, 1)
+    assert view.get("l.1.m.w").flatten().tolist() == [0, 1, 4, 5, 6, 2, 3, 4, 5, 7]
+    for untouched in ("other.m.w", "l.0.m.short", "l.0.m.x"):
+        assert torch.equal(view.get(untouched), ckpt.tensors[untouched])
