@@ -147,7 +147,7 @@ class LinearStateCache(nn.Module):
         n = min(states.shape[0], self.snapshots)
         positions = torch.arange(start + T - n, start + T, device=self.state_pos.device)
         slots = positions % self.snapshots
-        self.states[slots, :B] = states[states.shape[0] - n:]
+        self.states[slots, :B] = states[states.shape[0] - n:].to(self.states.dtype)   # float32 whatever the model's
         self.state_pos[slots] = positions
 
     def _lost(self, position: int, start: int) -> RuntimeError:

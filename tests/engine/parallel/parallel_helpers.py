@@ -1,4 +1,4 @@
-"""Tiny checkpoints and single-process references for the multi-rank engine tests.
+"""The single-process reference of the multi-rank engine tests (their checkpoints: tests/engine/families.py).
 
 Rank functions live in the test modules (module level, so the launcher can pickle
 them); what they share is here, importable by name in the ranks too.
@@ -6,108 +6,9 @@ them); what they share is here, importable by name in the ranks too.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 
-import engine_helpers
-from engine_helpers import (LocalRegistry, make_checkpoint, make_deepseek_checkpoint, make_deepseek_v2_checkpoint,
-                            make_glm4_checkpoint, make_gpt_oss_checkpoint, make_llama4_checkpoint,
-                            make_minimax_m2_checkpoint, make_mixtral_checkpoint, make_olmoe_checkpoint,
-                            make_qwen3_5_moe_checkpoint, make_qwen3_next_checkpoint)
-
-QWEN3 = "Qwen3MoeForCausalLM"
-QWEN2 = "Qwen2MoeForCausalLM"
-DEEPSEEK = "DeepseekV3ForCausalLM"
-GLM4 = "Glm4MoeForCausalLM"
-DEEPSEEK_V2 = "DeepseekV2ForCausalLM"
-MIXTRAL = "MixtralForCausalLM"
-OLMOE = "OlmoeForCausalLM"
-GPT_OSS = "GptOssForCausalLM"
-MINIMAX_M2 = "MiniMaxM2ForCausalLM"
-LLAMA4 = "Llama4ForCausalLM"
-QWEN3_NEXT = "Qwen3NextForCausalLM"
-QWEN3_5_MOE = "Qwen3_5MoeForConditionalGeneration"
-DEEPSEEK_V32 = "DeepseekV32ForCausalLM"
-GLM_MOE_DSA = "GlmMoeDsaForCausalLM"
-DOTS1 = "Dots1ForCausalLM"
-ERNIE4_5_MOE = "Ernie4_5_MoeForCausalLM"
-GLM4V_MOE = "Glm4vMoeForConditionalGeneration"
-GRANITEMOE = "GraniteMoeForCausalLM"
-GRANITEMOE_SHARED = "GraniteMoeSharedForCausalLM"
-GRANITEMOE_SWA = "GraniteMoeSWAForCausalLM"
-GRANITEMOE_HYBRID = "GraniteMoeHybridForCausalLM"
-NEMOTRON_H = "NemotronHForCausalLM"
-JAMBA = "JambaForCausalLM"
-MINIMAX = "MiniMaxForCausalLM"
-HUNYUAN = "HunYuanMoEV1ForCausalLM"
-PHIMOE = "PhimoeForCausalLM"
-EXAONE_MOE = "ExaoneMoeForCausalLM"
-AFMOE = "AfmoeForCausalLM"
-FLEX_OLMO = "FlexOlmoForCausalLM"
-LFM2_MOE = "Lfm2MoeForCausalLM"
-DBRX = "DbrxForCausalLM"
-MIMO_V2_FLASH = "MiMoV2FlashForCausalLM"
-
-# engine_helpers' tiny DeepSeek-V3 (256 routed experts: the fusion gate passes) with the default rope.
-DEEPSEEK_TINY = dict(engine_helpers.DEEPSEEK_TINY, rope_theta=10000.0)
-
-
-def make_deepseek(path: Path, seed: int = 0) -> Path:
-    return make_deepseek_checkpoint(path, seed=seed, **DEEPSEEK_TINY)
-
-
-# arch -> how to save its tiny checkpoint (path, seed); any other arch: engine_helpers.make_checkpoint's Qwen ones.
-MAKERS = {
-    DEEPSEEK: lambda path, seed: make_deepseek(path, seed),
-    GLM4: lambda path, seed: make_glm4_checkpoint(path, seed=seed, **engine_helpers.GLM4_TINY),
-    DEEPSEEK_V2: lambda path, seed: make_deepseek_v2_checkpoint(path, seed=seed, **engine_helpers.DEEPSEEK_V2_TINY),
-    MIXTRAL: lambda path, seed: make_mixtral_checkpoint(path, seed=seed),
-    OLMOE: lambda path, seed: make_olmoe_checkpoint(path, seed=seed),
-    GPT_OSS: lambda path, seed: make_gpt_oss_checkpoint(path, seed=seed),
-    MINIMAX_M2: lambda path, seed: make_minimax_m2_checkpoint(path, seed=seed),
-    LLAMA4: lambda path, seed: make_llama4_checkpoint(path, seed=seed),
-    QWEN3_NEXT: lambda path, seed: make_qwen3_next_checkpoint(path, seed=seed),
-    # Its last layer reuses the top-k of the one before it (no indexer of its own): both kinds on every rank.
-    GLM_MOE_DSA: lambda path, seed: engine_helpers.make_glm_moe_dsa_checkpoint(path, seed=seed, index_topk_freq=2),
-    DOTS1: lambda path, seed: engine_helpers.make_dots1_checkpoint(path, seed=seed),
-    ERNIE4_5_MOE: lambda path, seed: engine_helpers.make_ernie4_5_moe_checkpoint(path, seed=seed),
-    GLM4V_MOE: lambda path, seed: engine_helpers.make_glm4v_moe_checkpoint(path, seed=seed),
-    GRANITEMOE: lambda path, seed: engine_helpers.make_granitemoe_checkpoint(path, seed=seed),
-    GRANITEMOE_SHARED: lambda path, seed: engine_helpers.make_granitemoe_checkpoint(
-        path, seed=seed, family="GraniteMoeShared", shared_intermediate_size=24),
-    GRANITEMOE_SWA: lambda path, seed: engine_helpers.make_granitemoe_checkpoint(
-        path, seed=seed, family="GraniteMoeSWA", **engine_helpers.GRANITEMOE_SWA_TINY),
-    GRANITEMOE_HYBRID: lambda path, seed: engine_helpers.make_granitemoe_hybrid_checkpoint(path, seed=seed),
-    NEMOTRON_H: lambda path, seed: engine_helpers.make_nemotron_h_checkpoint(path, seed=seed),
-    JAMBA: lambda path, seed: engine_helpers.make_jamba_checkpoint(path, seed=seed),
-    MINIMAX: lambda path, seed: engine_helpers.make_minimax_checkpoint(path, seed=seed),
-    # 2 key/value heads on the global layer, 4 on the windowed ones: both split over 2 TP ranks
-    MIMO_V2_FLASH: lambda path, seed: engine_helpers.make_mimo_v2_flash_checkpoint(path, seed=seed,
-                                                                                   num_key_value_heads=2),
-    DBRX: lambda path, seed: engine_helpers.make_dbrx_checkpoint(path, seed=seed),
-    LFM2_MOE: lambda path, seed: engine_helpers.make_lfm2_moe_checkpoint(path, seed=seed),
-    # heads of 6: q's norm spans 24 features, not hidden_size's 32
-    FLEX_OLMO: lambda path, seed: engine_helpers.make_flex_olmo_checkpoint(path, seed=seed, head_dim=6),
-    AFMOE: lambda path, seed: engine_helpers.make_afmoe_checkpoint(path, seed=seed),
-    EXAONE_MOE: lambda path, seed: engine_helpers.make_exaone_moe_checkpoint(path, seed=seed),
-    PHIMOE: lambda path, seed: engine_helpers.make_phimoe_checkpoint(path, seed=seed),
-    HUNYUAN: lambda path, seed: engine_helpers.make_hunyuan_checkpoint(path, seed=seed),
-    DEEPSEEK_V32: lambda path, seed: engine_helpers.make_deepseek_v32_checkpoint(path, seed=seed),
-    QWEN3_5_MOE: lambda path, seed: make_qwen3_5_moe_checkpoint(path, seed=seed, wrapper=True),
-}
-
-
-def make_model(path: Path, arch: str, seed: int = 0) -> str:
-    maker = MAKERS.get(arch)
-    if maker is None:
-        make_checkpoint(path, arch, seed=seed)
-    else:
-        maker(path, seed)
-    cfg = json.loads((path / "config.json").read_text())
-    assert cfg["architectures"] == [arch]
-    return str(path)
+from engine_helpers import LocalRegistry
 
 
 def single_process(path: str, ids: torch.Tensor, n_new: int, **load_kw) -> tuple[torch.Tensor, list[int]]:

@@ -15,11 +15,11 @@ from loadplan.engine.parallel.launch import launch
 from loadplan.plan import Keys
 from loadplan.service.rules.backends import BACKENDS
 
-from parallel_helpers import (AFMOE, DBRX, DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, DOTS1, ERNIE4_5_MOE, EXAONE_MOE,
-                              FLEX_OLMO, GLM4, GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE, GRANITEMOE_HYBRID,
-                              GRANITEMOE_SHARED, GRANITEMOE_SWA, HUNYUAN, JAMBA, LFM2_MOE, LLAMA4, MIMO_V2_FLASH,
-                              MINIMAX, MINIMAX_M2, MIXTRAL, NEMOTRON_H, OLMOE, PHIMOE, QWEN3, QWEN3_5_MOE, QWEN3_NEXT,
-                              make_model, single_process)
+from families import (AFMOE, DBRX, DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, DOTS1, ERNIE4_5_MOE, EXAONE_MOE, FLEX_OLMO,
+                      GLM4, GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE, GRANITEMOE_HYBRID, GRANITEMOE_SHARED,
+                      GRANITEMOE_SWA, HUNYUAN, JAMBA, LFM2_MOE, LLAMA4, MIMO_V2_FLASH, MINIMAX, MINIMAX_M2, MIXTRAL,
+                      NEMOTRON_H, OLMOE, PHIMOE, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, make_model)
+from parallel_helpers import single_process
 
 EP = 2
 N_NEW = 4
@@ -239,7 +239,7 @@ def test_qwen3_next_and_3_5_every_backend_fused_and_unfused_on_two_ranks_matches
 
 @pytest.fixture(scope="module")
 def deepseek_mtp(tmp_path_factory):
-    from parallel_helpers import DEEPSEEK_TINY
+    from families import DEEPSEEK_TINY
 
     from engine_helpers import make_deepseek_mtp_checkpoint
 

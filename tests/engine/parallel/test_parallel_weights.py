@@ -48,7 +48,7 @@ def test_redundant_physical_slots_are_filled_with_their_experts_replicas():
 
 def test_kimi_wrapper_with_tied_embeddings_splits_over_two_stages(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from parallel_helpers import DEEPSEEK_TINY
+    from families import DEEPSEEK_TINY
     from engine_helpers import randomize
 
     torch.manual_seed(0)

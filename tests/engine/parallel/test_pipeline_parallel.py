@@ -14,8 +14,9 @@ import torch
 from loadplan.engine.parallel.launch import launch
 from loadplan.plan import Keys
 
-from parallel_helpers import (DEEPSEEK, GLM_MOE_DSA, GRANITEMOE_HYBRID, JAMBA, NEMOTRON_H, PHIMOE, QWEN3,
-                              QWEN3_NEXT, make_model, single_process)
+from families import (DEEPSEEK, GLM_MOE_DSA, GRANITEMOE_HYBRID, JAMBA, NEMOTRON_H, PHIMOE, QWEN3, QWEN3_NEXT,
+                      make_model)
+from parallel_helpers import single_process
 
 PP = 2
 N_NEW = 4

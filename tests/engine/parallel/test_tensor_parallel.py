@@ -19,11 +19,11 @@ from loadplan.plan import Keys
 from loadplan.service.rules.backends import BACKENDS
 
 from engine_helpers import LocalRegistry, make_checkpoint, make_granitemoe_hybrid_checkpoint, make_nemotron_h_checkpoint
-from parallel_helpers import (AFMOE, DBRX, DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, ERNIE4_5_MOE, EXAONE_MOE, FLEX_OLMO,
-                              GLM4, GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE, GRANITEMOE_HYBRID, GRANITEMOE_SWA,
-                              HUNYUAN, JAMBA, LLAMA4, MINIMAX, NEMOTRON_H,
-                              MIMO_V2_FLASH, MINIMAX_M2, MIXTRAL, OLMOE, PHIMOE, QWEN2, QWEN3, QWEN3_5_MOE, QWEN3_NEXT,
-                              make_model, single_process)
+from families import (AFMOE, DBRX, DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, ERNIE4_5_MOE, EXAONE_MOE, FLEX_OLMO, GLM4,
+                      GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE, GRANITEMOE_HYBRID, GRANITEMOE_SWA, HUNYUAN, JAMBA,
+                      LLAMA4, MINIMAX, NEMOTRON_H, MIMO_V2_FLASH, MINIMAX_M2, MIXTRAL, OLMOE, PHIMOE, QWEN2, QWEN3,
+                      QWEN3_5_MOE, QWEN3_NEXT, make_model)
+from parallel_helpers import single_process
 
 N_NEW = 4
 TOL = 1e-4
