@@ -50,11 +50,14 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def delta_rule_steps(q, k, v, g, beta, state):
-    """The recurrence token by token. q/k [B, H, T, dk], v [B, H, T, dv], g/beta [B, H, T], state S (float32)
+    """The recurrence token by token. q/k [B, H, T, dk], v [B, H, T, dv], beta [B, H, T], g [B, H, T] (a decay per
+    head) or [B, H, T, dk] (per key channel: layers/kimi_delta_attention.py), state S (float32)
     -> (o [B, H, T, dv], the states after each position [T, B, H, dk, dv])."""
     outs, states = [], []
+    per_channel = g.dim() == 4
     for t in range(q.shape[2]):
-        state = state * g[:, :, t, None, None].exp()
+        decay = g[:, :, t].exp()                                               # [B, H] or [B, H, dk]
+        state = state * (decay[..., None] if per_channel else decay[..., None, None])
         kt = k[:, :, t]                                                        # [B, H, dk]
         predicted = (state * kt[..., None]).sum(dim=-2)                        # [B, H, dv]: S^T k
         delta = (v[:, :, t] - predicted) * beta[:, :, t, None]

@@ -4,7 +4,7 @@ Queries come from a low-rank path (q_a_proj -> RMSNorm -> q_b_proj) or, when
 `q_lora_rank` is null, from one q_proj. Keys and values share one compressed latent
 (kv_a_proj_with_mqa -> [kv_lora_rank | qk_rope_head_dim]); the rope part is one
 key head shared by all query heads, the rest is normalised and expanded per head by
-kv_b_proj into [k_nope | v].
+kv_b_proj into [k_nope | v]. With `use_rope` False (Kimi-Linear) that shared part is not rotated.
 
 Parameter names equal the checkpoint's names under `self_attn.`, so loading is a copy.
 The KV cache keeps the compressed latent (kv_lora_rank + qk_rope_head_dim numbers
@@ -95,6 +95,7 @@ class MultiHeadLatentAttention(nn.Module):
         tp: TensorParallel | None = None,
         indexer: SparseIndexer | None = None,
         reuses_selection: bool = False,
+        use_rope: bool = True,
     ):
         super().__init__()
         self.tp = tp = tp or TensorParallel()
@@ -107,6 +108,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
         self.v_head_dim = v_head_dim
         self.rope_interleave = rope_interleave
+        self.use_rope = use_rope      # False: the qk_rope_head_dim features are not rotated (Kimi-Linear's NoPE MLA)
         self.scale = softmax_scale(self.qk_head_dim, rope)
 
         if q_lora_rank is None:
@@ -169,11 +171,13 @@ class MultiHeadLatentAttention(nn.Module):
             q = self.q_b_proj(q_resid)
         q = q.view(B, T, H, self.qk_head_dim).transpose(1, 2)  # [B, H, T, qk]
         q_nope, q_rot = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        q_rot = apply_rotary(q_rot, cos, sin, interleaved=self.rope_interleave)
+        if self.use_rope:
+            q_rot = apply_rotary(q_rot, cos, sin, interleaved=self.rope_interleave)
 
         kv, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         kv = self.kv_a_layernorm(kv)
-        k_rot = apply_rotary(k_rot, cos, sin, interleaved=self.rope_interleave)  # [B, T, r], one shared head
+        if self.use_rope:
+            k_rot = apply_rotary(k_rot, cos, sin, interleaved=self.rope_interleave)  # [B, T, r], one shared head
 
         mask = None                                                      # [T, S] or [B, 1, T, S]
         index_keys = self.indexer.keys(x, cos, sin) if self.indexer is not None else None   # [B, T, d]

@@ -84,3 +84,11 @@ class GatedRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return (super().forward(x) * torch.nn.functional.silu(gate.float())).to(x.dtype)
+
+
+class SigmoidGatedRMSNorm(RMSNorm):
+    """RMSNorm of x times its weight, then times sigmoid(gate), all in float32 (Kimi Delta Attention's output norm,
+    per head: layers/kimi_delta_attention.py; transformers' KimiLinearRMSNormGated casts only the result back)."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return (self.weight.float() * self._normalized(x) * torch.sigmoid(gate.float())).to(x.dtype)

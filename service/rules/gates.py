@@ -87,6 +87,14 @@ def exaone_moe_gate(ctx: GateContext) -> Verdict | None:
                    f"for EXAONE-MoE")
 
 
+def kimi_linear_gate(ctx: GateContext) -> Verdict | None:
+    """Kimi-Linear never fuses (not in DESIGN 5.2; our choice): DeepSeek-V3's MoE block, but its own family, whose
+    shared experts run beside the routed ones with no fused layout. Structural: enforce does not skip it."""
+    return Verdict("kimi_linear.structural.no_fused_layout",
+                   f"its {ctx.layout.n_shared} shared expert(s) run beside the routed experts: no fused layout exists "
+                   f"for Kimi-Linear")
+
+
 def granitemoe_swa_gate(ctx: GateContext) -> Verdict | None:
     """Granite MoE SWA never fuses its shared MLP, as GraniteMoeShared (`granitemoe_shared_gate`)."""
     return Verdict("granitemoe_swa.structural.no_fused_layout",

@@ -23,6 +23,9 @@ Conventions follow the architectures' reference implementations:
   first_k_dense_replace, 1), with num_experts routed experts and num_shared_experts shared ones.
 - Hunyuan (A13B): every layer is MoE, with num_experts routed experts, moe_topk of them a token and
   num_shared_expert shared MLPs (1 by default); the Hub's configs write these per layer (lists that agree).
+- Kimi-Linear: layer i is MoE iff mlp_layer_types[i] is "sparse" (by default every layer from
+  first_k_dense_replace, 1), with num_experts routed experts, num_experts_per_token of them a token and
+  num_shared_experts shared ones (transformers' names for DeepSeek-V3's fields).
 - A NextN draft has num_nextn_predict_layers MoE layers numbered after the target's.
 """
 
@@ -220,6 +223,24 @@ def exaone_moe_layout(cfg: ConfigView) -> MoeLayout:
     n_shared = cfg.int("num_shared_experts", 1, minimum=0)
     top_k = cfg.int("num_experts_per_tok", 8, minimum=1)
     _check_top_k(cfg, top_k, n_routed)
+    first_dense = cfg.int("first_k_dense_replace", 1, minimum=0)
+    return MoeLayout(tuple(range(n_layers)), _sparse_by_mlp_layer_types(cfg, n_layers, first_dense), n_routed,
+                     n_shared, top_k)
+
+
+def kimi_linear_layout(cfg: ConfigView) -> MoeLayout:
+    """Kimi-Linear's names for DeepSeek-V3's fields (transformers' KimiLinearConfig attribute map: num_experts,
+    num_shared_experts, num_experts_per_token; DeepSeek's where a config gives those instead) and its defaults."""
+    n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
+
+    def named(ours: str, deepseek: str) -> str:
+        return deepseek if cfg.raw(ours) is None and cfg.raw(deepseek) is not None else ours
+
+    n_routed = cfg.int(named("num_experts", "n_routed_experts"), 256, minimum=1)
+    n_shared = cfg.int(named("num_shared_experts", "n_shared_experts"), 1, minimum=0)
+    k_field = named("num_experts_per_token", "num_experts_per_tok")
+    top_k = cfg.int(k_field, 8, minimum=1)
+    _check_top_k(cfg, top_k, n_routed, k_field)
     first_dense = cfg.int("first_k_dense_replace", 1, minimum=0)
     return MoeLayout(tuple(range(n_layers)), _sparse_by_mlp_layer_types(cfg, n_layers, first_dense), n_routed,
                      n_shared, top_k)

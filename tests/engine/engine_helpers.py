@@ -334,6 +334,30 @@ def make_jamba_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     return _save_random_model(path, "Jamba", seed, dict(JAMBA_TINY, **config))
 
 
+# Kimi-Linear: Kimi delta attention on layers 0, 2 and 3 (4 heads of 8), NoPE MLA on layer 1 (no query latent);
+# layer 0 dense, the others DeepSeek-V3's MoE (8 experts in 2 groups, top-2, one shared expert).
+KIMI_LINEAR_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+                        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, num_local_experts=8,
+                        num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5,
+                        linear_head_dim=8, linear_num_heads=4,
+                        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+                        mlp_layer_types=["dense", "sparse", "sparse", "sparse"], pad_token_id=0, bos_token_id=1,
+                        eos_token_id=2)
+
+
+def make_kimi_linear_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random Kimi-Linear of KIMI_LINEAR_TINY updated with `config` (transformers' KimiLinearConfig kwargs),
+    decays of every size and a routing bias."""
+    transformers = _transformers()
+    torch.manual_seed(seed)
+    model = transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(**dict(KIMI_LINEAR_TINY, **config)))
+    _randomize_with_routing_bias(model, seed)
+    _decays_of_every_size(model, seed)
+    model.save_pretrained(path)
+    return path
+
+
 # MiniMax-Text-01 / M1: 4 layers, full attention on 0 and 2 and lightning attention on 1 and 3 (transformers' default),
 # 4 heads of 8 (transformers runs blocks of 4); 8 experts of 16 (top-2); residual factors other than 1.
 MINIMAX_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=4, num_attention_heads=4,
@@ -851,6 +875,11 @@ def make_qwen3_5_moe_checkpoint(path: Path, *, seed: int = 0, wrapper: bool = Fa
 def _randomize_linear_attention(model: torch.nn.Module, seed: int) -> None:
     """`randomize`, then decays of every size (A_log, dt_bias) and conv weights of order one."""
     randomize(model, seed)
+    _decays_of_every_size(model, seed)
+
+
+def _decays_of_every_size(model: torch.nn.Module, seed: int) -> None:
+    """A linear attention's A_log and dt_bias drawn to give decays of every size, its conv weights of order one."""
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -938,11 +967,16 @@ class DictCheckpoint:
         return self.tensors[name]
 
 
+DROP = object()    # with_config(..., field=DROP): the field left out
+
+
 def with_config(src: Path, dst: Path, **overrides) -> Path:
-    """A checkpoint folder `dst`: `src`'s weights (a link) under `src`'s config.json with `overrides`."""
+    """A checkpoint folder `dst`: `src`'s weights (a link) under `src`'s config.json with `overrides` (a field
+    given DROP is left out)."""
     dst.mkdir()
     (dst / "model.safetensors").symlink_to(src / "model.safetensors")
-    (dst / "config.json").write_text(json.dumps(dict(json.loads((src / "config.json").read_text()), **overrides)))
+    config = dict(json.loads((src / "config.json").read_text()), **overrides)
+    (dst / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not DROP}))
     return dst
 
 

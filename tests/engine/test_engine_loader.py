@@ -263,6 +263,11 @@ _BAD_CONFIGS = [
      "target"),
     ("JambaForCausalLM", "JambaConfig", dict(num_experts=8, attn_layer_period=2, attn_layer_offset=1),
      {"attn_layer_offset": 2}, "target"),
+    ("KimiLinearForCausalLM", "KimiLinearConfig", dict(num_local_experts=8, moe_intermediate_size=16,
+                                                       num_experts_per_tok=2, kv_lora_rank=16, qk_rope_head_dim=8,
+                                                       qk_nope_head_dim=8, v_head_dim=8, linear_head_dim=8,
+                                                       linear_num_heads=4, pad_token_id=0, bos_token_id=1,
+                                                       eos_token_id=2), {"mla_use_nope": False}, "target"),
     ("NemotronHForCausalLM", "NemotronHConfig", dict(n_routed_experts=8, mamba_num_heads=4),
      {"moe_latent_size": 0}, "target"),
     ("Llama4ForCausalLM", "Llama4TextConfig", dict(num_local_experts=4), {"attention_chunk_size": 0}, "target"),
@@ -326,10 +331,10 @@ def test_every_engine_entry_class_reads_its_config_before_the_plan():
         assert model_class(arch).parse_config.__func__ not in bases, arch
 
 
-# Entry classes of _BAD_CONFIGS whose config has no rope of the kind the others read: Nemotron-H (no layer turns q or
-# k), MiMo-V2-Flash (one rope_parameters object per layer type, refused by type in its own test), the wrappers (their
+# Entry classes of _BAD_CONFIGS whose config has no rope of the kind the others read: Nemotron-H and Kimi-Linear (no
+# layer turns q or k; transformers reads no rope field for them), MiMo-V2-Flash (one rope_parameters object per layer type, refused by type in its own test), the wrappers (their
 # text_config's family is here too) and the drafts (their target's family is).
-_NO_PLAIN_ROPE = {"NemotronHForCausalLM", "MiMoV2FlashForCausalLM"}
+_NO_PLAIN_ROPE = {"NemotronHForCausalLM", "KimiLinearForCausalLM", "MiMoV2FlashForCausalLM"}
 
 
 @pytest.mark.parametrize("arch, hf_class, kwargs", [(a, h, k) for a, h, k, _, role in _BAD_CONFIGS

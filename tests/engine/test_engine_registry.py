@@ -29,7 +29,7 @@ def test_unknown_entry_class_lists_the_supported_ones():
                                                r"GptOssForCausalLM, GraniteMoeForCausalLM, "
                                                r"GraniteMoeHybridForCausalLM, GraniteMoeSWAForCausalLM, GraniteMoeSharedForCausalLM, "
                                                r"HunYuanMoEV1ForCausalLM, JambaForCausalLM, "
-                                               r"KimiK25ForConditionalGeneration, Lfm2MoeForCausalLM, "
+                                               r"KimiK25ForConditionalGeneration, KimiLinearForCausalLM, Lfm2MoeForCausalLM, "
                                                r"Llama4ForCausalLM, "
                                                r"Llama4ForConditionalGeneration, "
                                                r"MiMoV2FlashForCausalLM, MiniMaxForCausalLM, MiniMaxM2ForCausalLM, "

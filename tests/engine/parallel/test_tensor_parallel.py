@@ -21,8 +21,8 @@ from loadplan.service.rules.backends import BACKENDS
 from engine_helpers import LocalRegistry, make_checkpoint, make_granitemoe_hybrid_checkpoint, make_nemotron_h_checkpoint
 from families import (AFMOE, DBRX, DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, ERNIE4_5_MOE, EXAONE_MOE, FLEX_OLMO, GLM4,
                       GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE, GRANITEMOE_HYBRID, GRANITEMOE_SWA, HUNYUAN, JAMBA,
-                      LLAMA4, MINIMAX, NEMOTRON_H, MIMO_V2_FLASH, MINIMAX_M2, MIXTRAL, OLMOE, PHIMOE, QWEN2, QWEN3,
-                      QWEN3_5_MOE, QWEN3_NEXT, make_model)
+                      KIMI_LINEAR, LLAMA4, MINIMAX, NEMOTRON_H, MIMO_V2_FLASH, MINIMAX_M2, MIXTRAL, OLMOE, PHIMOE, QWEN2,
+                      QWEN3, QWEN3_5_MOE, QWEN3_NEXT, make_model)
 from parallel_helpers import single_process
 
 N_NEW = 4
@@ -42,13 +42,14 @@ CASES = [("qwen3", QWEN3, None), ("qwen2", QWEN2, "enforce"), ("qwen2", QWEN2, "
          ("dbrx", DBRX, None), ("mimo_v2_flash", MIMO_V2_FLASH, None),
          ("granitemoe_swa", GRANITEMOE_SWA, None), ("granitemoe_hybrid", GRANITEMOE_HYBRID, None),
          ("granitemoe_hybrid_g1", GRANITEMOE_HYBRID, None), ("nemotron_h", NEMOTRON_H, None),
-         ("jamba", JAMBA, None), ("minimax", MINIMAX, None)]
+         ("jamba", JAMBA, None), ("minimax", MINIMAX, None), ("kimi_linear", KIMI_LINEAR, None)]
 
 
 def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
     from loadplan.engine.generate import generate
     from loadplan.engine.layers.attention import GQAttention
     from loadplan.engine.layers.gated_delta_net import GatedDeltaNet
+    from loadplan.engine.layers.kimi_delta_attention import KimiDeltaAttention
     from loadplan.engine.layers.lightning_attention import LightningAttention
     from loadplan.engine.layers.mamba1 import Mamba1Mixer
     from loadplan.engine.layers.mamba2 import Mamba2Mixer
@@ -103,6 +104,10 @@ def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
                     for m in mods if isinstance(m, GatedDeltaNet)},
             mamba={(m.H, m.G, m.in_proj.weight.shape[0], m.conv1d.weight.shape[0], m.norm.weight.shape[0],
                     m.out_proj.weight.shape[1], m.norm.reduce is not None) for m in mods if isinstance(m, Mamba2Mixer)},
+            kda={(m.n, m.q_proj.weight.shape[0], m.q_conv1d.weight.shape[0], m.f_b_proj.weight.shape[0],
+                  m.dt_bias.shape[0], m.A_log.shape[2], m.b_proj.weight.shape[0], m.g_b_proj.weight.shape[0],
+                  m.o_proj.weight.shape[1], m.f_a_proj.weight.shape[0])
+                 for m in mods if isinstance(m, KimiDeltaAttention)},
             logits=logits, tokens=generate(model, ids[0], N_NEW)[0].tolist()))
     return out
 
@@ -144,6 +149,7 @@ def paths(tmp_path_factory):
         # 16 wide in and out, between replicated projections
         "jamba": make_model(tmp_path_factory.mktemp("jamba"), JAMBA),
         "minimax": make_model(tmp_path_factory.mktemp("minimax"), MINIMAX),
+        "kimi_linear": make_model(tmp_path_factory.mktemp("kimi_linear"), KIMI_LINEAR),
         "nemotron_h": str(make_nemotron_h_checkpoint(tmp_path_factory.mktemp("nemotron_h"),
                                                      moe_shared_expert_intermediate_size=40, moe_latent_size=16)),
     }
@@ -258,6 +264,12 @@ def test_two_tp_ranks_give_the_single_process_logits_and_tokens(paths, ids, refe
         assert {(h, q, g, o) for h, q, g, o, _ in lightning} == {(2, 48, 16, 16)}
         assert {s for *_, s in lightning} == {tuple(round(float(v), 6) for v in slopes(4, layer, 4)[2 * tp_rank:][:2])
                                              for layer in (1, 3)}
+    # Kimi-Linear: each KDA layer 2 of its 4 heads of 8 (q/k/v rows, their convs' channels, f_b_proj's and g_b_proj's
+    # rows, dt_bias 16; A_log and b_proj 2; o_proj's columns 16), the low-rank f_a_proj (8) whole; its NoPE MLA 2 of 4
+    # heads (kv_b_proj rows 2 x (8 + 12)); its experts' 16 features split, its dense 48 split, its shared expert whole
+    k = by_name["kimi_linear"]
+    assert k["kda"] == {(2, 16, 16, 16, 16, 2, 2, 16, 16, 8)} and k["mla_heads"] == {(2, 40, 24)}
+    assert k["expert_inter"] == {8} and k["dense_inter"] == {24, 16} and not k["fused"]
     # MLA: half the heads and their kv_b_proj rows; the latent projection stays whole.
     (heads, kv_b_rows, kv_a_rows), = by_name["deepseek"]["mla_heads"]
     assert (heads, kv_b_rows, kv_a_rows) == (1, 1 * (8 + 12), 16 + 8)     # of 2 heads; nope 8 + v 12; lora 16 + rope 8

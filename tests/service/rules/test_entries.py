@@ -41,6 +41,7 @@ BUILT = {
     "FlexOlmoForCausalLM": "flex_olmo",
     "Lfm2MoeForCausalLM": "lfm2_moe",
     "JambaForCausalLM": "jamba",
+    "KimiLinearForCausalLM": "kimi_linear",
     "MiniMaxForCausalLM": "minimax",
     "DbrxForCausalLM": "dbrx",
     "MiMoV2FlashForCausalLM": "mimo_v2_flash",

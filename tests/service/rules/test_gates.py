@@ -628,6 +628,10 @@ HYBRIDS = [
     # MiniMax-Text-01 / M1's: 32 experts, top-2, on every one of its 80 layers, no shared expert
     ({"architectures": ["MiniMaxForCausalLM"], "num_hidden_layers": 80, "num_local_experts": 32,
       "num_experts_per_tok": 2}, 8, "minimax", 4, ("minimax.no_shared_experts", "no shared experts"), None),
+    # Kimi-Linear-48B-A3B's (its own names): 256 experts, top-8, one shared expert beside them
+    ({"architectures": ["KimiLinearForCausalLM"], "num_hidden_layers": 27, "num_experts": 256,
+      "num_experts_per_token": 8, "num_shared_experts": 1, "first_k_dense_replace": 1}, 8, "kimi_linear", 32,
+     ("kimi_linear.structural.no_fused_layout", "1 shared expert(s)"), {"num_shared_experts": 0}),
     # Jamba 1.5 Mini's: 16 experts, top-2, no shared expert
     ({"architectures": ["JambaForCausalLM"], "num_hidden_layers": 32, "num_experts": 16, "num_experts_per_tok": 2},
      4, "jamba", 4, ("jamba.no_shared_experts", "no shared experts"), None),

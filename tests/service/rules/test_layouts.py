@@ -10,7 +10,7 @@ from loadplan.service.rules.config_view import ConfigView
 from loadplan.service.rules.layouts import (afmoe_layout, dbrx_layout, deepseek_layout, deepseek_nextn_layout,
                                             ernie4_5_moe_layout, every_layer_moe_layout, exaone_moe_layout,
                                             granitemoe_hybrid_layout, hunyuan_v1_moe_layout, jamba_layout,
-                                            lfm2_moe_layout,
+                                            kimi_linear_layout, lfm2_moe_layout,
                                             mimo_v2_flash_layout, nemotron_h_layout, qwen_moe_layout)
 
 from ._fixtures import deepseek, mixtral, qwen2, qwen3
@@ -172,6 +172,27 @@ def test_jamba_moe_layers_follow_the_expert_period_and_offset():
     with pytest.raises(InvalidArgument) as e:
         jamba_layout(ConfigView({"expert_layer_period": 2, "expert_layer_offset": 2}))
     assert e.value.field == "config.expert_layer_offset"
+
+
+@pytest.mark.parametrize("fields,moe,sizes", [
+    ({}, [1, 2, 3], (256, 1, 8)),                                               # transformers' defaults
+    ({"num_experts": 32, "num_shared_experts": 2, "num_experts_per_token": 4, "first_k_dense_replace": 2}, [2, 3],
+     (32, 2, 4)),                                                               # its own names
+    ({"n_routed_experts": 16, "n_shared_experts": 0, "num_experts_per_tok": 2}, [1, 2, 3], (16, 0, 2)),  # DeepSeek's
+    ({"num_experts": 32, "n_routed_experts": 16, "mlp_layer_types": ["sparse", "dense", "sparse", "dense"]}, [0, 2],
+     (32, 1, 8)),                                                               # its own name and the list win
+])
+def test_kimi_linear_layers(fields, moe, sizes):
+    lay = kimi_linear_layout(ConfigView({"num_hidden_layers": 4, **fields}))
+    assert list(lay.moe_layers) == moe and (lay.n_routed, lay.n_shared, lay.top_k) == sizes
+
+
+@pytest.mark.parametrize("fields,field", [({"num_experts": 4, "num_experts_per_token": 5}, "num_experts_per_token"),
+                                          ({"num_experts": 4, "num_experts_per_tok": 5}, "num_experts_per_tok")])
+def test_kimi_linear_refuses_more_experts_a_token_than_it_has_naming_the_field_it_read(fields, field):
+    with pytest.raises(InvalidArgument) as e:
+        kimi_linear_layout(ConfigView({"num_hidden_layers": 4, **fields}))
+    assert e.value.field == f"config.{field}"
 
 
 def test_exaone_moe_refuses_a_bad_mlp_layer_types_by_field():

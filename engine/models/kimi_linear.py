@@ -1,0 +1,177 @@
+"""Kimi-Linear (`KimiLinearForCausalLM`: Moonshot's Kimi-Linear-48B-A3B), following transformers'
+modeling_kimi_linear.py numerically.
+
+Shapes: B batch, T tokens, D hidden, E routed experts. A hybrid: most layers mix tokens with Kimi Delta Attention
+(layers/kimi_delta_attention.py: a recurrent state with a decay per channel, no KV cache), the others with
+DeepSeek's Multi-head Latent Attention WITHOUT rotary embedding (layers/mla.py, `use_rope=False`: the
+qk_rope_head_dim features are one shared key head, not rotated). The MLP is DeepSeek-V3's (deepseek_v3.py):
+dense on the first first_k_dense_replace layers (or where mlp_layer_types says "dense"), else the sigmoid router
+with e_score_correction_bias and group-limited top-k over num_experts routed experts, and num_shared_experts
+shared ones beside them, never fused (our choice: the registry's kimi_linear gate).
+
+Its config.json has its own names (transformers' attribute map): num_experts, num_experts_per_token,
+num_shared_experts, num_expert_group, moe_renormalize, model_max_length; its layers' kinds under
+linear_attn_config (kda_layers / full_attn_layers, counted from 1), as transformers reads them. Its checkpoints
+keep the MoE block as `block_sparse_moe` with Mixtral's expert names (`KIMI_LINEAR_NAMES`); the dense layers'
+MLP is `mlp` on the Hub and `block_sparse_moe` as transformers saves it: both read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+import torch
+
+from ..layers.kimi_delta_attention import KimiDeltaAttention
+from ..layers.mla import MultiHeadLatentAttention
+from ..parallel.tensor import TensorParallel
+from ..weights import CheckpointNames
+from .causal_lm import CausalLM, DecoderLayer
+from .config import ConfigError, get_field as _get, per_layer
+from .deepseek_v3 import DeepseekV3Config, moe_or_dense_mlp
+
+ARCHITECTURE = "KimiLinearForCausalLM"
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+# (checkpoint, engine) suffixes under model.layers.{i}.
+KIMI_LINEAR_NAMES = CheckpointNames((
+    ("block_sparse_moe.gate.weight", "mlp.gate.weight"),
+    ("block_sparse_moe.gate.e_score_correction_bias", "mlp.gate.e_score_correction_bias"),
+    ("block_sparse_moe.experts.{e}.w1.weight", "mlp.experts.{e}.gate_proj.weight"),
+    ("block_sparse_moe.experts.{e}.w3.weight", "mlp.experts.{e}.up_proj.weight"),
+    ("block_sparse_moe.experts.{e}.w2.weight", "mlp.experts.{e}.down_proj.weight"),
+    *((f"block_sparse_moe.{mlp}{proj}_proj.weight", f"mlp.{mlp}{proj}_proj.weight")
+      for mlp in ("shared_experts.", "") for proj in ("gate", "up", "down")),
+))
+
+# (Hub / transformers name, DeepSeek-V3's name, transformers' KimiLinearConfig default)
+RENAMED = (
+    ("num_experts", "n_routed_experts", 256),
+    ("num_shared_experts", "n_shared_experts", 1),
+    ("num_experts_per_token", "num_experts_per_tok", 8),
+    ("num_expert_group", "n_group", 1),
+    ("moe_renormalize", "norm_topk_prob", True),
+    ("model_max_length", "max_position_embeddings", 1048576),
+)
+# transformers' KimiLinearConfig defaults of the fields DeepSeek-V3's config reads without one (or another one).
+DEFAULTS = dict(routed_scaling_factor=2.446, rms_norm_eps=1e-5, kv_lora_rank=512, qk_rope_head_dim=64,
+                qk_nope_head_dim=128, v_head_dim=128, topk_group=1, first_k_dense_replace=1)
+# Fields of later Kimi models (Kimi-K3's text model shares the model_type) that transformers' Kimi-Linear does
+# not run: refused where they would change the arithmetic, (field, the value that changes nothing).
+NOT_RUN = (("mla_use_nope", True), ("mla_use_output_gate", False), ("attn_res_block_size", None),
+           ("moe_layer_freq", 1), ("moe_router_activation_func", "sigmoid"), ("latent_moe_use_norm", None),
+           ("routed_expert_hidden_size", None))
+LINEAR_NOT_RUN = (("gate_lower_bound", None), ("use_full_rank_gate", False))
+
+
+@dataclass(frozen=True)
+class KimiLinearConfig(DeepseekV3Config):
+    layer_types: tuple[str, ...] = ()
+    linear_num_heads: int = 32
+    linear_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+
+    @classmethod
+    def from_hf(cls, d: dict, architecture: str = ARCHITECTURE) -> "KimiLinearConfig":
+        linear = d.get("linear_attn_config") or {}
+        if not isinstance(linear, dict):
+            raise ConfigError(f"config.linear_attn_config: expected an object, got {linear!r}"[:200])
+        for field, harmless in NOT_RUN:
+            if d.get(field, harmless) != harmless:
+                raise ConfigError(f"config.{field}: {d[field]!r} not supported; Kimi-Linear runs {harmless!r}"[:200])
+        for field, harmless in LINEAR_NOT_RUN:
+            if linear.get(field, harmless) != harmless:
+                raise ConfigError(f"config.linear_attn_config.{field}: {linear[field]!r} not supported; Kimi-Linear "
+                                  f"runs {harmless!r}"[:200])
+        act = _get(d, "hidden_act", "silu", str)
+        if act != "silu":   # the KDA conv runs the config's activation too; transformers' Kimi-Linear runs SiLU
+            raise ConfigError(f"config.hidden_act: {act!r} not supported; Kimi-Linear runs 'silu'")
+        # DeepSeek-V3's config reads the MoE and MLA fields under its own names; no rope (the MLA is NoPE).
+        named = {k: v for k, v in d.items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
+        for ours, deepseek, default in RENAMED:
+            named[deepseek] = d[ours] if d.get(ours) is not None else d.get(deepseek, default)
+        for field, default in DEFAULTS.items():
+            named.setdefault(field, default)
+        try:
+            ds = DeepseekV3Config.from_hf(named, "DeepseekV3ForCausalLM")
+        except ConfigError as e:   # name the fields as this config spells them
+            message = str(e)
+            for ours, deepseek, _ in RENAMED:
+                if d.get(ours) is not None:
+                    message = re.sub(rf"\b{deepseek}\b", ours, message)
+            raise ConfigError(message) from None
+        n = ds.num_hidden_layers
+        mlp_types = per_layer(d, "mlp_layer_types", n, ("dense", "sparse"),
+                              ["dense" if i < ds.first_k_dense_replace else "sparse" for i in range(n)])
+        return cls(**{f.name: getattr(ds, f.name) for f in dataclasses.fields(DeepseekV3Config)
+                      if f.name not in ("moe_layers", "tie_word_embeddings")},
+                   # transformers' Kimi-Linear ties no head whatever the config says (its checkpoints keep lm_head)
+                   tie_word_embeddings=False,
+                   moe_layers=tuple(i for i, t in enumerate(mlp_types) if t == "sparse"),
+                   layer_types=tuple(_layer_types(d, linear, n)),
+                   linear_num_heads=_linear_field(d, linear, "num_heads", "linear_num_heads", 32),
+                   linear_head_dim=_linear_field(d, linear, "head_dim", "linear_head_dim", 128),
+                   linear_conv_kernel_dim=_linear_field(d, linear, "short_conv_kernel_size", "linear_conv_kernel_dim",
+                                                        4))
+
+
+def _linear_field(d: dict, linear: dict, name: str, flat: str, default: int) -> int:
+    """A KDA size: linear_attn_config's (the Hub's), else the top-level field transformers saves, else its default."""
+    if linear.get(name) is not None:
+        value, field = linear[name], f"linear_attn_config.{name}"
+    else:
+        value, field = _get(d, flat, default, int), flat
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"config.{field}: expected a positive int, got {value!r}")
+    return value
+
+
+def _layer_types(d: dict, linear: dict, n: int) -> list[str]:
+    """Each layer's kind, as transformers' KimiLinearConfig derives it: `layer_types`, else linear_attn_config's
+    kda_layers / full_attn_layers (counted from 1; together every layer once), else every 4th layer but the first
+    full attention."""
+    if d.get("layer_types") is not None:
+        return per_layer(d, "layer_types", n, LAYER_TYPES, [])
+    kda, full = linear.get("kda_layers"), linear.get("full_attn_layers")
+    if kda is None or full is None:
+        return ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
+    for field, ids in (("kda_layers", kda), ("full_attn_layers", full)):
+        if not isinstance(ids, list) or any(not isinstance(i, int) or isinstance(i, bool) for i in ids):
+            raise ConfigError(f"config.linear_attn_config.{field}: expected a list of layer numbers, got {ids!r}"[:200])
+    if sorted(kda + full) != list(range(1, n + 1)):
+        raise ConfigError(f"config.linear_attn_config.kda_layers: with full_attn_layers, must number each of the "
+                          f"{n} layers once, from 1; got {sorted(kda)} and {sorted(full)}"[:300])
+    kinds = set(full)
+    return ["full_attention" if i + 1 in kinds else "linear_attention" for i in range(n)]
+
+
+class KimiLinearDecoderLayer(DecoderLayer):
+    def __init__(self, cfg: KimiLinearConfig, plan, layer_id: int, dtype: torch.dtype):
+        tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
+        if cfg.layer_types[layer_id] == "linear_attention":
+            mixer = KimiDeltaAttention(cfg.hidden_size, cfg.linear_num_heads, cfg.linear_head_dim,
+                                       cfg.linear_conv_kernel_dim, cfg.rms_norm_eps, dtype, tp)
+        else:
+            mixer = MultiHeadLatentAttention(
+                cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
+                cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.rope, attention_bias=cfg.attention_bias, dtype=dtype,
+                tp=tp, use_rope=False)
+        super().__init__(layer_id, mixer, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
+                         cfg.rms_norm_eps, dtype)
+
+
+class KimiLinearForCausalLM(CausalLM):
+    ARCHITECTURE = ARCHITECTURE
+    TENSOR_PARALLEL = True
+    CHECKPOINT_NAMES = KIMI_LINEAR_NAMES
+
+    @classmethod
+    def parse_config(cls, hf_config: dict) -> KimiLinearConfig:
+        return KimiLinearConfig.from_hf(hf_config)
+
+    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
+        cfg = self.parse_config(hf_config)
+        super().__init__(cfg, plan, KimiLinearDecoderLayer, n_routed=cfg.n_routed_experts,
+                         rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype)
