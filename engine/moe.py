@@ -212,7 +212,10 @@ class RoutedExperts(nn.Module):
             y = self._dispatch_compute_combine(x, topk_ids, topk_weights)
         else:
             # One rank holding every physical slot: physical ids already are slot ids (fused slots follow).
-            slots = topk_ids if self.num_local_experts == self.num_physical else self._local_slots(topk_ids)
+            if self.num_local_experts == self.num_physical:
+                slots = topk_ids.masked_fill(topk_ids < 0, self.num_slots)   # masked picks (id -1): dropped
+            else:
+                slots = self._local_slots(topk_ids)
             y = self._experts(x, slots, topk_weights)
         if self.post_experts_all_reduce:
             y = self.reduce(y)   # every rank calls it, even with no local rows: it is a collective

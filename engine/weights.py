@@ -206,6 +206,11 @@ TP_SPLITS: list[tuple[re.Pattern, int]] = [
     (re.compile(r"\.self_attn\.([qkv]_conv1d|f_b_proj|g_b_proj|b_proj)\.weight$"), 0),
     (re.compile(r"\.self_attn\.dt_bias$"), 0),
     (re.compile(r"\.self_attn\.A_log$"), 2),
+    # LongCat-Flash: two MLA sublayers and two dense MLPs a layer, numbered
+    (re.compile(r"\.self_attn\.\d+\.(q_b|kv_b)_proj\.weight$"), 0),
+    (re.compile(r"\.self_attn\.\d+\.o_proj\.weight$"), 1),
+    (re.compile(r"\.mlps\.\d+\.(gate|up)_proj\.weight$"), 0),
+    (re.compile(r"\.mlps\.\d+\.down_proj\.weight$"), 1),
     # Mamba2 (layers/mamba2.py): by head, in_proj's rows and the conv's channels as its `rows_by_rank` regroups them.
     (re.compile(r"\.mamba\.(in_proj|conv1d)\.(weight|bias)$"), 0),
     (re.compile(r"\.mamba\.(dt_bias|A_log|D|norm\.weight)$"), 0),

@@ -4,7 +4,8 @@ Queries come from a low-rank path (q_a_proj -> RMSNorm -> q_b_proj) or, when
 `q_lora_rank` is null, from one q_proj. Keys and values share one compressed latent
 (kv_a_proj_with_mqa -> [kv_lora_rank | qk_rope_head_dim]); the rope part is one
 key head shared by all query heads, the rest is normalised and expanded per head by
-kv_b_proj into [k_nope | v]. With `use_rope` False (Kimi-Linear) that shared part is not rotated.
+kv_b_proj into [k_nope | v]. With `use_rope` False (Kimi-Linear) that shared part is not rotated; with
+`latent_scales` (LongCat-Flash) the query and the normalised latent are multiplied by their factors.
 
 Parameter names equal the checkpoint's names under `self_attn.`, so loading is a copy.
 The KV cache keeps the compressed latent (kv_lora_rank + qk_rope_head_dim numbers
@@ -96,6 +97,7 @@ class MultiHeadLatentAttention(nn.Module):
         indexer: SparseIndexer | None = None,
         reuses_selection: bool = False,
         use_rope: bool = True,
+        latent_scales: tuple[float, float] = (1.0, 1.0),
     ):
         super().__init__()
         self.tp = tp = tp or TensorParallel()
@@ -109,6 +111,8 @@ class MultiHeadLatentAttention(nn.Module):
         self.v_head_dim = v_head_dim
         self.rope_interleave = rope_interleave
         self.use_rope = use_rope      # False: the qk_rope_head_dim features are not rotated (Kimi-Linear's NoPE MLA)
+        # (query, normalised key/value latent) multipliers: LongCat-Flash's sqrt(hidden / rank) of each latent
+        self.q_scale, self.kv_scale = latent_scales
         self.scale = softmax_scale(self.qk_head_dim, rope)
 
         if q_lora_rank is None:
@@ -169,6 +173,8 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             q_resid = self.q_a_layernorm(self.q_a_proj(x))                  # [B, T, q_lora_rank]
             q = self.q_b_proj(q_resid)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         q = q.view(B, T, H, self.qk_head_dim).transpose(1, 2)  # [B, H, T, qk]
         q_nope, q_rot = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         if self.use_rope:
@@ -176,6 +182,8 @@ class MultiHeadLatentAttention(nn.Module):
 
         kv, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         kv = self.kv_a_layernorm(kv)
+        if self.kv_scale != 1.0:
+            kv = kv * self.kv_scale                                       # before the cache: keys and values alike
         if self.use_rope:
             k_rot = apply_rotary(k_rot, cos, sin, interleaved=self.rope_interleave)  # [B, T, r], one shared head
 

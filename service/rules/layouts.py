@@ -26,6 +26,8 @@ Conventions follow the architectures' reference implementations:
 - Kimi-Linear: layer i is MoE iff mlp_layer_types[i] is "sparse" (by default every layer from
   first_k_dense_replace, 1), with num_experts routed experts, num_experts_per_token of them a token and
   num_shared_experts shared ones (transformers' names for DeepSeek-V3's fields).
+- LongCat-Flash: each of num_layers layers is MoE (its two sublayers share one MoE block), with n_routed_experts
+  routed experts and no shared one; its zero-computation experts are not placed.
 - A NextN draft has num_nextn_predict_layers MoE layers numbered after the target's.
 """
 
@@ -244,6 +246,28 @@ def kimi_linear_layout(cfg: ConfigView) -> MoeLayout:
     first_dense = cfg.int("first_k_dense_replace", 1, minimum=0)
     return MoeLayout(tuple(range(n_layers)), _sparse_by_mlp_layer_types(cfg, n_layers, first_dense), n_routed,
                      n_shared, top_k)
+
+
+def longcat_flash_layout(cfg: ConfigView) -> MoeLayout:
+    """LongCat-Flash: num_layers layers (transformers' num_hidden_layers counts their two sublayers each), every one
+    MoE, with n_routed_experts routed experts and zero_expert_num zero-computation ones (identity, on every rank: not
+    among the experts EP places), moe_topk picks a token among both; no shared expert. transformers' defaults."""
+    if cfg.raw("num_layers") is None and cfg.raw("num_hidden_layers") is not None:
+        sublayers = cfg.int("num_hidden_layers", minimum=2, maximum=2 * MAX_LAYERS)
+        if sublayers % 2:
+            raise InvalidArgument(cfg.field("num_hidden_layers"), f"{sublayers} is not twice a number of layers "
+                                                                  f"(each holds two sublayers)")
+        n_layers = sublayers // 2
+    else:
+        n_layers = cfg.int("num_layers", 28, minimum=1, maximum=MAX_LAYERS)
+    n_routed = cfg.int("n_routed_experts", 512, minimum=1)
+    zero = cfg.int("zero_expert_num", 256, minimum=0)
+    top_k = cfg.int("moe_topk", 12, minimum=1)
+    if top_k > n_routed + zero:
+        raise InvalidArgument(cfg.field("moe_topk"), f"{top_k} exceeds the number of experts ({n_routed} routed and "
+                                                     f"{zero} zero-computation ones)")
+    layers = tuple(range(n_layers))
+    return MoeLayout(layers, layers, n_routed, 0, top_k)
 
 
 def mimo_v2_flash_layout(cfg: ConfigView) -> MoeLayout:

@@ -358,6 +358,30 @@ def make_kimi_linear_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     return path
 
 
+# LongCat-Flash: 2 layers of two MLA sublayers (4 heads, both latents) and two dense MLPs, and one MoE block of 8 routed
+# experts and 4 zero-computation ones, top-3 among the 12.
+LONGCAT_FLASH_TINY = dict(vocab_size=128, hidden_size=32, ffn_hidden_size=48, expert_ffn_hidden_size=16, num_layers=2,
+                          num_attention_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+                          qk_nope_head_dim=8, head_dim=8, v_head_dim=12, n_routed_experts=8, zero_expert_num=4,
+                          moe_topk=3, routed_scaling_factor=6.0, max_position_embeddings=256, pad_token_id=0,
+                          bos_token_id=1, eos_token_id=2)
+
+
+def make_longcat_flash_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random LongCat-Flash of LONGCAT_FLASH_TINY updated with `config` (transformers' LongcatFlashConfig
+    kwargs), with a routing bias of the size of its softmax scores (so that it shifts the choice without making it)."""
+    transformers = _transformers()
+    torch.manual_seed(seed)
+    model = transformers.LongcatFlashForCausalLM(transformers.LongcatFlashConfig(**dict(LONGCAT_FLASH_TINY, **config)))
+    _randomize_with_routing_bias(model, seed)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.mul_(0.1)
+    model.save_pretrained(path)
+    return path
+
+
 # MiniMax-Text-01 / M1: 4 layers, full attention on 0 and 2 and lightning attention on 1 and 3 (transformers' default),
 # 4 heads of 8 (transformers runs blocks of 4); 8 experts of 16 (top-2); residual factors other than 1.
 MINIMAX_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=4, num_attention_heads=4,

@@ -36,6 +36,7 @@ GRANITEMOE_HYBRID = "GraniteMoeHybridForCausalLM"
 NEMOTRON_H = "NemotronHForCausalLM"
 JAMBA = "JambaForCausalLM"
 KIMI_LINEAR = "KimiLinearForCausalLM"
+LONGCAT_FLASH = "LongcatFlashForCausalLM"
 MINIMAX = "MiniMaxForCausalLM"
 HUNYUAN = "HunYuanMoEV1ForCausalLM"
 PHIMOE = "PhimoeForCausalLM"
@@ -79,6 +80,7 @@ MAKERS = {
     NEMOTRON_H: lambda path, seed: engine_helpers.make_nemotron_h_checkpoint(path, seed=seed),
     JAMBA: lambda path, seed: engine_helpers.make_jamba_checkpoint(path, seed=seed),
     KIMI_LINEAR: lambda path, seed: engine_helpers.make_kimi_linear_checkpoint(path, seed=seed),
+    LONGCAT_FLASH: lambda path, seed: engine_helpers.make_longcat_flash_checkpoint(path, seed=seed),
     MINIMAX: lambda path, seed: engine_helpers.make_minimax_checkpoint(path, seed=seed),
     # 2 key/value heads on the global layer, 4 on the windowed ones: both split over 2 TP ranks
     MIMO_V2_FLASH: lambda path, seed: engine_helpers.make_mimo_v2_flash_checkpoint(path, seed=seed,

@@ -49,6 +49,29 @@ def test_sorted_kernel_equals_naive_sum(T):
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("ep_size", [1, 2])
+def test_a_masked_pick_computes_nothing_whatever_its_weight(T, ep_size):
+    """Id -1 (LongCat-Flash's zero-computation experts' picks, models/longcat_flash.py) is no expert, on one rank as
+    on EP ranks: not the last expert."""
+    full = _experts(make_plan(qwen2_config(), disable_shared_experts_fusion=True))
+    x, ids, w = _routing(T)
+    masked = ids.clone()
+    masked[:, 1] = -1
+    total = torch.zeros_like(x)
+    for rank in range(ep_size):
+        part = RoutedExperts(E, D, I, make_plan(qwen2_config(), ep_size=ep_size, ep_rank=rank,
+                                                disable_shared_experts_fusion=True), layer_id=0)
+        lo, n = part.local_start, part.num_local_experts
+        with torch.no_grad():
+            part.gate_up_proj.copy_(full.gate_up_proj[lo:lo + n])
+            part.down_proj.copy_(full.down_proj[lo:lo + n])
+        part.reduce = lambda y: y          # the all-reduce is the sum here
+        total += part(x, masked, w)
+    torch.testing.assert_close(total, _naive(full.gate_up_proj, full.down_proj, x, ids[:, :1], w[:, :1]),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_fused_shared_slot_is_selected_by_every_token_with_its_weight():
     plan = make_plan(qwen2_config())
     ex = _experts(plan)

@@ -31,7 +31,7 @@ def test_unknown_entry_class_lists_the_supported_ones():
                                                r"HunYuanMoEV1ForCausalLM, JambaForCausalLM, "
                                                r"KimiK25ForConditionalGeneration, KimiLinearForCausalLM, Lfm2MoeForCausalLM, "
                                                r"Llama4ForCausalLM, "
-                                               r"Llama4ForConditionalGeneration, "
+                                               r"Llama4ForConditionalGeneration, LongcatFlashForCausalLM, "
                                                r"MiMoV2FlashForCausalLM, MiniMaxForCausalLM, MiniMaxM2ForCausalLM, "
                                                r"MixtralForCausalLM, "
                                                r"NemotronHForCausalLM, OlmoeForCausalLM, "

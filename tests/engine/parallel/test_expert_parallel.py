@@ -17,8 +17,9 @@ from loadplan.service.rules.backends import BACKENDS
 
 from families import (AFMOE, DBRX, DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, DOTS1, ERNIE4_5_MOE, EXAONE_MOE, FLEX_OLMO,
                       GLM4, GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE, GRANITEMOE_HYBRID, GRANITEMOE_SHARED,
-                      GRANITEMOE_SWA, HUNYUAN, JAMBA, KIMI_LINEAR, LFM2_MOE, LLAMA4, MIMO_V2_FLASH, MINIMAX, MINIMAX_M2,
-                      MIXTRAL, NEMOTRON_H, OLMOE, PHIMOE, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, make_model)
+                      GRANITEMOE_SWA, HUNYUAN, JAMBA, KIMI_LINEAR, LFM2_MOE, LLAMA4, LONGCAT_FLASH, MIMO_V2_FLASH,
+                      MINIMAX, MINIMAX_M2, MIXTRAL, NEMOTRON_H, OLMOE, PHIMOE, QWEN3, QWEN3_5_MOE, QWEN3_NEXT,
+                      make_model)
 from parallel_helpers import single_process
 
 EP = 2
@@ -148,7 +149,8 @@ DOUBLE_REDUCTION_CASES = [(QWEN3, "mori"), (MIXTRAL, "nixl"), (OLMOE, "mooncake"
                           (HUNYUAN, "megamoe"), (PHIMOE, "deepep"), (EXAONE_MOE, "flashinfer"), (AFMOE, "mooncake"),
                           (FLEX_OLMO, "nixl"), (LFM2_MOE, "deepep"), (DBRX, "mori"), (MIMO_V2_FLASH, "mooncake"),
                           (GRANITEMOE_SWA, "megamoe"), (GRANITEMOE_HYBRID, "flashinfer"), (NEMOTRON_H, "mori"),
-                          (JAMBA, "nixl"), (MINIMAX, "deepep"), (KIMI_LINEAR, "mooncake")]
+                          (JAMBA, "nixl"), (MINIMAX, "deepep"), (KIMI_LINEAR, "mooncake"),
+                          (LONGCAT_FLASH, "nixl")]
 
 
 def _ep_ranks_of_families(rank, world_size, paths, ids):
@@ -189,7 +191,8 @@ def test_every_backend_on_two_ranks_matches_one_process_and_sees_a_double_reduct
     its Mamba2 layers replicated, its shared MLP never fused. Nemotron-H: its ungated experts, 4 of 8 a rank, under
     DeepSeek's grouped router, beside Mamba2, attention and dense MLP blocks. Jamba: its Mamba layers replicated, its
     experts on every other layer. MiniMax-Text-01: its lightning layers replicated. Kimi-Linear: its KDA and NoPE
-    MLA layers replicated, DeepSeek-V3's router, its shared expert never fused. FlexOlmo:
+    MLA layers replicated, DeepSeek-V3's router, its shared expert never fused. LongCat-Flash: 4 of its 8 routed
+    experts a rank, its zero-computation experts' picks (the input, weighted) on each rank. FlexOlmo:
     OLMoE's layer with post-norms, whose RMSNorm of the experts' output normalises a uniform scale away: a
     double reduction (twice every token's output) leaves its logits as they are, and the test says so."""
     paths, ids, launched = every_family_on_two_ranks

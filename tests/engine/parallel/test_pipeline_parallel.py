@@ -14,8 +14,8 @@ import torch
 from loadplan.engine.parallel.launch import launch
 from loadplan.plan import Keys
 
-from families import (DEEPSEEK, GLM_MOE_DSA, GRANITEMOE_HYBRID, JAMBA, KIMI_LINEAR, NEMOTRON_H, PHIMOE, QWEN3,
-                      QWEN3_NEXT, make_model)
+from families import (DEEPSEEK, GLM_MOE_DSA, GRANITEMOE_HYBRID, JAMBA, KIMI_LINEAR, LONGCAT_FLASH, NEMOTRON_H,
+                      PHIMOE, QWEN3, QWEN3_NEXT, make_model)
 from parallel_helpers import single_process
 
 PP = 2
@@ -78,7 +78,9 @@ def paths(tmp_path_factory):
             # Mamba layers on both stages, attention on the second
             JAMBA: make_model(tmp_path_factory.mktemp("jamba"), JAMBA),
             # KDA and NoPE MLA layers on the first stage, KDA on the second
-            KIMI_LINEAR: make_model(tmp_path_factory.mktemp("kimi_linear"), KIMI_LINEAR)}
+            KIMI_LINEAR: make_model(tmp_path_factory.mktemp("kimi_linear"), KIMI_LINEAR),
+            # a layer of two sublayers and its MoE block a stage
+            LONGCAT_FLASH: make_model(tmp_path_factory.mktemp("longcat_flash"), LONGCAT_FLASH)}
 
 
 def test_two_stages_give_one_stage_logits_and_tokens_and_keep_eplb_to_their_own_layers(paths):
@@ -88,7 +90,7 @@ def test_two_stages_give_one_stage_logits_and_tokens_and_keep_eplb_to_their_own_
     assert results[0]["timeout_s"] == results[1]["timeout_s"] == 180
     moe_layers = {QWEN3: [0, 1, 2], DEEPSEEK: [1, 2],      # DeepSeek's layer 0 is dense (first_k_dense_replace)
                   QWEN3_NEXT: [0, 1, 2, 3], GLM_MOE_DSA: [1, 2], PHIMOE: [0, 1, 2], GRANITEMOE_HYBRID: [0, 1, 2],
-                  NEMOTRON_H: [1, 4], JAMBA: [1, 3], KIMI_LINEAR: [1, 2, 3]}
+                  NEMOTRON_H: [1, 4], JAMBA: [1, 3], KIMI_LINEAR: [1, 2, 3], LONGCAT_FLASH: [0, 1]}
     for arch, (ref_logits, ref_tokens) in refs.items():
         s0, s1 = results[0][arch], results[1][arch]
         n_layers = moe_layers[arch][-1] + 1

@@ -21,8 +21,8 @@ from loadplan.service.rules.backends import BACKENDS
 from engine_helpers import LocalRegistry, make_checkpoint, make_granitemoe_hybrid_checkpoint, make_nemotron_h_checkpoint
 from families import (AFMOE, DBRX, DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, ERNIE4_5_MOE, EXAONE_MOE, FLEX_OLMO, GLM4,
                       GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE, GRANITEMOE_HYBRID, GRANITEMOE_SWA, HUNYUAN, JAMBA,
-                      KIMI_LINEAR, LLAMA4, MINIMAX, NEMOTRON_H, MIMO_V2_FLASH, MINIMAX_M2, MIXTRAL, OLMOE, PHIMOE, QWEN2,
-                      QWEN3, QWEN3_5_MOE, QWEN3_NEXT, make_model)
+                      KIMI_LINEAR, LLAMA4, LONGCAT_FLASH, MIMO_V2_FLASH, MINIMAX, MINIMAX_M2, MIXTRAL, NEMOTRON_H,
+                      OLMOE, PHIMOE, QWEN2, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, make_model)
 from parallel_helpers import single_process
 
 N_NEW = 4
@@ -42,7 +42,8 @@ CASES = [("qwen3", QWEN3, None), ("qwen2", QWEN2, "enforce"), ("qwen2", QWEN2, "
          ("dbrx", DBRX, None), ("mimo_v2_flash", MIMO_V2_FLASH, None),
          ("granitemoe_swa", GRANITEMOE_SWA, None), ("granitemoe_hybrid", GRANITEMOE_HYBRID, None),
          ("granitemoe_hybrid_g1", GRANITEMOE_HYBRID, None), ("nemotron_h", NEMOTRON_H, None),
-         ("jamba", JAMBA, None), ("minimax", MINIMAX, None), ("kimi_linear", KIMI_LINEAR, None)]
+         ("jamba", JAMBA, None), ("minimax", MINIMAX, None), ("kimi_linear", KIMI_LINEAR, None),
+         ("longcat_flash", LONGCAT_FLASH, None)]
 
 
 def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
@@ -150,6 +151,7 @@ def paths(tmp_path_factory):
         "jamba": make_model(tmp_path_factory.mktemp("jamba"), JAMBA),
         "minimax": make_model(tmp_path_factory.mktemp("minimax"), MINIMAX),
         "kimi_linear": make_model(tmp_path_factory.mktemp("kimi_linear"), KIMI_LINEAR),
+        "longcat_flash": make_model(tmp_path_factory.mktemp("longcat_flash"), LONGCAT_FLASH),
         "nemotron_h": str(make_nemotron_h_checkpoint(tmp_path_factory.mktemp("nemotron_h"),
                                                      moe_shared_expert_intermediate_size=40, moe_latent_size=16)),
     }
@@ -270,6 +272,10 @@ def test_two_tp_ranks_give_the_single_process_logits_and_tokens(paths, ids, refe
     k = by_name["kimi_linear"]
     assert k["kda"] == {(2, 16, 16, 16, 16, 2, 2, 16, 16, 8)} and k["mla_heads"] == {(2, 40, 24)}
     assert k["expert_inter"] == {8} and k["dense_inter"] == {24, 16} and not k["fused"]
+    # LongCat-Flash: both MLA sublayers 2 of 4 heads (kv_b_proj rows 2 x (8 + 12)), both dense MLPs 24 of 48, its
+    # routed experts' 16 features split (its zero-computation experts: the input, on every rank)
+    c = by_name["longcat_flash"]
+    assert c["mla_heads"] == {(2, 40, 24)} and c["dense_inter"] == {24} and c["expert_inter"] == {8}
     # MLA: half the heads and their kv_b_proj rows; the latent projection stays whole.
     (heads, kv_b_rows, kv_a_rows), = by_name["deepseek"]["mla_heads"]
     assert (heads, kv_b_rows, kv_a_rows) == (1, 1 * (8 + 12), 16 + 8)     # of 2 heads; nope 8 + v 12; lora 16 + rope 8

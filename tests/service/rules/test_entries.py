@@ -42,6 +42,7 @@ BUILT = {
     "Lfm2MoeForCausalLM": "lfm2_moe",
     "JambaForCausalLM": "jamba",
     "KimiLinearForCausalLM": "kimi_linear",
+    "LongcatFlashForCausalLM": "longcat_flash",
     "MiniMaxForCausalLM": "minimax",
     "DbrxForCausalLM": "dbrx",
     "MiMoV2FlashForCausalLM": "mimo_v2_flash",

@@ -10,7 +10,7 @@ from loadplan.service.rules.config_view import ConfigView
 from loadplan.service.rules.layouts import (afmoe_layout, dbrx_layout, deepseek_layout, deepseek_nextn_layout,
                                             ernie4_5_moe_layout, every_layer_moe_layout, exaone_moe_layout,
                                             granitemoe_hybrid_layout, hunyuan_v1_moe_layout, jamba_layout,
-                                            kimi_linear_layout, lfm2_moe_layout,
+                                            kimi_linear_layout, lfm2_moe_layout, longcat_flash_layout,
                                             mimo_v2_flash_layout, nemotron_h_layout, qwen_moe_layout)
 
 from ._fixtures import deepseek, mixtral, qwen2, qwen3
@@ -192,6 +192,26 @@ def test_kimi_linear_layers(fields, moe, sizes):
 def test_kimi_linear_refuses_more_experts_a_token_than_it_has_naming_the_field_it_read(fields, field):
     with pytest.raises(InvalidArgument) as e:
         kimi_linear_layout(ConfigView({"num_hidden_layers": 4, **fields}))
+    assert e.value.field == f"config.{field}"
+
+
+@pytest.mark.parametrize("fields,n_layers,sizes", [
+    ({}, 28, (512, 0, 12)),                                                     # transformers' defaults
+    ({"num_layers": 3, "n_routed_experts": 16, "moe_topk": 4}, 3, (16, 0, 4)),
+    ({"num_hidden_layers": 6}, 3, (512, 0, 12)),                                # transformers' count of sublayers
+    ({"n_routed_experts": 8, "zero_expert_num": 4, "moe_topk": 10}, 28, (8, 0, 10)),   # the picks: of both kinds
+])
+def test_longcat_flash_layers_are_all_moe(fields, n_layers, sizes):
+    lay = longcat_flash_layout(ConfigView(fields))
+    assert lay.layer_ids == lay.moe_layers == tuple(range(n_layers))
+    assert (lay.n_routed, lay.n_shared, lay.top_k) == sizes
+
+
+@pytest.mark.parametrize("fields,field", [({"n_routed_experts": 8, "zero_expert_num": 4, "moe_topk": 13}, "moe_topk"),
+                                          ({"num_hidden_layers": 5}, "num_hidden_layers")])
+def test_longcat_flash_refuses_by_field(fields, field):
+    with pytest.raises(InvalidArgument) as e:
+        longcat_flash_layout(ConfigView(fields))
     assert e.value.field == f"config.{field}"
 
 
