@@ -51,6 +51,7 @@ ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "KimiK25ForConditionalGeneration": ("loadplan.engine.models.deepseek_v3", "KimiK25ForConditionalGeneration"),
     "KimiLinearForCausalLM": ("loadplan.engine.models.kimi_linear", "KimiLinearForCausalLM"),
     "LongcatFlashForCausalLM": ("loadplan.engine.models.longcat_flash", "LongcatFlashForCausalLM"),
+    "SolarOpenForCausalLM": ("loadplan.engine.models.solar_open", "SolarOpenForCausalLM"),
     "MixtralForCausalLM": ("loadplan.engine.models.mixtral", "MixtralForCausalLM"),
     "OlmoeForCausalLM": ("loadplan.engine.models.olmoe", "OlmoeForCausalLM"),
     "GptOssForCausalLM": ("loadplan.engine.models.gpt_oss", "GptOssForCausalLM"),

@@ -95,6 +95,14 @@ def kimi_linear_gate(ctx: GateContext) -> Verdict | None:
                    f"for Kimi-Linear")
 
 
+def solar_open_gate(ctx: GateContext) -> Verdict | None:
+    """Solar Open never fuses (not in DESIGN 5.2; our choice): GLM-4-MoE's MoE block, but its own family, whose shared
+    experts run beside the routed ones with no fused layout. Structural: enforce does not skip it."""
+    return Verdict("solar_open.structural.no_fused_layout",
+                   f"its {ctx.layout.n_shared} shared expert(s) run beside the routed experts: no fused layout exists "
+                   f"for Solar Open")
+
+
 def granitemoe_swa_gate(ctx: GateContext) -> Verdict | None:
     """Granite MoE SWA never fuses its shared MLP, as GraniteMoeShared (`granitemoe_shared_gate`)."""
     return Verdict("granitemoe_swa.structural.no_fused_layout",

@@ -28,6 +28,7 @@ Conventions follow the architectures' reference implementations:
   num_shared_experts shared ones (transformers' names for DeepSeek-V3's fields).
 - LongCat-Flash: each of num_layers layers is MoE (its two sublayers share one MoE block), with n_routed_experts
   routed experts and no shared one; its zero-computation experts are not placed.
+- Solar Open: every layer MoE, with n_routed_experts routed experts and n_shared_experts (1) shared ones.
 - A NextN draft has num_nextn_predict_layers MoE layers numbered after the target's.
 """
 
@@ -268,6 +269,20 @@ def longcat_flash_layout(cfg: ConfigView) -> MoeLayout:
                                                      f"{zero} zero-computation ones)")
     layers = tuple(range(n_layers))
     return MoeLayout(layers, layers, n_routed, 0, top_k)
+
+
+def solar_open_layout(cfg: ConfigView) -> MoeLayout:
+    """Solar Open: every layer MoE, with n_routed_experts routed experts (num_local_experts, transformers' alias)
+    and n_shared_experts shared ones; transformers' SolarOpenConfig defaults."""
+    n_layers = cfg.int("num_hidden_layers", 48, minimum=1, maximum=MAX_LAYERS)
+    field = "num_local_experts" if cfg.has("num_local_experts") and not cfg.has("n_routed_experts") \
+        else "n_routed_experts"
+    n_routed = cfg.int(field, 128, minimum=1)
+    n_shared = cfg.int("n_shared_experts", 1, minimum=0)
+    top_k = cfg.int("num_experts_per_tok", 8, minimum=1)
+    _check_top_k(cfg, top_k, n_routed)
+    layers = tuple(range(n_layers))
+    return MoeLayout(layers, layers, n_routed, n_shared, top_k)
 
 
 def mimo_v2_flash_layout(cfg: ConfigView) -> MoeLayout:

@@ -382,6 +382,20 @@ def make_longcat_flash_checkpoint(path: Path, *, seed: int = 0, **config) -> Pat
     return path
 
 
+# Solar Open: 3 layers, 4 heads of 8 (2 key/value heads), every layer 8 experts (top-2, in 2 groups of which 1 is
+# picked) and one shared expert.
+SOLAR_OPEN_TINY = dict(vocab_size=128, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, n_routed_experts=8,
+                       num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                       max_position_embeddings=256)
+
+
+def make_solar_open_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random Solar Open of SOLAR_OPEN_TINY updated with `config` (transformers' SolarOpenConfig kwargs),
+    routing bias included."""
+    return _save_random_model(path, "SolarOpen", seed, dict(SOLAR_OPEN_TINY, **config))
+
+
 # MiniMax-Text-01 / M1: 4 layers, full attention on 0 and 2 and lightning attention on 1 and 3 (transformers' default),
 # 4 heads of 8 (transformers runs blocks of 4); 8 experts of 16 (top-2); residual factors other than 1.
 MINIMAX_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=4, num_attention_heads=4,

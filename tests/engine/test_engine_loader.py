@@ -271,6 +271,8 @@ _BAD_CONFIGS = [
     ("LongcatFlashForCausalLM", "LongcatFlashConfig", dict(n_routed_experts=8, zero_expert_num=4, moe_topk=2,
                                                            expert_ffn_hidden_size=16, q_lora_rank=16, kv_lora_rank=16,
                                                            pad_token_id=0), {"router_bias": True}, "target"),
+    ("SolarOpenForCausalLM", "SolarOpenConfig", dict(n_routed_experts=8, moe_intermediate_size=16,
+                                                     num_experts_per_tok=2), {"use_qk_norm": True}, "target"),
     ("NemotronHForCausalLM", "NemotronHConfig", dict(n_routed_experts=8, mamba_num_heads=4),
      {"moe_latent_size": 0}, "target"),
     ("Llama4ForCausalLM", "Llama4TextConfig", dict(num_local_experts=4), {"attention_chunk_size": 0}, "target"),

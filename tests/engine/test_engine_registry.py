@@ -39,7 +39,8 @@ def test_unknown_entry_class_lists_the_supported_ones():
                                                r"Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, Qwen3NextForCausalLM, "
                                                r"Qwen3NextForCausalLMMTP, "
                                                r"Qwen3VLMoeForConditionalGeneration, Qwen3_5ForCausalLMMTP, "
-                                               r"Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration"):
+                                               r"Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration, "
+                                               r"SolarOpenForCausalLM"):
         model_class("LlamaForCausalLM")
 
 

@@ -19,7 +19,7 @@ from families import (AFMOE, DBRX, DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, DOTS1, E
                       GLM4, GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE, GRANITEMOE_HYBRID, GRANITEMOE_SHARED,
                       GRANITEMOE_SWA, HUNYUAN, JAMBA, KIMI_LINEAR, LFM2_MOE, LLAMA4, LONGCAT_FLASH, MIMO_V2_FLASH,
                       MINIMAX, MINIMAX_M2, MIXTRAL, NEMOTRON_H, OLMOE, PHIMOE, QWEN3, QWEN3_5_MOE, QWEN3_NEXT,
-                      make_model)
+                      SOLAR_OPEN, make_model)
 from parallel_helpers import single_process
 
 EP = 2
@@ -150,7 +150,7 @@ DOUBLE_REDUCTION_CASES = [(QWEN3, "mori"), (MIXTRAL, "nixl"), (OLMOE, "mooncake"
                           (FLEX_OLMO, "nixl"), (LFM2_MOE, "deepep"), (DBRX, "mori"), (MIMO_V2_FLASH, "mooncake"),
                           (GRANITEMOE_SWA, "megamoe"), (GRANITEMOE_HYBRID, "flashinfer"), (NEMOTRON_H, "mori"),
                           (JAMBA, "nixl"), (MINIMAX, "deepep"), (KIMI_LINEAR, "mooncake"),
-                          (LONGCAT_FLASH, "nixl")]
+                          (LONGCAT_FLASH, "nixl"), (SOLAR_OPEN, "megamoe")]
 
 
 def _ep_ranks_of_families(rank, world_size, paths, ids):
@@ -192,7 +192,8 @@ def test_every_backend_on_two_ranks_matches_one_process_and_sees_a_double_reduct
     DeepSeek's grouped router, beside Mamba2, attention and dense MLP blocks. Jamba: its Mamba layers replicated, its
     experts on every other layer. MiniMax-Text-01: its lightning layers replicated. Kimi-Linear: its KDA and NoPE
     MLA layers replicated, DeepSeek-V3's router, its shared expert never fused. LongCat-Flash: 4 of its 8 routed
-    experts a rank, its zero-computation experts' picks (the input, weighted) on each rank. FlexOlmo:
+    experts a rank, its zero-computation experts' picks (the input, weighted) on each rank. Solar Open: GLM-4-MoE's
+    block on every layer, its shared expert never fused. FlexOlmo:
     OLMoE's layer with post-norms, whose RMSNorm of the experts' output normalises a uniform scale away: a
     double reduction (twice every token's output) leaves its logits as they are, and the test says so."""
     paths, ids, launched = every_family_on_two_ranks

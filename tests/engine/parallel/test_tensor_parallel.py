@@ -22,7 +22,7 @@ from engine_helpers import LocalRegistry, make_checkpoint, make_granitemoe_hybri
 from families import (AFMOE, DBRX, DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, ERNIE4_5_MOE, EXAONE_MOE, FLEX_OLMO, GLM4,
                       GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE, GRANITEMOE_HYBRID, GRANITEMOE_SWA, HUNYUAN, JAMBA,
                       KIMI_LINEAR, LLAMA4, LONGCAT_FLASH, MIMO_V2_FLASH, MINIMAX, MINIMAX_M2, MIXTRAL, NEMOTRON_H,
-                      OLMOE, PHIMOE, QWEN2, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, make_model)
+                      OLMOE, PHIMOE, QWEN2, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, SOLAR_OPEN, make_model)
 from parallel_helpers import single_process
 
 N_NEW = 4
@@ -43,7 +43,7 @@ CASES = [("qwen3", QWEN3, None), ("qwen2", QWEN2, "enforce"), ("qwen2", QWEN2, "
          ("granitemoe_swa", GRANITEMOE_SWA, None), ("granitemoe_hybrid", GRANITEMOE_HYBRID, None),
          ("granitemoe_hybrid_g1", GRANITEMOE_HYBRID, None), ("nemotron_h", NEMOTRON_H, None),
          ("jamba", JAMBA, None), ("minimax", MINIMAX, None), ("kimi_linear", KIMI_LINEAR, None),
-         ("longcat_flash", LONGCAT_FLASH, None)]
+         ("longcat_flash", LONGCAT_FLASH, None), ("solar_open", SOLAR_OPEN, None)]
 
 
 def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
@@ -152,6 +152,7 @@ def paths(tmp_path_factory):
         "minimax": make_model(tmp_path_factory.mktemp("minimax"), MINIMAX),
         "kimi_linear": make_model(tmp_path_factory.mktemp("kimi_linear"), KIMI_LINEAR),
         "longcat_flash": make_model(tmp_path_factory.mktemp("longcat_flash"), LONGCAT_FLASH),
+        "solar_open": make_model(tmp_path_factory.mktemp("solar_open"), SOLAR_OPEN),
         "nemotron_h": str(make_nemotron_h_checkpoint(tmp_path_factory.mktemp("nemotron_h"),
                                                      moe_shared_expert_intermediate_size=40, moe_latent_size=16)),
     }
@@ -276,6 +277,10 @@ def test_two_tp_ranks_give_the_single_process_logits_and_tokens(paths, ids, refe
     # routed experts' 16 features split (its zero-computation experts: the input, on every rank)
     c = by_name["longcat_flash"]
     assert c["mla_heads"] == {(2, 40, 24)} and c["dense_inter"] == {24} and c["expert_inter"] == {8}
+    # Solar Open: 2 of 4 heads of 8 and 1 of 2 key/value heads, whole heads rotated; its experts' 16 features split,
+    # its shared expert (16) whole on each rank
+    s = by_name["solar_open"]
+    assert s["heads"] == {(2, 1, 16)} and s["expert_inter"] == {8} and s["dense_inter"] == {16} and not s["fused"]
     # MLA: half the heads and their kv_b_proj rows; the latent projection stays whole.
     (heads, kv_b_rows, kv_a_rows), = by_name["deepseek"]["mla_heads"]
     assert (heads, kv_b_rows, kv_a_rows) == (1, 1 * (8 + 12), 16 + 8)     # of 2 heads; nope 8 + v 12; lora 16 + rope 8

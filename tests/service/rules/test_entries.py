@@ -43,6 +43,7 @@ BUILT = {
     "JambaForCausalLM": "jamba",
     "KimiLinearForCausalLM": "kimi_linear",
     "LongcatFlashForCausalLM": "longcat_flash",
+    "SolarOpenForCausalLM": "solar_open",
     "MiniMaxForCausalLM": "minimax",
     "DbrxForCausalLM": "dbrx",
     "MiMoV2FlashForCausalLM": "mimo_v2_flash",

@@ -693,6 +693,17 @@ def test_exaone_moe_is_its_own_family_and_never_fused():
     assert_off(fusion(dict(cfg, num_shared_experts=0)), "exaone_moe.no_shared_experts")
 
 
+def test_solar_open_is_its_own_family_and_never_fused():
+    """Solar Open (Solar-Open-100B's fields, the defaults it leaves out): GLM-4-MoE's MoE block on every layer, 128
+    experts, top-8, one shared expert beside them with no fused layout (structural, so enforce does not lift it)."""
+    cfg = {"architectures": ["SolarOpenForCausalLM"], "num_hidden_layers": 48}
+    res = resolve(cfg, ep_size=8, ep_rank=3)
+    assert res.family == "solar_open" and res.decisions[Keys.NUM_LOCAL_EXPERTS].value == 16
+    for kw in ({}, ENFORCE):
+        assert_off(fusion(cfg, **kw), "solar_open.structural.no_fused_layout", "1 shared expert(s)")
+    assert_off(fusion(dict(cfg, n_shared_experts=0)), "solar_open.no_shared_experts")
+
+
 def test_mimo_v2_flash_has_no_shared_experts_and_a_dense_first_layer():
     cfg = {"architectures": ["MiMoV2FlashForCausalLM"], "num_hidden_layers": 48, "n_routed_experts": 256,
            "num_experts_per_tok": 8}

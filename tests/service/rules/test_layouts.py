@@ -11,6 +11,7 @@ from loadplan.service.rules.layouts import (afmoe_layout, dbrx_layout, deepseek_
                                             ernie4_5_moe_layout, every_layer_moe_layout, exaone_moe_layout,
                                             granitemoe_hybrid_layout, hunyuan_v1_moe_layout, jamba_layout,
                                             kimi_linear_layout, lfm2_moe_layout, longcat_flash_layout,
+                                            solar_open_layout,
                                             mimo_v2_flash_layout, nemotron_h_layout, qwen_moe_layout)
 
 from ._fixtures import deepseek, mixtral, qwen2, qwen3
@@ -213,6 +214,14 @@ def test_longcat_flash_refuses_by_field(fields, field):
     with pytest.raises(InvalidArgument) as e:
         longcat_flash_layout(ConfigView(fields))
     assert e.value.field == f"config.{field}"
+
+
+@pytest.mark.parametrize("fields,sizes", [({}, (128, 1, 8)),
+                                          ({"num_local_experts": 16, "n_shared_experts": 0}, (16, 0, 8)),
+                                          ({"n_routed_experts": 32, "num_experts_per_tok": 4}, (32, 1, 4))])
+def test_solar_open_layers_are_all_moe(fields, sizes):
+    lay = solar_open_layout(ConfigView({"num_hidden_layers": 3, **fields}))
+    assert lay.layer_ids == lay.moe_layers == (0, 1, 2) and (lay.n_routed, lay.n_shared, lay.top_k) == sizes
 
 
 def test_exaone_moe_refuses_a_bad_mlp_layer_types_by_field():
