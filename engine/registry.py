@@ -52,6 +52,7 @@ ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "KimiLinearForCausalLM": ("loadplan.engine.models.kimi_linear", "KimiLinearForCausalLM"),
     "LongcatFlashForCausalLM": ("loadplan.engine.models.longcat_flash", "LongcatFlashForCausalLM"),
     "SolarOpenForCausalLM": ("loadplan.engine.models.solar_open", "SolarOpenForCausalLM"),
+    "BailingHybridForCausalLM": ("loadplan.engine.models.bailing_hybrid", "BailingHybridForCausalLM"),
     "MixtralForCausalLM": ("loadplan.engine.models.mixtral", "MixtralForCausalLM"),
     "OlmoeForCausalLM": ("loadplan.engine.models.olmoe", "OlmoeForCausalLM"),
     "GptOssForCausalLM": ("loadplan.engine.models.gpt_oss", "GptOssForCausalLM"),

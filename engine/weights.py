@@ -201,11 +201,10 @@ TP_SPLITS: list[tuple[re.Pattern, int]] = [
     (re.compile(r"\.linear_attn\.(in_proj_qkvz|in_proj_ba|in_proj_qkv|in_proj_[zba]|conv1d)\.weight$"), 0),
     (re.compile(r"\.linear_attn\.(A_log|dt_bias)$"), 0),
     (re.compile(r"\.linear_attn\.out_proj\.weight$"), 1),
-    # Kimi Delta Attention (layers/kimi_delta_attention.py): by head; its A_log is [1, 1, H, 1]. (Its q/k/v_proj and
-    # o_proj: the attention entries above.)
-    (re.compile(r"\.self_attn\.([qkv]_conv1d|f_b_proj|g_b_proj|b_proj)\.weight$"), 0),
-    (re.compile(r"\.self_attn\.dt_bias$"), 0),
-    (re.compile(r"\.self_attn\.A_log$"), 2),
+    # Kimi Delta Attention (layers/kimi_delta_attention.py): by head. (Its q/k/v_proj and o_proj: the attention
+    # entries above.) The Ling MLA's output gate (layers/mla.py): a row per head.
+    (re.compile(r"\.self_attn\.([qkv]_conv1d|f_b_proj|g_b_proj|b_proj|f_proj|g_proj)\.weight$"), 0),
+    (re.compile(r"\.self_attn\.(dt_bias|A_log)$"), 0),
     # LongCat-Flash: two MLA sublayers and two dense MLPs a layer, numbered
     (re.compile(r"\.self_attn\.\d+\.(q_b|kv_b)_proj\.weight$"), 0),
     (re.compile(r"\.self_attn\.\d+\.o_proj\.weight$"), 1),

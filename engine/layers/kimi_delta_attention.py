@@ -8,21 +8,27 @@ channels, K the conv kernel, S the recurrent state [B, H, d, d].
 Per token t, after a depthwise causal conv (kernel K, SiLU) over q_proj(x), k_proj(x), v_proj(x) (one conv
 weight each: q_conv1d, k_conv1d, v_conv1d):
     q, k = l2norm(q), l2norm(k); q = q / sqrt(d); beta = sigmoid(b_proj(x))                 [H]
-    g = -exp(A_log) softplus(f_b_proj(f_a_proj(x)) + dt_bias)                             [H, d]: log decays
+    f = f_b_proj(f_a_proj(x)) + dt_bias                                                    [H, d]
+    g = -exp(A_log) softplus(f)                                                            [H, d]: log decays
     S = diag(exp(g)) S                                  decay, each key channel its own
     S = S + k (beta (v - S^T k))^T                      the delta rule
     o = S^T q
 then an RMSNorm per head whose weight and sigmoid(g_b_proj(g_a_proj(x))) gate it in float32, and o_proj. The
 recurrence runs in float32; dt_bias is kept float32 as transformers keeps it.
 
+`style` "kimi" is Kimi-Linear's; "ling" is the Ling 3 models' (Bailing hybrid, models/bailing_hybrid.py): full-rank
+gate projections (f_proj, g_proj: x -> [H, d]), the convolutions in float32, and with `lower_bound` b the bounded
+("safe") decay g = b sigmoid(exp(A_log) f) instead of the softplus one, cast to the model's dtype as transformers
+casts it; their A_log float32 too.
+
 Long inputs (a prefill) run chunked (`kda_chunked`): within a chunk the delta rule's writes are one triangular
 solve, with the pairwise decays exp(G_i - G_j) per channel (G the cumulative log decay within the chunk), across
 chunks one state carry. Short ones (decode, a speculative round's verification) run token by token
 (gated_delta_net.delta_rule_steps), which yields the state after every position for the cache to keep.
 
-Under tensor parallelism a rank holds H / tp_size heads: q/k/v_proj, their convs, f_b_proj, dt_bias, A_log,
-b_proj and g_b_proj by head (rows; A_log [1, 1, H, 1] along its third dimension), o_proj by input columns,
-all-reduced; f_a_proj and g_a_proj (hidden -> d, shared by the heads) and o_norm (per head) whole on every rank.
+Under tensor parallelism a rank holds H / tp_size heads: q/k/v_proj, their convs, f_b_proj / f_proj, dt_bias,
+A_log, b_proj and g_b_proj / g_proj by head (rows), o_proj by input columns, all-reduced; f_a_proj and g_a_proj
+(hidden -> d, shared by the heads) and o_norm (per head) whole on every rank.
 
 The cache (`LinearStateCache` of layers/gated_delta_net.py) keeps the conv's last inputs and the states after
 the last positions written, so a speculative round that keeps fewer tokens than it wrote continues where it kept
@@ -68,28 +74,45 @@ def kda_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     return out[:, :, :T], state
 
 
+STYLES = ("kimi", "ling")
+
+
 class KimiDeltaAttention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, conv_kernel: int, rms_norm_eps: float,
-                 dtype: torch.dtype | None = None, tp: TensorParallel | None = None):
+                 dtype: torch.dtype | None = None, tp: TensorParallel | None = None, *, style: str = "kimi",
+                 lower_bound: float | None = None, heads_field: str = "linear_attn_config.num_heads"):
         super().__init__()
+        if style not in STYLES:
+            raise ValueError(f"style={style!r}: one of {', '.join(STYLES)}")
+        if lower_bound is not None and style != "ling":
+            raise ValueError("a bounded decay (lower_bound) is the ling style's")
         self.tp = tp = tp or TensorParallel()
-        self.n = H = tp.split(num_heads, "linear_attn_config.num_heads")
+        self.n = H = tp.split(num_heads, heads_field)
         self.d = d = head_dim
         self.kernel = conv_kernel
         self.channels = 3 * H * d
+        self.low_rank = style == "kimi"
+        self.lower_bound = lower_bound
+        conv_dtype = dtype if self.low_rank else torch.float32     # transformers keeps Ling's convolutions float32
         self.q_proj = nn.Linear(hidden_size, H * d, bias=False, dtype=dtype)
         self.k_proj = nn.Linear(hidden_size, H * d, bias=False, dtype=dtype)
         self.v_proj = nn.Linear(hidden_size, H * d, bias=False, dtype=dtype)
-        self.q_conv1d = nn.Conv1d(H * d, H * d, conv_kernel, groups=H * d, bias=False, dtype=dtype)   # [Hd, 1, K]
-        self.k_conv1d = nn.Conv1d(H * d, H * d, conv_kernel, groups=H * d, bias=False, dtype=dtype)
-        self.v_conv1d = nn.Conv1d(H * d, H * d, conv_kernel, groups=H * d, bias=False, dtype=dtype)
-        self.f_a_proj = nn.Linear(hidden_size, d, bias=False, dtype=dtype)
-        self.f_b_proj = nn.Linear(d, H * d, bias=False, dtype=dtype)
+        self.q_conv1d = nn.Conv1d(H * d, H * d, conv_kernel, groups=H * d, bias=False, dtype=conv_dtype)  # [Hd, 1, K]
+        self.k_conv1d = nn.Conv1d(H * d, H * d, conv_kernel, groups=H * d, bias=False, dtype=conv_dtype)
+        self.v_conv1d = nn.Conv1d(H * d, H * d, conv_kernel, groups=H * d, bias=False, dtype=conv_dtype)
+        if self.low_rank:
+            self.f_a_proj = nn.Linear(hidden_size, d, bias=False, dtype=dtype)
+            self.f_b_proj = nn.Linear(d, H * d, bias=False, dtype=dtype)
+            self.g_a_proj = nn.Linear(hidden_size, d, bias=False, dtype=dtype)
+            self.g_b_proj = nn.Linear(d, H * d, bias=False, dtype=dtype)
+        else:
+            self.f_proj = nn.Linear(hidden_size, H * d, bias=False, dtype=dtype)
+            self.g_proj = nn.Linear(hidden_size, H * d, bias=False, dtype=dtype)
         self.dt_bias = nn.Parameter(torch.zeros(H * d, dtype=torch.float32), requires_grad=False)
-        self.A_log = nn.Parameter(torch.zeros(1, 1, H, 1, dtype=dtype), requires_grad=False)
+        # One per head (Kimi-Linear's checkpoints hold it as [1, 1, H, 1]: models/kimi_linear.py shows it as [H]), in
+        # the dtype transformers keeps it in
+        self.A_log = nn.Parameter(torch.zeros(H, dtype=dtype if self.low_rank else torch.float32), requires_grad=False)
         self.b_proj = nn.Linear(hidden_size, H, bias=False, dtype=dtype)
-        self.g_a_proj = nn.Linear(hidden_size, d, bias=False, dtype=dtype)
-        self.g_b_proj = nn.Linear(d, H * d, bias=False, dtype=dtype)
         self.o_norm = SigmoidGatedRMSNorm(d, rms_norm_eps, dtype)
         self.o_proj = nn.Linear(H * d, hidden_size, bias=False, dtype=dtype)
         self.kv_cache: LinearStateCache | None = None   # the model's setup_caches sets it (named as attention's)
@@ -117,8 +140,15 @@ class KimiDeltaAttention(nn.Module):
         k = l2norm(k.reshape(B, T, H, d))
         v = v.reshape(B, T, H, d)
         beta = torch.sigmoid(self.b_proj(x).float())                                                # [B, T, H]
-        decay_in = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()                  # [B, T, Hd]
-        g = -self.A_log.float().exp() * F.softplus(decay_in.view(B, T, H, d))                       # [B, T, H, d]
+        f = (self.f_b_proj(self.f_a_proj(x)) if self.low_rank else self.f_proj(x)).float()
+        f = (f + self.dt_bias.float()).view(B, T, H, d)
+        rate = self.A_log.float().exp()[:, None]                                                    # [H, 1]
+        if self.lower_bound is None:
+            g = -rate * F.softplus(f)                                                               # [B, T, H, d]
+        else:
+            g = self.lower_bound * torch.sigmoid(rate * f)
+        if not self.low_rank:
+            g = g.to(x.dtype).float()        # transformers hands Ling's decays to the kernel in the model's dtype
         q, k, v, g, beta = (t.transpose(1, 2) for t in (q, k, v, g, beta))     # heads first: [B, H, T, ...]
         state = state.float()
         if cache is not None and T <= cache.snapshots:       # short (decode, verification): a state per position
@@ -130,6 +160,6 @@ class KimiDeltaAttention(nn.Module):
             cache.write(start, mixed, states)
 
         o = o.transpose(1, 2).to(x.dtype)                                                           # [B, T, H, d]
-        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, H, d)
+        gate = (self.g_b_proj(self.g_a_proj(x)) if self.low_rank else self.g_proj(x)).view(B, T, H, d)
         y = self.o_norm(o, gate).reshape(B, T, H * d)
         return self.tp.output_projection(self.o_proj, y)

@@ -5,7 +5,8 @@ Queries come from a low-rank path (q_a_proj -> RMSNorm -> q_b_proj) or, when
 (kv_a_proj_with_mqa -> [kv_lora_rank | qk_rope_head_dim]); the rope part is one
 key head shared by all query heads, the rest is normalised and expanded per head by
 kv_b_proj into [k_nope | v]. With `use_rope` False (Kimi-Linear) that shared part is not rotated; with
-`latent_scales` (LongCat-Flash) the query and the normalised latent are multiplied by their factors.
+`latent_scales` (LongCat-Flash) the query and the normalised latent are multiplied by their factors; with
+`output_gate` (the Ling 3 models) each head's output is scaled by sigmoid(g_proj(x)) of its own.
 
 Parameter names equal the checkpoint's names under `self_attn.`, so loading is a copy.
 The KV cache keeps the compressed latent (kv_lora_rank + qk_rope_head_dim numbers
@@ -98,6 +99,7 @@ class MultiHeadLatentAttention(nn.Module):
         reuses_selection: bool = False,
         use_rope: bool = True,
         latent_scales: tuple[float, float] = (1.0, 1.0),
+        output_gate: bool = False,
     ):
         super().__init__()
         self.tp = tp = tp or TensorParallel()
@@ -128,6 +130,8 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False,
                                    dtype=dtype)
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=attention_bias, dtype=dtype)
+        # The Ling 3 models' gate: each head's output times sigmoid(g_proj(x)) of its own (None: no gate)
+        self.g_proj = nn.Linear(hidden_size, num_heads, bias=False, dtype=dtype) if output_gate else None
         if indexer is not None and q_lora_rank is None:
             raise ValueError("a sparse indexer reads the query latent: q_lora_rank is needed")
         self.indexer = indexer                       # whole on every TP rank
@@ -216,5 +220,8 @@ class MultiHeadLatentAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scale)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-        out = out.transpose(1, 2).reshape(B, T, H * self.v_head_dim)       # [B, T, H * v]
+        out = out.transpose(1, 2)                                          # [B, T, H, v]
+        if self.g_proj is not None:
+            out = out * torch.sigmoid(self.g_proj(x).float()).to(out.dtype)[..., None]
+        out = out.reshape(B, T, H * self.v_head_dim)                       # [B, T, H * v]
         return self.tp.output_projection(self.o_proj, out)                 # [B, T, D]: every rank's heads

@@ -27,6 +27,7 @@ import torch
 from ..layers.kimi_delta_attention import KimiDeltaAttention
 from ..layers.mla import MultiHeadLatentAttention
 from ..parallel.tensor import TensorParallel
+from ..shown_tensors import ShownTensors
 from ..weights import CheckpointNames
 from .causal_lm import CausalLM, DecoderLayer
 from .config import ConfigError, get_field as _get, per_layer
@@ -85,23 +86,9 @@ class KimiLinearConfig(DeepseekV3Config):
             if linear.get(field, harmless) != harmless:
                 raise ConfigError(f"config.linear_attn_config.{field}: {linear[field]!r} not supported; Kimi-Linear "
                                   f"runs {harmless!r}"[:200])
-        act = _get(d, "hidden_act", "silu", str)
-        if act != "silu":   # the KDA conv runs the config's activation too; transformers' Kimi-Linear runs SiLU
-            raise ConfigError(f"config.hidden_act: {act!r} not supported; Kimi-Linear runs 'silu'")
-        # DeepSeek-V3's config reads the MoE and MLA fields under its own names; no rope (the MLA is NoPE).
-        named = {k: v for k, v in d.items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
-        for ours, deepseek, default in RENAMED:
-            named[deepseek] = d[ours] if d.get(ours) is not None else d.get(deepseek, default)
-        for field, default in DEFAULTS.items():
-            named.setdefault(field, default)
-        try:
-            ds = DeepseekV3Config.from_hf(named, "DeepseekV3ForCausalLM")
-        except ConfigError as e:   # name the fields as this config spells them
-            message = str(e)
-            for ours, deepseek, _ in RENAMED:
-                if d.get(ours) is not None:
-                    message = re.sub(rf"\b{deepseek}\b", ours, message)
-            raise ConfigError(message) from None
+        # no rope: the MLA is NoPE
+        ds = deepseek_fields_renamed({k: v for k, v in d.items() if k not in ("rope_parameters", "rope_scaling",
+                                                                               "rope_theta")}, RENAMED, DEFAULTS)
         n = ds.num_hidden_layers
         mlp_types = per_layer(d, "mlp_layer_types", n, ("dense", "sparse"),
                               ["dense" if i < ds.first_k_dense_replace else "sparse" for i in range(n)])
@@ -115,6 +102,28 @@ class KimiLinearConfig(DeepseekV3Config):
                    linear_head_dim=_linear_field(d, linear, "head_dim", "linear_head_dim", 128),
                    linear_conv_kernel_dim=_linear_field(d, linear, "short_conv_kernel_size", "linear_conv_kernel_dim",
                                                         4))
+
+
+def deepseek_fields_renamed(d: dict, renamed: tuple, defaults: dict) -> DeepseekV3Config:
+    """DeepSeek-V3's config of a family that names its fields otherwise (`renamed`: (its name, DeepSeek's, default)),
+    with the family's `defaults`; refusals name the fields as the config spells them. SiLU only: the KDA layers'
+    conv runs the config's activation too, and transformers' Kimi-Linear and Ling models run SiLU."""
+    act = _get(d, "hidden_act", "silu", str)
+    if act != "silu":
+        raise ConfigError(f"config.hidden_act: {act!r} not supported; supported: 'silu'")
+    named = dict(d)
+    for ours, deepseek, default in renamed:
+        named[deepseek] = d[ours] if d.get(ours) is not None else d.get(deepseek, default)
+    for field, default in defaults.items():
+        named.setdefault(field, default)
+    try:
+        return DeepseekV3Config.from_hf(named, "DeepseekV3ForCausalLM")
+    except ConfigError as e:   # name the fields as this config spells them
+        message = str(e)
+        for ours, deepseek, _ in renamed:
+            if d.get(ours) is not None:
+                message = re.sub(rf"\b{deepseek}\b", ours, message)
+        raise ConfigError(message) from None
 
 
 def _linear_field(d: dict, linear: dict, name: str, flat: str, default: int) -> int:
@@ -175,3 +184,15 @@ class KimiLinearForCausalLM(CausalLM):
         cfg = self.parse_config(hf_config)
         super().__init__(cfg, plan, KimiLinearDecoderLayer, n_routed=cfg.n_routed_experts,
                          rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype)
+
+    def checkpoint_view(self, ckpt):
+        """The checkpoint with each KDA layer's A_log, which it holds as [1, 1, H, 1], shown as the layer's [H] (any
+        other shape is shown as it is, and refused by the shape check)."""
+        view = ShownTensors(ckpt)
+        for name in ckpt.names():
+            shape = tuple(ckpt.shape(name))
+            if name.endswith(".self_attn.A_log") and len(shape) == 4 and shape[:2] == (1, 1) and shape[3] == 1:
+                view.show(name, name, (shape[2],), lambda t: t.reshape(-1))
+            else:
+                view.show(name, name)
+        return view

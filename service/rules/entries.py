@@ -110,6 +110,8 @@ FAMILIES: dict[str, Family] = {
         # EXAONE-MoE (K-EXAONE): DeepSeek-V3's MoE block with its shared experts beside it, never fused
         Family("exaone_moe", layouts.exaone_moe_layout, gates.exaone_moe_gate, True),
         # Kimi-Linear: KDA and NoPE-MLA layers over DeepSeek-V3's MoE block, its shared experts never fused
+        # Ling 3 hybrids: Kimi-Linear's shape with gated MLA and bounded KDA decays, shared experts never fused
+        Family("bailing_hybrid", layouts.bailing_hybrid_layout, gates.bailing_hybrid_gate, True),
         # Solar Open: Llama's attention over GLM-4-MoE's MoE block on every layer, its shared experts never fused
         Family("solar_open", layouts.solar_open_layout, gates.solar_open_gate, True),
         # LongCat-Flash: two MLA / MLP sublayers and one MoE block a layer, zero-computation experts, no shared one
@@ -156,6 +158,7 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "KimiLinearForCausalLM": Direct("kimi_linear"),
     "LongcatFlashForCausalLM": Direct("longcat_flash"),
     "SolarOpenForCausalLM": Direct("solar_open"),
+    "BailingHybridForCausalLM": Direct("bailing_hybrid"),
     "AfmoeForCausalLM": Direct("afmoe"),
     # Phi-3.5-MoE: the Hub's spelling, and transformers' (what its save_pretrained writes)
     "PhiMoEForCausalLM": Direct("phimoe"),

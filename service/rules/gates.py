@@ -95,6 +95,13 @@ def kimi_linear_gate(ctx: GateContext) -> Verdict | None:
                    f"for Kimi-Linear")
 
 
+def bailing_hybrid_gate(ctx: GateContext) -> Verdict | None:
+    """The Ling 3 hybrids never fuse (not in DESIGN 5.2; our choice), as Kimi-Linear (`kimi_linear_gate`)."""
+    return Verdict("bailing_hybrid.structural.no_fused_layout",
+                   f"its {ctx.layout.n_shared} shared expert(s) run beside the routed experts: no fused layout exists "
+                   f"for the Ling hybrids")
+
+
 def solar_open_gate(ctx: GateContext) -> Verdict | None:
     """Solar Open never fuses (not in DESIGN 5.2; our choice): GLM-4-MoE's MoE block, but its own family, whose shared
     experts run beside the routed ones with no fused layout. Structural: enforce does not skip it."""

@@ -26,6 +26,7 @@ Conventions follow the architectures' reference implementations:
 - Kimi-Linear: layer i is MoE iff mlp_layer_types[i] is "sparse" (by default every layer from
   first_k_dense_replace, 1), with num_experts routed experts, num_experts_per_token of them a token and
   num_shared_experts shared ones (transformers' names for DeepSeek-V3's fields).
+- Ling 3 hybrids (Bailing): Kimi-Linear's, with 512 experts and the first 2 layers dense by default.
 - LongCat-Flash: each of num_layers layers is MoE (its two sublayers share one MoE block), with n_routed_experts
   routed experts and no shared one; its zero-computation experts are not placed.
 - Solar Open: every layer MoE, with n_routed_experts routed experts and n_shared_experts (1) shared ones.
@@ -234,18 +235,28 @@ def exaone_moe_layout(cfg: ConfigView) -> MoeLayout:
 def kimi_linear_layout(cfg: ConfigView) -> MoeLayout:
     """Kimi-Linear's names for DeepSeek-V3's fields (transformers' KimiLinearConfig attribute map: num_experts,
     num_shared_experts, num_experts_per_token; DeepSeek's where a config gives those instead) and its defaults."""
-    n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
+    return _deepseek_renamed_layout(cfg, layers=None, experts=256, first_dense=1)
+
+
+def bailing_hybrid_layout(cfg: ConfigView) -> MoeLayout:
+    """The Ling 3 hybrids: Kimi-Linear's names, transformers' BailingHybridConfig defaults."""
+    return _deepseek_renamed_layout(cfg, layers=42, experts=512, first_dense=2)
+
+
+def _deepseek_renamed_layout(cfg: ConfigView, *, layers: int | None, experts: int, first_dense: int) -> MoeLayout:
+    """DeepSeek-V3's layout under Kimi-Linear's names, with the family's defaults (`layers` None: required)."""
+    n_layers = cfg.int("num_hidden_layers", *(() if layers is None else (layers,)), minimum=1, maximum=MAX_LAYERS)
 
     def named(ours: str, deepseek: str) -> str:
         return deepseek if cfg.raw(ours) is None and cfg.raw(deepseek) is not None else ours
 
-    n_routed = cfg.int(named("num_experts", "n_routed_experts"), 256, minimum=1)
+    n_routed = cfg.int(named("num_experts", "n_routed_experts"), experts, minimum=1)
     n_shared = cfg.int(named("num_shared_experts", "n_shared_experts"), 1, minimum=0)
     k_field = named("num_experts_per_token", "num_experts_per_tok")
     top_k = cfg.int(k_field, 8, minimum=1)
     _check_top_k(cfg, top_k, n_routed, k_field)
-    first_dense = cfg.int("first_k_dense_replace", 1, minimum=0)
-    return MoeLayout(tuple(range(n_layers)), _sparse_by_mlp_layer_types(cfg, n_layers, first_dense), n_routed,
+    first = cfg.int("first_k_dense_replace", first_dense, minimum=0)
+    return MoeLayout(tuple(range(n_layers)), _sparse_by_mlp_layer_types(cfg, n_layers, first), n_routed,
                      n_shared, top_k)
 
 

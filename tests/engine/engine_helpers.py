@@ -396,6 +396,29 @@ def make_solar_open_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     return _save_random_model(path, "SolarOpen", seed, dict(SOLAR_OPEN_TINY, **config))
 
 
+# Ling 3 hybrid: KDA on layers 0 and 1 (4 heads of 8, the bounded decay), gated MLA (no query latent) on layer 2;
+# layer 0 dense, the others DeepSeek-V3's MoE (8 experts in 2 groups, top-2, one shared expert); no MTP layer.
+BAILING_HYBRID_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                           num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+                           q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, head_dim=8,
+                           num_local_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+                           layer_group_size=3, first_k_dense_replace=1, num_mtp_layers=0, pad_token_id=0,
+                           eos_token_id=2)
+
+
+def make_bailing_hybrid_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random Ling 3 hybrid of BAILING_HYBRID_TINY updated with `config` (transformers' BailingHybridConfig
+    kwargs), decays of every size and a routing bias."""
+    transformers = _transformers()
+    torch.manual_seed(seed)
+    model = transformers.BailingHybridForCausalLM(transformers.BailingHybridConfig(**dict(BAILING_HYBRID_TINY,
+                                                                                         **config)))
+    _randomize_with_routing_bias(model, seed)
+    _decays_of_every_size(model, seed)
+    model.save_pretrained(path)
+    return path
+
+
 # MiniMax-Text-01 / M1: 4 layers, full attention on 0 and 2 and lightning attention on 1 and 3 (transformers' default),
 # 4 heads of 8 (transformers runs blocks of 4); 8 experts of 16 (top-2); residual factors other than 1.
 MINIMAX_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=4, num_attention_heads=4,

@@ -38,6 +38,7 @@ JAMBA = "JambaForCausalLM"
 KIMI_LINEAR = "KimiLinearForCausalLM"
 LONGCAT_FLASH = "LongcatFlashForCausalLM"
 SOLAR_OPEN = "SolarOpenForCausalLM"
+BAILING_HYBRID = "BailingHybridForCausalLM"
 MINIMAX = "MiniMaxForCausalLM"
 HUNYUAN = "HunYuanMoEV1ForCausalLM"
 PHIMOE = "PhimoeForCausalLM"
@@ -83,6 +84,7 @@ MAKERS = {
     KIMI_LINEAR: lambda path, seed: engine_helpers.make_kimi_linear_checkpoint(path, seed=seed),
     LONGCAT_FLASH: lambda path, seed: engine_helpers.make_longcat_flash_checkpoint(path, seed=seed),
     SOLAR_OPEN: lambda path, seed: engine_helpers.make_solar_open_checkpoint(path, seed=seed),
+    BAILING_HYBRID: lambda path, seed: engine_helpers.make_bailing_hybrid_checkpoint(path, seed=seed),
     MINIMAX: lambda path, seed: engine_helpers.make_minimax_checkpoint(path, seed=seed),
     # 2 key/value heads on the global layer, 4 on the windowed ones: both split over 2 TP ranks
     MIMO_V2_FLASH: lambda path, seed: engine_helpers.make_mimo_v2_flash_checkpoint(path, seed=seed,

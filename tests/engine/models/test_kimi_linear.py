@@ -91,7 +91,7 @@ def test_speculative_decoding_with_a_kimi_linear_target_gives_its_greedy_tokens(
     (dict(mla_use_nope=False), r"config\.mla_use_nope: False not supported; Kimi-Linear runs True"),
     (dict(linear_attn_config={"gate_lower_bound": -5.0}),
      r"config\.linear_attn_config\.gate_lower_bound: -5\.0 not supported"),
-    (dict(hidden_act="gelu"), r"config\.hidden_act: 'gelu' not supported; Kimi-Linear runs 'silu'"),
+    (dict(hidden_act="gelu"), r"config\.hidden_act: 'gelu' not supported; supported: 'silu'"),
     (dict(moe_layer_freq=2), r"config\.moe_layer_freq: 2 not supported; Kimi-Linear runs 1"),
     (dict(layer_types=None, linear_attn_config={"kda_layers": [1, 2], "full_attn_layers": [3]}),
      r"config\.linear_attn_config\.kda_layers: with full_attn_layers, must number each of the 4 layers once"),

@@ -44,6 +44,7 @@ BUILT = {
     "KimiLinearForCausalLM": "kimi_linear",
     "LongcatFlashForCausalLM": "longcat_flash",
     "SolarOpenForCausalLM": "solar_open",
+    "BailingHybridForCausalLM": "bailing_hybrid",
     "MiniMaxForCausalLM": "minimax",
     "DbrxForCausalLM": "dbrx",
     "MiMoV2FlashForCausalLM": "mimo_v2_flash",

@@ -632,6 +632,9 @@ HYBRIDS = [
     ({"architectures": ["KimiLinearForCausalLM"], "num_hidden_layers": 27, "num_experts": 256,
       "num_experts_per_token": 8, "num_shared_experts": 1, "first_k_dense_replace": 1}, 8, "kimi_linear", 32,
      ("kimi_linear.structural.no_fused_layout", "1 shared expert(s)"), {"num_shared_experts": 0}),
+    # Ling-3.0-Flash's (transformers' defaults): 512 experts, top-8, one shared expert beside them
+    ({"architectures": ["BailingHybridForCausalLM"], "num_hidden_layers": 42}, 8, "bailing_hybrid", 64,
+     ("bailing_hybrid.structural.no_fused_layout", "1 shared expert(s)"), {"num_shared_experts": 0}),
     # LongCat-Flash-Chat's: 512 routed experts (and 256 zero-computation ones, not placed), top-12, no shared expert
     ({"architectures": ["LongcatFlashForCausalLM"], "num_layers": 28, "n_routed_experts": 512, "zero_expert_num": 256,
       "moe_topk": 12}, 8, "longcat_flash", 64, ("longcat_flash.no_shared_experts", "no shared experts"), None),

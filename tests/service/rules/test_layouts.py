@@ -7,12 +7,12 @@ import pytest
 from loadplan.service.errors import InvalidArgument
 from loadplan.service.rules import entries
 from loadplan.service.rules.config_view import ConfigView
-from loadplan.service.rules.layouts import (afmoe_layout, dbrx_layout, deepseek_layout, deepseek_nextn_layout,
-                                            ernie4_5_moe_layout, every_layer_moe_layout, exaone_moe_layout,
-                                            granitemoe_hybrid_layout, hunyuan_v1_moe_layout, jamba_layout,
-                                            kimi_linear_layout, lfm2_moe_layout, longcat_flash_layout,
-                                            solar_open_layout,
-                                            mimo_v2_flash_layout, nemotron_h_layout, qwen_moe_layout)
+from loadplan.service.rules.layouts import (afmoe_layout, bailing_hybrid_layout, dbrx_layout, deepseek_layout,
+                                            deepseek_nextn_layout, ernie4_5_moe_layout, every_layer_moe_layout,
+                                            exaone_moe_layout, granitemoe_hybrid_layout, hunyuan_v1_moe_layout,
+                                            jamba_layout, kimi_linear_layout, lfm2_moe_layout, longcat_flash_layout,
+                                            mimo_v2_flash_layout, nemotron_h_layout, qwen_moe_layout,
+                                            solar_open_layout)
 
 from ._fixtures import deepseek, mixtral, qwen2, qwen3
 
@@ -222,6 +222,14 @@ def test_longcat_flash_refuses_by_field(fields, field):
 def test_solar_open_layers_are_all_moe(fields, sizes):
     lay = solar_open_layout(ConfigView({"num_hidden_layers": 3, **fields}))
     assert lay.layer_ids == lay.moe_layers == (0, 1, 2) and (lay.n_routed, lay.n_shared, lay.top_k) == sizes
+
+
+@pytest.mark.parametrize("fields,moe,sizes", [({}, list(range(2, 42)), (512, 1, 8)),    # transformers' defaults
+                                              ({"num_hidden_layers": 4, "num_experts": 16, "first_k_dense_replace": 1},
+                                               [1, 2, 3], (16, 1, 8))])
+def test_bailing_hybrid_layers(fields, moe, sizes):
+    lay = bailing_hybrid_layout(ConfigView(fields))
+    assert list(lay.moe_layers) == moe and (lay.n_routed, lay.n_shared, lay.top_k) == sizes
 
 
 def test_exaone_moe_refuses_a_bad_mlp_layer_types_by_field():
