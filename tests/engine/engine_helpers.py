@@ -1250,3 +1250,20 @@ def make_plan(config: dict, *, ep_size=1, ep_rank=0, pp_size=1, pp_rank=0, tp_si
                                            tp_size=tp_size, tp_rank=tp_rank),
                          runtime=Runtime(**runtime))
     return GuardedPlan(LocalRegistry().resolve_load_plan(req))
+
+
+def delta_rule_inputs(T: int, B: int = 2, H: int = 3, dk: int = 8, dv: int = 5, seed: int = 0,
+                      per_channel: bool = False):
+    """(q, k, v, g, beta, state) of a delta rule over T positions (layers/gated_delta_net.py): unit keys, scaled unit
+    queries, log decays in (-2, 0] one per head and position (`per_channel`: one per key channel too, Kimi delta
+    attention's), write strengths in [0, 1), a random initial state. Seeded."""
+    from loadplan.engine.layers.gated_delta_net import l2norm
+
+    g = torch.Generator().manual_seed(seed)
+    q = l2norm(torch.randn(B, H, T, dk, generator=g)) * dk ** -0.5
+    k = l2norm(torch.randn(B, H, T, dk, generator=g))
+    v = torch.randn(B, H, T, dv, generator=g)
+    decay = -torch.rand(B, H, T, *((dk,) if per_channel else ()), generator=g) * 2
+    beta = torch.rand(B, H, T, generator=g)
+    state = torch.randn(B, H, dk, dv, generator=g)
+    return q, k, v, decay, beta, state

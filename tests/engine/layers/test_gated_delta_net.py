@@ -8,23 +8,14 @@ import math
 import pytest
 import torch
 
-from loadplan.engine.layers.gated_delta_net import GatedDeltaNet, delta_rule_chunked, delta_rule_steps, l2norm
+from loadplan.engine.layers.gated_delta_net import GatedDeltaNet, delta_rule_chunked, delta_rule_steps
 
-
-def _inputs(T: int, B: int = 2, H: int = 3, dk: int = 8, dv: int = 5, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    q = l2norm(torch.randn(B, H, T, dk, generator=g)) * dk ** -0.5
-    k = l2norm(torch.randn(B, H, T, dk, generator=g))
-    v = torch.randn(B, H, T, dv, generator=g)
-    decay = -torch.rand(B, H, T, generator=g) * 2            # log decays in (-2, 0]
-    beta = torch.rand(B, H, T, generator=g)
-    state = torch.randn(B, H, dk, dv, generator=g)
-    return q, k, v, decay, beta, state
+from engine_helpers import delta_rule_inputs
 
 
 @pytest.mark.parametrize("T, chunk", [(1, 4), (3, 4), (4, 4), (11, 4), (64, 64), (130, 64)])
 def test_the_chunked_rule_is_the_token_by_token_rule(T, chunk):
-    q, k, v, g, beta, state = _inputs(T)
+    q, k, v, g, beta, state = delta_rule_inputs(T)
     want_o, want_states = delta_rule_steps(q, k, v, g, beta, state)
     o, final = delta_rule_chunked(q, k, v, g, beta, state, chunk=chunk)
     torch.testing.assert_close(o, want_o, atol=1e-4, rtol=1e-4)
@@ -33,7 +24,7 @@ def test_the_chunked_rule_is_the_token_by_token_rule(T, chunk):
 
 def test_the_chunked_rule_is_exact_in_float64():
     """In float32 a chunk's triangular solve loses digits (1e-4 above); the algorithm itself is exact."""
-    q, k, v, g, beta, state = (t.double() for t in _inputs(130, seed=3))
+    q, k, v, g, beta, state = (t.double() for t in delta_rule_inputs(130, seed=3))
     want_o, want_states = delta_rule_steps(q, k, v, g, beta, state)
     o, final = delta_rule_chunked(q, k, v, g, beta, state)
     torch.testing.assert_close(o, want_o, atol=1e-10, rtol=1e-10)
@@ -42,7 +33,7 @@ def test_the_chunked_rule_is_exact_in_float64():
 
 def test_the_decay_and_the_write_strength_matter():
     """Neither rule runs without its gates: no decay or a full write give other outputs."""
-    q, k, v, g, beta, state = _inputs(9)
+    q, k, v, g, beta, state = delta_rule_inputs(9)
     o, _ = delta_rule_steps(q, k, v, g, beta, state)
     assert (delta_rule_steps(q, k, v, torch.zeros_like(g), beta, state)[0] - o).abs().max() > 1e-2
     assert (delta_rule_steps(q, k, v, g, torch.ones_like(beta), state)[0] - o).abs().max() > 1e-2

@@ -6,19 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loadplan.engine.layers.gated_delta_net import delta_rule_steps, l2norm
+from loadplan.engine.layers.gated_delta_net import delta_rule_steps
 from loadplan.engine.layers.kimi_delta_attention import kda_chunked
+
+from engine_helpers import delta_rule_inputs
 
 
 def _inputs(T: int, B: int = 2, H: int = 3, d: int = 8, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    q = l2norm(torch.randn(B, H, T, d, generator=g)) * d ** -0.5
-    k = l2norm(torch.randn(B, H, T, d, generator=g))
-    v = torch.randn(B, H, T, d, generator=g)
-    decay = -torch.rand(B, H, T, d, generator=g) * 2          # a log decay per channel, in (-2, 0]
-    beta = torch.rand(B, H, T, generator=g)
-    state = torch.randn(B, H, d, d, generator=g)
-    return q, k, v, decay, beta, state
+    return delta_rule_inputs(T, B, H, d, d, seed, per_channel=True)
 
 
 @pytest.mark.parametrize("T, chunk", [(1, 4), (3, 4), (4, 4), (11, 4), (64, 64), (130, 64)])
