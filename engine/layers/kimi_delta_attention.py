@@ -66,9 +66,10 @@ def kda_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
         qk = (qc[:, :, :, None] * kc[:, :, None] * decay).sum(dim=-1)    # [B, H, c, c], diagonal included
         # The writes delta: (I + strictly lower(beta_i kk_ij)) delta = beta (v - S0^T (exp(G) k))
         system = kk * bc[..., None]
-        rhs = bc[..., None] * (vc - (kc * G.exp()) @ state)                # [B, H, c, dv]
+        decayed = G.exp()                                                # [B, H, c, d]: what is left of S0
+        rhs = bc[..., None] * (vc - (kc * decayed) @ state)              # [B, H, c, dv]
         delta = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-        out[:, :, part] = (qc * G.exp()) @ state + qk @ delta
+        out[:, :, part] = (qc * decayed) @ state + qk @ delta
         last = G[:, :, -1]                                               # [B, H, d]
         state = state * last.exp()[..., None] + (kc * (last[:, :, None] - G).exp()).transpose(-1, -2) @ delta
     return out[:, :, :T], state

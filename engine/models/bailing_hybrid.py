@@ -57,6 +57,9 @@ LING_RENAMED = tuple((ours, deepseek, {"num_experts": 512, "num_expert_group": 8
                       .get(ours, default)) for ours, deepseek, default in RENAMED) + (
     ("num_mtp_layers", "num_nextn_predict_layers", 1),)
 DEFAULT_ROPE_THETA = 6_000_000.0
+# Fields transformers' Ling hybrids do not read (it always interleaves, derives the MoE layers from
+# mlp_layer_types / first_k_dense_replace), and the value that changes nothing.
+NOT_RUN = (("rope_interleave", True), ("moe_layer_freq", 1))
 
 
 @dataclass(frozen=True)
@@ -68,8 +71,7 @@ class BailingHybridConfig(DeepseekV3Config):
 
     @classmethod
     def from_hf(cls, d: dict, architecture: str = ARCHITECTURE) -> "BailingHybridConfig":
-        for field in ("rope_interleave", "moe_layer_freq"):
-            harmless = {"rope_interleave": True, "moe_layer_freq": 1}[field]
+        for field, harmless in NOT_RUN:
             if d.get(field) not in (None, harmless):
                 raise ConfigError(f"config.{field}: {d[field]!r} not supported; the Ling hybrids run {harmless!r}")
         named = dict(d)

@@ -240,8 +240,9 @@ class LongcatFlashForCausalLM(CausalLM):
         E + Z - 1: no down projection, no computation). Any other expert id past E is shown, and refused."""
         cfg = self.config
         zero = range(cfg.n_routed_experts, cfg.n_routed_experts + cfg.zero_expert_num)
-        names = [n for n in ckpt.names() if not ((m := _EXPERT.search(n)) and int(m.group(1)) in zero)]
-        if len(names) == len(ckpt.names()):
+        every = ckpt.names()
+        names = [n for n in every if not ((m := _EXPERT.search(n)) and int(m.group(1)) in zero)]
+        if len(names) == len(every):
             return ckpt
         view = ShownTensors(ckpt)
         for name in names:

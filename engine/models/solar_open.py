@@ -44,9 +44,9 @@ class SolarOpenConfig(Glm4MoeConfig):
         named = {**{k: v for k, v in DEFAULTS.items() if k != "rope_theta"}, **d}
         if d.get("rope_parameters") is None and d.get("rope_theta") is None:
             named["rope_theta"] = DEFAULTS["rope_theta"]
+        named.setdefault("intermediate_size", 0)        # no dense layer to size
         glm = Glm4MoeConfig.from_hf(dict(named, partial_rotary_factor=1.0, first_k_dense_replace=0, use_qk_norm=False,
-                                         num_nextn_predict_layers=0, intermediate_size=named.get("intermediate_size",
-                                                                                                 0)))
+                                         num_nextn_predict_layers=0))
         return cls(**{f.name: getattr(glm, f.name) for f in dataclasses.fields(Glm4MoeConfig)})
 
 

@@ -105,14 +105,16 @@ def make_deepseek_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     return _save_random_model(path, "DeepseekV3", seed, config)
 
 
-def _save_random_model(path: Path, family: str, seed: int, config: dict) -> Path:
+def _save_random_model(path: Path, family: str, seed: int, config: dict, adjust=None) -> Path:
     """transformers' `{family}ForCausalLM` of `{family}Config(**config)`, randomized, with a random
     e_score_correction_bias where the family's router has one (a buffer there, which randomize() skips),
-    saved to `path`."""
+    then `adjust(model, seed)` where given, saved to `path`."""
     transformers = _transformers()
     torch.manual_seed(seed)
     model = getattr(transformers, f"{family}ForCausalLM")(getattr(transformers, f"{family}Config")(**config))
     _randomize_with_routing_bias(model, seed)
+    if adjust is not None:
+        adjust(model, seed)
     model.save_pretrained(path)
     return path
 
@@ -349,13 +351,7 @@ KIMI_LINEAR_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, mo
 def make_kimi_linear_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     """Save a random Kimi-Linear of KIMI_LINEAR_TINY updated with `config` (transformers' KimiLinearConfig kwargs),
     decays of every size and a routing bias."""
-    transformers = _transformers()
-    torch.manual_seed(seed)
-    model = transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(**dict(KIMI_LINEAR_TINY, **config)))
-    _randomize_with_routing_bias(model, seed)
-    _decays_of_every_size(model, seed)
-    model.save_pretrained(path)
-    return path
+    return _save_random_model(path, "KimiLinear", seed, dict(KIMI_LINEAR_TINY, **config), _decays_of_every_size)
 
 
 # LongCat-Flash: 2 layers of two MLA sublayers (4 heads, both latents) and two dense MLPs, and one MoE block of 8 routed
@@ -370,16 +366,12 @@ LONGCAT_FLASH_TINY = dict(vocab_size=128, hidden_size=32, ffn_hidden_size=48, ex
 def make_longcat_flash_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     """Save a random LongCat-Flash of LONGCAT_FLASH_TINY updated with `config` (transformers' LongcatFlashConfig
     kwargs), with a routing bias of the size of its softmax scores (so that it shifts the choice without making it)."""
-    transformers = _transformers()
-    torch.manual_seed(seed)
-    model = transformers.LongcatFlashForCausalLM(transformers.LongcatFlashConfig(**dict(LONGCAT_FLASH_TINY, **config)))
-    _randomize_with_routing_bias(model, seed)
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.mul_(0.1)
-    model.save_pretrained(path)
-    return path
+    def smaller_bias(model, seed):
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.mul_(0.1)
+    return _save_random_model(path, "LongcatFlash", seed, dict(LONGCAT_FLASH_TINY, **config), smaller_bias)
 
 
 # Solar Open: 3 layers, 4 heads of 8 (2 key/value heads), every layer 8 experts (top-2, in 2 groups of which 1 is
@@ -409,14 +401,7 @@ BAILING_HYBRID_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48,
 def make_bailing_hybrid_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     """Save a random Ling 3 hybrid of BAILING_HYBRID_TINY updated with `config` (transformers' BailingHybridConfig
     kwargs), decays of every size and a routing bias."""
-    transformers = _transformers()
-    torch.manual_seed(seed)
-    model = transformers.BailingHybridForCausalLM(transformers.BailingHybridConfig(**dict(BAILING_HYBRID_TINY,
-                                                                                         **config)))
-    _randomize_with_routing_bias(model, seed)
-    _decays_of_every_size(model, seed)
-    model.save_pretrained(path)
-    return path
+    return _save_random_model(path, "BailingHybrid", seed, dict(BAILING_HYBRID_TINY, **config), _decays_of_every_size)
 
 
 # MiniMax-Text-01 / M1: 4 layers, full attention on 0 and 2 and lightning attention on 1 and 3 (transformers' default),
