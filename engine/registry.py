@@ -44,6 +44,7 @@ ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "FlexOlmoForCausalLM": ("loadplan.engine.models.flex_olmo", "FlexOlmoForCausalLM"),
     "Lfm2MoeForCausalLM": ("loadplan.engine.models.lfm2_moe", "Lfm2MoeForCausalLM"),
     "DbrxForCausalLM": ("loadplan.engine.models.dbrx", "DbrxForCausalLM"),
+    "Cohere2MoeForCausalLM": ("loadplan.engine.models.cohere2_moe", "Cohere2MoeForCausalLM"),
     "MiMoV2FlashForCausalLM": ("loadplan.engine.models.mimo_v2_flash", "MiMoV2FlashForCausalLM"),
     "PhiMoEForCausalLM": ("loadplan.engine.models.phimoe", "PhiMoEForCausalLM"),
     "PhimoeForCausalLM": ("loadplan.engine.models.phimoe", "PhimoeForCausalLM"),

@@ -109,14 +109,17 @@ FAMILIES: dict[str, Family] = {
         Family("afmoe", layouts.afmoe_layout, gates.afmoe_gate, True),
         # EXAONE-MoE (K-EXAONE): DeepSeek-V3's MoE block with its shared experts beside it, never fused
         Family("exaone_moe", layouts.exaone_moe_layout, gates.exaone_moe_gate, True),
-        # Kimi-Linear: KDA and NoPE-MLA layers over DeepSeek-V3's MoE block, its shared experts never fused
         # Ling 3 hybrids: Kimi-Linear's shape with gated MLA and bounded KDA decays, shared experts never fused
         Family("bailing_hybrid", layouts.bailing_hybrid_layout, gates.bailing_hybrid_gate, True),
         # Solar Open: Llama's attention over GLM-4-MoE's MoE block on every layer, its shared experts never fused
         Family("solar_open", layouts.solar_open_layout, gates.solar_open_gate, True),
         # LongCat-Flash: two MLA / MLP sublayers and one MoE block a layer, zero-computation experts, no shared one
         Family("longcat_flash", layouts.longcat_flash_layout, None, False),
+        # Kimi-Linear: KDA and NoPE-MLA layers over DeepSeek-V3's MoE block, its shared experts never fused
         Family("kimi_linear", layouts.kimi_linear_layout, gates.kimi_linear_gate, True),
+        # Cohere2-MoE: parallel attention / MoE blocks; its shared experts summed or averaged with the routed
+        # experts' output, never fused
+        Family("cohere2_moe", layouts.cohere2_moe_layout, gates.cohere2_moe_gate, True),
         # Hunyuan-A13B: every layer MoE with an ungated shared MLP beside the experts, never fused
         Family("hunyuan_v1_moe", layouts.hunyuan_v1_moe_layout, gates.hunyuan_v1_moe_gate, True),
     )
@@ -155,6 +158,7 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "NemotronHForCausalLM": Direct("nemotron_h"),
     "HunYuanMoEV1ForCausalLM": Direct("hunyuan_v1_moe"),
     "ExaoneMoeForCausalLM": Direct("exaone_moe"),
+    "Cohere2MoeForCausalLM": Direct("cohere2_moe"),
     "KimiLinearForCausalLM": Direct("kimi_linear"),
     "LongcatFlashForCausalLM": Direct("longcat_flash"),
     "SolarOpenForCausalLM": Direct("solar_open"),

@@ -130,6 +130,15 @@ def nemotron_h_gate(ctx: GateContext) -> Verdict | None:
                    "its shared MLP runs beside the routed experts: no fused layout exists for Nemotron-H")
 
 
+def cohere2_moe_gate(ctx: GateContext) -> Verdict | None:
+    """Cohere2-MoE never fuses (not in DESIGN 5.2; our choice, as transformers runs it): its shared experts' output is
+    summed with the routed experts' or averaged with it, with no fused layout or kernel. Structural: enforce does not
+    skip it."""
+    return Verdict("cohere2_moe.structural.no_fused_layout",
+                   f"its {ctx.layout.n_shared} shared expert(s) run beside the routed experts: no fused layout exists "
+                   f"for Cohere2-MoE")
+
+
 def hunyuan_v1_moe_gate(ctx: GateContext) -> Verdict | None:
     """Hunyuan never fuses (not in DESIGN 5.2; our choice, as SGLang and vLLM run it): its shared MLP runs beside the
     routed experts, ungated, with no fused layout or kernel. Structural: enforce does not skip it."""

@@ -30,6 +30,9 @@ Conventions follow the architectures' reference implementations:
 - LongCat-Flash: each of num_layers layers is MoE (its two sublayers share one MoE block), with n_routed_experts
   routed experts and no shared one; its zero-computation experts are not placed.
 - Solar Open: every layer MoE, with n_routed_experts routed experts and n_shared_experts (1) shared ones.
+- Cohere2-MoE: layer i is MoE iff mlp_layer_types[i] is "sparse" (by default every layer from
+  first_k_dense_replace, 0), with num_experts (8) routed experts, num_experts_per_tok (2) of them a token and
+  num_shared_experts (0) shared ones.
 - A NextN draft has num_nextn_predict_layers MoE layers numbered after the target's.
 """
 
@@ -222,14 +225,21 @@ def _moe_after_dense_layers(cfg: ConfigView, *, layers: int | None, experts: int
 
 def exaone_moe_layout(cfg: ConfigView) -> MoeLayout:
     """transformers' ExaoneMoeConfig defaults where a config leaves a field out."""
-    n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
-    n_routed = cfg.int("num_experts", 64, minimum=1)
-    n_shared = cfg.int("num_shared_experts", 1, minimum=0)
-    top_k = cfg.int("num_experts_per_tok", 8, minimum=1)
-    _check_top_k(cfg, top_k, n_routed)
-    first_dense = cfg.int("first_k_dense_replace", 1, minimum=0)
-    return MoeLayout(tuple(range(n_layers)), _sparse_by_mlp_layer_types(cfg, n_layers, first_dense), n_routed,
-                     n_shared, top_k)
+    return _num_experts_by_mlp_layer_types(cfg, layers=None, experts=64, shared=1, top_k=8, first_dense=1)
+
+
+def _num_experts_by_mlp_layer_types(cfg: ConfigView, *, layers: int | None, experts: int, shared: int, top_k: int,
+                                    first_dense: int) -> MoeLayout:
+    """num_experts routed experts, num_shared_experts shared ones, num_experts_per_tok a token, the MoE layers by
+    mlp_layer_types (else every layer from first_k_dense_replace); the keyword arguments are the family's defaults
+    (`layers` None: num_hidden_layers is required)."""
+    n_layers = cfg.int("num_hidden_layers", *(() if layers is None else (layers,)), minimum=1, maximum=MAX_LAYERS)
+    n_routed = cfg.int("num_experts", experts, minimum=1)
+    n_shared = cfg.int("num_shared_experts", shared, minimum=0)
+    k = cfg.int("num_experts_per_tok", top_k, minimum=1)
+    _check_top_k(cfg, k, n_routed)
+    first = cfg.int("first_k_dense_replace", first_dense, minimum=0)
+    return MoeLayout(tuple(range(n_layers)), _sparse_by_mlp_layer_types(cfg, n_layers, first), n_routed, n_shared, k)
 
 
 def kimi_linear_layout(cfg: ConfigView) -> MoeLayout:
@@ -294,6 +304,11 @@ def solar_open_layout(cfg: ConfigView) -> MoeLayout:
     _check_top_k(cfg, top_k, n_routed)
     layers = tuple(range(n_layers))
     return MoeLayout(layers, layers, n_routed, n_shared, top_k)
+
+
+def cohere2_moe_layout(cfg: ConfigView) -> MoeLayout:
+    """transformers' Cohere2MoeConfig defaults where a config leaves a field out."""
+    return _num_experts_by_mlp_layer_types(cfg, layers=40, experts=8, shared=0, top_k=2, first_dense=0)
 
 
 def mimo_v2_flash_layout(cfg: ConfigView) -> MoeLayout:

@@ -201,6 +201,21 @@ def make_exaone_moe_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     return _save_random_model(path, "ExaoneMoe", seed, dict(EXAONE_MOE_TINY, **config))
 
 
+# Cohere2-MoE (tiny): layer 0 dense (48 wide, rotated though global: its prefix pattern is 1); 8 routed experts of 16
+# (top-2: softmax over the top-2 logits) and 1 shared, averaged with them; windowed layers (4 positions, rotated)
+# alternating with global NoPE ones; LayerNorm without bias; a tied head, logits scaled by 0.5.
+COHERE2_MOE_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=16, prefix_dense_intermediate_size=48,
+                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8,
+                        num_experts_per_tok=2, num_shared_experts=1, first_k_dense_replace=1, sliding_window=4,
+                        sliding_window_pattern=2, logit_scale=0.5, max_position_embeddings=256, pad_token_id=0,
+                        bos_token_id=1, eos_token_id=2)
+
+
+def make_cohere2_moe_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random Cohere2-MoE of COHERE2_MOE_TINY updated with `config` (transformers' Cohere2MoeConfig kwargs)."""
+    return _save_random_model(path, "Cohere2Moe", seed, dict(COHERE2_MOE_TINY, **config))
+
+
 # AFMoE (Trinity's layout, tiny): layer 0 dense; 8 routed experts of 16 (top-2, sigmoid with a routing bias, scaled
 # by 2.5) and 2 shared; gated attention, windowed layers (4 positions, rotated) alternating with global NoPE ones.
 AFMOE_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,

@@ -48,6 +48,7 @@ FLEX_OLMO = "FlexOlmoForCausalLM"
 LFM2_MOE = "Lfm2MoeForCausalLM"
 DBRX = "DbrxForCausalLM"
 MIMO_V2_FLASH = "MiMoV2FlashForCausalLM"
+COHERE2_MOE = "Cohere2MoeForCausalLM"
 
 # engine_helpers' tiny DeepSeek-V3 (256 routed experts: the fusion gate passes) with the default rope.
 DEEPSEEK_TINY = dict(engine_helpers.DEEPSEEK_TINY, rope_theta=10000.0)
@@ -94,6 +95,7 @@ MAKERS = {
     # heads of 6: q's norm spans 24 features, not hidden_size's 32
     FLEX_OLMO: lambda path, seed: engine_helpers.make_flex_olmo_checkpoint(path, seed=seed, head_dim=6),
     AFMOE: lambda path, seed: engine_helpers.make_afmoe_checkpoint(path, seed=seed),
+    COHERE2_MOE: lambda path, seed: engine_helpers.make_cohere2_moe_checkpoint(path, seed=seed),
     EXAONE_MOE: lambda path, seed: engine_helpers.make_exaone_moe_checkpoint(path, seed=seed),
     PHIMOE: lambda path, seed: engine_helpers.make_phimoe_checkpoint(path, seed=seed),
     HUNYUAN: lambda path, seed: engine_helpers.make_hunyuan_checkpoint(path, seed=seed),

@@ -276,6 +276,8 @@ _BAD_CONFIGS = [
                                                              kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
                                                              v_head_dim=8, head_dim=8, pad_token_id=0, eos_token_id=2),
      {"layer_group_size": 0}, "target"),
+    ("Cohere2MoeForCausalLM", "Cohere2MoeConfig", dict(num_experts=8, head_dim=8, pad_token_id=0, bos_token_id=1,
+                                                       eos_token_id=2), {"expert_selection_fn": "relu"}, "target"),
     ("SolarOpenForCausalLM", "SolarOpenConfig", dict(n_routed_experts=8, moe_intermediate_size=16,
                                                      num_experts_per_tok=2), {"use_qk_norm": True}, "target"),
     ("NemotronHForCausalLM", "NemotronHConfig", dict(n_routed_experts=8, mamba_num_heads=4),

@@ -19,10 +19,11 @@ from loadplan.plan import Keys
 from loadplan.service.rules.backends import BACKENDS
 
 from engine_helpers import LocalRegistry, make_checkpoint, make_granitemoe_hybrid_checkpoint, make_nemotron_h_checkpoint
-from families import (AFMOE, BAILING_HYBRID, DBRX, DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, ERNIE4_5_MOE, EXAONE_MOE,
-                      FLEX_OLMO, GLM4, GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE, GRANITEMOE_HYBRID, GRANITEMOE_SWA,
-                      HUNYUAN, JAMBA, KIMI_LINEAR, LLAMA4, LONGCAT_FLASH, MIMO_V2_FLASH, MINIMAX, MINIMAX_M2, MIXTRAL,
-                      NEMOTRON_H, OLMOE, PHIMOE, QWEN2, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, SOLAR_OPEN, make_model)
+from families import (AFMOE, BAILING_HYBRID, COHERE2_MOE, DBRX, DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, ERNIE4_5_MOE,
+                      EXAONE_MOE, FLEX_OLMO, GLM4, GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE, GRANITEMOE_HYBRID,
+                      GRANITEMOE_SWA, HUNYUAN, JAMBA, KIMI_LINEAR, LLAMA4, LONGCAT_FLASH, MIMO_V2_FLASH, MINIMAX,
+                      MINIMAX_M2, MIXTRAL, NEMOTRON_H, OLMOE, PHIMOE, QWEN2, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, SOLAR_OPEN,
+                      make_model)
 from parallel_helpers import single_process
 
 N_NEW = 4
@@ -44,7 +45,7 @@ CASES = [("qwen3", QWEN3, None), ("qwen2", QWEN2, "enforce"), ("qwen2", QWEN2, "
          ("granitemoe_hybrid_g1", GRANITEMOE_HYBRID, None), ("nemotron_h", NEMOTRON_H, None),
          ("jamba", JAMBA, None), ("minimax", MINIMAX, None), ("kimi_linear", KIMI_LINEAR, None),
          ("longcat_flash", LONGCAT_FLASH, None), ("solar_open", SOLAR_OPEN, None),
-         ("bailing_hybrid", BAILING_HYBRID, None)]
+         ("bailing_hybrid", BAILING_HYBRID, None), ("cohere2_moe", COHERE2_MOE, None)]
 
 
 def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
@@ -159,6 +160,7 @@ def paths(tmp_path_factory):
         "longcat_flash": make_model(tmp_path_factory.mktemp("longcat_flash"), LONGCAT_FLASH),
         "solar_open": make_model(tmp_path_factory.mktemp("solar_open"), SOLAR_OPEN),
         "bailing_hybrid": make_model(tmp_path_factory.mktemp("bailing_hybrid"), BAILING_HYBRID),
+        "cohere2_moe": make_model(tmp_path_factory.mktemp("cohere2_moe"), COHERE2_MOE),
         "nemotron_h": str(make_nemotron_h_checkpoint(tmp_path_factory.mktemp("nemotron_h"),
                                                      moe_shared_expert_intermediate_size=40, moe_latent_size=16)),
     }
@@ -291,6 +293,11 @@ def test_two_tp_ranks_give_the_single_process_logits_and_tokens(paths, ids, refe
     # each); its gated MLA 2 of 4 heads and their 2 gate rows
     b = by_name["bailing_hybrid"]
     assert b["ling_kda"] == {(2, 16, 16, 16, 2)} and b["mla_gates"] == {2} and b["mla_heads"] == {(2, 40, 24)}
+    # Cohere2-MoE: 2 of 4 heads of 8 and 1 of 2 key/value heads (interleaved rotary, windowed and NoPE layers alike),
+    # its dense prefix's 48 features and its experts' 16 split, its shared expert (16) whole on each rank
+    c2 = by_name["cohere2_moe"]
+    assert c2["heads"] == {(2, 1, 16)} and c2["expert_inter"] == {8} and c2["dense_inter"] == {24, 16}
+    assert not c2["fused"]
     # MLA: half the heads and their kv_b_proj rows; the latent projection stays whole.
     (heads, kv_b_rows, kv_a_rows), = by_name["deepseek"]["mla_heads"]
     assert (heads, kv_b_rows, kv_a_rows) == (1, 1 * (8 + 12), 16 + 8)     # of 2 heads; nope 8 + v 12; lora 16 + rope 8
@@ -401,7 +408,7 @@ def test_a_family_whose_layers_do_not_split_is_refused_before_any_plan(paths, mo
     monkeypatch.setattr(Qwen3MoeForCausalLM, "TENSOR_PARALLEL", False)   # as a family added without TP would be
     registry, load = _load(paths["qwen3"], tp_size=2, tp_rank=1)
     refusal = (r"tensor parallelism \(tp_size=2\) is not implemented by the engine for Qwen3MoeForCausalLM; "
-               r"it is for: AfmoeForCausalLM, BailingHybridForCausalLM, DbrxForCausalLM, DeepseekV2ForCausalLM, ")
+               r"it is for: AfmoeForCausalLM, BailingHybridForCausalLM, Cohere2MoeForCausalLM, DbrxForCausalLM, ")
     with pytest.raises(NotImplementedError, match=refusal) as err:
         load()
     assert "Qwen3MoeForCausalLM" not in str(err.value).split("it is for:")[1]

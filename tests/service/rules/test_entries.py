@@ -37,6 +37,7 @@ BUILT = {
     "NemotronHForCausalLM": "nemotron_h",
     "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe",
     "ExaoneMoeForCausalLM": "exaone_moe",
+    "Cohere2MoeForCausalLM": "cohere2_moe",
     "AfmoeForCausalLM": "afmoe",
     "FlexOlmoForCausalLM": "flex_olmo",
     "Lfm2MoeForCausalLM": "lfm2_moe",

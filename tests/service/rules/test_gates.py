@@ -613,9 +613,9 @@ def test_granitemoe_shared_is_never_fused_and_granitemoe_has_no_shared_experts()
     assert_off(fusion(dict(swa, shared_intermediate_size=0)), "granitemoe_swa.no_shared_experts")
 
 
-# The hybrid families' expert fields as their published configs give them: (config, EP size, family, local experts
-# a rank, the verdict fusion gets, enforced too, with what its reason names), and the config without a shared MLP
-# where the family allows one.
+# The hybrid families' expert fields as their published configs give them (and Cohere2-MoE's, whose shared experts
+# also run beside the routed ones): (config, EP size, family, local experts a rank, the verdict fusion gets, enforced
+# too, with what its reason names), and the config without a shared MLP where the family allows one.
 HYBRIDS = [
     # Granite 4.0-H (granite-4.0-h-tiny's): its shared MLP (there by default) is never fused
     ({"architectures": ["GraniteMoeHybridForCausalLM"], "num_hidden_layers": 40, "num_local_experts": 64,
@@ -638,6 +638,10 @@ HYBRIDS = [
     # LongCat-Flash-Chat's: 512 routed experts (and 256 zero-computation ones, not placed), top-12, no shared expert
     ({"architectures": ["LongcatFlashForCausalLM"], "num_layers": 28, "n_routed_experts": 512, "zero_expert_num": 256,
       "moe_topk": 12}, 8, "longcat_flash", 64, ("longcat_flash.no_shared_experts", "no shared experts"), None),
+    # Cohere2-MoE: 64 experts, top-8, one shared expert summed or averaged with them, 2 dense layers first
+    ({"architectures": ["Cohere2MoeForCausalLM"], "num_hidden_layers": 40, "num_experts": 64, "num_experts_per_tok": 8,
+      "num_shared_experts": 1, "first_k_dense_replace": 2}, 8, "cohere2_moe", 8,
+     ("cohere2_moe.structural.no_fused_layout", "1 shared expert(s)"), {"num_shared_experts": 0}),
     # Jamba 1.5 Mini's: 16 experts, top-2, no shared expert
     ({"architectures": ["JambaForCausalLM"], "num_hidden_layers": 32, "num_experts": 16, "num_experts_per_tok": 2},
      4, "jamba", 4, ("jamba.no_shared_experts", "no shared experts"), None),

@@ -7,9 +7,10 @@ import pytest
 from loadplan.service.errors import InvalidArgument
 from loadplan.service.rules import entries
 from loadplan.service.rules.config_view import ConfigView
-from loadplan.service.rules.layouts import (afmoe_layout, bailing_hybrid_layout, dbrx_layout, deepseek_layout,
-                                            deepseek_nextn_layout, ernie4_5_moe_layout, every_layer_moe_layout,
-                                            exaone_moe_layout, granitemoe_hybrid_layout, hunyuan_v1_moe_layout,
+from loadplan.service.rules.layouts import (afmoe_layout, bailing_hybrid_layout, cohere2_moe_layout, dbrx_layout,
+                                            deepseek_layout, deepseek_nextn_layout, ernie4_5_moe_layout,
+                                            every_layer_moe_layout, exaone_moe_layout, granitemoe_hybrid_layout,
+                                            hunyuan_v1_moe_layout,
                                             jamba_layout, kimi_linear_layout, lfm2_moe_layout, longcat_flash_layout,
                                             mimo_v2_flash_layout, nemotron_h_layout, qwen_moe_layout,
                                             solar_open_layout)
@@ -93,6 +94,16 @@ def test_ernie4_5_moe_refusals_name_the_field(fields, field):
 def test_exaone_moe_layers(fields, moe):
     lay = exaone_moe_layout(ConfigView({"num_hidden_layers": 4, **fields}))
     assert list(lay.moe_layers) == moe and (lay.n_routed, lay.n_shared, lay.top_k) == (64, 1, 8)
+
+
+@pytest.mark.parametrize("fields,moe,sizes", [
+    ({}, [0, 1, 2, 3], (8, 0, 2)),                                               # transformers' defaults
+    ({"first_k_dense_replace": 1, "num_experts": 16, "num_shared_experts": 2}, [1, 2, 3], (16, 2, 2)),
+    ({"mlp_layer_types": ["sparse", "dense", "sparse", "dense"], "first_k_dense_replace": 3}, [0, 2], (8, 0, 2)),
+])
+def test_cohere2_moe_layers(fields, moe, sizes):
+    lay = cohere2_moe_layout(ConfigView({"num_hidden_layers": 4, **fields}))
+    assert list(lay.moe_layers) == moe and (lay.n_routed, lay.n_shared, lay.top_k) == sizes
 
 
 @pytest.mark.parametrize("fields,moe,shared", [({}, [1, 2, 3], 2), ({"num_dense_layers": 0, "num_shared_experts": 1},
