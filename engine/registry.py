@@ -45,6 +45,7 @@ ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "Lfm2MoeForCausalLM": ("loadplan.engine.models.lfm2_moe", "Lfm2MoeForCausalLM"),
     "DbrxForCausalLM": ("loadplan.engine.models.dbrx", "DbrxForCausalLM"),
     "Cohere2MoeForCausalLM": ("loadplan.engine.models.cohere2_moe", "Cohere2MoeForCausalLM"),
+    "Step3p5ForCausalLM": ("loadplan.engine.models.step3p5", "Step3p5ForCausalLM"),
     "MiMoV2FlashForCausalLM": ("loadplan.engine.models.mimo_v2_flash", "MiMoV2FlashForCausalLM"),
     "PhiMoEForCausalLM": ("loadplan.engine.models.phimoe", "PhiMoEForCausalLM"),
     "PhimoeForCausalLM": ("loadplan.engine.models.phimoe", "PhimoeForCausalLM"),
@@ -63,6 +64,7 @@ ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "Glm4MoeLiteForCausalLM": ("loadplan.engine.models.glm4_moe_lite", "Glm4MoeLiteForCausalLM"),
     "Qwen3VLMoeForConditionalGeneration": ("loadplan.engine.models.qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration"),
     "Glm4vMoeForConditionalGeneration": ("loadplan.engine.models.glm4v_moe", "Glm4vMoeForConditionalGeneration"),
+    "Step3p7ForConditionalGeneration": ("loadplan.engine.models.step3p7", "Step3p7ForConditionalGeneration"),
     "Qwen3NextForCausalLM": ("loadplan.engine.models.qwen3_next", "Qwen3NextForCausalLM"),
     "Qwen3NextForCausalLMMTP": ("loadplan.engine.models.qwen3_next_nextn", "Qwen3NextForCausalLMMTP"),
     "Qwen3_5MoeForCausalLM": ("loadplan.engine.models.qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
@@ -84,6 +86,7 @@ ENGINE_WRAPPERS: dict[str, EngineWrapper] = {
     "Llama4ForConditionalGeneration": EngineWrapper("Llama4ForCausalLM", "text_config"),
     "Qwen3VLMoeForConditionalGeneration": EngineWrapper("Qwen3MoeForCausalLM", "text_config"),
     "Glm4vMoeForConditionalGeneration": EngineWrapper("Glm4MoeForCausalLM", "text_config"),
+    "Step3p7ForConditionalGeneration": EngineWrapper("Step3p5ForCausalLM", "text_config"),
     "Qwen3_5MoeForConditionalGeneration": EngineWrapper("Qwen3_5MoeForCausalLM", "text_config"),
 }
 

@@ -18,7 +18,9 @@ halves (layers/rope.py: the output comes out de-interleaved, the same permutatio
 dot products it leaves unchanged).
 MiMo-V2-Flash: `v_head_dim`, values (and the attention's output per head) narrower than queries and keys, and
 `v_scale`, the values scaled as they are projected.
-AFMoE: `gate_proj`, the output gate from a projection of its own (H x head_dim features, split with the heads).
+AFMoE: `gate_proj`, the output gate from a projection of its own (H x head_dim features, split with the heads);
+Step-3.5: `gate_per_head`, that projection's H features, one gate a head (each head's output scaled alike), and
+`scale`, the softmax scale when it is not head_dim ** -0.5 (its query_pre_attn_scalar ** -0.5).
 EXAONE-MoE (and AFMoE): `use_rope=False` on its global layers (NoPE: q and k are not rotated; its windowed layers are).
 Hunyuan (A13B): `qk_norm_after_rope`, its per-head q and k norms run on the rotated q and k, not before.
 OLMoE: `qk_norm_span="projection"`: one RMSNorm over the whole q projection (all heads) and
@@ -52,7 +54,8 @@ class GQAttention(nn.Module):
                  sliding_window: int | None = None, qk_norm_span: str = "head", clip_qkv: float | None = None,
                  sinks: bool = False, output_gate: bool = False, norm: type[RMSNorm] = RMSNorm,
                  rope_interleave: bool = False, qk_norm_after_rope: bool = False, use_rope: bool = True,
-                 gate_proj: bool = False, v_head_dim: int | None = None, v_scale: float = 1.0):
+                 gate_proj: bool = False, gate_per_head: bool = False, v_head_dim: int | None = None,
+                 v_scale: float = 1.0, scale: float | None = None):
         super().__init__()
         if qk_norm_span not in ("head", "projection"):
             raise ValueError(f"qk_norm_span={qk_norm_span!r}: 'head' or 'projection'")
@@ -76,7 +79,7 @@ class GQAttention(nn.Module):
             raise ValueError("an output gate needs values as wide as the heads (v_head_dim == head_dim)")
         self.v_scale = v_scale
         self.rope_interleave = rope_interleave
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
         self.output_gate = output_gate
         q_width = n_heads * head_dim * (2 if output_gate else 1)   # a head's rows: its query, then its gate
         self.q_proj = nn.Linear(hidden_size, q_width, bias=qkv_bias, dtype=dtype)
@@ -85,7 +88,11 @@ class GQAttention(nn.Module):
         self.o_proj = nn.Linear(n_heads * v_head_dim, hidden_size, bias=o_bias, dtype=dtype)
         if output_gate and gate_proj:
             raise ValueError("output_gate (in q_proj's rows) and gate_proj (a projection of its own): one or the other")
-        self.gate_proj = nn.Linear(hidden_size, n_heads * head_dim, bias=False, dtype=dtype) if gate_proj else None
+        if gate_per_head and not gate_proj:
+            raise ValueError("gate_per_head shapes the gate projection's output: it needs gate_proj")
+        self.gate_per_head = gate_per_head
+        self.gate_proj = nn.Linear(hidden_size, n_heads * (1 if gate_per_head else head_dim), bias=False,
+                                   dtype=dtype) if gate_proj else None
         per_head = qk_norm and qk_norm_span == "head"
         if qk_norm_after_rope and not per_head:
             raise ValueError("qk_norm_after_rope needs per-head q and k norms (qk_norm, qk_norm_span='head')")
@@ -128,7 +135,9 @@ class GQAttention(nn.Module):
             q, gate = q.view(B, T, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
             q, gate = q.reshape(B, T, -1), gate.reshape(B, T, -1)         # [B, T, H * hd] each
         elif self.gate_proj is not None:
-            gate = self.gate_proj(x)                                       # [B, T, H * hd]
+            gate = self.gate_proj(x)                                       # [B, T, H * hd], or [B, T, H] a head
+            if self.gate_per_head:
+                gate = gate.repeat_interleave(self.v_head_dim, dim=-1)     # [B, T, H * hd]
         if self.q_proj_norm is not None:
             q, k = self.q_proj_norm(q), self.k_proj_norm(k)
         if self.clip_qkv is not None:

@@ -120,6 +120,9 @@ FAMILIES: dict[str, Family] = {
         # Cohere2-MoE: parallel attention / MoE blocks; its shared experts summed or averaged with the routed
         # experts' output, never fused
         Family("cohere2_moe", layouts.cohere2_moe_layout, gates.cohere2_moe_gate, True),
+        # Step-3.5 (and Step-3.7's text model): a biased sigmoid router, one shared expert of its own width, never
+        # fused
+        Family("step3p5", layouts.step3p5_layout, gates.step3p5_gate, True),
         # Hunyuan-A13B: every layer MoE with an ungated shared MLP beside the experts, never fused
         Family("hunyuan_v1_moe", layouts.hunyuan_v1_moe_layout, gates.hunyuan_v1_moe_gate, True),
     )
@@ -159,6 +162,7 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "HunYuanMoEV1ForCausalLM": Direct("hunyuan_v1_moe"),
     "ExaoneMoeForCausalLM": Direct("exaone_moe"),
     "Cohere2MoeForCausalLM": Direct("cohere2_moe"),
+    "Step3p5ForCausalLM": Direct("step3p5"),
     "KimiLinearForCausalLM": Direct("kimi_linear"),
     "LongcatFlashForCausalLM": Direct("longcat_flash"),
     "SolarOpenForCausalLM": Direct("solar_open"),
@@ -179,6 +183,8 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "Qwen3VLMoeForConditionalGeneration": Wrapper("Qwen3MoeForCausalLM", "text_config", _top_level_quantization),
     # GLM-4.5V run text-only: GLM-4-MoE's text model; its gate is GLM-4-MoE's, asked with text_config
     "Glm4vMoeForConditionalGeneration": Wrapper("Glm4MoeForCausalLM", "text_config", _top_level_quantization),
+    # Step-3.7-Flash run text-only: Step-3.5's text model, its gate asked with text_config
+    "Step3p7ForConditionalGeneration": Wrapper("Step3p5ForCausalLM", "text_config", _top_level_quantization),
     "KimiK25ForConditionalGeneration": Wrapper("DeepseekV3ForCausalLM", "text_config", _top_level_quantization),
     "Qwen3_5MoeForConditionalGeneration": Wrapper("Qwen3_5MoeForCausalLM", "text_config", _top_level_quantization),
 }

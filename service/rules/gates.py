@@ -139,6 +139,15 @@ def cohere2_moe_gate(ctx: GateContext) -> Verdict | None:
                    f"for Cohere2-MoE")
 
 
+def step3p5_gate(ctx: GateContext) -> Verdict | None:
+    """Step-3.5 never fuses (not in DESIGN 5.2; our choice): its shared expert is as wide as share_expert_dim says, not
+    as a routed expert, and clamps on its own bounds, so no fused layout exists. Structural: enforce does not skip
+    it."""
+    return Verdict("step3p5.structural.no_fused_layout",
+                   "its shared expert runs beside the routed experts (its own width and clamps): no fused layout "
+                   "exists for Step-3.5")
+
+
 def hunyuan_v1_moe_gate(ctx: GateContext) -> Verdict | None:
     """Hunyuan never fuses (not in DESIGN 5.2; our choice, as SGLang and vLLM run it): its shared MLP runs beside the
     routed experts, ungated, with no fused layout or kernel. Structural: enforce does not skip it."""

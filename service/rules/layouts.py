@@ -30,6 +30,10 @@ Conventions follow the architectures' reference implementations:
 - LongCat-Flash: each of num_layers layers is MoE (its two sublayers share one MoE block), with n_routed_experts
   routed experts and no shared one; its zero-computation experts are not placed.
 - Solar Open: every layer MoE, with n_routed_experts routed experts and n_shared_experts (1) shared ones.
+- Step-3.5 (Step-3.7's text model): layer i is MoE iff mlp_layer_types[i] is "sparse" (else the layers moe_layers_enum
+  lists, else every layer from the fourth), with n_routed_experts (288) routed experts, num_experts_per_tok (8) of
+  them a token and one shared expert; the Hub's per-layer lists that also cover its MTP layers
+  (num_nextn_predict_layers) are cut to the model's layers.
 - Cohere2-MoE: layer i is MoE iff mlp_layer_types[i] is "sparse" (by default every layer from
   first_k_dense_replace, 0), with num_experts (8) routed experts, num_experts_per_tok (2) of them a token and
   num_shared_experts (0) shared ones.
@@ -304,6 +308,45 @@ def solar_open_layout(cfg: ConfigView) -> MoeLayout:
     _check_top_k(cfg, top_k, n_routed)
     layers = tuple(range(n_layers))
     return MoeLayout(layers, layers, n_routed, n_shared, top_k)
+
+
+def step3p5_layout(cfg: ConfigView) -> MoeLayout:
+    """transformers' Step3p7TextConfig defaults, and its readings of the Hub's older fields, where a config leaves a
+    field out."""
+    n_layers = cfg.int("num_hidden_layers", 45, minimum=1, maximum=MAX_LAYERS)
+    n_mtp = cfg.int("num_nextn_predict_layers", 0, minimum=0, maximum=MAX_LAYERS)
+    experts_field = next((f for f in ("n_routed_experts", "num_local_experts", "moe_num_experts") if cfg.has(f)),
+                         "n_routed_experts")
+    n_routed = cfg.int(experts_field, 288, minimum=1)
+    top_k_field = "moe_top_k" if cfg.has("moe_top_k") and not cfg.has("num_experts_per_tok") else "num_experts_per_tok"
+    top_k = cfg.int(top_k_field, 8, minimum=1)
+    _check_top_k(cfg, top_k, n_routed, top_k_field)
+    types = cfg.raw("mlp_layer_types")
+    if isinstance(types, list) and n_mtp and len(types) == n_layers + n_mtp:
+        types = types[:n_layers]                  # the Hub's list covers the MTP layers too
+    if types is None:
+        enum = cfg.raw("moe_layers_enum")
+        if enum is None:
+            types = ["dense" if i < 3 else "sparse" for i in range(n_layers)]
+        else:
+            sparse = _layer_numbers(cfg, "moe_layers_enum", enum)
+            types = ["sparse" if i in sparse else "dense" for i in range(n_layers)]
+    if not isinstance(types, list) or len(types) != n_layers or any(t not in ("dense", "sparse") for t in types):
+        raise InvalidArgument(cfg.field("mlp_layer_types"),
+                              f"expected {n_layers} entries of dense or sparse, got {str(types)[:200]}")
+    return MoeLayout(tuple(range(n_layers)), tuple(i for i, t in enumerate(types) if t == "sparse"), n_routed, 1,
+                     top_k)
+
+
+def _layer_numbers(cfg: ConfigView, name: str, value) -> set[int]:
+    """Layer numbers written "3,4,5" or as a list."""
+    items = value.split(",") if isinstance(value, str) else value
+    try:
+        if isinstance(items, list):
+            return {int(i) for i in items if str(i).strip() and not isinstance(i, bool)}
+    except ValueError:
+        pass
+    raise InvalidArgument(cfg.field(name), f"expected layer numbers (\"3,4,5\" or a list), got {quote(value)}")
 
 
 def cohere2_moe_layout(cfg: ConfigView) -> MoeLayout:

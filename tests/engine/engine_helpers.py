@@ -53,7 +53,8 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
             elif "embed_tokens" in name:
-                tied = model.config.tie_word_embeddings   # then it is the head too: keep logits O(1)
+                # then it is the head too: keep logits O(1) (a multimodal model's: its text model's say)
+                tied = model.config.get_text_config().tie_word_embeddings
                 p.copy_(torch.randn(p.shape, generator=g) / (math.sqrt(p.shape[-1]) if tied else 1))
             else:
                 p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
@@ -214,6 +215,47 @@ COHERE2_MOE_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=16, pr
 def make_cohere2_moe_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     """Save a random Cohere2-MoE of COHERE2_MOE_TINY updated with `config` (transformers' Cohere2MoeConfig kwargs)."""
     return _save_random_model(path, "Cohere2Moe", seed, dict(COHERE2_MOE_TINY, **config))
+
+
+# Step-3.5 (Step-3.7-Flash's text model, tiny): layer 0 dense; global layers (4 heads, half of each rotated, theta 1e4)
+# around windowed ones (8 heads, 4 positions, whole heads rotated, theta 500), per-head output gates, a softmax scale
+# of 12 ** -0.5; 8 routed experts of 16 (top-2, biased sigmoid router, scaled by 2) and a shared expert of 24; SwiGLU
+# clamps tight enough to bite on layer 2's experts and shared expert and on the dense layer.
+STEP3P5_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, n_routed_experts=8,
+                    num_experts_per_tok=2, share_expert_dim=24, sliding_window=4, num_sliding_attention_heads=8,
+                    layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+                    mlp_layer_types=["dense", "sparse", "sparse", "sparse"], moe_router_scaling_factor=2.0,
+                    query_pre_attn_scalar=12, swiglu_limits=[0, 0, 0.02, 0], swiglu_limits_shared=[0.05, 0, 0.02, 0],
+                    rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0,
+                                                        "partial_rotary_factor": 0.5},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}},
+                    pad_token_id=0, max_position_embeddings=256)
+STEP3P7_VISION_TINY = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+STEP3P7_TOWERS = ("vision_model.", "vit_large_projector.")
+
+
+def make_step3p7_checkpoint(path: Path, *, seed: int = 0, **text) -> Path:
+    """Save a random Step-3.7 (`Step3p7ForConditionalGeneration`) whose text model is STEP3P5_TINY updated with `text`
+    (transformers' Step3p7TextConfig kwargs) beside a one-layer vision tower, routing bias included."""
+    transformers = _transformers()
+    torch.manual_seed(seed)
+    model = transformers.Step3p7ForConditionalGeneration(transformers.Step3p7Config(
+        text_config=dict(STEP3P5_TINY, **text), vision_config=STEP3P7_VISION_TINY))
+    _randomize_with_routing_bias(model, seed)
+    model.save_pretrained(path)
+    return path
+
+
+def make_step3p5_checkpoint(path: Path, *, seed: int = 0, **text) -> tuple[Path, Path]:
+    """(a Step-3.5 checkpoint `Step3p5ForCausalLM`, the Step-3.7 one it is cut from): the text model's tensors, as
+    Step-3.5's own checkpoints spell them, under its text_config. transformers has no Step-3.5 class of its own: the
+    Step-3.7 checkpoint, run text-only, is its reference."""
+    full = make_step3p7_checkpoint(path / "step3p7", seed=seed, **text)
+    text_only = with_tensors(full, path / "step3p5", lambda t: [t.pop(k) for k in list(t) if k.startswith(STEP3P7_TOWERS)])
+    config = json.loads((full / "config.json").read_text())["text_config"]
+    (text_only / "config.json").write_text(json.dumps(dict(config, architectures=["Step3p5ForCausalLM"])))
+    return text_only, full
 
 
 # AFMoE (Trinity's layout, tiny): layer 0 dense; 8 routed experts of 16 (top-2, sigmoid with a routing bias, scaled

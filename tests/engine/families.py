@@ -49,6 +49,9 @@ LFM2_MOE = "Lfm2MoeForCausalLM"
 DBRX = "DbrxForCausalLM"
 MIMO_V2_FLASH = "MiMoV2FlashForCausalLM"
 COHERE2_MOE = "Cohere2MoeForCausalLM"
+# Step-3.5's text model, run behind Step-3.7's wrapper (transformers' reference for both: tests/engine/models/
+# test_step3p5.py)
+STEP3P7 = "Step3p7ForConditionalGeneration"
 
 # engine_helpers' tiny DeepSeek-V3 (256 routed experts: the fusion gate passes) with the default rope.
 DEEPSEEK_TINY = dict(engine_helpers.DEEPSEEK_TINY, rope_theta=10000.0)
@@ -96,6 +99,7 @@ MAKERS = {
     FLEX_OLMO: lambda path, seed: engine_helpers.make_flex_olmo_checkpoint(path, seed=seed, head_dim=6),
     AFMOE: lambda path, seed: engine_helpers.make_afmoe_checkpoint(path, seed=seed),
     COHERE2_MOE: lambda path, seed: engine_helpers.make_cohere2_moe_checkpoint(path, seed=seed),
+    STEP3P7: lambda path, seed: engine_helpers.make_step3p7_checkpoint(path, seed=seed),
     EXAONE_MOE: lambda path, seed: engine_helpers.make_exaone_moe_checkpoint(path, seed=seed),
     PHIMOE: lambda path, seed: engine_helpers.make_phimoe_checkpoint(path, seed=seed),
     HUNYUAN: lambda path, seed: engine_helpers.make_hunyuan_checkpoint(path, seed=seed),

@@ -278,6 +278,9 @@ _BAD_CONFIGS = [
      {"layer_group_size": 0}, "target"),
     ("Cohere2MoeForCausalLM", "Cohere2MoeConfig", dict(num_experts=8, head_dim=8, pad_token_id=0, bos_token_id=1,
                                                        eos_token_id=2), {"expert_selection_fn": "relu"}, "target"),
+    ("Step3p5ForCausalLM", "Step3p7TextConfig", dict(n_routed_experts=8, num_experts_per_tok=2, head_dim=8,
+                                                    pad_token_id=0), {"gating": False}, "target"),
+    ("Step3p7ForConditionalGeneration", None, {}, {"text_config": None}, "target"),
     ("SolarOpenForCausalLM", "SolarOpenConfig", dict(n_routed_experts=8, moe_intermediate_size=16,
                                                      num_experts_per_tok=2), {"use_qk_norm": True}, "target"),
     ("NemotronHForCausalLM", "NemotronHConfig", dict(n_routed_experts=8, mamba_num_heads=4),
@@ -344,9 +347,10 @@ def test_every_engine_entry_class_reads_its_config_before_the_plan():
 
 
 # Entry classes of _BAD_CONFIGS whose config has no rope of the kind the others read: Nemotron-H and Kimi-Linear (no
-# layer turns q or k; transformers reads no rope field for them), MiMo-V2-Flash (one rope_parameters object per layer type, refused by type in its own test), the wrappers (their
-# text_config's family is here too) and the drafts (their target's family is).
-_NO_PLAIN_ROPE = {"NemotronHForCausalLM", "KimiLinearForCausalLM", "MiMoV2FlashForCausalLM"}
+# layer turns q or k; transformers reads no rope field for them), MiMo-V2-Flash and Step-3.5 (one rope_parameters
+# object per layer type, refused by type in their own tests), the wrappers (their text_config's family is here too)
+# and the drafts (their target's family is).
+_NO_PLAIN_ROPE = {"NemotronHForCausalLM", "KimiLinearForCausalLM", "MiMoV2FlashForCausalLM", "Step3p5ForCausalLM"}
 
 
 @pytest.mark.parametrize("arch, hf_class, kwargs", [(a, h, k) for a, h, k, _, role in _BAD_CONFIGS

@@ -22,8 +22,8 @@ from engine_helpers import LocalRegistry, make_checkpoint, make_granitemoe_hybri
 from families import (AFMOE, BAILING_HYBRID, COHERE2_MOE, DBRX, DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, ERNIE4_5_MOE,
                       EXAONE_MOE, FLEX_OLMO, GLM4, GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE, GRANITEMOE_HYBRID,
                       GRANITEMOE_SWA, HUNYUAN, JAMBA, KIMI_LINEAR, LLAMA4, LONGCAT_FLASH, MIMO_V2_FLASH, MINIMAX,
-                      MINIMAX_M2, MIXTRAL, NEMOTRON_H, OLMOE, PHIMOE, QWEN2, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, SOLAR_OPEN,
-                      make_model)
+                      MINIMAX_M2, MIXTRAL, NEMOTRON_H, OLMOE, PHIMOE, QWEN2, QWEN3, QWEN3_5_MOE, QWEN3_NEXT,
+                      SOLAR_OPEN, STEP3P7, make_model)
 from parallel_helpers import single_process
 
 N_NEW = 4
@@ -45,7 +45,8 @@ CASES = [("qwen3", QWEN3, None), ("qwen2", QWEN2, "enforce"), ("qwen2", QWEN2, "
          ("granitemoe_hybrid_g1", GRANITEMOE_HYBRID, None), ("nemotron_h", NEMOTRON_H, None),
          ("jamba", JAMBA, None), ("minimax", MINIMAX, None), ("kimi_linear", KIMI_LINEAR, None),
          ("longcat_flash", LONGCAT_FLASH, None), ("solar_open", SOLAR_OPEN, None),
-         ("bailing_hybrid", BAILING_HYBRID, None), ("cohere2_moe", COHERE2_MOE, None)]
+         ("bailing_hybrid", BAILING_HYBRID, None), ("cohere2_moe", COHERE2_MOE, None),
+         ("step3p7", STEP3P7, None)]
 
 
 def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
@@ -161,6 +162,7 @@ def paths(tmp_path_factory):
         "solar_open": make_model(tmp_path_factory.mktemp("solar_open"), SOLAR_OPEN),
         "bailing_hybrid": make_model(tmp_path_factory.mktemp("bailing_hybrid"), BAILING_HYBRID),
         "cohere2_moe": make_model(tmp_path_factory.mktemp("cohere2_moe"), COHERE2_MOE),
+        "step3p7": make_model(tmp_path_factory.mktemp("step3p7"), STEP3P7),
         "nemotron_h": str(make_nemotron_h_checkpoint(tmp_path_factory.mktemp("nemotron_h"),
                                                      moe_shared_expert_intermediate_size=40, moe_latent_size=16)),
     }
@@ -298,6 +300,12 @@ def test_two_tp_ranks_give_the_single_process_logits_and_tokens(paths, ids, refe
     c2 = by_name["cohere2_moe"]
     assert c2["heads"] == {(2, 1, 16)} and c2["expert_inter"] == {8} and c2["dense_inter"] == {24, 16}
     assert not c2["fused"]
+    # Step-3.7 (Step-3.5's text model): its global layers 2 of 4 heads, its windowed ones 4 of 8 (1 of 2 key/value
+    # heads of 8 each) with their per-head gate rows; its dense layer's 48 features split, its experts' 16, its
+    # shared expert (24) whole on each rank
+    s7 = by_name["step3p7"]
+    assert s7["heads"] == {(2, 1, 16), (4, 1, 32)} and s7["attn_gate_rows"] == {2, 4}
+    assert s7["expert_inter"] == {8} and s7["dense_inter"] == {24} and not s7["fused"]
     # MLA: half the heads and their kv_b_proj rows; the latent projection stays whole.
     (heads, kv_b_rows, kv_a_rows), = by_name["deepseek"]["mla_heads"]
     assert (heads, kv_b_rows, kv_a_rows) == (1, 1 * (8 + 12), 16 + 8)     # of 2 heads; nope 8 + v 12; lora 16 + rope 8

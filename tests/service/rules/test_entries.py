@@ -38,6 +38,8 @@ BUILT = {
     "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe",
     "ExaoneMoeForCausalLM": "exaone_moe",
     "Cohere2MoeForCausalLM": "cohere2_moe",
+    "Step3p5ForCausalLM": "step3p5",
+    "Step3p7ForConditionalGeneration": "step3p5",
     "AfmoeForCausalLM": "afmoe",
     "FlexOlmoForCausalLM": "flex_olmo",
     "Lfm2MoeForCausalLM": "lfm2_moe",

@@ -642,6 +642,11 @@ HYBRIDS = [
     ({"architectures": ["Cohere2MoeForCausalLM"], "num_hidden_layers": 40, "num_experts": 64, "num_experts_per_tok": 8,
       "num_shared_experts": 1, "first_k_dense_replace": 2}, 8, "cohere2_moe", 8,
      ("cohere2_moe.structural.no_fused_layout", "1 shared expert(s)"), {"num_shared_experts": 0}),
+    # Step-3.5-Flash's (its config.json's older fields): 288 experts, top-8, the first 3 layers dense, one shared
+    # expert; its lists cover its 3 MTP layers too
+    ({"architectures": ["Step3p5ForCausalLM"], "num_hidden_layers": 45, "num_nextn_predict_layers": 3,
+      "moe_num_experts": 288, "moe_top_k": 8, "moe_layers_enum": ",".join(str(i) for i in range(3, 48)),
+      "share_expert_dim": 1280}, 8, "step3p5", 36, ("step3p5.structural.no_fused_layout", "shared expert"), None),
     # Jamba 1.5 Mini's: 16 experts, top-2, no shared expert
     ({"architectures": ["JambaForCausalLM"], "num_hidden_layers": 32, "num_experts": 16, "num_experts_per_tok": 2},
      4, "jamba", 4, ("jamba.no_shared_experts", "no shared experts"), None),

@@ -13,7 +13,7 @@ from loadplan.service.rules.layouts import (afmoe_layout, bailing_hybrid_layout,
                                             hunyuan_v1_moe_layout,
                                             jamba_layout, kimi_linear_layout, lfm2_moe_layout, longcat_flash_layout,
                                             mimo_v2_flash_layout, nemotron_h_layout, qwen_moe_layout,
-                                            solar_open_layout)
+                                            solar_open_layout, step3p5_layout)
 
 from ._fixtures import deepseek, mixtral, qwen2, qwen3
 
@@ -94,6 +94,26 @@ def test_ernie4_5_moe_refusals_name_the_field(fields, field):
 def test_exaone_moe_layers(fields, moe):
     lay = exaone_moe_layout(ConfigView({"num_hidden_layers": 4, **fields}))
     assert list(lay.moe_layers) == moe and (lay.n_routed, lay.n_shared, lay.top_k) == (64, 1, 8)
+
+
+@pytest.mark.parametrize("fields,moe,sizes", [
+    ({}, [3, 4, 5], (288, 1, 8)),                                                # transformers' defaults
+    ({"moe_layers_enum": "1,2,5", "num_local_experts": 16, "moe_top_k": 4}, [1, 2, 5], (16, 1, 4)),
+    ({"moe_layers_enum": [0, 6], "num_nextn_predict_layers": 1}, [0], (288, 1, 8)),   # layer 6: the MTP layer
+    ({"mlp_layer_types": ["dense"] * 3 + ["sparse"] * 4, "num_nextn_predict_layers": 1}, [3, 4, 5], (288, 1, 8)),
+])
+def test_step3p5_layers(fields, moe, sizes):
+    lay = step3p5_layout(ConfigView({"num_hidden_layers": 6, **fields}))
+    assert list(lay.moe_layers) == moe and (lay.n_routed, lay.n_shared, lay.top_k) == sizes
+
+
+@pytest.mark.parametrize("fields,field", [({"moe_layers_enum": "1,a"}, "moe_layers_enum"),
+                                          ({"mlp_layer_types": ["sparse"] * 5}, "mlp_layer_types"),
+                                          ({"moe_top_k": 300}, "moe_top_k")])
+def test_step3p5_refusals_name_the_field(fields, field):
+    with pytest.raises(InvalidArgument) as e:
+        step3p5_layout(ConfigView({"num_hidden_layers": 6, **fields}))
+    assert e.value.field == f"config.{field}"
 
 
 @pytest.mark.parametrize("fields,moe,sizes", [
