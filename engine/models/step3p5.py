@@ -58,6 +58,11 @@ STEP3P5_NAMES = CheckpointNames((
     ("self_attn.g_proj.weight", "self_attn.gate_proj.weight"),
     *((f"share_expert.{p}.weight", f"mlp.shared_experts.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")),
 ))
+# Step-3.5-Flash's config.json switches that transformers leaves unread, and the only values its model has: another
+# value would change the arithmetic, so it is refused by field rather than ignored.
+FIXED_FIELDS = {"use_moe": True, "moe_router_activation": "sigmoid", "use_moe_router_bias": True,
+                "norm_expert_weight": True, "use_qk_norm": True, "use_head_wise_attn_gate": True, "zero_centered": True,
+                "sink": False, "att_impl_type": "GQA", "use_rope_layers": [], "yarn_only_types": ["full_attention"]}
 # A layer's stacked experts: model.layers.{i}.moe.{gate,up,down}_proj.weight, [E, I, D] / [E, D, I]
 _STACKED = re.compile(r"^(?P<layer>.*model\.layers\.\d+)\.moe\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
@@ -98,6 +103,9 @@ class Step3p5Config:
     def from_hf(cls, d: dict) -> "Step3p5Config":
         """transformers' Step3p7TextConfig defaults, and its readings of the Hub's older fields (moe_layers_enum,
         attention_other_setting, rope_theta and partial_rotary_factors per layer), where a checkpoint gives them."""
+        for name, value in FIXED_FIELDS.items():
+            if name in d and d[name] != value:
+                raise ConfigError(f"config.{name}: {d[name]!r} is not supported; Step-3.5 runs {value!r}"[:300])
         if d.get("use_bidirectional_attention"):
             raise ConfigError("config.use_bidirectional_attention: true is not supported; the engine runs Step-3.5 "
                               "causally")
@@ -182,6 +190,10 @@ def _mlp_types_of_enum(d: dict, n: int, padded: int) -> list[str]:
     list) are sparse, else every layer from the fourth."""
     enum = d.get("moe_layers_enum")
     if enum is None:
+        for name, reads_as in (("moe_layer_offset", 0), ("moe_every_n_layer", 1)):
+            if d.get(name) not in (None, reads_as):
+                raise ConfigError(f"config.{name}: {d[name]!r} is not supported without moe_layers_enum (or "
+                                  f"mlp_layer_types), which says the MoE layers as transformers reads them")
         return ["dense" if i < 3 else "sparse" for i in range(n)]
     items = enum.split(",") if isinstance(enum, str) else enum
     try:

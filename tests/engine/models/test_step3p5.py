@@ -18,6 +18,7 @@ import torch
 
 from loadplan.engine.generate import generate
 from loadplan.engine.models.config import ConfigError
+from loadplan.engine.models.step3p5 import FIXED_FIELDS
 from loadplan.plan import Keys
 
 from engine_helpers import (DROP, check_batch_rows_decode_alone, check_decoding_token_by_token,
@@ -78,8 +79,10 @@ def test_its_variants_match_transformers(tmp_path, ids, text):
 
 def test_the_hubs_older_fields_and_its_mtp_layers_read_as_transformers_reads_them(ckpts, tmp_path, ids):
     """Step-3.5-Flash's config.json spells its layers the older way: MoE layers by moe_layers_enum, the windowed
-    layers' heads under attention_other_setting, rope_theta and partial_rotary_factors per layer, and per-layer lists
-    that also cover its Multi-Token-Prediction layers, whose tensors (model.layers.{L}.) it stores: the same model."""
+    layers' heads under attention_other_setting, rope_theta and partial_rotary_factors per layer, its older names
+    (num_attention_groups, moe_num_experts, moe_top_k), the switches transformers does not read (at the values it
+    runs), and per-layer lists that also cover its Multi-Token-Prediction layers, whose tensors (model.layers.{L}.) it
+    stores: the same model."""
     text, full = ckpts
     cfg = json.loads((text / "config.json").read_text())
     mtp_layer = "model.layers.4."
@@ -92,7 +95,10 @@ def test_the_hubs_older_fields_and_its_mtp_layers_read_as_transformers_reads_the
     legacy.update(num_nextn_predict_layers=1, layer_types=cfg["layer_types"] + ["full_attention"],
                   swiglu_limits=cfg["swiglu_limits"] + [0], swiglu_limits_shared=cfg["swiglu_limits_shared"] + [0],
                   moe_layers_enum="1,2,3,4", attention_other_setting={"num_attention_heads": 8},
-                  rope_theta=thetas, partial_rotary_factors=factors)
+                  rope_theta=thetas, partial_rotary_factors=factors,
+                  num_attention_groups=legacy.pop("num_key_value_heads"),
+                  moe_num_experts=legacy.pop("n_routed_experts"), moe_top_k=legacy.pop("num_experts_per_tok"),
+                  **FIXED_FIELDS)
     (older / "config.json").write_text(json.dumps(legacy))
     model = check_step3p5_matches_transformers(older, full, ids)
     assert model.config.num_nextn_predict_layers == 1 and model.moe_layer_ids == (1, 2, 3)
@@ -117,6 +123,13 @@ def test_as_a_speculative_target_it_rolls_back_rejected_drafts(ckpts, tmp_path):
     (dict(gating="per-element"), r"config\.gating: 'per-element' is not supported; true or \"per-head\""),
     (dict(use_bidirectional_attention=True), r"config\.use_bidirectional_attention: true is not supported"),
     (dict(mlp_bias=True), r"config\.mlp_bias: true is not supported"),
+    (dict(use_head_wise_attn_gate=False),
+     r"config\.use_head_wise_attn_gate: False is not supported; Step-3\.5 runs True"),
+    (dict(moe_router_activation="softmax"), r"config\.moe_router_activation: 'softmax' is not supported"),
+    (dict(yarn_only_types=["sliding_attention"]),
+     r"config\.yarn_only_types: \['sliding_attention'\] is not supported"),
+    (dict(mlp_layer_types=DROP, moe_every_n_layer=2), r"config\.moe_every_n_layer: 2 is not supported without "
+                                                     r"moe_layers_enum"),
     (dict(swiglu_limits=[1.0, 2.0]), r"config\.swiglu_limits: expected 4 entries"),
     (dict(mlp_layer_types=DROP, moe_layers_enum="1,x"), r"config\.moe_layers_enum: expected layer numbers"),
     (dict(per_layer_config={"0": {"num_attention_heads": 2}}), r"config\.per_layer_config\.0: .* is not supported"),
