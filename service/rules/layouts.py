@@ -314,7 +314,9 @@ def step3p5_layout(cfg: ConfigView) -> MoeLayout:
     """transformers' Step3p7TextConfig defaults, and its readings of the Hub's older fields, where a config leaves a
     field out."""
     n_layers = cfg.int("num_hidden_layers", 45, minimum=1, maximum=MAX_LAYERS)
-    n_mtp = cfg.int("num_nextn_predict_layers", 0, minimum=0, maximum=MAX_LAYERS)
+    mtp_field = "num_mtp_layers" if cfg.has("num_mtp_layers") and not cfg.has("num_nextn_predict_layers") \
+        else "num_nextn_predict_layers"
+    n_mtp = cfg.int(mtp_field, 0, minimum=0, maximum=MAX_LAYERS)
     experts_field = next((f for f in ("n_routed_experts", "num_local_experts", "moe_num_experts") if cfg.has(f)),
                          "n_routed_experts")
     n_routed = cfg.int(experts_field, 288, minimum=1)

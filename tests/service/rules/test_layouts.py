@@ -100,6 +100,7 @@ def test_exaone_moe_layers(fields, moe):
     ({}, [3, 4, 5], (288, 1, 8)),                                                # transformers' defaults
     ({"moe_layers_enum": "1,2,5", "num_local_experts": 16, "moe_top_k": 4}, [1, 2, 5], (16, 1, 4)),
     ({"moe_layers_enum": [0, 6], "num_nextn_predict_layers": 1}, [0], (288, 1, 8)),   # layer 6: the MTP layer
+    ({"mlp_layer_types": ["sparse"] * 8, "num_mtp_layers": 2}, [0, 1, 2, 3, 4, 5], (288, 1, 8)),
     ({"mlp_layer_types": ["dense"] * 3 + ["sparse"] * 4, "num_nextn_predict_layers": 1}, [3, 4, 5], (288, 1, 8)),
 ])
 def test_step3p5_layers(fields, moe, sizes):
