@@ -46,6 +46,8 @@ ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "DbrxForCausalLM": ("loadplan.engine.models.dbrx", "DbrxForCausalLM"),
     "Cohere2MoeForCausalLM": ("loadplan.engine.models.cohere2_moe", "Cohere2MoeForCausalLM"),
     "Step3p5ForCausalLM": ("loadplan.engine.models.step3p5", "Step3p5ForCausalLM"),
+    "SarvamMLAForCausalLM": ("loadplan.engine.models.sarvam", "SarvamMLAForCausalLM"),
+    "SarvamMoEForCausalLM": ("loadplan.engine.models.sarvam", "SarvamMoEForCausalLM"),
     "MiMoV2FlashForCausalLM": ("loadplan.engine.models.mimo_v2_flash", "MiMoV2FlashForCausalLM"),
     "PhiMoEForCausalLM": ("loadplan.engine.models.phimoe", "PhiMoEForCausalLM"),
     "PhimoeForCausalLM": ("loadplan.engine.models.phimoe", "PhimoeForCausalLM"),

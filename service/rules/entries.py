@@ -123,6 +123,13 @@ FAMILIES: dict[str, Family] = {
         # Step-3.5 (and Step-3.7's text model): a biased sigmoid router, one shared expert of its own width, never
         # fused
         Family("step3p5", layouts.step3p5_layout, gates.step3p5_gate, True),
+        # Sarvam's: DeepSeek-V3's and GLM-4-MoE's models under Sarvam's names, asked their gates; not the fused
+        # architectures (our choice: transformers runs them as those families, SGLang under entry classes of
+        # their own), so never fused
+        Family("sarvam_mla", layouts.sarvam_mla_layout, gates.deepseek_gate, True,
+               fused_architecture="DeepseekV3ForCausalLM"),
+        Family("sarvam_moe", layouts.sarvam_moe_layout, gates.glm4_moe_gate, True,
+               fused_architecture="Glm4MoeForCausalLM"),
         # Hunyuan-A13B: every layer MoE with an ungated shared MLP beside the experts, never fused
         Family("hunyuan_v1_moe", layouts.hunyuan_v1_moe_layout, gates.hunyuan_v1_moe_gate, True),
     )
@@ -163,6 +170,8 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "ExaoneMoeForCausalLM": Direct("exaone_moe"),
     "Cohere2MoeForCausalLM": Direct("cohere2_moe"),
     "Step3p5ForCausalLM": Direct("step3p5"),
+    "SarvamMLAForCausalLM": Direct("sarvam_mla"),
+    "SarvamMoEForCausalLM": Direct("sarvam_moe"),
     "KimiLinearForCausalLM": Direct("kimi_linear"),
     "LongcatFlashForCausalLM": Direct("longcat_flash"),
     "SolarOpenForCausalLM": Direct("solar_open"),

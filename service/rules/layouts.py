@@ -34,6 +34,8 @@ Conventions follow the architectures' reference implementations:
   lists, else every layer from the fourth), with n_routed_experts (288) routed experts, num_experts_per_tok (8) of
   them a token and one shared expert; the Hub's per-layer lists that also cover its MTP layers
   (num_nextn_predict_layers) are cut to the model's layers.
+- Sarvam (sarvam-105b's MLA, sarvam-30b's MoE): DeepSeek-V3's and GLM-4-MoE's layouts under Sarvam's names
+  (num_experts, num_shared_experts) and defaults (the first layer dense; 128 experts, top-8 or top-6).
 - Cohere2-MoE: layer i is MoE iff mlp_layer_types[i] is "sparse" (by default every layer from
   first_k_dense_replace, 0), with num_experts (8) routed experts, num_experts_per_tok (2) of them a token and
   num_shared_experts (0) shared ones.
@@ -314,13 +316,9 @@ def step3p5_layout(cfg: ConfigView) -> MoeLayout:
     """transformers' Step3p7TextConfig defaults, and its readings of the Hub's older fields, where a config leaves a
     field out."""
     n_layers = cfg.int("num_hidden_layers", 45, minimum=1, maximum=MAX_LAYERS)
-    mtp_field = "num_mtp_layers" if cfg.has("num_mtp_layers") and not cfg.has("num_nextn_predict_layers") \
-        else "num_nextn_predict_layers"
-    n_mtp = cfg.int(mtp_field, 0, minimum=0, maximum=MAX_LAYERS)
-    experts_field = next((f for f in ("n_routed_experts", "num_local_experts", "moe_num_experts") if cfg.has(f)),
-                         "n_routed_experts")
-    n_routed = cfg.int(experts_field, 288, minimum=1)
-    top_k_field = "moe_top_k" if cfg.has("moe_top_k") and not cfg.has("num_experts_per_tok") else "num_experts_per_tok"
+    n_mtp = cfg.int(_named(cfg, "num_nextn_predict_layers", "num_mtp_layers"), 0, minimum=0, maximum=MAX_LAYERS)
+    n_routed = cfg.int(_named(cfg, "n_routed_experts", "num_local_experts", "moe_num_experts"), 288, minimum=1)
+    top_k_field = _named(cfg, "num_experts_per_tok", "moe_top_k")
     top_k = cfg.int(top_k_field, 8, minimum=1)
     _check_top_k(cfg, top_k, n_routed, top_k_field)
     types = cfg.raw("mlp_layer_types")
@@ -338,6 +336,36 @@ def step3p5_layout(cfg: ConfigView) -> MoeLayout:
                               f"expected {n_layers} entries of dense or sparse, got {str(types)[:200]}")
     return MoeLayout(tuple(range(n_layers)), tuple(i for i, t in enumerate(types) if t == "sparse"), n_routed, 1,
                      top_k)
+
+
+def _named(cfg: ConfigView, name: str, *aliases: str) -> str:
+    """The field the config gives: `name`, else the first of its `aliases` it has (else `name`, for its default or
+    its refusal as missing)."""
+    return next((x for x in (name, *aliases) if cfg.has(x)), name)
+
+
+def sarvam_mla_layout(cfg: ConfigView) -> MoeLayout:
+    """transformers' SarvamMLAConfig defaults and names (its attribute_map) where a config leaves DeepSeek's out."""
+    return _sarvam_layout(cfg, layers=32, experts=128, top_k=8)
+
+
+def sarvam_moe_layout(cfg: ConfigView) -> MoeLayout:
+    """transformers' SarvamMoEConfig defaults and names (its attribute_map) where a config leaves GLM-4-MoE's out."""
+    return _sarvam_layout(cfg, layers=19, experts=128, top_k=6)
+
+
+def _sarvam_layout(cfg: ConfigView, *, layers: int, experts: int, top_k: int) -> MoeLayout:
+    """DeepSeek's layout (layer i MoE iff i >= first_k_dense_replace (1) and i % moe_layer_freq == 0) under Sarvam's
+    names for the expert counts (num_experts, num_shared_experts: one by default)."""
+    n_layers = cfg.int("num_hidden_layers", layers, minimum=1, maximum=MAX_LAYERS)
+    n_routed = cfg.int(_named(cfg, "n_routed_experts", "num_experts", "num_local_experts"), experts, minimum=1)
+    n_shared = cfg.int(_named(cfg, "n_shared_experts", "num_shared_experts"), 1, minimum=0)
+    k = cfg.int("num_experts_per_tok", top_k, minimum=1)
+    _check_top_k(cfg, k, n_routed)
+    first = cfg.int("first_k_dense_replace", 1, minimum=0)
+    freq = cfg.int("moe_layer_freq", 1, minimum=1)
+    moe = tuple(i for i in range(n_layers) if i >= first and i % freq == 0)
+    return MoeLayout(tuple(range(n_layers)), moe, n_routed, n_shared, k)
 
 
 def _layer_numbers(cfg: ConfigView, name: str, value) -> set[int]:

@@ -217,6 +217,38 @@ def make_cohere2_moe_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     return _save_random_model(path, "Cohere2Moe", seed, dict(COHERE2_MOE_TINY, **config))
 
 
+# Sarvam's (tiny), in transformers' config kwargs: sarvam-105b's shape (DeepSeek-V3's MLA and MoE, layer 0 dense, one
+# group) and sarvam-30b's (GLM-4-MoE's: q/k norms, q/k/v biases, whole heads rotated), 8 experts each, 1 shared.
+SARVAM_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+                   num_attention_heads=4, num_experts=8, num_experts_per_tok=2, max_position_embeddings=256)
+SARVAM_MLA_TINY = dict(SARVAM_TINY, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12)
+SARVAM_MOE_TINY = dict(SARVAM_TINY, num_key_value_heads=2, head_dim=8, pad_token_id=0, eos_token_id=1,
+                       use_qkv_bias=True)
+# The config.json fields transformers' save writes under DeepSeek's / GLM's names, and Sarvam's own names for them
+SARVAM_NAMES = {"n_routed_experts": "num_experts", "n_shared_experts": "num_shared_experts",
+                "attention_bias": "use_qkv_bias", "num_nextn_predict_layers": "num_mtp_layers"}
+
+
+def make_sarvam_checkpoint(path: Path, family: str, *, seed: int = 0, hub: dict | None = None, **config) -> Path:
+    """Save a random `Sarvam{family}` ("MLA" or "MoE": transformers builds DeepSeek-V3 or GLM-4-MoE from its config)
+    of SARVAM_{family}_TINY updated with `config`, routing bias included, with config.json as Sarvam's own checkpoints
+    write it: their entry class, their names for the fields (SARVAM_NAMES), and `hub`'s fields over it (DROP: left
+    out). transformers' AutoModelForCausalLM reads that file back as it reads theirs (its reference for the
+    engine's)."""
+    transformers = _transformers()
+    torch.manual_seed(seed)
+    tiny = SARVAM_MLA_TINY if family == "MLA" else SARVAM_MOE_TINY
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, f"Sarvam{family}Config")(
+        **dict(tiny, **config)))
+    _randomize_with_routing_bias(model, seed)
+    model.save_pretrained(path)
+    saved = json.loads((path / "config.json").read_text())
+    written = {SARVAM_NAMES.get(k, k): v for k, v in saved.items() if not (k in SARVAM_NAMES and v is None)}
+    written.update(architectures=[f"Sarvam{family}ForCausalLM"], **(hub or {}))
+    (path / "config.json").write_text(json.dumps({k: v for k, v in written.items() if v is not DROP}))
+    return path
+
+
 # Step-3.5 (Step-3.7-Flash's text model, tiny): layer 0 dense; global layers (4 heads, half of each rotated, theta 1e4)
 # around windowed ones (8 heads, 4 positions, whole heads rotated, theta 500), per-head output gates, a softmax scale
 # of 12 ** -0.5; 8 routed experts of 16 (top-2, biased sigmoid router, scaled by 2) and a shared expert of 24; SwiGLU
@@ -252,7 +284,8 @@ def make_step3p5_checkpoint(path: Path, *, seed: int = 0, **text) -> tuple[Path,
     Step-3.5's own checkpoints spell them, under its text_config. transformers has no Step-3.5 class of its own: the
     Step-3.7 checkpoint, run text-only, is its reference."""
     full = make_step3p7_checkpoint(path / "step3p7", seed=seed, **text)
-    text_only = with_tensors(full, path / "step3p5", lambda t: [t.pop(k) for k in list(t) if k.startswith(STEP3P7_TOWERS)])
+    text_only = with_tensors(full, path / "step3p5",
+                             lambda t: [t.pop(k) for k in list(t) if k.startswith(STEP3P7_TOWERS)])
     config = json.loads((full / "config.json").read_text())["text_config"]
     (text_only / "config.json").write_text(json.dumps(dict(config, architectures=["Step3p5ForCausalLM"])))
     return text_only, full

@@ -52,6 +52,10 @@ COHERE2_MOE = "Cohere2MoeForCausalLM"
 # Step-3.5's text model, run behind Step-3.7's wrapper (transformers' reference for both: tests/engine/models/
 # test_step3p5.py)
 STEP3P7 = "Step3p7ForConditionalGeneration"
+SARVAM_MLA = "SarvamMLAForCausalLM"
+SARVAM_MOE = "SarvamMoEForCausalLM"
+# transformers' class for an entry class it has none of its own for (it builds Sarvam's from their model_type)
+REFERENCE_CLASS = {SARVAM_MLA: "AutoModelForCausalLM", SARVAM_MOE: "AutoModelForCausalLM"}
 
 # engine_helpers' tiny DeepSeek-V3 (256 routed experts: the fusion gate passes) with the default rope.
 DEEPSEEK_TINY = dict(engine_helpers.DEEPSEEK_TINY, rope_theta=10000.0)
@@ -100,6 +104,8 @@ MAKERS = {
     AFMOE: lambda path, seed: engine_helpers.make_afmoe_checkpoint(path, seed=seed),
     COHERE2_MOE: lambda path, seed: engine_helpers.make_cohere2_moe_checkpoint(path, seed=seed),
     STEP3P7: lambda path, seed: engine_helpers.make_step3p7_checkpoint(path, seed=seed),
+    SARVAM_MLA: lambda path, seed: engine_helpers.make_sarvam_checkpoint(path, "MLA", seed=seed),
+    SARVAM_MOE: lambda path, seed: engine_helpers.make_sarvam_checkpoint(path, "MoE", seed=seed),
     EXAONE_MOE: lambda path, seed: engine_helpers.make_exaone_moe_checkpoint(path, seed=seed),
     PHIMOE: lambda path, seed: engine_helpers.make_phimoe_checkpoint(path, seed=seed),
     HUNYUAN: lambda path, seed: engine_helpers.make_hunyuan_checkpoint(path, seed=seed),

@@ -40,6 +40,7 @@ def test_unknown_entry_class_lists_the_supported_ones():
                                                r"Qwen3NextForCausalLMMTP, "
                                                r"Qwen3VLMoeForConditionalGeneration, Qwen3_5ForCausalLMMTP, "
                                                r"Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration, "
+                                               r"SarvamMLAForCausalLM, SarvamMoEForCausalLM, "
                                                r"SolarOpenForCausalLM, Step3p5ForCausalLM, "
                                                r"Step3p7ForConditionalGeneration"):
         model_class("LlamaForCausalLM")

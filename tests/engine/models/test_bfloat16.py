@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from engine_helpers import _transformers, hf_logits, load_local, prompt
-from families import MAKERS, QWEN2, QWEN3, make_model
+from families import MAKERS, QWEN2, QWEN3, REFERENCE_CLASS, make_model
 
 SEED = 2
 MAX_RATIO = 2.0     # the engine's median error over transformers' bfloat16 one
@@ -42,8 +42,8 @@ def ids():
 @pytest.mark.parametrize("arch", [QWEN3, QWEN2, *MAKERS])
 def test_bfloat16_logits_are_as_close_to_float32_as_transformers_own(tmp_path, ids, arch):
     make_model(tmp_path, arch, seed=SEED)
-    truth = hf_logits(tmp_path, arch, ids)
-    reference = getattr(_transformers(), arch).from_pretrained(
+    truth = hf_logits(tmp_path, REFERENCE_CLASS.get(arch, arch), ids)
+    reference = getattr(_transformers(), REFERENCE_CLASS.get(arch, arch)).from_pretrained(
         tmp_path, dtype=torch.bfloat16, attn_implementation="eager", experts_implementation="eager").eval()
     model = load_local(tmp_path, dtype=torch.bfloat16)
     sizes = {dtype: sum(p.numel() for p in model.parameters() if p.dtype == dtype)

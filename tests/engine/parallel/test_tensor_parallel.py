@@ -23,7 +23,7 @@ from families import (AFMOE, BAILING_HYBRID, COHERE2_MOE, DBRX, DEEPSEEK, DEEPSE
                       EXAONE_MOE, FLEX_OLMO, GLM4, GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE, GRANITEMOE_HYBRID,
                       GRANITEMOE_SWA, HUNYUAN, JAMBA, KIMI_LINEAR, LLAMA4, LONGCAT_FLASH, MIMO_V2_FLASH, MINIMAX,
                       MINIMAX_M2, MIXTRAL, NEMOTRON_H, OLMOE, PHIMOE, QWEN2, QWEN3, QWEN3_5_MOE, QWEN3_NEXT,
-                      SOLAR_OPEN, STEP3P7, make_model)
+                      SARVAM_MLA, SARVAM_MOE, SOLAR_OPEN, STEP3P7, make_model)
 from parallel_helpers import single_process
 
 N_NEW = 4
@@ -46,7 +46,7 @@ CASES = [("qwen3", QWEN3, None), ("qwen2", QWEN2, "enforce"), ("qwen2", QWEN2, "
          ("jamba", JAMBA, None), ("minimax", MINIMAX, None), ("kimi_linear", KIMI_LINEAR, None),
          ("longcat_flash", LONGCAT_FLASH, None), ("solar_open", SOLAR_OPEN, None),
          ("bailing_hybrid", BAILING_HYBRID, None), ("cohere2_moe", COHERE2_MOE, None),
-         ("step3p7", STEP3P7, None)]
+         ("step3p7", STEP3P7, None), ("sarvam_mla", SARVAM_MLA, None), ("sarvam_moe", SARVAM_MOE, None)]
 
 
 def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
@@ -163,6 +163,8 @@ def paths(tmp_path_factory):
         "bailing_hybrid": make_model(tmp_path_factory.mktemp("bailing_hybrid"), BAILING_HYBRID),
         "cohere2_moe": make_model(tmp_path_factory.mktemp("cohere2_moe"), COHERE2_MOE),
         "step3p7": make_model(tmp_path_factory.mktemp("step3p7"), STEP3P7),
+        "sarvam_mla": make_model(tmp_path_factory.mktemp("sarvam_mla"), SARVAM_MLA),
+        "sarvam_moe": make_model(tmp_path_factory.mktemp("sarvam_moe"), SARVAM_MOE),
         "nemotron_h": str(make_nemotron_h_checkpoint(tmp_path_factory.mktemp("nemotron_h"),
                                                      moe_shared_expert_intermediate_size=40, moe_latent_size=16)),
     }
@@ -306,6 +308,10 @@ def test_two_tp_ranks_give_the_single_process_logits_and_tokens(paths, ids, refe
     s7 = by_name["step3p7"]
     assert s7["heads"] == {(2, 1, 16), (4, 1, 32)} and s7["attn_gate_rows"] == {2, 4}
     assert s7["expert_inter"] == {8} and s7["dense_inter"] == {24} and not s7["fused"]
+    # Sarvam's: sarvam-105b's MLA 2 of 4 heads (kv_b_proj rows 2 x (8 + 12)); sarvam-30b's fused q/k/v shown apart
+    # and split by head (2 of 4 query heads and 1 of 2 key/value heads of 8), its dense layer's 48 features split
+    assert by_name["sarvam_mla"]["mla_heads"] == {(2, 40, 24)} and by_name["sarvam_mla"]["expert_inter"] == {8}
+    assert by_name["sarvam_moe"]["heads"] == {(2, 1, 16)} and by_name["sarvam_moe"]["dense_inter"] == {24, 16}
     # MLA: half the heads and their kv_b_proj rows; the latent projection stays whole.
     (heads, kv_b_rows, kv_a_rows), = by_name["deepseek"]["mla_heads"]
     assert (heads, kv_b_rows, kv_a_rows) == (1, 1 * (8 + 12), 16 + 8)     # of 2 heads; nope 8 + v 12; lora 16 + rope 8

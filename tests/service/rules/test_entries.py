@@ -40,6 +40,8 @@ BUILT = {
     "Cohere2MoeForCausalLM": "cohere2_moe",
     "Step3p5ForCausalLM": "step3p5",
     "Step3p7ForConditionalGeneration": "step3p5",
+    "SarvamMLAForCausalLM": "sarvam_mla",
+    "SarvamMoEForCausalLM": "sarvam_moe",
     "AfmoeForCausalLM": "afmoe",
     "FlexOlmoForCausalLM": "flex_olmo",
     "Lfm2MoeForCausalLM": "lfm2_moe",

@@ -647,6 +647,15 @@ HYBRIDS = [
     ({"architectures": ["Step3p5ForCausalLM"], "num_hidden_layers": 45, "num_nextn_predict_layers": 3,
       "moe_num_experts": 288, "moe_top_k": 8, "moe_layers_enum": ",".join(str(i) for i in range(3, 48)),
       "share_expert_dim": 1280}, 8, "step3p5", 36, ("step3p5.structural.no_fused_layout", "shared expert"), None),
+    # sarvam-105b's and sarvam-30b's (Sarvam's names, the defaults they leave out): DeepSeek-V3's and GLM-4-MoE's
+    # blocks, 128 experts and one shared one, not the fused architectures
+    ({"architectures": ["SarvamMLAForCausalLM"], "num_hidden_layers": 32, "num_experts": 128,
+      "num_shared_experts": 1}, 8, "sarvam_mla", 16,
+     ("deepseek.structural.architecture", "SarvamMLAForCausalLM is not the fused architecture"),
+     {"num_shared_experts": 0}),
+    ({"architectures": ["SarvamMoEForCausalLM"], "num_hidden_layers": 19, "num_experts": 128}, 4, "sarvam_moe", 32,
+     ("glm4_moe.structural.architecture", "SarvamMoEForCausalLM is not the fused architecture"),
+     {"num_shared_experts": 0}),
     # Jamba 1.5 Mini's: 16 experts, top-2, no shared expert
     ({"architectures": ["JambaForCausalLM"], "num_hidden_layers": 32, "num_experts": 16, "num_experts_per_tok": 2},
      4, "jamba", 4, ("jamba.no_shared_experts", "no shared experts"), None),

@@ -13,7 +13,8 @@ from loadplan.service.rules.layouts import (afmoe_layout, bailing_hybrid_layout,
                                             hunyuan_v1_moe_layout,
                                             jamba_layout, kimi_linear_layout, lfm2_moe_layout, longcat_flash_layout,
                                             mimo_v2_flash_layout, nemotron_h_layout, qwen_moe_layout,
-                                            solar_open_layout, step3p5_layout)
+                                            sarvam_mla_layout, sarvam_moe_layout, solar_open_layout,
+                                            step3p5_layout)
 
 from ._fixtures import deepseek, mixtral, qwen2, qwen3
 
@@ -94,6 +95,18 @@ def test_ernie4_5_moe_refusals_name_the_field(fields, field):
 def test_exaone_moe_layers(fields, moe):
     lay = exaone_moe_layout(ConfigView({"num_hidden_layers": 4, **fields}))
     assert list(lay.moe_layers) == moe and (lay.n_routed, lay.n_shared, lay.top_k) == (64, 1, 8)
+
+
+@pytest.mark.parametrize("layout,fields,moe,sizes", [
+    ("mla", {}, [1, 2, 3, 4, 5], (128, 1, 8)),                                   # transformers' defaults
+    ("moe", {}, [1, 2, 3, 4, 5], (128, 1, 6)),
+    ("mla", {"num_experts": 64, "num_shared_experts": 2, "first_k_dense_replace": 3}, [3, 4, 5], (64, 2, 8)),
+    ("moe", {"n_routed_experts": 32, "moe_layer_freq": 2, "first_k_dense_replace": 0}, [0, 2, 4], (32, 1, 6)),
+])
+def test_sarvam_layers(layout, fields, moe, sizes):
+    of = sarvam_mla_layout if layout == "mla" else sarvam_moe_layout
+    lay = of(ConfigView({"num_hidden_layers": 6, **fields}))
+    assert list(lay.moe_layers) == moe and (lay.n_routed, lay.n_shared, lay.top_k) == sizes
 
 
 @pytest.mark.parametrize("fields,moe,sizes", [
