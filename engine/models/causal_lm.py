@@ -236,7 +236,13 @@ class DeclaredCausalLM(CausalLM):
     def parse_config(cls, hf_config: dict):
         return cls.CONFIG.from_hf(hf_config)
 
+    @classmethod
+    def decoder_layer(cls, cfg) -> type[DecoderLayer]:
+        """The layer class for `cfg`: DECODER_LAYER (a family whose layers' kind its config says overrides it:
+        Cohere2-MoE's norms)."""
+        return cls.DECODER_LAYER
+
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
         cfg = self.parse_config(hf_config)
-        super().__init__(cfg, plan, self.DECODER_LAYER, n_routed=cfg.num_experts, rope_head_dim=cfg.head_dim,
+        super().__init__(cfg, plan, self.decoder_layer(cfg), n_routed=cfg.num_experts, rope_head_dim=cfg.head_dim,
                          dtype=dtype)

@@ -29,7 +29,7 @@ from ..layers.mlp import activation
 from ..layers.norm import BiaslessLayerNorm
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
-from .causal_lm import CausalLM
+from .causal_lm import DeclaredCausalLM
 from .config import ConfigError, get_field as _get, per_layer, read_rope, top_k
 from .qwen_moe import QwenDecoderLayer, QwenMoeConfig, SharedMlpMoeBlock
 
@@ -212,19 +212,15 @@ class Cohere2MoeLayerNormDecoderLayer(Cohere2MoeDecoderLayer):
     NORM = BiaslessLayerNorm
 
 
-class Cohere2MoeForCausalLM(CausalLM):
+class Cohere2MoeForCausalLM(DeclaredCausalLM):
     ARCHITECTURE = ARCHITECTURE
     TENSOR_PARALLEL = True
     CHECKPOINT_NAMES = COHERE2_MOE_NAMES
+    CONFIG = Cohere2MoeConfig
 
     @classmethod
-    def parse_config(cls, hf_config: dict) -> Cohere2MoeConfig:
-        return Cohere2MoeConfig.from_hf(hf_config)
-
-    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        cfg = self.parse_config(hf_config)
-        layer = Cohere2MoeLayerNormDecoderLayer if cfg.layer_norm else Cohere2MoeDecoderLayer
-        super().__init__(cfg, plan, layer, n_routed=cfg.num_experts, rope_head_dim=cfg.head_dim, dtype=dtype)
+    def decoder_layer(cls, cfg: Cohere2MoeConfig) -> type[Cohere2MoeDecoderLayer]:
+        return Cohere2MoeLayerNormDecoderLayer if cfg.layer_norm else Cohere2MoeDecoderLayer
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         return super()._head(h) * self.config.logit_scale

@@ -45,7 +45,7 @@ from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..shown_tensors import ShownTensors
 from ..weights import CheckpointNames
-from .causal_lm import CausalLM, DecoderLayer
+from .causal_lm import DeclaredCausalLM, DecoderLayer
 from .config import ConfigError, get_field as _get, per_layer, top_k
 
 ARCHITECTURE = "Step3p5ForCausalLM"
@@ -346,19 +346,12 @@ class Step3p5DecoderLayer(DecoderLayer):
         self.rotary = RotaryEmbedding(cfg.head_dim, rope, cfg.max_position_embeddings)   # this kind's tables
 
 
-class Step3p5ForCausalLM(CausalLM):
+class Step3p5ForCausalLM(DeclaredCausalLM):
     ARCHITECTURE = ARCHITECTURE
     TENSOR_PARALLEL = True
     CHECKPOINT_NAMES = STEP3P5_NAMES
-
-    @classmethod
-    def parse_config(cls, hf_config: dict) -> Step3p5Config:
-        return Step3p5Config.from_hf(hf_config)
-
-    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        cfg = self.parse_config(hf_config)
-        super().__init__(cfg, plan, Step3p5DecoderLayer, n_routed=cfg.num_experts, rope_head_dim=cfg.head_dim,
-                         dtype=dtype)
+    CONFIG = Step3p5Config
+    DECODER_LAYER = Step3p5DecoderLayer
 
     def checkpoint_view(self, ckpt):
         return stacked_experts_shown_alone(ckpt, self.config.num_experts)
