@@ -15,7 +15,8 @@ one deployment (EP N), as workers come up in a fleet: the first pins it, the
 others are checked against the pin; rows then carry `ranks_per_deployment`.
 Echo and resolve run in `--rounds` adjacent pairs, the order swapped each round,
 so a machine whose speed drifts slows both alike; qps are medians over the rounds
-and `resolve_vs_echo_qps` is the median of each round's own ratio. The load
+and `resolve_vs_echo_qps` is the median of each round's own ratio (each round's is listed too:
+`resolve_vs_echo_qps_rounds`). The load
 generator is a separate process (this one) using grpc.aio; it serializes requests
 before and parses answers after the timed window, and holds its garbage collection
 until after it (for both methods alike), since it shares the CPUs with the server.
@@ -314,7 +315,8 @@ def measure(address: str, inflight: int, n: int, ranks_per_deployment: int = 1, 
             meters: dict[str, CpuMeter] | None = None) -> dict:
     """Echo and resolve in `rounds` adjacent pairs, the order swapped every round, so a machine
     whose speed drifts (a shared VM) slows both alike: qps are the medians over the rounds,
-    `resolve_vs_echo_qps` the median of each round's own ratio, latencies over every call.
+    `resolve_vs_echo_qps` the median of each round's own ratio (`resolve_vs_echo_qps_rounds`: those ratios),
+    latencies over every call.
     `meters` (by method): what the calls cost in CPU, over every round."""
     row: dict = {"inflight": inflight}
     if ranks_per_deployment > 1:
@@ -333,8 +335,10 @@ def measure(address: str, inflight: int, n: int, ranks_per_deployment: int = 1, 
         row[f"{method}_qps"] = round(statistics.median(qps[method]), 1)
         row[f"{method}_p50_ms"] = round(_percentile(lat[method], 0.50) * 1e3, 3)
         row[f"{method}_p99_ms"] = round(_percentile(lat[method], 0.99) * 1e3, 3)
-    row["resolve_vs_echo_qps"] = round(statistics.median(
-        [res / echo for res, echo in zip(qps["resolve"], qps["echo"])]), 3)
+    ratios = [res / echo for res, echo in zip(qps["resolve"], qps["echo"])]
+    row["resolve_vs_echo_qps"] = round(statistics.median(ratios), 3)
+    # every round's own ratio: how far apart they lie says how much the median can be trusted on this machine
+    row["resolve_vs_echo_qps_rounds"] = [round(r, 3) for r in ratios]
     if meters:
         row.update(cpu_figures(meters, n * rounds))
     return row
@@ -427,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
                       "resolve_p50_ms", "echo_p99_ms", "resolve_p99_ms", "commit_p50_ms", "target", "target_met"],
                      ["db", "inflight", "echo_server_cpu_ms", "resolve_server_cpu_ms", "echo_client_cpu_ms",
                       "resolve_client_cpu_ms", "resolve_db_cpu_ms", "echo_busy_cores", "resolve_busy_cores",
-                      "server_cpu_bound", "cpu_bound"]):
+                      "server_cpu_bound", "cpu_bound"],
+                     ["db", "inflight", "resolve_vs_echo_qps", "resolve_vs_echo_qps_rounds"]):
             width = max(14, *(len(c) for c in cols[2:]))
             print("  ".join(f"{c:>{width}}" for c in cols))
             for r in rows:
