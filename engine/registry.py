@@ -48,6 +48,7 @@ ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "Step3p5ForCausalLM": ("loadplan.engine.models.step3p5", "Step3p5ForCausalLM"),
     "SarvamMLAForCausalLM": ("loadplan.engine.models.sarvam", "SarvamMLAForCausalLM"),
     "SarvamMoEForCausalLM": ("loadplan.engine.models.sarvam", "SarvamMoEForCausalLM"),
+    "HYV3ForCausalLM": ("loadplan.engine.models.hy_v3", "HYV3ForCausalLM"),
     "MiMoV2FlashForCausalLM": ("loadplan.engine.models.mimo_v2_flash", "MiMoV2FlashForCausalLM"),
     "PhiMoEForCausalLM": ("loadplan.engine.models.phimoe", "PhiMoEForCausalLM"),
     "PhimoeForCausalLM": ("loadplan.engine.models.phimoe", "PhimoeForCausalLM"),

@@ -284,13 +284,16 @@ class DeepseekV3MoE(nn.Module):
                 renorm_min=cfg.renorm_min)
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts
         self.shared_experts = GatedMLP(D, shared, cfg.hidden_act, dtype) if shared and not fused else None
+        # HY-V3 (models/hy_v3.py) sums the routed and shared outputs in float32; the others in the model's dtype
+        self.fp32_combine = getattr(cfg, "moe_fp32_combine", False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> [T, D]"""
         ids, weights = self.gate(x)                                 # [T, K(+1)], rsf already applied
         y = self.experts(x, ids, weights.to(x.dtype))               # reduced if the plan says
         if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
+            shared = self.shared_experts(x)
+            y = (y.float() + shared.float()).to(x.dtype) if self.fp32_combine else y + shared
         return y
 
 

@@ -126,6 +126,8 @@ FAMILIES: dict[str, Family] = {
         # Sarvam's: DeepSeek-V3's and GLM-4-MoE's models under Sarvam's names, asked their gates; not the fused
         # architectures (our choice: transformers runs them as those families, SGLang under entry classes of
         # their own), so never fused
+        # HY-V3 (Hunyuan V3): Qwen3's attention over DeepSeek-V3's MoE block, its shared experts never fused
+        Family("hy_v3", layouts.hy_v3_layout, gates.hy_v3_gate, True),
         Family("sarvam_mla", layouts.sarvam_mla_layout, gates.deepseek_gate, True,
                fused_architecture="DeepseekV3ForCausalLM"),
         Family("sarvam_moe", layouts.sarvam_moe_layout, gates.glm4_moe_gate, True,
@@ -171,6 +173,7 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "Cohere2MoeForCausalLM": Direct("cohere2_moe"),
     "Step3p5ForCausalLM": Direct("step3p5"),
     "SarvamMLAForCausalLM": Direct("sarvam_mla"),
+    "HYV3ForCausalLM": Direct("hy_v3"),
     "SarvamMoEForCausalLM": Direct("sarvam_moe"),
     "KimiLinearForCausalLM": Direct("kimi_linear"),
     "LongcatFlashForCausalLM": Direct("longcat_flash"),

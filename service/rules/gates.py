@@ -148,6 +148,14 @@ def step3p5_gate(ctx: GateContext) -> Verdict | None:
                    "exists for Step-3.5")
 
 
+def hy_v3_gate(ctx: GateContext) -> Verdict | None:
+    """HY-V3 never fuses (not in DESIGN 5.2; our choice, as EXAONE-MoE's: DeepSeek-V3's block under a family of its
+    own, no fused layout for it). Structural: enforce does not skip it."""
+    return Verdict("hy_v3.structural.no_fused_layout",
+                   f"its {ctx.layout.n_shared} shared expert(s) run beside the routed experts: no fused layout exists "
+                   f"for HY-V3")
+
+
 def hunyuan_v1_moe_gate(ctx: GateContext) -> Verdict | None:
     """Hunyuan never fuses (not in DESIGN 5.2; our choice, as SGLang and vLLM run it): its shared MLP runs beside the
     routed experts, ungated, with no fused layout or kernel. Structural: enforce does not skip it."""

@@ -34,6 +34,8 @@ Conventions follow the architectures' reference implementations:
   lists, else every layer from the fourth), with n_routed_experts (288) routed experts, num_experts_per_tok (8) of
   them a token and one shared expert; the Hub's per-layer lists that also cover its MTP layers
   (num_nextn_predict_layers) are cut to the model's layers.
+- HY-V3: layer i is MoE iff mlp_layer_types[i] is "sparse" (by default every layer but the first), with num_experts
+  (192) routed experts, num_experts_per_tok (8) of them a token and num_shared_experts (1) shared ones.
 - Sarvam (sarvam-105b's MLA, sarvam-30b's MoE): DeepSeek-V3's and GLM-4-MoE's layouts under Sarvam's names
   (num_experts, num_shared_experts) and defaults (the first layer dense; 128 experts, top-8 or top-6).
 - Cohere2-MoE: layer i is MoE iff mlp_layer_types[i] is "sparse" (by default every layer from
@@ -377,6 +379,17 @@ def _layer_numbers(cfg: ConfigView, name: str, value) -> set[int]:
     except ValueError:
         pass
     raise InvalidArgument(cfg.field(name), f"expected layer numbers (\"3,4,5\" or a list), got {quote(value)}")
+
+
+def hy_v3_layout(cfg: ConfigView) -> MoeLayout:
+    """transformers' HYV3Config defaults (80 layers, the first dense; 192 experts, top-8, one shared) where a config
+    leaves a field out."""
+    n_layers = cfg.int("num_hidden_layers", 80, minimum=1, maximum=MAX_LAYERS)
+    n_routed = cfg.int(_named(cfg, "num_experts", "num_local_experts"), 192, minimum=1)
+    n_shared = cfg.int("num_shared_experts", 1, minimum=0)
+    k = cfg.int("num_experts_per_tok", 8, minimum=1)
+    _check_top_k(cfg, k, n_routed)
+    return MoeLayout(tuple(range(n_layers)), _sparse_by_mlp_layer_types(cfg, n_layers, 1), n_routed, n_shared, k)
 
 
 def cohere2_moe_layout(cfg: ConfigView) -> MoeLayout:

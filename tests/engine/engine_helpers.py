@@ -217,6 +217,19 @@ def make_cohere2_moe_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     return _save_random_model(path, "Cohere2Moe", seed, dict(COHERE2_MOE_TINY, **config))
 
 
+# HY-V3 (tiny): layer 0 dense; 8 routed experts of 16 (top-2, biased sigmoid router scaled by 2.826) and 1 shared;
+# Qwen3's attention (q/k norms) with whole heads rotated.
+HY_V3_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+                  max_position_embeddings=256)
+
+
+def make_hy_v3_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random HY-V3 of HY_V3_TINY updated with `config` (transformers' HYV3Config kwargs), routing bias
+    included."""
+    return _save_random_model(path, "HYV3", seed, dict(HY_V3_TINY, **config))
+
+
 # Sarvam's (tiny), in transformers' config kwargs: sarvam-105b's shape (DeepSeek-V3's MLA and MoE, layer 0 dense, one
 # group) and sarvam-30b's (GLM-4-MoE's: q/k norms, q/k/v biases, whole heads rotated), 8 experts each, 1 shared.
 SARVAM_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,

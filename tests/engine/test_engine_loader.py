@@ -284,6 +284,8 @@ _BAD_CONFIGS = [
     ("SarvamMLAForCausalLM", "SarvamMLAConfig", dict(n_routed_experts=8, moe_intermediate_size=16, kv_lora_rank=16,
                                                      qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8),
      {"scoring_func": "softmax"}, "target"),
+    ("HYV3ForCausalLM", "HYV3Config", dict(num_experts=8, moe_intermediate_size=16, num_experts_per_tok=2),
+     {"mlp_bias": True}, "target"),
     ("SarvamMoEForCausalLM", "SarvamMoEConfig", dict(n_routed_experts=8, moe_intermediate_size=16, head_dim=8),
      {"moe_layer_freq": 2}, "target"),
     ("SolarOpenForCausalLM", "SolarOpenConfig", dict(n_routed_experts=8, moe_intermediate_size=16,

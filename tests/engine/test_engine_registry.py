@@ -28,7 +28,7 @@ def test_unknown_entry_class_lists_the_supported_ones():
                                                r"Glm4vMoeForConditionalGeneration, GlmMoeDsaForCausalLM, "
                                                r"GptOssForCausalLM, GraniteMoeForCausalLM, "
                                                r"GraniteMoeHybridForCausalLM, GraniteMoeSWAForCausalLM, GraniteMoeSharedForCausalLM, "
-                                               r"HunYuanMoEV1ForCausalLM, JambaForCausalLM, "
+                                               r"HYV3ForCausalLM, HunYuanMoEV1ForCausalLM, JambaForCausalLM, "
                                                r"KimiK25ForConditionalGeneration, KimiLinearForCausalLM, Lfm2MoeForCausalLM, "
                                                r"Llama4ForCausalLM, "
                                                r"Llama4ForConditionalGeneration, LongcatFlashForCausalLM, "

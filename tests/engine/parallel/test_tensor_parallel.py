@@ -21,8 +21,8 @@ from loadplan.service.rules.backends import BACKENDS
 from engine_helpers import LocalRegistry, make_checkpoint, make_granitemoe_hybrid_checkpoint, make_nemotron_h_checkpoint
 from families import (AFMOE, BAILING_HYBRID, COHERE2_MOE, DBRX, DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, ERNIE4_5_MOE,
                       EXAONE_MOE, FLEX_OLMO, GLM4, GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE, GRANITEMOE_HYBRID,
-                      GRANITEMOE_SWA, HUNYUAN, JAMBA, KIMI_LINEAR, LLAMA4, LONGCAT_FLASH, MIMO_V2_FLASH, MINIMAX,
-                      MINIMAX_M2, MIXTRAL, NEMOTRON_H, OLMOE, PHIMOE, QWEN2, QWEN3, QWEN3_5_MOE, QWEN3_NEXT,
+                      GRANITEMOE_SWA, HUNYUAN, HY_V3, JAMBA, KIMI_LINEAR, LLAMA4, LONGCAT_FLASH, MIMO_V2_FLASH,
+                      MINIMAX, MINIMAX_M2, MIXTRAL, NEMOTRON_H, OLMOE, PHIMOE, QWEN2, QWEN3, QWEN3_5_MOE, QWEN3_NEXT,
                       SARVAM_MLA, SARVAM_MOE, SOLAR_OPEN, STEP3P7, make_model)
 from parallel_helpers import single_process
 
@@ -46,7 +46,8 @@ CASES = [("qwen3", QWEN3, None), ("qwen2", QWEN2, "enforce"), ("qwen2", QWEN2, "
          ("jamba", JAMBA, None), ("minimax", MINIMAX, None), ("kimi_linear", KIMI_LINEAR, None),
          ("longcat_flash", LONGCAT_FLASH, None), ("solar_open", SOLAR_OPEN, None),
          ("bailing_hybrid", BAILING_HYBRID, None), ("cohere2_moe", COHERE2_MOE, None),
-         ("step3p7", STEP3P7, None), ("sarvam_mla", SARVAM_MLA, None), ("sarvam_moe", SARVAM_MOE, None)]
+         ("step3p7", STEP3P7, None), ("sarvam_mla", SARVAM_MLA, None), ("sarvam_moe", SARVAM_MOE, None),
+         ("hy_v3", HY_V3, None)]
 
 
 def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
@@ -165,6 +166,7 @@ def paths(tmp_path_factory):
         "step3p7": make_model(tmp_path_factory.mktemp("step3p7"), STEP3P7),
         "sarvam_mla": make_model(tmp_path_factory.mktemp("sarvam_mla"), SARVAM_MLA),
         "sarvam_moe": make_model(tmp_path_factory.mktemp("sarvam_moe"), SARVAM_MOE),
+        "hy_v3": make_model(tmp_path_factory.mktemp("hy_v3"), HY_V3),
         "nemotron_h": str(make_nemotron_h_checkpoint(tmp_path_factory.mktemp("nemotron_h"),
                                                      moe_shared_expert_intermediate_size=40, moe_latent_size=16)),
     }
@@ -312,6 +314,10 @@ def test_two_tp_ranks_give_the_single_process_logits_and_tokens(paths, ids, refe
     # and split by head (2 of 4 query heads and 1 of 2 key/value heads of 8), its dense layer's 48 features split
     assert by_name["sarvam_mla"]["mla_heads"] == {(2, 40, 24)} and by_name["sarvam_mla"]["expert_inter"] == {8}
     assert by_name["sarvam_moe"]["heads"] == {(2, 1, 16)} and by_name["sarvam_moe"]["dense_inter"] == {24, 16}
+    # HY-V3: 2 of 4 heads of 8 and 1 of 2 key/value heads (their q/k norms whole), its dense layer's 48 features and
+    # its experts' 16 split, its shared expert (16) whole on each rank
+    assert by_name["hy_v3"]["heads"] == {(2, 1, 16)} and by_name["hy_v3"]["expert_inter"] == {8}
+    assert by_name["hy_v3"]["dense_inter"] == {24, 16} and not by_name["hy_v3"]["fused"]
     # MLA: half the heads and their kv_b_proj rows; the latent projection stays whole.
     (heads, kv_b_rows, kv_a_rows), = by_name["deepseek"]["mla_heads"]
     assert (heads, kv_b_rows, kv_a_rows) == (1, 1 * (8 + 12), 16 + 8)     # of 2 heads; nope 8 + v 12; lora 16 + rope 8

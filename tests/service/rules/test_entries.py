@@ -41,6 +41,7 @@ BUILT = {
     "Step3p5ForCausalLM": "step3p5",
     "Step3p7ForConditionalGeneration": "step3p5",
     "SarvamMLAForCausalLM": "sarvam_mla",
+    "HYV3ForCausalLM": "hy_v3",
     "SarvamMoEForCausalLM": "sarvam_moe",
     "AfmoeForCausalLM": "afmoe",
     "FlexOlmoForCausalLM": "flex_olmo",

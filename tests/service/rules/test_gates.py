@@ -647,6 +647,9 @@ HYBRIDS = [
     ({"architectures": ["Step3p5ForCausalLM"], "num_hidden_layers": 45, "num_nextn_predict_layers": 3,
       "moe_num_experts": 288, "moe_top_k": 8, "moe_layers_enum": ",".join(str(i) for i in range(3, 48)),
       "share_expert_dim": 1280}, 8, "step3p5", 36, ("step3p5.structural.no_fused_layout", "shared expert"), None),
+    # HY-V3's (transformers' defaults): 192 experts, top-8, one shared expert beside them, the first layer dense
+    ({"architectures": ["HYV3ForCausalLM"], "num_hidden_layers": 80}, 8, "hy_v3", 24,
+     ("hy_v3.structural.no_fused_layout", "1 shared expert(s)"), {"num_shared_experts": 0}),
     # sarvam-105b's and sarvam-30b's (Sarvam's names, the defaults they leave out): DeepSeek-V3's and GLM-4-MoE's
     # blocks, 128 experts and one shared one, not the fused architectures
     ({"architectures": ["SarvamMLAForCausalLM"], "num_hidden_layers": 32, "num_experts": 128,

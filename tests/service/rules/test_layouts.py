@@ -10,7 +10,7 @@ from loadplan.service.rules.config_view import ConfigView
 from loadplan.service.rules.layouts import (afmoe_layout, bailing_hybrid_layout, cohere2_moe_layout, dbrx_layout,
                                             deepseek_layout, deepseek_nextn_layout, ernie4_5_moe_layout,
                                             every_layer_moe_layout, exaone_moe_layout, granitemoe_hybrid_layout,
-                                            hunyuan_v1_moe_layout,
+                                            hunyuan_v1_moe_layout, hy_v3_layout,
                                             jamba_layout, kimi_linear_layout, lfm2_moe_layout, longcat_flash_layout,
                                             mimo_v2_flash_layout, nemotron_h_layout, qwen_moe_layout,
                                             sarvam_mla_layout, sarvam_moe_layout, solar_open_layout,
@@ -95,6 +95,16 @@ def test_ernie4_5_moe_refusals_name_the_field(fields, field):
 def test_exaone_moe_layers(fields, moe):
     lay = exaone_moe_layout(ConfigView({"num_hidden_layers": 4, **fields}))
     assert list(lay.moe_layers) == moe and (lay.n_routed, lay.n_shared, lay.top_k) == (64, 1, 8)
+
+
+@pytest.mark.parametrize("fields,moe,sizes", [
+    ({}, [1, 2, 3, 4, 5], (192, 1, 8)),                                          # transformers' defaults
+    ({"mlp_layer_types": ["sparse", "dense"] * 3, "num_local_experts": 16, "num_shared_experts": 2}, [0, 2, 4],
+     (16, 2, 8)),
+])
+def test_hy_v3_layers(fields, moe, sizes):
+    lay = hy_v3_layout(ConfigView({"num_hidden_layers": 6, **fields}))
+    assert list(lay.moe_layers) == moe and (lay.n_routed, lay.n_shared, lay.top_k) == sizes
 
 
 @pytest.mark.parametrize("layout,fields,moe,sizes", [
