@@ -44,6 +44,7 @@ class DeepseekV3Router(nn.Module):
         fused_shared_expert_scale: float = 1.0,
         scoring: str = "sigmoid",
         renorm_min: float | None = None,
+        routing_bias: bool = True,
     ):
         super().__init__()
         if scoring not in SCORING:
@@ -69,16 +70,17 @@ class DeepseekV3Router(nn.Module):
         self.fused_shared_expert_scale = fused_shared_expert_scale
         # float32 like the reference keeps them: near-tied sigmoid scores decide the experts.
         self.weight = nn.Parameter(torch.empty(n_routed_experts, hidden_size, dtype=torch.float32))
+        # None: a router without the load-balancing bias (Mistral 4's), its top-k chosen on the scores themselves
         self.e_score_correction_bias = nn.Parameter(
             torch.zeros(n_routed_experts, dtype=torch.float32), requires_grad=False
-        )
+        ) if routing_bias else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (topk_ids [T, K'], topk_weights [T, K'] float32), K' = top_k + num_fused_shared_experts."""
         T = x.shape[0]
         logits = F.linear(x.float(), self.weight.float())                  # [T, E]
         scores = logits.sigmoid() if self.scoring == "sigmoid" else logits.softmax(dim=-1)
-        biased = scores + self.e_score_correction_bias
+        biased = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
         if self.n_group > 1:
             per_group = biased.view(T, self.n_group, -1)
             group_scores = per_group.topk(2, dim=-1)[0].sum(dim=-1)

@@ -6,7 +6,9 @@ Queries come from a low-rank path (q_a_proj -> RMSNorm -> q_b_proj) or, when
 key head shared by all query heads, the rest is normalised and expanded per head by
 kv_b_proj into [k_nope | v]. With `use_rope` False (Kimi-Linear) that shared part is not rotated; with
 `latent_scales` (LongCat-Flash) the query and the normalised latent are multiplied by their factors; with
-`output_gate` (the Ling 3 models) each head's output is scaled by sigmoid(g_proj(x)) of its own.
+`output_gate` (the Ling 3 models) each head's output is scaled by sigmoid(g_proj(x)) of its own; with
+`query_position_scale` (Mistral 4) each query is scaled by a factor that grows with its position past the rope's
+original context.
 
 Parameter names equal the checkpoint's names under `self_attn.`, so loading is a copy.
 The KV cache keeps the compressed latent (kv_lora_rank + qk_rope_head_dim numbers
@@ -142,6 +144,9 @@ class MultiHeadLatentAttention(nn.Module):
         # layer with an indexer writes its selection there, a layer that reuses one reads it.
         self.selection: TopKSelection | None = None
         self.kv_cache: LatentKVCache | None = None  # set by the model's setup_caches
+        # Mistral 4's (beta, original_max_position_embeddings): the query at position p times
+        # 1 + beta * log(1 + floor(p / original)) (Llama 4's long-context scaling). A family sets it after construction.
+        self.query_position_scale: tuple[float, int] | None = None
 
     def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype,
                     device: torch.device | str, lookahead: int = 0) -> LatentKVCache:
@@ -216,6 +221,10 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_rot[:, None].expand(B, H, S, self.qk_rope_head_dim)], dim=-1)
         q = torch.cat([q_nope, q_rot], dim=-1)
+        if self.query_position_scale is not None:
+            beta, original = self.query_position_scale
+            pos = (input_pos if input_pos is not None else torch.arange(T, device=x.device)).float()
+            q = q * (1 + beta * torch.log(1 + torch.floor(pos / original))).to(q.dtype)[:, None]   # [T, 1]
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scale)
         else:

@@ -281,7 +281,7 @@ class DeepseekV3MoE(nn.Module):
                 D, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
                 cfg.routed_scaling_factor, num_fused_shared_experts=fused,
                 fused_shared_expert_scale=self.experts.fused_shared_expert_scale, scoring=cfg.scoring_func,
-                renorm_min=cfg.renorm_min)
+                renorm_min=cfg.renorm_min, routing_bias=getattr(cfg, "routing_bias", True))   # Mistral 4: none
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts
         self.shared_experts = GatedMLP(D, shared, cfg.hidden_act, dtype) if shared and not fused else None
         # HY-V3 (models/hy_v3.py) sums the routed and shared outputs in float32; the others in the model's dtype

@@ -128,6 +128,10 @@ FAMILIES: dict[str, Family] = {
         # their own), so never fused
         # HY-V3 (Hunyuan V3): Qwen3's attention over DeepSeek-V3's MoE block, its shared experts never fused
         Family("hy_v3", layouts.hy_v3_layout, gates.hy_v3_gate, True),
+        # Mistral 4: DeepSeek-V3's model with a softmax router and position-scaled queries; not the fused
+        # architecture, so never fused
+        Family("mistral4", layouts.mistral4_layout, gates.deepseek_gate, True,
+               fused_architecture="DeepseekV3ForCausalLM"),
         Family("sarvam_mla", layouts.sarvam_mla_layout, gates.deepseek_gate, True,
                fused_architecture="DeepseekV3ForCausalLM"),
         Family("sarvam_moe", layouts.sarvam_moe_layout, gates.glm4_moe_gate, True,
@@ -174,6 +178,7 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "Step3p5ForCausalLM": Direct("step3p5"),
     "SarvamMLAForCausalLM": Direct("sarvam_mla"),
     "HYV3ForCausalLM": Direct("hy_v3"),
+    "Mistral4ForCausalLM": Direct("mistral4"),
     "SarvamMoEForCausalLM": Direct("sarvam_moe"),
     "KimiLinearForCausalLM": Direct("kimi_linear"),
     "LongcatFlashForCausalLM": Direct("longcat_flash"),

@@ -36,6 +36,8 @@ Conventions follow the architectures' reference implementations:
   (num_nextn_predict_layers) are cut to the model's layers.
 - HY-V3: layer i is MoE iff mlp_layer_types[i] is "sparse" (by default every layer but the first), with num_experts
   (192) routed experts, num_experts_per_tok (8) of them a token and num_shared_experts (1) shared ones.
+- Mistral 4: DeepSeek-V3's layout with transformers' Mistral4Config defaults (every layer MoE; 128 experts, top-4,
+  one shared).
 - Sarvam (sarvam-105b's MLA, sarvam-30b's MoE): DeepSeek-V3's and GLM-4-MoE's layouts under Sarvam's names
   (num_experts, num_shared_experts) and defaults (the first layer dense; 128 experts, top-8 or top-6).
 - Cohere2-MoE: layer i is MoE iff mlp_layer_types[i] is "sparse" (by default every layer from
@@ -348,23 +350,31 @@ def _named(cfg: ConfigView, name: str, *aliases: str) -> str:
 
 def sarvam_mla_layout(cfg: ConfigView) -> MoeLayout:
     """transformers' SarvamMLAConfig defaults and names (its attribute_map) where a config leaves DeepSeek's out."""
-    return _sarvam_layout(cfg, layers=32, experts=128, top_k=8)
+    return _deepseek_defaults_layout(cfg, layers=32, experts=128, top_k=8, first_dense=1)
 
 
 def sarvam_moe_layout(cfg: ConfigView) -> MoeLayout:
     """transformers' SarvamMoEConfig defaults and names (its attribute_map) where a config leaves GLM-4-MoE's out."""
-    return _sarvam_layout(cfg, layers=19, experts=128, top_k=6)
+    return _deepseek_defaults_layout(cfg, layers=19, experts=128, top_k=6, first_dense=1)
 
 
-def _sarvam_layout(cfg: ConfigView, *, layers: int, experts: int, top_k: int) -> MoeLayout:
-    """DeepSeek's layout (layer i MoE iff i >= first_k_dense_replace (1) and i % moe_layer_freq == 0) under Sarvam's
-    names for the expert counts (num_experts, num_shared_experts: one by default)."""
+def mistral4_layout(cfg: ConfigView) -> MoeLayout:
+    """transformers' Mistral4Config defaults (36 layers, all MoE; 128 experts, top-4, one shared) where a config
+    leaves a field out."""
+    return _deepseek_defaults_layout(cfg, layers=36, experts=128, top_k=4, first_dense=0)
+
+
+def _deepseek_defaults_layout(cfg: ConfigView, *, layers: int, experts: int, top_k: int,
+                              first_dense: int) -> MoeLayout:
+    """DeepSeek's layout (layer i MoE iff i >= first_k_dense_replace and i % moe_layer_freq == 0) with a family's
+    defaults, its expert counts also under the names transformers' configs alias (num_experts, num_local_experts,
+    num_shared_experts: one shared expert by default)."""
     n_layers = cfg.int("num_hidden_layers", layers, minimum=1, maximum=MAX_LAYERS)
     n_routed = cfg.int(_named(cfg, "n_routed_experts", "num_experts", "num_local_experts"), experts, minimum=1)
     n_shared = cfg.int(_named(cfg, "n_shared_experts", "num_shared_experts"), 1, minimum=0)
     k = cfg.int("num_experts_per_tok", top_k, minimum=1)
     _check_top_k(cfg, k, n_routed)
-    first = cfg.int("first_k_dense_replace", 1, minimum=0)
+    first = cfg.int("first_k_dense_replace", first_dense, minimum=0)
     freq = cfg.int("moe_layer_freq", 1, minimum=1)
     moe = tuple(i for i in range(n_layers) if i >= first and i % freq == 0)
     return MoeLayout(tuple(range(n_layers)), moe, n_routed, n_shared, k)

@@ -230,6 +230,27 @@ def make_hy_v3_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     return _save_random_model(path, "HYV3", seed, dict(HY_V3_TINY, **config))
 
 
+# Mistral 4 (tiny): DeepSeek-V3's MLA (q LoRA, interleaved rotary) and MoE with the softmax router in 2 groups (top-2
+# of the best group), layer 0 dense, 1 shared expert, experts 12 wide (stacked by transformers' save: 2 x 12 != 32
+# tells their orientation); YaRN over 4 original positions, so that the queries past them are scaled by
+# llama_4_scaling_beta (0.3).
+MISTRAL4_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=12,
+                     num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                     num_experts_per_tok=2,
+                     kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12,
+                     max_position_embeddings=256, first_k_dense_replace=1, n_group=2, topk_group=1,
+                     routed_scaling_factor=1.5, pad_token_id=0,
+                     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                      "original_max_position_embeddings": 4, "beta_fast": 32.0, "beta_slow": 1.0,
+                                      "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.3,
+                                      "partial_rotary_factor": 0.5})
+
+
+def make_mistral4_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random Mistral 4 of MISTRAL4_TINY updated with `config` (transformers' Mistral4Config kwargs)."""
+    return _save_random_model(path, "Mistral4", seed, dict(MISTRAL4_TINY, **config))
+
+
 # Sarvam's (tiny), in transformers' config kwargs: sarvam-105b's shape (DeepSeek-V3's MLA and MoE, layer 0 dense, one
 # group) and sarvam-30b's (GLM-4-MoE's: q/k norms, q/k/v biases, whole heads rotated), 8 experts each, 1 shared.
 SARVAM_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,

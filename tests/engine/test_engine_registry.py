@@ -33,6 +33,7 @@ def test_unknown_entry_class_lists_the_supported_ones():
                                                r"Llama4ForCausalLM, "
                                                r"Llama4ForConditionalGeneration, LongcatFlashForCausalLM, "
                                                r"MiMoV2FlashForCausalLM, MiniMaxForCausalLM, MiniMaxM2ForCausalLM, "
+                                               r"Mistral4ForCausalLM, "
                                                r"MixtralForCausalLM, "
                                                r"NemotronHForCausalLM, OlmoeForCausalLM, "
                                                r"PhiMoEForCausalLM, PhimoeForCausalLM, "

@@ -42,6 +42,7 @@ BUILT = {
     "Step3p7ForConditionalGeneration": "step3p5",
     "SarvamMLAForCausalLM": "sarvam_mla",
     "HYV3ForCausalLM": "hy_v3",
+    "Mistral4ForCausalLM": "mistral4",
     "SarvamMoEForCausalLM": "sarvam_moe",
     "AfmoeForCausalLM": "afmoe",
     "FlexOlmoForCausalLM": "flex_olmo",

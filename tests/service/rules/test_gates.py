@@ -650,6 +650,11 @@ HYBRIDS = [
     # HY-V3's (transformers' defaults): 192 experts, top-8, one shared expert beside them, the first layer dense
     ({"architectures": ["HYV3ForCausalLM"], "num_hidden_layers": 80}, 8, "hy_v3", 24,
      ("hy_v3.structural.no_fused_layout", "1 shared expert(s)"), {"num_shared_experts": 0}),
+    # Mistral 4's (transformers' defaults): 128 experts, top-4, one shared expert, every layer MoE; not the fused
+    # architecture
+    ({"architectures": ["Mistral4ForCausalLM"], "num_hidden_layers": 36}, 8, "mistral4", 16,
+     ("deepseek.structural.architecture", "Mistral4ForCausalLM is not the fused architecture"),
+     {"n_shared_experts": 0}),
     # sarvam-105b's and sarvam-30b's (Sarvam's names, the defaults they leave out): DeepSeek-V3's and GLM-4-MoE's
     # blocks, 128 experts and one shared one, not the fused architectures
     ({"architectures": ["SarvamMLAForCausalLM"], "num_hidden_layers": 32, "num_experts": 128,

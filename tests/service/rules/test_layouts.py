@@ -12,7 +12,7 @@ from loadplan.service.rules.layouts import (afmoe_layout, bailing_hybrid_layout,
                                             every_layer_moe_layout, exaone_moe_layout, granitemoe_hybrid_layout,
                                             hunyuan_v1_moe_layout, hy_v3_layout,
                                             jamba_layout, kimi_linear_layout, lfm2_moe_layout, longcat_flash_layout,
-                                            mimo_v2_flash_layout, nemotron_h_layout, qwen_moe_layout,
+                                            mimo_v2_flash_layout, mistral4_layout, nemotron_h_layout, qwen_moe_layout,
                                             sarvam_mla_layout, sarvam_moe_layout, solar_open_layout,
                                             step3p5_layout)
 
@@ -112,9 +112,12 @@ def test_hy_v3_layers(fields, moe, sizes):
     ("moe", {}, [1, 2, 3, 4, 5], (128, 1, 6)),
     ("mla", {"num_experts": 64, "num_shared_experts": 2, "first_k_dense_replace": 3}, [3, 4, 5], (64, 2, 8)),
     ("moe", {"n_routed_experts": 32, "moe_layer_freq": 2, "first_k_dense_replace": 0}, [0, 2, 4], (32, 1, 6)),
+    ("mistral4", {}, [0, 1, 2, 3, 4, 5], (128, 1, 4)),
+    ("mistral4", {"num_local_experts": 16, "n_shared_experts": 0, "first_k_dense_replace": 2}, [2, 3, 4, 5],
+     (16, 0, 4)),
 ])
-def test_sarvam_layers(layout, fields, moe, sizes):
-    of = sarvam_mla_layout if layout == "mla" else sarvam_moe_layout
+def test_deepseek_named_layers(layout, fields, moe, sizes):
+    of = {"mla": sarvam_mla_layout, "moe": sarvam_moe_layout, "mistral4": mistral4_layout}[layout]
     lay = of(ConfigView({"num_hidden_layers": 6, **fields}))
     assert list(lay.moe_layers) == moe and (lay.n_routed, lay.n_shared, lay.top_k) == sizes
 
