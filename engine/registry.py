@@ -50,6 +50,7 @@ ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "SarvamMoEForCausalLM": ("loadplan.engine.models.sarvam", "SarvamMoEForCausalLM"),
     "HYV3ForCausalLM": ("loadplan.engine.models.hy_v3", "HYV3ForCausalLM"),
     "Mistral4ForCausalLM": ("loadplan.engine.models.mistral4", "Mistral4ForCausalLM"),
+    "LagunaForCausalLM": ("loadplan.engine.models.laguna", "LagunaForCausalLM"),
     "MiMoV2FlashForCausalLM": ("loadplan.engine.models.mimo_v2_flash", "MiMoV2FlashForCausalLM"),
     "PhiMoEForCausalLM": ("loadplan.engine.models.phimoe", "PhiMoEForCausalLM"),
     "PhimoeForCausalLM": ("loadplan.engine.models.phimoe", "PhimoeForCausalLM"),

@@ -21,6 +21,7 @@ MiMo-V2-Flash: `v_head_dim`, values (and the attention's output per head) narrow
 AFMoE: `gate_proj`, the output gate from a projection of its own (H x head_dim features, split with the heads);
 Step-3.5: `gate_per_head`, that projection's H features, one gate a head (each head's output scaled alike), and
 `scale`, the softmax scale when it is not head_dim ** -0.5 (its query_pre_attn_scalar ** -0.5).
+Laguna: `gate_activation="softplus"`, its gates softplus(g_proj(x)) rather than sigmoid.
 EXAONE-MoE (and AFMoE): `use_rope=False` on its global layers (NoPE: q and k are not rotated; its windowed layers are).
 Hunyuan (A13B): `qk_norm_after_rope`, its per-head q and k norms run on the rotated q and k, not before.
 OLMoE: `qk_norm_span="projection"`: one RMSNorm over the whole q projection (all heads) and
@@ -46,6 +47,9 @@ from .kv_cache import KVCache, WindowKVCache
 from .norm import RMSNorm
 from .rope import apply_rotary
 
+# The output gate's activation: sigmoid (every gated family's), or softplus in float32 (Laguna's)
+GATE_ACTIVATIONS = {"sigmoid": torch.sigmoid, "softplus": lambda g: F.softplus(g.float()).to(g.dtype)}
+
 
 class GQAttention(nn.Module):
     def __init__(self, hidden_size: int, n_heads: int, n_kv_heads: int, head_dim: int, *, qkv_bias: bool,
@@ -54,8 +58,8 @@ class GQAttention(nn.Module):
                  sliding_window: int | None = None, qk_norm_span: str = "head", clip_qkv: float | None = None,
                  sinks: bool = False, output_gate: bool = False, norm: type[RMSNorm] = RMSNorm,
                  rope_interleave: bool = False, qk_norm_after_rope: bool = False, use_rope: bool = True,
-                 gate_proj: bool = False, gate_per_head: bool = False, v_head_dim: int | None = None,
-                 v_scale: float = 1.0, scale: float | None = None):
+                 gate_proj: bool = False, gate_per_head: bool = False, gate_activation: str = "sigmoid",
+                 v_head_dim: int | None = None, v_scale: float = 1.0, scale: float | None = None):
         super().__init__()
         if qk_norm_span not in ("head", "projection"):
             raise ValueError(f"qk_norm_span={qk_norm_span!r}: 'head' or 'projection'")
@@ -91,6 +95,9 @@ class GQAttention(nn.Module):
         if gate_per_head and not gate_proj:
             raise ValueError("gate_per_head shapes the gate projection's output: it needs gate_proj")
         self.gate_per_head = gate_per_head
+        if gate_activation not in GATE_ACTIVATIONS:
+            raise ValueError(f"gate_activation={gate_activation!r}: one of {', '.join(GATE_ACTIVATIONS)}")
+        self.gate_activation = gate_activation
         self.gate_proj = nn.Linear(hidden_size, n_heads * (1 if gate_per_head else head_dim), bias=False,
                                    dtype=dtype) if gate_proj else None
         per_head = qk_norm and qk_norm_span == "head"
@@ -177,7 +184,7 @@ class GQAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scale, enable_gqa=gqa)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.v_head_dim)   # [B, T, H * dv]
         if gate is not None:
-            y = y * torch.sigmoid(gate)
+            y = y * GATE_ACTIVATIONS[self.gate_activation](gate)
         return self.tp.output_projection(self.o_proj, y)                    # [B, T, D]: every rank's heads
 
     def _attend_with_sinks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

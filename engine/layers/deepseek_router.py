@@ -45,6 +45,7 @@ class DeepseekV3Router(nn.Module):
         scoring: str = "sigmoid",
         renorm_min: float | None = None,
         routing_bias: bool = True,
+        logit_softcap: float = 0.0,
     ):
         super().__init__()
         if scoring not in SCORING:
@@ -70,6 +71,8 @@ class DeepseekV3Router(nn.Module):
         self.fused_shared_expert_scale = fused_shared_expert_scale
         # float32 like the reference keeps them: near-tied sigmoid scores decide the experts.
         self.weight = nn.Parameter(torch.empty(n_routed_experts, hidden_size, dtype=torch.float32))
+        # Laguna's: the logits soft-capped, cap * tanh(logits / cap), before they are scored (0: not)
+        self.logit_softcap = logit_softcap
         # None: a router without the load-balancing bias (Mistral 4's), its top-k chosen on the scores themselves
         self.e_score_correction_bias = nn.Parameter(
             torch.zeros(n_routed_experts, dtype=torch.float32), requires_grad=False
@@ -79,6 +82,8 @@ class DeepseekV3Router(nn.Module):
         """x [T, D] -> (topk_ids [T, K'], topk_weights [T, K'] float32), K' = top_k + num_fused_shared_experts."""
         T = x.shape[0]
         logits = F.linear(x.float(), self.weight.float())                  # [T, E]
+        if self.logit_softcap > 0:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         scores = logits.sigmoid() if self.scoring == "sigmoid" else logits.softmax(dim=-1)
         biased = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
         if self.n_group > 1:

@@ -243,6 +243,16 @@ def _ropes(d: dict, cut: dict, types: list[str], head_dim: int) -> tuple[tuple[s
                 params[t]["partial_rotary_factor"] = factors[i] if isinstance(factors, list) else factors
         if d.get("rope_scaling") and "full_attention" in params:
             params["full_attention"].update(d["rope_scaling"])
+    return rope_of_each_type(params, types, head_dim)
+
+
+def rope_of_each_type(params: dict, types: list[str], head_dim: int) -> tuple[tuple[str, RopeConfig], ...]:
+    """rope_parameters given by layer type (one object for each type `types` has; the first `partial_rotary_factor`
+    features of each head rotated): ((type, its rope), ...), each refused by its field (Step-3.5's, Laguna's)."""
+    kinds = sorted(set(types))
+    if not isinstance(params, dict) or any(not isinstance(params.get(t), dict) for t in kinds):
+        raise ConfigError(f"config.rope_parameters: expected one object per layer type ({', '.join(kinds)}), got "
+                          f"{str(params)[:200]}")
     ropes = []
     for t in kinds:
         try:

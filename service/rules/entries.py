@@ -128,6 +128,8 @@ FAMILIES: dict[str, Family] = {
         # their own), so never fused
         # HY-V3 (Hunyuan V3): Qwen3's attention over DeepSeek-V3's MoE block, its shared experts never fused
         Family("hy_v3", layouts.hy_v3_layout, gates.hy_v3_gate, True),
+        # Laguna: per-layer head counts, softplus-gated attention, a shared expert of its own width, never fused
+        Family("laguna", layouts.laguna_layout, gates.laguna_gate, True),
         # Mistral 4: DeepSeek-V3's model with a softmax router and position-scaled queries; not the fused
         # architecture, so never fused
         Family("mistral4", layouts.mistral4_layout, gates.deepseek_gate, True,
@@ -179,6 +181,7 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "SarvamMLAForCausalLM": Direct("sarvam_mla"),
     "HYV3ForCausalLM": Direct("hy_v3"),
     "Mistral4ForCausalLM": Direct("mistral4"),
+    "LagunaForCausalLM": Direct("laguna"),
     "SarvamMoEForCausalLM": Direct("sarvam_moe"),
     "KimiLinearForCausalLM": Direct("kimi_linear"),
     "LongcatFlashForCausalLM": Direct("longcat_flash"),

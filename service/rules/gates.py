@@ -156,6 +156,14 @@ def hy_v3_gate(ctx: GateContext) -> Verdict | None:
                    f"for HY-V3")
 
 
+def laguna_gate(ctx: GateContext) -> Verdict | None:
+    """Laguna never fuses (not in DESIGN 5.2; our choice): its shared expert is as wide as
+    shared_expert_intermediate_size says, not as a routed expert. Structural: enforce does not skip it."""
+    return Verdict("laguna.structural.no_fused_layout",
+                   "its shared expert runs beside the routed experts (its own width): no fused layout exists for "
+                   "Laguna")
+
+
 def hunyuan_v1_moe_gate(ctx: GateContext) -> Verdict | None:
     """Hunyuan never fuses (not in DESIGN 5.2; our choice, as SGLang and vLLM run it): its shared MLP runs beside the
     routed experts, ungated, with no fused layout or kernel. Structural: enforce does not skip it."""

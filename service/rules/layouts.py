@@ -36,6 +36,8 @@ Conventions follow the architectures' reference implementations:
   (num_nextn_predict_layers) are cut to the model's layers.
 - HY-V3: layer i is MoE iff mlp_layer_types[i] is "sparse" (by default every layer but the first), with num_experts
   (192) routed experts, num_experts_per_tok (8) of them a token and num_shared_experts (1) shared ones.
+- Laguna: layer i is MoE iff mlp_layer_types[i] is "sparse" (by default all but the first), with num_experts (256)
+  routed experts, num_experts_per_tok (8) of them a token and one shared expert.
 - Mistral 4: DeepSeek-V3's layout with transformers' Mistral4Config defaults (every layer MoE; 128 experts, top-4,
   one shared).
 - Sarvam (sarvam-105b's MLA, sarvam-30b's MoE): DeepSeek-V3's and GLM-4-MoE's layouts under Sarvam's names
@@ -400,6 +402,16 @@ def hy_v3_layout(cfg: ConfigView) -> MoeLayout:
     k = cfg.int("num_experts_per_tok", 8, minimum=1)
     _check_top_k(cfg, k, n_routed)
     return MoeLayout(tuple(range(n_layers)), _sparse_by_mlp_layer_types(cfg, n_layers, 1), n_routed, n_shared, k)
+
+
+def laguna_layout(cfg: ConfigView) -> MoeLayout:
+    """transformers' LagunaConfig defaults (40 layers, the first dense; 256 experts, top-8, one shared) where a config
+    leaves a field out."""
+    n_layers = cfg.int("num_hidden_layers", 40, minimum=1, maximum=MAX_LAYERS)
+    n_routed = cfg.int("num_experts", 256, minimum=1)
+    k = cfg.int("num_experts_per_tok", 8, minimum=1)
+    _check_top_k(cfg, k, n_routed)
+    return MoeLayout(tuple(range(n_layers)), _sparse_by_mlp_layer_types(cfg, n_layers, 1), n_routed, 1, k)
 
 
 def cohere2_moe_layout(cfg: ConfigView) -> MoeLayout:

@@ -230,6 +230,23 @@ def make_hy_v3_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     return _save_random_model(path, "HYV3", seed, dict(HY_V3_TINY, **config))
 
 
+# Laguna (tiny): layer 0 dense; global layers (4 heads, half of each rotated, theta 5e5) around windowed ones (8 heads,
+# 4 positions, whole heads rotated); per-head softplus gates; 8 routed experts of 16 (top-2, biased sigmoid router,
+# logits soft-capped at 2, scaled by 1.5) and a shared expert of 24.
+LAGUNA_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
+                   num_attention_heads=4, num_attention_heads_per_layer=[4, 8, 8, 4], num_key_value_heads=2,
+                   head_dim=8, num_experts=8, num_experts_per_tok=2, shared_expert_intermediate_size=24,
+                   sliding_window=4, layer_types=["full_attention", "sliding_attention", "sliding_attention",
+                                                  "full_attention"],
+                   moe_router_logit_softcapping=2.0, moe_routed_scaling_factor=1.5, max_position_embeddings=256)
+
+
+def make_laguna_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random Laguna of LAGUNA_TINY updated with `config` (transformers' LagunaConfig kwargs), routing bias
+    included."""
+    return _save_random_model(path, "Laguna", seed, dict(LAGUNA_TINY, **config))
+
+
 # Mistral 4 (tiny): DeepSeek-V3's MLA (q LoRA, interleaved rotary) and MoE with the softmax router in 2 groups (top-2
 # of the best group), layer 0 dense, 1 shared expert, experts 12 wide (stacked by transformers' save: 2 x 12 != 32
 # tells their orientation); YaRN over 4 original positions, so that the queries past them are scaled by

@@ -54,6 +54,7 @@ COHERE2_MOE = "Cohere2MoeForCausalLM"
 STEP3P7 = "Step3p7ForConditionalGeneration"
 HY_V3 = "HYV3ForCausalLM"
 MISTRAL4 = "Mistral4ForCausalLM"
+LAGUNA = "LagunaForCausalLM"
 SARVAM_MLA = "SarvamMLAForCausalLM"
 SARVAM_MOE = "SarvamMoEForCausalLM"
 # transformers' class for an entry class it has none of its own for (it builds Sarvam's from their model_type)
@@ -108,6 +109,7 @@ MAKERS = {
     STEP3P7: lambda path, seed: engine_helpers.make_step3p7_checkpoint(path, seed=seed),
     HY_V3: lambda path, seed: engine_helpers.make_hy_v3_checkpoint(path, seed=seed),
     MISTRAL4: lambda path, seed: engine_helpers.make_mistral4_checkpoint(path, seed=seed),
+    LAGUNA: lambda path, seed: engine_helpers.make_laguna_checkpoint(path, seed=seed),
     SARVAM_MLA: lambda path, seed: engine_helpers.make_sarvam_checkpoint(path, "MLA", seed=seed),
     SARVAM_MOE: lambda path, seed: engine_helpers.make_sarvam_checkpoint(path, "MoE", seed=seed),
     EXAONE_MOE: lambda path, seed: engine_helpers.make_exaone_moe_checkpoint(path, seed=seed),

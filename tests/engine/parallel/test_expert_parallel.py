@@ -17,7 +17,7 @@ from loadplan.service.rules.backends import BACKENDS
 
 from families import (AFMOE, BAILING_HYBRID, COHERE2_MOE, DBRX, DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, DOTS1,
                       ERNIE4_5_MOE, EXAONE_MOE, FLEX_OLMO, GLM4, GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE,
-                      GRANITEMOE_HYBRID, GRANITEMOE_SHARED, GRANITEMOE_SWA, HUNYUAN, HY_V3, JAMBA, KIMI_LINEAR,
+                      GRANITEMOE_HYBRID, GRANITEMOE_SHARED, GRANITEMOE_SWA, HUNYUAN, HY_V3, JAMBA, KIMI_LINEAR, LAGUNA,
                       LFM2_MOE, LLAMA4, LONGCAT_FLASH, MIMO_V2_FLASH, MINIMAX, MINIMAX_M2, MISTRAL4, MIXTRAL,
                       NEMOTRON_H, OLMOE, PHIMOE, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, SARVAM_MLA, SARVAM_MOE, SOLAR_OPEN,
                       STEP3P7, make_model)
@@ -154,7 +154,7 @@ DOUBLE_REDUCTION_CASES = [(QWEN3, "mori"), (MIXTRAL, "nixl"), (OLMOE, "mooncake"
                           (LONGCAT_FLASH, "nixl"), (SOLAR_OPEN, "megamoe"),
                           (BAILING_HYBRID, "flashinfer"), (COHERE2_MOE, "deepep"),
                           (STEP3P7, "mooncake"), (SARVAM_MLA, "nixl"), (SARVAM_MOE, "megamoe"),
-                          (HY_V3, "deepep"), (MISTRAL4, "mori")]
+                          (HY_V3, "deepep"), (MISTRAL4, "mori"), (LAGUNA, "flashinfer")]
 
 
 def _ep_ranks_of_families(rank, world_size, paths, ids):
@@ -202,7 +202,8 @@ def test_every_backend_on_two_ranks_matches_one_process_and_sees_a_double_reduct
     Step-3.7 (Step-3.5's text model): its biased sigmoid router, clamped experts, its shared expert on each rank.
     Sarvam's: DeepSeek-V3's and GLM-4-MoE's blocks under their names, their shared experts never fused. HY-V3:
     DeepSeek-V3's block with one group, its shared expert never fused, summed in float32. Mistral 4: its softmax
-    router in groups, its stacked experts split by rank, its position-scaled MLA replicated.
+    router in groups, its stacked experts split by rank, its position-scaled MLA replicated. Laguna: its soft-capped
+    router, its shared expert on each rank.
     FlexOlmo:
     OLMoE's layer with post-norms, whose RMSNorm of the experts' output normalises a uniform scale away: a
     double reduction (twice every token's output) leaves its logits as they are, and the test says so."""

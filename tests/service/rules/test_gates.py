@@ -650,6 +650,9 @@ HYBRIDS = [
     # HY-V3's (transformers' defaults): 192 experts, top-8, one shared expert beside them, the first layer dense
     ({"architectures": ["HYV3ForCausalLM"], "num_hidden_layers": 80}, 8, "hy_v3", 24,
      ("hy_v3.structural.no_fused_layout", "1 shared expert(s)"), {"num_shared_experts": 0}),
+    # Laguna's (transformers' defaults): 256 experts, top-8, one shared expert of its own width, the first layer dense
+    ({"architectures": ["LagunaForCausalLM"], "num_hidden_layers": 40}, 8, "laguna", 32,
+     ("laguna.structural.no_fused_layout", "shared expert"), None),
     # Mistral 4's (transformers' defaults): 128 experts, top-4, one shared expert, every layer MoE; not the fused
     # architecture
     ({"architectures": ["Mistral4ForCausalLM"], "num_hidden_layers": 36}, 8, "mistral4", 16,

@@ -1,0 +1,188 @@
+"""Laguna (`LagunaForCausalLM`), following transformers' modeling_laguna numerically.
+
+Shapes: B batch, T tokens, D hidden, E routed experts, K top-k, V vocab, H/H_kv heads, hd head_dim.
+
+- Attention: grouped-query with per-head RMSNorm on q and k (before the rotation), a head count per layer
+  (num_attention_heads_per_layer); layer i is windowed ("sliding_attention": `sliding_window` positions) or global
+  ("full_attention"), by `layer_types`, each kind with its own rotary embedding (rope_parameters by layer type:
+  transformers' defaults rotate half of each global head at theta 5e5 and whole windowed heads at 1e4). The output
+  is gated by softplus(g_proj(x)): one gate a head (`gating` true or "per-head") or one a feature.
+- Layer i is MoE iff mlp_layer_types[i] is "sparse" (by default all but the first). MoE: a sigmoid router whose top-k
+  is chosen with a routing bias (the checkpoint's `mlp.experts.e_score_correction_bias`), its logits soft-capped at
+  moe_router_logit_softcapping (0: not), weighted by the scores renormalised, scaled by moe_routed_scaling_factor
+  (layers/deepseek_router.py, one group); num_experts experts and a shared expert of shared_expert_intermediate_size
+  (the checkpoint's `mlp.shared_expert`), which the registry never fuses (our choice: its width is its own).
+- moe_apply_router_weight_on_input, which transformers does not read, is refused when true.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..layers.attention import GQAttention
+from ..layers.deepseek_router import DeepseekV3Router
+from ..layers.mlp import GatedMLP, activation
+from ..layers.rope import RopeConfig, RotaryEmbedding
+from ..moe import RoutedExperts
+from ..parallel.tensor import TensorParallel
+from ..weights import CheckpointNames
+from .causal_lm import DeclaredCausalLM, DecoderLayer
+from .config import ConfigError, get_field as _get, per_layer, top_k
+from .step3p5 import LAYER_TYPES, rope_of_each_type
+
+ARCHITECTURE = "LagunaForCausalLM"
+
+# (checkpoint, engine) suffixes under model.layers.{i}.
+LAGUNA_NAMES = CheckpointNames((
+    ("mlp.experts.e_score_correction_bias", "mlp.gate.e_score_correction_bias"),
+    ("self_attn.g_proj.weight", "self_attn.gate_proj.weight"),
+    *((f"mlp.shared_expert.{p}.weight", f"mlp.shared_experts.{p}.weight")
+      for p in ("gate_proj", "up_proj", "down_proj")),
+))
+# transformers' default ropes, by layer type
+DEFAULT_ROPES = {"full_attention": {"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5},
+                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}
+
+
+@dataclass(frozen=True)
+class LagunaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int               # the dense layers' MLP
+    num_hidden_layers: int
+    heads_per_layer: tuple[int, ...]
+    num_key_value_heads: int
+    head_dim: int
+    hidden_act: str
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope: RopeConfig                     # the global layers' (each layer turns q and k with its kind's: `ropes`)
+    ropes: tuple[tuple[str, RopeConfig], ...]
+    layer_types: tuple[str, ...]
+    sliding_window: int
+    attention_bias: bool
+    gate_per_head: bool
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    routed_scaling_factor: float
+    router_logit_softcap: float
+    moe_layers: tuple[int, ...]
+
+    def rope_of(self, layer_type: str) -> RopeConfig:
+        return dict(self.ropes)[layer_type]
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "LagunaConfig":
+        """transformers' LagunaConfig defaults where a checkpoint may leave a field out."""
+        if d.get("moe_apply_router_weight_on_input"):
+            raise ConfigError("config.moe_apply_router_weight_on_input: true is not supported; transformers' Laguna "
+                              "weights the experts' outputs (it does not read the field)")
+        n = _get(d, "num_hidden_layers", 40, int)
+        heads = _get(d, "num_attention_heads", 48, int)
+        per_layer_heads = _get(d, "num_attention_heads_per_layer", [heads] * n, list)
+        if len(per_layer_heads) != n or any(isinstance(h, bool) or not isinstance(h, int) or h < 1
+                                            for h in per_layer_heads):
+            raise ConfigError(f"config.num_attention_heads_per_layer: expected {n} positive integers, got "
+                              f"{per_layer_heads!r}"[:300])
+        types = per_layer(d, "layer_types", n, LAYER_TYPES, ["full_attention"] * n)
+        mlp_types = per_layer(d, "mlp_layer_types", n, ("dense", "sparse"), ["dense"] + ["sparse"] * (n - 1))
+        window = _get(d, "sliding_window", 512, int)
+        if window < 1:
+            raise ConfigError(f"config.sliding_window: must be >= 1, got {window}")
+        gating = d.get("gating", True)
+        if gating not in (True, False, "per-head", "per-element"):
+            raise ConfigError(f"config.gating: {gating!r} is not supported; true / \"per-head\" (a gate a head) or "
+                              f"false / \"per-element\" (a gate a feature)")
+        act = _get(d, "hidden_act", "silu", str)
+        activation(act)   # refuses unknown activations by name
+        head_dim = _get(d, "head_dim", 128, int)
+        params = d.get("rope_parameters") or DEFAULT_ROPES
+        ropes = rope_of_each_type(params, types, head_dim)
+        n_experts = _get(d, "num_experts", 256, int)
+        softcap = float(_get(d, "moe_router_logit_softcapping", 0.0, (int, float)))
+        if softcap < 0:
+            raise ConfigError(f"config.moe_router_logit_softcapping: must be >= 0, got {softcap}")
+        return cls(
+            vocab_size=_get(d, "vocab_size", 100352, int),
+            hidden_size=_get(d, "hidden_size", 2048, int),
+            intermediate_size=_get(d, "intermediate_size", 8192, int),
+            num_hidden_layers=n,
+            heads_per_layer=tuple(per_layer_heads),
+            num_key_value_heads=_get(d, "num_key_value_heads", 8, int),
+            head_dim=head_dim,
+            hidden_act=act,
+            rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6, (int, float))),
+            max_position_embeddings=_get(d, "max_position_embeddings", 131072, int),
+            tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
+            rope=dict(ropes).get("full_attention", ropes[0][1]),
+            ropes=ropes,
+            layer_types=tuple(types),
+            sliding_window=window,
+            attention_bias=bool(_get(d, "attention_bias", False, bool)),
+            gate_per_head=gating in (True, "per-head"),
+            num_experts=n_experts,
+            num_experts_per_tok=top_k(d, n_experts, "num_experts", 8),
+            moe_intermediate_size=_get(d, "moe_intermediate_size", 512, int),
+            shared_expert_intermediate_size=_get(d, "shared_expert_intermediate_size", 512, int),
+            routed_scaling_factor=float(_get(d, "moe_routed_scaling_factor", 1.0, (int, float))),
+            router_logit_softcap=softcap,
+            moe_layers=tuple(i for i, t in enumerate(mlp_types) if t == "sparse"),
+        )
+
+
+class LagunaMoE(nn.Module):
+    """The biased sigmoid router (soft-capped logits, one group), the routed experts, the shared expert."""
+
+    def __init__(self, cfg: LagunaConfig, plan, layer_id: int, dtype: torch.dtype):
+        super().__init__()
+        D = cfg.hidden_size
+        self.experts = RoutedExperts(cfg.num_experts, D, cfg.moe_intermediate_size, plan, layer_id=layer_id,
+                                     dtype=dtype)
+        if self.experts.num_fused_shared_experts:
+            raise ValueError(f"layer {layer_id}: plan fuses {self.experts.num_fused_shared_experts} shared expert "
+                             f"slot(s); Laguna's shared expert is never fused")
+        self.gate = DeepseekV3Router(D, cfg.num_experts, cfg.num_experts_per_tok, n_group=1, topk_group=1,
+                                     norm_topk_prob=True, routed_scaling_factor=cfg.routed_scaling_factor,
+                                     logit_softcap=cfg.router_logit_softcap)
+        # replicated on every rank, added after the experts' reduction
+        self.shared_experts = GatedMLP(D, cfg.shared_expert_intermediate_size, cfg.hidden_act, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> [T, D]"""
+        ids, weights = self.gate(x)                                  # [T, K] each, the scaling factor applied
+        return self.experts(x, ids, weights.to(x.dtype)) + self.shared_experts(x)
+
+
+class LagunaDecoderLayer(DecoderLayer):
+    """Turns q and k with its own kind's rotary tables (`rotary`: the model hands it those)."""
+
+    def __init__(self, cfg: LagunaConfig, plan, layer_id: int, dtype: torch.dtype):
+        tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
+        kind = cfg.layer_types[layer_id]
+        rope = cfg.rope_of(kind)
+        attn = GQAttention(cfg.hidden_size, cfg.heads_per_layer[layer_id], cfg.num_key_value_heads, cfg.head_dim,
+                           qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm=True,
+                           rms_norm_eps=cfg.rms_norm_eps, rotary_dim=int(cfg.head_dim * rope.partial_rotary_factor),
+                           dtype=dtype, tp=tp,
+                           sliding_window=cfg.sliding_window if kind == "sliding_attention" else None, gate_proj=True,
+                           gate_per_head=cfg.gate_per_head, gate_activation="softplus")
+        if layer_id in cfg.moe_layers:
+            mlp = LagunaMoE(cfg, plan, layer_id, dtype)
+        else:
+            mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype, tp=tp)
+        super().__init__(layer_id, attn, mlp, cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.rotary = RotaryEmbedding(cfg.head_dim, rope, cfg.max_position_embeddings)   # this kind's tables
+
+
+class LagunaForCausalLM(DeclaredCausalLM):
+    ARCHITECTURE = ARCHITECTURE
+    TENSOR_PARALLEL = True
+    CHECKPOINT_NAMES = LAGUNA_NAMES
+    CONFIG = LagunaConfig
+    DECODER_LAYER = LagunaDecoderLayer
