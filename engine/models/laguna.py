@@ -20,18 +20,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from ..layers.attention import GQAttention
-from ..layers.deepseek_router import DeepseekV3Router
 from ..layers.mlp import GatedMLP, activation
 from ..layers.rope import RopeConfig, RotaryEmbedding
-from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM, DecoderLayer
 from .config import ConfigError, get_field as _get, per_layer, top_k
-from .step3p5 import LAYER_TYPES, rope_of_each_type
+from .step3p5 import LAYER_TYPES, RopesByKind, SharedExpertMoE, rope_of_each_type
 
 ARCHITECTURE = "LagunaForCausalLM"
 
@@ -48,7 +45,7 @@ DEFAULT_ROPES = {"full_attention": {"rope_type": "default", "rope_theta": 500000
 
 
 @dataclass(frozen=True)
-class LagunaConfig:
+class LagunaConfig(RopesByKind):
     vocab_size: int
     hidden_size: int
     intermediate_size: int               # the dense layers' MLP
@@ -73,9 +70,6 @@ class LagunaConfig:
     routed_scaling_factor: float
     router_logit_softcap: float
     moe_layers: tuple[int, ...]
-
-    def rope_of(self, layer_type: str) -> RopeConfig:
-        return dict(self.ropes)[layer_type]
 
     @classmethod
     def from_hf(cls, d: dict) -> "LagunaConfig":
@@ -136,29 +130,6 @@ class LagunaConfig:
         )
 
 
-class LagunaMoE(nn.Module):
-    """The biased sigmoid router (soft-capped logits, one group), the routed experts, the shared expert."""
-
-    def __init__(self, cfg: LagunaConfig, plan, layer_id: int, dtype: torch.dtype):
-        super().__init__()
-        D = cfg.hidden_size
-        self.experts = RoutedExperts(cfg.num_experts, D, cfg.moe_intermediate_size, plan, layer_id=layer_id,
-                                     dtype=dtype)
-        if self.experts.num_fused_shared_experts:
-            raise ValueError(f"layer {layer_id}: plan fuses {self.experts.num_fused_shared_experts} shared expert "
-                             f"slot(s); Laguna's shared expert is never fused")
-        self.gate = DeepseekV3Router(D, cfg.num_experts, cfg.num_experts_per_tok, n_group=1, topk_group=1,
-                                     norm_topk_prob=True, routed_scaling_factor=cfg.routed_scaling_factor,
-                                     logit_softcap=cfg.router_logit_softcap)
-        # replicated on every rank, added after the experts' reduction
-        self.shared_experts = GatedMLP(D, cfg.shared_expert_intermediate_size, cfg.hidden_act, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, D] -> [T, D]"""
-        ids, weights = self.gate(x)                                  # [T, K] each, the scaling factor applied
-        return self.experts(x, ids, weights.to(x.dtype)) + self.shared_experts(x)
-
-
 class LagunaDecoderLayer(DecoderLayer):
     """Turns q and k with its own kind's rotary tables (`rotary`: the model hands it those)."""
 
@@ -173,7 +144,9 @@ class LagunaDecoderLayer(DecoderLayer):
                            sliding_window=cfg.sliding_window if kind == "sliding_attention" else None, gate_proj=True,
                            gate_per_head=cfg.gate_per_head, gate_activation="softplus")
         if layer_id in cfg.moe_layers:
-            mlp = LagunaMoE(cfg, plan, layer_id, dtype)
+            mlp = SharedExpertMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                                  cfg.shared_expert_intermediate_size, cfg.routed_scaling_factor, plan, layer_id,
+                                  dtype, logit_softcap=cfg.router_logit_softcap)
         else:
             mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype, tp=tp)
         super().__init__(layer_id, attn, mlp, cfg.hidden_size, cfg.rms_norm_eps, dtype)

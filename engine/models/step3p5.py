@@ -67,8 +67,17 @@ FIXED_FIELDS = {"use_moe": True, "moe_router_activation": "sigmoid", "use_moe_ro
 _STACKED = re.compile(r"^(?P<layer>.*model\.layers\.\d+)\.moe\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
+class RopesByKind:
+    """A config whose layer kinds each turn q and k with a rope of their own (`ropes`: (kind, rope) pairs)."""
+
+    ropes: tuple[tuple[str, RopeConfig], ...]
+
+    def rope_of(self, layer_type: str) -> RopeConfig:
+        return dict(self.ropes)[layer_type]
+
+
 @dataclass(frozen=True)
-class Step3p5Config:
+class Step3p5Config(RopesByKind):
     vocab_size: int
     hidden_size: int
     intermediate_size: int               # the dense layers' MLP
@@ -95,9 +104,6 @@ class Step3p5Config:
     swiglu_limits: tuple[float | None, ...]          # per layer: the routed experts' clamp
     swiglu_limits_shared: tuple[float | None, ...]   # per layer: the shared expert's or dense MLP's clamp
     num_nextn_predict_layers: int = 0
-
-    def rope_of(self, layer_type: str) -> RopeConfig:
-        return dict(self.ropes)[layer_type]
 
     @classmethod
     def from_hf(cls, d: dict) -> "Step3p5Config":
@@ -309,22 +315,24 @@ class ClampedMLP(GatedMLP):
         return self.tp.output_projection(self.down_proj, gate * up)
 
 
-class Step3p5MoE(nn.Module):
-    """The biased sigmoid router (one group), the routed experts (clamped where the layer says), the shared expert."""
+class SharedExpertMoE(nn.Module):
+    """The biased sigmoid router (one group, its logits soft-capped at `logit_softcap` when > 0), the routed experts
+    (their activation clamped at `limit`, where given), and one shared expert of its own width (clamped at
+    `shared_limit`), replicated on every rank and added after the experts' reduction: Step-3.5's block and Laguna's
+    (models/laguna.py), whose shared experts the registry never fuses."""
 
-    def __init__(self, cfg: Step3p5Config, plan, layer_id: int, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, n_experts: int, top_k: int, width: int, shared_width: int,
+                 routed_scaling_factor: float, plan, layer_id: int, dtype: torch.dtype, *, limit: float | None = None,
+                 shared_limit: float | None = None, logit_softcap: float = 0.0):
         super().__init__()
-        D = cfg.hidden_size
-        limit = cfg.swiglu_limits[layer_id]
-        self.experts = RoutedExperts(cfg.num_experts, D, cfg.moe_intermediate_size, plan, layer_id=layer_id,
-                                     dtype=dtype, activation=None if limit is None else ClampedSiluMul(limit))
+        self.experts = RoutedExperts(n_experts, hidden_size, width, plan, layer_id=layer_id, dtype=dtype,
+                                     activation=None if limit is None else ClampedSiluMul(limit))
         if self.experts.num_fused_shared_experts:
             raise ValueError(f"layer {layer_id}: plan fuses {self.experts.num_fused_shared_experts} shared expert "
-                             f"slot(s); Step-3.5's shared expert is never fused")
-        self.gate = DeepseekV3Router(D, cfg.num_experts, cfg.num_experts_per_tok, n_group=1, topk_group=1,
-                                     norm_topk_prob=True, routed_scaling_factor=cfg.routed_scaling_factor)
-        # replicated on every rank, added after the experts' reduction
-        self.shared_experts = ClampedMLP(D, cfg.share_expert_dim, cfg.swiglu_limits_shared[layer_id], dtype)
+                             f"slot(s); this shared expert is never fused")
+        self.gate = DeepseekV3Router(hidden_size, n_experts, top_k, n_group=1, topk_group=1, norm_topk_prob=True,
+                                     routed_scaling_factor=routed_scaling_factor, logit_softcap=logit_softcap)
+        self.shared_experts = ClampedMLP(hidden_size, shared_width, shared_limit, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> [T, D]"""
@@ -349,7 +357,9 @@ class Step3p5DecoderLayer(DecoderLayer):
                            sliding_window=cfg.sliding_window if windowed else None, gate_proj=True,
                            gate_per_head=True, scale=cfg.attention_scale)
         if layer_id in cfg.moe_layers:
-            mlp = Step3p5MoE(cfg, plan, layer_id, dtype)
+            mlp = SharedExpertMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                                  cfg.share_expert_dim, cfg.routed_scaling_factor, plan, layer_id, dtype,
+                                  limit=cfg.swiglu_limits[layer_id], shared_limit=cfg.swiglu_limits_shared[layer_id])
         else:
             mlp = ClampedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.swiglu_limits_shared[layer_id], dtype, tp=tp)
         super().__init__(layer_id, attn, mlp, cfg.hidden_size, cfg.rms_norm_eps, dtype)
