@@ -51,6 +51,7 @@ ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "HYV3ForCausalLM": ("loadplan.engine.models.hy_v3", "HYV3ForCausalLM"),
     "Mistral4ForCausalLM": ("loadplan.engine.models.mistral4", "Mistral4ForCausalLM"),
     "LagunaForCausalLM": ("loadplan.engine.models.laguna", "LagunaForCausalLM"),
+    "AXK1ForCausalLM": ("loadplan.engine.models.axk1", "AXK1ForCausalLM"),
     "MiMoV2FlashForCausalLM": ("loadplan.engine.models.mimo_v2_flash", "MiMoV2FlashForCausalLM"),
     "PhiMoEForCausalLM": ("loadplan.engine.models.phimoe", "PhiMoEForCausalLM"),
     "PhimoeForCausalLM": ("loadplan.engine.models.phimoe", "PhimoeForCausalLM"),

@@ -325,6 +325,7 @@ class DeepseekV3DecoderLayer(DecoderLayer):
 class DeepseekV3ForCausalLM(CausalLM):
     ARCHITECTURE = "DeepseekV3ForCausalLM"
     TENSOR_PARALLEL = True
+    DECODER_LAYER: type[DecoderLayer] = DeepseekV3DecoderLayer   # a family of V3's model with layers of its own
 
     @classmethod
     def parse_config(cls, hf_config: dict) -> DeepseekV3Config:
@@ -332,7 +333,7 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
         cfg = self.parse_config(hf_config)
-        super().__init__(cfg, plan, DeepseekV3DecoderLayer, n_routed=cfg.n_routed_experts,
+        super().__init__(cfg, plan, self.DECODER_LAYER, n_routed=cfg.n_routed_experts,
                          rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype)
         self.selection: TopKSelection | None = None
         if cfg.index_shared_layers:

@@ -132,6 +132,8 @@ FAMILIES: dict[str, Family] = {
         Family("laguna", layouts.laguna_layout, gates.laguna_gate, True),
         # Mistral 4: DeepSeek-V3's model with a softmax router and position-scaled queries; not the fused
         # architecture, so never fused
+        # A.X K1: DeepSeek-V3's model with its MoE output normalised; not the fused architecture, so never fused
+        Family("axk1", layouts.axk1_layout, gates.deepseek_gate, True, fused_architecture="DeepseekV3ForCausalLM"),
         Family("mistral4", layouts.mistral4_layout, gates.deepseek_gate, True,
                fused_architecture="DeepseekV3ForCausalLM"),
         Family("sarvam_mla", layouts.sarvam_mla_layout, gates.deepseek_gate, True,
@@ -181,6 +183,7 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "SarvamMLAForCausalLM": Direct("sarvam_mla"),
     "HYV3ForCausalLM": Direct("hy_v3"),
     "Mistral4ForCausalLM": Direct("mistral4"),
+    "AXK1ForCausalLM": Direct("axk1"),
     "LagunaForCausalLM": Direct("laguna"),
     "SarvamMoEForCausalLM": Direct("sarvam_moe"),
     "KimiLinearForCausalLM": Direct("kimi_linear"),

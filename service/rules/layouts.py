@@ -38,6 +38,7 @@ Conventions follow the architectures' reference implementations:
   (192) routed experts, num_experts_per_tok (8) of them a token and num_shared_experts (1) shared ones.
 - Laguna: layer i is MoE iff mlp_layer_types[i] is "sparse" (by default all but the first), with num_experts (256)
   routed experts, num_experts_per_tok (8) of them a token and one shared expert.
+- A.X K1: DeepSeek-V3's layout with transformers' AXK1Config defaults, or mlp_layer_types where the config has it.
 - Mistral 4: DeepSeek-V3's layout with transformers' Mistral4Config defaults (every layer MoE; 128 experts, top-4,
   one shared).
 - Sarvam (sarvam-105b's MLA, sarvam-30b's MoE): DeepSeek-V3's and GLM-4-MoE's layouts under Sarvam's names
@@ -358,6 +359,16 @@ def sarvam_mla_layout(cfg: ConfigView) -> MoeLayout:
 def sarvam_moe_layout(cfg: ConfigView) -> MoeLayout:
     """transformers' SarvamMoEConfig defaults and names (its attribute_map) where a config leaves GLM-4-MoE's out."""
     return _deepseek_defaults_layout(cfg, layers=19, experts=128, top_k=6, first_dense=1)
+
+
+def axk1_layout(cfg: ConfigView) -> MoeLayout:
+    """transformers' AXK1Config defaults (61 layers; 192 experts, top-8, one shared): layer i is MoE iff
+    mlp_layer_types[i] is "sparse", else as DeepSeek's first_k_dense_replace (1) and moe_layer_freq say."""
+    lay = _deepseek_defaults_layout(cfg, layers=61, experts=192, top_k=8, first_dense=1)
+    if cfg.raw("mlp_layer_types") is None:
+        return lay
+    n_layers = len(lay.layer_ids)
+    return replace(lay, moe_layers=_sparse_by_mlp_layer_types(cfg, n_layers, 0))
 
 
 def mistral4_layout(cfg: ConfigView) -> MoeLayout:

@@ -247,6 +247,21 @@ def make_laguna_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     return _save_random_model(path, "Laguna", seed, dict(LAGUNA_TINY, **config))
 
 
+# A.X K1 (tiny): DeepSeek-V3's MLA and grouped router (8 experts in 2 groups, top-2 of the best group) with its routing
+# bias, 1 shared expert, layers 0 and 2 dense; the MoE layers' output norm.
+AXK1_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+                 kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, n_group=2,
+                 topk_group=1, mlp_layer_types=["dense", "sparse", "dense", "sparse"], max_position_embeddings=256,
+                 bos_token_id=0, eos_token_id=1)
+
+
+def make_axk1_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random A.X K1 of AXK1_TINY updated with `config` (transformers' AXK1Config kwargs), routing bias
+    included."""
+    return _save_random_model(path, "AXK1", seed, dict(AXK1_TINY, **config))
+
+
 # Mistral 4 (tiny): DeepSeek-V3's MLA (q LoRA, interleaved rotary) and MoE with the softmax router in 2 groups (top-2
 # of the best group), layer 0 dense, 1 shared expert, experts 12 wide (stacked by transformers' save: 2 x 12 != 32
 # tells their orientation); YaRN over 4 original positions, so that the queries past them are scaled by

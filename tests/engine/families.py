@@ -55,6 +55,7 @@ STEP3P7 = "Step3p7ForConditionalGeneration"
 HY_V3 = "HYV3ForCausalLM"
 MISTRAL4 = "Mistral4ForCausalLM"
 LAGUNA = "LagunaForCausalLM"
+AXK1 = "AXK1ForCausalLM"
 SARVAM_MLA = "SarvamMLAForCausalLM"
 SARVAM_MOE = "SarvamMoEForCausalLM"
 # transformers' class for an entry class it has none of its own for (it builds Sarvam's from their model_type)
@@ -110,6 +111,7 @@ MAKERS = {
     HY_V3: lambda path, seed: engine_helpers.make_hy_v3_checkpoint(path, seed=seed),
     MISTRAL4: lambda path, seed: engine_helpers.make_mistral4_checkpoint(path, seed=seed),
     LAGUNA: lambda path, seed: engine_helpers.make_laguna_checkpoint(path, seed=seed),
+    AXK1: lambda path, seed: engine_helpers.make_axk1_checkpoint(path, seed=seed),
     SARVAM_MLA: lambda path, seed: engine_helpers.make_sarvam_checkpoint(path, "MLA", seed=seed),
     SARVAM_MOE: lambda path, seed: engine_helpers.make_sarvam_checkpoint(path, "MoE", seed=seed),
     EXAONE_MOE: lambda path, seed: engine_helpers.make_exaone_moe_checkpoint(path, seed=seed),

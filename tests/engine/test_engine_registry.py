@@ -19,7 +19,8 @@ def test_qwen_classes_resolve_lazily():
 
 def test_unknown_entry_class_lists_the_supported_ones():
     with pytest.raises(UnsupportedModel, match=r"'LlamaForCausalLM' not supported by the engine; supported: "
-                                               r"AfmoeForCausalLM, BailingHybridForCausalLM, Cohere2MoeForCausalLM, "
+                                               r"AXK1ForCausalLM, AfmoeForCausalLM, BailingHybridForCausalLM, "
+                                               r"Cohere2MoeForCausalLM, "
                                                r"DbrxForCausalLM, DeepseekV2ForCausalLM, DeepseekV32ForCausalLM, "
                                                r"DeepseekV3ForCausalLM, DeepseekV3ForCausalLMNextN, "
                                                r"Dots1ForCausalLM, Ernie4_5_MoeForCausalLM, ExaoneMoeForCausalLM, "

@@ -19,11 +19,11 @@ from loadplan.plan import Keys
 from loadplan.service.rules.backends import BACKENDS
 
 from engine_helpers import LocalRegistry, make_checkpoint, make_granitemoe_hybrid_checkpoint, make_nemotron_h_checkpoint
-from families import (AFMOE, BAILING_HYBRID, COHERE2_MOE, DBRX, DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, ERNIE4_5_MOE,
-                      EXAONE_MOE, FLEX_OLMO, GLM4, GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE, GRANITEMOE_HYBRID,
-                      GRANITEMOE_SWA, HUNYUAN, HY_V3, JAMBA, KIMI_LINEAR, LAGUNA, LLAMA4, LONGCAT_FLASH, MIMO_V2_FLASH,
-                      MINIMAX, MINIMAX_M2, MISTRAL4, MIXTRAL, NEMOTRON_H, OLMOE, PHIMOE, QWEN2, QWEN3, QWEN3_5_MOE,
-                      QWEN3_NEXT, SARVAM_MLA, SARVAM_MOE, SOLAR_OPEN, STEP3P7, make_model)
+from families import (AFMOE, AXK1, BAILING_HYBRID, COHERE2_MOE, DBRX, DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32,
+                      ERNIE4_5_MOE, EXAONE_MOE, FLEX_OLMO, GLM4, GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE,
+                      GRANITEMOE_HYBRID, GRANITEMOE_SWA, HUNYUAN, HY_V3, JAMBA, KIMI_LINEAR, LAGUNA, LLAMA4,
+                      LONGCAT_FLASH, MIMO_V2_FLASH, MINIMAX, MINIMAX_M2, MISTRAL4, MIXTRAL, NEMOTRON_H, OLMOE, PHIMOE,
+                      QWEN2, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, SARVAM_MLA, SARVAM_MOE, SOLAR_OPEN, STEP3P7, make_model)
 from parallel_helpers import single_process
 
 N_NEW = 4
@@ -48,7 +48,7 @@ CASES = [("qwen3", QWEN3, None), ("qwen2", QWEN2, "enforce"), ("qwen2", QWEN2, "
          ("bailing_hybrid", BAILING_HYBRID, None), ("cohere2_moe", COHERE2_MOE, None),
          ("step3p7", STEP3P7, None), ("sarvam_mla", SARVAM_MLA, None), ("sarvam_moe", SARVAM_MOE, None),
          ("hy_v3", HY_V3, None), ("mistral4", MISTRAL4, None),
-         ("laguna", LAGUNA, None)]
+         ("laguna", LAGUNA, None), ("axk1", AXK1, None)]
 
 
 def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
@@ -170,6 +170,7 @@ def paths(tmp_path_factory):
         "hy_v3": make_model(tmp_path_factory.mktemp("hy_v3"), HY_V3),
         "mistral4": make_model(tmp_path_factory.mktemp("mistral4"), MISTRAL4),
         "laguna": make_model(tmp_path_factory.mktemp("laguna"), LAGUNA),
+        "axk1": make_model(tmp_path_factory.mktemp("axk1"), AXK1),
         "nemotron_h": str(make_nemotron_h_checkpoint(tmp_path_factory.mktemp("nemotron_h"),
                                                      moe_shared_expert_intermediate_size=40, moe_latent_size=16)),
     }
@@ -328,6 +329,9 @@ def test_two_tp_ranks_give_the_single_process_logits_and_tokens(paths, ids, refe
     lg = by_name["laguna"]
     assert lg["heads"] == {(2, 1, 16), (4, 1, 32)} and lg["attn_gate_rows"] == {2, 4}
     assert lg["expert_inter"] == {8} and lg["dense_inter"] == {24} and not lg["fused"]
+    # A.X K1: its MLA 2 of 4 heads (kv_b_proj rows 2 x (8 + 12)), its experts' 16 features split, its MoE output norm
+    # after the reduction (whole)
+    assert by_name["axk1"]["mla_heads"] == {(2, 40, 24)} and by_name["axk1"]["expert_inter"] == {8}
     # MLA: half the heads and their kv_b_proj rows; the latent projection stays whole.
     (heads, kv_b_rows, kv_a_rows), = by_name["deepseek"]["mla_heads"]
     assert (heads, kv_b_rows, kv_a_rows) == (1, 1 * (8 + 12), 16 + 8)     # of 2 heads; nope 8 + v 12; lora 16 + rope 8
@@ -438,7 +442,7 @@ def test_a_family_whose_layers_do_not_split_is_refused_before_any_plan(paths, mo
     monkeypatch.setattr(Qwen3MoeForCausalLM, "TENSOR_PARALLEL", False)   # as a family added without TP would be
     registry, load = _load(paths["qwen3"], tp_size=2, tp_rank=1)
     refusal = (r"tensor parallelism \(tp_size=2\) is not implemented by the engine for Qwen3MoeForCausalLM; "
-               r"it is for: AfmoeForCausalLM, BailingHybridForCausalLM, Cohere2MoeForCausalLM, DbrxForCausalLM, ")
+               r"it is for: AXK1ForCausalLM, AfmoeForCausalLM, BailingHybridForCausalLM, Cohere2MoeForCausalLM, ")
     with pytest.raises(NotImplementedError, match=refusal) as err:
         load()
     assert "Qwen3MoeForCausalLM" not in str(err.value).split("it is for:")[1]

@@ -43,6 +43,7 @@ BUILT = {
     "SarvamMLAForCausalLM": "sarvam_mla",
     "HYV3ForCausalLM": "hy_v3",
     "Mistral4ForCausalLM": "mistral4",
+    "AXK1ForCausalLM": "axk1",
     "LagunaForCausalLM": "laguna",
     "SarvamMoEForCausalLM": "sarvam_moe",
     "AfmoeForCausalLM": "afmoe",

@@ -653,6 +653,9 @@ HYBRIDS = [
     # Laguna's (transformers' defaults): 256 experts, top-8, one shared expert of its own width, the first layer dense
     ({"architectures": ["LagunaForCausalLM"], "num_hidden_layers": 40}, 8, "laguna", 32,
      ("laguna.structural.no_fused_layout", "shared expert"), None),
+    # A.X K1's (transformers' defaults): 192 experts in 8 groups, top-8, one shared expert; not the fused architecture
+    ({"architectures": ["AXK1ForCausalLM"], "num_hidden_layers": 61}, 8, "axk1", 24,
+     ("deepseek.structural.architecture", "AXK1ForCausalLM is not the fused architecture"), {"n_shared_experts": 0}),
     # Mistral 4's (transformers' defaults): 128 experts, top-4, one shared expert, every layer MoE; not the fused
     # architecture
     ({"architectures": ["Mistral4ForCausalLM"], "num_hidden_layers": 36}, 8, "mistral4", 16,

@@ -7,7 +7,8 @@ import pytest
 from loadplan.service.errors import InvalidArgument
 from loadplan.service.rules import entries
 from loadplan.service.rules.config_view import ConfigView
-from loadplan.service.rules.layouts import (afmoe_layout, bailing_hybrid_layout, cohere2_moe_layout, dbrx_layout,
+from loadplan.service.rules.layouts import (afmoe_layout, axk1_layout, bailing_hybrid_layout, cohere2_moe_layout,
+                                            dbrx_layout,
                                             deepseek_layout, deepseek_nextn_layout, ernie4_5_moe_layout,
                                             every_layer_moe_layout, exaone_moe_layout, granitemoe_hybrid_layout,
                                             hunyuan_v1_moe_layout, hy_v3_layout,
@@ -123,11 +124,13 @@ def test_laguna_layers(fields, moe, sizes):
     ("mla", {"num_experts": 64, "num_shared_experts": 2, "first_k_dense_replace": 3}, [3, 4, 5], (64, 2, 8)),
     ("moe", {"n_routed_experts": 32, "moe_layer_freq": 2, "first_k_dense_replace": 0}, [0, 2, 4], (32, 1, 6)),
     ("mistral4", {}, [0, 1, 2, 3, 4, 5], (128, 1, 4)),
+    ("axk1", {}, [1, 2, 3, 4, 5], (192, 1, 8)),
+    ("axk1", {"mlp_layer_types": ["sparse", "dense"] * 3, "first_k_dense_replace": 3}, [0, 2, 4], (192, 1, 8)),
     ("mistral4", {"num_local_experts": 16, "n_shared_experts": 0, "first_k_dense_replace": 2}, [2, 3, 4, 5],
      (16, 0, 4)),
 ])
 def test_deepseek_named_layers(layout, fields, moe, sizes):
-    of = {"mla": sarvam_mla_layout, "moe": sarvam_moe_layout, "mistral4": mistral4_layout}[layout]
+    of = {"mla": sarvam_mla_layout, "moe": sarvam_moe_layout, "mistral4": mistral4_layout, "axk1": axk1_layout}[layout]
     lay = of(ConfigView({"num_hidden_layers": 6, **fields}))
     assert list(lay.moe_layers) == moe and (lay.n_routed, lay.n_shared, lay.top_k) == sizes
 
