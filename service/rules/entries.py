@@ -134,6 +134,8 @@ FAMILIES: dict[str, Family] = {
         # architecture, so never fused
         # A.X K1: DeepSeek-V3's model with its MoE output normalised; not the fused architecture, so never fused
         Family("axk1", layouts.axk1_layout, gates.deepseek_gate, True, fused_architecture="DeepseekV3ForCausalLM"),
+        # Mellum: Qwen3-MoE's layer with windowed layers; no shared expert
+        Family("mellum", layouts.mellum_layout, None, False),
         Family("mistral4", layouts.mistral4_layout, gates.deepseek_gate, True,
                fused_architecture="DeepseekV3ForCausalLM"),
         Family("sarvam_mla", layouts.sarvam_mla_layout, gates.deepseek_gate, True,
@@ -184,6 +186,7 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "HYV3ForCausalLM": Direct("hy_v3"),
     "Mistral4ForCausalLM": Direct("mistral4"),
     "AXK1ForCausalLM": Direct("axk1"),
+    "MellumForCausalLM": Direct("mellum"),
     "LagunaForCausalLM": Direct("laguna"),
     "SarvamMoEForCausalLM": Direct("sarvam_moe"),
     "KimiLinearForCausalLM": Direct("kimi_linear"),

@@ -39,6 +39,8 @@ Conventions follow the architectures' reference implementations:
 - Laguna: layer i is MoE iff mlp_layer_types[i] is "sparse" (by default all but the first), with num_experts (256)
   routed experts, num_experts_per_tok (8) of them a token and one shared expert.
 - A.X K1: DeepSeek-V3's layout with transformers' AXK1Config defaults, or mlp_layer_types where the config has it.
+- Mellum: layer i is MoE iff mlp_layer_types[i] is "sparse" (by default every layer), with num_experts (64) routed
+  experts, num_experts_per_tok (8) of them a token; no shared expert.
 - Mistral 4: DeepSeek-V3's layout with transformers' Mistral4Config defaults (every layer MoE; 128 experts, top-4,
   one shared).
 - Sarvam (sarvam-105b's MLA, sarvam-30b's MoE): DeepSeek-V3's and GLM-4-MoE's layouts under Sarvam's names
@@ -369,6 +371,16 @@ def axk1_layout(cfg: ConfigView) -> MoeLayout:
         return lay
     n_layers = len(lay.layer_ids)
     return replace(lay, moe_layers=_sparse_by_mlp_layer_types(cfg, n_layers, 0))
+
+
+def mellum_layout(cfg: ConfigView) -> MoeLayout:
+    """transformers' MellumConfig defaults (28 layers, all MoE; 64 experts, top-8, no shared one) where a config
+    leaves a field out."""
+    n_layers = cfg.int("num_hidden_layers", 28, minimum=1, maximum=MAX_LAYERS)
+    n_routed = cfg.int(_named(cfg, "num_local_experts", "num_experts"), 64, minimum=1)
+    k = cfg.int("num_experts_per_tok", 8, minimum=1)
+    _check_top_k(cfg, k, n_routed)
+    return MoeLayout(tuple(range(n_layers)), _sparse_by_mlp_layer_types(cfg, n_layers, 0), n_routed, 0, k)
 
 
 def mistral4_layout(cfg: ConfigView) -> MoeLayout:

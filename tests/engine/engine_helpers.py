@@ -262,6 +262,20 @@ def make_axk1_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     return _save_random_model(path, "AXK1", seed, dict(AXK1_TINY, **config))
 
 
+# Mellum (tiny): windowed layers (4 positions, theta 1e4) around global ones (theta 5e5), q/k norms; 8 experts of 16
+# (softmax top-2, renormalised), layer 3 dense.
+MELLUM_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+                   sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                                  "full_attention"],
+                   mlp_layer_types=["sparse", "sparse", "sparse", "dense"], max_position_embeddings=256)
+
+
+def make_mellum_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random Mellum of MELLUM_TINY updated with `config` (transformers' MellumConfig kwargs)."""
+    return _save_random_model(path, "Mellum", seed, dict(MELLUM_TINY, **config))
+
+
 # Mistral 4 (tiny): DeepSeek-V3's MLA (q LoRA, interleaved rotary) and MoE with the softmax router in 2 groups (top-2
 # of the best group), layer 0 dense, 1 shared expert, experts 12 wide (stacked by transformers' save: 2 x 12 != 32
 # tells their orientation); YaRN over 4 original positions, so that the queries past them are scaled by

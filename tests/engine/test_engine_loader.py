@@ -292,6 +292,8 @@ _BAD_CONFIGS = [
                                            q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
                                            n_group=1, topk_group=1, bos_token_id=0, eos_token_id=1),
      {"moe_layer_freq": 0}, "target"),
+    ("MellumForCausalLM", "MellumConfig", dict(num_experts=8, num_experts_per_tok=2, head_dim=8), {"sliding_window": 0},
+     "target"),
     ("Mistral4ForCausalLM", "Mistral4Config", dict(n_routed_experts=8, moe_intermediate_size=16, kv_lora_rank=16,
                                                    qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8),
      {"num_experts_per_tok": 0}, "target"),
@@ -363,12 +365,12 @@ def test_every_engine_entry_class_reads_its_config_before_the_plan():
 
 
 # Entry classes of _BAD_CONFIGS whose config has no rope of the kind the others read: Nemotron-H and Kimi-Linear (no
-# layer turns q or k; transformers reads no rope field for them), MiMo-V2-Flash, Step-3.5 and Laguna (one
+# layer turns q or k; transformers reads no rope field for them), MiMo-V2-Flash, Step-3.5, Laguna and Mellum (one
 # rope_parameters object per layer type, refused by type in their own tests), Mistral 4 (its rope_parameters must
 # carry its query scaling; rope_scaling refused: its own test), the wrappers (their text_config's family is here too)
 # and the drafts (their target's family is).
 _NO_PLAIN_ROPE = {"NemotronHForCausalLM", "KimiLinearForCausalLM", "MiMoV2FlashForCausalLM", "Step3p5ForCausalLM",
-                  "Mistral4ForCausalLM", "LagunaForCausalLM"}
+                  "Mistral4ForCausalLM", "LagunaForCausalLM", "MellumForCausalLM"}
 
 
 @pytest.mark.parametrize("arch, hf_class, kwargs", [(a, h, k) for a, h, k, _, role in _BAD_CONFIGS

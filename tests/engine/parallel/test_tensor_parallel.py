@@ -22,8 +22,9 @@ from engine_helpers import LocalRegistry, make_checkpoint, make_granitemoe_hybri
 from families import (AFMOE, AXK1, BAILING_HYBRID, COHERE2_MOE, DBRX, DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32,
                       ERNIE4_5_MOE, EXAONE_MOE, FLEX_OLMO, GLM4, GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE,
                       GRANITEMOE_HYBRID, GRANITEMOE_SWA, HUNYUAN, HY_V3, JAMBA, KIMI_LINEAR, LAGUNA, LLAMA4,
-                      LONGCAT_FLASH, MIMO_V2_FLASH, MINIMAX, MINIMAX_M2, MISTRAL4, MIXTRAL, NEMOTRON_H, OLMOE, PHIMOE,
-                      QWEN2, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, SARVAM_MLA, SARVAM_MOE, SOLAR_OPEN, STEP3P7, make_model)
+                      LONGCAT_FLASH, MELLUM, MIMO_V2_FLASH, MINIMAX, MINIMAX_M2, MISTRAL4, MIXTRAL, NEMOTRON_H, OLMOE,
+                      PHIMOE, QWEN2, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, SARVAM_MLA, SARVAM_MOE, SOLAR_OPEN, STEP3P7,
+                      make_model)
 from parallel_helpers import single_process
 
 N_NEW = 4
@@ -48,7 +49,8 @@ CASES = [("qwen3", QWEN3, None), ("qwen2", QWEN2, "enforce"), ("qwen2", QWEN2, "
          ("bailing_hybrid", BAILING_HYBRID, None), ("cohere2_moe", COHERE2_MOE, None),
          ("step3p7", STEP3P7, None), ("sarvam_mla", SARVAM_MLA, None), ("sarvam_moe", SARVAM_MOE, None),
          ("hy_v3", HY_V3, None), ("mistral4", MISTRAL4, None),
-         ("laguna", LAGUNA, None), ("axk1", AXK1, None)]
+         ("laguna", LAGUNA, None), ("axk1", AXK1, None),
+         ("mellum", MELLUM, None)]
 
 
 def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
@@ -171,6 +173,7 @@ def paths(tmp_path_factory):
         "mistral4": make_model(tmp_path_factory.mktemp("mistral4"), MISTRAL4),
         "laguna": make_model(tmp_path_factory.mktemp("laguna"), LAGUNA),
         "axk1": make_model(tmp_path_factory.mktemp("axk1"), AXK1),
+        "mellum": make_model(tmp_path_factory.mktemp("mellum"), MELLUM),
         "nemotron_h": str(make_nemotron_h_checkpoint(tmp_path_factory.mktemp("nemotron_h"),
                                                      moe_shared_expert_intermediate_size=40, moe_latent_size=16)),
     }
@@ -332,6 +335,10 @@ def test_two_tp_ranks_give_the_single_process_logits_and_tokens(paths, ids, refe
     # A.X K1: its MLA 2 of 4 heads (kv_b_proj rows 2 x (8 + 12)), its experts' 16 features split, its MoE output norm
     # after the reduction (whole)
     assert by_name["axk1"]["mla_heads"] == {(2, 40, 24)} and by_name["axk1"]["expert_inter"] == {8}
+    # Mellum: 2 of 4 heads of 8 and 1 of 2 key/value heads (windowed and global layers alike), its experts' 16
+    # features and its dense layer's 48 split
+    assert by_name["mellum"]["heads"] == {(2, 1, 16)} and by_name["mellum"]["expert_inter"] == {8}
+    assert by_name["mellum"]["dense_inter"] == {24}
     # MLA: half the heads and their kv_b_proj rows; the latent projection stays whole.
     (heads, kv_b_rows, kv_a_rows), = by_name["deepseek"]["mla_heads"]
     assert (heads, kv_b_rows, kv_a_rows) == (1, 1 * (8 + 12), 16 + 8)     # of 2 heads; nope 8 + v 12; lora 16 + rope 8

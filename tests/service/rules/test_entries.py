@@ -44,6 +44,7 @@ BUILT = {
     "HYV3ForCausalLM": "hy_v3",
     "Mistral4ForCausalLM": "mistral4",
     "AXK1ForCausalLM": "axk1",
+    "MellumForCausalLM": "mellum",
     "LagunaForCausalLM": "laguna",
     "SarvamMoEForCausalLM": "sarvam_moe",
     "AfmoeForCausalLM": "afmoe",

@@ -656,6 +656,9 @@ HYBRIDS = [
     # A.X K1's (transformers' defaults): 192 experts in 8 groups, top-8, one shared expert; not the fused architecture
     ({"architectures": ["AXK1ForCausalLM"], "num_hidden_layers": 61}, 8, "axk1", 24,
      ("deepseek.structural.architecture", "AXK1ForCausalLM is not the fused architecture"), {"n_shared_experts": 0}),
+    # Mellum's (transformers' defaults): 64 experts, top-8 on every layer, no shared expert
+    ({"architectures": ["MellumForCausalLM"], "num_hidden_layers": 28}, 8, "mellum", 8,
+     ("mellum.no_shared_experts", "no shared experts"), None),
     # Mistral 4's (transformers' defaults): 128 experts, top-4, one shared expert, every layer MoE; not the fused
     # architecture
     ({"architectures": ["Mistral4ForCausalLM"], "num_hidden_layers": 36}, 8, "mistral4", 16,

@@ -13,10 +13,9 @@ from loadplan.service.rules.layouts import (afmoe_layout, axk1_layout, bailing_h
                                             every_layer_moe_layout, exaone_moe_layout, granitemoe_hybrid_layout,
                                             hunyuan_v1_moe_layout, hy_v3_layout,
                                             jamba_layout, kimi_linear_layout, laguna_layout, lfm2_moe_layout,
-                                            longcat_flash_layout,
-                                            mimo_v2_flash_layout, mistral4_layout, nemotron_h_layout, qwen_moe_layout,
-                                            sarvam_mla_layout, sarvam_moe_layout, solar_open_layout,
-                                            step3p5_layout)
+                                            longcat_flash_layout, mellum_layout, mimo_v2_flash_layout,
+                                            mistral4_layout, nemotron_h_layout, qwen_moe_layout, sarvam_mla_layout,
+                                            sarvam_moe_layout, solar_open_layout, step3p5_layout)
 
 from ._fixtures import deepseek, mixtral, qwen2, qwen3
 
@@ -113,9 +112,12 @@ def test_hy_v3_layers(fields, moe, sizes):
     ({}, [1, 2, 3, 4, 5], (256, 1, 8)),                                          # transformers' defaults
     ({"mlp_layer_types": ["sparse"] * 6, "num_experts": 16, "num_experts_per_tok": 2}, list(range(6)), (16, 1, 2)),
 ])
-def test_laguna_layers(fields, moe, sizes):
+def test_laguna_layers_and_mellums(fields, moe, sizes):
     lay = laguna_layout(ConfigView({"num_hidden_layers": 6, **fields}))
     assert list(lay.moe_layers) == moe and (lay.n_routed, lay.n_shared, lay.top_k) == sizes
+    mellum = mellum_layout(ConfigView({"num_hidden_layers": 6, **fields}))     # every layer MoE by default, no shared
+    want = list(range(6)) if "mlp_layer_types" not in fields else moe
+    assert list(mellum.moe_layers) == want and mellum.n_shared == 0
 
 
 @pytest.mark.parametrize("layout,fields,moe,sizes", [

@@ -1,0 +1,115 @@
+"""Mellum (`MellumForCausalLM`: JetBrains' MoE), following transformers' modeling_mellum numerically: Qwen3-MoE's layer
+(models/qwen_moe.py: q/k RMSNorm per head, the softmax router's top-k renormalised) in a hybrid of windowed and global
+layers.
+
+- Attention: layer i is windowed ("sliding_attention": `sliding_window` positions) or global ("full_attention"), by
+  `layer_types` (by default every layer global), each kind with its own rotary embedding (rope_parameters by layer
+  type: transformers' defaults theta 5e5 global, 1e4 windowed), whole heads rotated.
+- Layer i is MoE iff mlp_layer_types[i] is "sparse" (by default every layer); the dense ones a gated MLP of
+  intermediate_size; the experts are moe_intermediate_size wide, no shared expert.
+- Its Multi-Token-Prediction layer (`mtp.`, num_mtp_layers) is skipped, as transformers skips it. transformers saves
+  the expert count as num_local_experts (num_experts is its alias).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..layers.attention import GQAttention
+from ..layers.mlp import activation
+from ..layers.rope import RotaryEmbedding
+from ..parallel.tensor import TensorParallel
+from .config import ConfigError, get_field as _get, per_layer, top_k
+from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig
+from .step3p5 import LAYER_TYPES, RopesByKind, rope_of_each_type
+
+ARCHITECTURE = "MellumForCausalLM"
+# transformers' default ropes, by layer type
+DEFAULT_ROPES = {"full_attention": {"rope_type": "default", "rope_theta": 500000.0},
+                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+
+
+@dataclass(frozen=True)
+class MellumConfig(QwenMoeConfig, RopesByKind):
+    layer_types: tuple[str, ...] = ()
+    ropes: tuple = ()
+
+    @classmethod
+    def from_hf(cls, d: dict, architecture: str = ARCHITECTURE) -> "MellumConfig":
+        """transformers' MellumConfig defaults where a checkpoint may leave a field out."""
+        n = _get(d, "num_hidden_layers", 28, int)
+        heads = _get(d, "num_attention_heads", 32, int)
+        head_dim = _get(d, "head_dim", 128, int)
+        types = per_layer(d, "layer_types", n, LAYER_TYPES, ["full_attention"] * n)
+        mlp_types = per_layer(d, "mlp_layer_types", n, ("dense", "sparse"), ["sparse"] * n)
+        window = _get(d, "sliding_window", 1024, int) if d.get("sliding_window", 0) is not None else None
+        if window is None and "sliding_attention" in types:
+            raise ConfigError("config.sliding_window: null is not supported with sliding_attention layers")
+        if window is not None and window < 1:
+            raise ConfigError(f"config.sliding_window: must be >= 1, got {window}")
+        ropes = rope_of_each_type(d.get("rope_parameters") or DEFAULT_ROPES, types, head_dim)
+        if any(rope.partial_rotary_factor != 1.0 for _, rope in ropes):
+            raise ConfigError("config.rope_parameters: a partial_rotary_factor is not supported; Mellum rotates whole "
+                              "heads")
+        act = _get(d, "hidden_act", "silu", str)
+        activation(act)   # refuses unknown activations by name
+        n_experts = _get(d, "num_local_experts", None, int) or _get(d, "num_experts", 64, int)   # saved: the first
+        bias = bool(_get(d, "attention_bias", False, bool))
+        return cls(
+            architecture=architecture,
+            vocab_size=_get(d, "vocab_size", 98304, int),
+            hidden_size=_get(d, "hidden_size", 2304, int),
+            intermediate_size=_get(d, "intermediate_size", 7168, int),
+            num_hidden_layers=n,
+            num_attention_heads=heads,
+            num_key_value_heads=_get(d, "num_key_value_heads", 4, int),
+            head_dim=head_dim,
+            rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6, (int, float))),
+            hidden_act=act,
+            max_position_embeddings=_get(d, "max_position_embeddings", 131072, int),
+            tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
+            rope=dict(ropes).get("full_attention", ropes[0][1]),
+            num_experts=n_experts,
+            num_experts_per_tok=top_k(d, n_experts, "num_local_experts" if "num_local_experts" in d else "num_experts",
+                                      8),
+            moe_intermediate_size=_get(d, "moe_intermediate_size", 896, int),
+            norm_topk_prob=bool(_get(d, "norm_topk_prob", True, bool)),
+            decoder_sparse_step=1,
+            mlp_only_layers=(),
+            qkv_bias=bias,
+            o_bias=bias,
+            qk_norm=True,
+            moe_layers=tuple(i for i, t in enumerate(mlp_types) if t == "sparse"),
+            sliding_window=window,
+            layer_types=tuple(types),
+            ropes=ropes,
+        )
+
+
+class MellumDecoderLayer(QwenDecoderLayer):
+    """Qwen3-MoE's layer, windowed or not by its kind, turning q and k with its kind's rotary tables (`rotary`)."""
+
+    @classmethod
+    def make_attention(cls, cfg: MellumConfig, layer_id: int, dtype: torch.dtype, tp: TensorParallel) -> GQAttention:
+        windowed = cfg.layer_types[layer_id] == "sliding_attention"
+        return GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                           qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, qk_norm=True, rms_norm_eps=cfg.rms_norm_eps,
+                           dtype=dtype, tp=tp, sliding_window=cfg.sliding_window if windowed else None)
+
+    def __init__(self, cfg: MellumConfig, plan, layer_id: int, dtype: torch.dtype):
+        super().__init__(cfg, plan, layer_id, dtype)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_of(cfg.layer_types[layer_id]), cfg.max_position_embeddings)
+
+
+class MellumForCausalLM(QwenLayerCausalLM):
+    ARCHITECTURE = ARCHITECTURE
+    DECODER_LAYER = MellumDecoderLayer
+
+    @classmethod
+    def parse_config(cls, hf_config: dict) -> MellumConfig:
+        return MellumConfig.from_hf(hf_config)
+
+    def ignore_prefixes(self, prefix: str) -> tuple[str, ...]:
+        return (*super().ignore_prefixes(prefix), f"{prefix}mtp.")
