@@ -1,8 +1,8 @@
 """Mellum (`MellumForCausalLM`) from save_pretrained checkpoints: logits and greedy tokens against transformers,
 float32: Qwen3-MoE's layer (q/k norms, the softmax router's top-k renormalised or not) in a hybrid of windowed and
-global layers, each kind with its own rotary; dense layers by mlp_layer_types; its MTP layer's tensors skipped; token-by-token
-decoding; a batch decodes each row as alone; the registry plans it without shared experts; what it cannot run is
-refused by field before any plan. EP 2 with every backend and TP 2: tests/engine/parallel/."""
+global layers, each kind with its own rotary; dense layers by mlp_layer_types; its MTP layer's tensors skipped;
+token-by-token decoding; a batch decodes each row as alone; the registry plans it without shared experts; what it
+cannot run is refused by field before any plan. EP 2 with every backend and TP 2: tests/engine/parallel/."""
 
 from __future__ import annotations
 
