@@ -136,6 +136,8 @@ FAMILIES: dict[str, Family] = {
         Family("axk1", layouts.axk1_layout, gates.deepseek_gate, True, fused_architecture="DeepseekV3ForCausalLM"),
         # Mellum: Qwen3-MoE's layer with windowed layers; no shared expert
         Family("mellum", layouts.mellum_layout, None, False),
+        # Flint: Qwen3-MoE's layer with sinks and windows, a sigmoid router, an ungated shared expert never fused
+        Family("flint", layouts.flint_layout, gates.flint_gate, True),
         Family("mistral4", layouts.mistral4_layout, gates.deepseek_gate, True,
                fused_architecture="DeepseekV3ForCausalLM"),
         Family("sarvam_mla", layouts.sarvam_mla_layout, gates.deepseek_gate, True,
@@ -187,6 +189,7 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "Mistral4ForCausalLM": Direct("mistral4"),
     "AXK1ForCausalLM": Direct("axk1"),
     "MellumForCausalLM": Direct("mellum"),
+    "FlintForCausalLM": Direct("flint"),
     "LagunaForCausalLM": Direct("laguna"),
     "SarvamMoEForCausalLM": Direct("sarvam_moe"),
     "KimiLinearForCausalLM": Direct("kimi_linear"),

@@ -164,6 +164,13 @@ def laguna_gate(ctx: GateContext) -> Verdict | None:
                    "Laguna")
 
 
+def flint_gate(ctx: GateContext) -> Verdict | None:
+    """Flint never fuses (not in DESIGN 5.2; our choice): its ungated shared expert is as wide as
+    shared_expert_intermediate_size says, not as a routed expert. Structural: enforce does not skip it."""
+    return Verdict("flint.structural.no_fused_layout",
+                   "its shared expert runs beside the routed experts (its own width): no fused layout exists for Flint")
+
+
 def hunyuan_v1_moe_gate(ctx: GateContext) -> Verdict | None:
     """Hunyuan never fuses (not in DESIGN 5.2; our choice, as SGLang and vLLM run it): its shared MLP runs beside the
     routed experts, ungated, with no fused layout or kernel. Structural: enforce does not skip it."""

@@ -39,6 +39,8 @@ Conventions follow the architectures' reference implementations:
 - Laguna: layer i is MoE iff mlp_layer_types[i] is "sparse" (by default all but the first), with num_experts (256)
   routed experts, num_experts_per_tok (8) of them a token and one shared expert.
 - A.X K1: DeepSeek-V3's layout with transformers' AXK1Config defaults, or mlp_layer_types where the config has it.
+- Flint: Qwen's layout (mlp_only_layers by default [0, 1]) with num_experts (256) routed experts, top-6, and one
+  shared expert.
 - Mellum: layer i is MoE iff mlp_layer_types[i] is "sparse" (by default every layer), with num_experts (64) routed
   experts, num_experts_per_tok (8) of them a token; no shared expert.
 - Mistral 4: DeepSeek-V3's layout with transformers' Mistral4Config defaults (every layer MoE; 128 experts, top-4,
@@ -371,6 +373,19 @@ def axk1_layout(cfg: ConfigView) -> MoeLayout:
         return lay
     n_layers = len(lay.layer_ids)
     return replace(lay, moe_layers=_sparse_by_mlp_layer_types(cfg, n_layers, 0))
+
+
+def flint_layout(cfg: ConfigView) -> MoeLayout:
+    """transformers' FlintConfig defaults (49 layers; 256 experts, top-6, one shared): Qwen's layout, the first two
+    layers dense unless mlp_only_layers says otherwise."""
+    n_layers = cfg.int("num_hidden_layers", 49, minimum=1, maximum=MAX_LAYERS)
+    n_routed = cfg.int("num_experts", 256, minimum=1)
+    k = cfg.int("num_experts_per_tok", 6, minimum=1)
+    _check_top_k(cfg, k, n_routed)
+    step = cfg.int("decoder_sparse_step", 1, minimum=1)
+    mlp_only = set(cfg.int_list("mlp_only_layers", [0, 1]))
+    moe = tuple(i for i in range(n_layers) if i not in mlp_only and (i + 1) % step == 0)
+    return MoeLayout(tuple(range(n_layers)), moe, n_routed, 1, k)
 
 
 def mellum_layout(cfg: ConfigView) -> MoeLayout:

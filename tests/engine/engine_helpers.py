@@ -276,6 +276,20 @@ def make_mellum_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     return _save_random_model(path, "Mellum", seed, dict(MELLUM_TINY, **config))
 
 
+# Flint (tiny): layer 0 dense (mlp_only_layers); sink logits on every layer, windowed (4 positions, rotated) and global
+# (NoPE) layers; 8 experts of 16 (sigmoid top-2, renormalised) and an ungated shared expert of 24.
+FLINT_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+                  shared_expert_intermediate_size=24, sliding_window=4, mlp_only_layers=[0],
+                  layer_types=["full_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                  max_position_embeddings=256)
+
+
+def make_flint_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random Flint of FLINT_TINY updated with `config` (transformers' FlintConfig kwargs)."""
+    return _save_random_model(path, "Flint", seed, dict(FLINT_TINY, **config))
+
+
 # Mistral 4 (tiny): DeepSeek-V3's MLA (q LoRA, interleaved rotary) and MoE with the softmax router in 2 groups (top-2
 # of the best group), layer 0 dense, 1 shared expert, experts 12 wide (stacked by transformers' save: 2 x 12 != 32
 # tells their orientation); YaRN over 4 original positions, so that the queries past them are scaled by

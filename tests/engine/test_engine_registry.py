@@ -24,7 +24,7 @@ def test_unknown_entry_class_lists_the_supported_ones():
                                                r"DbrxForCausalLM, DeepseekV2ForCausalLM, DeepseekV32ForCausalLM, "
                                                r"DeepseekV3ForCausalLM, DeepseekV3ForCausalLMNextN, "
                                                r"Dots1ForCausalLM, Ernie4_5_MoeForCausalLM, ExaoneMoeForCausalLM, "
-                                               r"FlexOlmoForCausalLM, Glm4MoeForCausalLM, "
+                                               r"FlexOlmoForCausalLM, FlintForCausalLM, Glm4MoeForCausalLM, "
                                                r"Glm4MoeForCausalLMNextN, Glm4MoeLiteForCausalLM, "
                                                r"Glm4vMoeForConditionalGeneration, GlmMoeDsaForCausalLM, "
                                                r"GptOssForCausalLM, GraniteMoeForCausalLM, "

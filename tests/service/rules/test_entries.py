@@ -45,6 +45,7 @@ BUILT = {
     "Mistral4ForCausalLM": "mistral4",
     "AXK1ForCausalLM": "axk1",
     "MellumForCausalLM": "mellum",
+    "FlintForCausalLM": "flint",
     "LagunaForCausalLM": "laguna",
     "SarvamMoEForCausalLM": "sarvam_moe",
     "AfmoeForCausalLM": "afmoe",

@@ -656,6 +656,9 @@ HYBRIDS = [
     # A.X K1's (transformers' defaults): 192 experts in 8 groups, top-8, one shared expert; not the fused architecture
     ({"architectures": ["AXK1ForCausalLM"], "num_hidden_layers": 61}, 8, "axk1", 24,
      ("deepseek.structural.architecture", "AXK1ForCausalLM is not the fused architecture"), {"n_shared_experts": 0}),
+    # Flint's (transformers' defaults): 256 experts, top-6, an ungated shared expert, the first two layers dense
+    ({"architectures": ["FlintForCausalLM"], "num_hidden_layers": 49}, 8, "flint", 32,
+     ("flint.structural.no_fused_layout", "shared expert"), None),
     # Mellum's (transformers' defaults): 64 experts, top-8 on every layer, no shared expert
     ({"architectures": ["MellumForCausalLM"], "num_hidden_layers": 28}, 8, "mellum", 8,
      ("mellum.no_shared_experts", "no shared experts"), None),

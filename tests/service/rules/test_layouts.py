@@ -10,7 +10,8 @@ from loadplan.service.rules.config_view import ConfigView
 from loadplan.service.rules.layouts import (afmoe_layout, axk1_layout, bailing_hybrid_layout, cohere2_moe_layout,
                                             dbrx_layout,
                                             deepseek_layout, deepseek_nextn_layout, ernie4_5_moe_layout,
-                                            every_layer_moe_layout, exaone_moe_layout, granitemoe_hybrid_layout,
+                                            every_layer_moe_layout, exaone_moe_layout, flint_layout,
+                                            granitemoe_hybrid_layout,
                                             hunyuan_v1_moe_layout, hy_v3_layout,
                                             jamba_layout, kimi_linear_layout, laguna_layout, lfm2_moe_layout,
                                             longcat_flash_layout, mellum_layout, mimo_v2_flash_layout,
@@ -118,6 +119,15 @@ def test_laguna_layers_and_mellums(fields, moe, sizes):
     mellum = mellum_layout(ConfigView({"num_hidden_layers": 6, **fields}))     # every layer MoE by default, no shared
     want = list(range(6)) if "mlp_layer_types" not in fields else moe
     assert list(mellum.moe_layers) == want and mellum.n_shared == 0
+
+
+@pytest.mark.parametrize("fields,moe,sizes", [
+    ({}, [2, 3, 4, 5], (256, 1, 6)),                                             # transformers' defaults
+    ({"mlp_only_layers": [], "decoder_sparse_step": 2, "num_experts": 16}, [1, 3, 5], (16, 1, 6)),
+])
+def test_flint_layers(fields, moe, sizes):
+    lay = flint_layout(ConfigView({"num_hidden_layers": 6, **fields}))
+    assert list(lay.moe_layers) == moe and (lay.n_routed, lay.n_shared, lay.top_k) == sizes
 
 
 @pytest.mark.parametrize("layout,fields,moe,sizes", [

@@ -1,0 +1,131 @@
+"""Flint (`FlintForCausalLM`), following transformers' modeling_flint numerically: Qwen3-MoE's layer
+(models/qwen_moe.py) with sink logits, windowed layers and a sigmoid router.
+
+Shapes: T tokens, D hidden, E experts, K top-k.
+
+- Attention: grouped-query with per-head q/k RMSNorm and a learned sink logit per head on every layer (gpt-oss's:
+  the checkpoint's `self_attn.softmax_offset`); layer i is windowed (`sliding_window` positions, q and k rotated) or
+  global (NoPE: not rotated), by `layer_types` (transformers' default: the first two, every fourth from the second,
+  and the last global).
+- Layer i is sparse iff it is not in mlp_only_layers (by default the first two) and (i + 1) % decoder_sparse_step ==
+  0. MoE: float32 router logits, the top-k of their sigmoid (no routing bias), renormalised with norm_topk_prob; an
+  ungated shared expert of shared_expert_intermediate_size always added (the checkpoint's `mlp.shared_expert`), which
+  the registry never fuses (our choice: its width is its own).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers.attention import GQAttention
+from ..layers.mlp import activation
+from ..parallel.tensor import TensorParallel
+from ..weights import CheckpointNames
+from .config import ConfigError, get_field as _get, per_layer, read_rope, top_k
+from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, SharedMlpMoeBlock, sparse_layers
+from .step3p5 import LAYER_TYPES
+
+ARCHITECTURE = "FlintForCausalLM"
+
+# (checkpoint, engine) suffixes under model.layers.{i}.
+FLINT_NAMES = CheckpointNames((
+    ("self_attn.softmax_offset", "self_attn.sinks"),
+    *((f"mlp.shared_expert.{p}.weight", f"mlp.shared_mlp.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")),
+))
+
+
+@dataclass(frozen=True)
+class FlintConfig(QwenMoeConfig):
+    layer_types: tuple[str, ...] = ()
+
+    @classmethod
+    def from_hf(cls, d: dict, architecture: str = ARCHITECTURE) -> "FlintConfig":
+        """transformers' FlintConfig defaults where a checkpoint may leave a field out."""
+        n = _get(d, "num_hidden_layers", 49, int)
+        types = per_layer(d, "layer_types", n, LAYER_TYPES,
+                          ["full_attention" if i < 2 or i % 4 == 1 or i == n - 1 else "sliding_attention"
+                           for i in range(n)])
+        window = _get(d, "sliding_window", 513, int)
+        if window < 1:
+            raise ConfigError(f"config.sliding_window: must be >= 1, got {window}")
+        n_experts = _get(d, "num_experts", 256, int)
+        step, mlp_only, moe_layers = sparse_layers(dict(d, mlp_only_layers=d.get("mlp_only_layers", [0, 1])), n,
+                                                   n_experts)
+        act = _get(d, "hidden_act", "silu", str)
+        activation(act)   # refuses unknown activations by name
+        rope = read_rope(d)
+        if rope.partial_rotary_factor != 1.0:
+            raise ConfigError(f"config.rope_parameters: partial_rotary_factor {rope.partial_rotary_factor} is not "
+                              f"supported; Flint rotates whole heads")
+        bias = bool(_get(d, "attention_bias", False, bool))
+        return cls(
+            architecture=architecture,
+            vocab_size=_get(d, "vocab_size", 150144, int),
+            hidden_size=_get(d, "hidden_size", 2048, int),
+            intermediate_size=_get(d, "intermediate_size", 6144, int),
+            num_hidden_layers=n,
+            num_attention_heads=_get(d, "num_attention_heads", 32, int),
+            num_key_value_heads=_get(d, "num_key_value_heads", 4, int),
+            head_dim=_get(d, "head_dim", 128, int),
+            rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6, (int, float))),
+            hidden_act=act,
+            max_position_embeddings=_get(d, "max_position_embeddings", 262144, int),
+            tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
+            rope=rope,
+            num_experts=n_experts,
+            num_experts_per_tok=top_k(d, n_experts, "num_experts", 6),
+            moe_intermediate_size=_get(d, "moe_intermediate_size", 512, int),
+            norm_topk_prob=bool(_get(d, "norm_topk_prob", True, bool)),
+            decoder_sparse_step=step,
+            mlp_only_layers=mlp_only,
+            qkv_bias=bias,
+            o_bias=bias,
+            qk_norm=True,
+            shared_intermediate_size=_get(d, "shared_expert_intermediate_size", 1024, int),
+            moe_layers=moe_layers,
+            sliding_window=window,
+            layer_types=tuple(types),
+        )
+
+
+class FlintMoeBlock(SharedMlpMoeBlock):
+    """float32 router logits, the top-k of their sigmoid renormalised, the routed experts and the ungated shared MLP."""
+
+    def __init__(self, cfg: FlintConfig, plan, layer_id: int, dtype: torch.dtype):
+        super().__init__(cfg, plan, layer_id, dtype)
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False, dtype=torch.float32)   # float32, as kept
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> [T, D]"""
+        logits = F.linear(x.float(), self.gate.weight.float())            # [T, E]
+        weights, ids = torch.topk(logits.sigmoid(), self.top_k, dim=-1)    # [T, K] each
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        y = self.experts(x, ids, weights.to(x.dtype))                      # [T, D], reduced if the plan says
+        return y if self.shared_mlp is None else y + self.shared_mlp(x)
+
+
+class FlintDecoderLayer(QwenDecoderLayer):
+    MOE_BLOCK = FlintMoeBlock
+
+    @classmethod
+    def make_attention(cls, cfg: FlintConfig, layer_id: int, dtype: torch.dtype, tp: TensorParallel) -> GQAttention:
+        windowed = cfg.layer_types[layer_id] == "sliding_attention"
+        return GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                           qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, qk_norm=True, rms_norm_eps=cfg.rms_norm_eps,
+                           dtype=dtype, tp=tp, sliding_window=cfg.sliding_window if windowed else None, sinks=True,
+                           use_rope=windowed)
+
+
+class FlintForCausalLM(QwenLayerCausalLM):
+    ARCHITECTURE = ARCHITECTURE
+    CHECKPOINT_NAMES = FLINT_NAMES
+    DECODER_LAYER = FlintDecoderLayer
+
+    @classmethod
+    def parse_config(cls, hf_config: dict) -> FlintConfig:
+        return FlintConfig.from_hf(hf_config)
