@@ -54,6 +54,7 @@ ENGINE_ENTRY_CLASSES: dict[str, tuple[str, str]] = {
     "AXK1ForCausalLM": ("loadplan.engine.models.axk1", "AXK1ForCausalLM"),
     "MellumForCausalLM": ("loadplan.engine.models.mellum", "MellumForCausalLM"),
     "FlintForCausalLM": ("loadplan.engine.models.flint", "FlintForCausalLM"),
+    "Kolibri1ForCausalLM": ("loadplan.engine.models.kolibri1", "Kolibri1ForCausalLM"),
     "MiMoV2FlashForCausalLM": ("loadplan.engine.models.mimo_v2_flash", "MiMoV2FlashForCausalLM"),
     "PhiMoEForCausalLM": ("loadplan.engine.models.phimoe", "PhiMoEForCausalLM"),
     "PhimoeForCausalLM": ("loadplan.engine.models.phimoe", "PhimoeForCausalLM"),

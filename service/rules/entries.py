@@ -138,6 +138,8 @@ FAMILIES: dict[str, Family] = {
         Family("mellum", layouts.mellum_layout, None, False),
         # Flint: Qwen3-MoE's layer with sinks and windows, a sigmoid router, an ungated shared expert never fused
         Family("flint", layouts.flint_layout, gates.flint_gate, True),
+        # Kolibri-1: sandwich norms, a router biased on its logits, an ungated shared expert never fused
+        Family("kolibri1", layouts.kolibri1_layout, gates.kolibri1_gate, True),
         Family("mistral4", layouts.mistral4_layout, gates.deepseek_gate, True,
                fused_architecture="DeepseekV3ForCausalLM"),
         Family("sarvam_mla", layouts.sarvam_mla_layout, gates.deepseek_gate, True,
@@ -190,6 +192,7 @@ ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
     "AXK1ForCausalLM": Direct("axk1"),
     "MellumForCausalLM": Direct("mellum"),
     "FlintForCausalLM": Direct("flint"),
+    "Kolibri1ForCausalLM": Direct("kolibri1"),
     "LagunaForCausalLM": Direct("laguna"),
     "SarvamMoEForCausalLM": Direct("sarvam_moe"),
     "KimiLinearForCausalLM": Direct("kimi_linear"),

@@ -171,6 +171,14 @@ def flint_gate(ctx: GateContext) -> Verdict | None:
                    "its shared expert runs beside the routed experts (its own width): no fused layout exists for Flint")
 
 
+def kolibri1_gate(ctx: GateContext) -> Verdict | None:
+    """Kolibri-1 never fuses (not in DESIGN 5.2; our choice), as Flint: its ungated shared expert is as wide as
+    shared_expert_intermediate_size says. Structural: enforce does not skip it."""
+    return Verdict("kolibri1.structural.no_fused_layout",
+                   "its shared expert runs beside the routed experts (its own width): no fused layout exists for "
+                   "Kolibri-1")
+
+
 def hunyuan_v1_moe_gate(ctx: GateContext) -> Verdict | None:
     """Hunyuan never fuses (not in DESIGN 5.2; our choice, as SGLang and vLLM run it): its shared MLP runs beside the
     routed experts, ungated, with no fused layout or kernel. Structural: enforce does not skip it."""

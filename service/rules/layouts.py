@@ -41,6 +41,8 @@ Conventions follow the architectures' reference implementations:
 - A.X K1: DeepSeek-V3's layout with transformers' AXK1Config defaults, or mlp_layer_types where the config has it.
 - Flint: Qwen's layout (mlp_only_layers by default [0, 1]) with num_experts (256) routed experts, top-6, and one
   shared expert.
+- Kolibri-1: every one of num_hidden_layers (50) is MoE, with num_experts (384) routed experts, top-6, and one shared
+  expert.
 - Mellum: layer i is MoE iff mlp_layer_types[i] is "sparse" (by default every layer), with num_experts (64) routed
   experts, num_experts_per_tok (8) of them a token; no shared expert.
 - Mistral 4: DeepSeek-V3's layout with transformers' Mistral4Config defaults (every layer MoE; 128 experts, top-4,
@@ -386,6 +388,16 @@ def flint_layout(cfg: ConfigView) -> MoeLayout:
     mlp_only = set(cfg.int_list("mlp_only_layers", [0, 1]))
     moe = tuple(i for i in range(n_layers) if i not in mlp_only and (i + 1) % step == 0)
     return MoeLayout(tuple(range(n_layers)), moe, n_routed, 1, k)
+
+
+def kolibri1_layout(cfg: ConfigView) -> MoeLayout:
+    """transformers' Kolibri1Config defaults (50 layers, all MoE; 384 experts, top-6, one shared)."""
+    n_layers = cfg.int("num_hidden_layers", 50, minimum=1, maximum=MAX_LAYERS)
+    n_routed = cfg.int(_named(cfg, "num_local_experts", "num_experts"), 384, minimum=1)
+    k = cfg.int("num_experts_per_tok", 6, minimum=1)
+    _check_top_k(cfg, k, n_routed)
+    layers = tuple(range(n_layers))
+    return MoeLayout(layers, layers, n_routed, 1, k)
 
 
 def mellum_layout(cfg: ConfigView) -> MoeLayout:

@@ -290,6 +290,21 @@ def make_flint_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     return _save_random_model(path, "Flint", seed, dict(FLINT_TINY, **config))
 
 
+# Kolibri-1 (tiny): windowed layers (4 positions, rotated) and a global NoPE one, sandwich norms; 8 experts of 16
+# (top-2 of the logits plus the routing bias, sigmoid weights renormalised) and an ungated shared expert of 24.
+KOLIBRI1_TINY = dict(vocab_size=128, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+                     shared_expert_intermediate_size=24, sliding_window=4, norm_topk_prob=True,
+                     layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                     max_position_embeddings=256)
+
+
+def make_kolibri1_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
+    """Save a random Kolibri-1 of KOLIBRI1_TINY updated with `config` (transformers' Kolibri1Config kwargs), routing
+    bias included."""
+    return _save_random_model(path, "Kolibri1", seed, dict(KOLIBRI1_TINY, **config))
+
+
 # Mistral 4 (tiny): DeepSeek-V3's MLA (q LoRA, interleaved rotary) and MoE with the softmax router in 2 groups (top-2
 # of the best group), layer 0 dense, 1 shared expert, experts 12 wide (stacked by transformers' save: 2 x 12 != 32
 # tells their orientation); YaRN over 4 original positions, so that the queries past them are scaled by

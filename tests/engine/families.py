@@ -58,6 +58,7 @@ LAGUNA = "LagunaForCausalLM"
 AXK1 = "AXK1ForCausalLM"
 MELLUM = "MellumForCausalLM"
 FLINT = "FlintForCausalLM"
+KOLIBRI1 = "Kolibri1ForCausalLM"
 SARVAM_MLA = "SarvamMLAForCausalLM"
 SARVAM_MOE = "SarvamMoEForCausalLM"
 # transformers' class for an entry class it has none of its own for (it builds Sarvam's from their model_type)
@@ -116,6 +117,7 @@ MAKERS = {
     AXK1: lambda path, seed: engine_helpers.make_axk1_checkpoint(path, seed=seed),
     MELLUM: lambda path, seed: engine_helpers.make_mellum_checkpoint(path, seed=seed),
     FLINT: lambda path, seed: engine_helpers.make_flint_checkpoint(path, seed=seed),
+    KOLIBRI1: lambda path, seed: engine_helpers.make_kolibri1_checkpoint(path, seed=seed),
     SARVAM_MLA: lambda path, seed: engine_helpers.make_sarvam_checkpoint(path, "MLA", seed=seed),
     SARVAM_MOE: lambda path, seed: engine_helpers.make_sarvam_checkpoint(path, "MoE", seed=seed),
     EXAONE_MOE: lambda path, seed: engine_helpers.make_exaone_moe_checkpoint(path, seed=seed),

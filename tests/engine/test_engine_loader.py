@@ -294,6 +294,8 @@ _BAD_CONFIGS = [
      {"moe_layer_freq": 0}, "target"),
     ("FlintForCausalLM", "FlintConfig", dict(num_experts=8, num_experts_per_tok=2, head_dim=8, mlp_only_layers=[0]),
      {"decoder_sparse_step": 0}, "target"),
+    ("Kolibri1ForCausalLM", "Kolibri1Config", dict(num_experts=8, num_experts_per_tok=2, head_dim=8),
+     {"sliding_window": 0}, "target"),
     ("MellumForCausalLM", "MellumConfig", dict(num_experts=8, num_experts_per_tok=2, head_dim=8), {"sliding_window": 0},
      "target"),
     ("Mistral4ForCausalLM", "Mistral4Config", dict(n_routed_experts=8, moe_intermediate_size=16, kv_lora_rank=16,

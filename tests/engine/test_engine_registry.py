@@ -31,6 +31,7 @@ def test_unknown_entry_class_lists_the_supported_ones():
                                                r"GraniteMoeHybridForCausalLM, GraniteMoeSWAForCausalLM, GraniteMoeSharedForCausalLM, "
                                                r"HYV3ForCausalLM, HunYuanMoEV1ForCausalLM, JambaForCausalLM, "
                                                r"KimiK25ForConditionalGeneration, KimiLinearForCausalLM, "
+                                               r"Kolibri1ForCausalLM, "
                                                r"LagunaForCausalLM, Lfm2MoeForCausalLM, "
                                                r"Llama4ForCausalLM, "
                                                r"Llama4ForConditionalGeneration, LongcatFlashForCausalLM, "

@@ -17,10 +17,10 @@ from loadplan.service.rules.backends import BACKENDS
 
 from families import (AFMOE, AXK1, BAILING_HYBRID, COHERE2_MOE, DBRX, DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, DOTS1,
                       ERNIE4_5_MOE, EXAONE_MOE, FLEX_OLMO, FLINT, GLM4, GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE,
-                      GRANITEMOE_HYBRID, GRANITEMOE_SHARED, GRANITEMOE_SWA, HUNYUAN, HY_V3, JAMBA, KIMI_LINEAR, LAGUNA,
-                      LFM2_MOE, LLAMA4, LONGCAT_FLASH, MELLUM, MIMO_V2_FLASH, MINIMAX, MINIMAX_M2, MISTRAL4, MIXTRAL,
-                      NEMOTRON_H, OLMOE, PHIMOE, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, SARVAM_MLA, SARVAM_MOE, SOLAR_OPEN,
-                      STEP3P7, make_model)
+                      GRANITEMOE_HYBRID, GRANITEMOE_SHARED, GRANITEMOE_SWA, HUNYUAN, HY_V3, JAMBA, KIMI_LINEAR,
+                      KOLIBRI1, LAGUNA, LFM2_MOE, LLAMA4, LONGCAT_FLASH, MELLUM, MIMO_V2_FLASH, MINIMAX, MINIMAX_M2,
+                      MISTRAL4, MIXTRAL, NEMOTRON_H, OLMOE, PHIMOE, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, SARVAM_MLA,
+                      SARVAM_MOE, SOLAR_OPEN, STEP3P7, make_model)
 from parallel_helpers import single_process
 
 EP = 2
@@ -156,7 +156,7 @@ DOUBLE_REDUCTION_CASES = [(QWEN3, "mori"), (MIXTRAL, "nixl"), (OLMOE, "mooncake"
                           (STEP3P7, "mooncake"), (SARVAM_MLA, "nixl"), (SARVAM_MOE, "megamoe"),
                           (HY_V3, "deepep"), (MISTRAL4, "mori"), (LAGUNA, "flashinfer"),
                           (AXK1, "nixl"), (MELLUM, "megamoe"),
-                          (FLINT, "deepep")]
+                          (FLINT, "deepep"), (KOLIBRI1, "mooncake")]
 
 
 def _ep_ranks_of_families(rank, world_size, paths, ids):
@@ -207,7 +207,7 @@ def test_every_backend_on_two_ranks_matches_one_process_and_sees_a_double_reduct
     router in groups, its stacked experts split by rank, its position-scaled MLA replicated. Laguna: its soft-capped
     router, its shared expert on each rank. A.X K1: DeepSeek-V3's block whose reduced output is normalised on each
     rank. Mellum: Qwen3-MoE's block under windowed and global layers. Flint: its sigmoid router, its sink logits
-    replicated, its ungated shared expert on each rank.
+    replicated, its ungated shared expert on each rank. Kolibri-1: its logit-biased router, its sandwich norms.
     FlexOlmo:
     OLMoE's layer with post-norms, whose RMSNorm of the experts' output normalises a uniform scale away: a
     double reduction (twice every token's output) leaves its logits as they are, and the test says so."""

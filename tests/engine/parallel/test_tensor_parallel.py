@@ -21,7 +21,7 @@ from loadplan.service.rules.backends import BACKENDS
 from engine_helpers import LocalRegistry, make_checkpoint, make_granitemoe_hybrid_checkpoint, make_nemotron_h_checkpoint
 from families import (AFMOE, AXK1, BAILING_HYBRID, COHERE2_MOE, DBRX, DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32,
                       ERNIE4_5_MOE, EXAONE_MOE, FLEX_OLMO, FLINT, GLM4, GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE,
-                      GRANITEMOE_HYBRID, GRANITEMOE_SWA, HUNYUAN, HY_V3, JAMBA, KIMI_LINEAR, LAGUNA, LLAMA4,
+                      GRANITEMOE_HYBRID, GRANITEMOE_SWA, HUNYUAN, HY_V3, JAMBA, KIMI_LINEAR, KOLIBRI1, LAGUNA, LLAMA4,
                       LONGCAT_FLASH, MELLUM, MIMO_V2_FLASH, MINIMAX, MINIMAX_M2, MISTRAL4, MIXTRAL, NEMOTRON_H, OLMOE,
                       PHIMOE, QWEN2, QWEN3, QWEN3_5_MOE, QWEN3_NEXT, SARVAM_MLA, SARVAM_MOE, SOLAR_OPEN, STEP3P7,
                       make_model)
@@ -50,7 +50,7 @@ CASES = [("qwen3", QWEN3, None), ("qwen2", QWEN2, "enforce"), ("qwen2", QWEN2, "
          ("step3p7", STEP3P7, None), ("sarvam_mla", SARVAM_MLA, None), ("sarvam_moe", SARVAM_MOE, None),
          ("hy_v3", HY_V3, None), ("mistral4", MISTRAL4, None),
          ("laguna", LAGUNA, None), ("axk1", AXK1, None),
-         ("mellum", MELLUM, None), ("flint", FLINT, None)]
+         ("mellum", MELLUM, None), ("flint", FLINT, None), ("kolibri1", KOLIBRI1, None)]
 
 
 def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
@@ -175,6 +175,7 @@ def paths(tmp_path_factory):
         "axk1": make_model(tmp_path_factory.mktemp("axk1"), AXK1),
         "mellum": make_model(tmp_path_factory.mktemp("mellum"), MELLUM),
         "flint": make_model(tmp_path_factory.mktemp("flint"), FLINT),
+        "kolibri1": make_model(tmp_path_factory.mktemp("kolibri1"), KOLIBRI1),
         "nemotron_h": str(make_nemotron_h_checkpoint(tmp_path_factory.mktemp("nemotron_h"),
                                                      moe_shared_expert_intermediate_size=40, moe_latent_size=16)),
     }
@@ -344,6 +345,9 @@ def test_two_tp_ranks_give_the_single_process_logits_and_tokens(paths, ids, refe
     # split, its shared expert (24) whole on each rank
     assert by_name["flint"]["heads"] == {(2, 1, 16)} and by_name["flint"]["sinks"] == {2}
     assert by_name["flint"]["dense_inter"] == {24} and by_name["flint"]["expert_inter"] == {8}
+    # Kolibri-1: 2 of 4 heads of 8, its experts' 16 features split, its shared expert (24) whole on each rank
+    assert by_name["kolibri1"]["heads"] == {(2, 1, 16)} and by_name["kolibri1"]["expert_inter"] == {8}
+    assert by_name["kolibri1"]["dense_inter"] == {24}
     # MLA: half the heads and their kv_b_proj rows; the latent projection stays whole.
     (heads, kv_b_rows, kv_a_rows), = by_name["deepseek"]["mla_heads"]
     assert (heads, kv_b_rows, kv_a_rows) == (1, 1 * (8 + 12), 16 + 8)     # of 2 heads; nope 8 + v 12; lora 16 + rope 8

@@ -46,6 +46,7 @@ BUILT = {
     "AXK1ForCausalLM": "axk1",
     "MellumForCausalLM": "mellum",
     "FlintForCausalLM": "flint",
+    "Kolibri1ForCausalLM": "kolibri1",
     "LagunaForCausalLM": "laguna",
     "SarvamMoEForCausalLM": "sarvam_moe",
     "AfmoeForCausalLM": "afmoe",

@@ -659,6 +659,9 @@ HYBRIDS = [
     # Flint's (transformers' defaults): 256 experts, top-6, an ungated shared expert, the first two layers dense
     ({"architectures": ["FlintForCausalLM"], "num_hidden_layers": 49}, 8, "flint", 32,
      ("flint.structural.no_fused_layout", "shared expert"), None),
+    # Kolibri-1's (transformers' defaults): 384 experts, top-6 on every layer, an ungated shared expert
+    ({"architectures": ["Kolibri1ForCausalLM"], "num_hidden_layers": 50}, 8, "kolibri1", 48,
+     ("kolibri1.structural.no_fused_layout", "shared expert"), None),
     # Mellum's (transformers' defaults): 64 experts, top-8 on every layer, no shared expert
     ({"architectures": ["MellumForCausalLM"], "num_hidden_layers": 28}, 8, "mellum", 8,
      ("mellum.no_shared_experts", "no shared experts"), None),

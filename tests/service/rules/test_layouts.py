@@ -13,7 +13,8 @@ from loadplan.service.rules.layouts import (afmoe_layout, axk1_layout, bailing_h
                                             every_layer_moe_layout, exaone_moe_layout, flint_layout,
                                             granitemoe_hybrid_layout,
                                             hunyuan_v1_moe_layout, hy_v3_layout,
-                                            jamba_layout, kimi_linear_layout, laguna_layout, lfm2_moe_layout,
+                                            jamba_layout, kimi_linear_layout, kolibri1_layout, laguna_layout,
+                                            lfm2_moe_layout,
                                             longcat_flash_layout, mellum_layout, mimo_v2_flash_layout,
                                             mistral4_layout, nemotron_h_layout, qwen_moe_layout, sarvam_mla_layout,
                                             sarvam_moe_layout, solar_open_layout, step3p5_layout)
@@ -128,6 +129,13 @@ def test_laguna_layers_and_mellums(fields, moe, sizes):
 def test_flint_layers(fields, moe, sizes):
     lay = flint_layout(ConfigView({"num_hidden_layers": 6, **fields}))
     assert list(lay.moe_layers) == moe and (lay.n_routed, lay.n_shared, lay.top_k) == sizes
+
+
+@pytest.mark.parametrize("fields,sizes", [({}, (384, 1, 6)), ({"num_local_experts": 16, "num_experts_per_tok": 2},
+                                                                (16, 1, 2))])
+def test_kolibri1_layers(fields, sizes):
+    lay = kolibri1_layout(ConfigView({"num_hidden_layers": 6, **fields}))
+    assert list(lay.moe_layers) == list(range(6)) and (lay.n_routed, lay.n_shared, lay.top_k) == sizes
 
 
 @pytest.mark.parametrize("layout,fields,moe,sizes", [

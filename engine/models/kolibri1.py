@@ -1,0 +1,157 @@
+"""Kolibri-1 (`Kolibri1ForCausalLM`), following transformers' modeling_kolibri1 numerically: Qwen3-MoE's attention
+(q/k RMSNorm per head) in a hybrid of windowed and global layers, sandwich norms, and an MoE block on every layer.
+
+Shapes: B batch, T tokens, D hidden, E experts, K top-k.
+
+- Attention: layer i is windowed ("sliding_attention": `sliding_window` positions, q and k rotated) or global
+  ("full_attention": NoPE), by `layer_types` (transformers' default: every fifth layer global). A null
+  sliding_window is refused: transformers' Kolibri-1 cannot run one either.
+- Sandwich norms: the attention's output and the MoE's output are each normalised before their residual sum
+  (the checkpoint's `post_attn_norm` / `post_ffn_norm`), as their inputs are (input_layernorm /
+  post_attention_layernorm).
+- MoE: float32 router logits; the top-k chosen on the logits plus a routing bias (the checkpoint's
+  `moe.router.expert_bias`, added to the logits, not to their sigmoid) and weighted by the sigmoid of their logits,
+  renormalised with norm_topk_prob (false by default); num_experts experts and an ungated shared expert of
+  shared_expert_intermediate_size, which the registry never fuses (our choice: its width is its own). transformers saves
+  the expert count as num_local_experts (num_experts is its alias).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers.attention import GQAttention
+from ..layers.mlp import activation
+from ..parallel.tensor import TensorParallel
+from ..weights import CheckpointNames
+from .config import ConfigError, get_field as _get, per_layer, read_rope, top_k
+from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, SharedMlpMoeBlock
+from .step3p5 import LAYER_TYPES
+
+ARCHITECTURE = "Kolibri1ForCausalLM"
+
+# (checkpoint, engine) suffixes under model.layers.{i}.
+KOLIBRI1_NAMES = CheckpointNames((
+    ("moe.router.expert_bias", "mlp.e_score_correction_bias"),
+    ("post_attn_norm.weight", "post_self_attn_layernorm.weight"),
+    ("post_ffn_norm.weight", "post_mlp_layernorm.weight"),
+    *((f"mlp.shared_experts.{p}.weight", f"mlp.shared_mlp.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")),
+))
+
+
+@dataclass(frozen=True)
+class Kolibri1Config(QwenMoeConfig):
+    layer_types: tuple[str, ...] = ()
+
+    @classmethod
+    def from_hf(cls, d: dict, architecture: str = ARCHITECTURE) -> "Kolibri1Config":
+        """transformers' Kolibri1Config defaults where a checkpoint may leave a field out."""
+        n = _get(d, "num_hidden_layers", 50, int)
+        types = per_layer(d, "layer_types", n, LAYER_TYPES,
+                          ["full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(n)])
+        if "sliding_window" in d and d["sliding_window"] is None:
+            raise ConfigError("config.sliding_window: null is not supported (transformers' Kolibri-1 cannot run "
+                              "without a window either)")
+        window = _get(d, "sliding_window", 513, int)
+        if window < 1:
+            raise ConfigError(f"config.sliding_window: must be >= 1, got {window}")
+        act = _get(d, "hidden_act", "silu", str)
+        activation(act)   # refuses unknown activations by name
+        rope = read_rope(d)
+        if rope.partial_rotary_factor != 1.0:
+            raise ConfigError(f"config.rope_parameters: partial_rotary_factor {rope.partial_rotary_factor} is not "
+                              f"supported; Kolibri-1 rotates whole heads")
+        # transformers saves num_local_experts; num_experts is its alias
+        experts_field = "num_local_experts" if d.get("num_local_experts") is not None else "num_experts"
+        n_experts = _get(d, experts_field, 384, int)
+        width = _get(d, "moe_intermediate_size", 512, int)
+        return cls(
+            architecture=architecture,
+            vocab_size=_get(d, "vocab_size", 128000, int),
+            hidden_size=_get(d, "hidden_size", 2560, int),
+            intermediate_size=width,                       # no dense layer
+            num_hidden_layers=n,
+            num_attention_heads=_get(d, "num_attention_heads", 48, int),
+            num_key_value_heads=_get(d, "num_key_value_heads", 4, int),
+            head_dim=_get(d, "head_dim", 128, int),
+            rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6, (int, float))),
+            hidden_act=act,
+            max_position_embeddings=_get(d, "max_position_embeddings", 262144, int),
+            tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
+            rope=rope,
+            num_experts=n_experts,
+            num_experts_per_tok=top_k(d, n_experts, experts_field, 6),
+            moe_intermediate_size=width,
+            norm_topk_prob=bool(_get(d, "norm_topk_prob", False, bool)),
+            decoder_sparse_step=1,
+            mlp_only_layers=(),
+            qkv_bias=False,
+            o_bias=False,
+            qk_norm=True,
+            shared_intermediate_size=_get(d, "shared_expert_intermediate_size", 512, int),
+            moe_layers=tuple(range(n)),
+            sliding_window=window,
+            layer_types=tuple(types),
+        )
+
+
+class Kolibri1MoeBlock(SharedMlpMoeBlock):
+    """float32 router logits, the top-k of the logits plus the routing bias weighted by the logits' sigmoid, the
+    routed experts and the ungated shared MLP."""
+
+    def __init__(self, cfg: Kolibri1Config, plan, layer_id: int, dtype: torch.dtype):
+        super().__init__(cfg, plan, layer_id, dtype)
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False, dtype=torch.float32)   # float32, as kept
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts, dtype=torch.float32),
+                                                    requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> [T, D]"""
+        logits = F.linear(x.float(), self.gate.weight.float())                     # [T, E]
+        ids = torch.topk(logits + self.e_score_correction_bias, self.top_k, dim=-1)[1]   # [T, K]
+        weights = logits.gather(1, ids).sigmoid()                                   # [T, K]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        y = self.experts(x, ids, weights.to(x.dtype))                               # [T, D], reduced if the plan says
+        return y + self.shared_mlp(x)
+
+
+class Kolibri1DecoderLayer(QwenDecoderLayer):
+    """x + post_self_attn_layernorm(attn(input_layernorm(x))), then
+    x + post_mlp_layernorm(mlp(post_attention_layernorm(x)))."""
+
+    MOE_BLOCK = Kolibri1MoeBlock
+
+    @classmethod
+    def make_attention(cls, cfg: Kolibri1Config, layer_id: int, dtype: torch.dtype,
+                       tp: TensorParallel) -> GQAttention:
+        windowed = cfg.layer_types[layer_id] == "sliding_attention"
+        return GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                           qkv_bias=False, o_bias=False, qk_norm=True, rms_norm_eps=cfg.rms_norm_eps, dtype=dtype,
+                           tp=tp, sliding_window=cfg.sliding_window if windowed else None, use_rope=windowed)
+
+    def __init__(self, cfg: Kolibri1Config, plan, layer_id: int, dtype: torch.dtype):
+        super().__init__(cfg, plan, layer_id, dtype)
+        self.post_self_attn_layernorm = self.NORM(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_mlp_layernorm = self.NORM(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, x, cos, sin, input_pos=None):
+        """x [B, T, D] -> [B, T, D]"""
+        x = x + self.post_self_attn_layernorm(self.mixer(self.input_layernorm(x), cos, sin, input_pos))
+        B, T, D = x.shape
+        h = self.post_attention_layernorm(x).reshape(B * T, D)
+        return x + self.post_mlp_layernorm(self.mlp(h)).view(B, T, D)
+
+
+class Kolibri1ForCausalLM(QwenLayerCausalLM):
+    ARCHITECTURE = ARCHITECTURE
+    CHECKPOINT_NAMES = KOLIBRI1_NAMES
+    DECODER_LAYER = Kolibri1DecoderLayer
+
+    @classmethod
+    def parse_config(cls, hf_config: dict) -> Kolibri1Config:
+        return Kolibri1Config.from_hf(hf_config)
