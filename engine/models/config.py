@@ -64,3 +64,26 @@ def windowed_layer_types(d: dict, n_layers: int, every_field: str, every_default
     if every < 1:
         raise ConfigError(f"config.{every_field}: must be >= 1, got {every}")
     return ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n_layers)]
+
+
+def common_fields(d: dict, *, vocab_size: int, hidden_size: int, num_hidden_layers: int, num_attention_heads: int,
+                  num_key_value_heads: int, head_dim: int, max_position_embeddings: int, rms_norm_eps: float = 1e-6,
+                  tie_word_embeddings: bool = False) -> dict:
+    """The fields every decoder's config names, read with the family's transformers defaults (the keyword arguments):
+    sizes, norm epsilon, activation (refused by name when unknown), context length, tied head."""
+    from ..layers.mlp import activation
+
+    act = get_field(d, "hidden_act", "silu", str)
+    activation(act)
+    return dict(
+        vocab_size=get_field(d, "vocab_size", vocab_size, int),
+        hidden_size=get_field(d, "hidden_size", hidden_size, int),
+        num_hidden_layers=get_field(d, "num_hidden_layers", num_hidden_layers, int),
+        num_attention_heads=get_field(d, "num_attention_heads", num_attention_heads, int),
+        num_key_value_heads=get_field(d, "num_key_value_heads", num_key_value_heads, int),
+        head_dim=get_field(d, "head_dim", head_dim, int),
+        rms_norm_eps=float(get_field(d, "rms_norm_eps", rms_norm_eps, (int, float))),
+        hidden_act=act,
+        max_position_embeddings=get_field(d, "max_position_embeddings", max_position_embeddings, int),
+        tie_word_embeddings=bool(get_field(d, "tie_word_embeddings", tie_word_embeddings, bool)),
+    )

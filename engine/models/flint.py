@@ -22,10 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.attention import GQAttention
-from ..layers.mlp import activation
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
-from .config import ConfigError, get_field as _get, per_layer, read_rope, top_k
+from .config import ConfigError, common_fields, get_field as _get, per_layer, read_rope, top_k
 from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, SharedMlpMoeBlock, sparse_layers
 from .step3p5 import LAYER_TYPES
 
@@ -45,7 +44,9 @@ class FlintConfig(QwenMoeConfig):
     @classmethod
     def from_hf(cls, d: dict, architecture: str = ARCHITECTURE) -> "FlintConfig":
         """transformers' FlintConfig defaults where a checkpoint may leave a field out."""
-        n = _get(d, "num_hidden_layers", 49, int)
+        common = common_fields(d, vocab_size=150144, hidden_size=2048, num_hidden_layers=49, num_attention_heads=32,
+                               num_key_value_heads=4, head_dim=128, max_position_embeddings=262144)
+        n = common["num_hidden_layers"]
         types = per_layer(d, "layer_types", n, LAYER_TYPES,
                           ["full_attention" if i < 2 or i % 4 == 1 or i == n - 1 else "sliding_attention"
                            for i in range(n)])
@@ -55,8 +56,6 @@ class FlintConfig(QwenMoeConfig):
         n_experts = _get(d, "num_experts", 256, int)
         step, mlp_only, moe_layers = sparse_layers(dict(d, mlp_only_layers=d.get("mlp_only_layers", [0, 1])), n,
                                                    n_experts)
-        act = _get(d, "hidden_act", "silu", str)
-        activation(act)   # refuses unknown activations by name
         rope = read_rope(d)
         if rope.partial_rotary_factor != 1.0:
             raise ConfigError(f"config.rope_parameters: partial_rotary_factor {rope.partial_rotary_factor} is not "
@@ -64,17 +63,8 @@ class FlintConfig(QwenMoeConfig):
         bias = bool(_get(d, "attention_bias", False, bool))
         return cls(
             architecture=architecture,
-            vocab_size=_get(d, "vocab_size", 150144, int),
-            hidden_size=_get(d, "hidden_size", 2048, int),
+            **common,
             intermediate_size=_get(d, "intermediate_size", 6144, int),
-            num_hidden_layers=n,
-            num_attention_heads=_get(d, "num_attention_heads", 32, int),
-            num_key_value_heads=_get(d, "num_key_value_heads", 4, int),
-            head_dim=_get(d, "head_dim", 128, int),
-            rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6, (int, float))),
-            hidden_act=act,
-            max_position_embeddings=_get(d, "max_position_embeddings", 262144, int),
-            tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
             rope=rope,
             num_experts=n_experts,
             num_experts_per_tok=top_k(d, n_experts, "num_experts", 6),

@@ -25,10 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.attention import GQAttention
-from ..layers.mlp import activation
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
-from .config import ConfigError, get_field as _get, per_layer, read_rope, top_k
+from .config import ConfigError, common_fields, get_field as _get, per_layer, read_rope, top_k
 from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, SharedMlpMoeBlock
 from .step3p5 import LAYER_TYPES
 
@@ -50,7 +49,9 @@ class Kolibri1Config(QwenMoeConfig):
     @classmethod
     def from_hf(cls, d: dict, architecture: str = ARCHITECTURE) -> "Kolibri1Config":
         """transformers' Kolibri1Config defaults where a checkpoint may leave a field out."""
-        n = _get(d, "num_hidden_layers", 50, int)
+        common = common_fields(d, vocab_size=128000, hidden_size=2560, num_hidden_layers=50, num_attention_heads=48,
+                               num_key_value_heads=4, head_dim=128, max_position_embeddings=262144)
+        n = common["num_hidden_layers"]
         types = per_layer(d, "layer_types", n, LAYER_TYPES,
                           ["full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(n)])
         if "sliding_window" in d and d["sliding_window"] is None:
@@ -59,8 +60,6 @@ class Kolibri1Config(QwenMoeConfig):
         window = _get(d, "sliding_window", 513, int)
         if window < 1:
             raise ConfigError(f"config.sliding_window: must be >= 1, got {window}")
-        act = _get(d, "hidden_act", "silu", str)
-        activation(act)   # refuses unknown activations by name
         rope = read_rope(d)
         if rope.partial_rotary_factor != 1.0:
             raise ConfigError(f"config.rope_parameters: partial_rotary_factor {rope.partial_rotary_factor} is not "
@@ -71,17 +70,8 @@ class Kolibri1Config(QwenMoeConfig):
         width = _get(d, "moe_intermediate_size", 512, int)
         return cls(
             architecture=architecture,
-            vocab_size=_get(d, "vocab_size", 128000, int),
-            hidden_size=_get(d, "hidden_size", 2560, int),
+            **common,
             intermediate_size=width,                       # no dense layer
-            num_hidden_layers=n,
-            num_attention_heads=_get(d, "num_attention_heads", 48, int),
-            num_key_value_heads=_get(d, "num_key_value_heads", 4, int),
-            head_dim=_get(d, "head_dim", 128, int),
-            rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6, (int, float))),
-            hidden_act=act,
-            max_position_embeddings=_get(d, "max_position_embeddings", 262144, int),
-            tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
             rope=rope,
             num_experts=n_experts,
             num_experts_per_tok=top_k(d, n_experts, experts_field, 6),

@@ -18,10 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from ..layers.attention import GQAttention
-from ..layers.mlp import activation
 from ..layers.rope import RotaryEmbedding
 from ..parallel.tensor import TensorParallel
-from .config import ConfigError, get_field as _get, per_layer, top_k
+from .config import ConfigError, common_fields, get_field as _get, per_layer, top_k
 from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig
 from .step3p5 import LAYER_TYPES, RopesByKind, rope_of_each_type
 
@@ -39,9 +38,9 @@ class MellumConfig(QwenMoeConfig, RopesByKind):
     @classmethod
     def from_hf(cls, d: dict, architecture: str = ARCHITECTURE) -> "MellumConfig":
         """transformers' MellumConfig defaults where a checkpoint may leave a field out."""
-        n = _get(d, "num_hidden_layers", 28, int)
-        heads = _get(d, "num_attention_heads", 32, int)
-        head_dim = _get(d, "head_dim", 128, int)
+        common = common_fields(d, vocab_size=98304, hidden_size=2304, num_hidden_layers=28, num_attention_heads=32,
+                               num_key_value_heads=4, head_dim=128, max_position_embeddings=131072)
+        n, head_dim = common["num_hidden_layers"], common["head_dim"]
         types = per_layer(d, "layer_types", n, LAYER_TYPES, ["full_attention"] * n)
         mlp_types = per_layer(d, "mlp_layer_types", n, ("dense", "sparse"), ["sparse"] * n)
         window = _get(d, "sliding_window", 1024, int) if d.get("sliding_window", 0) is not None else None
@@ -53,23 +52,12 @@ class MellumConfig(QwenMoeConfig, RopesByKind):
         if any(rope.partial_rotary_factor != 1.0 for _, rope in ropes):
             raise ConfigError("config.rope_parameters: a partial_rotary_factor is not supported; Mellum rotates whole "
                               "heads")
-        act = _get(d, "hidden_act", "silu", str)
-        activation(act)   # refuses unknown activations by name
         n_experts = _get(d, "num_local_experts", None, int) or _get(d, "num_experts", 64, int)   # saved: the first
         bias = bool(_get(d, "attention_bias", False, bool))
         return cls(
             architecture=architecture,
-            vocab_size=_get(d, "vocab_size", 98304, int),
-            hidden_size=_get(d, "hidden_size", 2304, int),
+            **common,
             intermediate_size=_get(d, "intermediate_size", 7168, int),
-            num_hidden_layers=n,
-            num_attention_heads=heads,
-            num_key_value_heads=_get(d, "num_key_value_heads", 4, int),
-            head_dim=head_dim,
-            rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6, (int, float))),
-            hidden_act=act,
-            max_position_embeddings=_get(d, "max_position_embeddings", 131072, int),
-            tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
             rope=dict(ropes).get("full_attention", ropes[0][1]),
             num_experts=n_experts,
             num_experts_per_tok=top_k(d, n_experts, "num_local_experts" if "num_local_experts" in d else "num_experts",
