@@ -14,8 +14,8 @@ import torch
 from loadplan.engine.parallel.launch import launch
 from loadplan.plan import Keys
 
-from families import (DEEPSEEK, GLM_MOE_DSA, GRANITEMOE_HYBRID, JAMBA, KIMI_LINEAR, LONGCAT_FLASH, NEMOTRON_H,
-                      PHIMOE, QWEN3, QWEN3_NEXT, make_model)
+from families import (DEEPSEEK, GLM_MOE_DSA, GRANITEMOE_HYBRID, JAMBA, KIMI_LINEAR, KOLIBRI1, LONGCAT_FLASH, MISTRAL4,
+                      NEMOTRON_H, PHIMOE, QWEN3, QWEN3_NEXT, STEP3P7, make_model)
 from parallel_helpers import single_process
 
 PP = 2
@@ -40,8 +40,9 @@ def _stages(rank, world_size, paths, ids):
         grid = grid or init_rank(spec)
         model = load_runner(spec, grid, registry=LocalRegistry())
         stage = model.stage
+        inner = getattr(stage, "language_model", stage)      # a wrapper's text model: the stage's layers and head
         lo, hi = (int(v) for v in model.plan.decisions[Keys.PP_LAYER_RANGE].value)
-        layers = stage.language_model.model.layers if hasattr(stage, "language_model") else stage.model.layers
+        layers = inner.model.layers
         with torch.no_grad():
             logits = model(ids)
             skewed = torch.full((1, 12), 5)             # one token repeated: every position routes alike
@@ -51,13 +52,12 @@ def _stages(rank, world_size, paths, ids):
             after = model(ids)
         out[arch] = dict(
             layer_range=(lo, hi), eplb_layers=list(model.plan.decisions[Keys.EPLB_LAYERS].value),
-            descriptor=list(model.routed_experts_weights_of_layer), moe_layer_ids=list(stage.moe_layer_ids),
+            descriptor=list(model.routed_experts_weights_of_layer), moe_layer_ids=list(inner.moe_layer_ids),
             placeholders=[i for i, layer in enumerate(layers) if isinstance(layer, PPMissingLayer)],
             placeholder_has_mlp=any(hasattr(layer, "mlp") for layer in layers if isinstance(layer, PPMissingLayer)),
             reusing_top_k=[i for i, layer in enumerate(layers) if getattr(getattr(layer, "self_attn", None),
                                                                           "reuses_selection", False)],
-            has_embed=stage.model.embed_tokens is not None if hasattr(stage, "model") else None,
-            has_head=stage.lm_head is not None, logits=logits, logits_after_rebalance=after,
+            has_embed=inner.model.embed_tokens is not None, has_head=inner.lm_head is not None, logits=logits, logits_after_rebalance=after,
             rebalanced_layers=list(report.layer_ids), before=report.max_over_mean_before,
             after=report.max_over_mean_after, tokens=generate(model, ids[0], N_NEW)[0].tolist())
     return out
@@ -80,7 +80,13 @@ def paths(tmp_path_factory):
             # KDA and NoPE MLA layers on the first stage, KDA on the second
             KIMI_LINEAR: make_model(tmp_path_factory.mktemp("kimi_linear"), KIMI_LINEAR),
             # a layer of two sublayers and its MoE block a stage
-            LONGCAT_FLASH: make_model(tmp_path_factory.mktemp("longcat_flash"), LONGCAT_FLASH)}
+            LONGCAT_FLASH: make_model(tmp_path_factory.mktemp("longcat_flash"), LONGCAT_FLASH),
+            # behind its wrapper: a global and a windowed layer (each its kind's rotary, clamps) a stage
+            STEP3P7: make_model(tmp_path_factory.mktemp("step3p7"), STEP3P7),
+            # the second stage scales its queries by their positions past the original context
+            MISTRAL4: make_model(tmp_path_factory.mktemp("mistral4"), MISTRAL4),
+            # sandwich norms, a windowed layer on each stage
+            KOLIBRI1: make_model(tmp_path_factory.mktemp("kolibri1"), KOLIBRI1)}
 
 
 def test_two_stages_give_one_stage_logits_and_tokens_and_keep_eplb_to_their_own_layers(paths):
@@ -90,7 +96,8 @@ def test_two_stages_give_one_stage_logits_and_tokens_and_keep_eplb_to_their_own_
     assert results[0]["timeout_s"] == results[1]["timeout_s"] == 180
     moe_layers = {QWEN3: [0, 1, 2], DEEPSEEK: [1, 2],      # DeepSeek's layer 0 is dense (first_k_dense_replace)
                   QWEN3_NEXT: [0, 1, 2, 3], GLM_MOE_DSA: [1, 2], PHIMOE: [0, 1, 2], GRANITEMOE_HYBRID: [0, 1, 2],
-                  NEMOTRON_H: [1, 4], JAMBA: [1, 3], KIMI_LINEAR: [1, 2, 3], LONGCAT_FLASH: [0, 1]}
+                  NEMOTRON_H: [1, 4], JAMBA: [1, 3], KIMI_LINEAR: [1, 2, 3], LONGCAT_FLASH: [0, 1], STEP3P7: [1, 2, 3],
+                  MISTRAL4: [1, 2], KOLIBRI1: [0, 1, 2]}
     for arch, (ref_logits, ref_tokens) in refs.items():
         s0, s1 = results[0][arch], results[1][arch]
         n_layers = moe_layers[arch][-1] + 1
