@@ -57,7 +57,8 @@ def _stages(rank, world_size, paths, ids):
             placeholder_has_mlp=any(hasattr(layer, "mlp") for layer in layers if isinstance(layer, PPMissingLayer)),
             reusing_top_k=[i for i, layer in enumerate(layers) if getattr(getattr(layer, "self_attn", None),
                                                                           "reuses_selection", False)],
-            has_embed=inner.model.embed_tokens is not None, has_head=inner.lm_head is not None, logits=logits, logits_after_rebalance=after,
+            has_embed=inner.model.embed_tokens is not None, has_head=inner.lm_head is not None, logits=logits,
+            logits_after_rebalance=after,
             rebalanced_layers=list(report.layer_ids), before=report.max_over_mean_before,
             after=report.max_over_mean_after, tokens=generate(model, ids[0], N_NEW)[0].tolist())
     return out
