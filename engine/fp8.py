@@ -91,12 +91,15 @@ class Fp8BlockCheckpoint:
                                        f"dequantized")
             return tensor
         scale = self.ckpt.get(name + SCALE_SUFFIX)
-        if tensor.dim() != 2:
-            raise ShapeMismatch(f"{name!r} has shape {list(tensor.shape)}; block-quantized weights are matrices")
-        want = tuple(math.ceil(n / b) for n, b in zip(tensor.shape, self.block))
+        if tensor.dim() not in (2, 3):
+            raise ShapeMismatch(f"{name!r} has shape {list(tensor.shape)}; block-quantized weights are matrices, or "
+                                f"a stack of them (a layer's experts: [E, N, K])")
+        want = (*tensor.shape[:-2], *(math.ceil(n / b) for n, b in zip(tensor.shape[-2:], self.block)))
         if tuple(scale.shape) != want:
             raise ShapeMismatch(f"{name + SCALE_SUFFIX!r} has shape {list(scale.shape)}, expected {list(want)} for "
                                 f"{name!r} of shape {list(tensor.shape)} in blocks of {list(self.block)}")
+        if tensor.dim() == 3:           # each matrix of the stack in its own blocks (Step-3.5's stacked experts)
+            return torch.stack([dequantize(t, s, self.block) for t, s in zip(tensor, scale)])
         return dequantize(tensor, scale, self.block)
 
 

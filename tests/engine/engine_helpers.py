@@ -690,13 +690,20 @@ FP8_MAX = 448.0           # float8_e4m3fn
 
 def _quantized(name: str, t: torch.Tensor) -> bool:
     """What DeepSeek's FP8 checkpoint quantizes: the linear layers' matrices, not the router, embedding or head
-    (Mixtral's experts are spelled w1/w2/w3, Qwen3-Next's linear attention's inputs in_proj_qkvz and in_proj_ba)."""
+    (Mixtral's experts are spelled w1/w2/w3, Qwen3-Next's linear attention's inputs in_proj_qkvz and in_proj_ba);
+    and a stack of experts' matrices (Step-3.5's `moe.*_proj.weight` [E, N, K]), each in its own blocks."""
+    if t.dim() == 3:
+        return name.endswith("proj.weight")
     return t.dim() == 2 and (name.endswith("proj.weight") or ".linear_attn.in_proj_" in name
                              or name.endswith((".w1.weight", ".w2.weight", ".w3.weight")))
 
 
 def _quantize(w: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (fp8 [N, K], scale_inv [ceil(N/bn), ceil(K/bk)]) with each block's amax at FP8_MAX."""
+    """w [N, K] -> (fp8 [N, K], scale_inv [ceil(N/bn), ceil(K/bk)]) with each block's amax at FP8_MAX; a stack
+    [E, N, K] matrix by matrix (scales [E, ...])."""
+    if w.dim() == 3:
+        q, s = zip(*(_quantize(m, block) for m in w))
+        return torch.stack(q), torch.stack(s)
     N, K = w.shape
     bn, bk = block
     q = torch.empty(N, K, dtype=torch.float8_e4m3fn)
@@ -710,6 +717,8 @@ def _quantize(w: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch.Te
 
 
 def _dequantized_block_by_block(q: torch.Tensor, s: torch.Tensor, block: list[int]) -> torch.Tensor:
+    if q.dim() == 3:
+        return torch.stack([_dequantized_block_by_block(m, ms, block) for m, ms in zip(q, s)])
     out = q.to(torch.float32)
     bn, bk = block
     for i in range(s.shape[0]):

@@ -24,7 +24,7 @@ from loadplan.plan import Keys
 from engine_helpers import (DROP, check_batch_rows_decode_alone, check_decoding_token_by_token,
                             check_matches_transformers, check_refused_before_any_plan,
                             check_speculative_target_rolls_back, hf_greedy, hf_logits_of_order_one, load_local,
-                            logits_of, make_step3p5_checkpoint, with_config, with_tensors)
+                            logits_of, make_fp8_copies, make_step3p5_checkpoint, with_config, with_tensors)
 
 WRAPPER = "Step3p7ForConditionalGeneration"
 
@@ -102,6 +102,17 @@ def test_the_hubs_older_fields_and_its_mtp_layers_read_as_transformers_reads_the
     (older / "config.json").write_text(json.dumps(legacy))
     model = check_step3p5_matches_transformers(older, full, ids)
     assert model.config.num_nextn_predict_layers == 1 and model.moe_layer_ids == (1, 2, 3)
+
+
+def test_a_block_fp8_copy_with_stacked_experts_matches_transformers_on_its_weights(ckpts, ids, tmp_path):
+    """Step-3.5-Flash-FP8's form: every projection in FP8 blocks, each layer's stacked experts matrix by matrix (their
+    scales stacked too, [E, ...]); transformers' Step-3.7 runs the same weights dequantized."""
+    fp8, dequantized, n = make_fp8_copies(ckpts[1], tmp_path, [8, 8])
+    model = load_local(fp8)
+    assert model.plan.quantization == "fp8" and n > 3 * 3        # at least the three MoE layers' three stacks
+    want = hf_logits_of_order_one(dequantized, WRAPPER, ids)
+    assert (logits_of(model, ids) - want).abs().max().item() <= 1e-4
+    assert generate(model, ids[0], 6)[0].tolist() == hf_greedy(dequantized, WRAPPER, ids[0].tolist(), 6)
 
 
 def test_decoding_token_by_token_gives_transformers_logits_of_the_whole_prompt(ckpts, ids):
