@@ -82,6 +82,23 @@ def test_checkpoint_faults_name_the_tensor():
     assert torch.equal(ck.get("c.weight"), torch.ones(3))
 
 
+def test_a_stack_of_matrices_is_dequantized_each_in_its_own_blocks():
+    """A layer's experts stacked [E, N, K] with scales [E, n, k] (Step-3.5-Flash-FP8's form)."""
+    q = torch.ones(2, 32, 16, dtype=torch.float8_e4m3fn)
+    scales = torch.tensor([[[2.0], [3.0]], [[5.0], [7.0]]])                 # [2, 2, 1]: blocks of [16, 16]
+    ck = Fp8BlockCheckpoint(DictCheckpoint({"m.weight": q, "m.weight_scale_inv": scales,
+                                            "n.weight": q, "n.weight_scale_inv": torch.ones(2, 2)}), (16, 16))
+    got = ck.get("m.weight")
+    assert got.shape == (2, 32, 16)
+    assert [float(got[e, r, 0]) for e in range(2) for r in (0, 16)] == [2.0, 3.0, 5.0, 7.0]
+    with pytest.raises(ShapeMismatch, match=r"'n\.weight_scale_inv' has shape \[2, 2\], expected \[2, 2, 1\]"):
+        ck.get("n.weight")
+    with pytest.raises(ShapeMismatch, match=r"'o\.weight' has shape \[1, 1, 16, 16\]; block-quantized weights are "
+                                            r"matrices, or a stack of them"):
+        Fp8BlockCheckpoint(DictCheckpoint({"o.weight": torch.ones(1, 1, 16, 16, dtype=torch.float8_e4m3fn),
+                                           "o.weight_scale_inv": torch.ones(1, 1, 1, 1)}), (16, 16)).get("o.weight")
+
+
 @pytest.mark.parametrize("quantization, field", [
     ({"quant_method": "fp8"}, "weight_block_size"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
