@@ -18,14 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from ..layers.attention import GQAttention
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .config import ConfigError, common_fields, get_field as _get, per_layer, read_rope, top_k
-from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, SharedMlpMoeBlock, sparse_layers
+from .qwen_moe import Float32RouterMoeBlock, QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, sparse_layers
 from .step3p5 import LAYER_TYPES
 
 ARCHITECTURE = "FlintForCausalLM"
@@ -82,16 +80,12 @@ class FlintConfig(QwenMoeConfig):
         )
 
 
-class FlintMoeBlock(SharedMlpMoeBlock):
+class FlintMoeBlock(Float32RouterMoeBlock):
     """float32 router logits, the top-k of their sigmoid renormalised, the routed experts and the ungated shared MLP."""
-
-    def __init__(self, cfg: FlintConfig, plan, layer_id: int, dtype: torch.dtype):
-        super().__init__(cfg, plan, layer_id, dtype)
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False, dtype=torch.float32)   # float32, as kept
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> [T, D]"""
-        logits = F.linear(x.float(), self.gate.weight.float())            # [T, E]
+        logits = self.router_logits(x)                                     # [T, E] float32
         weights, ids = torch.topk(logits.sigmoid(), self.top_k, dim=-1)    # [T, K] each
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -22,14 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM
 from .config import ConfigError, get_field as _get, read_rope
-from .qwen_moe import QwenDecoderLayer, QwenMoeConfig, SharedMlpMoeBlock, every_layer_moe_fields
+from .qwen_moe import Float32RouterMoeBlock, QwenDecoderLayer, QwenMoeConfig, every_layer_moe_fields
 
 ARCHITECTURE = "HunYuanMoEV1ForCausalLM"
 
@@ -115,21 +111,8 @@ class HunyuanMoeConfig(QwenMoeConfig):
         )
 
 
-class HunyuanMoeBlock(SharedMlpMoeBlock):
-    """Routed experts under a float32 router, and the ungated shared MLP."""
-
-    def __init__(self, cfg: HunyuanMoeConfig, plan, layer_id: int, dtype: torch.dtype):
-        super().__init__(cfg, plan, layer_id, dtype)
-        # transformers keeps the router's weight in float32 whatever the model's dtype, and scores float32 inputs
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False, dtype=torch.float32)
-
-    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, D] -> [T, E] float32"""
-        return F.linear(x.float(), self.gate.weight)
-
-
 class HunyuanDecoderLayer(QwenDecoderLayer):
-    MOE_BLOCK = HunyuanMoeBlock
+    MOE_BLOCK = Float32RouterMoeBlock   # transformers keeps the router's weight float32, scoring float32 inputs
 
 
 class HunYuanMoEV1ForCausalLM(DeclaredCausalLM):

@@ -21,14 +21,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..layers.attention import GQAttention
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .config import ConfigError, common_fields, get_field as _get, per_layer, read_rope, top_k
-from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, SharedMlpMoeBlock
+from .qwen_moe import Float32RouterMoeBlock, QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig
 from .step3p5 import LAYER_TYPES
 
 ARCHITECTURE = "Kolibri1ForCausalLM"
@@ -89,19 +88,18 @@ class Kolibri1Config(QwenMoeConfig):
         )
 
 
-class Kolibri1MoeBlock(SharedMlpMoeBlock):
+class Kolibri1MoeBlock(Float32RouterMoeBlock):
     """float32 router logits, the top-k of the logits plus the routing bias weighted by the logits' sigmoid, the
     routed experts and the ungated shared MLP."""
 
     def __init__(self, cfg: Kolibri1Config, plan, layer_id: int, dtype: torch.dtype):
         super().__init__(cfg, plan, layer_id, dtype)
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False, dtype=torch.float32)   # float32, as kept
         self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts, dtype=torch.float32),
                                                     requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> [T, D]"""
-        logits = F.linear(x.float(), self.gate.weight.float())                     # [T, E]
+        logits = self.router_logits(x)                                              # [T, E] float32
         ids = torch.topk(logits + self.e_score_correction_bias, self.top_k, dim=-1)[1]   # [T, K]
         weights = logits.gather(1, ids).sigmoid()                                   # [T, K]
         if self.norm_topk_prob:

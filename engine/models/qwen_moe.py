@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..layers.attention import GQAttention
@@ -203,6 +204,19 @@ class SharedMlpMoeBlock(QwenSparseMoeBlock):
         """x [T, D] -> [T, D]"""
         y = super().forward(x)
         return y if self.shared_mlp is None else y + self.shared_mlp(x)
+
+
+class Float32RouterMoeBlock(SharedMlpMoeBlock):
+    """`SharedMlpMoeBlock` whose router weight stays float32 whatever the model's dtype and scores float32 inputs, as
+    transformers keeps Hunyuan's, Flint's and Kolibri-1's (models/hunyuan_v1_moe.py, flint.py, kolibri1.py)."""
+
+    def __init__(self, cfg: QwenMoeConfig, plan, layer_id: int, dtype: torch.dtype):
+        super().__init__(cfg, plan, layer_id, dtype)
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False, dtype=torch.float32)
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> [T, E] float32"""
+        return F.linear(x.float(), self.gate.weight)
 
 
 class QwenDecoderLayer(DecoderLayer):
