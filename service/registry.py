@@ -20,7 +20,7 @@ from ..plan import Decision, LoadPlan, Parallel, PlanDiff, ResolveRequest, Runti
 from .errors import InvalidArgument
 from .memo import ByIdentity
 from .rules import RULESET_VERSION
-from .rules.resolve import diff_deployment_inputs, fingerprint, resolve_decisions
+from .rules.resolve import check_ids, diff_deployment_inputs, fingerprint, resolve_decisions
 
 
 @dataclass(frozen=True)
@@ -194,6 +194,17 @@ class StampedDecisions(Mapping[str, Decision]):
         return dict, (self._dict(),)
 
 
+def _with(value: Any, **fields: Any) -> Any:
+    """`dataclasses.replace(value, **fields)` of a frozen dataclass whose other fields were checked
+    already, without `__init__` (a resolve makes two)."""
+    copy = _new(value.__class__)
+    copy.__dict__.update(value.__dict__, **fields)
+    return copy
+
+
+assert not hasattr(LoadPlan, "__slots__") and not hasattr(ResolveRequest, "__slots__"), "_with copies __dict__"
+
+
 def new_plan_id() -> str:
     """`uuid.uuid4().hex` without building the UUID (a third of the cost, every resolve): 122
     random bits with the version (4) and variant (RFC 4122) bits of a random UUID."""
@@ -254,6 +265,21 @@ class Registry:
         fp = request_fingerprint(req, inputs["config_fingerprint"], inputs["quantization_config_fingerprint"])
         config_json, quantization_config_json = config_texts or (None, None)
         return NewPlan(plan, fp, inputs, config_json, quantization_config_json, res.decisions)
+
+    def new_plan_like(self, first: NewPlan, request_id: str, deployment_id: str) -> NewPlan:
+        """`new_plan` of a request equal to `first.plan.request` but for its two ids: what
+        `new_plan` makes of it, without deciding again. The rules read neither id but to check
+        it (tests/service/test_registry.py holds the two ways equal), so `first`'s decisions,
+        inputs and config texts are this request's too; the ids are checked here, the plan gets
+        its own id and time. `first`: a `new_plan` result (`unstamped` set)."""
+        check_ids(request_id, deployment_id)
+        req = _with(first.plan.request, request_id=request_id, deployment_id=deployment_id)
+        now = self.clock()
+        plan = _with(first.plan, plan_id=new_plan_id(), request=req,
+                     decisions=StampedDecisions(first.unstamped, now), created_at=now)
+        inputs = first.deployment_inputs
+        fp = request_fingerprint(req, inputs["config_fingerprint"], inputs["quantization_config_fingerprint"])
+        return NewPlan(plan, fp, inputs, first.config_json, first.quantization_config_json, first.unstamped)
 
     def get_plan(self, plan_id: str, include_history: bool = False) -> LoadPlan:
         if not plan_id:

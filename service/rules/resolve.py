@@ -62,13 +62,7 @@ def validate_request(req: ResolveRequest, *, deployment_checked: bool = False) -
     """Field-level checks that need no table look-up. `deployment_checked`: the fields of the
     deployment cache's key (quantization, sizes, runtime, configs) passed already, skip them;
     the rest run in the same order, so the first refusal is the same."""
-    for name in ("request_id", "deployment_id"):
-        value = getattr(req, name)
-        if not value:
-            raise InvalidArgument(name, "required")
-        if not _ID_RE.fullmatch(value):  # fullmatch: '$' alone would accept a trailing newline
-            raise InvalidArgument(name, f"{value[:64]!r} must be 1-128 characters of letters, digits and ._:@/- "
-                                        f"starting with a letter or digit")
+    check_ids(req.request_id, req.deployment_id)
     if req.role not in ROLES:
         raise InvalidArgument("role", f"{req.role!r} is not a role; expected one of {', '.join(ROLES)}")
     if len(req.host) > 255:
@@ -105,6 +99,16 @@ def validate_request(req: ResolveRequest, *, deployment_checked: bool = False) -
     check_json_document("config", req.config)
     if req.quantization_config is not None:
         check_json_document("quantization_config", req.quantization_config)
+
+
+def check_ids(request_id: str, deployment_id: str) -> None:
+    """A request's two ids, checked first (`validate_request`), each by its field's name."""
+    for name, value in (("request_id", request_id), ("deployment_id", deployment_id)):
+        if not value:
+            raise InvalidArgument(name, "required")
+        if not _ID_RE.fullmatch(value):  # fullmatch: '$' alone would accept a trailing newline
+            raise InvalidArgument(name, f"{value[:64]!r} must be 1-128 characters of letters, digits and ._:@/- "
+                                        f"starting with a letter or digit")
 
 
 def check_text(field: str, value: str) -> None:

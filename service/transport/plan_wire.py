@@ -154,9 +154,13 @@ def plan_bytes(plan: LoadPlan, *, config_json: str | None = None, quantization_c
     - `config_json`, `quantization_config_json`: `config_to_json(plan.request.config)` and
       `quantization_config_to_json(plan.request.quantization_config)`, remembered by text;
     - `unstamped`: `plan.decisions` as they were before `decided_at=plan.created_at` was set on
-      each (`Registry.resolve_new`): objects that the rules cache shares between the plans of a
+      each (`Registry.new_plan`): objects that the rules cache shares between the plans of a
       deployment (its ranks' stages too), encoded once; the cache's read-only view of them
-      (`Resolution.decisions`) is encoded once as a whole."""
+      (`Resolution.decisions`) is encoded once as a whole. A new plan (created, not replayed, no
+      history) is then written by its `PlanTemplate`."""
+    if unstamped is not None and plan.created_at is not None and not plan.replayed and not plan.history:
+        return PlanTemplate(plan, config_json=config_json, quantization_config_json=quantization_config_json,
+                            unstamped=unstamped).bytes(plan)
     req = plan.request
     # The times of one plan's decisions are mostly one (its creation): each encoded once.
     stamps: dict[dt.datetime, bytes] = {}
@@ -168,25 +172,11 @@ def plan_bytes(plan: LoadPlan, *, config_json: str | None = None, quantization_c
         return _message(number, body)
 
     out = [_text(1, plan.plan_id), _ruleset_field(plan.ruleset_version), _text(3, req.request_id),
-           _text(4, req.deployment_id), _int(5, role_to_pb(req.role)), _parallel_field(req.parallel),
-           _text(7, req.host),
-           _deployment_fields((plan.entry_class, plan.config_fingerprint, plan.quantization, req.runtime))]
-    if unstamped is not None:
-        at = b"" if plan.created_at is None else stamp(7, plan.created_at)
-        if is_shared_view(unstamped):
-            out.append(_decision_runs(unstamped).field(at))
-        else:
-            remembered = _shared_decision_body.memo.get   # `_shared_decision_body`, inlined: 11 a plan
-            for key in sorted(unstamped):
-                d = unstamped[key]
-                hit = remembered(id(d))
-                body = hit[1] if hit is not None and hit[0] is d else _shared_decision_body(d)
-                out += (_DECISION_TAG, _varint(len(body) + len(at)), body, at)
-    else:
-        for key in sorted(plan.decisions):
-            d = plan.decisions[key]
-            body = _decision_body(d) + (b"" if d.decided_at is None else stamp(7, d.decided_at))
-            out += (_DECISION_TAG, _varint(len(body)), body)
+           _text(4, req.deployment_id), _request_fields(plan)]
+    for key in sorted(plan.decisions):
+        d = plan.decisions[key]
+        body = _decision_body(d) + (b"" if d.decided_at is None else stamp(7, d.decided_at))
+        out += (_DECISION_TAG, _varint(len(body)), body)
     if plan.created_at is not None:
         out.append(stamp(13, plan.created_at))
     if plan.replayed:
@@ -194,9 +184,48 @@ def plan_bytes(plan: LoadPlan, *, config_json: str | None = None, quantization_c
     for d in plan.history:
         body = _decision_body(d) + (b"" if d.decided_at is None else stamp(7, d.decided_at))
         out += (_HISTORY_TAG, _varint(len(body)), body)
+    out.append(_tail(plan, config_json, quantization_config_json))
+    return b"".join(out)
+
+
+def _request_fields(plan: LoadPlan) -> bytes:
+    """Fields 5-11: the request's role, parallel, host, the plan's entry class, config fingerprint
+    and quantization, the request's runtime."""
+    req = plan.request
+    return b"".join((_int(5, role_to_pb(req.role)), _parallel_field(req.parallel), _text(7, req.host),
+                     _deployment_fields((plan.entry_class, plan.config_fingerprint, plan.quantization, req.runtime))))
+
+
+def _tail(plan: LoadPlan, config_json: str | None, quantization_config_json: str | None) -> bytes:
+    """Fields 16-18: the request's config texts (written as the store writes them) and its quantization."""
+    req = plan.request
     if config_json is None:
         config_json = config_to_json(req.config)
     if quantization_config_json is None:
         quantization_config_json = quantization_config_to_json(req.quantization_config)
-    out.append(_config_fields((config_json, quantization_config_json, req.quantization)))
-    return b"".join(out)
+    return _config_fields((config_json, quantization_config_json, req.quantization))
+
+
+class PlanTemplate:
+    """`plan_bytes` of new plans that differ from one (`plan`, with its `unstamped` decisions)
+    only in their plan id, request id, deployment id and creation time, their decisions decided
+    then: what every plan of a request's shape shares (the ranks of one deployment repeat a few
+    shapes, every deployment of a model the same ones) is encoded once, and a plan's answer is
+    its four own fields joined to those runs (`bytes`)."""
+
+    __slots__ = ("_ruleset", "_request", "_decisions", "_tail")
+
+    def __init__(self, plan: LoadPlan, *, config_json: str | None = None,
+                 quantization_config_json: str | None = None, unstamped: Mapping[str, Decision]):
+        self._ruleset = _ruleset_field(plan.ruleset_version)
+        self._request = _request_fields(plan)
+        self._decisions = _decision_runs(unstamped) if is_shared_view(unstamped) else _DecisionRuns(unstamped)
+        self._tail = _tail(plan, config_json, quantization_config_json)
+
+    def bytes(self, plan: LoadPlan) -> bytes:
+        """`plan`'s answer: a plan of this template's shape, created (not replayed, no history)."""
+        req = plan.request
+        created = _timestamp_body(plan.created_at)
+        return b"".join((_text(1, plan.plan_id), self._ruleset, _text(3, req.request_id),
+                         _text(4, req.deployment_id), self._request, self._decisions.field(_message(7, created)),
+                         _message(13, created), self._tail))

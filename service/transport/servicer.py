@@ -25,6 +25,7 @@ from ...plan import LoadPlan
 from ..registry import NewPlan, Registry
 from ..rules.backends import BACKENDS
 from . import convert, plan_wire
+from .request_shapes import RequestShapes, shape_key
 
 log = logging.getLogger("loadplan.service")
 T = TypeVar("T")
@@ -149,16 +150,25 @@ class ModelRegistryServicer(pb_grpc.ModelRegistryServicer):
         self.registry = registry
         self._blocking = blocking or _to_thread
         self._save = save or functools.partial(self._blocking, registry.store.save_plan)
+        self.shapes = RequestShapes()
 
     @_rpc
     async def ResolveLoadPlan(self, request, context):
-        """Answers with the plan's wire bytes (`plan_wire`; `add_to_server` sends them as they are)."""
+        """Answers with the plan's wire bytes (`plan_wire`; `add_to_server` sends them as they are).
+        A request of a shape decided before is made like that one (`request_shapes`)."""
+        key = shape_key(request)
+        shape = self.shapes.get(key)
+        if shape is not None:
+            new = self.registry.new_plan_like(shape.first, request.request_id, request.deployment_id)
+            plan = await self._save(new)
+            return shape.template.bytes(plan) if plan is new.plan else plan_wire.plan_bytes(plan)
         req = convert.request_from_pb(request)
         texts = convert.stored_config_texts(request)
         answer = _EarlyAnswer(texts)
         # The config texts determine the parsed configs: the rules' deployment cache key.
         got = await self.registry.resolve_new_async(req, answer.saving(self._save),
                                                     (request.config_json, request.quantization_config_json), texts)
+        self.shapes.remember(key, got.new)
         if got.plan is got.new.plan:   # the plan made here (not a stored one replayed): its parts are known
             return answer.of(got.new)
         return plan_wire.plan_bytes(got.plan)
