@@ -107,8 +107,8 @@ for _table, _columns in (("plans", _PLAN_COLUMNS), ("deployment_pins", _PIN_COLU
                           f"in {__name__}")
 # A JSON row of `_pg_from_json` holds a row's values in its layout's order, except for the long
 # texts that repeat from plan to plan (a config, the decisions the rules share between ranks, a
-# deployment's inputs): those come last, where `_json_rows` appends their JSON literals encoded
-# once (`_literal`), instead of escaping kilobytes of text again for every plan of every batch.
+# deployment's inputs): those come last, as their positions in the statement's list of texts
+# (`_BatchTexts`), where each is written once, its JSON literal encoded once (`_literal`).
 _LONG_TEXTS = {"plans": ("config_json", "quantization_config_json", "runtime_json", "decisions_json"),
                "deployment_pins": ("inputs_json",)}
 _JSON_ORDER = {layout: tuple(c for c in cols if c not in _LONG_TEXTS[layout]) + _LONG_TEXTS[layout]
@@ -126,8 +126,21 @@ def _pg_from_json(table: sa.Table, where: str = "", source: str = "jsonb_array_e
     call per batch): a batch holds thousands of values, built on the server's one event-loop thread."""
     cols = ", ".join(c.name for c in table.columns)
     order = _JSON_ORDER[table.name]
-    fields = ", ".join(_pg_field(order.index(c.name), c) for c in table.columns)
+    long = _LONG_TEXTS[table.name]
+    fields = ", ".join(_pg_text_at(order.index(c.name)) if c.name in long else _pg_field(order.index(c.name), c)
+                       for c in table.columns)
     return f"INSERT INTO {table.name} ({cols}) SELECT {fields} FROM {source}{where}"
+
+
+# The statements' first parameter: the long texts of their JSON rows, each once (`_BatchTexts`),
+# parsed once into this CTE; a row holds a text's position in it.
+_PG_TEXTS = "texts AS MATERIALIZED (SELECT %s::jsonb AS j)"
+
+
+def _pg_text_at(i: int) -> str:
+    """The long text whose position in `texts` is field `i` of a JSON row `r` (NULL: none). The
+    scalar subquery is uncorrelated: PostgreSQL runs it once per statement."""
+    return f"((SELECT j FROM texts) ->> (r->>{i})::int)"
 
 
 def _pg_cast(column: sa.Column) -> str | None:
@@ -157,8 +170,8 @@ def _pg_param(column: sa.Column) -> str:
 
 # PostgreSQL, the careful path: one statement for the plans (their decisions are a column) and
 # one for the pins, so a batch is BEGIN, two statements, COMMIT.
-_PG_INSERT_PLANS = _pg_from_json(PLANS)
-_PG_INSERT_PINS = (f"{_pg_from_json(PINS)} ON CONFLICT (deployment_id, role) DO NOTHING "
+_PG_INSERT_PLANS = f"WITH {_PG_TEXTS} {_pg_from_json(PLANS)}"
+_PG_INSERT_PINS = (f"WITH {_PG_TEXTS} {_pg_from_json(PINS)} ON CONFLICT (deployment_id, role) DO NOTHING "
                    f"RETURNING deployment_id, role")
 
 
@@ -175,12 +188,13 @@ def _group_of(layout: str, alias: str) -> str:
 # pin is known (checked in Python) or set by this very statement are inserted. The statement
 # returns the ids of the plans it inserted; the others go the careful way. A stored request id
 # fails the whole statement (unique violation): nothing written, the batch goes the careful way.
-# The pins' foreign keys to their plans are checked at the end of the statement.
+# The pins' foreign keys to their plans are checked at the end of the statement. Parameters: the
+# long texts of both (`_BatchTexts`), the pins to set (JSON rows), the plans.
 _PLAN_GROUP = _group_of("plans", "r")
 # The pins' JSON (the first parameter) is parsed once (`pins_in`) for the two places that read it: 5 us of
 # PostgreSQL's CPU a plan less than parsing it twice, measured in batches of 16 new deployments (of ~70).
 _PG_SAVE = (
-    "WITH pins_in AS MATERIALIZED (SELECT r FROM jsonb_array_elements(%s::jsonb) AS r), "
+    f"WITH {_PG_TEXTS}, pins_in AS MATERIALIZED (SELECT r FROM jsonb_array_elements(%s::jsonb) AS r), "
     f"new_pins AS ({_pg_from_json(PINS, source='pins_in')} ON CONFLICT (deployment_id, role) DO NOTHING "
     f"RETURNING deployment_id, role), "
     f"new_plans AS ("
@@ -441,12 +455,53 @@ def _chunks(xs: Sequence[Any], n: int) -> Iterator[Sequence[Any]]:
         yield xs[i:i + n]
 
 
-def _json_rows(layout: str, rows: Iterable[tuple]) -> str:
+def _json_rows(layout: str, rows: Iterable[tuple], texts: "_BatchTexts") -> str:
     """Rows (tuples in `_ROW_LAYOUTS[layout]` order) as the JSON array of row arrays that
-    `_pg_from_json` reads (values in `_JSON_ORDER[layout]`); times in ISO 8601. Per row, one
-    encoder call for its short values and one look-up for its long texts' literals."""
+    `_pg_from_json` reads (values in `_JSON_ORDER[layout]`); times in ISO 8601; each long text as
+    its position in `texts`. Per row, one encoder call for its short values and one look-up for
+    its long texts' positions."""
     short_of, long_of = _JSON_GETTERS[layout]
-    return f"[{','.join([f'{_dumps_short(short_of(row))[:-1]},{_long_literals(long_of(row))}]' for row in rows])}]"
+    at = texts.positions
+    return f"[{','.join([f'{_dumps_short(short_of(row))[:-1]},{at(long_of(row))}]' for row in rows])}]"
+
+
+class _BatchTexts:
+    """The long texts of one statement's rows (configs, decisions, a deployment's inputs: kilobytes
+    that every plan of a deployment, often of a batch, repeats), each written once: its first
+    parameter is `json()`, the texts as a JSON array, which PostgreSQL parses once (`_PG_TEXTS`),
+    and a row holds its texts' positions there. Parsing every row's own copy of them was a third
+    of the database's CPU a plan (batches of 20 plans of new deployments, measured)."""
+
+    __slots__ = ("_texts", "_position", "_rows")
+
+    def __init__(self):
+        self._texts: list[str] = []
+        self._position: dict[str, int] = {}
+        self._rows: dict[tuple, str] = {}   # a row's texts -> their positions, as its JSON row's tail
+
+    def positions(self, texts: tuple) -> str:
+        """`texts` (None: no text) as their positions, comma-separated (null for None)."""
+        tail = self._rows.get(texts)
+        if tail is None:
+            tail = self._rows[texts] = ",".join(["null" if t is None else str(self._at(t)) for t in texts])
+        return tail
+
+    def _at(self, text: str) -> int:
+        at = self._position.get(text)
+        if at is None:
+            at = self._position[text] = len(self._texts)
+            self._texts.append(text)
+        return at
+
+    def json(self) -> str:
+        return f"[{','.join([_literal(t) for t in self._texts])}]"
+
+
+def _json_params(layout: str, rows: Iterable[tuple]) -> tuple[str, str]:
+    """The parameters of `_PG_INSERT_PLANS` or `_PG_INSERT_PINS` for `rows`: their texts, their JSON rows."""
+    texts = _BatchTexts()
+    rows_json = _json_rows(layout, rows, texts)
+    return texts.json(), rows_json
 
 
 def _json_getters(layout: str) -> tuple[Callable[[tuple], tuple], Callable[[tuple], tuple]]:
@@ -478,10 +533,6 @@ def _literal(text: str | None) -> str:
     """`_dumps(text)`, remembered for texts that repeat."""
     return "null" if text is None else _LITERALS(text)
 
-
-# A row's long texts as its JSON row's tail, by the tuple of texts (the rows of a deployment, of
-# a config, repeat one tuple): one look-up per row instead of one per text.
-_long_literals: Memo[str] = Memo(lambda texts: ",".join([_literal(t) for t in texts]))
 
 
 def _aware(value: dt.datetime | None) -> None:
@@ -852,11 +903,12 @@ class SqlPlanStore:
             if not pins:
                 return FastStatement(writes, left, [], _PG_INSERT_ONE_PLAN, row)
             return FastStatement(writes, left, pins, _PG_SAVE_ONE, (*pins[0].pin_row(), *row))
-        plans_json = _json_rows("plans", [it.plan_row() for it in plans])
+        texts = _BatchTexts()
+        plans_json = _json_rows("plans", [it.plan_row() for it in plans], texts)
         if not pins:   # ranks of known deployments only (the common case): the plans alone
-            return FastStatement(writes, left, [], _PG_INSERT_PLANS, (plans_json,))
-        pins_json = _json_rows("deployment_pins", [it.pin_row() for it in pins])
-        return FastStatement(writes, left, pins, _PG_SAVE, (pins_json, plans_json))
+            return FastStatement(writes, left, [], _PG_INSERT_PLANS, (texts.json(), plans_json))
+        pins_json = _json_rows("deployment_pins", [it.pin_row() for it in pins], texts)
+        return FastStatement(writes, left, pins, _PG_SAVE, (texts.json(), pins_json, plans_json))
 
     @staticmethod
     def fast_outcomes(items: list["_Item"], fast: "FastStatement",
@@ -1008,7 +1060,7 @@ class SqlPlanStore:
         items = sorted(items, key=lambda it: it.request_id)   # one lock order for every writer
         plans = [it.plan_row() for it in items]
         if self._pg:
-            conn.exec_driver_sql(_PG_INSERT_PLANS, (_json_rows("plans", plans),))
+            conn.exec_driver_sql(_PG_INSERT_PLANS, _json_params("plans", plans))
         else:
             conn.exec_driver_sql(_SQLITE_INSERT["plans"], self._sqlite_rows(PLANS, plans))
 
@@ -1044,7 +1096,7 @@ class SqlPlanStore:
         if not items:
             return None
         rows = [it.pin_row() for it in sorted(items, key=lambda it: it.group)]
-        return conn.exec_driver_sql(_PG_INSERT_PINS, (_json_rows("deployment_pins", rows),))
+        return conn.exec_driver_sql(_PG_INSERT_PINS, _json_params("deployment_pins", rows))
 
     def _insert_pins(self, conn: Connection, items: list["_Item"]) -> set[tuple[str, str]]:
         """Pin each item's (deployment, role) to its inputs unless pinned already; the ones it pinned."""
@@ -1053,7 +1105,7 @@ class SqlPlanStore:
         items = sorted(items, key=lambda it: it.group)
         rows = [it.pin_row() for it in items]
         if self._pg:
-            result = conn.exec_driver_sql(_PG_INSERT_PINS, (_json_rows("deployment_pins", rows),))
+            result = conn.exec_driver_sql(_PG_INSERT_PINS, _json_params("deployment_pins", rows))
             return {(r[0], r[1]) for r in result}
         # SQLite: the write lock is held and the pins were looked up in this transaction.
         conn.exec_driver_sql(_SQLITE_INSERT["deployment_pins"], self._sqlite_rows(PINS, rows))

@@ -29,15 +29,37 @@ def _plan_row(**changes) -> tuple:
 
 def test_a_json_row_holds_every_value_where_the_statement_reads_it():
     rows = [_plan_row(), _plan_row(plan_id="other", quantization_config_json=None)]
-    doc = json.loads(repo._json_rows("plans", rows))
+    texts = repo._BatchTexts()
+    doc = json.loads(repo._json_rows("plans", rows, texts))
+    written = json.loads(texts.json())
     order = repo._JSON_ORDER["plans"]
+    long = repo._LONG_TEXTS["plans"]
     assert sorted(order) == sorted(repo._ROW_LAYOUTS["plans"])
     for row, got in zip(rows, doc):
         expected = dict(zip(repo._ROW_LAYOUTS["plans"], row), created_at=AT.isoformat())
-        assert dict(zip(order, got)) == expected
-    # the statement reads each column at its place in the JSON row
-    for i, column in enumerate(repo.PLANS.columns):
-        assert f"r->>{order.index(column.name)}" in repo._PG_INSERT_PLANS.split(" SELECT ")[1].split(", ")[i]
+        read = {c: (None if v is None else written[v]) if c in long else v for c, v in zip(order, got)}
+        assert read == expected
+    # the statement reads each column at its place in the JSON row (a long text through `texts`)
+    fields = repo._PG_INSERT_PLANS.split(" SELECT ")[1].split(" FROM jsonb_array_elements")[0]
+    for column in repo.PLANS.columns:
+        i = order.index(column.name)
+        assert (repo._pg_text_at(i) if column.name in long else f"r->>{i}") in fields, column.name
+    assert fields.count("r->>") == len(repo.PLANS.columns)
+
+
+def test_a_statements_long_texts_are_written_once_each():
+    texts = repo._BatchTexts()
+    config, other = '{"a": "caf\u00e9 \\"x\\""}', "[1]"
+    rows = [_plan_row(plan_id=f"p{i}", config_json=config if i % 2 else other) for i in range(6)]
+    doc = json.loads(repo._json_rows("plans", rows, texts))
+    pins = json.loads(repo._json_rows("deployment_pins", [("d", "target", config, "v1", "p0", AT)], texts))
+    written = json.loads(texts.json())
+    assert sorted(written) == sorted({config, other, rows[0][repo._ROW_LAYOUTS["plans"].index("runtime_json")],
+                                      rows[0][repo._ROW_LAYOUTS["plans"].index("decisions_json")],
+                                      rows[0][repo._ROW_LAYOUTS["plans"].index("quantization_config_json")]})
+    at = repo._JSON_ORDER["plans"].index("config_json")
+    assert [written[r[at]] for r in doc] == [other, config] * 3
+    assert written[pins[0][-1]] == config                   # the pins' texts share the list
 
 
 def test_long_texts_are_encoded_once_and_stay_exact():

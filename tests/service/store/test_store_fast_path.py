@@ -113,7 +113,7 @@ def test_a_plan_written_alone_is_stored_as_one_written_in_a_batch(engine, make_r
     assert not store.save_plan(news[0]).replayed                  # alone: a batch of one
     outcomes = store._save_batch(news[1:])                         # together: one JSON statement
     assert [o.plan_id for o in outcomes] == [n.plan.plan_id for n in news[1:]]
-    assert sent == ["WITH new_pins AS (INSERT", "WITH pins_in AS MATERIALIZED"], sent   # alone, then the batch
+    assert sent == ["WITH new_pins AS (INSERT", "WITH texts AS MATERIALIZED"], sent   # alone, then the batch
     rows = _stored_rows(engine, [n.plan.request.deployment_id for n in news])
     assert len(rows) == 3
     alone, *batched = rows.values()
