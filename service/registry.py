@@ -49,6 +49,10 @@ class NewPlan:
     # objects the rules cache shares between the plans of a deployment, so a store or transport
     # may encode them once (by identity) for every plan that carries them. None: unknown.
     unstamped: Mapping[str, Decision] | None = None
+    # The plan this one was made like (`Registry.new_plan_like`): equal to it but for the plan id,
+    # request id, deployment id, request fingerprint and creation time, so a store may reuse what it
+    # encoded of that one (its row's other values). None: made from scratch.
+    like: NewPlan | None = None
 
 
 class PlanStore(Protocol):
@@ -89,6 +93,13 @@ def request_fingerprint(req: ResolveRequest, config_fingerprint: str | None = No
     again: pass them when known (`fingerprint(dict(config))` of `req`'s configs); None computes
     them here. The other fields enter as they are, every field of the dataclasses (so a field
     added later is covered without touching this)."""
+    return hashlib.sha256(_fingerprint_text(req, config_fingerprint, quantization_config_fingerprint).encode()
+                          ).hexdigest()
+
+
+def _fingerprint_text(req: ResolveRequest, config_fingerprint: str | None,
+                      quantization_config_fingerprint: str | None) -> str:
+    """What `request_fingerprint` hashes."""
     if config_fingerprint is None:
         config_fingerprint = fingerprint(dict(req.config))
     if req.quantization_config is None:
@@ -97,26 +108,46 @@ def request_fingerprint(req: ResolveRequest, config_fingerprint: str | None = No
         quantization_config_fingerprint = None
     elif quantization_config_fingerprint is None:
         quantization_config_fingerprint = fingerprint(dict(req.quantization_config))
-    # The text hashed is repr(("request/2", config_fingerprint, quantization_config_fingerprint,
+    # The text is repr(("request/2", config_fingerprint, quantization_config_fingerprint,
     # _request_scalars(req), _parallel_fields(req.parallel), _runtime_fields(req.runtime))): repr, not
     # JSON (twice the cost), of strings, integers, booleans and None, whose repr is their literal, so
     # different bodies have different texts. It is written here part by part, as repr writes a tuple of
     # several items, with the reprs of the Parallel and Runtime remembered by identity (frozen values
     # the transport shares between requests): the same text at half the cost.
-    text = (f"('request/2', {config_fingerprint!r}, {quantization_config_fingerprint!r}, "
+    return (f"('request/2', {config_fingerprint!r}, {quantization_config_fingerprint!r}, "
             f"{_request_scalars(req)!r}, {_parallel_repr(req.parallel)}, {_runtime_repr(req.runtime)})")
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 _request_scalars = operator.attrgetter(*(f.name for f in dataclasses.fields(ResolveRequest) if f.name not in
                                          ("request_id", "parallel", "runtime", "config", "quantization_config")))
 _parallel_fields = operator.attrgetter(*(f.name for f in dataclasses.fields(Parallel)))
 _runtime_fields = operator.attrgetter(*(f.name for f in dataclasses.fields(Runtime)))
+assert _request_scalars.__reduce__()[1][0] == "deployment_id", "new_plan_like's fingerprint splices it in first"
 # Each a tuple of several fields (repr writes a 1-tuple otherwise: "(x,)").
 assert min(len(dataclasses.fields(ResolveRequest)) - 5, len(dataclasses.fields(Parallel)),
            len(dataclasses.fields(Runtime))) > 1
 _parallel_repr = ByIdentity(lambda p: repr(_parallel_fields(p)), maxsize=1024)
 _runtime_repr = ByIdentity(lambda rt: repr(_runtime_fields(rt)), maxsize=1024)
+
+
+def _fingerprint_text_around_deployment(new: NewPlan) -> tuple[str, str]:
+    """The text `request_fingerprint` hashes for `new.plan.request`, but for its deployment id, which
+    comes first among the request's scalars: (what is before it, what is after it)."""
+    req = new.plan.request
+    inputs = new.deployment_inputs
+    marker = "\x00deployment\x00"   # not an id (ids are checked): cannot occur in the text otherwise
+    text = _fingerprint_text(_with(req, deployment_id=marker), inputs["config_fingerprint"],
+                             inputs["quantization_config_fingerprint"])
+    before, after = text.split(repr(marker))
+    return before, after
+
+
+@ByIdentity
+def _fingerprint_around_deployment(first: NewPlan) -> tuple[Any, str]:
+    """For the plans made like `first` (`Registry.new_plan_like`): sha256 of the fingerprint text
+    before the deployment id, to copy, and the text after it; the request id is not in it."""
+    before, after = _fingerprint_text_around_deployment(first)
+    return hashlib.sha256(before.encode()), after
 
 
 def _stamp(decisions: Mapping[str, Decision], at: dt.datetime) -> dict[str, Decision]:
@@ -277,9 +308,11 @@ class Registry:
         now = self.clock()
         plan = _with(first.plan, plan_id=new_plan_id(), request=req,
                      decisions=StampedDecisions(first.unstamped, now), created_at=now)
-        inputs = first.deployment_inputs
-        fp = request_fingerprint(req, inputs["config_fingerprint"], inputs["quantization_config_fingerprint"])
-        return NewPlan(plan, fp, inputs, first.config_json, first.quantization_config_json, first.unstamped)
+        prefix, suffix = _fingerprint_around_deployment(first)
+        fp = prefix.copy()
+        fp.update(f"{deployment_id!r}{suffix}".encode())
+        return NewPlan(plan, fp.hexdigest(), first.deployment_inputs, first.config_json,
+                       first.quantization_config_json, first.unstamped, like=first)
 
     def get_plan(self, plan_id: str, include_history: bool = False) -> LoadPlan:
         if not plan_id:

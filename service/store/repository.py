@@ -465,6 +465,26 @@ def _json_rows(layout: str, rows: Iterable[tuple], texts: "_BatchTexts") -> str:
     return f"[{','.join([f'{_dumps_short(short_of(row))[:-1]},{at(long_of(row))}]' for row in rows])}]"
 
 
+class _PlanRowTemplate:
+    """The JSON row (`_json_rows`) of every plan made like `like` (`NewPlan.like`): theirs differ
+    from its row only in the values before `middle` (plan id, request id, fingerprint, deployment
+    id) and after it (created_at), so the rest is encoded once (`_Item.plan_json`)."""
+
+    __slots__ = ("middle", "long")
+
+    def __init__(self, like: NewPlan):
+        short_of, long_of = _JSON_GETTERS["plans"]
+        row = _Item(like).plan_row()
+        self.middle = _dumps_short(short_of(row)[len(_OWN_VALUES):-1])[1:-1]
+        self.long = long_of(row)
+
+
+_OWN_VALUES = ("plan_id", "request_id", "request_fingerprint", "deployment_id")
+assert _JSON_ORDER["plans"][:len(_OWN_VALUES)] == _OWN_VALUES, "_PlanRowTemplate: a plan's own values first"
+assert _JSON_ORDER["plans"][-len(_LONG_TEXTS["plans"]) - 1] == "created_at", "_PlanRowTemplate: then created_at"
+_plan_row_template = ByIdentity(_PlanRowTemplate)
+
+
 class _BatchTexts:
     """The long texts of one statement's rows (configs, decisions, a deployment's inputs: kilobytes
     that every plan of a deployment, often of a batch, repeats), each written once: its first
@@ -624,6 +644,18 @@ class _Item:
                 plan.entry_class, plan.config_fingerprint, config_json, plan.quantization,
                 req.quantization, qc_json, _shared_runtime_json(req.runtime), plan.ruleset_version,
                 plan.created_at, _new_decisions_json(new))
+
+    def plan_json(self, texts: "_BatchTexts") -> str:
+        """The plan's JSON row, as `_json_rows` writes it; for a plan made like another one
+        (`NewPlan.like`), its own values joined to that one's (`_PlanRowTemplate`)."""
+        new = self.new
+        if new.like is None:
+            return _json_rows("plans", (self.plan_row(),), texts)[1:-1]
+        template = _plan_row_template(new.like)
+        plan = new.plan
+        req = plan.request
+        own = _dumps_short((plan.plan_id, req.request_id, new.request_fingerprint, req.deployment_id))
+        return f'{own[:-1]}, {template.middle}, {_dumps_short(plan.created_at)},{texts.positions(template.long)}]'
 
     def pin_row(self) -> tuple:
         plan = self.new.plan
@@ -904,7 +936,7 @@ class SqlPlanStore:
                 return FastStatement(writes, left, [], _PG_INSERT_ONE_PLAN, row)
             return FastStatement(writes, left, pins, _PG_SAVE_ONE, (*pins[0].pin_row(), *row))
         texts = _BatchTexts()
-        plans_json = _json_rows("plans", [it.plan_row() for it in plans], texts)
+        plans_json = f"[{','.join([it.plan_json(texts) for it in plans])}]"
         if not pins:   # ranks of known deployments only (the common case): the plans alone
             return FastStatement(writes, left, [], _PG_INSERT_PLANS, (texts.json(), plans_json))
         pins_json = _json_rows("deployment_pins", [it.pin_row() for it in pins], texts)

@@ -142,3 +142,22 @@ def test_the_store_encoder_refuses_what_json_refuses(value):
         repo._dumps(value)
     with pytest.raises(TypeError, match="not JSON serializable"):
         repo._dumps_short([value])
+
+
+def test_a_plan_made_like_another_has_the_json_row_it_would_have_from_scratch():
+    from loadplan.plan import Parallel, ResolveRequest
+    from loadplan.service.registry import Registry
+
+    registry = Registry(object())
+    config = {"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 4, "n_routed_experts": 16,
+              "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1, "name": "caf\u00e9 \"x\""}
+    first = registry.new_plan(ResolveRequest("r0", "d0", parallel=Parallel(ep_size=2, ep_rank=1), host="h\u00e9",
+                                             config=config, quantization_config={"quant_method": "fp8"}),
+                              None, ('{"config": 1}', '{"quant_method": "fp8"}'))
+    like = registry.new_plan_like(first, "r1", "d-1")
+    plain = dataclasses.replace(like, like=None)
+    texts, again = repo._BatchTexts(), repo._BatchTexts()
+    assert repo._Item(like).plan_json(texts) == repo._Item(plain).plan_json(again)
+    assert texts.json() == again.json()
+    row = json.loads(repo._Item(like).plan_json(texts))
+    assert row[:4] == [like.plan.plan_id, "r1", like.request_fingerprint, "d-1"]

@@ -170,3 +170,33 @@ def test_an_over_long_value_is_refused_not_truncated(engine, make_request, deplo
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT count(*) FROM plans WHERE deployment_id = :d"),
                             {"d": deployment}).scalar_one() == 0
+
+
+def test_plans_made_like_another_are_stored_as_plans_made_from_scratch(engine, make_request, deployment):
+    """`NewPlan.like` lets the batch statement reuse the JSON row of the plan a plan was made like
+    (`_PlanRowTemplate`): what is stored must be what the same requests made from scratch store,
+    their own ids, fingerprints and times included."""
+    store = SqlPlanStore(engine)
+    registry = Registry(store)
+    like = dict(parallel=Parallel(ep_size=2, ep_rank=1), host="node-\u00e9",
+                quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    first = registry.new_plan(make_request(deployment_id=f"{deployment}-first", **like))
+    made_like = [registry.new_plan_like(first, f"req-{uuid.uuid4().hex}", f"{deployment}-like-{x}") for x in "ab"]
+    scratch = [registry.new_plan(dataclasses.replace(n.plan.request, deployment_id=f"{deployment}-new-{x}",
+                                                     request_id=f"req-{uuid.uuid4().hex}")) for x, n in
+               zip("ab", made_like)]
+    assert all(n.like is first for n in made_like) and all(n.like is None for n in scratch)
+    outcomes = store._save_batch([first, *made_like]) + store._save_batch(scratch)
+    assert [o.plan_id for o in outcomes] == [n.plan.plan_id for n in (first, *made_like, *scratch)]
+    with engine.connect() as conn:
+        rows = {r["plan_id"]: dict(r) for r in conn.execute(
+            sa.text("SELECT * FROM plans WHERE deployment_id LIKE :d"), {"d": f"{deployment}-%"}).mappings()}
+    for n in (*made_like, *scratch):
+        row = rows[n.plan.plan_id]
+        plan, req = n.plan, n.plan.request
+        assert (row["request_id"], row["deployment_id"], row["request_fingerprint"], row["created_at"]) == \
+            (req.request_id, req.deployment_id, n.request_fingerprint, plan.created_at)
+    strip = lambda row: {k: v for k, v in row.items() if k not in _IDENTITY}   # noqa: E731
+    assert all(strip(row) == strip(rows[first.plan.plan_id]) for row in rows.values())
+    assert store.get_plan(made_like[0].plan.plan_id) == dataclasses.replace(made_like[0].plan,
+                                                                           decisions=dict(made_like[0].plan.decisions))
