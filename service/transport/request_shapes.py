@@ -42,9 +42,11 @@ class Shape:
 class RequestShapes:
     """Shapes by `shape_key`, forgotten all at once when more than `maxsize` or `max_bytes` of keys
     are held (as `service.memo`'s memos: a fleet has few shapes, and a miss only costs the
-    resolve what it costs without this)."""
+    resolve what it costs without this). A fleet's shapes (a few models, a rank and role each)
+    take a few MB of keys; a shape also holds its parsed configs, several times their text, so
+    the bytes bound is what bounds memory when clients send many distinct large configs."""
 
-    def __init__(self, maxsize: int = 4096, max_bytes: int = 32 << 20):
+    def __init__(self, maxsize: int = 4096, max_bytes: int = 16 << 20):
         self.maxsize = maxsize
         self.max_bytes = max_bytes
         self._shapes: dict[bytes, Shape] = {}
