@@ -130,23 +130,16 @@ _parallel_repr = ByIdentity(lambda p: repr(_parallel_fields(p)), maxsize=1024)
 _runtime_repr = ByIdentity(lambda rt: repr(_runtime_fields(rt)), maxsize=1024)
 
 
-def _fingerprint_text_around_deployment(new: NewPlan) -> tuple[str, str]:
-    """The text `request_fingerprint` hashes for `new.plan.request`, but for its deployment id, which
-    comes first among the request's scalars: (what is before it, what is after it)."""
-    req = new.plan.request
-    inputs = new.deployment_inputs
-    marker = "\x00deployment\x00"   # not an id (ids are checked): cannot occur in the text otherwise
-    text = _fingerprint_text(_with(req, deployment_id=marker), inputs["config_fingerprint"],
-                             inputs["quantization_config_fingerprint"])
-    before, after = text.split(repr(marker))
-    return before, after
-
-
 @ByIdentity
 def _fingerprint_around_deployment(first: NewPlan) -> tuple[Any, str]:
-    """For the plans made like `first` (`Registry.new_plan_like`): sha256 of the fingerprint text
-    before the deployment id, to copy, and the text after it; the request id is not in it."""
-    before, after = _fingerprint_text_around_deployment(first)
+    """For the plans made like `first` (`Registry.new_plan_like`): the text `request_fingerprint`
+    hashes for `first`'s request is split at its deployment id, the first of the request's scalars
+    (the request id is not in it): sha256 of what is before it, to copy, and the text after it."""
+    inputs = first.deployment_inputs
+    marker = "\x00deployment\x00"   # not an id (ids are checked): cannot occur in the text otherwise
+    text = _fingerprint_text(_with(first.plan.request, deployment_id=marker), inputs["config_fingerprint"],
+                             inputs["quantization_config_fingerprint"])
+    before, after = text.split(repr(marker))
     return hashlib.sha256(before.encode()), after
 
 

@@ -460,9 +460,12 @@ def _json_rows(layout: str, rows: Iterable[tuple], texts: "_BatchTexts") -> str:
     `_pg_from_json` reads (values in `_JSON_ORDER[layout]`); times in ISO 8601; each long text as
     its position in `texts`. Per row, one encoder call for its short values and one look-up for
     its long texts' positions."""
+    return f"[{','.join([_json_row(layout, row, texts) for row in rows])}]"
+
+
+def _json_row(layout: str, row: tuple, texts: "_BatchTexts") -> str:
     short_of, long_of = _JSON_GETTERS[layout]
-    at = texts.positions
-    return f"[{','.join([f'{_dumps_short(short_of(row))[:-1]},{at(long_of(row))}]' for row in rows])}]"
+    return f"{_dumps_short(short_of(row))[:-1]},{texts.positions(long_of(row))}]"
 
 
 class _PlanRowTemplate:
@@ -650,7 +653,7 @@ class _Item:
         (`NewPlan.like`), its own values joined to that one's (`_PlanRowTemplate`)."""
         new = self.new
         if new.like is None:
-            return _json_rows("plans", (self.plan_row(),), texts)[1:-1]
+            return _json_row("plans", self.plan_row(), texts)
         template = _plan_row_template(new.like)
         plan = new.plan
         req = plan.request
