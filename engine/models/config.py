@@ -52,6 +52,14 @@ def read_rope(d: dict, **options):
         raise ConfigError(f"config.{'rope_scaling' if d.get('rope_scaling') else 'rope_parameters'}: {e}") from None
 
 
+def sliding_window(d: dict, default: int) -> int:
+    """config.sliding_window, `default` when absent or null; it must be >= 1."""
+    window = get_field(d, "sliding_window", default, int)
+    if window < 1:
+        raise ConfigError(f"config.sliding_window: must be >= 1, got {window}")
+    return window
+
+
 WINDOW_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 

@@ -24,7 +24,7 @@ from ..layers.attention import GQAttention
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .causal_lm import DecoderLayer
-from .config import ConfigError, get_field as _get, per_layer, windowed_layer_types
+from .config import ConfigError, get_field as _get, per_layer, sliding_window, windowed_layer_types
 from .deepseek_v3 import moe_or_dense_mlp
 from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
 
@@ -61,9 +61,7 @@ class ExaoneMoeConfig(Glm4MoeConfig):
         if "sliding_window" in d and d["sliding_window"] is None:
             raise ConfigError("config.sliding_window: null is not supported; EXAONE-MoE's windowed layers need one "
                               "(transformers requires an integer)")
-        window = _get(d, "sliding_window", 4096, int)
-        if window < 1:
-            raise ConfigError(f"config.sliding_window: must be >= 1, got {window}")
+        window = sliding_window(d, 4096)
         types = windowed_layer_types(d, n, "sliding_window_pattern", 4)
         return cls(**{f.name: getattr(glm, f.name) for f in dataclasses.fields(Glm4MoeConfig)
                       if f.name != "moe_layers"},

@@ -22,7 +22,7 @@ import torch
 from ..layers.attention import GQAttention
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
-from .config import ConfigError, common_fields, get_field as _get, per_layer, read_rope, top_k
+from .config import common_fields, ConfigError, get_field as _get, per_layer, read_rope, sliding_window, top_k
 from .qwen_moe import Float32RouterMoeBlock, QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, sparse_layers
 from .step3p5 import LAYER_TYPES
 
@@ -48,9 +48,7 @@ class FlintConfig(QwenMoeConfig):
         types = per_layer(d, "layer_types", n, LAYER_TYPES,
                           ["full_attention" if i < 2 or i % 4 == 1 or i == n - 1 else "sliding_attention"
                            for i in range(n)])
-        window = _get(d, "sliding_window", 513, int)
-        if window < 1:
-            raise ConfigError(f"config.sliding_window: must be >= 1, got {window}")
+        window = sliding_window(d, 513)
         n_experts = _get(d, "num_experts", 256, int)
         step, mlp_only, moe_layers = sparse_layers(dict(d, mlp_only_layers=d.get("mlp_only_layers", [0, 1])), n,
                                                    n_experts)

@@ -33,7 +33,7 @@ from ..layers.rope import RotaryEmbedding
 from ..shown_tensors import ShownTensors
 from ..stacked_experts import StackedExperts
 from ..weights import CheckpointNames, ShapeMismatch
-from .config import ConfigError, get_field as _get, per_layer
+from .config import ConfigError, get_field as _get, per_layer, sliding_window
 from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, SharedMlpMoeBlock, every_layer_moe_fields
 
 ARCHITECTURE = "GraniteMoeForCausalLM"
@@ -150,9 +150,7 @@ class GraniteMoeSwaConfig(GraniteMoeConfig):
         """transformers' GraniteMoeSWAConfig defaults where a checkpoint may leave a field out."""
         base = GraniteMoeConfig.from_hf(d, architecture)
         n = base.num_hidden_layers
-        window = _get(d, "sliding_window", 128, int)
-        if window < 1:
-            raise ConfigError(f"config.sliding_window: must be >= 1, got {window}")
+        window = sliding_window(d, 128)
         types = per_layer(d, "layer_types", n, ("full_attention", "sliding_attention"),
                           ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(n)])
         thetas = d.get("layer_rope_theta")

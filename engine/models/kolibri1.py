@@ -26,7 +26,7 @@ from torch import nn
 from ..layers.attention import GQAttention
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
-from .config import ConfigError, common_fields, get_field as _get, per_layer, read_rope, top_k
+from .config import common_fields, ConfigError, get_field as _get, per_layer, read_rope, sliding_window, top_k
 from .qwen_moe import Float32RouterMoeBlock, QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig
 from .step3p5 import LAYER_TYPES
 
@@ -56,9 +56,7 @@ class Kolibri1Config(QwenMoeConfig):
         if "sliding_window" in d and d["sliding_window"] is None:
             raise ConfigError("config.sliding_window: null is not supported (transformers' Kolibri-1 cannot run "
                               "without a window either)")
-        window = _get(d, "sliding_window", 513, int)
-        if window < 1:
-            raise ConfigError(f"config.sliding_window: must be >= 1, got {window}")
+        window = sliding_window(d, 513)
         rope = read_rope(d)
         if rope.partial_rotary_factor != 1.0:
             raise ConfigError(f"config.rope_parameters: partial_rotary_factor {rope.partial_rotary_factor} is not "

@@ -27,7 +27,7 @@ from ..layers.rope import RopeConfig, RotaryEmbedding
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, per_layer, top_k
+from .config import ConfigError, get_field as _get, per_layer, sliding_window, top_k
 from .step3p5 import LAYER_TYPES, RopesByKind, SharedExpertMoE, rope_of_each_type
 
 ARCHITECTURE = "LagunaForCausalLM"
@@ -86,9 +86,7 @@ class LagunaConfig(RopesByKind):
                               f"{per_layer_heads!r}"[:300])
         types = per_layer(d, "layer_types", n, LAYER_TYPES, ["full_attention"] * n)
         mlp_types = per_layer(d, "mlp_layer_types", n, ("dense", "sparse"), ["dense"] + ["sparse"] * (n - 1))
-        window = _get(d, "sliding_window", 512, int)
-        if window < 1:
-            raise ConfigError(f"config.sliding_window: must be >= 1, got {window}")
+        window = sliding_window(d, 512)
         gating = d.get("gating", True)
         if gating not in (True, False, "per-head", "per-element"):
             raise ConfigError(f"config.gating: {gating!r} is not supported; true / \"per-head\" (a gate a head) or "
