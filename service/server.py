@@ -143,8 +143,10 @@ class RegistryServer:
         )
         make_writer = getattr(self.store, "async_writer", None)
         self.writer = make_writer(self._executor) if make_writer is not None else None
+        writer = self.writer
         handlers = add_to_server(ModelRegistryServicer(Registry(self.store), blocking=self._blocking,
-                                                       save=self.writer.save if self.writer is not None else None),
+                                                       save=writer.save if writer is not None else None,
+                                                       save_made=writer.save_made if writer is not None else None),
                                  self._server)
         self.accept_ahead = AcceptAhead(self._server, handlers, interceptors, options.accept_ahead)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...plan import LoadPlan
 from ...v1 import registry_pb2 as pb
 from ..registry import NewPlan
-from .plan_wire import PlanTemplate
+from .plan_wire import PlanTemplate, plan_bytes
 
 
 def shape_key(request: pb.ResolveLoadPlanRequest) -> bytes:
@@ -37,6 +38,11 @@ def shape_key(request: pb.ResolveLoadPlanRequest) -> bytes:
 class Shape:
     first: NewPlan            # the plan the first request of the shape got (`Registry.new_plan`)
     template: PlanTemplate    # its answer's runs, for every later plan of the shape
+
+    def answer(self, new: NewPlan, plan: LoadPlan) -> bytes:
+        """The answer's bytes for `plan`, what the store answered for `new` (a plan made like `first`):
+        from the template when it is `new`'s, else (a stored plan replayed) encoded whole."""
+        return self.template.bytes(plan) if plan is new.plan else plan_bytes(plan)
 
 
 class RequestShapes:

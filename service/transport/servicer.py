@@ -143,14 +143,24 @@ class ModelRegistryServicer(pb_grpc.ModelRegistryServicer):
     Work that blocks (the store's reads and writes) runs through `blocking(fn, *args)` (the
     server's: its worker threads); the rules are pure CPU and run on the loop. A resolve's
     plan is saved by `save` (the server's: `PgAsyncWriter.save` on PostgreSQL, which awaits
-    its group commit on the loop; else the store's `save_plan` through `blocking`)."""
+    its group commit on the loop; else the store's `save_plan` through `blocking`). A resolve of
+    a known request shape is made and answered by `save_made` (the server's: its writer's
+    `AsyncPlanWriter.save_made`, with its batch; else made here and saved by `save`)."""
 
     def __init__(self, registry: Registry, *, blocking: Callable[..., Awaitable[Any]] | None = None,
-                 save: Callable[[NewPlan], Awaitable[LoadPlan]] | None = None):
+                 save: Callable[[NewPlan], Awaitable[LoadPlan]] | None = None,
+                 save_made: Callable[[Callable[[], NewPlan], Callable[[NewPlan, LoadPlan], Any]], Awaitable[Any]]
+                 | None = None):
         self.registry = registry
         self._blocking = blocking or _to_thread
         self._save = save or functools.partial(self._blocking, registry.store.save_plan)
+        self._save_made = save_made or self._make_and_save
         self.shapes = RequestShapes()
+
+    async def _make_and_save(self, make: Callable[[], NewPlan], answer: Callable[[NewPlan, LoadPlan], T]) -> T:
+        """`save_made` where the server has no writer that makes plans (`AsyncPlanWriter.save_made`)."""
+        new = make()
+        return answer(new, await self._save(new))
 
     @_rpc
     async def ResolveLoadPlan(self, request, context):
@@ -158,10 +168,9 @@ class ModelRegistryServicer(pb_grpc.ModelRegistryServicer):
         A request of a shape decided before is made like that one (`request_shapes`)."""
         key = shape_key(request)
         shape = self.shapes.get(key)
-        if shape is not None:
-            new = self.registry.new_plan_like(shape.first, request.request_id, request.deployment_id)
-            plan = await self._save(new)
-            return shape.template.bytes(plan) if plan is new.plan else plan_wire.plan_bytes(plan)
+        if shape is not None:   # made by the batch's writer, with the batch's other plans (`save_made`)
+            return await self._save_made(functools.partial(self.registry.new_plan_like, shape.first,
+                                                           request.request_id, request.deployment_id), shape.answer)
         req = convert.request_from_pb(request)
         texts = convert.stored_config_texts(request)
         answer = _EarlyAnswer(texts)

@@ -128,11 +128,12 @@ def test_a_changed_signature_is_not_used(monkeypatch):
 
 @pytest.mark.parametrize("depth, unsupported", [(4, False), (0, False), (4, True)], ids=["ahead", "stock", "fallback"])
 def test_batches_fill_shorter_only_while_calls_are_accepted_ahead(tmp_path, monkeypatch, depth, unsupported):
-    """Calls accepted ahead reach the group commit as fast as clients send them: a 3 ms fill
-    would gather every call in flight into one batch, so the writer fills for 1 ms; with grpc's
-    own accept loop (asked for, or fallen back to) it keeps its 3 ms."""
+    """Calls accepted ahead reach the group commit as fast as clients send them: a 6 ms fill
+    would gather every call in flight into one batch, so the writer fills for 1 ms, in steps
+    shorter than that; with grpc's own accept loop (asked for, or fallen back to) it keeps its
+    6 ms in 2 ms steps."""
     from loadplan.service.store import SqlPlanStore, make_engine, migrate
-    from loadplan.service.store.async_writer import FILL_WAIT_AHEAD_S, FILL_WAIT_S
+    from loadplan.service.store.async_writer import FILL_STEP_AHEAD_S, FILL_STEP_S, FILL_WAIT_AHEAD_S, FILL_WAIT_S
 
     if unsupported:
         monkeypatch.setattr(accept_ahead, "supported", lambda server: "a grpcio without it")
@@ -143,8 +144,11 @@ def test_batches_fill_shorter_only_while_calls_are_accepted_ahead(tmp_path, monk
                                                                 accept_ahead=depth)).start()
     try:
         assert server.accept_ahead.active == (depth > 0 and not unsupported)
-        assert server.writer.group.fill_wait_s == (FILL_WAIT_AHEAD_S if server.accept_ahead.active else FILL_WAIT_S)
-        assert FILL_WAIT_AHEAD_S < FILL_WAIT_S
+        group = server.writer.group
+        assert group.fill_wait_s == (FILL_WAIT_AHEAD_S if server.accept_ahead.active else FILL_WAIT_S)
+        assert group.fill_step_s == (FILL_STEP_AHEAD_S if server.accept_ahead.active else FILL_STEP_S)
+        assert FILL_STEP_AHEAD_S < FILL_WAIT_AHEAD_S < FILL_WAIT_S
+        assert FILL_STEP_S < FILL_WAIT_S
     finally:
         server.stop(grace=0.5)
         engine.dispose()

@@ -8,7 +8,7 @@ import dataclasses
 import datetime as dt
 
 import pytest
-from fake_store import FakePlanStore
+from fake_store import FakeAsyncWriter, FakePlanStore
 from sample_requests import deepseek_config, request
 
 from loadplan.client.convert import plan_to_pb, request_to_pb
@@ -50,9 +50,18 @@ class AbortContext:
         raise Refused(code, details, dict(self.metadata).get("loadplan-field"))
 
 
-def servicer_and_store(clock=lambda: NOW) -> tuple[ModelRegistryServicer, FakePlanStore]:
-    store = FakePlanStore()
-    return ModelRegistryServicer(Registry(store, clock=clock), blocking=_inline), store
+@pytest.fixture(params=["made by the handler", "made by the writer"])
+def servicer_and_store(request):
+    """servicer_and_store(clock) -> (servicer, store); each test that uses it runs twice: plans of a
+    known shape made in the handler (a servicer without a writer), and made by the batch's writer
+    (the server's way: `AsyncPlanWriter.save_made`)."""
+    def make(clock=lambda: NOW) -> tuple[ModelRegistryServicer, FakePlanStore]:
+        store = FakePlanStore()
+        writer = FakeAsyncWriter(store) if request.param == "made by the writer" else None
+        return ModelRegistryServicer(Registry(store, clock=clock), blocking=_inline,
+                                     save=writer.save if writer else None,
+                                     save_made=writer.save_made if writer else None), store
+    return make
 
 
 async def _inline(fn, *args):
@@ -107,7 +116,7 @@ def test_every_other_field_changes_the_key():
     assert len(keys) == len(msg.DESCRIPTOR.fields) - 1
 
 
-def test_shapes_are_bounded_by_count_and_by_bytes():
+def test_shapes_are_bounded_by_count_and_by_bytes(servicer_and_store):
     servicer, _ = servicer_and_store()
     resolve(servicer, message())
     first = servicer.shapes.get(shape_key(message()))
@@ -125,7 +134,7 @@ def test_shapes_are_bounded_by_count_and_by_bytes():
 
 # --- the shortcut ------------------------------------------------------------------------------
 
-def test_a_known_shape_gets_the_answer_and_the_stored_plan_a_fresh_resolve_makes():
+def test_a_known_shape_gets_the_answer_and_the_stored_plan_a_fresh_resolve_makes(servicer_and_store):
     servicer, store = servicer_and_store()
     resolve(servicer, message(3, request_id="r-first", deployment_id="dep-a"))
     assert len(servicer.shapes) == 1
@@ -142,7 +151,7 @@ def test_a_known_shape_gets_the_answer_and_the_stored_plan_a_fresh_resolve_makes
     assert dataclasses.replace(saved, plan_id=kept.plan_id) == kept
 
 
-def test_a_known_shape_is_not_decided_again(monkeypatch):
+def test_a_known_shape_is_not_decided_again(monkeypatch, servicer_and_store):
     servicer, store = servicer_and_store()
     resolve(servicer, message(1, request_id="r-1"))
 
@@ -158,7 +167,7 @@ def test_a_known_shape_is_not_decided_again(monkeypatch):
     assert err.value.args[0].name == "INTERNAL"
 
 
-def test_ranks_are_shapes_of_their_own():
+def test_ranks_are_shapes_of_their_own(servicer_and_store):
     servicer, store = servicer_and_store()
     for rank in (0, 5):
         resolve(servicer, message(rank, request_id=f"r-a{rank}", deployment_id="dep-a"))
@@ -169,7 +178,7 @@ def test_ranks_are_shapes_of_their_own():
     assert [(p.parallel.ep_rank, p.parallel.pp_rank) for p in plans.values()] == [(0, 0), (1, 1)]
 
 
-def test_a_known_shape_still_checks_its_ids_and_saves_nothing_refused():
+def test_a_known_shape_still_checks_its_ids_and_saves_nothing_refused(servicer_and_store):
     servicer, store = servicer_and_store()
     resolve(servicer, message())
     for ids, field in (({"request_id": ""}, "request_id"), ({"request_id": "r 2"}, "request_id"),
@@ -180,7 +189,7 @@ def test_a_known_shape_still_checks_its_ids_and_saves_nothing_refused():
     assert store.save_calls == ["r-1"]
 
 
-def test_a_refused_shape_is_not_remembered():
+def test_a_refused_shape_is_not_remembered(servicer_and_store):
     servicer, store = servicer_and_store()
     for request_id in ("r-1", "r-2"):
         with pytest.raises(Refused) as err:
@@ -189,7 +198,7 @@ def test_a_refused_shape_is_not_remembered():
     assert len(servicer.shapes) == 0 and store.save_calls == []
 
 
-def test_a_known_shape_replays_a_stored_request_id_and_refuses_another_request_under_it():
+def test_a_known_shape_replays_a_stored_request_id_and_refuses_another_request_under_it(servicer_and_store):
     servicer, store = servicer_and_store()
     first = resolve(servicer, message(request_id="r-1", deployment_id="dep-a"))
     resolve(servicer, message(request_id="r-2", deployment_id="dep-b"))
@@ -202,7 +211,7 @@ def test_a_known_shape_replays_a_stored_request_id_and_refuses_another_request_u
     assert err.value.args[0].name == "FAILED_PRECONDITION" and err.value.args[2] == "request_id"
 
 
-def test_a_known_shape_is_checked_against_its_deployments_pin():
+def test_a_known_shape_is_checked_against_its_deployments_pin(servicer_and_store):
     servicer, store = servicer_and_store()
     resolve(servicer, message(0, request_id="r-0", deployment_id="dep-a"))
     other = message(1, request_id="r-1", deployment_id="dep-b", quantization_config_json="")

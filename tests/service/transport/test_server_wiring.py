@@ -131,14 +131,25 @@ def test_graceful_stop_lets_in_flight_calls_finish():
     assert len(results) == 1 and store.count() == 1
 
 
-def test_resolves_are_saved_through_the_stores_async_writer(db_url):
+def test_resolves_are_saved_through_the_stores_async_writer(db_url, monkeypatch):
     """The server saves plans through the store's AsyncPlanWriter on its event loop (PostgreSQL:
-    PgAsyncWriter, from the loop itself), not through `save_plan` on a worker thread."""
+    PgAsyncWriter, from the loop itself), not through `save_plan` on a worker thread; a request of
+    a shape it decided before has its plan made by that writer (`save_made`)."""
+    import dataclasses
+
     from loadplan.service.store.async_writer import AsyncPlanWriter
     from loadplan.service.store.db import make_engine
     from loadplan.service.store.pg_async_writer import PgAsyncWriter
     from loadplan.service.store.repository import SqlPlanStore
 
+    made: list[str] = []
+    save_made = AsyncPlanWriter.save_made
+
+    async def spy(self, make, answer):
+        made.append(make.args[1])          # the request id `Registry.new_plan_like` is given
+        return await save_made(self, make, answer)
+
+    monkeypatch.setattr(AsyncPlanWriter, "save_made", spy)
     engine = make_engine(db_url)
     store = SqlPlanStore(engine)
     store.save_plan = None      # the sync way must not be taken: it would fail the call
@@ -148,8 +159,12 @@ def test_resolves_are_saved_through_the_stores_async_writer(db_url):
             on_pg = engine.dialect.name == "postgresql"
             assert isinstance(srv.writer, PgAsyncWriter if on_pg else AsyncPlanWriter)
             plans = [client.resolve_load_plan(request_for(rank)) for rank in range(3)]
-            assert srv.writer.group.items == 3
-            assert [client.get_plan(p.plan_id).plan_id for p in plans] == [p.plan_id for p in plans]
+            again = [request_for(rank) for rank in range(3)]      # the same shapes, another deployment
+            plans += [client.resolve_load_plan(req) for req in again]
+            assert made == [req.request_id for req in again]
+            assert srv.writer.group.items == 6
+            stored = [client.get_plan(p.plan_id) for p in plans]
+            assert [dataclasses.replace(p, history=()) for p in stored] == plans
     finally:
         engine.dispose()
 
