@@ -20,7 +20,7 @@ at once. Calls are then accepted as fast as they arrive. Measured by
 bench/registry.py (PostgreSQL, 64 in flight, 2 cores), depth 4 against 0: Echo
 1.7-1.9x and ResolveLoadPlan 1.02-1.17x the calls per second, p50 latency 8 ms
 instead of 16 (Echo) and 20 instead of 21-24 (resolve). Since the server's group
-commit fills for 1 ms instead of 3 when calls are accepted ahead
+commit fills for 1 ms instead of its default (3 ms then) when calls are accepted ahead
 (store/async_writer.py, `FILL_WAIT_AHEAD_S`), resolves gain 1.3x (Echo 1.6x),
 measured with servers side by side in alternating rounds.
 

@@ -41,11 +41,13 @@ T = TypeVar("T")
 # stops at the first FILL_STEP_S in which none arrived): a batch's cost is mostly per batch.
 # Measured on 2 cores at 64 resolves in flight: a 2-4 ms fill in 0.5 ms steps gave PostgreSQL
 # 0.57-0.63x echo instead of 0.32-0.47x (SQLite 0.39-0.47x instead of 0.31-0.34x), 8 ms less;
-# since plans of known shapes are made by the writer (`save_made`), 6 ms in 2 ms steps gives
-# 1.06x the resolves per second of 3 ms in 0.5 ms steps (10 ms in 2 ms steps alike, 20 ms in 4
-# less; a step of 0.5 ms often ends the fill between two arrivals). A lone caller never waits.
+# since plans of known shapes are made by the writer (`save_made`), 6 ms in 1 ms steps gives
+# 1.08x the resolves per second of 3 ms in 0.5 ms steps (a step of 0.5 ms often ends the fill
+# between two arrivals), and 0.96x at 8 in flight, where every batch waits one step in vain
+# (2 ms steps: 1.07x at 64 but 0.87x at 8; 20 ms in 4 ms steps less at 64). A lone caller never
+# waits.
 FILL_WAIT_S = 0.006
-FILL_STEP_S = 0.002
+FILL_STEP_S = 0.001
 # With calls accepted ahead (service/accept_ahead.py) they reach the writer as fast as clients send
 # them, and a 3 ms fill (the default then) gathers every call in flight into one batch: the clients all wait on it
 # while nothing else arrives (64 in flight on 2 cores: one batch of 64 plans every ~11 ms). 1 ms

@@ -131,7 +131,7 @@ def test_batches_fill_shorter_only_while_calls_are_accepted_ahead(tmp_path, monk
     """Calls accepted ahead reach the group commit as fast as clients send them: a 6 ms fill
     would gather every call in flight into one batch, so the writer fills for 1 ms, in steps
     shorter than that; with grpc's own accept loop (asked for, or fallen back to) it keeps its
-    6 ms in 2 ms steps."""
+    6 ms in 1 ms steps."""
     from loadplan.service.store import SqlPlanStore, make_engine, migrate
     from loadplan.service.store.async_writer import FILL_STEP_AHEAD_S, FILL_STEP_S, FILL_WAIT_AHEAD_S, FILL_WAIT_S
 
