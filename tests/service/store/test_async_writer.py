@@ -47,22 +47,29 @@ def answer(new: NewPlan, plan: LoadPlan):
     return ("new" if plan is new.plan else "stored", plan.plan_id, plan.request.request_id)
 
 
+def behind_a_held_batch(writer, registry, first, calls, before_release=lambda: None) -> list:
+    """r-0's batch (of one) held open while `calls` ((request id, deployment id, answer) each) queue
+    behind it, so they share the next batch; then released. Every caller's outcome, r-0's first,
+    exceptions included; `before_release()` runs just before the release (its result comes last)."""
+    async def main():
+        writer.gate = asyncio.Event()
+        held = asyncio.ensure_future(writer.save_made(maker(writer, registry, first, "r-0", "dep-0"), answer))
+        await asyncio.sleep(0)
+        queued = [asyncio.ensure_future(writer.save_made(maker(writer, registry, first, rid, did), how))
+                  for rid, did, how in calls]
+        await asyncio.sleep(0)
+        seen = before_release()
+        writer.gate.set()
+        return [*await asyncio.gather(held, *queued, return_exceptions=True), seen]
+    return asyncio.run(main())
+
+
 def test_concurrent_callers_plans_are_made_by_the_writer_of_their_batch(registry_and_first):
     registry, first, store = registry_and_first
     writer = FakeAsyncWriter(store)
-
-    async def main():
-        writer.gate = asyncio.Event()
-        lone = asyncio.ensure_future(writer.save_made(maker(writer, registry, first, "r-0", "dep-0"), answer))
-        await asyncio.sleep(0)                      # r-0's batch (of one) is being written, held open
-        rest = [asyncio.ensure_future(writer.save_made(maker(writer, registry, first, f"r-{i}", f"dep-{i}"), answer))
-                for i in range(1, 4)]
-        await asyncio.sleep(0)
-        made_while_queued = [e for e in writer.events if e[0] == "made"]
-        writer.gate.set()
-        return made_while_queued, await asyncio.gather(lone, *rest)
-
-    made_while_queued, answers = asyncio.run(main())
+    *answers, made_while_queued = behind_a_held_batch(
+        writer, registry, first, [(f"r-{i}", f"dep-{i}", answer) for i in range(1, 4)],
+        before_release=lambda: [e for e in writer.events if e[0] == "made"])
     assert made_while_queued == [("made", "r-0")]    # queued callers' plans are not made by the callers
     assert writer.events == [("made", "r-0"), ("write", ["r-0"]),
                              ("made", "r-1"), ("made", "r-2"), ("made", "r-3"), ("write", ["r-1", "r-2", "r-3"])]
@@ -76,19 +83,8 @@ def test_concurrent_callers_plans_are_made_by_the_writer_of_their_batch(registry
 def test_a_plan_that_cannot_be_made_refuses_its_caller_only_and_is_not_written(registry_and_first):
     registry, first, store = registry_and_first
     writer = FakeAsyncWriter(store)
-
-    async def main():
-        writer.gate = asyncio.Event()
-        held = asyncio.ensure_future(writer.save_made(maker(writer, registry, first, "r-0", "dep-0"), answer))
-        await asyncio.sleep(0)
-        calls = [writer.save_made(maker(writer, registry, first, rid, did), answer)
-                 for rid, did in (("r-1", "dep-1"), ("bad id", "dep-2"), ("r-3", "-dep"))]
-        tasks = [asyncio.ensure_future(c) for c in calls]
-        await asyncio.sleep(0)
-        writer.gate.set()
-        return await asyncio.gather(held, *tasks, return_exceptions=True)
-
-    ok0, ok1, bad_request, bad_deployment = asyncio.run(main())
+    ok0, ok1, bad_request, bad_deployment, _ = behind_a_held_batch(
+        writer, registry, first, [("r-1", "dep-1", answer), ("bad id", "dep-2", answer), ("r-3", "-dep", answer)])
     assert ok0[2] == "r-0" and ok1[2] == "r-1"
     assert isinstance(bad_request, InvalidArgument) and bad_request.field == "request_id"
     assert isinstance(bad_deployment, InvalidArgument) and bad_deployment.field == "deployment_id"
@@ -103,17 +99,8 @@ def test_an_answer_that_fails_is_its_callers_error_and_the_plan_stays_saved(regi
     def broken(new, plan):
         raise ValueError("cannot encode")
 
-    async def main():
-        writer.gate = asyncio.Event()
-        held = asyncio.ensure_future(writer.save_made(maker(writer, registry, first, "r-0", "dep-0"), answer))
-        await asyncio.sleep(0)
-        both = [asyncio.ensure_future(writer.save_made(maker(writer, registry, first, rid, did), how))
-                for rid, did, how in (("r-1", "dep-1", broken), ("r-2", "dep-2", answer))]
-        await asyncio.sleep(0)
-        writer.gate.set()
-        return await asyncio.gather(held, *both, return_exceptions=True)
-
-    _, failed, fine = asyncio.run(main())
+    _, failed, fine, _ = behind_a_held_batch(writer, registry, first, [("r-1", "dep-1", broken),
+                                                                        ("r-2", "dep-2", answer)])
     assert writer.events[-1] == ("write", ["r-1", "r-2"])
     assert isinstance(failed, ValueError) and fine[:1] == ("new",) and fine[2] == "r-2"
     # Saved: the caller's retry with its request id is answered with the stored plan.
