@@ -68,6 +68,23 @@ class _Made:
         self.answer = answer
 
 
+def _answer_early(items: Sequence[NewPlan | _Made], at: list[int], news: list[NewPlan],
+                  early: dict[int, Any]) -> None:
+    """The answers of a batch's made plans for the outcome nearly every plan gets (saved as made),
+    into `early` by position: run on the loop once the batch's write first waits, so they are
+    derived while the database works, not after its commit on the callers' latency (as the
+    servicer's `_EarlyAnswer` does for a plan made in its handler). One that fails is derived
+    again after the write, which reports its error; one whose plan was not saved as made (a
+    stored one replayed) is derived again from what was."""
+    for i, new in zip(at, news):
+        made = items[i]
+        if made.__class__ is _Made:
+            try:
+                early[i] = made.answer(new, new.plan)
+            except Exception:  # noqa: BLE001 - derived again after the write
+                pass
+
+
 class AsyncPlanWriter:
     """The group commit and its bounds; a subclass writes a batch (`_write`, the `write_batch` of
     `AsyncGroupCommit`) and releases what it holds (`_release`)."""
@@ -99,7 +116,9 @@ class AsyncPlanWriter:
 
     async def save_made(self, make: Callable[[], NewPlan], answer: Callable[[NewPlan, LoadPlan], T]) -> T:
         """`answer(new, await save(new))` with `new = make()`, both called by the writer of the batch
-        that takes it. What `make` raises is this caller's refusal (nothing saved), raised here as
+        that takes it (`answer` a function of its arguments alone: it may be called before the
+        commit, for the plan as made, and that result used once the commit saved it as made).
+        What `make` raises is this caller's refusal (nothing saved), raised here as
         `save` raises the store's; `make` runs again if the plan goes to a later batch (a second
         plan of one request id in a batch waits for the first one's outcome)."""
         if self._closed:
@@ -125,14 +144,23 @@ class AsyncPlanWriter:
                     continue
             news.append(item)
             at.append(i)
-        written = checked_outcomes(await self._write(news), len(news)) if news else ()
+        early: dict[int, Any] = {}
+        pending = asyncio.get_running_loop().call_soon(_answer_early, items, at, news, early) if news else None
+        try:
+            written = checked_outcomes(await self._write(news), len(news)) if news else ()
+        finally:
+            if pending is not None:
+                pending.cancel()       # not run yet (the write ended without waiting)
         for i, new, outcome in zip(at, news, written):
             made = items[i]
             if made.__class__ is _Made and isinstance(outcome, LoadPlan):
-                try:
-                    outcome = made.answer(new, outcome)
-                except Exception as err:  # noqa: BLE001 - this caller's own error
-                    outcome = err
+                if outcome is new.plan and i in early:
+                    outcome = early[i]
+                else:
+                    try:
+                        outcome = made.answer(new, outcome)
+                    except Exception as err:  # noqa: BLE001 - this caller's own error
+                        outcome = err
             outcomes[i] = outcome
         return outcomes
 

@@ -133,7 +133,8 @@ class FakeAsyncWriter(AsyncPlanWriter):
     """The server's async writer (group commit, `save_made`) over a `FakePlanStore`: a batch's plans
     are saved one by one, a store refusal is that plan's outcome. `events`: ("write", [request
     ids]) per batch; `defer`: request ids deferred once (as a second plan of an id in a batch is);
-    `gate`: when set up, batches wait for it."""
+    `gate`: when set up, batches wait for it (else a batch yields to the loop once, as the
+    database's round trip does)."""
 
     def __init__(self, store: FakePlanStore, *, timeout: float | None = None, defer: set[str] = frozenset()):
         store.wait_timeout_s = timeout     # how long a caller waits for its batch (the SQL store's setting)
@@ -146,6 +147,8 @@ class FakeAsyncWriter(AsyncPlanWriter):
         self.events.append(("write", [n.plan.request.request_id for n in news]))
         if self.gate is not None:
             await self.gate.wait()
+        else:
+            await asyncio.sleep(0)
         out = []
         for new in news:
             rid = new.plan.request.request_id

@@ -145,3 +145,27 @@ def test_a_closed_writer_and_a_timed_out_wait_are_unavailable(registry_and_first
     with pytest.raises(Unavailable, match="shutting down"):
         asyncio.run(closed.save_made(functools.partial(registry.new_plan_like, first, "r-2", "dep-2"), answer))
     assert closed.events == []
+
+
+
+def test_an_answer_is_derived_while_its_batch_is_written_and_only_once(registry_and_first):
+    registry, first, store = registry_and_first
+    writer = FakeAsyncWriter(store)
+    derived: list[str] = []
+
+    def recorded(new, plan):
+        derived.append(plan.request.request_id)
+        return answer(new, plan)
+
+    async def main():
+        writer.gate = asyncio.Event()              # the database has the batch and has not committed
+        call = asyncio.ensure_future(writer.save_made(maker(writer, registry, first, "r-1", "dep-1"), recorded))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        before_commit = list(derived)
+        writer.gate.set()
+        return before_commit, await call
+
+    before_commit, got = asyncio.run(main())
+    assert writer.events == [("made", "r-1"), ("write", ["r-1"])]
+    assert before_commit == ["r-1"] and derived == ["r-1"] and got[0] == "new"
