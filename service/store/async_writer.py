@@ -49,11 +49,11 @@ T = TypeVar("T")
 FILL_WAIT_S = 0.006
 FILL_STEP_S = 0.001
 # With calls accepted ahead (service/accept_ahead.py) they reach the writer as fast as clients send
-# them, and a 3 ms fill (the default then) gathers every call in flight into one batch: the clients all wait on it
-# while nothing else arrives (64 in flight on 2 cores: one batch of 64 plans every ~11 ms). 1 ms
-# lets a batch be written while the next one fills: 1.2x the resolves per second on PostgreSQL,
-# measured with bench/registry.py --accept-ahead 4 (a deployment each and ranks of 8 alike; 0 and
-# 0.5 ms measured alike). Without accepting ahead, 1 ms gave 0.86x (batches too small).
+# them, and a 3 ms fill (the default then) gathers every call in flight into one batch: the clients
+# all wait on it while nothing else arrives (64 in flight on 2 cores: one batch of 64 plans every
+# ~11 ms). 1 ms lets a batch be written while the next one fills: 1.2x the resolves per second on
+# PostgreSQL, measured with bench/registry.py --accept-ahead 4 (a deployment each and ranks of 8
+# alike; 0 and 0.5 ms measured alike). Without accepting ahead, 1 ms gave 0.86x (batches too small).
 FILL_WAIT_AHEAD_S = 0.001
 FILL_STEP_AHEAD_S = 0.0005
 
@@ -106,13 +106,7 @@ class AsyncPlanWriter:
 
     async def save(self, new: NewPlan) -> LoadPlan:
         """Write `new` in the next batch: its plan, a stored one replayed, or the refusal raised."""
-        if self._closed:
-            raise Unavailable("registry shutting down; retry with the same request id")
-        try:
-            return await self.group.submit(new)
-        except GroupCommitTimeout as err:
-            raise Unavailable(f"database not answering while saving a plan ({err}); retry with the same "
-                              f"request id") from None
+        return await self._submit(new)
 
     async def save_made(self, make: Callable[[], NewPlan], answer: Callable[[NewPlan, LoadPlan], T]) -> T:
         """`answer(new, await save(new))` with `new = make()`, both called by the writer of the batch
@@ -121,10 +115,15 @@ class AsyncPlanWriter:
         What `make` raises is this caller's refusal (nothing saved), raised here as
         `save` raises the store's; `make` runs again if the plan goes to a later batch (a second
         plan of one request id in a batch waits for the first one's outcome)."""
+        return await self._submit(_Made(make, answer))
+
+    async def _submit(self, item: NewPlan | _Made) -> Any:
+        """`item`'s outcome from the group commit; a closed writer or a wait past the store's
+        `wait_timeout_s` is UNAVAILABLE (retry with the same request id)."""
         if self._closed:
             raise Unavailable("registry shutting down; retry with the same request id")
         try:
-            return await self.group.submit(_Made(make, answer))
+            return await self.group.submit(item)
         except GroupCommitTimeout as err:
             raise Unavailable(f"database not answering while saving a plan ({err}); retry with the same "
                               f"request id") from None
