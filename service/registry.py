@@ -14,7 +14,7 @@ import hashlib
 import operator
 import os
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 from ..plan import Decision, LoadPlan, Parallel, PlanDiff, ResolveRequest, Runtime
 from .errors import InvalidArgument
@@ -261,14 +261,6 @@ class Registry:
         `quantization_config_to_json(req.quantization_config)` write."""
         new = self.new_plan(req, inputs_key, config_texts)
         return Resolved(self.store.save_plan(new), new)
-
-    async def resolve_new_async(self, req: ResolveRequest, save: Callable[[NewPlan], Awaitable[LoadPlan]],
-                                inputs_key: Any = None,
-                                config_texts: tuple[str, str | None] | None = None) -> Resolved:
-        """`resolve_new` for a caller on an event loop: the store's `save_plan` is `save`, awaited
-        (the server's: `PgAsyncWriter.save`, or `save_plan` on a worker thread)."""
-        new = self.new_plan(req, inputs_key, config_texts)
-        return Resolved(await save(new), new)
 
     def new_plan(self, req: ResolveRequest, inputs_key: Any = None,
                  config_texts: tuple[str, str | None] | None = None) -> NewPlan:

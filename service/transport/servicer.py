@@ -95,57 +95,25 @@ async def _to_thread(fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
-class _EarlyAnswer:
-    """A resolve's answer, encoded while the database commits its plan.
-
-    `saving(save)` is `save` that first schedules `_encode_early(new)` on the loop (`call_soon`).
-    A save yields to the loop only when it waits: by then the database has its statement (a lone
-    caller's batch is sent before the writer first waits) or the plan is queued for a batch. So
-    the encoding runs while the database works, not after the commit on the caller's latency
-    (0.1-0.24 ms off a sequential resolve's p50, measured with bench/registry.py's requests on
-    PostgreSQL: code run between idle waits runs several times slower than warm). An encoding
-    that did not run or failed is done again on the handler's own path, which reports its error."""
-
-    __slots__ = ("texts", "_early")
-
-    def __init__(self, texts: tuple[str, str | None]):
-        self.texts = texts
-        self._early: tuple[NewPlan, bytes] | None = None
-
-    def of(self, new: NewPlan) -> bytes:
-        """The answer for `new`: the one encoded early if it was `new`'s, else encoded now."""
-        early = self._early
-        return early[1] if early is not None and early[0] is new else self.encode(new)
-
-    def encode(self, new: NewPlan) -> bytes:
-        return plan_wire.plan_bytes(new.plan, config_json=self.texts[0], quantization_config_json=self.texts[1],
+def _answer(texts: tuple[str, str | None], new: NewPlan, plan: LoadPlan) -> bytes:
+    """The answer's bytes for `plan`, what the store answered for `new` (`Registry.new_plan` of a
+    request whose stored config texts are `texts`): `new`'s plan encoded with those texts, else (a
+    stored plan replayed) encoded whole."""
+    if plan is new.plan:
+        return plan_wire.plan_bytes(plan, config_json=texts[0], quantization_config_json=texts[1],
                                     unstamped=new.unstamped)
-
-    def _encode_early(self, new: NewPlan) -> None:
-        try:
-            self._early = (new, self.encode(new))
-        except Exception:  # noqa: BLE001 - encoded again on the handler's path, which reports it
-            pass
-
-    def saving(self, save: Callable[[NewPlan], Awaitable[LoadPlan]]) -> Callable[[NewPlan], Awaitable[LoadPlan]]:
-        async def save_and_encode(new: NewPlan) -> LoadPlan:
-            early = asyncio.get_running_loop().call_soon(self._encode_early, new)
-            try:
-                return await save(new)
-            finally:
-                early.cancel()   # not run yet (the save ended without waiting): nothing to encode
-        return save_and_encode
+    return plan_wire.plan_bytes(plan)
 
 
 class ModelRegistryServicer(pb_grpc.ModelRegistryServicer):
     """For a grpc.aio server: every method is a coroutine on the server's event loop.
 
     Work that blocks (the store's reads and writes) runs through `blocking(fn, *args)` (the
-    server's: its worker threads); the rules are pure CPU and run on the loop. A resolve's
-    plan is saved by `save` (the server's: `PgAsyncWriter.save` on PostgreSQL, which awaits
-    its group commit on the loop; else the store's `save_plan` through `blocking`). A resolve of
-    a known request shape is made and answered by `save_made` (the server's: its writer's
-    `AsyncPlanWriter.save_made`, with its batch; else made here and saved by `save`)."""
+    server's: its worker threads); the rules are pure CPU and run on the loop. A resolve's plan
+    is saved, and its answer derived, by `save_made` (the server's: its writer's
+    `AsyncPlanWriter.save_made`, which awaits its group commit on the loop and makes the plan
+    of a known request shape with its batch); without one, the plan is made here and saved by
+    `save` (else the store's `save_plan` through `blocking`)."""
 
     def __init__(self, registry: Registry, *, blocking: Callable[..., Awaitable[Any]] | None = None,
                  save: Callable[[NewPlan], Awaitable[LoadPlan]] | None = None,
@@ -173,14 +141,13 @@ class ModelRegistryServicer(pb_grpc.ModelRegistryServicer):
                                                            request.request_id, request.deployment_id), shape.answer)
         req = convert.request_from_pb(request)
         texts = convert.stored_config_texts(request)
-        answer = _EarlyAnswer(texts)
         # The config texts determine the parsed configs: the rules' deployment cache key.
-        got = await self.registry.resolve_new_async(req, answer.saving(self._save),
-                                                    (request.config_json, request.quantization_config_json), texts)
-        self.shapes.remember(key, got.new)
-        if got.plan is got.new.plan:   # the plan made here (not a stored one replayed): its parts are known
-            return answer.of(got.new)
-        return plan_wire.plan_bytes(got.plan)
+        new = self.registry.new_plan(req, (request.config_json, request.quantization_config_json), texts)
+        # Saved, and answered, as a plan of a known shape is (the writer derives the answer while
+        # the database commits); a shape is remembered once its first plan is saved.
+        answered = await self._save_made(lambda: new, functools.partial(_answer, texts))
+        self.shapes.remember(key, new)
+        return answered
 
     @_rpc
     async def GetPlan(self, request, context):

@@ -164,9 +164,9 @@ def test_a_save_returns_its_plan_committed(store, executor, observer, make_reque
 
 def test_a_lone_save_yields_to_the_loop_only_once_its_statement_is_sent(store, executor, make_request, deployment,
                                                                        monkeypatch):
-    """What is scheduled on the loop before a lone caller's save (the server's: the answer's
-    encoding, servicer._EarlyAnswer) runs while the database works on the plan, not before the
-    statement goes out nor after the commit."""
+    """What is scheduled on the loop before a lone caller's save (the writer's: the answers of its
+    made plans, async_writer._answer_early) runs while the database works on the plan, not before
+    the statement goes out nor after the commit."""
     events = []
     read_results = pq_statement._results
 

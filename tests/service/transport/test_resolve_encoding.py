@@ -9,6 +9,7 @@ import json
 import uuid
 
 import pytest
+from fake_store import FakeAsyncWriter
 from sample_requests import deepseek_config, request
 
 from loadplan.client.convert import config_to_json, plan_to_pb, quantization_config_to_json, request_to_pb
@@ -133,61 +134,45 @@ def counting_plan_bytes(monkeypatch) -> list:
     return calls
 
 
-def test_the_answer_is_encoded_while_the_store_saves_the_plan(monkeypatch):
-    """The new plan's answer is written while its save waits on the database (not after the commit,
+def with_writer(store) -> ModelRegistryServicer:
+    """A servicer as the server makes it: plans saved, and their answers derived, by an async
+    writer's batches (`AsyncPlanWriter.save_made`; the fake's batch yields to the loop once, as
+    the database's round trip does, before the store saves its plans)."""
+    store.wait_timeout_s = None
+    writer = FakeAsyncWriter(store)
+    return ModelRegistryServicer(Registry(store), save=writer.save, save_made=writer.save_made)
+
+
+def test_the_answer_is_encoded_while_the_writer_saves_the_plan(monkeypatch):
+    """A new plan's answer is written while its batch waits on the database (not after the commit,
     on the caller's latency), once, and is the saved plan's."""
     calls = counting_plan_bytes(monkeypatch)
-    saved, encoded_before_commit = [], []
-
-    async def save(new: NewPlan):
-        await asyncio.sleep(0)                      # the writer waits for the database's answer
-        encoded_before_commit.append(len(calls))
-        saved.append(new)
-        return new.plan
-
-    servicer = ModelRegistryServicer(Registry(RecordingStore()), save=save)
-    answer = resolve(servicer, message())
-    assert encoded_before_commit == [1] and len(calls) == 1
-    assert pb.LoadPlan.FromString(answer) == plan_to_pb(saved[0].plan)
+    store = RecordingStore()
+    encoded_when_saved = []
+    save_plan = store.save_plan
+    store.save_plan = lambda new: encoded_when_saved.append(len(calls)) or save_plan(new)
+    answer = resolve(with_writer(store), message())
+    assert encoded_when_saved == [1] and len(calls) == 1
+    assert pb.LoadPlan.FromString(answer) == plan_to_pb(store.saved[0].plan)
 
 
-def test_a_replayed_plan_is_answered_not_the_one_encoded_early(monkeypatch):
+def test_a_replayed_plan_is_answered_not_the_one_encoded_early():
     stored = RecordingStore()
     first = pb.LoadPlan.FromString(resolve(ModelRegistryServicer(Registry(stored)), message(request_id="r-1")))
-
-    async def save(new: NewPlan):
-        await asyncio.sleep(0)
-        return stored.save_plan(new)                # the request id is stored: its plan, replayed
-
-    again = pb.LoadPlan.FromString(resolve(ModelRegistryServicer(Registry(stored), save=save),
-                                           message(request_id="r-1")))
+    again = pb.LoadPlan.FromString(resolve(with_writer(stored), message(request_id="r-1")))
     assert again.replayed and again.plan_id == first.plan_id != stored.saved[1].plan.plan_id
+    again.replayed = False
+    assert again == first
 
 
-def test_a_save_refused_before_it_waits_encodes_nothing(monkeypatch):
-    calls = counting_plan_bytes(monkeypatch)
-
-    async def save(new: NewPlan):
-        raise InvalidArgument("deployment_id", "refused by the store")
-
-    servicer = ModelRegistryServicer(Registry(RecordingStore()), save=save)
-    with pytest.raises(AssertionError, match="INVALID_ARGUMENT: deployment_id: refused by the store"):
-        asyncio.run(servicer.ResolveLoadPlan(message(), AbortContext()))
-    assert calls == []
-
-
-def test_an_early_encoding_that_fails_is_reported_on_the_handlers_path(monkeypatch):
+def test_an_early_encoding_that_fails_is_reported_as_the_callers_error(monkeypatch):
     from loadplan.service.transport import plan_wire
 
     def broken(*a, **kw):
         raise RuntimeError("encoder bug")
 
     monkeypatch.setattr(plan_wire, "plan_bytes", broken)
-
-    async def save(new: NewPlan):
-        await asyncio.sleep(0)
-        return new.plan
-
-    servicer = ModelRegistryServicer(Registry(RecordingStore()), save=save)
+    store = RecordingStore()
     with pytest.raises(AssertionError, match=r"INTERNAL: internal error \(incident"):
-        asyncio.run(servicer.ResolveLoadPlan(message(), AbortContext()))
+        asyncio.run(with_writer(store).ResolveLoadPlan(message(), AbortContext()))
+    assert len(store.saved) == 1          # saved all the same: a retry with its request id replays it

@@ -133,8 +133,9 @@ def test_graceful_stop_lets_in_flight_calls_finish():
 
 def test_resolves_are_saved_through_the_stores_async_writer(db_url, monkeypatch):
     """The server saves plans through the store's AsyncPlanWriter on its event loop (PostgreSQL:
-    PgAsyncWriter, from the loop itself), not through `save_plan` on a worker thread; a request of
-    a shape it decided before has its plan made by that writer (`save_made`)."""
+    PgAsyncWriter, from the loop itself), not through `save_plan` on a worker thread, each with its
+    answer (`save_made`); a request of a shape it decided before has its plan made by that writer
+    (`Registry.new_plan_like`), not decided again."""
     import dataclasses
 
     from loadplan.service.store.async_writer import AsyncPlanWriter
@@ -142,12 +143,17 @@ def test_resolves_are_saved_through_the_stores_async_writer(db_url, monkeypatch)
     from loadplan.service.store.pg_async_writer import PgAsyncWriter
     from loadplan.service.store.repository import SqlPlanStore
 
-    made: list[str] = []
+    made: list[tuple[str, bool]] = []     # (request id, made like a known shape's first plan)
     save_made = AsyncPlanWriter.save_made
 
     async def spy(self, make, answer):
-        made.append(make.args[1])          # the request id `Registry.new_plan_like` is given
-        return await save_made(self, make, answer)
+        like = getattr(getattr(make, "func", None), "__name__", None) == "new_plan_like"    # a partial of it
+
+        def made_by_the_writer():
+            new = make()
+            made.append((new.plan.request.request_id, like))
+            return new
+        return await save_made(self, made_by_the_writer, answer)
 
     monkeypatch.setattr(AsyncPlanWriter, "save_made", spy)
     engine = make_engine(db_url)
@@ -158,10 +164,10 @@ def test_resolves_are_saved_through_the_stores_async_writer(db_url, monkeypatch)
                 RegistryClient(srv.address, timeout=10) as client:
             on_pg = engine.dialect.name == "postgresql"
             assert isinstance(srv.writer, PgAsyncWriter if on_pg else AsyncPlanWriter)
-            plans = [client.resolve_load_plan(request_for(rank)) for rank in range(3)]
+            firsts = [request_for(rank) for rank in range(3)]
             again = [request_for(rank) for rank in range(3)]      # the same shapes, another deployment
-            plans += [client.resolve_load_plan(req) for req in again]
-            assert made == [req.request_id for req in again]
+            plans = [client.resolve_load_plan(req) for req in firsts + again]
+            assert made == [(req.request_id, False) for req in firsts] + [(req.request_id, True) for req in again]
             assert srv.writer.group.items == 6
             stored = [client.get_plan(p.plan_id) for p in plans]
             assert [dataclasses.replace(p, history=()) for p in stored] == plans
