@@ -12,13 +12,13 @@ per plan, DEFER for a second plan of the same request id):
 A caller waits at most the store's `wait_timeout_s` (then UNAVAILABLE: retry with
 the same request id, which replays a plan that did commit).
 
-`save_made(make, answer)` is `save(make())` whose plan is made, and its caller's answer
-derived from what was saved, by the batch's writer (every resolve's: its answer is derived
-while the database commits). The plans of a request of a shape decided before are cheap to make
-(service/transport/request_shapes.py) and are made there too, so that a
-batch's plans are made, written and answered in one pass, not each between two other
-calls' gRPC work on the loop (1.1x the resolves per second at 64 in flight, measured
-with bench/registry.py on PostgreSQL against making them in each call's handler).
+`save_made(make, answer)` is `save(make())` whose plan is made, and whose caller's answer is
+derived from what was saved, by the batch's writer, the answers while the database commits
+(`_answer_early`). The server saves every resolve so. The plan of a request of a shape decided
+before is cheap to make (service/transport/request_shapes.py) and is made by the writer too, so
+that a batch's plans are made, written and answered in one pass, not each between two other
+calls' gRPC work on the loop (1.1x the resolves per second at 64 in flight, measured with
+bench/registry.py on PostgreSQL against making them in each call's handler).
 """
 
 from __future__ import annotations
