@@ -28,6 +28,11 @@ def _copy(obj, **fields):
     return copy
 
 
+def _as_saved(new, plan):
+    """The answer `save_made` returns: the plan the store answered (its id and request id are sent)."""
+    return plan
+
+
 async def resolve_without_rules(self, request, context):
     shape = (request.config_json, request.quantization_config_json, request.parallel.SerializeToString(),
              request.runtime.SerializeToString(), request.role, request.host, request.quantization)
@@ -37,10 +42,10 @@ async def resolve_without_rules(self, request, context):
                                      (request.config_json, request.quantization_config_json),
                                      convert.stored_config_texts(request))
         _FIRST[shape] = new             # before the save: the next of its shape may arrive while this one waits
-        plan = await self._save(new)
     else:
         req = _copy(first.plan.request, request_id=request.request_id, deployment_id=request.deployment_id)
-        plan = await self._save(_copy(first, plan=_copy(first.plan, plan_id=new_plan_id(), request=req)))
+        new = _copy(first, plan=_copy(first.plan, plan_id=new_plan_id(), request=req))
+    plan = await self._save_made(lambda: new, _as_saved)
     return pb.LoadPlan(plan_id=plan.plan_id, request_id=plan.request.request_id).SerializeToString()
 
 

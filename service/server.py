@@ -145,7 +145,6 @@ class RegistryServer:
         self.writer = make_writer(self._executor) if make_writer is not None else None
         writer = self.writer
         handlers = add_to_server(ModelRegistryServicer(Registry(self.store), blocking=self._blocking,
-                                                       save=writer.save if writer is not None else None,
                                                        save_made=writer.save_made if writer is not None else None),
                                  self._server)
         self.accept_ahead = AcceptAhead(self._server, handlers, interceptors, options.accept_ahead)

@@ -113,22 +113,21 @@ class ModelRegistryServicer(pb_grpc.ModelRegistryServicer):
     is saved, and its answer derived, by `save_made` (the server's: its writer's
     `AsyncPlanWriter.save_made`, which awaits its group commit on the loop and makes the plan
     of a known request shape with its batch); without one, the plan is made here and saved by
-    `save` (else the store's `save_plan` through `blocking`)."""
+    the store's `save_plan` through `blocking`."""
 
     def __init__(self, registry: Registry, *, blocking: Callable[..., Awaitable[Any]] | None = None,
-                 save: Callable[[NewPlan], Awaitable[LoadPlan]] | None = None,
                  save_made: Callable[[Callable[[], NewPlan], Callable[[NewPlan, LoadPlan], Any]], Awaitable[Any]]
                  | None = None):
         self.registry = registry
         self._blocking = blocking or _to_thread
-        self._save = save or functools.partial(self._blocking, registry.store.save_plan)
         self._save_made = save_made or self._make_and_save
         self.shapes = RequestShapes()
 
     async def _make_and_save(self, make: Callable[[], NewPlan], answer: Callable[[NewPlan, LoadPlan], T]) -> T:
-        """`save_made` where the server has no writer that makes plans (`AsyncPlanWriter.save_made`)."""
+        """`save_made` where the server has no writer (`AsyncPlanWriter.save_made`): the plan made
+        here and saved by the store's `save_plan` through `blocking`."""
         new = make()
-        return answer(new, await self._save(new))
+        return answer(new, await self._blocking(self.registry.store.save_plan, new))
 
     @_rpc
     async def ResolveLoadPlan(self, request, context):

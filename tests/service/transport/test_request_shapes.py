@@ -59,7 +59,6 @@ def servicer_and_store(request):
         store = FakePlanStore()
         writer = FakeAsyncWriter(store) if request.param == "made by the writer" else None
         return ModelRegistryServicer(Registry(store, clock=clock), blocking=_inline,
-                                     save=writer.save if writer else None,
                                      save_made=writer.save_made if writer else None), store
     return make
 

@@ -140,7 +140,7 @@ def with_writer(store) -> ModelRegistryServicer:
     the database's round trip does, before the store saves its plans)."""
     store.wait_timeout_s = None
     writer = FakeAsyncWriter(store)
-    return ModelRegistryServicer(Registry(store), save=writer.save, save_made=writer.save_made)
+    return ModelRegistryServicer(Registry(store), save_made=writer.save_made)
 
 
 def test_the_answer_is_encoded_while_the_writer_saves_the_plan(monkeypatch):
