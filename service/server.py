@@ -66,6 +66,15 @@ class ServerOptions:
     # private parts of grpcio, so it is opt-in); 0: grpc's own accept loop alone, one call of a
     # method accepted at a time.
     accept_ahead: int = 0
+    # The longest a group of concurrent plans waits for more before it is written
+    # (`AsyncPlanWriter.fill_wait`); None: the writer's own (6 ms; 1 ms with calls accepted ahead).
+    # The wait pays under load (dozens of calls in flight); a lightly loaded replica does better
+    # with 0 (a group written as soon as the previous one is).
+    group_wait_ms: float | None = None
+
+
+# A group that waits longer than this is a misconfiguration (every resolve would wait as long).
+MAX_GROUP_WAIT_MS = 1000
 
 
 class _Probe:
@@ -131,6 +140,9 @@ class RegistryServer:
         options = self.options
         if options.accept_ahead < 0:
             raise ServerStartError(f"accept_ahead must be >= 0, got {options.accept_ahead}")
+        if options.group_wait_ms is not None and not 0 <= options.group_wait_ms <= MAX_GROUP_WAIT_MS:
+            raise ServerStartError(f"group_wait_ms must be between 0 and {MAX_GROUP_WAIT_MS}, "
+                                   f"got {options.group_wait_ms}")
         self.health = health.aio.HealthServicer()
         await self._publish(NOT_SERVING)
         interceptors = auth.interceptors(options.tokens)
@@ -241,6 +253,8 @@ class RegistryServer:
         await self.accept_ahead.start()
         if self.accept_ahead.active and self.writer is not None:
             self.writer.accepting_ahead()
+        if self.options.group_wait_ms is not None and self.writer is not None:
+            self.writer.fill_wait(self.options.group_wait_ms / 1000)   # the operator's, over either default
 
     async def _shutdown(self, grace: float) -> None:
         await self.health.enter_graceful_shutdown()

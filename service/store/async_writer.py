@@ -106,6 +106,13 @@ class AsyncPlanWriter:
         self.group.fill_wait_s = min(self.group.fill_wait_s, FILL_WAIT_AHEAD_S)
         self.group.fill_step_s = min(self.group.fill_step_s, FILL_STEP_AHEAD_S)
 
+    def fill_wait(self, seconds: float) -> None:
+        """A batch fills for `seconds` at most (0: written as soon as a leader is free), whatever the
+        default or `accepting_ahead` set."""
+        if not seconds >= 0:
+            raise ValueError(f"fill wait must be >= 0 seconds, got {seconds}")
+        self.group.fill_wait_s = seconds
+
     async def save(self, new: NewPlan) -> LoadPlan:
         """Write `new` in the next batch: its plan, a stored one replayed, or the refusal raised."""
         return await self._submit(new)

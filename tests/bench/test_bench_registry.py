@@ -115,6 +115,7 @@ def test_each_row_says_its_target_and_whether_it_is_met(bench):
     loaded = {"inflight": 64, "resolve_vs_echo_qps": 0.8}
     assert bench.target_figures(loaded) == {"target": "qps>=0.8x", "target_met": True}
     assert bench.target_figures({**loaded, "resolve_vs_echo_qps": 0.799})["target_met"] is False
+    assert bench.target_figures({**loaded, "inflight": 8}) == {"target": "-", "target_met": None}   # no target there
 
 
 def test_the_floor_server_answers_every_resolve_with_its_own_saved_plan(tmp_path):

@@ -169,3 +169,16 @@ def test_an_answer_is_derived_while_its_batch_is_written_and_only_once(registry_
     before_commit, got = asyncio.run(main())
     assert writer.events == [("made", "r-1"), ("write", ["r-1"])]
     assert before_commit == ["r-1"] and derived == ["r-1"] and got[0] == "new"
+
+
+def test_the_fill_wait_is_the_callers_over_accepting_ahead_and_never_negative():
+    writer = FakeAsyncWriter(FakePlanStore())
+    writer.accepting_ahead()
+    writer.fill_wait(0.004)                          # longer than accepting ahead's 1 ms: the caller's wins
+    assert writer.group.fill_wait_s == 0.004
+    writer.fill_wait(0)
+    assert writer.group.fill_wait_s == 0
+    for bad in (-0.001, float("nan")):
+        with pytest.raises(ValueError, match="fill wait must be >= 0 seconds"):
+            writer.fill_wait(bad)
+    assert writer.group.fill_wait_s == 0

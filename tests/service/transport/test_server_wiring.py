@@ -181,3 +181,36 @@ def request_for(rank: int):
     from loadplan.plan import Parallel
     return request(request_id=f"wired-{uuid.uuid4().hex}", deployment_id=f"wired-{uuid.uuid4().hex[:8]}",
                    parallel=Parallel(ep_size=8, ep_rank=rank))
+
+
+@pytest.mark.parametrize("depth", [0, 4])
+def test_the_operators_group_wait_is_the_fill_whether_calls_are_accepted_ahead_or_not(tmp_path, depth):
+    """`group_wait_ms` (`serve --group-wait-ms`) bounds how long a group of plans fills, over both
+    of the writer's defaults (6 ms; 1 ms with calls accepted ahead), shorter or longer; with 0,
+    concurrent resolves are each saved as ever."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loadplan.service.store import SqlPlanStore, make_engine, migrate
+
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    migrate(url)
+    engine = make_engine(url)
+    options = ServerOptions(listen="127.0.0.1:0", max_workers=4, accept_ahead=depth, group_wait_ms=0)
+    try:
+        with RegistryServer(SqlPlanStore(engine), options) as srv, RegistryClient(srv.address, timeout=10) as client:
+            assert srv.writer.group.fill_wait_s == 0
+            with ThreadPoolExecutor(8) as pool:
+                plans = list(pool.map(client.resolve_load_plan, [request_for(rank % 4) for rank in range(24)]))
+            assert srv.writer.group.items == 24
+            assert [client.get_plan(p.plan_id).plan_id for p in plans] == [p.plan_id for p in plans]
+        longer = ServerOptions(listen="127.0.0.1:0", max_workers=4, accept_ahead=depth, group_wait_ms=2.5)
+        with RegistryServer(SqlPlanStore(engine), longer) as srv:
+            assert srv.writer.group.fill_wait_s == 0.0025
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("wait", [-1, 1001, float("nan")])
+def test_a_group_wait_out_of_bounds_is_refused(wait):
+    with pytest.raises(ServerStartError, match=r"group_wait_ms must be between 0 and 1000"):
+        RegistryServer(FakePlanStore(), ServerOptions(listen="127.0.0.1:0", group_wait_ms=wait))
