@@ -73,7 +73,7 @@ class ServerOptions:
     group_wait_ms: float | None = None
 
 
-# A group that waits longer than this is a misconfiguration (every resolve would wait as long).
+# A longer wait is a misconfiguration: under load every resolve would wait about as long.
 MAX_GROUP_WAIT_MS = 1000
 
 
