@@ -1,0 +1,104 @@
+"""GroupCommit (service/store/group_commit.py): the plans saved while a batch is written go in
+the next batch, each caller gets its own outcome, and `on_commit` hears every batch."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from loadplan.service.errors import FailedPrecondition, Unavailable
+from loadplan.service.store.group_commit import GroupCommit
+
+
+class FakeBatches:
+    """A `save_batch` that records its batches and answers each item with itself (a str) or
+    with the exception it is; `gate` holds a batch back until set."""
+
+    def __init__(self):
+        self.batches: list[list] = []
+        self.gate: asyncio.Event | None = None
+        self.fail_next: Exception | None = None
+
+    def save_batch(self, items):
+        self.batches.append(list(items))
+        if self.fail_next is not None:
+            err, self.fail_next = self.fail_next, None
+            raise err
+        return list(items)
+
+    async def run_blocking(self, fn, *args):
+        if self.gate is not None:
+            await self.gate.wait()
+        return fn(*args)
+
+
+def test_plans_saved_while_a_batch_is_written_share_the_next_one():
+    fake = FakeBatches()
+    commits: list[tuple[float, int]] = []
+
+    async def main():
+        fake.gate = asyncio.Event()
+        group = GroupCommit(fake.save_batch, run_blocking=fake.run_blocking,
+                            on_commit=lambda s, n: commits.append((s, n)))
+        first = asyncio.create_task(group.save("a"))
+        await asyncio.sleep(0.01)                 # "a" is being written (held at the gate)
+        rest = [asyncio.create_task(group.save(x)) for x in "bcd"]
+        await asyncio.sleep(0.01)
+        fake.gate.set()
+        return await first, await asyncio.gather(*rest)
+
+    assert asyncio.run(main()) == ("a", ["b", "c", "d"])
+    assert fake.batches == [["a"], ["b", "c", "d"]]
+    assert [n for _, n in commits] == [1, 3] and all(s >= 0 for s, _ in commits)
+
+
+def test_a_refusal_is_its_callers_and_a_failed_batch_fails_only_its_plans():
+    fake = FakeBatches()
+    refused = FailedPrecondition("pinned to other inputs", field="runtime.a2a_backend")
+
+    async def main():
+        group = GroupCommit(fake.save_batch, run_blocking=fake.run_blocking)
+        ok, no = await asyncio.gather(group.save("ok"), group.save(refused), return_exceptions=True)
+        fake.fail_next = Unavailable("database unavailable while saving a plan")
+        down = await asyncio.gather(group.save("x"), group.save("y"), return_exceptions=True)
+        after = await group.save("z")            # the next batch is written as ever
+        return ok, no, down, after
+
+    ok, no, down, after = asyncio.run(main())
+    assert ok == "ok" and no is refused
+    assert all(isinstance(e, Unavailable) for e in down) and len(down) == 2
+    assert after == "z"
+
+
+def test_a_batch_holds_at_most_max_batch_plans():
+    fake = FakeBatches()
+
+    async def main():
+        group = GroupCommit(fake.save_batch, run_blocking=fake.run_blocking, max_batch=2)
+        return await asyncio.gather(*(group.save(i) for i in range(5)))
+
+    assert asyncio.run(main()) == [0, 1, 2, 3, 4]
+    assert [len(b) for b in fake.batches] == [2, 2, 1]
+
+
+def test_a_caller_that_went_away_does_not_stop_the_batch():
+    fake = FakeBatches()
+
+    async def main():
+        fake.gate = asyncio.Event()
+        group = GroupCommit(fake.save_batch, run_blocking=fake.run_blocking)
+        gone = asyncio.create_task(group.save("gone"))
+        await asyncio.sleep(0.01)
+        gone.cancel()
+        stays = asyncio.create_task(group.save("stays"))
+        fake.gate.set()
+        return await stays
+
+    assert asyncio.run(main()) == "stays"
+    assert fake.batches == [["gone"], ["stays"]]   # written all the same (its retry would replay)
+
+
+def test_max_batch_must_be_positive():
+    with pytest.raises(ValueError, match="max_batch"):
+        GroupCommit(lambda items: items, max_batch=0)
