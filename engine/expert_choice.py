@@ -181,10 +181,11 @@ def measured() -> dict[str, dict[str, float]]:
         return {k: dict(v) for k, v in _TIMES.items()}
 
 
-def forget() -> None:
-    """Drop this process's choices (not the cache file): the next call reads the file again."""
+def forget(read_cache: bool = True) -> None:
+    """Drop this process's choices (not the cache file): the next call reads the file again, or with
+    read_cache=False measures every shape class anew (and updates the file)."""
     global _CHOICES
     with _LOCK:
-        _CHOICES = None
+        _CHOICES = None if read_cache else {}
         _TIMES.clear()
         _SAID.clear()
