@@ -119,16 +119,20 @@ def _store(key: str, impl: str) -> None:
         _say("store", "experts: measured choices not cached (%s)", e)
 
 
-def measure(candidates: list[str], run: Callable[[str], object]) -> dict[str, float]:
-    """Fastest call in ms of each candidate, calls interleaved (a burst of load hits all alike)."""
+def measure(candidates: list[str], run: Callable[[str, int], object]) -> dict[str, float]:
+    """Fastest call in ms of each candidate, calls interleaved (a burst of load hits all alike); run(impl, n) is
+    the n-th call."""
     best = {c: float("inf") for c in candidates}
     spent = {c: 0.0 for c in candidates}
+    n = 0
     for c in candidates:                                         # warm-up: first calls build/allocate
-        run(c)
+        run(c, n)
+        n += 1
     for rep in range(MAX_REPS):
         for c in candidates:
             t0 = time.perf_counter()
-            run(c)
+            run(c, n)
+            n += 1
             dt = time.perf_counter() - t0
             best[c], spent[c] = min(best[c], dt), spent[c] + dt
         if rep + 1 >= MIN_REPS and max(spent.values()) > BUDGET_S:
@@ -137,10 +141,10 @@ def measure(candidates: list[str], run: Callable[[str], object]) -> dict[str, fl
 
 
 def choose(x: torch.Tensor, slots: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-           run: Callable[[str], object]) -> str:
+           run: Callable[[str, int], object]) -> str:
     """The implementation for this call: forced by LOADPLAN_EXPERTS_IMPL, else the one measured fastest for its
-    shape class (measured now with `run(impl)`, which computes this call with that implementation, if this
-    machine has not measured the class yet)."""
+    shape class (measured now, if this machine has not measured the class yet, with `run(impl, n)`: the n-th
+    timed call, which computes this call's shapes with that implementation, on other experts for each n)."""
     want = forced()
     if want is not None:
         if applies(want, x, gate_up, down):

@@ -287,8 +287,12 @@ def fused_experts(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, g
     impl: one of expert_choice.IMPLS ("kernel", "grouped_mm", "per_expert"); None: LOADPLAN_EXPERTS_IMPL, else
     the implementation measured fastest on this machine for this shape class (engine/expert_choice.py)."""
     if impl is None:
-        impl = expert_choice.choose(x, slots, gate_up, down,
-                                    lambda name: _run(name, x, slots, weights, gate_up, down, expert_parallel))
+        S = gate_up.shape[0]
+
+        def run(name: str, rep: int):       # each timed call reads other experts: weights from memory, as in a forward
+            moved = torch.where(slots < S, (slots + rep * slots.shape[1]) % S, slots)
+            return _run(name, x, moved, weights, gate_up, down, expert_parallel)
+        impl = expert_choice.choose(x, slots, gate_up, down, run)
     elif impl not in expert_choice.IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {', '.join(expert_choice.IMPLS)}")
     return _run(impl, x, slots, weights, gate_up, down, expert_parallel)

@@ -35,6 +35,16 @@ typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
 #define MAX_P 96
 // Rows of W per tile: 8 x (3 vectors of 16 rows) = 24 accumulators + 3 + 1 of the 32 vector registers.
 #define RB 8
+// The dot products' software prefetch of the weight rows SMALL_PF bytes ahead (0: none), with locality
+// SMALL_PF_LOC (0: prefetchnta ... 3: prefetcht0). Measured on a 2-core Sapphire Rapids VM (one thread, T=1 from
+// memory, 8 experts of 3 MB): prefetchnta 9.1-10.0 ms (it starves the L2 streamer), none 1.96-2.1, prefetcht2 8 KiB
+// ahead 2.1-2.2, prefetcht0 16 KiB ahead 1.93-2.5; at T=16 prefetcht0 13.3, t2 13.8, none 19.7 ms.
+#ifndef SMALL_PF
+#define SMALL_PF 16384
+#endif
+#ifndef SMALL_PF_LOC
+#define SMALL_PF_LOC 3
+#endif
 // Prefetch locality of the tiles' next weight rows (1: prefetcht2; measured ahead of t0 and nta).
 #define PF_LOC 1
 
@@ -59,7 +69,8 @@ static void proj_rm(const float *x, long ldx, const float *W, long O, long Din, 
             for (int j = 0; j < M; j++) acc[r][j] = v16{};
         const float *w0 = W + o * Din;
         for (long d = 0; d < Din; d += 16) {
-            for (int r = 0; r < R; r++) __builtin_prefetch(w0 + (pf + r) * Din + d, 0, 0);
+            if (SMALL_PF)
+                for (int r = 0; r < R; r++) __builtin_prefetch(w0 + (pf + r) * Din + d, 0, SMALL_PF_LOC);
             v16 xv[M];
             for (int j = 0; j < M; j++) xv[j] = LD(x + j * ldx + d);
             for (int r = 0; r < R; r++) {
@@ -74,7 +85,7 @@ static void proj_rm(const float *x, long ldx, const float *W, long O, long Din, 
 
 // Up to 8 rows of x against all of W (O a multiple of 4, Din of 16).
 static void proj(const float *x, long ldx, int m, const float *W, long O, long Din, float *y, long ldy) {
-    long pf = 16384 / (Din * 4);
+    long pf = SMALL_PF / (Din * 4);
     if (pf < 4) pf = 4;
     switch (m) {
     case 1: proj_rm<4, 1>(x, ldx, W, O, Din, y, ldy, pf); break;

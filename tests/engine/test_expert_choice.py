@@ -40,7 +40,7 @@ def test_measures_once_per_shape_class_keeps_the_fastest_and_caches_it(fresh, ca
     x, slots, w, gate_up, down = routed(T=3)
     calls = []
 
-    def run(impl):                       # a fake timing target: per_expert is the slow one
+    def run(impl, n):                    # a fake timing target: per_expert is the slow one
         calls.append(impl)
         if impl == "per_expert":
             torch.mm(torch.ones(300, 300), torch.ones(300, 300))
@@ -77,7 +77,7 @@ def test_env_forces_an_implementation_and_refuses_unknown_names(fresh, monkeypat
         if not expert_choice.applies(impl, x, gate_up, down):
             continue
         monkeypatch.setenv(expert_choice.ENV, impl)
-        assert expert_choice.choose(x, slots, gate_up, down, ran.append) == impl
+        assert expert_choice.choose(x, slots, gate_up, down, lambda impl, n: ran.append(impl)) == impl
     assert ran == [] and not fresh.exists()                                         # nothing measured
     monkeypatch.setenv(expert_choice.ENV, "cuda_magic")
     with pytest.raises(ValueError, match=expert_choice.ENV):
@@ -89,7 +89,7 @@ def test_env_forces_an_implementation_and_refuses_unknown_names(fresh, monkeypat
 def test_forced_kernel_on_weights_it_cannot_compute_runs_per_expert(fresh, monkeypatch):
     x, slots, w, gate_up, down = (t.double() if t.is_floating_point() else t for t in routed(T=4))
     monkeypatch.setenv(expert_choice.ENV, "kernel")
-    assert expert_choice.choose(x, slots, gate_up, down, lambda impl: None) == "per_expert"
+    assert expert_choice.choose(x, slots, gate_up, down, lambda impl, n: None) == "per_expert"
     y = fused_experts(x, slots, w, gate_up, down)
     torch.testing.assert_close(y, expert_reference(x, slots, w, gate_up, down), rtol=1e-9, atol=1e-9)
 
@@ -105,7 +105,7 @@ def test_without_a_compiler_the_choice_is_among_the_others_with_the_reason_logge
         assert expert_native.library() is None
         x, slots, w, gate_up, down = routed(T=2)
         seen = set()
-        impl = expert_choice.choose(x, slots, gate_up, down, seen.add)
+        impl = expert_choice.choose(x, slots, gate_up, down, lambda impl, n: seen.add(impl))
         y = fused_experts(x, slots, w, gate_up, down)
     assert "no-such-compiler-here" in expert_native.unavailable_reason()
     assert seen == {"grouped_mm", "per_expert"} and impl in seen
