@@ -10,7 +10,11 @@ Slot ids >= S mean "not here" (another rank's expert) and are dropped.
 
 Why it is shaped like this (measured on 2 cores, D=1024, I=256, 64 experts, top-8,
 fp32; bench/moe.py):
-- Every expert goes to engine/expert_native.py when it applies (float32, contiguous,
+Which implementation runs (impl="kernel": the compiled kernel; "grouped_mm": torch.nn.functional.grouped_mm;
+"per_expert": the torch path below) is measured per shape class on the machine at hand
+(engine/expert_choice.py): the figures below are from where each was tuned.
+
+- impl="kernel": every expert goes to engine/expert_native.py when it applies (float32, contiguous,
   sizes multiples of 16, a compiler, no autograd): one C++ call per layer that hands
   the experts (split at 96 rows) to torch's OpenMP threads one at a time (dynamic: a
   core taken by another process does not hold up the layer), fuses silu(gate) * up *

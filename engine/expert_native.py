@@ -1,5 +1,9 @@
 """A compiled kernel for the routed experts: the whole expert MLP per (expert, rows) span in C++.
 
+It is one of the experts implementations engine/expert_choice.py measures on the machine at hand; the
+figures below are from where it was tuned and hold only there (issue 34: on another CPU its decode was
+slower than torch's own paths, hence the measured choice).
+
 Why (measured on 2 cores, D=1024, I=256, fp32; figures in engine/expert_kernel.py): per expert,
 torch's matmuls (MKL) leave time on the table at every row count m:
 - m <= 4 (decode, small batches): a few matrix-vector products over 3 MB of weights from memory.
@@ -7,7 +11,9 @@ torch's matmuls (MKL) leave time on the table at every row count m:
   matrix-vector loops run at about the speed of memory from the cache, so reading an expert and
   computing with it do not overlap (~480 us per expert and core at m~2 where memory alone takes
   ~260 us). The dot products here (`proj`) stream each weight row once (4 rows of W x up to 4 rows
-  of x in registers) with a software prefetch 16 KiB ahead.
+  of x in registers) with a software prefetch (prefetcht0) 16 KiB ahead. (With prefetchnta, as first
+  tuned elsewhere, a 2-core Sapphire Rapids VM streamed at a quarter of its speed: SMALL_PF_LOC in
+  expert_native.cpp.)
 - m > 4 (prefill; ~64 rows per expert at T=512): the BLAS packs the 2 MB weight per call for only
   m rows and cannot prefetch the next expert, so ~0.4 ms of each expert's ~1.5 ms per core waits
   on memory (45-72 GFLOP/s per core at m=17-100 in this loop). The tiles here (`projT`) transpose
