@@ -25,10 +25,9 @@ from typing import Any, Coroutine
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from ..v1 import registry_pb2 as pb
-from . import auth
+from . import auth, reflection_v1
 from .accept_ahead import AcceptAhead
 from .auth import TokenStore
 from .registry import PlanStore, Registry
@@ -71,6 +70,8 @@ class ServerOptions:
     # The wait pays under load (dozens of calls in flight); a lightly loaded replica does better
     # with 0 (a group written as soon as the previous one is).
     group_wait_ms: float | None = None
+    # Interceptors run before authentication's, outermost first (service/metrics.py counts resolves).
+    interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()
 
 
 # A longer wait is a misconfiguration: under load every resolve would wait about as long.
@@ -145,7 +146,7 @@ class RegistryServer:
                                    f"got {options.group_wait_ms}")
         self.health = health.aio.HealthServicer()
         await self._publish(NOT_SERVING)
-        interceptors = auth.interceptors(options.tokens)
+        interceptors = list(options.interceptors) + auth.interceptors(options.tokens)
         self._server = grpc.aio.server(
             options=[("grpc.max_receive_message_length", options.max_receive_message_bytes),
                      # Without this, Linux lets a second server bind the same port and
@@ -161,9 +162,8 @@ class RegistryServer:
                                  self._server)
         self.accept_ahead = AcceptAhead(self._server, handlers, interceptors, options.accept_ahead)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self._server)
+        reflection_v1.enable((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
+                             self._server)
         try:
             port = add_port(self._server, options.listen, options.tls)
         except RuntimeError as e:

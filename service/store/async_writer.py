@@ -24,6 +24,7 @@ bench/registry.py on PostgreSQL against making them in each call's handler).
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
@@ -99,6 +100,8 @@ class AsyncPlanWriter:
             self._write_batch, max_batch=max_batch, max_leaders=max_leaders, timeout=store.wait_timeout_s,
             fill_wait_s=fill_wait_s, fill_step_s=FILL_STEP_S)
         self._closed = False
+        # Called as on_commit(seconds, n_plans) after each batch is written (service/metrics.py).
+        self.on_commit: Callable[[float, int], None] | None = None
 
     def accepting_ahead(self) -> None:
         """The server accepts calls ahead (service/accept_ahead.py): plans arrive as fast as clients
@@ -154,11 +157,14 @@ class AsyncPlanWriter:
             at.append(i)
         early: dict[int, Any] = {}
         pending = asyncio.get_running_loop().call_soon(_answer_early, items, at, news, early) if news else None
+        started = time.perf_counter()
         try:
             written = checked_outcomes(await self._write(news), len(news)) if news else ()
         finally:
             if pending is not None:
                 pending.cancel()       # not run yet (the write ended without waiting)
+        if news and self.on_commit is not None:
+            self.on_commit(time.perf_counter() - started, len(news))
         for i, new, outcome in zip(at, news, written):
             made = items[i]
             if made.__class__ is _Made and isinstance(outcome, LoadPlan):

@@ -7,6 +7,7 @@ INVALID_ARGUMENT naming the field, filters, diffs, backends and coverage.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from typing import Any, NamedTuple
@@ -118,9 +119,12 @@ def request_from_pb(msg: pb.ResolveLoadPlanRequest) -> ResolveRequest:
         request_id=msg.request_id,
         deployment_id=msg.deployment_id,
         role=_wire(role_from_pb, msg.role),
-        # A request without the message gets the defaults (one rank); a message that is
-        # present is taken literally, so tp_size=0 is refused rather than silently made 1.
-        parallel=_shared(_PARALLELS, msg.parallel, parallel_from_pb) if msg.HasField("parallel") else _ONE_RANK,
+        # A request without the message gets the defaults (one rank); in a message that is
+        # present an unset size (proto3's zero) means 1, as the proto says: a client that sets
+        # only the sizes it uses (tp_size=8) must not be refused for dp_size. Negative sizes
+        # and ranks are taken literally and refused naming the field.
+        parallel=_shared(_PARALLELS, msg.parallel, _parallel_unset_sizes_one) if msg.HasField("parallel")
+        else _ONE_RANK,
         host=msg.host,
         config=_json_object(msg.config_json, "config_json", required=True),
         quantization_config=_json_object(msg.quantization_config_json, "quantization_config_json",
@@ -128,6 +132,14 @@ def request_from_pb(msg: pb.ResolveLoadPlanRequest) -> ResolveRequest:
         quantization=msg.quantization or None,
         runtime=_shared(_RUNTIMES, msg.runtime, runtime_from_pb) if msg.HasField("runtime") else _DEFAULT_RUNTIME,
     )
+
+
+def _parallel_unset_sizes_one(msg: pb.Parallelism) -> Parallel:
+    """`parallel_from_pb`, a zero size read as 1 (proto3 cannot tell unset from 0)."""
+    return dataclasses.replace(parallel_from_pb(msg), **{f: 1 for f in _SIZES if getattr(msg, f) == 0})
+
+
+_SIZES = ("tp_size", "ep_size", "pp_size", "dp_size")
 
 
 def _shared(cache: dict[bytes, Any], msg, from_pb):
