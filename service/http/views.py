@@ -179,21 +179,23 @@ def inputs(p: LoadPlan) -> list[tuple[str, Any]]:
 
 @dataclass
 class Rebalance:
-    revision: int
+    step: int                       # 0: as resolved; then one per AppendDecisions, in order
     decided_at: dt.datetime | None
     decisions: list[Decision]
 
 
 def rebalances(p: LoadPlan) -> list[Rebalance]:
-    """The EPLB decisions of a plan read with its history, grouped by revision (0: at resolve,
-    then one per AppendDecisions that rebalanced), oldest first."""
-    by_revision: dict[int, list[Decision]] = {}
-    history = p.history or tuple(p.decisions.values())
-    for d in history:
+    """The EPLB decisions of a plan read with its history, one group per moment they were decided:
+    the resolve, then each AppendDecisions (all of one call's decisions share its time), oldest
+    first. A key's own `revision` counts its appends; a key first appended later (a placement the
+    resolve left to the engine) starts at 0 there."""
+    by_time: dict[dt.datetime | None, list[Decision]] = {}
+    for d in p.history or tuple(p.decisions.values()):
         if d.key.startswith(EPLB_PREFIX):
-            by_revision.setdefault(d.revision, []).append(d)
-    out = []
-    for rev in sorted(by_revision):
-        ds = sorted(by_revision[rev], key=lambda d: d.key)
-        out.append(Rebalance(rev, max((d.decided_at for d in ds if d.decided_at), default=None), ds))
+            by_time.setdefault(d.decided_at, []).append(d)
+    resolved = by_time.pop(p.created_at, [])
+    out = [Rebalance(0, p.created_at, sorted(resolved, key=lambda d: d.key))] if resolved else []
+    later = sorted(by_time.items(), key=lambda kv: (kv[0] is not None, kv[0] or p.created_at))
+    for step, (when, ds) in enumerate(later, start=1):
+        out.append(Rebalance(step, when, sorted(ds, key=lambda d: d.key)))
     return out
