@@ -62,11 +62,12 @@ def test_unmigrated_postgres_is_not_upgraded_and_says_so(make_postgres_database)
     proc = _serve("--db", url)
     try:
         _address(proc)
+        # Printed right after the listening line (read before SIGTERM, which could come first).
+        lines = iter(proc.stderr.readline, "")
+        warning = next((line for line in lines if line.startswith("warning:")), "")
     finally:
         _stop(proc)
-    warnings = [line for line in proc.stderr.read().splitlines() if line.startswith("warning:")]
-    assert len(warnings) == 1, warnings
-    assert "not migrated" in warnings[0] and "loadplan migrate" in warnings[0] and "--migrate" in warnings[0]
+    assert "not migrated" in warning and "loadplan migrate" in warning and "--migrate" in warning, warning
     engine = make_engine(url)
     try:
         assert current_revisions(engine) == frozenset()
@@ -85,7 +86,7 @@ def test_http_serves_metrics_of_the_resolves(tmp_path):
         assert done.returncode == 0, done.stderr
         with urllib.request.urlopen(f"{base}/metrics", timeout=5) as r:
             text = r.read().decode()
-        assert 'loadplan_resolves_total{engine="",family="deepseek",role="target",status="OK"} 1.0' in text, text
+        assert 'loadplan_resolves_total{engine="loadplan",family="deepseek",role="target",status="OK"} 1.0' in text, text
         assert "loadplan_db_commit_plans_count 1.0" in text
         assert "loadplan_serving 1.0" in text
         with urllib.request.urlopen(f"{base}/deployments", timeout=5) as r:

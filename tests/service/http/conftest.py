@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from sample_requests import deepseek_config, real_config, request  # noqa: E402
 
@@ -28,8 +29,7 @@ from loadplan.service.server import RegistryServer, ServerOptions  # noqa: E402
 from loadplan.service.store.db import make_engine, migrate  # noqa: E402
 from loadplan.service.store.repository import SqlPlanStore  # noqa: E402
 
-READER_TOKEN = "reader-token-0123456789"
-WORKER_TOKEN = "worker-token-0123456789"
+from web_tokens import READER_TOKEN, WORKER_TOKEN  # noqa: E402
 
 
 @dataclass

@@ -9,6 +9,7 @@ import pathlib
 import shutil
 
 import pytest
+from web_tokens import READER_TOKEN, WORKER_TOKEN
 
 CHROMIUM = os.environ.get("LOADPLAN_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = pathlib.Path(__file__).resolve().parents[3] / "test-artifacts" / "web-view"
@@ -118,8 +119,6 @@ def test_unknown_plan_is_a_404_page(page, history):
 
 
 def test_login_with_a_reader_token(page, guarded):
-    from conftest import READER_TOKEN, WORKER_TOKEN
-
     base, plan = guarded
     page.goto(f"{base}/plans/{plan.plan_id}")
     page.wait_for_url("**/login?*")
