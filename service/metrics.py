@@ -9,7 +9,8 @@
 Resolves are counted by a gRPC server interceptor (`ResolveMetrics`), outside the
 servicer, so the count covers every answer, refusals by authentication included.
 `status` is the gRPC code's name (OK, INVALID_ARGUMENT, ...); `role` the request's
-role (target, speculative); `engine` the engine of the answered plan's runtime
+role (target, speculative; "" for a call refused before its request was read:
+UNAUTHENTICATED, PERMISSION_DENIED); `engine` the engine of the answered plan's runtime
 (what decided; the request's when it was refused); `family` the answered plan's
 `model.family` decision ("" when refused). Each metric set lives in a registry of
 its own, so two servers in one process (the tests) do not share counts.
@@ -125,10 +126,13 @@ class ResolveMetrics(grpc.aio.ServerInterceptor):
                     code = grpc.StatusCode.OK if answer is not None else grpc.StatusCode.UNKNOWN
                 status = code.name if isinstance(code, grpc.StatusCode) else str(code)
                 metrics.resolve_seconds.labels(status).observe(time.perf_counter() - start)
-                engine, family = (labels_of(request, answer) if status == "OK" and answer is not None
-                                  else (_engine(request.runtime), ""))
-                metrics.resolves.labels(status, ROLE_NAMES.get(request.role, str(request.role)), engine,
-                                        family).inc()
+                if not isinstance(request, pb.ResolveLoadPlanRequest):
+                    role, engine, family = "", "", ""      # refused before decoding (authentication)
+                else:
+                    role = ROLE_NAMES.get(request.role, str(request.role))
+                    engine, family = (labels_of(request, answer) if status == "OK" and answer is not None
+                                      else (_engine(request.runtime), ""))
+                metrics.resolves.labels(status, role, engine, family).inc()
 
         return grpc.unary_unary_rpc_method_handler(counted, request_deserializer=handler.request_deserializer,
                                                    response_serializer=handler.response_serializer)

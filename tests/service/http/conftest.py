@@ -43,6 +43,13 @@ class History:
     rebalanced: LoadPlan            # targets[0] after its rebalances
 
 
+@dataclass
+class Guarded:
+    base: str
+    grpc: str
+    plan: LoadPlan                  # resolved by the worker
+
+
 def _fill(client: RegistryClient) -> tuple[list[LoadPlan], list[LoadPlan], LoadPlan, LoadPlan]:
     runtime = Runtime(a2a_backend="deepep", enable_eplb=True, ep_num_redundant_experts=2)
     targets, drafts = [], []
@@ -103,7 +110,7 @@ def guarded(tmp_path_factory):
     try:
         with RegistryClient(server.address, timeout=10, token=WORKER_TOKEN) as client:
             plan = client.resolve_load_plan(request(deepseek_config(), deployment_id="guarded-dep"))
-        yield f"http://{http.address}", plan
+        yield Guarded(f"http://{http.address}", server.address, plan)
     finally:
         http.stop()
         server.stop(grace=0.5)

@@ -119,7 +119,7 @@ def test_unknown_plan_is_a_404_page(page, history):
 
 
 def test_login_with_a_reader_token(page, guarded):
-    base, plan = guarded
+    base, plan = guarded.base, guarded.plan
     page.goto(f"{base}/plans/{plan.plan_id}")
     page.wait_for_url("**/login?*")
     page.fill("input[name=token]", WORKER_TOKEN)
