@@ -18,6 +18,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from ..plan import ROLE_SPECULATIVE, ROLE_TARGET, Decision, LoadPlan, Parallel, ResolveRequest, Runtime
 from ..v1 import registry_pb2 as pb
+from .errors import InvalidArgumentError
 
 
 class WireError(ValueError):
@@ -126,6 +127,16 @@ def quantization_config_to_json(qconfig: Any) -> str:
     if qconfig is None:
         return ""
     return json.dumps(dict(qconfig) if isinstance(qconfig, Mapping) else qconfig)
+
+
+def check_sizes(p: Parallel) -> None:
+    """On the wire an unset (zero) size means 1, so a zero size a caller wrote would be read as 1:
+    the client refuses sizes below 1 before sending, naming the field as the registry would."""
+    for axis in ("tp", "ep", "pp", "dp"):
+        size = getattr(p, f"{axis}_size")
+        if size < 1:
+            raise InvalidArgumentError("INVALID_ARGUMENT", f"parallel.{axis}_size: must be >= 1, got {size}",
+                                       field=f"parallel.{axis}_size")
 
 
 def request_to_pb(req: ResolveRequest) -> pb.ResolveLoadPlanRequest:

@@ -25,11 +25,10 @@ from typing import Any, Callable, Coroutine
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from ..v1 import registry_pb2 as pb
 from ..v1 import registry_pb2_grpc as pb_grpc
-from . import auth
+from . import auth, reflection_v1
 from .auth import TokenStore
 from .registry import PlanStore, Registry
 from .rules import entries
@@ -63,6 +62,8 @@ class ServerOptions:
     tls: ServerTls | None = None         # TLS / mutual TLS (service/tls.py); None: plaintext
     # Called after each group commit with its latency (s) and its number of plans (metrics).
     on_commit: Callable[[float, int], None] | None = None
+    # Interceptors run before authentication's, outermost first (service/metrics.py counts resolves).
+    interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()
 
 
 class _Probe:
@@ -128,7 +129,7 @@ class RegistryServer:
         options = self.options
         self.health = health.aio.HealthServicer()
         await self._publish(NOT_SERVING)
-        interceptors = auth.interceptors(options.tokens)
+        interceptors = list(options.interceptors) + auth.interceptors(options.tokens)
         self._server = grpc.aio.server(
             options=[("grpc.max_receive_message_length", options.max_receive_message_bytes),
                      # Without this, Linux lets a second server bind the same port and
@@ -142,9 +143,8 @@ class RegistryServer:
         pb_grpc.add_ModelRegistryServicer_to_server(ModelRegistryServicer(registry, blocking=self._blocking),
                                                     self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self._server)
+        reflection_v1.enable((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
+                             self._server)
         try:
             port = add_port(self._server, options.listen, options.tls)
         except RuntimeError as e:

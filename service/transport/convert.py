@@ -7,6 +7,7 @@ INVALID_ARGUMENT naming the field, filters, diffs, backends and coverage.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -70,9 +71,11 @@ def request_from_pb(msg: pb.ResolveLoadPlanRequest) -> ResolveRequest:
         request_id=msg.request_id,
         deployment_id=msg.deployment_id,
         role=_wire(role_from_pb, msg.role),
-        # A request without the message gets the defaults (one rank); a message that is
-        # present is taken literally, so tp_size=0 is refused rather than silently made 1.
-        parallel=parallel_from_pb(msg.parallel) if msg.HasField("parallel") else Parallel(),
+        # A request without the message gets the defaults (one rank); in a message that is
+        # present an unset size (proto3's zero) means 1, as the proto says: a client that sets
+        # only the sizes it uses (tp_size=8) must not be refused for dp_size. Negative sizes
+        # and ranks are taken literally and refused naming the field.
+        parallel=_parallel_unset_sizes_one(msg.parallel) if msg.HasField("parallel") else Parallel(),
         host=msg.host,
         config=_json_object(msg.config_json, "config_json", required=True),
         quantization_config=_json_object(msg.quantization_config_json, "quantization_config_json",
@@ -80,6 +83,14 @@ def request_from_pb(msg: pb.ResolveLoadPlanRequest) -> ResolveRequest:
         quantization=msg.quantization or None,
         runtime=runtime_from_pb(msg.runtime) if msg.HasField("runtime") else Runtime(),
     )
+
+
+def _parallel_unset_sizes_one(msg: pb.Parallelism) -> Parallel:
+    """`parallel_from_pb`, a zero size read as 1 (proto3 cannot tell unset from 0)."""
+    return dataclasses.replace(parallel_from_pb(msg), **{f: 1 for f in _SIZES if getattr(msg, f) == 0})
+
+
+_SIZES = ("tp_size", "ep_size", "pp_size", "dp_size")
 
 
 def filter_from_pb(msg: pb.ListPlansRequest) -> PlanFilter:

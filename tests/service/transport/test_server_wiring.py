@@ -7,12 +7,14 @@ import time
 import grpc
 import pytest
 from fake_store import FakePlanStore
+from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from sample_requests import deepseek_config, request
 
 from loadplan.client import RegistryClient
 from loadplan.client.convert import request_to_pb
+from loadplan.service import reflection_v1
 from loadplan.service.rules import entries
 from loadplan.service.server import SERVICE_NAME, RegistryServer, ServerOptions, ServerStartError
 
@@ -75,6 +77,43 @@ def test_reflection_lists_the_services(server):
                                             timeout=5)
         names = {s.name for r in replies for s in r.list_services_response.service}
     assert {"loadplan.v1.ModelRegistry", "grpc.health.v1.Health"} <= names
+
+
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+def test_reflection_answers_under_v1_and_v1alpha(server, version):
+    """grpcurl and Postman ask grpc.reflection.v1 first; older clients v1alpha. Both list the
+    services and hand out the registry's file descriptor."""
+    if version == "v1":
+        req_cls, resp_cls = (reflection_v1.v1_message("ServerReflectionRequest"),
+                             reflection_v1.v1_message("ServerReflectionResponse"))
+        method = "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"
+    else:
+        req_cls, resp_cls = reflection_pb2.ServerReflectionRequest, reflection_pb2.ServerReflectionResponse
+        method = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+    with grpc.insecure_channel(server.address) as ch:
+        call = ch.stream_stream(method, request_serializer=req_cls.SerializeToString,
+                                response_deserializer=resp_cls.FromString)
+        replies = list(call(iter([req_cls(list_services=""),
+                                  req_cls(file_containing_symbol="loadplan.v1.ModelRegistry")]), timeout=5))
+    names = {s.name for s in replies[0].list_services_response.service}
+    assert {"loadplan.v1.ModelRegistry", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection"} <= names
+    files = [descriptor_pb2.FileDescriptorProto.FromString(b)
+             for b in replies[1].file_descriptor_response.file_descriptor_proto]
+    assert any(f.package == "loadplan.v1" and "ModelRegistry" in {s.name for s in f.service} for f in files)
+
+
+def test_reflection_v1_describes_itself(server):
+    req_cls = reflection_v1.v1_message("ServerReflectionRequest")
+    resp_cls = reflection_v1.v1_message("ServerReflectionResponse")
+    with grpc.insecure_channel(server.address) as ch:
+        call = ch.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                                request_serializer=req_cls.SerializeToString, response_deserializer=resp_cls.FromString)
+        (reply,) = list(call(iter([req_cls(file_containing_symbol="grpc.reflection.v1.ServerReflection")]),
+                             timeout=5))
+    assert not reply.HasField("error_response"), reply.error_response
+    (fd,) = [descriptor_pb2.FileDescriptorProto.FromString(b) for b in reply.file_descriptor_response.file_descriptor_proto]
+    assert fd.package == "grpc.reflection.v1" and fd.service[0].name == "ServerReflection"
 
 
 def test_message_size_limit_is_configurable():
