@@ -41,15 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-message-bytes", type=int, default=4 * 1024 * 1024, metavar="N",
                         help="largest request accepted (default 4 MiB)")
     parser.add_argument("--workers", type=int, default=None, metavar="N",
-                        help="worker threads for the database calls that block (default 64: reads, SQLite writes)")
-    parser.add_argument("--accept-ahead", type=int, default=None, metavar="N",
-                        help="extra calls of each registry method the server asks gRPC for ahead of time "
-                             "(default 0: gRPC's own accept loop, one call of a method at a time; 4 measured "
-                             "best; uses private parts of grpcio, see README)")
-    parser.add_argument("--group-wait-ms", type=float, default=None, metavar="MS",
-                        help="longest a group of concurrent plans waits for more before it is written "
-                             "(default 6, 1 with --accept-ahead; 0 suits a lightly loaded registry, "
-                             "below ~16 calls in flight)")
+                        help="worker threads for the database calls that block (default 64: reads, group commits)")
     sec = parser.add_argument_group("security")
     sec.add_argument("--tokens-file", metavar="FILE", default=None,
                      help="ROLE:TOKEN lines (roles worker, reader, admin); default $LOADPLAN_TOKENS_FILE, plus "
@@ -96,9 +88,8 @@ def run(args: argparse.Namespace) -> int:
         server = RegistryServer(store, ServerOptions(
             listen=args.listen, max_receive_message_bytes=args.max_message_bytes,
             **({} if args.workers is None else {"max_workers": args.workers}),
-            **({} if args.accept_ahead is None else {"accept_ahead": args.accept_ahead}),
-            **({} if args.group_wait_ms is None else {"group_wait_ms": args.group_wait_ms}),
-            tokens=tokens, tls=tls, interceptors=(ResolveMetrics(metrics),) if metrics else ()))
+            tokens=tokens, tls=tls, interceptors=(ResolveMetrics(metrics),) if metrics else (),
+            on_commit=metrics.observe_commit if metrics else None))
     except ServerStartError as e:
         raise CliError("FAILED_PRECONDITION", one_line(e)) from None
     http = None

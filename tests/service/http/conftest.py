@@ -83,7 +83,8 @@ def _start(tmp_path_factory, tokens: TokenStore | None):
     store = SqlPlanStore(engine)
     metrics = RegistryMetrics()
     server = RegistryServer(store, ServerOptions(listen="127.0.0.1:0", max_workers=4, tokens=tokens,
-                                                 interceptors=(ResolveMetrics(metrics),))).start()
+                                                 interceptors=(ResolveMetrics(metrics),),
+                                                 on_commit=metrics.observe_commit)).start()
     metrics.follow(server)
     http = HttpServer(create_app(Registry(store), metrics, tokens), "127.0.0.1:0").start()
     return engine, server, http, metrics

@@ -193,7 +193,7 @@ class _ExplodingStore:
     def __init__(self, exc):
         self.exc = exc
 
-    def save_plan(self, new):
+    def save_batch(self, news):
         raise self.exc
 
     def ready(self):
