@@ -18,7 +18,6 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from ..plan import ROLE_SPECULATIVE, ROLE_TARGET, Decision, LoadPlan, Parallel, ResolveRequest, Runtime
 from ..v1 import registry_pb2 as pb
-from .errors import InvalidArgumentError
 
 
 class WireError(ValueError):
@@ -81,6 +80,11 @@ def datetime_of(msg: Any, name: str) -> dt.datetime | None:
 # --- parallelism and runtime ---------------------------------------------------
 
 def parallel_to_pb(p: Parallel) -> pb.Parallelism:
+    # On the wire a size of 0 is "unset" and means 1; a Parallel's sizes default to 1, so a 0
+    # here was given on purpose (`--tp-size 0`) and is refused rather than sent as "unset".
+    for name in ("tp_size", "ep_size", "pp_size", "dp_size"):
+        if getattr(p, name) == 0:
+            raise WireError(f"parallel.{name}", "must be >= 1, got 0")
     return pb.Parallelism(tp_size=p.tp_size, tp_rank=p.tp_rank, ep_size=p.ep_size, ep_rank=p.ep_rank,
                           pp_size=p.pp_size, pp_rank=p.pp_rank, dp_size=p.dp_size, dp_rank=p.dp_rank)
 
@@ -127,16 +131,6 @@ def quantization_config_to_json(qconfig: Any) -> str:
     if qconfig is None:
         return ""
     return json.dumps(dict(qconfig) if isinstance(qconfig, Mapping) else qconfig)
-
-
-def check_sizes(p: Parallel) -> None:
-    """On the wire an unset (zero) size means 1, so a zero size a caller wrote would be read as 1:
-    the client refuses sizes below 1 before sending, naming the field as the registry would."""
-    for axis in ("tp", "ep", "pp", "dp"):
-        size = getattr(p, f"{axis}_size")
-        if size < 1:
-            raise InvalidArgumentError("INVALID_ARGUMENT", f"parallel.{axis}_size: must be >= 1, got {size}",
-                                       field=f"parallel.{axis}_size")
 
 
 def request_to_pb(req: ResolveRequest) -> pb.ResolveLoadPlanRequest:

@@ -57,12 +57,12 @@ class RegistryMetrics:
         self.serving.set_function(lambda: 1.0 if self._serving() else 0.0)
 
     def follow(self, server) -> None:
-        """Report `server`'s health (a `RegistryServer`; its group commits are timed through
-        `ServerOptions(on_commit=metrics.observe_commit)`)."""
+        """Report `server`'s health (a `RegistryServer`; its `serving`). Its group commits are
+        timed by `ServerOptions(on_commit=metrics.observe_commit)`."""
         self._serving = lambda: server.serving
 
     def observe_commit(self, seconds: float, n_plans: int) -> None:
-        """The group commit's `on_commit` callback: one batch written."""
+        """The group commit's `on_commit(seconds, n_plans)` (ServerOptions.on_commit): one batch written."""
         self.commit_seconds.observe(seconds)
         self.commit_plans.observe(n_plans)
 

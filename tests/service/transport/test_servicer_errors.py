@@ -100,11 +100,12 @@ def test_unknown_backend_lists_the_known_ones(client, store):
 
 
 @pytest.mark.parametrize("parallel, field", [
-    (Parallel(ep_size=-2), "parallel.ep_size"),
+    (Parallel(tp_size=0), "parallel.tp_size"),      # given on purpose: the client refuses it
+    (Parallel(ep_size=-2), "parallel.ep_size"),     # the rest: the server
     (Parallel(pp_size=-1, pp_rank=0), "parallel.pp_size"),
     (Parallel(dp_size=-1), "parallel.dp_size"),
 ])
-def test_negative_sizes(client, store, parallel, field):
+def test_zero_or_negative_sizes(client, store, parallel, field):
     _expect(client, store, request(parallel=parallel), "INVALID_ARGUMENT", field, ">= 1")
 
 
