@@ -413,6 +413,9 @@ def _fusion(req: ResolveRequest, resolved: Resolved, layout: MoeLayout, row, dev
         return False, f"backend.{row.name}.no_per_rank_fused_slots", \
             f"a2a backend {row.name} cannot hold a fused shared slot on every rank under ep_size=" \
             f"{req.parallel.ep_size}"
+    if resolved.family.never_fuses is not None:     # structural: enforce does not skip it
+        verdict = resolved.family.never_fuses.verdict(layout)
+        return False, verdict.rule, verdict.reason
     gate = resolved.family.gate
     assert gate is not None, f"family {resolved.family.name} has shared experts but no gate"
     ctx = GateContext(resolved.chain[-1], resolved.fused_architecture, resolved.cfg, layout,
