@@ -116,7 +116,7 @@ FAMILIES: dict[str, Family] = {
         Family("deepseek", layouts.deepseek_layout, gates.deepseek_gate, True,
                fused_architecture="DeepseekV3ForCausalLM"),
         Family("deepseek_nextn", layouts.deepseek_nextn_layout, gates.deepseek_gate, True),
-        Family("glm4_moe", layouts.deepseek_layout, gates.glm4_moe_gate, True),
+        Family("glm4_moe", layouts.glm4_moe_layout, gates.glm4_moe_gate, True),
         Family("glm4_moe_nextn", layouts.deepseek_nextn_layout, gates.glm4_moe_gate, True),
         Family("qwen2_moe", lambda c: layouts.qwen_moe_layout(c, shared=True), gates.qwen2_moe_gate, True),
         Family("qwen3_moe", lambda c: layouts.qwen_moe_layout(c, shared=False), None, False),
