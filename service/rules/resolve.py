@@ -492,7 +492,10 @@ def _sglang_part(req: ResolveRequest, resolved: Resolved, layout: MoeLayout, dev
                       dec.inputs.a2a in sglang.PER_RANK_FUSED_SLOTS)
     put(Keys.FORWARD_PATH, dec.forward.path, dec.forward.reason, dec.forward.rule)
     put(Keys.POST_EXPERTS_ALL_REDUCE, dec.forward.all_reduce, dec.forward.reason, dec.forward.rule + ".reduction")
-    physical = _sharding(put, layout, rt, shape.ep)
+    # SGLang does not refuse experts that do not divide over its ep_size (the last rank holds fewer).
+    physical = layout.n_routed + (rt.ep_num_redundant_experts if rt.enable_eplb else 0)
+    put(Keys.NUM_LOCAL_EXPERTS, -(-physical // shape.ep),
+        f"{physical} physical experts over SGLang's ep_size={shape.ep} (at most)", "sharding.experts")
     eplb = rt.enable_eplb and not draft
     return _finish(req, resolved, layout, d, physical, sglang.stage_range, eplb=eplb,
                    eplb_off_reason=("SGLang gives a draft worker no EPLB manager (model_runner: not "

@@ -93,6 +93,7 @@ class Inputs:
     draft: bool
     quant_blocks_fusion: bool    # Quark excluding the shared expert (can_fuse_shared_expert() false)
     w4a16: bool                  # w4afp8 / wint4afp8 / compressed-tensors W4A16
+    server_quantization: str | None   # --quantization as server-args resolution leaves it (SGLang's spelling)
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,7 @@ def rewrite(entry_class: str, quant_key: str | None, a2a: str, runner: str, shap
             disable_fusion: bool) -> tuple[str, str, Shape, bool, list[Rewrite]]:
     """(a2a, runner, shape, disable_fusion) as SGLang's server-args resolution leaves them, and what it rewrote."""
     done: list[Rewrite] = []
+    asked = a2a                 # the SM100 runner override reads the a2a backend as the flag gave it
     if a2a == "ascend_tp":   # layers/moe/token_dispatcher: the Ascend TP dispatcher runs SGLang's normal path
         a2a = "none"
         done.append(Rewrite("sglang.moe_a2a_backend", "none",
@@ -140,7 +142,7 @@ def rewrite(entry_class: str, quant_key: str | None, a2a: str, runner: str, shap
                             f"tensor parallel size [{shape.tp}]."))
         shape = Shape(shape.tp, shape.tp, shape.attn_dp)
     family = SM100_TRTLLM_FAMILY.get(entry_class)
-    if (is_sm100(device) and family is not None and a2a == "none" and runner == "auto"
+    if (is_sm100(device) and family is not None and asked == "none" and runner == "auto"
             and quant_key in SM100_TRTLLM_QUANTS[family]):
         runner = "flashinfer_trtllm"
         done.append(Rewrite("sglang.moe_runner_backend", runner,
@@ -155,35 +157,74 @@ def rewrite(entry_class: str, quant_key: str | None, a2a: str, runner: str, shap
 # --- 2. start-up refusals -------------------------------------------------------------------------------------------
 
 def refuse(i: Inputs) -> None:
-    """FAILED_PRECONDITION where SGLang refuses to start, naming the flag and SGLang's reason."""
+    """FAILED_PRECONDITION where SGLang refuses to start, naming the flag and SGLang's reason, in the order its
+    resolution meets them (arg_groups/moe_hook.py, mega_moe_hook.py, the loader's quantization check). Not here: the
+    per-rank dispatch-token budgets of MoRI, pplx and DeepEP v2 (SGLANG_*_NUM_MAX_DISPATCH_TOKENS_PER_RANK against
+    --chunked-prefill-size), buffer sizes that are not plan inputs."""
     def no(flag: str, why: str) -> None:
         raise FailedPrecondition(f"runtime.{flag}: SGLang {VERSION} refuses to start: {why}")
 
-    if i.sbo and is_sm90(i.device):
-        no("enable_sbo", "single-batch overlap is not supported on SM90 (initialize_moe_config)")
-    if i.a2a == "megamoe":
-        if i.sbo or i.tbo:
-            no("enable_tbo" if i.tbo else "enable_sbo", "megamoe does not support TBO/SBO")
-        if not (is_sm90(i.device) or is_sm100(i.device)):
-            no("a2a_backend", "megamoe needs an SM90 or SM100 CUDA device")
-    if i.a2a == "pplx" and i.shape.attn_dp < 2:
-        no("a2a_backend", "pplx needs attention data parallelism (dp_size >= 2 with --enable-dp-attention)")
-    if i.a2a in ("flashinfer", "flashinfer_megamoe") and i.shape.attn_dp != i.shape.tp:
-        no("a2a_backend", f"{i.a2a} a2a needs attention DP equal to the TP size ({i.shape.tp})")
-    if i.a2a == "flashinfer_megamoe" and not is_sm100(i.device):
-        no("a2a_backend", "FlashInfer MegaMOE currently requires an SM100-family CUDA device")
+    overlap = "enable_tbo" if i.tbo else "enable_sbo"
+    if i.quantization.name == "mxfp4" and i.device.kind == "hip":
+        no("device", "Unknown quantization method: mxfp4 (not among the quantizations SGLang runs on ROCm)")
     if i.a2a == "deepep_v2":
         if i.entry_class not in DEEPEP_V2_ARCHS:
-            no("a2a_backend", f"DeepEP v2 does not support architecture {i.entry_class}")
+            no("a2a_backend", f"DeepEP v2 MoE is not validated for {i.entry_class!r} (register_deepep_v2_model)")
         if i.sbo or i.tbo:
-            no("enable_tbo" if i.tbo else "enable_sbo", "DeepEP v2 does not support TBO/SBO")
+            no(overlap, "DeepEP v2 MoE has not implemented the TBO/SBO overlap hook")
         if i.enforce_fusion:
-            no("enforce_shared_experts_fusion", "fused shared experts are not validated with DeepEP v2")
+            no("enforce_shared_experts_fusion", "DeepEP v2 MoE has not validated fused shared experts yet")
+    if i.a2a == "megamoe":
+        if i.sbo or i.tbo:
+            no(overlap, "--moe-a2a-backend megamoe has no two-batch / single-batch overlap")
+        if not (is_sm90(i.device) or is_sm100(i.device) or i.device.kind == "hip"):
+            no("a2a_backend", "--moe-a2a-backend megamoe needs a CUDA SM90 GPU (block-FP8 experts), SM100 or ROCm")
+    if i.sbo and is_sm90(i.device):
+        no("enable_sbo", "SBO (single batch overlap) is not supported on SM90")
+    if i.a2a == "pplx":
+        if i.shape.attn_dp < 2:
+            no("a2a_backend", "moe_a2a_backend='pplx' requires attention DP (dp_size >= 2)")
+        if i.runner not in ("auto", "deep_gemm"):
+            no("moe_runner_backend", "moe_a2a_backend='pplx' is only supported with --moe-runner-backend deep_gemm "
+                                     "(or auto)")
+    if i.a2a == "flashinfer":
+        if i.shape.attn_dp != i.shape.tp:
+            no("a2a_backend", f"Flashinfer MoE A2A requires --attn-dp-size equal to --tp-size ({i.shape.tp})")
+        if i.runner not in FLASHINFER_A2A_RUNNERS:
+            no("moe_runner_backend", "FlashInfer MoE A2A is supported with " + ", ".join(FLASHINFER_A2A_RUNNERS))
+    if i.a2a == "flashinfer_megamoe":
+        if i.entry_class not in FLASHINFER_MEGAMOE_ARCHS:
+            no("a2a_backend", f"FlashInfer MegaMOE is not validated for model architectures [{i.entry_class!r}]")
+        if i.server_quantization not in ("mxfp8", "modelopt_fp4"):
+            no("a2a_backend", f"FlashInfer MegaMOE currently supports only MXFP8, ModelOpt NVFP4, FP4-expert, hybrid "
+                              f"NVFP4 MoE checkpoints; got quantization={i.server_quantization!r}")
+        if i.shape.attn_dp != i.shape.tp:
+            no("a2a_backend", "FlashInfer MegaMOE is only supported with --attn-dp-size equal to --tp-size")
+        if not is_sm100(i.device):
+            no("a2a_backend", "FlashInfer MegaMOE currently requires an SM100-family CUDA device")
+    if i.runner == "flashinfer_cutedsl" and i.server_quantization not in ("modelopt_fp4", "modelopt_mixed",
+                                                                         "nvfp4_online"):
+        no("moe_runner_backend", f"Invalid quantization {i.server_quantization!r}: FlashInfer CuteDSL MOE currently "
+                                 f"supports only 'modelopt_fp4', 'modelopt_mixed', 'nvfp4_online'")
+    if i.runner == "flashinfer_trtllm_routed" and i.server_quantization not in TRTLLM_ROUTED_QUANTS:
+        no("moe_runner_backend", f"Invalid quantization {i.server_quantization!r}: FlashInfer TRTLLM routed MOE "
+                                 f"supports only 'fp8', 'mxfp8', 'modelopt_fp4', 'modelopt_mixed', 'nvfp4_online', "
+                                 f"'minimax_m3_nvfp4', or bfloat16")
 
 
-# arg_groups/moe_hook.py: validate_deepep_v2_model_architecture.
-DEEPEP_V2_ARCHS = frozenset({"DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "Qwen3MoeForCausalLM",
-                             "Qwen2MoeForCausalLM", "Glm4MoeForCausalLM"})
+# arg_groups/moe_hook.py: validate_flashinfer_megamoe_model.
+FLASHINFER_MEGAMOE_ARCHS = frozenset({"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
+                                      "Glm4MoeForCausalLM", "GlmMoeDsaForCausalLM", "NemotronHForCausalLM",
+                                      "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
+TRTLLM_ROUTED_QUANTS = frozenset({None, "fp8", "mxfp8", "modelopt_fp4", "modelopt_mixed", "nvfp4_online",
+                                  "minimax_m3_nvfp4"})
+
+
+# arg_groups/moe_hook.py: the runners FlashInfer's a2a accepts.
+FLASHINFER_A2A_RUNNERS = ("flashinfer_cutlass", "flashinfer_cutedsl", "flashinfer_trtllm", "flashinfer_trtllm_routed",
+                          "deep_gemm")
+# The architectures that register with register_deepep_v2_model (models/deepseek_v2.py, models/qwen3_moe.py).
+DEEPEP_V2_ARCHS = frozenset({"DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "Qwen3MoeForCausalLM"})
 
 
 # --- 3. fusion gates (models/*.py: shared_experts_fusion_disable_reason) ----------------------------------------------
@@ -317,8 +358,8 @@ def fusion(i: Inputs) -> tuple[bool, str, str]:
 _ALL_A2A = frozenset(A2A_BACKENDS) - {"none", "ascend_tp"}
 DISPATCH_BRANCH: dict[str, frozenset[str]] = {
     "deepseek": _ALL_A2A - {"pplx", "megamoe"},                               # models/deepseek_v2.py: DeepseekV2MoE
-    "glm4_moe": _ALL_A2A - {"pplx", "deepep_v2"},                             # models/glm4_moe.py
-    "qwen2_moe": frozenset({"deepep", "deepep_v2", "mori", "ascend_fuseep"}),  # models/qwen2_moe.py
+    "glm4_moe": _ALL_A2A - {"pplx", "deepep_v2", "megamoe"},                  # models/glm4_moe.py
+    "qwen2_moe": frozenset({"deepep", "deepep_v2", "mori", "ascend_fuseep", "megamoe"}),  # models/qwen2_moe.py
     "qwen3_moe": _ALL_A2A - {"nixl", "flashinfer"},                           # models/qwen3_moe.py
 }
 # The block each entry class builds (models/registry.py; the oracle's FAMILY_BLOCKS). A class not here builds a
@@ -443,8 +484,13 @@ def decide(*, entry_class: str, architecture: str, layout: MoeLayout, quantizati
     key, w4a16, blocks = quant_facts(qconfig, quantization)
     a2a, runner, shape, disable, rewrites = rewrite(entry_class, key, a2a, runner, Shape(tp * ep, ep, dp), device,
                                                     disable_fusion)
+    # Server-args resolution copies the checkpoint's quant_method into --quantization only in the SM100 overrides
+    # of the families that have one (overrides.py, model_overrides/*): elsewhere it stays unset (None).
+    server_q = None
+    if is_sm100(device) and entry_class in SM100_TRTLLM_FAMILY and quantization.name:
+        server_q = quantization.name.replace("compressed_tensors", "compressed-tensors")
     i = Inputs(entry_class, architecture, layout, quantization, device, a2a, runner, shape, sbo, tbo, disable,
-               enforce_fusion, draft, blocks, w4a16)
+               enforce_fusion, draft, blocks, w4a16, server_q)
     refuse(i)
     fused = fusion(i)
     fwd = forward(i)
