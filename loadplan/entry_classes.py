@@ -117,6 +117,9 @@ ENTRY_CLASSES: dict[str, EntryClass] = {
     # SGLang's name for the draft of any Qwen3.5 target; its config.json is the target's (the Hub's wrapper
     # config, its text model's under text_config, or the text model's own)
     "Qwen3_5ForCausalLMMTP": direct("qwen3_5_nextn", "qwen3_5_nextn", text_config_if_present=True),
+    # Rules only: SGLang's dense Qwen3, a standalone draft beside a Qwen3-MoE target (loadplan's engine builds MoE
+    # families only)
+    "Qwen3ForCausalLM": direct("dense", None),
     "Llama4ForConditionalGeneration": wrapper("Llama4ForCausalLM", "text_config", "llama4"),
     "Qwen3VLMoeForConditionalGeneration": wrapper("Qwen3MoeForCausalLM", "text_config", "qwen3_vl_moe"),
     # GLM-4.5V run text-only: GLM-4-MoE's text model; its gate is GLM-4-MoE's, asked with text_config

@@ -120,6 +120,8 @@ FAMILIES: dict[str, Family] = {
         Family("glm4_moe_nextn", layouts.deepseek_nextn_layout, gates.glm4_moe_gate, True),
         Family("qwen2_moe", lambda c: layouts.qwen_moe_layout(c, shared=True), gates.qwen2_moe_gate, True),
         Family("qwen3_moe", lambda c: layouts.qwen_moe_layout(c, shared=False), None, False),
+        # A dense decoder (no experts), e.g. SGLang's standalone Qwen3 draft beside a Qwen3-MoE target
+        Family("dense", layouts.dense_layout, None, False),
         Family("mixtral", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
         Family("olmoe", lambda c: layouts.every_layer_moe_layout(c, "num_experts"), None, False),
         # MiMo-V2-Flash: DeepSeek-V3's router without shared experts, under windowed and global attention layers

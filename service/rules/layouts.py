@@ -95,6 +95,12 @@ def glm4_moe_layout(cfg: ConfigView) -> MoeLayout:
                                      aliases=("num_local_experts",))
 
 
+def dense_layout(cfg: ConfigView) -> MoeLayout:
+    """A dense decoder (no MoE layer): a draft model beside an MoE target (Qwen3's dense models)."""
+    n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
+    return MoeLayout(tuple(range(n_layers)), (), 0, 0, 0)
+
+
 def deepseek_nextn_layout(cfg: ConfigView) -> MoeLayout:
     n_target = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
     n_nextn = cfg.int("num_nextn_predict_layers", 1, minimum=1, maximum=MAX_LAYERS)

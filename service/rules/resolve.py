@@ -321,6 +321,8 @@ def _deployment_part(req: ResolveRequest) -> _Part:
         # From the request or from the config's quant_method: stored either way.
         check_name("quantization" if req.quantization else "quantization_config.quant_method",
                    resolved.quantization.name)
+    if req.runtime.engine == sglang.NAME:
+        sglang.check_draft(resolved.family.name, resolved.cfg)
     layout = resolved.family.layout(resolved.cfg)
     device = parse_device(req.runtime.device)
     p, rt = req.parallel, req.runtime

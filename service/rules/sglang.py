@@ -141,6 +141,11 @@ def rewrite(entry_class: str, quant_key: str | None, a2a: str, runner: str, shap
                             f"{a2a} MoE is enabled. The expert parallel size is adjusted from {shape.ep} to the "
                             f"tensor parallel size [{shape.tp}]."))
         shape = Shape(shape.tp, shape.tp, shape.attn_dp)
+    if (entry_class == "GptOssForCausalLM" and quant_key == "mxfp4" and runner == "auto" and device.kind == "cuda"
+            and device.capability is not None and device.capability[0] in (10, 12)):
+        runner = "flashinfer_mxfp4"      # model_overrides/gpt_oss.py
+        done.append(Rewrite("sglang.moe_runner_backend", runner, "Detected SM100 and MXFP4 quantization format for "
+                                                                 "GPT-OSS model, enabling FlashInfer MXFP4 MOE kernel."))
     family = SM100_TRTLLM_FAMILY.get(entry_class)
     if (is_sm100(device) and family is not None and asked == "none" and runner == "auto"
             and quant_key in SM100_TRTLLM_QUANTS[family]):
@@ -506,3 +511,13 @@ def decide(*, entry_class: str, architecture: str, layout: MoeLayout, quantizati
         raise hazards.refuse("sglang.enforced_384_without_quark",
                              f"{entry_class} with 384 routed experts, quantization {quantization.name or 'none'}")
     return Decided(i, tuple(rewrites), fused, fwd)
+
+
+def check_draft(family: str, cfg) -> None:
+    """A NextN draft of a checkpoint that ships no MTP layer (num_nextn_predict_layers 0): SGLang builds its NextN
+    layer anyway and loads it from weights the checkpoint does not have."""
+    from . import hazards
+
+    if family.endswith("_nextn") and cfg.raw("num_nextn_predict_layers") == 0:
+        raise hazards.refuse("sglang.nextn_without_mtp_layer",
+                             f"{cfg.field('num_nextn_predict_layers')} is 0")
