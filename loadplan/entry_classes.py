@@ -117,6 +117,12 @@ ENTRY_CLASSES: dict[str, EntryClass] = {
     # SGLang's name for the draft of any Qwen3.5 target; its config.json is the target's (the Hub's wrapper
     # config, its text model's under text_config, or the text model's own)
     "Qwen3_5ForCausalLMMTP": direct("qwen3_5_nextn", "qwen3_5_nextn", text_config_if_present=True),
+    # Rules only: SGLang's wrappers into DeepSeek-V2's class (DESIGN 8.1). KimiVL hands its text_config over as a
+    # DeepseekV2ForCausalLM (so never the fused architecture); DotsVLM its language_config; DeepseekVL2 its
+    # language_config and no quantization (its language model is built with quant_config=None).
+    "KimiVLForConditionalGeneration": wrapper("DeepseekV2ForCausalLM", "text_config", None),
+    "DotsVLMForCausalLM": wrapper("DeepseekV2ForCausalLM", "language_config", None),
+    "DeepseekVL2ForCausalLM": wrapper("DeepseekV2ForCausalLM", "language_config", None, quantization="none"),
     # Rules only: SGLang's dense Qwen3, a standalone draft beside a Qwen3-MoE target (loadplan's engine builds MoE
     # families only)
     "Qwen3ForCausalLM": direct("dense", None),

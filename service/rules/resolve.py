@@ -475,6 +475,7 @@ def _sglang_part(req: ResolveRequest, resolved: Resolved, layout: MoeLayout, dev
     p, rt = req.parallel, req.runtime
     archs = resolved.cfg.raw("architectures")
     arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else resolved.chain[-1]
+    arch = sglang.WRAPPER_ARCHITECTURE.get(resolved.chain[0], arch)
     draft = req.role == ROLE_SPECULATIVE
     dec = sglang.decide(entry_class=resolved.chain[0], architecture=arch, layout=layout,
                         quantization=resolved.quantization, qconfig=_embedded_qconfig(req), device=device,

@@ -330,11 +330,18 @@ GATES: dict[str, GateRow] = {
     "KimiK25ForConditionalGeneration": GateRow(deepseek_gate, "DeepseekV3ForCausalLM"),
     # KimiVL asks DeepSeek-V2's class, whose fused architecture its DeepseekV2 text config never names
     "KimiVLForConditionalGeneration": GateRow(deepseek_gate, "DeepseekV3ForCausalLM"),
+    "DotsVLMForCausalLM": GateRow(deepseek_gate, "DeepseekV3ForCausalLM"),
+    "DeepseekVL2ForCausalLM": GateRow(deepseek_gate, "DeepseekV3ForCausalLM"),
     "Glm4MoeForCausalLM": GateRow(glm45_gate, "Glm4MoeForCausalLM"),
     "Glm4MoeForCausalLMNextN": GateRow(glm45_gate, "Glm4MoeForCausalLMNextN"),
     "Glm4MoeLiteForCausalLM": GateRow(glm47_flash_gate, "Glm4MoeLiteForCausalLM"),
     "Glm4vMoeForConditionalGeneration": GateRow(glm45v_gate, "Glm4vMoeForConditionalGeneration"),
 }
+
+
+# The architecture a wrapper's gate compares: models/kimi_vl.py hands its text config over renamed
+# DeepseekV2ForCausalLM; the others compare what their nested config names (or the inner class).
+WRAPPER_ARCHITECTURE = {"KimiVLForConditionalGeneration": "DeepseekV2ForCausalLM"}
 
 
 def fusion(i: Inputs) -> tuple[bool, str, str]:
@@ -373,6 +380,7 @@ BLOCKS = {
     "DeepseekV2ForCausalLM": "deepseek", "DeepseekV3ForCausalLM": "deepseek", "DeepseekV32ForCausalLM": "deepseek",
     "DeepseekV3ForCausalLMNextN": "deepseek", "GlmMoeDsaForCausalLM": "deepseek",
     "KimiK25ForConditionalGeneration": "deepseek", "KimiVLForConditionalGeneration": "deepseek",
+    "DotsVLMForCausalLM": "deepseek", "DeepseekVL2ForCausalLM": "deepseek",
     "Glm4MoeForCausalLM": "glm4_moe", "Glm4MoeForCausalLMNextN": "glm4_moe",
     "Glm4vMoeForConditionalGeneration": "glm4_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",

@@ -136,3 +136,25 @@ def test_unknown_backend_and_runner_are_not_found_listing_sglangs():
     with pytest.raises(NotFound) as e:
         decide("deepseek-v3", moe_runner_backend="cuda_magic")
     assert e.value.field == "runtime.moe_runner_backend"
+
+
+def test_rules_only_wrappers_into_deepseek_v2_ask_its_gate_with_what_they_hand_down():
+    """KimiVL, DotsVLM and DeepseekVL2 are rules only (loadplan's engine does not build them): SGLang asks
+    DeepSeek-V2's gate with their text model's config, which never names the fused architecture."""
+    from loadplan.service.coverage import coverage_of
+
+    from ._fixtures import deepseek, resolve
+    for name, field in (("KimiVLForConditionalGeneration", "text_config"), ("DotsVLMForCausalLM", "language_config"),
+                        ("DeepseekVL2ForCausalLM", "language_config")):
+        cov = coverage_of(name)
+        assert cov.ok and cov.message.endswith("rules only (loadplan's engine does not build it)")
+        inner = deepseek()
+        if name != "KimiVLForConditionalGeneration":     # KimiVL renames it; the others' nested configs name none
+            del inner["architectures"]
+        cfg = {"architectures": [name], field: inner}
+        res = resolve(cfg, engine="sglang", device="cuda:9.0", tp_size=8)
+        assert res.chain == (name, "DeepseekV2ForCausalLM")
+        d = res.decisions[Keys.SHARED_EXPERTS_FUSION]
+        assert d.value is False and d.reason == "Config does not support fused shared expert(s)."
+        enforced = resolve(cfg, engine="sglang", device="cuda:9.0", tp_size=8, enforce_shared_experts_fusion=True)
+        assert enforced.decisions[Keys.SHARED_EXPERTS_FUSION].value is True     # SGLang: enforce allows it
