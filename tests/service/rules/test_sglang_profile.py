@@ -158,3 +158,24 @@ def test_rules_only_wrappers_into_deepseek_v2_ask_its_gate_with_what_they_hand_d
         assert d.value is False and d.reason == "Config does not support fused shared expert(s)."
         enforced = resolve(cfg, engine="sglang", device="cuda:9.0", tp_size=8, enforce_shared_experts_fusion=True)
         assert enforced.decisions[Keys.SHARED_EXPERTS_FUSION].value is True     # SGLang: enforce allows it
+
+
+def test_quark_excluding_the_shared_expert_vetoes_fusion_even_when_enforced():
+    from ._fixtures import deepseek, resolve
+    q = {"quant_method": "quark", "exclude": ["model.layers.3.mlp.shared_experts.gate_up_proj"]}
+    for kw in ({}, {"enforce_shared_experts_fusion": True}):
+        d = resolve(deepseek(), engine="sglang", device="cuda:9.0", quantization_config=q, **kw).decisions
+        assert d[Keys.SHARED_EXPERTS_FUSION].value is False
+        assert d[Keys.SHARED_EXPERTS_FUSION].reason.startswith("Quantization keeps shared experts at a higher precision")
+    q_all = {"quant_method": "quark", "exclude": ["lm_head"]}
+    assert resolve(deepseek(), engine="sglang", device="cuda:9.0",
+                   quantization_config=q_all).decisions[Keys.SHARED_EXPERTS_FUSION].value is True
+
+
+def test_a_compressed_tensors_w4a16_scheme_is_read_as_sglang_reads_it():
+    from ._fixtures import deepseek, resolve
+    q = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128},
+        "input_activations": None}}}
+    d = resolve(deepseek(), engine="sglang", device="cuda:9.0", quantization_config=q).decisions
+    assert d[Keys.SHARED_EXPERTS_FUSION].value is False and "W4AFP8/W4A16" in d[Keys.SHARED_EXPERTS_FUSION].reason
