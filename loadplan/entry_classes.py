@@ -123,6 +123,8 @@ ENTRY_CLASSES: dict[str, EntryClass] = {
     "KimiVLForConditionalGeneration": wrapper("DeepseekV2ForCausalLM", "text_config", None),
     "DotsVLMForCausalLM": wrapper("DeepseekV2ForCausalLM", "language_config", None),
     "DeepseekVL2ForCausalLM": wrapper("DeepseekV2ForCausalLM", "language_config", None, quantization="none"),
+    # Rules only: GLM-4.7-Flash's NextN draft as SGLang builds it (loadplan's engine builds no GLM-4.7-Flash draft)
+    "Glm4MoeLiteForCausalLMNextN": direct("glm4_moe_lite_nextn", None, fused_architecture="Glm4MoeLiteForCausalLMNextN"),
     # Rules only: SGLang's dense Qwen3, a standalone draft beside a Qwen3-MoE target (loadplan's engine builds MoE
     # families only)
     "Qwen3ForCausalLM": direct("dense", None),

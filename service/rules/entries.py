@@ -156,6 +156,9 @@ FAMILIES: dict[str, Family] = {
                never_fuses=LLAMA4_NEVER_FUSES),
         # GLM-4.7-Flash: GLM-4-MoE's MoE block and gate (DESIGN 5.2's GLM conditions) over DeepSeek's MLA
         Family("glm4_moe_lite", layouts.glm4_moe_lite_layout, gates.glm4_moe_gate, True),
+        # GLM-4.7-Flash's NextN draft (SGLang's Glm4MoeLiteForCausalLMNextN): its MTP layer after the target's, the
+        # target's expert fields (DeepSeek's names) and GLM-4-MoE's gate
+        Family("glm4_moe_lite_nextn", layouts.deepseek_nextn_layout, gates.glm4_moe_gate, True),
         # Qwen3-Next: linear-attention layers, but Qwen2-MoE's MoE block (a sigmoid-gated shared expert) and gate
         Family("qwen3_next", lambda c: layouts.qwen_moe_layout(c, shared=True), gates.qwen2_moe_gate, True),
         Family("qwen3_5_moe", lambda c: layouts.qwen_moe_layout(c, shared=True), gates.qwen2_moe_gate, True),

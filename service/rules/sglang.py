@@ -290,13 +290,13 @@ def glm45_gate(i: Inputs, fused_architecture: str) -> str | None:
 
 
 def glm47_flash_gate(i: Inputs, fused_architecture: str) -> str | None:
-    """models/glm4_moe_lite.py: Glm4MoeLiteForCausalLM.shared_experts_fusion_disable_reason."""
-    if not _cuda80(i.device):
-        return "Only GLM-4.7-Flash on NV-platform with capability >= 80 can use shared experts fusion optimization."
+    """models/glm4_moe_lite.py: Glm4MoeLiteForCausalLM.shared_experts_fusion_disable_reason (its NextN draft's
+    fused architecture is its own, glm4_moe_lite_nextn.py)."""
+    if not _cuda80(i.device) or i.architecture != fused_architecture or i.layout.n_shared != 1:
+        return ("Only GLM-4.5 or GLM-4.6 on NV-platform with capability >= 80 can use shared experts fusion "
+                "optimization.")
     if i.shape.ep > 1:
-        return "GLM-4.7-Flash cannot use shared experts fusion optimization under expert parallelism."
-    if i.architecture != fused_architecture or i.layout.n_shared != 1:
-        return "Config does not support fused shared expert(s)."
+        return "GLM-4.5 or GLM-4.6 cannot use shared experts fusion optimization under expert parallelism."
     return None
 
 
@@ -335,6 +335,7 @@ GATES: dict[str, GateRow] = {
     "Glm4MoeForCausalLM": GateRow(glm45_gate, "Glm4MoeForCausalLM"),
     "Glm4MoeForCausalLMNextN": GateRow(glm45_gate, "Glm4MoeForCausalLMNextN"),
     "Glm4MoeLiteForCausalLM": GateRow(glm47_flash_gate, "Glm4MoeLiteForCausalLM"),
+    "Glm4MoeLiteForCausalLMNextN": GateRow(glm47_flash_gate, "Glm4MoeLiteForCausalLMNextN"),
     "Glm4vMoeForConditionalGeneration": GateRow(glm45v_gate, "Glm4vMoeForConditionalGeneration"),
 }
 

@@ -179,3 +179,19 @@ def test_a_compressed_tensors_w4a16_scheme_is_read_as_sglang_reads_it():
         "input_activations": None}}}
     d = resolve(deepseek(), engine="sglang", device="cuda:9.0", quantization_config=q).decisions
     assert d[Keys.SHARED_EXPERTS_FUSION].value is False and "W4AFP8/W4A16" in d[Keys.SHARED_EXPERTS_FUSION].reason
+
+
+def test_glm47_flash_and_its_nextn_draft_have_sglangs_gate():
+    from ._fixtures import resolve
+    body = {"num_hidden_layers": 4, "n_routed_experts": 64, "n_shared_experts": 1, "num_experts_per_tok": 4}
+    target = {"architectures": ["Glm4MoeLiteForCausalLM"], **body}
+    draft = {"architectures": ["Glm4MoeLiteForCausalLMNextN"], "num_nextn_predict_layers": 1, **body}
+    for cfg in (target, draft):
+        assert resolve(cfg, engine="sglang", device="cuda:9.0", tp_size=8).decisions[
+            Keys.SHARED_EXPERTS_FUSION].value is True
+        off = resolve(cfg, engine="sglang", device="hip:9.4", tp_size=8).decisions[Keys.SHARED_EXPERTS_FUSION]
+        assert off.value is False and off.reason.startswith("Only GLM-4.5 or GLM-4.6 on NV-platform")
+        ep = resolve(cfg, engine="sglang", device="cuda:9.0", tp_size=2, ep_size=4).decisions[
+            Keys.SHARED_EXPERTS_FUSION]
+        assert ep.value is False and "under expert parallelism" in ep.reason
+    assert resolve(draft, engine="sglang", device="cuda:9.0").decisions[Keys.PP_LAYER_RANGE].value == [4, 5]
