@@ -35,15 +35,20 @@ def coverage_of(name: str) -> CoverageEntry:
     family = entries.FAMILIES.get(getattr(built, "family", ""))
     if family is None:
         return _entry(name, True, "", True, False, chain, f"{chain[-1]} does not build a known family")
-    gated = family.has_shared_experts or family.gate is not None
-    has_gate = family.gate is not None
+    gated = family.has_shared_experts or family.gated
+    has_gate = family.gated
     via = " -> ".join(chain)
     if not gated:
         message = f"{via}: family {family.name} has no shared experts (no gate needed)"
+    elif family.never_fuses is not None:
+        message = f"{via}: family {family.name} never fuses ({family.never_fuses.rule})"
     elif has_gate:
         message = f"{via}: gated by the {family.name} fusion gate"
     else:
         message = f"{via}: family {family.name} has shared experts but no fusion gate"
+    # Rules only: the registry plans it, loadplan's engine does not build it (an engine profile's entry).
+    message += "; rules only (loadplan's engine does not build it)" if entries.rules_only(name) \
+        else "; built by loadplan's engine"
     return _entry(name, True, family.name, gated, has_gate, chain, message)
 
 

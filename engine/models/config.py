@@ -23,6 +23,20 @@ def get_field(d: dict, name: str, default=_MISSING, kind=None):
     return v
 
 
+def moe_layout(reader, d: dict):
+    """The layer and expert fields of config `d` (layers, MoE layers, routed and shared expert counts, top-k) as
+    the registry reads them: `reader` is one of `loadplan.service.rules.layouts`' readers, the one reader of those
+    fields, so the engine builds the very layout its plan was decided for. Its refusals become ConfigError, which
+    names the field as the registry does."""
+    from ...service.errors import InvalidArgument
+    from ...service.rules.config_view import ConfigView
+
+    try:
+        return reader(ConfigView(d))
+    except InvalidArgument as e:
+        raise ConfigError(str(e)) from None
+
+
 def top_k(d: dict, n_experts: int, experts_field: str, default=_MISSING, *, field: str = "num_experts_per_tok") -> int:
     """num_experts_per_tok (a family's own name for it: `field`), which must be in [1, n_experts] (`experts_field`
     names the count in the error)."""

@@ -38,7 +38,8 @@ from ..layers.rope import RopeConfig
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from .causal_lm import CausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, read_rope, top_k
+from ...service.rules.layouts import deepseek_layout
+from .config import ConfigError, get_field as _get, moe_layout, read_rope
 from .text_wrapper import TextOnlyWrapper
 
 
@@ -69,8 +70,7 @@ class DeepseekV3Config:
     topk_group: int
     norm_topk_prob: bool
     routed_scaling_factor: float
-    first_k_dense_replace: int
-    moe_layer_freq: int
+    first_k_dense_replace: int          # the first MoE layer (num_hidden_layers: none)
     num_nextn_predict_layers: int
     moe_layers: tuple[int, ...]
     scoring_func: str = "sigmoid"       # V2: softmax
@@ -106,13 +106,9 @@ class DeepseekV3Config:
             index.update(_glm5_indexer_fields(d, nextn=architecture == "DeepseekV3ForCausalLMNextN"))
         hidden_act = _get(d, "hidden_act", "silu", str)
         activation(hidden_act)  # refuses unknown activations by name
-        n_layers = _get(d, "num_hidden_layers", kind=int)
-        routing = routing_fields(d, _get(d, "n_routed_experts", kind=int), n_shared_default=0,
-                                 norm_topk_prob_default=not v2, group_scores_of_two=not v2)
-        first_dense = _get(d, "first_k_dense_replace", 0, int)
-        freq = _get(d, "moe_layer_freq", 1, int)
-        if freq < 1:
-            raise ConfigError(f"config.moe_layer_freq: must be >= 1, got {freq}")
+        layout = moe_layout(deepseek_layout, d)          # the registry's reader of the layer and expert fields
+        n_layers = len(layout.layer_ids)
+        routing = routing_fields(d, layout, norm_topk_prob_default=not v2, group_scores_of_two=not v2)
         q_lora_rank = d.get("q_lora_rank")
         if q_lora_rank is not None and (not isinstance(q_lora_rank, int) or isinstance(q_lora_rank, bool)):
             raise ConfigError(f"config.q_lora_rank: expected int or null, got {q_lora_rank!r}")
@@ -138,22 +134,21 @@ class DeepseekV3Config:
             hidden_act=hidden_act,
             tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
             **routing,
-            first_k_dense_replace=first_dense,
-            moe_layer_freq=freq,
+            first_k_dense_replace=first_moe_layer(layout),
             num_nextn_predict_layers=_get(d, "num_nextn_predict_layers", 0, int),
-            moe_layers=tuple(i for i in range(n_layers) if i >= first_dense and i % freq == 0),
+            moe_layers=layout.moe_layers,
             scoring_func=scoring,
             topk_method=method,
             **index,
         )
 
 
-def routing_fields(d: dict, n_routed: int, *, n_shared_default: int, norm_topk_prob_default: bool,
-                   group_scores_of_two: bool) -> dict:
-    """The routing fields of a DeepSeek-style MoE config (what DeepseekV3MoE reads), checked: n_routed_experts,
-    n_shared_experts, num_experts_per_tok, n_group, topk_group, norm_topk_prob, routed_scaling_factor.
-    `group_scores_of_two`: a group is scored by its two best experts (V3's router), so it needs two."""
-    k = top_k(d, n_routed, "n_routed_experts")
+def routing_fields(d: dict, layout, *, norm_topk_prob_default: bool, group_scores_of_two: bool) -> dict:
+    """The routing fields of a DeepSeek-style MoE config (what DeepseekV3MoE reads), checked: the expert counts
+    and top-k of `layout` (the registry's reading, `moe_layout`), n_group, topk_group, norm_topk_prob,
+    routed_scaling_factor. `group_scores_of_two`: a group is scored by its two best experts (V3's router), so it
+    needs two."""
+    n_routed = layout.n_routed
     n_group = _get(d, "n_group", 1, int)
     topk_group = _get(d, "topk_group", n_group, int)
     if n_group < 1 or n_routed % n_group or not 0 < topk_group <= n_group:
@@ -161,10 +156,15 @@ def routing_fields(d: dict, n_routed: int, *, n_shared_default: int, norm_topk_p
                           f"{n_routed} experts into groups")
     if group_scores_of_two and n_group > 1 and n_routed // n_group < 2:
         raise ConfigError(f"config.n_group: groups of {n_routed // n_group} expert(s); group scores need 2")
-    return dict(n_routed_experts=n_routed, n_shared_experts=_get(d, "n_shared_experts", n_shared_default, int),
-                num_experts_per_tok=k, n_group=n_group, topk_group=topk_group,
+    return dict(n_routed_experts=n_routed, n_shared_experts=layout.n_shared,
+                num_experts_per_tok=layout.top_k, n_group=n_group, topk_group=topk_group,
                 norm_topk_prob=bool(_get(d, "norm_topk_prob", norm_topk_prob_default, bool)),
                 routed_scaling_factor=float(_get(d, "routed_scaling_factor", 1.0)))
+
+
+def first_moe_layer(layout) -> int:
+    """The first MoE layer of `layout` (its number of layers when it has none): where the dense prefix ends."""
+    return layout.moe_layers[0] if layout.moe_layers else len(layout.layer_ids)
 
 
 SPARSE_ATTENTION_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")

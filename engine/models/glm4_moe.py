@@ -28,8 +28,9 @@ from ..layers.mlp import activation
 from ..layers.rope import RopeConfig
 from ..parallel.tensor import TensorParallel
 from .causal_lm import CausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, read_rope
-from .deepseek_v3 import moe_or_dense_mlp, routing_fields
+from ...service.rules.layouts import glm4_moe_layout
+from .config import ConfigError, get_field as _get, moe_layout, read_rope
+from .deepseek_v3 import first_moe_layer, moe_or_dense_mlp, routing_fields
 
 # transformers' Glm4MoeConfig: "partial_rotary_factor" defaults to 0.5 (kept for older configs).
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.5
@@ -73,19 +74,12 @@ class Glm4MoeConfig:
         activation(hidden_act)  # refuses unknown activations by name
         hidden = _get(d, "hidden_size", kind=int)
         heads = _get(d, "num_attention_heads", kind=int)
-        n_layers = _get(d, "num_hidden_layers", kind=int)
-        n_routed = _get(d, "n_routed_experts", None, int)
-        if n_routed is None:   # transformers' alias, else the Hub's name is the one missing
-            n_routed = _get(d, "num_local_experts", None, int) or _get(d, "n_routed_experts", kind=int)
-        routing = routing_fields(d, n_routed, n_shared_default=1, norm_topk_prob_default=True,
-                                 group_scores_of_two=True)
-        freq = _get(d, "moe_layer_freq", 1, int)
-        if freq != 1:
-            raise ConfigError(f"config.moe_layer_freq: {freq} not supported; supported: 1 (GLM-4-MoE makes every "
-                              f"layer from first_k_dense_replace on an MoE layer)")
-        first_dense = _get(d, "first_k_dense_replace", 1, int)
-        if first_dense < 0:
-            raise ConfigError(f"config.first_k_dense_replace: must be >= 0, got {first_dense}")
+        layout = moe_layout(glm4_moe_layout, d)          # the registry's reader of the layer and expert fields
+        n_layers = len(layout.layer_ids)
+        routing = routing_fields(d, layout, norm_topk_prob_default=True, group_scores_of_two=True)
+        if d.get("moe_layer_freq") not in (None, 1):      # a layout this model file does not build
+            raise ConfigError(f"config.moe_layer_freq: {d['moe_layer_freq']} not supported; supported: 1 (GLM-4-MoE "
+                              f"makes every layer from first_k_dense_replace on an MoE layer)")
         head_dim = _get(d, "head_dim", None, int) or hidden // heads
         rope = read_rope(d, partial_rotary_factor=DEFAULT_PARTIAL_ROTARY_FACTOR)
         rotary_dim = int(head_dim * rope.partial_rotary_factor)
@@ -110,9 +104,9 @@ class Glm4MoeConfig:
             hidden_act=hidden_act,
             tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
             **routing,
-            first_k_dense_replace=first_dense,
+            first_k_dense_replace=first_moe_layer(layout),
             num_nextn_predict_layers=_get(d, "num_nextn_predict_layers", 0, int),
-            moe_layers=tuple(range(first_dense, n_layers)),
+            moe_layers=layout.moe_layers,
         )
 
 

@@ -1,5 +1,8 @@
 """The entry classes the registry knows: data, like vLLM's model registry.
 
+The entry classes themselves are one table shared with the engine (`loadplan.entry_classes`); this module holds
+the families they build (layout reader, gate or never-fuses row) and reads the table into `Direct` / `Wrapper`.
+
 A `Family` is built directly from a checkpoint's config; a `Wrapper` builds an
 inner entry class from part of its config (and a quantization it hands down), so
 its gate is the inner family's gate asked with exactly those. Every wrapper must
@@ -11,11 +14,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from ... import entry_classes as shared_table
 from ..errors import FailedPrecondition, InvalidArgument, NotFound
 from . import gates, layouts
 from .config_view import ConfigView
 from .layouts import MoeLayout
 from .quantization import Quantization, quantization_of
+
+
+@dataclass(frozen=True)
+class NeverFuses:
+    """A family whose shared experts never fuse, whatever the runner: a structural fact (no fused layout or
+    kernel exists), so enforce_shared_experts_fusion does not skip it. `reason` may name `{n_shared}`."""
+
+    rule: str
+    reason: str
+
+    def verdict(self, layout: MoeLayout) -> gates.Verdict:
+        return gates.Verdict(self.rule, self.reason.format(n_shared=layout.n_shared))
 
 
 @dataclass(frozen=True)
@@ -25,6 +41,12 @@ class Family:
     gate: Callable[[gates.GateContext], gates.Verdict | None] | None
     has_shared_experts: bool
     fused_architecture: str | None = None   # None: the entry class itself
+    never_fuses: NeverFuses | None = None   # instead of a gate: the row says why it never fuses
+
+    @property
+    def gated(self) -> bool:
+        """Its fusion is decided: by a gate, or by its never-fuses row."""
+        return self.gate is not None or self.never_fuses is not None
 
 
 @dataclass(frozen=True)
@@ -59,16 +81,47 @@ def _top_level_quantization(cfg: ConfigView, explicit: str | None, qconfig: Mapp
     return quantization_of(explicit, qconfig or inner_q)
 
 
+def _experts_beside(family: str, shown: str) -> NeverFuses:
+    return NeverFuses(f"{family}.structural.no_fused_layout",
+                      f"its {{n_shared}} shared expert(s) run beside the routed experts: no fused layout exists for {shown}")
+
+
+def _mlp_beside(family: str, shown: str) -> NeverFuses:
+    return NeverFuses(f"{family}.structural.no_fused_layout",
+                      f"its shared MLP runs beside the routed experts: no fused layout exists for {shown}")
+
+
+def _expert_of_own_width(family: str, shown: str, why: str) -> NeverFuses:
+    return NeverFuses(f"{family}.structural.no_fused_layout",
+                      f"its shared expert runs beside the routed experts ({why}): no fused layout exists for {shown}")
+
+
+# Llama 4 (our choice; not in DESIGN 5.2): its routed experts take their input scaled by the router score, so a
+# fused slot could not carry the normal path's 1/ep_size share as a routing weight (the experts are not linear).
+LLAMA4_NEVER_FUSES = NeverFuses(
+    "llama4.structural.input_scaled_experts",
+    "its routed experts scale their input by the router score: a shared expert fused as a routed slot would not "
+    "count once (no fused layout exists for Llama 4)")
+
+# The other never-fusing families (our choice, as SGLang, vLLM and transformers run them; not in DESIGN 5.2): their
+# shared experts run beside the routed ones, sized on their own (Granite's, Nemotron-H's and Hunyuan's shared MLP;
+# Step-3.5's, Laguna's, Flint's and Kolibri-1's shared expert of its own width), or under a family of their own
+# whose published checkpoints and kernels have no fused layout (ERNIE-4.5's two shared experts, AFMoE, EXAONE-MoE,
+# Kimi-Linear, the Ling hybrids, Solar Open, Cohere2-MoE, HY-V3).
+
+
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
         Family("deepseek", layouts.deepseek_layout, gates.deepseek_gate, True,
                fused_architecture="DeepseekV3ForCausalLM"),
         Family("deepseek_nextn", layouts.deepseek_nextn_layout, gates.deepseek_gate, True),
-        Family("glm4_moe", layouts.deepseek_layout, gates.glm4_moe_gate, True),
+        Family("glm4_moe", layouts.glm4_moe_layout, gates.glm4_moe_gate, True),
         Family("glm4_moe_nextn", layouts.deepseek_nextn_layout, gates.glm4_moe_gate, True),
         Family("qwen2_moe", lambda c: layouts.qwen_moe_layout(c, shared=True), gates.qwen2_moe_gate, True),
         Family("qwen3_moe", lambda c: layouts.qwen_moe_layout(c, shared=False), None, False),
+        # A dense decoder (no experts), e.g. SGLang's standalone Qwen3 draft beside a Qwen3-MoE target
+        Family("dense", layouts.dense_layout, None, False),
         Family("mixtral", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
         Family("olmoe", lambda c: layouts.every_layer_moe_layout(c, "num_experts"), None, False),
         # MiMo-V2-Flash: DeepSeek-V3's router without shared experts, under windowed and global attention layers
@@ -88,48 +141,66 @@ FAMILIES: dict[str, Family] = {
         Family("granitemoe", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
         Family("phimoe", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
         # GraniteMoeShared: Granite MoE with an ungated shared MLP, never fused
-        Family("granitemoe_shared", layouts.granitemoe_shared_layout, gates.granitemoe_shared_gate, True),
+        Family("granitemoe_shared", layouts.granitemoe_shared_layout, None, True,
+               never_fuses=_mlp_beside("granitemoe_shared", "Granite MoE")),
         # Granite MoE SWA (granite-swash): Granite MoE's layer, its optional shared MLP never fused
-        Family("granitemoe_swa", layouts.granitemoe_shared_layout, gates.granitemoe_swa_gate, True),
+        Family("granitemoe_swa", layouts.granitemoe_shared_layout, None, True,
+               never_fuses=_mlp_beside("granitemoe_swa", "Granite MoE SWA")),
         # Granite 4.0-H: Granite MoE's layer under Mamba2 or attention token mixers, its shared MLP never fused
-        Family("granitemoe_hybrid", layouts.granitemoe_hybrid_layout, gates.granitemoe_hybrid_gate, True),
+        Family("granitemoe_hybrid", layouts.granitemoe_hybrid_layout, None, True,
+               never_fuses=_mlp_beside("granitemoe_hybrid", "Granite 4.0-H")),
         # Nemotron-H: Mamba2, attention, MLP and MoE blocks; ungated experts and a shared MLP, never fused
-        Family("nemotron_h", layouts.nemotron_h_layout, gates.nemotron_h_gate, True),
-        Family("llama4", layouts.llama4_layout, gates.llama4_gate, True),
+        Family("nemotron_h", layouts.nemotron_h_layout, None, True,
+               never_fuses=_mlp_beside("nemotron_h", "Nemotron-H")),
+        Family("llama4", layouts.llama4_layout, None, True,
+               never_fuses=LLAMA4_NEVER_FUSES),
         # GLM-4.7-Flash: GLM-4-MoE's MoE block and gate (DESIGN 5.2's GLM conditions) over DeepSeek's MLA
         Family("glm4_moe_lite", layouts.glm4_moe_lite_layout, gates.glm4_moe_gate, True),
+        # GLM-4.7-Flash's NextN draft (SGLang's Glm4MoeLiteForCausalLMNextN): its MTP layer after the target's, the
+        # target's expert fields (DeepSeek's names) and GLM-4-MoE's gate
+        Family("glm4_moe_lite_nextn", layouts.deepseek_nextn_layout, gates.glm4_moe_gate, True),
         # Qwen3-Next: linear-attention layers, but Qwen2-MoE's MoE block (a sigmoid-gated shared expert) and gate
         Family("qwen3_next", lambda c: layouts.qwen_moe_layout(c, shared=True), gates.qwen2_moe_gate, True),
         Family("qwen3_5_moe", lambda c: layouts.qwen_moe_layout(c, shared=True), gates.qwen2_moe_gate, True),
         Family("qwen3_next_nextn", layouts.qwen_nextn_layout, gates.qwen2_moe_gate, True),
         Family("qwen3_5_nextn", layouts.qwen_nextn_layout, gates.qwen2_moe_gate, True),
         # ERNIE-4.5: DeepSeek-V3's MoE block with a softmax router and ungated shared experts, never fused
-        Family("ernie4_5_moe", layouts.ernie4_5_moe_layout, gates.ernie4_5_moe_gate, True),
+        Family("ernie4_5_moe", layouts.ernie4_5_moe_layout, None, True,
+               never_fuses=_experts_beside("ernie4_5_moe", "ERNIE-4.5")),
         # AFMoE (Arcee's Trinity): DeepSeek-V3's MoE block, one group, its shared experts beside it, never fused
-        Family("afmoe", layouts.afmoe_layout, gates.afmoe_gate, True),
+        Family("afmoe", layouts.afmoe_layout, None, True,
+               never_fuses=_experts_beside("afmoe", "AFMoE")),
         # EXAONE-MoE (K-EXAONE): DeepSeek-V3's MoE block with its shared experts beside it, never fused
-        Family("exaone_moe", layouts.exaone_moe_layout, gates.exaone_moe_gate, True),
+        Family("exaone_moe", layouts.exaone_moe_layout, None, True,
+               never_fuses=_experts_beside("exaone_moe", "EXAONE-MoE")),
         # Ling 3 hybrids: Kimi-Linear's shape with gated MLA and bounded KDA decays, shared experts never fused
-        Family("bailing_hybrid", layouts.bailing_hybrid_layout, gates.bailing_hybrid_gate, True),
+        Family("bailing_hybrid", layouts.bailing_hybrid_layout, None, True,
+               never_fuses=_experts_beside("bailing_hybrid", "the Ling hybrids")),
         # Solar Open: Llama's attention over GLM-4-MoE's MoE block on every layer, its shared experts never fused
-        Family("solar_open", layouts.solar_open_layout, gates.solar_open_gate, True),
+        Family("solar_open", layouts.solar_open_layout, None, True,
+               never_fuses=_experts_beside("solar_open", "Solar Open")),
         # LongCat-Flash: two MLA / MLP sublayers and one MoE block a layer, zero-computation experts, no shared one
         Family("longcat_flash", layouts.longcat_flash_layout, None, False),
         # Kimi-Linear: KDA and NoPE-MLA layers over DeepSeek-V3's MoE block, its shared experts never fused
-        Family("kimi_linear", layouts.kimi_linear_layout, gates.kimi_linear_gate, True),
+        Family("kimi_linear", layouts.kimi_linear_layout, None, True,
+               never_fuses=_experts_beside("kimi_linear", "Kimi-Linear")),
         # Cohere2-MoE: parallel attention / MoE blocks; its shared experts summed or averaged with the routed
         # experts' output, never fused
-        Family("cohere2_moe", layouts.cohere2_moe_layout, gates.cohere2_moe_gate, True),
+        Family("cohere2_moe", layouts.cohere2_moe_layout, None, True,
+               never_fuses=_experts_beside("cohere2_moe", "Cohere2-MoE")),
         # Step-3.5 (and Step-3.7's text model): a biased sigmoid router, one shared expert of its own width, never
         # fused
-        Family("step3p5", layouts.step3p5_layout, gates.step3p5_gate, True),
+        Family("step3p5", layouts.step3p5_layout, None, True,
+               never_fuses=_expert_of_own_width("step3p5", "Step-3.5", "its own width and clamps")),
         # Sarvam's: DeepSeek-V3's and GLM-4-MoE's models under Sarvam's names, asked their gates; not the fused
         # architectures (our choice: transformers runs them as those families, SGLang under entry classes of
         # their own), so never fused
         # HY-V3 (Hunyuan V3): Qwen3's attention over DeepSeek-V3's MoE block, its shared experts never fused
-        Family("hy_v3", layouts.hy_v3_layout, gates.hy_v3_gate, True),
+        Family("hy_v3", layouts.hy_v3_layout, None, True,
+               never_fuses=_experts_beside("hy_v3", "HY-V3")),
         # Laguna: per-layer head counts, softplus-gated attention, a shared expert of its own width, never fused
-        Family("laguna", layouts.laguna_layout, gates.laguna_gate, True),
+        Family("laguna", layouts.laguna_layout, None, True,
+               never_fuses=_expert_of_own_width("laguna", "Laguna", "its own width")),
         # Mistral 4: DeepSeek-V3's model with a softmax router and position-scaled queries; not the fused
         # architecture, so never fused
         # A.X K1: DeepSeek-V3's model with its MoE output normalised; not the fused architecture, so never fused
@@ -137,9 +208,11 @@ FAMILIES: dict[str, Family] = {
         # Mellum: Qwen3-MoE's layer with windowed layers; no shared expert
         Family("mellum", layouts.mellum_layout, None, False),
         # Flint: Qwen3-MoE's layer with sinks and windows, a sigmoid router, an ungated shared expert never fused
-        Family("flint", layouts.flint_layout, gates.flint_gate, True),
+        Family("flint", layouts.flint_layout, None, True,
+               never_fuses=_expert_of_own_width("flint", "Flint", "its own width")),
         # Kolibri-1: sandwich norms, a router biased on its logits, an ungated shared expert never fused
-        Family("kolibri1", layouts.kolibri1_layout, gates.kolibri1_gate, True),
+        Family("kolibri1", layouts.kolibri1_layout, None, True,
+               never_fuses=_expert_of_own_width("kolibri1", "Kolibri-1", "its own width")),
         Family("mistral4", layouts.mistral4_layout, gates.deepseek_gate, True,
                fused_architecture="DeepseekV3ForCausalLM"),
         Family("sarvam_mla", layouts.sarvam_mla_layout, gates.deepseek_gate, True,
@@ -147,79 +220,32 @@ FAMILIES: dict[str, Family] = {
         Family("sarvam_moe", layouts.sarvam_moe_layout, gates.glm4_moe_gate, True,
                fused_architecture="Glm4MoeForCausalLM"),
         # Hunyuan-A13B: every layer MoE with an ungated shared MLP beside the experts, never fused
-        Family("hunyuan_v1_moe", layouts.hunyuan_v1_moe_layout, gates.hunyuan_v1_moe_gate, True),
+        Family("hunyuan_v1_moe", layouts.hunyuan_v1_moe_layout, None, True,
+               never_fuses=_mlp_beside("hunyuan_v1_moe", "Hunyuan")),
     )
 }
 
-ENTRY_CLASSES: dict[str, Direct | Wrapper] = {
-    "DeepseekV2ForCausalLM": Direct("deepseek"),
-    "DeepseekV3ForCausalLM": Direct("deepseek"),
-    # V3.2: V3's family and gate; not the fused architecture, so never fused (DESIGN 5.2, condition 4)
-    "DeepseekV32ForCausalLM": Direct("deepseek"),
-    # GLM-5: V3.2's model; the DeepSeek gate with its own fused architecture, as SGLang's GlmMoeDsaForCausalLM
-    "GlmMoeDsaForCausalLM": Direct("deepseek", fused_architecture="GlmMoeDsaForCausalLM"),
-    "DeepseekV3ForCausalLMNextN": Direct("deepseek_nextn", fused_architecture="DeepseekV3ForCausalLMNextN"),
-    # dots.llm1: DeepSeek-V3's MoE block (its config names it alike) under Qwen3's attention; the DeepSeek gate,
-    # whose structural conditions never fuse it (not the fused architecture; it ships 2 shared experts)
-    "Dots1ForCausalLM": Direct("deepseek"),
-    "Ernie4_5_MoeForCausalLM": Direct("ernie4_5_moe"),
-    "Glm4MoeForCausalLM": Direct("glm4_moe"),
-    "Glm4MoeForCausalLMNextN": Direct("glm4_moe_nextn", fused_architecture="Glm4MoeForCausalLMNextN"),
-    "Qwen2MoeForCausalLM": Direct("qwen2_moe"),
-    "Qwen3MoeForCausalLM": Direct("qwen3_moe"),
-    "MixtralForCausalLM": Direct("mixtral"),
-    "OlmoeForCausalLM": Direct("olmoe"),
-    "FlexOlmoForCausalLM": Direct("flex_olmo"),
-    "Lfm2MoeForCausalLM": Direct("lfm2_moe"),
-    "JambaForCausalLM": Direct("jamba"),
-    "DbrxForCausalLM": Direct("dbrx"),
-    "MiMoV2FlashForCausalLM": Direct("mimo_v2_flash"),
-    "GptOssForCausalLM": Direct("gpt_oss"),
-    "MiniMaxM2ForCausalLM": Direct("minimax_m2"),
-    "MiniMaxForCausalLM": Direct("minimax"),
-    "GraniteMoeForCausalLM": Direct("granitemoe"),
-    "GraniteMoeSharedForCausalLM": Direct("granitemoe_shared"),
-    "GraniteMoeSWAForCausalLM": Direct("granitemoe_swa"),
-    "GraniteMoeHybridForCausalLM": Direct("granitemoe_hybrid"),
-    "NemotronHForCausalLM": Direct("nemotron_h"),
-    "HunYuanMoEV1ForCausalLM": Direct("hunyuan_v1_moe"),
-    "ExaoneMoeForCausalLM": Direct("exaone_moe"),
-    "Cohere2MoeForCausalLM": Direct("cohere2_moe"),
-    "Step3p5ForCausalLM": Direct("step3p5"),
-    "SarvamMLAForCausalLM": Direct("sarvam_mla"),
-    "HYV3ForCausalLM": Direct("hy_v3"),
-    "Mistral4ForCausalLM": Direct("mistral4"),
-    "AXK1ForCausalLM": Direct("axk1"),
-    "MellumForCausalLM": Direct("mellum"),
-    "FlintForCausalLM": Direct("flint"),
-    "Kolibri1ForCausalLM": Direct("kolibri1"),
-    "LagunaForCausalLM": Direct("laguna"),
-    "SarvamMoEForCausalLM": Direct("sarvam_moe"),
-    "KimiLinearForCausalLM": Direct("kimi_linear"),
-    "LongcatFlashForCausalLM": Direct("longcat_flash"),
-    "SolarOpenForCausalLM": Direct("solar_open"),
-    "BailingHybridForCausalLM": Direct("bailing_hybrid"),
-    "AfmoeForCausalLM": Direct("afmoe"),
-    # Phi-3.5-MoE: the Hub's spelling, and transformers' (what its save_pretrained writes)
-    "PhiMoEForCausalLM": Direct("phimoe"),
-    "PhimoeForCausalLM": Direct("phimoe"),
-    "Llama4ForCausalLM": Direct("llama4"),
-    "Glm4MoeLiteForCausalLM": Direct("glm4_moe_lite"),
-    "Qwen3NextForCausalLM": Direct("qwen3_next"),
-    "Qwen3NextForCausalLMMTP": Direct("qwen3_next_nextn"),
-    "Qwen3_5MoeForCausalLM": Direct("qwen3_5_moe"),
-    # SGLang's name for the draft of any Qwen3.5 target; its config.json is the target's (the Hub's wrapper
-    # config, its text model's under text_config, or the text model's own)
-    "Qwen3_5ForCausalLMMTP": Direct("qwen3_5_nextn", text_config_if_present=True),
-    "Llama4ForConditionalGeneration": Wrapper("Llama4ForCausalLM", "text_config", _top_level_quantization),
-    "Qwen3VLMoeForConditionalGeneration": Wrapper("Qwen3MoeForCausalLM", "text_config", _top_level_quantization),
-    # GLM-4.5V run text-only: GLM-4-MoE's text model; its gate is GLM-4-MoE's, asked with text_config
-    "Glm4vMoeForConditionalGeneration": Wrapper("Glm4MoeForCausalLM", "text_config", _top_level_quantization),
-    # Step-3.7-Flash run text-only: Step-3.5's text model, its gate asked with text_config
-    "Step3p7ForConditionalGeneration": Wrapper("Step3p5ForCausalLM", "text_config", _top_level_quantization),
-    "KimiK25ForConditionalGeneration": Wrapper("DeepseekV3ForCausalLM", "text_config", _top_level_quantization),
-    "Qwen3_5MoeForConditionalGeneration": Wrapper("Qwen3_5MoeForCausalLM", "text_config", _top_level_quantization),
+# What a wrapper hands its inner constructor, by the shared table's name for it.
+_HANDOFFS: dict[str, Callable[[ConfigView, str | None, Mapping[str, Any] | None], Quantization]] = {
+    "top_level": _top_level_quantization,
+    "none": lambda cfg, explicit, qconfig: Quantization(None),
 }
+
+
+def _rules_row(row: shared_table.EntryClass) -> Direct | Wrapper:
+    if row.is_wrapper:
+        return Wrapper(row.inner, row.config_field, _HANDOFFS[row.quantization])
+    return Direct(row.family, row.fused_architecture, row.text_config_if_present)
+
+
+# The rules' reading of the one entry-class table (`loadplan.entry_classes`, which the engine reads too).
+ENTRY_CLASSES: dict[str, Direct | Wrapper] = {name: _rules_row(row) for name, row in shared_table.ENTRY_CLASSES.items()}
+
+
+def rules_only(name: str) -> bool:
+    """`name` is planned by the registry but not built by loadplan's engine (the shared table says no module)."""
+    row = shared_table.ENTRY_CLASSES.get(name)
+    return row is None or row.rules_only
 
 
 @dataclass(frozen=True)
@@ -291,6 +317,6 @@ def check_table() -> list[str]:
             problems.append(f"{name}: does not reach a family")
             continue
         fam = FAMILIES[built.family]
-        if fam.has_shared_experts and fam.gate is None:
+        if fam.has_shared_experts and not fam.gated:
             problems.append(f"{name}: family {fam.name} has shared experts but no gate")
     return problems

@@ -88,6 +88,19 @@ def deepseek_layout(cfg: ConfigView) -> MoeLayout:
     return MoeLayout(tuple(range(n_layers)), moe, n_routed, n_shared, top_k)
 
 
+def glm4_moe_layout(cfg: ConfigView) -> MoeLayout:
+    """GLM-4-MoE: DeepSeek's layout with transformers' Glm4MoeConfig defaults (the first layer dense, one shared
+    expert) and its alias num_local_experts for n_routed_experts."""
+    return _deepseek_defaults_layout(cfg, layers=None, experts=None, top_k=None, first_dense=1,
+                                     aliases=("num_local_experts",))
+
+
+def dense_layout(cfg: ConfigView) -> MoeLayout:
+    """A dense decoder (no MoE layer): a draft model beside an MoE target (Qwen3's dense models)."""
+    n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
+    return MoeLayout(tuple(range(n_layers)), (), 0, 0, 0)
+
+
 def deepseek_nextn_layout(cfg: ConfigView) -> MoeLayout:
     n_target = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
     n_nextn = cfg.int("num_nextn_predict_layers", 1, minimum=1, maximum=MAX_LAYERS)
@@ -416,15 +429,18 @@ def mistral4_layout(cfg: ConfigView) -> MoeLayout:
     return _deepseek_defaults_layout(cfg, layers=36, experts=128, top_k=4, first_dense=0)
 
 
-def _deepseek_defaults_layout(cfg: ConfigView, *, layers: int, experts: int, top_k: int,
-                              first_dense: int) -> MoeLayout:
+def _deepseek_defaults_layout(cfg: ConfigView, *, layers: int | None, experts: int | None, top_k: int | None,
+                              first_dense: int,
+                              aliases: tuple[str, ...] = ("num_experts", "num_local_experts")) -> MoeLayout:
     """DeepSeek's layout (layer i MoE iff i >= first_k_dense_replace and i % moe_layer_freq == 0) with a family's
-    defaults, its expert counts also under the names transformers' configs alias (num_experts, num_local_experts,
-    num_shared_experts: one shared expert by default)."""
-    n_layers = cfg.int("num_hidden_layers", layers, minimum=1, maximum=MAX_LAYERS)
-    n_routed = cfg.int(_named(cfg, "n_routed_experts", "num_experts", "num_local_experts"), experts, minimum=1)
+    defaults (None: the field is required), its expert counts also under the names transformers' configs alias
+    (`aliases` of n_routed_experts, num_shared_experts: one shared expert by default)."""
+    def need(default):
+        return () if default is None else (default,)
+    n_layers = cfg.int("num_hidden_layers", *need(layers), minimum=1, maximum=MAX_LAYERS)
+    n_routed = cfg.int(_named(cfg, "n_routed_experts", *aliases), *need(experts), minimum=1)
     n_shared = cfg.int(_named(cfg, "n_shared_experts", "num_shared_experts"), 1, minimum=0)
-    k = cfg.int("num_experts_per_tok", top_k, minimum=1)
+    k = cfg.int("num_experts_per_tok", *need(top_k), minimum=1)
     _check_top_k(cfg, k, n_routed)
     first = cfg.int("first_k_dense_replace", first_dense, minimum=0)
     freq = cfg.int("moe_layer_freq", 1, minimum=1)

@@ -28,7 +28,7 @@ def quantization_of(explicit: str | None, qconfig: Mapping[str, Any] | None) -> 
         if name == "modelopt" and "fp4" in algo:
             name = "modelopt_fp4"  # ModelOpt writes the format in quant_algo
     excluded: list[str] = []
-    for key in ("exclude_modules", "ignore", "modules_to_not_convert", "ignored_layers"):
+    for key in ("exclude_modules", "exclude", "ignore", "modules_to_not_convert", "ignored_layers"):   # exclude: Quark
         value = qconfig.get(key)
         if isinstance(value, list):
             excluded.extend(str(v) for v in value)

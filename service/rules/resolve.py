@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from types import MappingProxyType
 from typing import Any, Hashable, Mapping
 
-from ...plan import ROLES, Decision, Keys, ResolveRequest
+from ...plan import ROLE_SPECULATIVE, ROLES, Decision, Keys, ResolveRequest
 from ..errors import FailedPrecondition, InvalidArgument
 from . import RULESET_VERSION
 from .backends import NORMAL, backend
@@ -25,6 +25,7 @@ from .config_view import ConfigView
 from .devices import parse_device
 from .engines import ENGINES, engine_of, with_engine
 from .entries import Resolved, resolve_entry
+from . import sglang, vllm
 from .gates import GateContext
 from .layouts import MoeLayout
 
@@ -236,7 +237,7 @@ def _decided(req: ResolveRequest) -> ResolveRequest:
 class _Part:
     """What every rank of one deployment gets (a `Resolution` without the rank's decisions)."""
 
-    __slots__ = ("entry_class", "chain", "family", "config_fingerprint", "quantization", "head", "eplb_head",
+    __slots__ = ("tiling", "entry_class", "chain", "family", "config_fingerprint", "quantization", "head", "eplb_head",
                  "n_layers", "first_layer", "moe_layers", "enable_eplb", "inputs", "stages")
 
     def for_rank(self, req: ResolveRequest) -> Resolution:
@@ -252,7 +253,7 @@ class _Part:
                           d, self.inputs, req)
 
     def _stage_decisions(self, p) -> dict[str, Decision]:
-        start, end = stage_range(self.n_layers, p.pp_size, p.pp_rank)
+        start, end = self.tiling(self.n_layers, p.pp_size, p.pp_rank)
         layer_range = [self.first_layer + start, self.first_layer + end]
         d = dict(self.head)
         d[Keys.PP_LAYER_RANGE] = Decision(
@@ -320,10 +321,16 @@ def _deployment_part(req: ResolveRequest) -> _Part:
         # From the request or from the config's quant_method: stored either way.
         check_name("quantization" if req.quantization else "quantization_config.quant_method",
                    resolved.quantization.name)
+    if req.runtime.engine == sglang.NAME:
+        sglang.check_draft(resolved.family.name, resolved.cfg)
     layout = resolved.family.layout(resolved.cfg)
-    row = backend(req.runtime.a2a_backend)
     device = parse_device(req.runtime.device)
     p, rt = req.parallel, req.runtime
+    if rt.engine == sglang.NAME:
+        return _sglang_part(req, resolved, layout, device)
+    if rt.engine == vllm.NAME:
+        return _vllm_part(req, resolved, layout, device)
+    row = backend(req.runtime.a2a_backend)
 
     d: dict[str, Decision] = {}
 
@@ -374,32 +381,152 @@ def _deployment_part(req: ResolveRequest) -> _Part:
     put(Keys.NUM_LOCAL_EXPERTS, physical // p.ep_size,
         f"{physical} physical experts over ep_size={p.ep_size}", "sharding.experts")
 
-    # --- pipeline stage (DESIGN 5.5) and EPLB: the rank's part in `_Part.for_rank` ---
+    return _finish(req, resolved, layout, d, physical, stage_range, eplb=rt.enable_eplb,
+                   eplb_off_reason="EPLB not enabled (runtime.enable_eplb is false)")
+
+
+def _finish(req: ResolveRequest, resolved: Resolved, layout: MoeLayout, head: dict[str, Decision], physical: int,
+            tiling, *, eplb: bool, eplb_off_reason: str) -> "_Part":
+    """The pipeline stage (DESIGN 5.5) and EPLB parts, and the part's identity: the rank's part is made in
+    `_Part.for_rank` with the profile's `tiling`."""
+    rt = req.runtime
+    d: dict[str, Decision] = {}
+
+    def put(key: str, value: Any, reason: str, rule: str, deployment_wide: bool = True) -> None:
+        d[key] = Decision(key, value, reason, rule, deployment_wide)
+
     part = _Part()
+    part.tiling = tiling
     part.stages = {}
-    part.head = d
-    d = {}
-    if rt.enable_eplb:
+    part.head = head
+    if eplb:
         put(Keys.EPLB_ENABLED, True, "enable_eplb requested", "eplb.intent")
         put(Keys.EPLB_NUM_PHYSICAL_EXPERTS, physical,
             f"{layout.n_routed} routed + {rt.ep_num_redundant_experts} redundant", "eplb.physical")
     else:
-        put(Keys.EPLB_ENABLED, False, "EPLB not enabled (runtime.enable_eplb is false)", "eplb.intent")
+        put(Keys.EPLB_ENABLED, False, eplb_off_reason, "eplb.intent")
         put(Keys.EPLB_NUM_PHYSICAL_EXPERTS, layout.n_routed, "EPLB not enabled: one copy of each expert",
             "eplb.physical")
     part.eplb_head = d
-    part.enable_eplb = rt.enable_eplb
+    part.enable_eplb = eplb
     part.n_layers = len(layout.layer_ids)
     part.first_layer = layout.layer_ids[0] if layout.layer_ids else 0
     part.moe_layers = tuple(layout.moe_layers)
     inputs = deployment_inputs(req, resolved)
     part.inputs = MappingProxyType(inputs)
-    part.entry_class = entry_class
+    part.entry_class = resolved.chain[0]
     part.chain = resolved.chain
     part.family = resolved.family.name
     part.config_fingerprint = inputs["config_fingerprint"]
     part.quantization = resolved.quantization.name
     return part
+
+
+def _profile_head(req: ResolveRequest, resolved: Resolved) -> dict[str, Decision]:
+    engine = ENGINES[req.runtime.engine]
+    return {
+        Keys.ENGINE_PROFILE: Decision(Keys.ENGINE_PROFILE, engine.profile,
+                                      f"the {engine.profile} profile decides: {engine.summary}",
+                                      f"engine.{engine.name}", True),
+        Keys.ENTRY_FAMILY: Decision(Keys.ENTRY_FAMILY, resolved.family.name,
+                                    f"{' -> '.join(resolved.chain)} builds the {resolved.family.name} family",
+                                    "entries.table", True),
+    }
+
+
+def _embedded_qconfig(req: ResolveRequest) -> dict | None:
+    """The quantization config the checkpoint declares (the request's, else the config's, else its text model's)."""
+    if isinstance(req.quantization_config, dict):
+        return req.quantization_config
+    for doc in (req.config, req.config.get("text_config") if isinstance(req.config, Mapping) else None):
+        if isinstance(doc, Mapping) and isinstance(doc.get("quantization_config"), dict):
+            return doc["quantization_config"]
+    return None
+
+
+def _shared_decisions(put, fused: bool, rule: str, reason: str, layout: MoeLayout, path: str, ep: int,
+                      per_rank_slots: bool) -> None:
+    put(Keys.SHARED_EXPERTS_FUSION, fused, reason, rule)
+    n_fused = layout.n_shared if fused else 0
+    put(Keys.NUM_FUSED_SHARED_EXPERTS, n_fused,
+        f"{n_fused} shared expert slot(s) appended after the {layout.n_routed} routed experts" if fused
+        else "not fused", rule)
+    if fused and path == NORMAL and ep > 1 and not per_rank_slots:
+        put(Keys.FUSED_SHARED_EXPERT_SCALE, 1.0 / ep,
+            f"a global fused slot on every one of ep_size={ep} ranks: the all-reduce must sum it once",
+            "reduction.fused_scale")
+    else:
+        put(Keys.FUSED_SHARED_EXPERT_SCALE, 1.0,
+            "not fused" if not fused else "the fused slot is computed once per token", "reduction.fused_scale")
+
+
+def _sharding(put, layout: MoeLayout, rt, ep: int) -> int:
+    physical = layout.n_routed + (rt.ep_num_redundant_experts if rt.enable_eplb else 0)
+    if physical % ep:
+        raise FailedPrecondition(
+            f"parallel.ep_size: {physical} physical experts ({layout.n_routed} routed + "
+            f"{physical - layout.n_routed} redundant) do not divide over ep_size={ep}")
+    put(Keys.NUM_LOCAL_EXPERTS, physical // ep, f"{physical} physical experts over ep_size={ep}", "sharding.experts")
+    return physical
+
+
+def _sglang_part(req: ResolveRequest, resolved: Resolved, layout: MoeLayout, device) -> "_Part":
+    """The sglang profile (service/rules/sglang.py): SGLang 0.5.23's resolution, gates, forward and tiling."""
+    p, rt = req.parallel, req.runtime
+    archs = resolved.cfg.raw("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else resolved.chain[-1]
+    arch = sglang.WRAPPER_ARCHITECTURE.get(resolved.chain[0], arch)
+    draft = req.role == ROLE_SPECULATIVE
+    dec = sglang.decide(entry_class=resolved.chain[0], architecture=arch, layout=layout,
+                        quantization=resolved.quantization, qconfig=_embedded_qconfig(req), device=device,
+                        a2a=rt.a2a_backend, runner=rt.moe_runner_backend, tp=p.tp_size, ep=p.ep_size, dp=p.dp_size,
+                        sbo=rt.enable_sbo, tbo=rt.enable_tbo, disable_fusion=rt.disable_shared_experts_fusion,
+                        enforce_fusion=rt.enforce_shared_experts_fusion, draft=draft)
+    d = _profile_head(req, resolved)
+
+    def put(key: str, value: Any, reason: str, rule: str, deployment_wide: bool = True) -> None:
+        d[key] = Decision(key, value, reason, rule, deployment_wide)
+
+    for rw in dec.rewrites:   # what SGLang's server-args resolution rewrote, with its reason
+        put(rw.key, rw.value, rw.reason, f"sglang.rewrite.{rw.key.split('.', 1)[1]}")
+    fused, rule, reason = dec.fused
+    shape = dec.inputs.shape
+    _shared_decisions(put, fused, rule, reason, layout, dec.forward.path, shape.ep,
+                      dec.inputs.a2a in sglang.PER_RANK_FUSED_SLOTS)
+    put(Keys.FORWARD_PATH, dec.forward.path, dec.forward.reason, dec.forward.rule)
+    put(Keys.POST_EXPERTS_ALL_REDUCE, dec.forward.all_reduce, dec.forward.reason, dec.forward.rule + ".reduction")
+    # SGLang does not refuse experts that do not divide over its ep_size (the last rank holds fewer).
+    physical = layout.n_routed + (rt.ep_num_redundant_experts if rt.enable_eplb else 0)
+    put(Keys.NUM_LOCAL_EXPERTS, -(-physical // shape.ep),
+        f"{physical} physical experts over SGLang's ep_size={shape.ep} (at most)", "sharding.experts")
+    eplb = rt.enable_eplb and not draft
+    return _finish(req, resolved, layout, d, physical, sglang.stage_range, eplb=eplb,
+                   eplb_off_reason=("SGLang gives a draft worker no EPLB manager (model_runner: not "
+                                    "is_draft_worker)" if rt.enable_eplb and draft
+                                    else "EPLB not enabled (runtime.enable_eplb is false)"))
+
+
+def _vllm_part(req: ResolveRequest, resolved: Resolved, layout: MoeLayout, device) -> "_Part":
+    """The vllm profile (service/rules/vllm.py): vLLM 0.32.0's all2all kernels, reduction and fusion."""
+    p, rt = req.parallel, req.runtime
+    fwd = vllm.forward(rt.a2a_backend, p.tp_size, p.ep_size, p.dp_size)
+    d = _profile_head(req, resolved)
+
+    def put(key: str, value: Any, reason: str, rule: str, deployment_wide: bool = True) -> None:
+        d[key] = Decision(key, value, reason, rule, deployment_wide)
+
+    if rt.disable_shared_experts_fusion:
+        fused = (False, "intent.disable_shared_experts_fusion", "disable_shared_experts_fusion requested")
+    elif layout.n_shared == 0:
+        fused = (False, f"{resolved.family.name}.no_shared_experts", "no shared experts")
+    else:
+        fused = (False, vllm.FUSION_RULE, vllm.FUSION_REASON)
+    _shared_decisions(put, *fused, layout, fwd.path, p.ep_size, False)
+    put(Keys.FORWARD_PATH, fwd.path, fwd.reason, fwd.rule)
+    put(Keys.POST_EXPERTS_ALL_REDUCE, fwd.all_reduce, fwd.reason, fwd.rule + ".reduction")
+    physical = _sharding(put, layout, rt, p.ep_size)
+    return _finish(req, resolved, layout, d, physical, sglang.stage_range, eplb=rt.enable_eplb,
+                   eplb_off_reason="EPLB not enabled (runtime.enable_eplb is false)")
 
 
 def stage_range(n_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
@@ -426,6 +553,9 @@ def _fusion(req: ResolveRequest, resolved: Resolved, layout: MoeLayout, row, dev
         return False, f"backend.{row.name}.no_per_rank_fused_slots", \
             f"a2a backend {row.name} cannot hold a fused shared slot on every rank under ep_size=" \
             f"{req.parallel.ep_size}"
+    if resolved.family.never_fuses is not None:     # structural: enforce does not skip it
+        verdict = resolved.family.never_fuses.verdict(layout)
+        return False, verdict.rule, verdict.reason
     gate = resolved.family.gate
     assert gate is not None, f"family {resolved.family.name} has shared experts but no gate"
     ctx = GateContext(resolved.chain[-1], resolved.fused_architecture, resolved.cfg, layout,

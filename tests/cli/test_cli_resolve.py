@@ -54,14 +54,15 @@ def test_resolve_flags_reach_the_plan(capsys, db):
     code, out, err = run(capsys, "resolve", "--model", real_model("deepseek-v3"), "--db", db, "--json",
                          "--deployment", "dep-a", "--role", "speculative", "--ep-size", "8", "--ep-rank", "3",
                          "--pp-size", "2", "--pp-rank", "1", "--a2a-backend", "deepep", "--device", "cuda:9.0",
-                         "--enable-eplb", "--ep-num-redundant-experts", "32")
+                         "--enable-eplb", "--ep-num-redundant-experts", "32", "--engine", "loadplan")
     assert code == 0, err
     doc = json.loads(out)
     assert doc["deployment_id"] == "dep-a" and doc["role"] == "speculative"
     dec = {k: v["value"] for k, v in doc["decisions"].items()}
     assert dec["moe.forward_path"] == "a2a" and dec["moe.post_experts_all_reduce"] is False
     assert dec["moe.shared_experts_fusion"] is False          # DeepEP-class backend, not enforced
-    assert dec["eplb.enabled"] is True and dec["eplb.num_physical_experts"] == 288
+    assert dec["eplb.enabled"] is True and dec["eplb.num_physical_experts"] == 288   # loadplan's engine: a draft's
+    assert dec["engine.profile"].startswith("loadplan ")                              # EPLB (SGLang gives none)
     assert dec["pp.layer_range"][1] == 61 and all(dec["pp.layer_range"][0] <= i for i in dec["eplb.layers"])
 
 

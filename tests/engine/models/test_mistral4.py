@@ -64,7 +64,7 @@ ROPE = MISTRAL4_TINY["rope_parameters"]
      r"qk_rope_head_dim=8"),
     (dict(rope_parameters={k: v for k, v in ROPE.items() if k != "original_max_position_embeddings"}),
      r"config\.rope_parameters\.original_max_position_embeddings: expected a positive integer"),
-    (dict(num_experts_per_tok=9), r"config\.num_experts_per_tok: 9 must be in \[1, n_routed_experts=8\]"),
+    (dict(num_experts_per_tok=9), r"config\.num_experts_per_tok: 9 exceeds the number of routed experts \(8\)"),
     (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), r"config\.rope_scaling: not read by Mistral 4"),
     (dict(rope_parameters=dict(ROPE, rope_type="dynamic")), r"config\.rope_parameters: rope type 'dynamic' not "
                                                             r"supported"),

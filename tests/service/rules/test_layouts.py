@@ -458,3 +458,19 @@ def test_mixtral_bad_fields_are_named(field, over):
     with pytest.raises(InvalidArgument) as e:
         entries.FAMILIES["mixtral"].layout(ConfigView(cfg))
     assert e.value.field == f"config.{field}"
+
+
+def test_glm4_moe_layout_has_glm_defaults_the_engine_builds_too():
+    """One reader: the engine's GLM-4-MoE and DeepSeek configs take their layer and expert fields from these readers,
+    so a config that leaves first_k_dense_replace / n_shared_experts out gets GLM's defaults in both (before, the
+    registry read DeepSeek's: layer 0 MoE, no shared expert, while the engine built layer 0 dense with one)."""
+    from loadplan.engine.models.glm4_moe import Glm4MoeConfig
+    from loadplan.service.rules.layouts import glm4_moe_layout
+
+    cfg = {"num_hidden_layers": 3, "num_local_experts": 8, "num_experts_per_tok": 2}
+    lay = entries.FAMILIES["glm4_moe"].layout(ConfigView(cfg))
+    assert lay == glm4_moe_layout(ConfigView(cfg))
+    assert (lay.moe_layers, lay.n_routed, lay.n_shared) == ((1, 2), 8, 1)
+    engine = Glm4MoeConfig.from_hf({**cfg, "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32,
+                                    "moe_intermediate_size": 8, "num_attention_heads": 2})
+    assert (engine.moe_layers, engine.n_routed_experts, engine.n_shared_experts) == (lay.moe_layers, 8, 1)

@@ -1,0 +1,532 @@
+"""The SGLang 0.5.23 profile (DESIGN 8.1): data and small gates restating SGLang's own decision code.
+
+Each table names the SGLang source it restates (paths under `sglang/srt/` of the 0.5.23 wheel). The conformance
+recording of i30's oracle (SGLang's code run on a CPU) is the check: tests/conformance.
+
+What a resolve reads here, in SGLang's order:
+1. `rewrite`: server-args resolution (`arg_groups/overrides.py`, `arg_groups/model_overrides/*`): the a2a backend
+   (`ascend_tp` -> `none`), ep_size (= tp for every EP-spanning backend), the MoE runner (SM100's auto runner),
+   and the fusion switch (flashinfer a2a, deepep_v2 and some runners force it off). Each rewritten value becomes a
+   decision with SGLang's reason.
+2. `refuse`: what SGLang refuses to start with (FAILED_PRECONDITION naming the flag and SGLang's reason).
+3. `fusion`: `resolve_shared_experts_config(model_class, hf_config, quant_config)` with the family's gate
+   (`GATES`), a family without a gate never fusing.
+4. `forward`: the family MoE block's branch (`DISPATCH_BRANCH`), and whether the experts' output is complete
+   (`COMPLETE_COMBINE`, `layers/moe/utils.py: post_experts_output_is_complete`).
+5. pipeline tiling (`distributed/utils.py: get_pp_indices`: the last stages take the leftover layers) and EPLB
+   (the model runner gives a draft worker no EPLB manager).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..errors import FailedPrecondition, NotFound
+from .devices import Device
+from .layouts import MoeLayout
+from .quantization import Quantization
+
+NAME = "sglang"
+VERSION = "0.5.23"
+
+# layers/moe/utils.py: MoeA2ABackend (CUSTOMIZED is a plugin hook, not a backend a fleet names).
+A2A_BACKENDS = ("none", "deepep", "mooncake", "nixl", "mori", "ascend_fuseep", "ascend_tp", "flashinfer",
+                "megamoe", "deepep_v2", "pplx", "flashinfer_megamoe")
+# arg_groups/overrides.py: _A2A_EP_SPANNING_BACKENDS: every one forces ep_size = tp_size.
+EP_SPANNING = frozenset({"megamoe", "deepep", "deepep_v2", "mooncake", "nixl", "ascend_fuseep", "flashinfer",
+                         "flashinfer_megamoe", "mori", "pplx"})
+# layers/moe/utils.py: is_deepep_class_backend.
+DEEPEP_CLASS = frozenset({"deepep", "deepep_v2", "mooncake", "mori", "pplx"})
+# layers/moe/utils.py: post_experts_output_is_complete: these combines sum each token's expert outputs back to its
+# source rank (inside the experts layer), so no reduction is owed after them.
+COMPLETE_COMBINE = frozenset({"flashinfer", "pplx", "flashinfer_megamoe"})
+# arg_groups/overrides.py: _a2a_fusion_adjustments (flashinfer, flashinfer_megamoe; deepep_v2: "not validated").
+A2A_FORCES_FUSION_OFF = {
+    "flashinfer": "Flashinfer MoE A2A is enabled. --disable-shared-experts-fusion is automatically set.",
+    "flashinfer_megamoe": "Flashinfer MoE A2A is enabled. --disable-shared-experts-fusion is automatically set.",
+    "deepep_v2": "Fused shared experts are not validated with DeepEP v2.",
+}
+# arg_groups/overrides.py: the runner's fusion adjustment.
+RUNNER_FORCES_FUSION_OFF = {
+    "flashinfer_cutedsl": "FlashInfer CuteDSL MoE is enabled. --disable-shared-experts-fusion is automatically set.",
+    "flashinfer_trtllm": "FlashInfer TRTLLM MoE is enabled. --disable-shared-experts-fusion is automatically set.",
+    "experimental_sgl_trtllm": "FlashInfer TRTLLM MoE is enabled. --disable-shared-experts-fusion is automatically "
+                               "set.",
+    "flashinfer_trtllm_routed": "FlashInfer TRTLLM routed MoE is enabled. --disable-shared-experts-fusion is "
+                                "automatically set.",
+}
+MOE_RUNNER_BACKENDS = ("auto", "triton", "triton_kernel", "deep_gemm", "flashinfer_trtllm", "flashinfer_trtllm_routed",
+                       "flashinfer_cutlass", "flashinfer_mxfp4", "flashinfer_cutedsl", "flashinfer_megamoe",
+                       "experimental_sgl_trtllm", "cutlass", "marlin", "aiter")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """SGLang's parallel sizes: its tp is the whole group (loadplan's tp x ep), attention DP is loadplan's dp."""
+
+    tp: int
+    ep: int
+    attn_dp: int
+
+    @property
+    def moe_tp(self) -> int:
+        return self.tp // self.ep if self.ep and self.tp % self.ep == 0 else 1
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """A request as SGLang's resolution leaves it."""
+
+    entry_class: str             # the class SGLang builds (the outermost one: its gate delegates)
+    architecture: str            # hf_config.architectures[0] the gate compares (the inner config's for a wrapper)
+    layout: MoeLayout
+    quantization: Quantization
+    device: Device
+    a2a: str
+    runner: str
+    shape: Shape
+    sbo: bool
+    tbo: bool
+    disable_fusion: bool
+    enforce_fusion: bool
+    draft: bool
+    quant_blocks_fusion: bool    # Quark excluding the shared expert (can_fuse_shared_expert() false)
+    w4a16: bool                  # w4afp8 / wint4afp8 / compressed-tensors W4A16
+    server_quantization: str | None   # --quantization as server-args resolution leaves it (SGLang's spelling)
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    key: str
+    value: Any
+    reason: str
+
+
+# --- 1. input rewrites --------------------------------------------------------------------------------------------
+
+# arg_groups/overrides.py: _DEEPSEEK_FAMILY_ARCHS (SM100's auto runner for the DeepSeek family).
+DEEPSEEK_FAMILY_ARCHS = frozenset({"DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "KimiK25ForConditionalGeneration",
+                                   "MistralLarge3ForCausalLM", "PixtralForConditionalGeneration",
+                                   "GlmMoeDsaForCausalLM", "Glm5NextForConditionalGeneration"})
+# SM100's auto runner is flashinfer_trtllm for these quantizations (None: unquantized), per family override.
+SM100_TRTLLM_QUANTS = {
+    "deepseek": frozenset({None, "fp8", "modelopt_fp8", "modelopt_fp4", "modelopt_mixed", "kimi_int4"}),
+    "glm4_moe": frozenset({None, "modelopt_fp4"}),          # model_overrides/glm4_moe.py
+    "qwen3_moe": frozenset({None, "fp8", "modelopt_fp4", "modelopt_mixed"}),   # model_overrides/qwen3_moe.py
+}
+SM100_TRTLLM_FAMILY = {**{a: "deepseek" for a in DEEPSEEK_FAMILY_ARCHS},
+                       "Glm4MoeForCausalLM": "glm4_moe", "Qwen3MoeForCausalLM": "qwen3_moe"}
+
+
+def is_sm100(device: Device) -> bool:
+    return device.kind == "cuda" and device.capability is not None and device.capability[0] == 10
+
+
+def is_sm90(device: Device) -> bool:
+    return device.kind == "cuda" and device.capability is not None and device.capability[0] == 9
+
+
+def rewrite(entry_class: str, quant_key: str | None, a2a: str, runner: str, shape: Shape, device: Device,
+            disable_fusion: bool) -> tuple[str, str, Shape, bool, list[Rewrite]]:
+    """(a2a, runner, shape, disable_fusion) as SGLang's server-args resolution leaves them, and what it rewrote."""
+    done: list[Rewrite] = []
+    asked = a2a                 # the SM100 runner override reads the a2a backend as the flag gave it
+    if a2a == "ascend_tp":   # layers/moe/token_dispatcher: the Ascend TP dispatcher runs SGLang's normal path
+        a2a = "none"
+        done.append(Rewrite("sglang.moe_a2a_backend", "none",
+                            "SGLang runs --moe-a2a-backend ascend_tp as none (its TP dispatcher is the normal path)"))
+    if a2a in EP_SPANNING and shape.ep != shape.tp:
+        done.append(Rewrite("sglang.ep_size", shape.tp,
+                            f"{a2a} MoE is enabled. The expert parallel size is adjusted from {shape.ep} to the "
+                            f"tensor parallel size [{shape.tp}]."))
+        shape = Shape(shape.tp, shape.tp, shape.attn_dp)
+    if (entry_class == "GptOssForCausalLM" and quant_key == "mxfp4" and runner == "auto" and device.kind == "cuda"
+            and device.capability is not None and device.capability[0] in (10, 12)):
+        runner = "flashinfer_mxfp4"      # model_overrides/gpt_oss.py
+        done.append(Rewrite("sglang.moe_runner_backend", runner, "Detected SM100 and MXFP4 quantization format for "
+                                                                 "GPT-OSS model, enabling FlashInfer MXFP4 MOE kernel."))
+    family = SM100_TRTLLM_FAMILY.get(entry_class)
+    if (is_sm100(device) and family is not None and asked == "none" and runner == "auto"
+            and quant_key in SM100_TRTLLM_QUANTS[family]):
+        runner = "flashinfer_trtllm"
+        done.append(Rewrite("sglang.moe_runner_backend", runner,
+                            f"Use flashinfer_trtllm as MoE runner backend on sm100 for {entry_class}"))
+    why = A2A_FORCES_FUSION_OFF.get(a2a) or RUNNER_FORCES_FUSION_OFF.get(runner)
+    if why and not disable_fusion:
+        disable_fusion = True
+        done.append(Rewrite("sglang.disable_shared_experts_fusion", True, why))
+    return a2a, runner, shape, disable_fusion, done
+
+
+# --- 2. start-up refusals -------------------------------------------------------------------------------------------
+
+def refuse(i: Inputs) -> None:
+    """FAILED_PRECONDITION where SGLang refuses to start, naming the flag and SGLang's reason, in the order its
+    resolution meets them (arg_groups/moe_hook.py, mega_moe_hook.py, the loader's quantization check). Not here: the
+    per-rank dispatch-token budgets of MoRI, pplx and DeepEP v2 (SGLANG_*_NUM_MAX_DISPATCH_TOKENS_PER_RANK against
+    --chunked-prefill-size), buffer sizes that are not plan inputs."""
+    def no(flag: str, why: str) -> None:
+        raise FailedPrecondition(f"runtime.{flag}: SGLang {VERSION} refuses to start: {why}")
+
+    overlap = "enable_tbo" if i.tbo else "enable_sbo"
+    if i.quantization.name == "mxfp4" and i.device.kind == "hip":
+        no("device", "Unknown quantization method: mxfp4 (not among the quantizations SGLang runs on ROCm)")
+    if i.a2a == "deepep_v2":
+        if i.entry_class not in DEEPEP_V2_ARCHS:
+            no("a2a_backend", f"DeepEP v2 MoE is not validated for {i.entry_class!r} (register_deepep_v2_model)")
+        if i.sbo or i.tbo:
+            no(overlap, "DeepEP v2 MoE has not implemented the TBO/SBO overlap hook")
+        if i.enforce_fusion:
+            no("enforce_shared_experts_fusion", "DeepEP v2 MoE has not validated fused shared experts yet")
+    if i.a2a == "megamoe":
+        if i.sbo or i.tbo:
+            no(overlap, "--moe-a2a-backend megamoe has no two-batch / single-batch overlap")
+        if not (is_sm90(i.device) or is_sm100(i.device) or i.device.kind == "hip"):
+            no("a2a_backend", "--moe-a2a-backend megamoe needs a CUDA SM90 GPU (block-FP8 experts), SM100 or ROCm")
+    if i.sbo and is_sm90(i.device):
+        no("enable_sbo", "SBO (single batch overlap) is not supported on SM90")
+    if i.a2a == "pplx":
+        if i.shape.attn_dp < 2:
+            no("a2a_backend", "moe_a2a_backend='pplx' requires attention DP (dp_size >= 2)")
+        if i.runner not in ("auto", "deep_gemm"):
+            no("moe_runner_backend", "moe_a2a_backend='pplx' is only supported with --moe-runner-backend deep_gemm "
+                                     "(or auto)")
+    if i.a2a == "flashinfer":
+        if i.shape.attn_dp != i.shape.tp:
+            no("a2a_backend", f"Flashinfer MoE A2A requires --attn-dp-size equal to --tp-size ({i.shape.tp})")
+        if i.runner not in FLASHINFER_A2A_RUNNERS:
+            no("moe_runner_backend", "FlashInfer MoE A2A is supported with " + ", ".join(FLASHINFER_A2A_RUNNERS))
+    if i.a2a == "flashinfer_megamoe":
+        if i.entry_class not in FLASHINFER_MEGAMOE_ARCHS:
+            no("a2a_backend", f"FlashInfer MegaMOE is not validated for model architectures [{i.entry_class!r}]")
+        if i.server_quantization not in ("mxfp8", "modelopt_fp4"):
+            no("a2a_backend", f"FlashInfer MegaMOE currently supports only MXFP8, ModelOpt NVFP4, FP4-expert, hybrid "
+                              f"NVFP4 MoE checkpoints; got quantization={i.server_quantization!r}")
+        if i.shape.attn_dp != i.shape.tp:
+            no("a2a_backend", "FlashInfer MegaMOE is only supported with --attn-dp-size equal to --tp-size")
+        if not is_sm100(i.device):
+            no("a2a_backend", "FlashInfer MegaMOE currently requires an SM100-family CUDA device")
+    if i.runner == "flashinfer_cutedsl" and i.server_quantization not in ("modelopt_fp4", "modelopt_mixed",
+                                                                         "nvfp4_online"):
+        no("moe_runner_backend", f"Invalid quantization {i.server_quantization!r}: FlashInfer CuteDSL MOE currently "
+                                 f"supports only 'modelopt_fp4', 'modelopt_mixed', 'nvfp4_online'")
+    if i.runner == "flashinfer_trtllm_routed" and i.server_quantization not in TRTLLM_ROUTED_QUANTS:
+        no("moe_runner_backend", f"Invalid quantization {i.server_quantization!r}: FlashInfer TRTLLM routed MOE "
+                                 f"supports only 'fp8', 'mxfp8', 'modelopt_fp4', 'modelopt_mixed', 'nvfp4_online', "
+                                 f"'minimax_m3_nvfp4', or bfloat16")
+
+
+# arg_groups/moe_hook.py: validate_flashinfer_megamoe_model.
+FLASHINFER_MEGAMOE_ARCHS = frozenset({"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
+                                      "Glm4MoeForCausalLM", "GlmMoeDsaForCausalLM", "NemotronHForCausalLM",
+                                      "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
+TRTLLM_ROUTED_QUANTS = frozenset({None, "fp8", "mxfp8", "modelopt_fp4", "modelopt_mixed", "nvfp4_online",
+                                  "minimax_m3_nvfp4"})
+
+
+# arg_groups/moe_hook.py: the runners FlashInfer's a2a accepts.
+FLASHINFER_A2A_RUNNERS = ("flashinfer_cutlass", "flashinfer_cutedsl", "flashinfer_trtllm", "flashinfer_trtllm_routed",
+                          "deep_gemm")
+# The architectures that register with register_deepep_v2_model (models/deepseek_v2.py, models/qwen3_moe.py).
+DEEPEP_V2_ARCHS = frozenset({"DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "Qwen3MoeForCausalLM"})
+
+
+# --- 3. fusion gates (models/*.py: shared_experts_fusion_disable_reason) ----------------------------------------------
+
+def _device_at_least(device: Device, kind: str, need: tuple[int, int]) -> bool:
+    return device.kind == kind and device.capability is not None and device.capability >= need
+
+
+def _cuda80(d: Device) -> bool:
+    return _device_at_least(d, "cuda", (8, 0))
+
+
+def _hip94(d: Device) -> bool:
+    return _device_at_least(d, "hip", (9, 4))
+
+
+def deepseek_gate(i: Inputs, fused_architecture: str) -> str | None:
+    """models/deepseek_v2.py: DeepseekV2ForCausalLM.shared_experts_fusion_disable_reason."""
+    if i.quant_blocks_fusion:
+        return ("Quantization keeps shared experts at a higher precision than the routed experts, so they cannot "
+                "be fused into the quantized routed-expert path.")
+    if i.enforce_fusion:
+        return None
+    if i.sbo or i.tbo:
+        return "SBO/TBO enabled: incompatible with fusing shared expert into MoE kernel."
+    if i.a2a in DEEPEP_CLASS:
+        return "DeepEP: fusion off by default (use --enforce-shared-experts-fusion to enable)."
+    lay = i.layout
+    if (i.architecture != fused_architecture or lay.n_routed not in (256, 384) or lay.n_shared != 1
+            or (lay.n_routed == 384 and i.quantization.name != "quark")):
+        return "Config does not support fused shared expert(s)."
+    if not (_cuda80(i.device) or _hip94(i.device) or _device_at_least(i.device, "musa", (3, 1))):
+        return ("Only Deepseek V3/R1 on NV-platform with capability >= 80 or AMD-platform with capability >= "
+                "gfx942(MI30x) can use shared experts fusion optimization.")
+    if i.shape.ep > 1 and not _hip94(i.device):
+        return ("Only Deepseek V3/R1 on AMD-platform with capability >= gfx942(MI30x) can use shared experts "
+                "fusion optimization under expert parallelism.")
+    if i.w4a16:
+        return ("Deepseek V3/R1 W4AFP8/W4A16 model uses different quant method for routed experts and shared "
+                "experts.")
+    return None
+
+
+def glm45_gate(i: Inputs, fused_architecture: str) -> str | None:
+    """models/glm4_moe.py: Glm4MoeForCausalLM.shared_experts_fusion_disable_reason (reads neither enforce nor
+    SBO/TBO)."""
+    if not (_cuda80(i.device) or _hip94(i.device)):
+        return ("Only GLM-4.5 on NV-platform with capability >= 80 or AMD-platform with capability >= "
+                "gfx942(MI30x) can use shared experts fusion optimization.")
+    if i.shape.ep > 1 and not _hip94(i.device):
+        return ("Only GLM-4.5 on AMD-platform with capability >= gfx942(MI30x) can use shared experts fusion "
+                "optimization under expert parallelism.")
+    if i.a2a in ("deepep", "mori"):
+        return "GLM-4.5 cannot use shared experts fusion optimization under deepep expert parallelism."
+    if i.quantization.name == "w4afp8":
+        return "GLM-4.5 W4AFP8 model uses different quant method for routed experts and shared experts."
+    return None
+
+
+def glm47_flash_gate(i: Inputs, fused_architecture: str) -> str | None:
+    """models/glm4_moe_lite.py: Glm4MoeLiteForCausalLM.shared_experts_fusion_disable_reason (its NextN draft's
+    fused architecture is its own, glm4_moe_lite_nextn.py)."""
+    if not _cuda80(i.device) or i.architecture != fused_architecture or i.layout.n_shared != 1:
+        return ("Only GLM-4.5 or GLM-4.6 on NV-platform with capability >= 80 can use shared experts fusion "
+                "optimization.")
+    if i.shape.ep > 1:
+        return "GLM-4.5 or GLM-4.6 cannot use shared experts fusion optimization under expert parallelism."
+    return None
+
+
+def glm45v_gate(i: Inputs, fused_architecture: str) -> str | None:
+    """models/glm4v_moe.py: Glm4vMoeForConditionalGeneration.shared_experts_fusion_disable_reason (the top-level
+    n_shared_experts: the grid's configs keep it under text_config, where the layout reads it)."""
+    if not _cuda80(i.device):
+        return "Only GLM-4.5V on NV-platform with capability >= 80 can use shared experts fusion optimization."
+    if i.shape.ep > 1:
+        return "GLM-4.5V cannot use shared experts fusion optimization under expert parallelism."
+    if i.a2a == "deepep":
+        return "GLM-4.5V cannot use shared experts fusion optimization under deepep expert parallelism."
+    return None
+
+
+@dataclass(frozen=True)
+class GateRow:
+    gate: Callable[[Inputs, str], str | None]
+    fused_architecture: str
+
+
+# The classes SGLang gates (models/*.py), keyed by the entry class SGLang builds. A class not here has no
+# shared_experts_fusion_disable_reason: SGLang never fuses it (resolve_shared_experts_config: "fusion requires
+# both hooks"). Wrappers ask their inner class's gate with their text config.
+GATES: dict[str, GateRow] = {
+    "DeepseekV2ForCausalLM": GateRow(deepseek_gate, "DeepseekV3ForCausalLM"),
+    "DeepseekV3ForCausalLM": GateRow(deepseek_gate, "DeepseekV3ForCausalLM"),
+    "DeepseekV32ForCausalLM": GateRow(deepseek_gate, "DeepseekV3ForCausalLM"),
+    "DeepseekV3ForCausalLMNextN": GateRow(deepseek_gate, "DeepseekV3ForCausalLMNextN"),
+    "GlmMoeDsaForCausalLM": GateRow(deepseek_gate, "GlmMoeDsaForCausalLM"),
+    "KimiK25ForConditionalGeneration": GateRow(deepseek_gate, "DeepseekV3ForCausalLM"),
+    # KimiVL asks DeepSeek-V2's class, whose fused architecture its DeepseekV2 text config never names
+    "KimiVLForConditionalGeneration": GateRow(deepseek_gate, "DeepseekV3ForCausalLM"),
+    "DotsVLMForCausalLM": GateRow(deepseek_gate, "DeepseekV3ForCausalLM"),
+    "DeepseekVL2ForCausalLM": GateRow(deepseek_gate, "DeepseekV3ForCausalLM"),
+    "Glm4MoeForCausalLM": GateRow(glm45_gate, "Glm4MoeForCausalLM"),
+    "Glm4MoeForCausalLMNextN": GateRow(glm45_gate, "Glm4MoeForCausalLMNextN"),
+    "Glm4MoeLiteForCausalLM": GateRow(glm47_flash_gate, "Glm4MoeLiteForCausalLM"),
+    "Glm4MoeLiteForCausalLMNextN": GateRow(glm47_flash_gate, "Glm4MoeLiteForCausalLMNextN"),
+    "Glm4vMoeForConditionalGeneration": GateRow(glm45v_gate, "Glm4vMoeForConditionalGeneration"),
+}
+
+
+# The architecture a wrapper's gate compares: models/kimi_vl.py hands its text config over renamed
+# DeepseekV2ForCausalLM; the others compare what their nested config names (or the inner class).
+WRAPPER_ARCHITECTURE = {"KimiVLForConditionalGeneration": "DeepseekV2ForCausalLM"}
+
+
+def fusion(i: Inputs) -> tuple[bool, str, str]:
+    """(fused, rule, reason) as resolve_shared_experts_config answers."""
+    if i.disable_fusion:
+        return False, "sglang.disable_shared_experts_fusion", "--disable-shared-experts-fusion (the gate is not asked)"
+    row = GATES.get(i.entry_class)
+    if row is None:
+        return False, "sglang.no_gate", (f"SGLang's {i.entry_class} has no shared_experts_fusion_disable_reason: "
+                                         f"its shared experts are never fused")
+    reason = row.gate(i, row.fused_architecture)
+    if reason:
+        return False, f"sglang.gate.{row.gate.__name__}", reason
+    if i.layout.n_shared == 0:
+        return False, "sglang.no_shared_experts", "no shared experts (num_fusable_shared_experts is 0)"
+    return True, f"sglang.fused.{row.gate.__name__}", (
+        f"{i.layout.n_shared} shared expert(s) fused as routed slot {i.layout.n_routed}"
+        + (" (--enforce-shared-experts-fusion)" if i.enforce_fusion else ""))
+
+
+# --- 4. forward path --------------------------------------------------------------------------------------------------
+
+# Per MoE block, the a2a backends whose forward takes the dispatch/combine branch (models/*.py: the block's
+# forward). Every other backend runs the block's normal branch (partial sums, then the block's all-reduce), where
+# the experts layer's own dispatcher (A2A_DISPATCHER) may still dispatch and combine.
+_ALL_A2A = frozenset(A2A_BACKENDS) - {"none", "ascend_tp"}
+DISPATCH_BRANCH: dict[str, frozenset[str]] = {
+    "deepseek": _ALL_A2A - {"pplx", "megamoe"},                               # models/deepseek_v2.py: DeepseekV2MoE
+    "glm4_moe": _ALL_A2A - {"pplx", "deepep_v2", "megamoe"},                  # models/glm4_moe.py
+    "qwen2_moe": frozenset({"deepep", "deepep_v2", "mori", "ascend_fuseep", "megamoe"}),  # models/qwen2_moe.py
+    "qwen3_moe": _ALL_A2A - {"nixl", "flashinfer"},                           # models/qwen3_moe.py
+}
+# The block each entry class builds (models/registry.py; the oracle's FAMILY_BLOCKS). A class not here builds a
+# block whose forward has no dispatch branch.
+BLOCKS = {
+    "DeepseekV2ForCausalLM": "deepseek", "DeepseekV3ForCausalLM": "deepseek", "DeepseekV32ForCausalLM": "deepseek",
+    "DeepseekV3ForCausalLMNextN": "deepseek", "GlmMoeDsaForCausalLM": "deepseek",
+    "KimiK25ForConditionalGeneration": "deepseek", "KimiVLForConditionalGeneration": "deepseek",
+    "DotsVLMForCausalLM": "deepseek", "DeepseekVL2ForCausalLM": "deepseek",
+    "Glm4MoeForCausalLM": "glm4_moe", "Glm4MoeForCausalLMNextN": "glm4_moe",
+    "Glm4vMoeForConditionalGeneration": "glm4_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen3VLMoeForConditionalGeneration": "qwen3_moe",
+}
+# layers/moe/fused_moe_triton/layer.py: create_moe_dispatcher: the backends whose experts layer dispatches and
+# combines itself (MaybeTboDeepEPDispatcher, DeepEPv2Dispatcher, FlashinferDispatcher); none, megamoe,
+# flashinfer_megamoe and ascend_fuseep get the StandardDispatcher.
+A2A_DISPATCHER = frozenset({"deepep", "mooncake", "mori", "nixl", "pplx", "deepep_v2", "flashinfer"})
+# layers/moe/utils.py: uses_per_rank_fused_shared_slots: every rank holds its own fused shared slot.
+PER_RANK_FUSED_SLOTS = DEEPEP_CLASS | {"megamoe"}
+
+
+@dataclass(frozen=True)
+class Forward:
+    path: str
+    all_reduce: bool
+    rule: str
+    reason: str
+    branch: str              # "dispatch" (the block's dispatch branch) or "normal"
+
+
+def forward(i: Inputs) -> Forward:
+    """The forward path and post-experts reduction of the block SGLang builds, as its code runs them."""
+    block = BLOCKS.get(i.entry_class)
+    if block is not None and i.a2a in DISPATCH_BRANCH[block]:
+        return Forward("a2a", False, f"sglang.forward.{block}.dispatch",
+                       f"SGLang's {block} MoE block takes its dispatch/combine branch for {i.a2a}: the combine "
+                       f"returns each token's complete output", "dispatch")
+    complete = i.a2a in COMPLETE_COMBINE
+    inside = i.a2a in A2A_DISPATCHER or (complete and i.a2a != "none")
+    split = (i.shape.ep > 1 or i.shape.moe_tp > 1) and not complete
+    where = f"SGLang's {block or i.entry_class} normal branch"
+    if inside:
+        return Forward("a2a", split, f"sglang.forward.{i.a2a}.inside_experts",
+                       f"{where}: the experts layer's {i.a2a} dispatcher dispatches and combines"
+                       + ("; the block then all-reduces" if split else
+                          " and its combine sums each token's outputs back to its rank: no all-reduce"), "normal")
+    return Forward("normal", split, "sglang.forward.normal",
+                   f"{where} with experts split over SGLang's ep_size={i.shape.ep}, moe_tp_size={i.shape.moe_tp}: "
+                   f"each rank holds partial sums, then the all-reduce" if split
+                   else f"{where}, experts not split: nothing to reduce", "normal")
+
+
+# --- 5. pipeline and EPLB ---------------------------------------------------------------------------------------------
+
+def stage_range(n_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
+    """distributed/utils.py: get_pp_indices: every stage num_layers // pp_size layers, the LAST
+    num_layers % pp_size stages one more (SGLANG_PP_LAYER_PARTITION, an environment override, is not an input)."""
+    if pp_size > n_layers:
+        raise FailedPrecondition(f"parallel.pp_size: {pp_size} stages for {n_layers} layers leaves a stage empty")
+    base, extra = divmod(n_layers, pp_size)
+    sizes = [base + (1 if r >= pp_size - extra else 0) for r in range(pp_size)]
+    start = sum(sizes[:pp_rank])
+    return start, start + sizes[pp_rank]
+
+
+def check_backend(name: str) -> str:
+    if name not in A2A_BACKENDS:
+        raise NotFound("a2a backend", name, A2A_BACKENDS, field="runtime.a2a_backend")
+    return name
+
+
+def check_runner(name: str) -> str:
+    name = name or "auto"
+    if name not in MOE_RUNNER_BACKENDS:
+        raise NotFound("moe runner backend", name, MOE_RUNNER_BACKENDS, field="runtime.moe_runner_backend")
+    return name
+
+
+# --- the profile's one entry point -------------------------------------------------------------------------------------
+
+def quant_facts(qconfig: dict | None, q: Quantization) -> tuple[str | None, bool, bool]:
+    """(SM100 runner key, W4AFP8/W4A16, quantization blocks fusion) of a checkpoint's quantization as SGLang reads
+    it: `is_wint4afp8_or_wint4a16_config`, `quant_blocks_shared_experts_fusion` (Quark's can_fuse_shared_expert())
+    and the Kimi int4 recipe of overrides.py."""
+    qconfig = qconfig if isinstance(qconfig, dict) else {}
+    name = q.name
+    key = name
+    w4a16 = name in ("w4afp8", "wint4afp8", "wint4a16")
+    if name == "compressed_tensors":
+        groups = qconfig.get("config_groups") or {}
+        g0 = groups.get("group_0") or {}
+        w = g0.get("weights") or {}
+        if (w.get("num_bits"), w.get("group_size"), w.get("strategy"), w.get("type")) == (4, 32, "group", "int"):
+            key = "kimi_int4"
+        for group in groups.values():
+            if not isinstance(group, dict) or "Linear" not in (group.get("targets") or []):
+                continue
+            gw, ga = group.get("weights") or {}, group.get("input_activations")
+            if gw.get("num_bits") == 4 and gw.get("type") == "int" and (
+                    ga is None or (ga.get("num_bits") == 8 and ga.get("type") == "float")):
+                w4a16 = True
+    blocks = name == "quark" and q.excludes("shared_expert")
+    return key, w4a16, blocks
+
+
+@dataclass(frozen=True)
+class Decided:
+    inputs: Inputs
+    rewrites: tuple[Rewrite, ...]
+    fused: tuple[bool, str, str]
+    forward: Forward
+
+
+def decide(*, entry_class: str, architecture: str, layout: MoeLayout, quantization: Quantization,
+           qconfig: dict | None, device: Device, a2a: str, runner: str, tp: int, ep: int, dp: int, sbo: bool,
+           tbo: bool, disable_fusion: bool, enforce_fusion: bool, draft: bool) -> Decided:
+    """SGLang's decisions for one deployment, or FAILED_PRECONDITION (a start-up refusal, or a hazard)."""
+    from . import hazards
+
+    check_backend(a2a)
+    runner = check_runner(runner)
+    key, w4a16, blocks = quant_facts(qconfig, quantization)
+    a2a, runner, shape, disable, rewrites = rewrite(entry_class, key, a2a, runner, Shape(tp * ep, ep, dp), device,
+                                                    disable_fusion)
+    # Server-args resolution copies the checkpoint's quant_method into --quantization only in the SM100 overrides
+    # of the families that have one (overrides.py, model_overrides/*): elsewhere it stays unset (None).
+    server_q = None
+    if is_sm100(device) and entry_class in SM100_TRTLLM_FAMILY and quantization.name:
+        server_q = quantization.name.replace("compressed_tensors", "compressed-tensors")
+    i = Inputs(entry_class, architecture, layout, quantization, device, a2a, runner, shape, sbo, tbo, disable,
+               enforce_fusion, draft, blocks, w4a16, server_q)
+    refuse(i)
+    fused = fusion(i)
+    fwd = forward(i)
+    lay = layout
+    if fwd.path == "a2a" and fwd.all_reduce:
+        raise hazards.refuse("sglang.double_reduction",
+                             f"{entry_class} with --moe-a2a-backend {a2a} at ep_size={shape.ep}")
+    if fused[0] and fwd.path == "a2a" and a2a not in PER_RANK_FUSED_SLOTS:
+        raise hazards.refuse("sglang.fused_global_slot_on_dispatch",
+                             f"{entry_class} with its shared expert fused and --moe-a2a-backend {a2a}")
+    if (fused[0] and enforce_fusion and GATES.get(entry_class, GateRow(glm45_gate, "")).gate is deepseek_gate
+            and lay.n_routed == 384 and quantization.name != "quark"):
+        raise hazards.refuse("sglang.enforced_384_without_quark",
+                             f"{entry_class} with 384 routed experts, quantization {quantization.name or 'none'}")
+    return Decided(i, tuple(rewrites), fused, fwd)
+
+
+def check_draft(family: str, cfg) -> None:
+    """A NextN draft of a checkpoint that ships no MTP layer (num_nextn_predict_layers 0): SGLang builds its NextN
+    layer anyway and loads it from weights the checkpoint does not have."""
+    from . import hazards
+
+    if family.endswith("_nextn") and cfg.raw("num_nextn_predict_layers") == 0:
+        raise hazards.refuse("sglang.nextn_without_mtp_layer",
+                             f"{cfg.field('num_nextn_predict_layers')} is 0")
