@@ -18,6 +18,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from ..plan import ROLE_SPECULATIVE, ROLE_TARGET, Decision, LoadPlan, Parallel, ResolveRequest, Runtime
 from ..v1 import registry_pb2 as pb
+from .errors import InvalidArgumentError
 
 
 class WireError(ValueError):
@@ -92,7 +93,8 @@ def parallel_from_pb(msg: pb.Parallelism) -> Parallel:
 
 def runtime_to_pb(rt: Runtime) -> pb.Runtime:
     return pb.Runtime(
-        a2a_backend=rt.a2a_backend, device=rt.device, moe_runner=rt.moe_runner,
+        a2a_backend=rt.a2a_backend, device=rt.device, engine=rt.engine, engine_version=rt.engine_version,
+        moe_runner_backend=rt.moe_runner_backend,
         enable_sbo=rt.enable_sbo, enable_tbo=rt.enable_tbo,
         disable_shared_experts_fusion=rt.disable_shared_experts_fusion,
         enforce_shared_experts_fusion=rt.enforce_shared_experts_fusion,
@@ -106,7 +108,7 @@ def runtime_from_pb(msg: pb.Runtime) -> Runtime:
     return Runtime(
         a2a_backend=msg.a2a_backend or default.a2a_backend,
         device=msg.device or default.device,
-        moe_runner=msg.moe_runner or default.moe_runner,
+        engine=msg.engine, engine_version=msg.engine_version, moe_runner_backend=msg.moe_runner_backend,
         enable_sbo=msg.enable_sbo, enable_tbo=msg.enable_tbo,
         disable_shared_experts_fusion=msg.disable_shared_experts_fusion,
         enforce_shared_experts_fusion=msg.enforce_shared_experts_fusion,
@@ -125,6 +127,16 @@ def quantization_config_to_json(qconfig: Any) -> str:
     if qconfig is None:
         return ""
     return json.dumps(dict(qconfig) if isinstance(qconfig, Mapping) else qconfig)
+
+
+def check_sizes(p: Parallel) -> None:
+    """On the wire an unset (zero) size means 1, so a zero size a caller wrote would be read as 1:
+    the client refuses sizes below 1 before sending, naming the field as the registry would."""
+    for axis in ("tp", "ep", "pp", "dp"):
+        size = getattr(p, f"{axis}_size")
+        if size < 1:
+            raise InvalidArgumentError("INVALID_ARGUMENT", f"parallel.{axis}_size: must be >= 1, got {size}",
+                                       field=f"parallel.{axis}_size")
 
 
 def request_to_pb(req: ResolveRequest) -> pb.ResolveLoadPlanRequest:

@@ -79,7 +79,9 @@ class RegistryClient:
     # --- the calls ---------------------------------------------------------------
 
     def resolve_load_plan(self, request: ResolveRequest, *, timeout: float | None = None) -> LoadPlan:
-        """The plan of one runner; a retried request id returns the stored plan (`replayed`)."""
+        """The plan of one runner; a retried request id returns the stored plan (`replayed`).
+        A size below 1 is refused here (INVALID_ARGUMENT): the wire would read a zero as 1."""
+        convert.check_sizes(request.parallel)
         msg = _encode(convert.request_to_pb, request)
         return convert.plan_from_pb(self._call("ResolveLoadPlan", msg, timeout))
 

@@ -30,7 +30,8 @@ def test_round_trip_rebuilds_the_whole_plan(registry, make_request):
         parallel=Parallel(tp_size=2, tp_rank=1, ep_size=4, ep_rank=3, pp_size=2, pp_rank=1, dp_size=2, dp_rank=1),
         host="gpu-node-17", config=config,
         quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]},
-        runtime=Runtime(a2a_backend="none", device="cuda:9.0", moe_runner="kernel", enable_tbo=True,
+        runtime=Runtime(a2a_backend="none", device="cuda:9.0", engine="sglang", engine_version="0.5.23",
+                        enable_tbo=True,
                         enable_eplb=True, ep_num_redundant_experts=32))
     plan = registry.resolve(req)
     assert not plan.replayed
@@ -302,33 +303,6 @@ def test_unreachable_database_is_unavailable(kind, make_request):
     with pytest.raises(Unavailable):
         registry.append_decisions("a", "some-plan", [Decision("k", 1, "r", "rule")])
     engine.dispose()
-
-
-def test_unit_of_work_rolls_back_unless_committed(store, rows, deployment):
-    import sqlalchemy as sa
-
-    from loadplan.service.store.models import PlanRow
-
-    def insert(n: int):
-        return sa.insert(PlanRow).values(
-            plan_id=f"{deployment}-{n}", request_id=f"{deployment}-{n}", request_fingerprint="f",
-            deployment_id=deployment, role="target", host="", tp_size=1, tp_rank=0, ep_size=1, ep_rank=0,
-            pp_size=1, pp_rank=0, dp_size=1, dp_rank=0, entry_class="X", config_fingerprint="c",
-            config_json="{}", runtime_json="{}", ruleset_version="v", created_at=dt.datetime.now(UTC))
-
-    before = rows()
-    with store.unit_of_work(write=True) as uow:
-        uow.conn.execute(insert(1))
-    assert rows() == before
-    with pytest.raises(RuntimeError):
-        with store.unit_of_work(write=True) as uow:
-            uow.conn.execute(insert(2))
-            raise RuntimeError("boom")
-    assert rows() == before
-    with store.unit_of_work(write=True) as uow:
-        uow.conn.execute(insert(3))
-        uow.commit()
-    assert rows()["plans"] == before["plans"] + 1
 
 
 def test_times_come_back_in_utc_whatever_the_session_time_zone(postgres_url, make_request):
