@@ -101,6 +101,7 @@ def test_one_matmul_pair_per_hit_expert_not_per_token(monkeypatch):
     # The dispatch-mode counter is thread-local: keep the matmuls on this thread to count them.
     monkeypatch.setattr(kernel, "EXPERT_PARALLEL", False)
     ex = _experts(make_plan(qwen2_config(), disable_shared_experts_fusion=True))
+    ex.experts_impl = "per_expert"              # the torch matmul path (not the measured choice)
     x, ids, w = _routing(64)
     ids[:, 0], ids[:, 1] = 2, 5                 # 64 tokens, 2 experts hit
     with _CountMatmuls() as c:
