@@ -10,11 +10,11 @@ instantiation point `model_loader/utils.py: initialize_model`, it
 2. asks vLLM's own decision code what it is about to build (built.py) and stops the worker
    if the plan disagrees (agreement.py); a refused plan stops it with the registry's message,
 3. logs the plan id and attaches the plan to the built model (`model.loadplan_plan_id`,
-   `model.loadplan_plan`).
+   `model.loadplan_plan`; `LLM.apply_model(plan_id_of)` asks every worker).
 
 Only `register` is imported at plugin load time; vLLM is imported when the plugin is active.
 """
 
-from .plugin import register
+from .plugin import plan_id_of, register
 
-__all__ = ["register"]
+__all__ = ["register", "plan_id_of"]

@@ -55,6 +55,12 @@ def hook(initialize_model, settings: Settings):
     return initialize_model_with_plan
 
 
+def plan_id_of(model) -> str | None:
+    """The id of the plan a vLLM model was built from (None: built without the plugin). For an
+    operator: `LLM.apply_model(plan_id_of)` answers one id per worker."""
+    return getattr(model, "loadplan_plan_id", None)
+
+
 def plan_for_worker(settings: Settings, vllm_config, model_config, model_class):
     """Resolve this runner's plan and check it against what vLLM is about to build; PlanRefused if not."""
     from vllm.logger import init_logger

@@ -5,7 +5,7 @@
 SPEC: {"runs": [{"model": DIR, "dtype": "float32", "deployment": ID, "prompts": [[ids...]],
 "max_tokens": N, "engine": {LLM kwargs}}]}. The runs share one process (one import of vLLM);
 each run gets its own engine and workers (spawned), started with $LOADPLAN_DEPLOYMENT = its
-deployment. One JSON line per run on stdout: {"tokens": [[...]], "plan_ids": [...], "start_s": S}
+deployment. One line per run on stdout, RESULT then JSON: {"tokens": [[...]], "plan_ids": [...], "start_s": S}
 or {"error": TEXT}. The registry address comes from $LOADPLAN_REGISTRY as for any fleet.
 """
 
@@ -17,9 +17,14 @@ import os
 import sys
 import time
 
+# vLLM logs to stdout too: a result line starts with this.
+RESULT = "loadplan-run-vllm-result: "
+
 
 def run(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
+
+    from loadplan.integrations.vllm import plan_id_of
 
     os.environ["LOADPLAN_DEPLOYMENT"] = spec["deployment"]
     started = time.perf_counter()
@@ -32,7 +37,7 @@ def run(spec: dict) -> dict:
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
     outputs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params, use_tqdm=False)
     # What an operator runs to find the plan a worker's model was built from.
-    plan_ids = llm.apply_model(lambda model: model.loadplan_plan_id)
+    plan_ids = llm.apply_model(plan_id_of)
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "plan_ids": plan_ids, "start_s": start_s}
     llm.llm_engine.engine_core.shutdown()
     del llm
@@ -44,7 +49,7 @@ def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
     for one in spec["runs"]:
-        print(json.dumps(run(one)), flush=True)
+        print(RESULT + json.dumps(run(one)), flush=True)
 
 
 if __name__ == "__main__":     # vLLM spawns its engine and workers: they re-import this file

