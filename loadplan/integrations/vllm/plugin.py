@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import importlib.abc
+import importlib.util
+import sys
 import time
 
 from .settings import Settings, settings_from
@@ -14,20 +17,52 @@ from .settings import Settings, settings_from
 _INSIDE = contextvars.ContextVar("loadplan_inside_initialize_model", default=False)
 
 
+UTILS = "vllm.model_executor.model_loader.utils"
+BASE_LOADER = "vllm.model_executor.model_loader.base_loader"
+
+
 def register() -> None:
     """`vllm.general_plugins` entry point: hook initialize_model when $LOADPLAN_REGISTRY is set.
     Called once per vLLM process (and harmless when called again)."""
     settings = settings_from()
     if settings is None:
         return
-    from vllm.model_executor.model_loader import base_loader, utils
+    if UTILS in sys.modules:
+        hook_module(sys.modules[UTILS], settings)
+        if BASE_LOADER in sys.modules:     # it imported the function by name: point it at the hook too
+            sys.modules[BASE_LOADER].initialize_model = sys.modules[UTILS].initialize_model
+    elif not any(isinstance(f, HookOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, HookOnImport(settings))
 
-    if getattr(utils.initialize_model, "loadplan_settings", None) is not None:
-        return
-    hooked = hook(utils.initialize_model, settings)
-    # base_loader imported the function by name: both names must point at the hook.
-    utils.initialize_model = hooked
-    base_loader.initialize_model = hooked
+
+def hook_module(utils, settings: Settings) -> None:
+    if getattr(utils.initialize_model, "loadplan_settings", None) is None:
+        utils.initialize_model = hook(utils.initialize_model, settings)
+
+
+class HookOnImport(importlib.abc.MetaPathFinder):
+    """Hooks initialize_model as vLLM's model loader is first imported, before base_loader imports
+    the name. The processes that never build a model (the front end, the engine core) never import
+    the model loader, and the plugin does not make them (seconds of imports)."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != UTILS:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module, settings = spec.loader.exec_module, self.settings
+
+        def exec_then_hook(module):
+            exec_module(module)
+            hook_module(module, settings)
+
+        spec.loader.exec_module = exec_then_hook
+        return spec
 
 
 def hook(initialize_model, settings: Settings):

