@@ -150,8 +150,10 @@ def about_to_build(vllm_config, model_config, model_class: type) -> list[Built]:
     built.append(Built(Keys.SHARED_EXPERTS_FUSION, fused,
                        f"resolve_layer_fused_shared_expert={fused}" if model_class.__module__ in FUSING_MODEL_FILES
                        else f"{model_class.__module__} builds its shared experts unfused"))
-    pp = get_pp_group()
-    start, end = get_pp_indices(text.num_hidden_layers, pp.rank_in_group, pp.world_size)
-    built.append(Built(Keys.PP_LAYER_RANGE, [start, end],
-                       f"get_pp_indices({text.num_hidden_layers}, {pp.rank_in_group}, {pp.world_size})"))
+    n_layers = getattr(text, "num_hidden_layers", None)
+    if n_layers is not None:
+        pp = get_pp_group()
+        start, end = get_pp_indices(n_layers, pp.rank_in_group, pp.world_size)
+        built.append(Built(Keys.PP_LAYER_RANGE, [start, end],
+                           f"get_pp_indices({n_layers}, {pp.rank_in_group}, {pp.world_size})"))
     return built

@@ -98,6 +98,7 @@ def plan_id_of(model) -> str | None:
 
 def plan_for_worker(settings: Settings, vllm_config, model_config, model_class):
     """Resolve this runner's plan and check it against what vLLM is about to build; PlanRefused if not."""
+    started = time.perf_counter()         # what the plugin adds to a worker's start, client import included
     from vllm.logger import init_logger
 
     from ...client import RegistryCallError, RegistryClient
@@ -106,7 +107,6 @@ def plan_for_worker(settings: Settings, vllm_config, model_config, model_class):
     from .identity import identity_of, resolve_request
 
     logger = init_logger("vllm.plugins.loadplan")
-    started = time.perf_counter()
     request = resolve_request(identity_of(vllm_config, model_config), settings.deployment)
     p = request.parallel
     who = (f"deployment {request.deployment_id}, role {request.role}, tp {p.tp_rank}/{p.tp_size}, "
