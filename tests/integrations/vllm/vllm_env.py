@@ -32,6 +32,35 @@ def make_qwen3_moe(out: Path) -> Path:
     return make_checkpoint(out, "vllm")
 
 
+# A DeepSeek-V3 vLLM's CPU build runs: MLA wants bf16 and a latent of 576 (kv_lora_rank 512 + rope
+# 64), and the routing correction bias needs topk_method noaux_tc; one shared expert.
+DEEPSEEK_V3_MLA = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=8,
+                       n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                       q_lora_rank=16, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
+                       max_position_embeddings=256, routed_scaling_factor=1.0, norm_topk_prob=True,
+                       rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+                       pad_token_id=None)
+
+
+def make_deepseek_v3(out: Path) -> Path:
+    """A bf16 DeepSeek-V3 with the compose checkpoints' successor skill (make_checkpoints.py): its
+    logits' margins outlast bf16 rounding, so greedy tokens compare across implementations."""
+    import torch
+    import transformers
+
+    from loadplan.engine.make_checkpoints import _initialize
+
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**DEEPSEEK_V3_MLA))
+    _initialize(model, 0)
+    path = out / "deepseek-v3"
+    model.to(torch.bfloat16).save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(dict(config, topk_method="noaux_tc"), indent=2))
+    return path
+
+
 def run_vllm(runs: list[dict], registry: str, workdir: Path, timeout: float = 240) -> tuple[list[dict], str]:
     """Run `runs` (run_vllm.py's spec) in one vLLM-env process with the plugin on; (results, its log,
     also left in workdir/vllm.log)."""
