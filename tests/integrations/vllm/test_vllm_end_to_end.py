@@ -92,7 +92,7 @@ def vllm_starts(registry, checkpoint, deepseek, deployments, pinned_elsewhere, t
 
 def test_vllm_generates_and_the_registry_holds_that_runners_plan(vllm_starts, registry, deployments):
     served, _, log, _ = vllm_starts
-    assert "error" not in served, served
+    assert "error" not in served, [x for x in log.splitlines() if "PlanRefused: " in x] or served
     assert [len(t) for t in served["tokens"]] == [MAX_TOKENS] * len(PROMPTS)
     [plan_id] = served["plan_ids"]                       # one worker: one plan, found on its model
     assert f"loadplan: plan {plan_id} for deployment {deployments['served']}, role target" in log
@@ -153,7 +153,7 @@ def test_a_deepseek_v3_with_mla_and_a_shared_expert_runs_as_the_registry_planned
     import transformers
 
     _, _, log, ds = vllm_starts
-    assert "error" not in ds, ds
+    assert "error" not in ds, [x for x in log.splitlines() if "PlanRefused: " in x] or ds
     [plan_id] = ds["plan_ids"]
     assert f"loadplan: plan {plan_id} for deployment {deployments['deepseek']}, role target" in log
     with RegistryClient(registry) as client:
