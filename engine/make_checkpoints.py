@@ -11,6 +11,8 @@ checkpoint from the Hub. The target also holds a Multi-Token-Prediction layer in
 DeepSeek's layout (`model.layers.{num_hidden_layers}.*`, which transformers does not
 save), and OUT_DIR/nextn is its draft `DeepseekV3ForCausalLMNextN`: the target's
 tensors (a link) under that entry class (engine/models/deepseek_nextn.py).
+OUT_DIR/vllm is a Qwen3-MoE whose head size vLLM's CPU attention takes (the compose
+`vllm-worker` serves it).
 
 Random weights would make the draft guess the target's tokens by chance alone
 (1 in the vocabulary), so speculative decoding would show nothing. Both models are
@@ -59,10 +61,15 @@ DRAFT = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, moe_interme
              num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256, rms_norm_eps=1e-6,
              tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
+# What the compose `vllm-worker` serves: the draft's family with vLLM's CPU attention in mind,
+# which takes head sizes 32, 64, 80, 96, 112, 128... only.
+VLLM = dict(DRAFT, hidden_size=64, head_dim=32)
+
 # name -> (transformers config class, model class, config kwargs, seed)
 CHECKPOINTS = {
     "target": ("DeepseekV3Config", "DeepseekV3ForCausalLM", TARGET, SEED),
     "draft": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", DRAFT, SEED + 1),
+    "vllm": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", VLLM, SEED + 3),
 }
 
 
@@ -169,7 +176,7 @@ def make_checkpoint(out: Path, name: str) -> Path:
 
 
 def make_checkpoints(out: str | Path, *, force: bool = False) -> dict[str, Path]:
-    """OUT/target and OUT/draft; existing complete folders are kept unless `force`."""
+    """OUT/target, OUT/draft and OUT/vllm; existing complete folders are kept unless `force`."""
     out = Path(out)
     paths = {}
     for name in CHECKPOINTS:
@@ -189,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadplan.engine.make_checkpoints",
                                      description="write tiny random checkpoints OUT_DIR/target (DeepSeek-V3 style, "
                                                  "256 experts, with an MTP layer), OUT_DIR/draft (Qwen3-MoE, same "
-                                                 "vocabulary) and OUT_DIR/nextn (the target's MTP draft)")
+                                                 "vocabulary), OUT_DIR/nextn (the target's MTP draft) and OUT_DIR/vllm (a Qwen3-MoE "
+                                                 "vLLM's CPU build serves)")
     parser.add_argument("out_dir", metavar="OUT_DIR")
     parser.add_argument("--force", action="store_true", help="rewrite checkpoints that already exist")
     args = parser.parse_args(argv)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCKERFILES = ["Dockerfile.registry", "Dockerfile.worker"]
+DOCKERFILES = ["Dockerfile.registry", "Dockerfile.worker", "Dockerfile.vllm"]
 
 
 def _instructions(dockerfile: str) -> list[tuple[str, str]]:

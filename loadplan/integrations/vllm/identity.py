@@ -1,0 +1,130 @@
+"""Who this vLLM runner is, in the registry's words: a `ResolveRequest` with `runtime.engine = "vllm"`.
+
+`WorkerIdentity` holds what vLLM knows about the runner as plain values; `identity_of` reads it
+from vLLM's objects inside the worker (needs vLLM), `resolve_request` turns it into the request
+(pure). Sizes are vLLM's own:
+
+- `parallel.tp_size`/`tp_rank`: vLLM's tensor parallel group (attention's TP);
+- `parallel.dp_size`/`dp_rank`: vLLM's data parallel group;
+- `parallel.pp_size`/`pp_rank`: vLLM's pipeline stage;
+- `parallel.ep_size`/`ep_rank`: the expert-parallel group vLLM's fused-MoE layer computes
+  (`FusedMoEParallelConfig.make`: with --enable-expert-parallel the experts are split over the
+  flattened dp x pcp x tp ranks and the MoE's own TP is 1; without it ep_size is 1);
+- `runtime.a2a_backend`: `ParallelConfig.all2all_backend`, spelled as vLLM spells it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ...plan import ENGINE_VLLM, ROLE_SPECULATIVE, ROLE_TARGET, Parallel, ResolveRequest, Runtime
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    model: str                        # the checkpoint vLLM loads (path or hub name)
+    config: Mapping[str, Any]         # its config.json, architectures as vLLM builds them
+    role: str = ROLE_TARGET
+    parallel: Parallel = field(default_factory=Parallel)
+    device: str = "cpu"
+    a2a_backend: str = "allgather_reducescatter"
+    quantization: str | None = None   # online quantization vLLM applies to an unquantized checkpoint
+    enable_eplb: bool = False
+    ep_num_redundant_experts: int = 0
+    engine_version: str = ""
+
+
+def default_deployment(identity: WorkerIdentity) -> str:
+    """A deployment id every rank of one vLLM deployment computes alike: the model and the layout.
+
+    Set $LOADPLAN_DEPLOYMENT to name the deployment instead; two deployments of one model with
+    one layout then stay apart in the history."""
+    p = identity.parallel
+    key = json.dumps([identity.model, p.tp_size, p.ep_size, p.pp_size, p.dp_size, identity.a2a_backend,
+                      identity.device], separators=(",", ":"))
+    return f"vllm-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def resolve_request(identity: WorkerIdentity, deployment: str | None = None) -> ResolveRequest:
+    """The request this runner sends at its instantiation point (a fresh request id per start)."""
+    config = dict(identity.config)
+    qconfig = config.get("quantization_config")
+    return ResolveRequest(
+        request_id=uuid.uuid4().hex,
+        deployment_id=deployment or default_deployment(identity),
+        role=identity.role,
+        parallel=identity.parallel,
+        host=socket.gethostname()[:255],
+        config=config,
+        quantization_config=qconfig if isinstance(qconfig, dict) else None,
+        quantization=identity.quantization,
+        runtime=Runtime(a2a_backend=identity.a2a_backend, device=identity.device, engine=ENGINE_VLLM,
+                        engine_version=identity.engine_version, enable_eplb=identity.enable_eplb,
+                        ep_num_redundant_experts=identity.ep_num_redundant_experts if identity.enable_eplb else 0),
+    )
+
+
+# --- reading vLLM (imported inside the worker only) -------------------------------------------
+
+def identity_of(vllm_config, model_config) -> WorkerIdentity:
+    """The identity of the runner about to build `model_config` under `vllm_config` (in a worker,
+    after vLLM's distributed groups exist)."""
+    import vllm
+    from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
+
+    from .built import moe_parallel_config
+
+    pc = vllm_config.parallel_config
+    moe = moe_parallel_config(pc)
+    draft = vllm_config.speculative_config
+    role = ROLE_SPECULATIVE if draft is not None and model_config is draft.draft_model_config else ROLE_TARGET
+    config = checkpoint_config(model_config)
+    has_own_quantization = isinstance(config.get("quantization_config"), dict)
+    return WorkerIdentity(
+        model=str(model_config.model),
+        config=config,
+        role=role,
+        parallel=Parallel(tp_size=pc.tensor_parallel_size, tp_rank=get_tensor_model_parallel_rank(),
+                          ep_size=moe.ep_size, ep_rank=moe.ep_rank,
+                          pp_size=pc.pipeline_parallel_size, pp_rank=get_pp_group().rank_in_group,
+                          dp_size=pc.data_parallel_size, dp_rank=moe.dp_rank),
+        device=device_of(),
+        a2a_backend=pc.all2all_backend,
+        quantization=None if has_own_quantization else model_config.quantization,
+        enable_eplb=pc.enable_eplb,
+        ep_num_redundant_experts=pc.eplb_config.num_redundant_experts,
+        engine_version=str(vllm.__version__).split("+")[0],
+    )
+
+
+def checkpoint_config(model_config) -> dict[str, Any]:
+    """The checkpoint's config.json (a local folder or the hub's file, as vLLM reads it), with the
+    architectures vLLM builds: a draft vLLM rewrites (an MTP head) is asked about as built."""
+    from vllm.transformers_utils.repo_utils import get_hf_file_to_dict
+
+    config = get_hf_file_to_dict("config.json", model_config.model, model_config.revision)
+    if not isinstance(config, dict):       # a checkpoint without config.json: what vLLM parsed
+        config = json.loads(model_config.hf_config.to_json_string(use_diff=False))
+    architectures = list(model_config.architectures or [])
+    if architectures and architectures != config.get("architectures"):
+        config = {**config, "architectures": architectures}
+    return config
+
+
+def device_of() -> str:
+    """The registry's device spelling of vLLM's platform: cpu, cuda:MAJOR.MINOR, hip:MAJOR.MINOR."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return "cpu"
+    kind = "hip" if current_platform.is_rocm() else "cuda" if current_platform.is_cuda() else None
+    capability = current_platform.get_device_capability()
+    if kind is None or capability is None:
+        raise RuntimeError(f"loadplan: vLLM platform {current_platform.device_type!r} has no registry device "
+                           f"(cpu, cuda or hip)")
+    return f"{kind}:{capability.major}.{capability.minor}"
