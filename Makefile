@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PROTO := proto/loadplan/v1/registry.proto
 GEN := gen/loadplan/v1/registry_pb2.py
 
-.PHONY: setup proto test demo clean
+.PHONY: setup proto test demo clean sglang-env
 
 setup: $(VENV)/.installed $(GEN)
 
@@ -24,7 +24,22 @@ proto: $(GEN)
 $(GEN): $(PROTO) scripts/gen_proto.py
 	$(PY) scripts/gen_proto.py
 
-test: setup
+# SGLang 0.5.23's own decision code, in an environment of its own (DESIGN 8.4): the
+# conformance test and the SGLang adapter's tests run it beside the project's torch,
+# never inside the project's .venv. Cached: rebuilt only when its requirements change.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+
+sglang-env: $(SGLANG_VENV)/.installed
+
+$(SGLANG_VENV)/.installed: scripts/sglang-env-requirements.txt pyproject.toml $(GEN)
+	test -x $(SGLANG_PY) || python3 -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -m pip install -q torch==2.13.0
+	$(SGLANG_PY) -m pip install -q --no-deps sglang==0.5.23 compressed-tensors==0.18.0
+	$(SGLANG_PY) -m pip install -q -r scripts/sglang-env-requirements.txt
+	touch $@
+
+test: setup sglang-env
 	$(PY) -m pytest -q -p no:cacheprovider
 
 demo: setup
