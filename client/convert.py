@@ -92,7 +92,8 @@ def parallel_from_pb(msg: pb.Parallelism) -> Parallel:
 
 def runtime_to_pb(rt: Runtime) -> pb.Runtime:
     return pb.Runtime(
-        a2a_backend=rt.a2a_backend, device=rt.device, moe_runner=rt.moe_runner,
+        a2a_backend=rt.a2a_backend, device=rt.device, engine=rt.engine, engine_version=rt.engine_version,
+        moe_runner_backend=rt.moe_runner_backend,
         enable_sbo=rt.enable_sbo, enable_tbo=rt.enable_tbo,
         disable_shared_experts_fusion=rt.disable_shared_experts_fusion,
         enforce_shared_experts_fusion=rt.enforce_shared_experts_fusion,
@@ -106,7 +107,7 @@ def runtime_from_pb(msg: pb.Runtime) -> Runtime:
     return Runtime(
         a2a_backend=msg.a2a_backend or default.a2a_backend,
         device=msg.device or default.device,
-        moe_runner=msg.moe_runner or default.moe_runner,
+        engine=msg.engine, engine_version=msg.engine_version, moe_runner_backend=msg.moe_runner_backend,
         enable_sbo=msg.enable_sbo, enable_tbo=msg.enable_tbo,
         disable_shared_experts_fusion=msg.disable_shared_experts_fusion,
         enforce_shared_experts_fusion=msg.enforce_shared_experts_fusion,

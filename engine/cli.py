@@ -63,7 +63,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="the dtype the models are built and run in (default float32; checkpoints are cast)")
     add_registry_arguments(parser)
-    add_runner_arguments(parser)
+    add_runner_arguments(parser, engine=False)   # the worker runs loadplan's engine: it asks for that
     parser.add_argument("--json", action="store_true", help="print {tokens, plan_id, ...} as JSON")
 
 
@@ -140,7 +140,7 @@ def _load_kwargs(args) -> dict[str, Any]:
         ep_num_redundant_experts=args.ep_num_redundant_experts,
         disable_shared_experts_fusion=args.disable_shared_experts_fusion,
         enforce_shared_experts_fusion=args.enforce_shared_experts_fusion, enable_sbo=args.enable_sbo,
-        enable_tbo=args.enable_tbo, moe_runner=args.moe_runner, quantization=args.quantization)
+        enable_tbo=args.enable_tbo, quantization=args.quantization)
 
 
 @contextlib.contextmanager

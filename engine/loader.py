@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ..plan import LoadPlan, Parallel, ResolveRequest, Runtime
+from ..plan import ENGINE_LOADPLAN, LoadPlan, Parallel, ResolveRequest, Runtime
 from .checkpoint import Checkpoint, read_config
 from .plan_guard import GuardedPlan
 from .registry import ENGINE_ENTRY_CLASSES, engine_chain, model_class
@@ -177,7 +177,7 @@ def load_model(path: str | Path, *, registry: Any = None, role: str = "target", 
                pp_rank: int = 0, dp_size: int = 1, dp_rank: int = 0, enable_eplb: bool = False,
                ep_num_redundant_experts: int = 0, disable_shared_experts_fusion: bool = False,
                enforce_shared_experts_fusion: bool = False, enable_sbo: bool = False, enable_tbo: bool = False,
-               moe_runner: str = "torch", quantization: str | None = None, dtype: torch.dtype = torch.float32,
+               quantization: str | None = None, dtype: torch.dtype = torch.float32,
                weight_cache: str | Path | None = None, host: str | None = None) -> nn.Module:
     """Build the model of checkpoint folder `path` for this runner, as the registry's plan says.
 
@@ -203,7 +203,7 @@ def load_model(path: str | Path, *, registry: Any = None, role: str = "target", 
         config=hf_config,
         quantization_config=qconfig if isinstance(qconfig, dict) else None,
         quantization=quantization,
-        runtime=Runtime(a2a_backend=a2a_backend, device=registry_device(device), moe_runner=moe_runner,
+        runtime=Runtime(a2a_backend=a2a_backend, device=registry_device(device), engine=ENGINE_LOADPLAN,
                         enable_sbo=enable_sbo, enable_tbo=enable_tbo,
                         disable_shared_experts_fusion=disable_shared_experts_fusion,
                         enforce_shared_experts_fusion=enforce_shared_experts_fusion, enable_eplb=enable_eplb,

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 LOAD_FLAGS = ("disable_shared_experts_fusion", "enforce_shared_experts_fusion", "enable_sbo", "enable_tbo",
-              "moe_runner", "quantization", "weight_cache", "host")
+              "quantization", "weight_cache", "host")
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,16 @@ ROLE_TARGET = "target"
 ROLE_SPECULATIVE = "speculative"
 ROLES = (ROLE_TARGET, ROLE_SPECULATIVE)
 
+# The engines the registry answers for (`runtime.engine`); service/rules/engines.py holds their rows.
+ENGINE_LOADPLAN = "loadplan"
+ENGINE_SGLANG = "sglang"
+ENGINE_VLLM = "vllm"
+
 
 class Keys:
     """Decision keys (DESIGN section 4). Model code reads these, never backend names."""
 
+    ENGINE_PROFILE = "engine.profile"
     ENTRY_FAMILY = "model.family"
     SHARED_EXPERTS_FUSION = "moe.shared_experts_fusion"
     NUM_FUSED_SHARED_EXPERTS = "moe.num_fused_shared_experts"
@@ -49,7 +55,11 @@ class Parallel:
 class Runtime:
     a2a_backend: str = "none"
     device: str = "cpu"
-    moe_runner: str = "torch"
+    # "" (unset): the registry picks by device (loadplan on cpu, sglang on cuda/hip/musa); a stored
+    # or answered plan carries the engine and version that decided.
+    engine: str = ""
+    engine_version: str = ""
+    moe_runner_backend: str = ""    # SGLang's --moe-runner-backend, as SGLang spells it; "" is "auto"
     enable_sbo: bool = False
     enable_tbo: bool = False
     disable_shared_experts_fusion: bool = False

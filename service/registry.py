@@ -266,6 +266,7 @@ class Registry:
                  config_texts: tuple[str, str | None] | None = None) -> NewPlan:
         """Validate and decide (no store involved): the plan to save."""
         res = resolve_decisions(req, inputs_key)
+        req = res.request   # the runtime names the engine that decided
         now = self.clock()
         plan = LoadPlan(
             plan_id=new_plan_id(),

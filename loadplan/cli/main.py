@@ -35,6 +35,7 @@ COMMANDS: dict[str, Command] = {
     "resolve": Command("loadplan.cli.resolve", "resolve the load plan of one runner from DIR/config.json"),
     "plans": Command("loadplan.cli.plans", "list, show and diff recorded plans"),
     "backends": Command("loadplan.cli.backends", "the a2a backend capability table"),
+    "engines": Command("loadplan.cli.engines", "the engines whose decisions the registry makes"),
     "coverage": Command("loadplan.cli.coverage", "check that every entry class reaches a fusion gate"),
     "generate": Command("loadplan.engine.cli", "greedy generation with a MoE checkpoint",
                         add_arguments="add_generate_arguments", run="run_generate", extra="engine"),

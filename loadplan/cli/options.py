@@ -149,17 +149,20 @@ def short_error(err: BaseException) -> str:
 
 # --- a runner's request ----------------------------------------------------------
 
-def add_runner_arguments(parser: argparse.ArgumentParser) -> None:
+def add_runner_arguments(parser: argparse.ArgumentParser, *, engine: bool = True) -> None:
+    """`engine`: the flags naming the engine that decides (`loadplan generate` runs loadplan's own
+    engine, so it always asks for that one and offers none)."""
     parser.add_argument("--deployment", metavar="ID", help="deployment id (default: a fresh one)")
     parser.add_argument("--role", choices=ROLES, default="target")
     parser.add_argument("--request-id", metavar="ID", help="idempotency key (default: a fresh one)")
-    for axis in ("tp", "ep", "pp"):
+    for axis in ("tp", "ep", "pp", "dp"):
         parser.add_argument(f"--{axis}-size", type=int, default=1, metavar="N")
-    for axis in ("tp", "ep", "pp"):
+    for axis in ("tp", "ep", "pp", "dp"):
         parser.add_argument(f"--{axis}-rank", type=int, default=0, metavar="N")
     parser.add_argument("--a2a-backend", default="none", metavar="NAME", help="a2a backend (see `loadplan backends`)")
     parser.add_argument("--device", default="cpu", help="cpu|cuda:MAJOR.MINOR|hip:MAJOR.MINOR|musa:MAJOR.MINOR")
-    parser.add_argument("--moe-runner", default="torch", choices=("torch", "kernel"), help=argparse.SUPPRESS)
+    if engine:
+        add_engine_arguments(parser)
     parser.add_argument("--quantization", metavar="NAME", help="overrides the config's quantization_config")
     parser.add_argument("--enable-eplb", action="store_true")
     parser.add_argument("--ep-num-redundant-experts", type=int, default=0, metavar="N")
@@ -167,6 +170,15 @@ def add_runner_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-shared-experts-fusion", action="store_true")
     parser.add_argument("--enable-sbo", action="store_true")
     parser.add_argument("--enable-tbo", action="store_true")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine", default="", metavar="NAME",
+                        help="the engine whose profile decides: loadplan, sglang or vllm (see `loadplan engines`); "
+                             "default: loadplan on cpu, sglang on cuda/hip/musa")
+    parser.add_argument("--engine-version", default="", metavar="V", help="default: the profile's version")
+    parser.add_argument("--moe-runner-backend", default="", metavar="NAME",
+                        help="SGLang's --moe-runner-backend, as SGLang spells it (sglang only; default auto)")
 
 
 def read_config(model: str) -> dict[str, Any]:
@@ -198,13 +210,14 @@ def request_from_args(args: argparse.Namespace, config: dict[str, Any]) -> Resol
         deployment_id=args.deployment or uuid.uuid4().hex,
         role=args.role,
         parallel=Parallel(tp_size=args.tp_size, tp_rank=args.tp_rank, ep_size=args.ep_size, ep_rank=args.ep_rank,
-                          pp_size=args.pp_size, pp_rank=args.pp_rank),
+                          pp_size=args.pp_size, pp_rank=args.pp_rank, dp_size=args.dp_size, dp_rank=args.dp_rank),
         host=socket.gethostname(),
         config=config,
         quantization_config=config.get("quantization_config"),
         quantization=args.quantization,
         runtime=Runtime(
-            a2a_backend=args.a2a_backend, device=args.device, moe_runner=args.moe_runner,
+            a2a_backend=args.a2a_backend, device=args.device, engine=args.engine,
+            engine_version=args.engine_version, moe_runner_backend=args.moe_runner_backend,
             enable_sbo=args.enable_sbo, enable_tbo=args.enable_tbo,
             disable_shared_experts_fusion=args.disable_shared_experts_fusion,
             enforce_shared_experts_fusion=args.enforce_shared_experts_fusion,

@@ -60,7 +60,9 @@ def plan_header(plan: LoadPlan) -> str:
     return (f"plan {plan.plan_id}{' (replayed)' if plan.replayed else ''}\n"
             f"  deployment {req.deployment_id}  role {req.role}  {ranks(plan)}  host {req.host or '-'}\n"
             f"  entry class {plan.entry_class}  quantization {plan.quantization or '-'}  "
-            f"ruleset {plan.ruleset_version}  created {iso(plan.created_at) or '-'}")
+            f"ruleset {plan.ruleset_version}  created {iso(plan.created_at) or '-'}\n"
+            f"  engine {req.runtime.engine or '-'} {req.runtime.engine_version}  device {req.runtime.device}  "
+            f"a2a backend {req.runtime.a2a_backend}")
 
 
 def decisions_table(plan: LoadPlan) -> str:

@@ -4,4 +4,4 @@
 its decisions; everything else here is a table or a small helper of it.
 """
 
-RULESET_VERSION = "2026.11.1"
+RULESET_VERSION = "2026.12.1"   # engine profiles: runtime.engine decides

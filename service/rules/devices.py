@@ -9,10 +9,10 @@ from ..errors import InvalidArgument
 
 DEVICE_KINDS = ("cpu", "cuda", "hip", "musa")
 
-# "torch": loadplan's own engine, portable torch ops on any device; it implements
-# fusion and fused slots under EP (our choice, DESIGN 5.2 rule 6).
-# "kernel": the device vendor's fused MoE kernel; the capability thresholds apply.
-MOE_RUNNERS = ("torch", "kernel")
+# MoE runners (an engine's, service/rules/engines.py): "torch" is loadplan's own engine,
+# portable torch ops on any device; it implements fusion and fused slots under EP (our
+# choice, DESIGN 5.2 rule 6). "kernel" is the device vendor's fused MoE kernel; the
+# capability thresholds apply.
 
 # Minimum capability for the vendor fused-MoE kernel to run fused shared slots.
 FUSED_KERNEL_MIN = {"cuda": (8, 0), "hip": (9, 4), "musa": (3, 1)}
@@ -49,13 +49,6 @@ def parse_device(text: str, field: str = "runtime.device") -> Device:
     if major is None:
         raise InvalidArgument(field, f"{kind} needs a capability, e.g. {kind}:9.0")
     return Device(kind, (int(major), int(minor)))
-
-
-def check_runner(runner: str, device: Device, field: str = "runtime.moe_runner") -> None:
-    if runner not in MOE_RUNNERS:
-        raise InvalidArgument(field, f"{runner!r} is not a MoE runner; known: {', '.join(MOE_RUNNERS)}")
-    if runner == "kernel" and device.kind == "cpu":
-        raise InvalidArgument(field, "'kernel' needs a cuda, hip or musa device; use 'torch' on cpu")
 
 
 def _at_least(device: Device, table: dict[str, tuple[int, int]]) -> bool:

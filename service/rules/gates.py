@@ -38,6 +38,7 @@ class GateContext:
     parallel: Parallel
     backend: BackendCapabilities
     device: Device
+    runner: str                 # the engine's MoE runner: "torch" or "kernel" (service/rules/engines.py)
 
     @property
     def enforced(self) -> bool:
@@ -214,13 +215,13 @@ def deepseek_gate(ctx: GateContext) -> Verdict | None:
                        f"a2a backend {ctx.backend.name} is DeepEP-class: fusion is off by default "
                        f"(enforce_shared_experts_fusion turns it on)")
     # 6. device
-    if not runs_fused_kernel(rt.moe_runner, ctx.device):
-        return Verdict("deepseek.device", f"MoE runner {rt.moe_runner} on {ctx.device} cannot run the fused "
+    if not runs_fused_kernel(ctx.runner, ctx.device):
+        return Verdict("deepseek.device", f"MoE runner {ctx.runner} on {ctx.device} cannot run the fused "
                                           f"kernel (needs cuda>=8.0, hip>=9.4, musa>=3.1 or the torch runner)")
     # 7. expert parallelism
-    if ctx.parallel.ep_size > 1 and not runs_fused_slots_under_ep(rt.moe_runner, ctx.device):
+    if ctx.parallel.ep_size > 1 and not runs_fused_slots_under_ep(ctx.runner, ctx.device):
         return Verdict("deepseek.expert_parallel",
-                       f"ep_size={ctx.parallel.ep_size}: MoE runner {rt.moe_runner} on {ctx.device} cannot run "
+                       f"ep_size={ctx.parallel.ep_size}: MoE runner {ctx.runner} on {ctx.device} cannot run "
                        f"fused slots under expert parallelism (needs hip>=9.4 or the torch runner)")
     # 8. quantization
     if q.name in NO_FUSION_QUANTIZATIONS:
@@ -242,12 +243,12 @@ def glm4_moe_gate(ctx: GateContext) -> Verdict | None:
                        "would mix quantized routed and unquantized shared weights")
     if ctx.enforced:
         return None
-    if not runs_fused_kernel(rt.moe_runner, ctx.device, GLM4_FUSED_KERNEL_MIN):
-        return Verdict("glm4_moe.device", f"MoE runner {rt.moe_runner} on {ctx.device} cannot run the fused "
+    if not runs_fused_kernel(ctx.runner, ctx.device, GLM4_FUSED_KERNEL_MIN):
+        return Verdict("glm4_moe.device", f"MoE runner {ctx.runner} on {ctx.device} cannot run the fused "
                                           f"kernel (needs cuda>=8.0, hip>=9.4 or the torch runner)")
-    if ctx.parallel.ep_size > 1 and not runs_fused_slots_under_ep(rt.moe_runner, ctx.device):
+    if ctx.parallel.ep_size > 1 and not runs_fused_slots_under_ep(ctx.runner, ctx.device):
         return Verdict("glm4_moe.expert_parallel",
-                       f"ep_size={ctx.parallel.ep_size}: MoE runner {rt.moe_runner} on {ctx.device} cannot run "
+                       f"ep_size={ctx.parallel.ep_size}: MoE runner {ctx.runner} on {ctx.device} cannot run "
                        f"fused slots under expert parallelism (needs hip>=9.4 or the torch runner)")
     if ctx.backend.deepep_class:
         return Verdict("glm4_moe.deepep_class",

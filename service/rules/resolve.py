@@ -22,7 +22,8 @@ from ..errors import FailedPrecondition, InvalidArgument
 from . import RULESET_VERSION
 from .backends import NORMAL, backend
 from .config_view import ConfigView
-from .devices import check_runner, parse_device
+from .devices import parse_device
+from .engines import ENGINES, engine_of, with_engine
 from .entries import Resolved, resolve_entry
 from .gates import GateContext
 from .layouts import MoeLayout
@@ -39,7 +40,8 @@ MAX_INT_BITS = 14_000        # ~4300 digits, Python's int<->str limit: json cann
 
 @dataclass(frozen=True)
 class Resolution:
-    """`decisions` and `deployment_inputs` are read-only views that every resolve of the same
+    """`request` is the request as decided: its runtime names the engine and version that decided.
+    `decisions` and `deployment_inputs` are read-only views that every resolve of the same
     deployment (and pipeline stage) shares, as `DEPLOYMENT_CACHE` keeps them: callers copy what
     they want to change, and the store and transport may encode them once, by identity."""
 
@@ -50,6 +52,7 @@ class Resolution:
     quantization: str | None
     decisions: Mapping[str, Decision]
     deployment_inputs: Mapping[str, Any]
+    request: ResolveRequest
 
 
 def fingerprint(obj: Any) -> str:
@@ -93,7 +96,7 @@ def validate_request(req: ResolveRequest, *, deployment_checked: bool = False) -
                               f"must be <= {MAX_INT32}, got {rt.ep_num_redundant_experts}")
     if rt.ep_num_redundant_experts and not rt.enable_eplb:
         raise InvalidArgument("runtime.ep_num_redundant_experts", "redundant experts need runtime.enable_eplb")
-    check_runner(rt.moe_runner, parse_device(rt.device))
+    engine_of(req, parse_device(rt.device))
     if req.quantization_config is not None and not isinstance(req.quantization_config, dict):
         raise InvalidArgument("quantization_config", "must be a JSON object")
     check_json_document("config", req.config)
@@ -208,6 +211,7 @@ def resolve_decisions(req: ResolveRequest, inputs_key: Hashable | None = None) -
     refusals are never cached)."""
     if inputs_key is None:
         validate_request(req)
+        req = _decided(req)
         return _deployment_part(req).for_rank(req)
     p = req.parallel
     key = (inputs_key, req.quantization, req.runtime, p.tp_size, p.ep_size, p.pp_size, p.dp_size)
@@ -217,11 +221,16 @@ def resolve_decisions(req: ResolveRequest, inputs_key: Hashable | None = None) -
         return resolve_decisions(req)
     if part is None:
         validate_request(req)
-        part = _deployment_part(req)
+        part = _deployment_part(_decided(req))
         DEPLOYMENT_CACHE.put(key, part)
     else:
         validate_request(req, deployment_checked=True)
-    return part.for_rank(req)
+    return part.for_rank(_decided(req))
+
+
+def _decided(req: ResolveRequest) -> ResolveRequest:
+    """A validated `req` with the engine that decides it (the named one or its device's default)."""
+    return with_engine(req, engine_of(req, parse_device(req.runtime.device)))
 
 
 class _Part:
@@ -240,7 +249,7 @@ class _Part:
         if d is None:
             d = self.stages[req.parallel.pp_rank] = MappingProxyType(self._stage_decisions(req.parallel))
         return Resolution(self.entry_class, self.chain, self.family, self.config_fingerprint, self.quantization,
-                          d, self.inputs)
+                          d, self.inputs, req)
 
     def _stage_decisions(self, p) -> dict[str, Decision]:
         start, end = stage_range(self.n_layers, p.pp_size, p.pp_rank)
@@ -321,11 +330,14 @@ def _deployment_part(req: ResolveRequest) -> _Part:
     def put(key: str, value: Any, reason: str, rule: str, deployment_wide: bool = True) -> None:
         d[key] = Decision(key, value, reason, rule, deployment_wide)
 
+    engine = ENGINES[rt.engine]
+    put(Keys.ENGINE_PROFILE, engine.profile, f"the {engine.profile} profile decides: {engine.summary}",
+        f"engine.{engine.name}")
     put(Keys.ENTRY_FAMILY, resolved.family.name,
         f"{' -> '.join(resolved.chain)} builds the {resolved.family.name} family", "entries.table")
 
     # --- shared-experts fusion (DESIGN 5.2) ---------------------------------
-    fused, rule, reason = _fusion(req, resolved, layout, row, device)
+    fused, rule, reason = _fusion(req, resolved, layout, row, device, engine.runner)
     put(Keys.SHARED_EXPERTS_FUSION, fused, reason, rule)
     n_fused = layout.n_shared if fused else 0
     put(Keys.NUM_FUSED_SHARED_EXPERTS, n_fused,
@@ -399,7 +411,8 @@ def stage_range(n_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
     return start, start + base + (1 if pp_rank < extra else 0)
 
 
-def _fusion(req: ResolveRequest, resolved: Resolved, layout: MoeLayout, row, device) -> tuple[bool, str, str]:
+def _fusion(req: ResolveRequest, resolved: Resolved, layout: MoeLayout, row, device,
+            runner: str) -> tuple[bool, str, str]:
     rt = req.runtime
     if rt.disable_shared_experts_fusion:
         return False, "intent.disable_shared_experts_fusion", \
@@ -416,7 +429,7 @@ def _fusion(req: ResolveRequest, resolved: Resolved, layout: MoeLayout, row, dev
     gate = resolved.family.gate
     assert gate is not None, f"family {resolved.family.name} has shared experts but no gate"
     ctx = GateContext(resolved.chain[-1], resolved.fused_architecture, resolved.cfg, layout,
-                      resolved.quantization, rt, req.parallel, row, device)
+                      resolved.quantization, rt, req.parallel, row, device, runner)
     verdict = gate(ctx)
     if verdict is not None:
         return False, verdict.rule, verdict.reason

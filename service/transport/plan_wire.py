@@ -82,10 +82,11 @@ def _parallel(p: Parallel) -> bytes:
 
 def _runtime(rt: Runtime) -> bytes:
     return _message(11, b"".join((
-        _text(1, rt.a2a_backend), _text(2, rt.device), _text(3, rt.moe_runner), _bool(4, rt.enable_sbo),
+        _text(1, rt.a2a_backend), _text(2, rt.device), _bool(4, rt.enable_sbo),
         _bool(5, rt.enable_tbo), _bool(6, rt.disable_shared_experts_fusion),
         _bool(7, rt.enforce_shared_experts_fusion), _bool(8, rt.enable_eplb),
-        _int(9, rt.ep_num_redundant_experts))))
+        _int(9, rt.ep_num_redundant_experts), _text(10, rt.engine), _text(11, rt.engine_version),
+        _text(12, rt.moe_runner_backend))))
 
 
 def _timestamp_body(when: dt.datetime) -> bytes:

@@ -15,7 +15,7 @@ NOW = dt.datetime(2026, 11, 29, 10, 0, 0, 123456, tzinfo=dt.timezone.utc)
 def a_plan(**kw) -> LoadPlan:
     req = ResolveRequest("r1", "d1", "speculative", Parallel(tp_size=2, tp_rank=1, pp_size=3, pp_rank=2), "host-a",
                          {"architectures": ["X"], "nested": {"a": [1, 2.5, None]}}, {"quant_method": "fp8"}, "fp8",
-                         Runtime(a2a_backend="deepep", device="cuda:9.0", moe_runner="kernel", enable_eplb=True,
+                         Runtime(a2a_backend="deepep", device="cuda:9.0", engine="sglang", enable_eplb=True,
                                  ep_num_redundant_experts=2))
     decisions = {
         "a.bool": Decision("a.bool", False, "off because", "r.one", True, 0, NOW),

@@ -119,7 +119,9 @@ names = lambda known: st.one_of(st.sampled_from(known), odd_text)   # noqa: E731
 RUNTIME_FIELDS = {
     "a2a_backend": names(sorted(BACKENDS)),
     "device": names(["cpu", "cuda:9.0", "cuda:7.0", "hip:9.4", "musa:3.1", "cuda", "cpu:1.0", " CPU ", "tpu:1.0"]),
-    "moe_runner": names(["torch", "kernel"]),
+    "engine": names(["", "loadplan", "sglang", "vllm"]),
+    "engine_version": names(["", "0.1.0", "0.5.23", "0.32.0"]),
+    "moe_runner_backend": names(["", "auto", "triton", "flashinfer_trtllm"]),
     "enable_sbo": st.booleans(), "enable_tbo": st.booleans(),
     "disable_shared_experts_fusion": st.booleans(), "enforce_shared_experts_fusion": st.booleans(),
     "enable_eplb": st.booleans(), "ep_num_redundant_experts": st.one_of(st.integers(0, 8), big_ints),

@@ -42,3 +42,10 @@ def request(config: dict[str, Any] | None = None, *, request_id: str | None = No
     return ResolveRequest(request_id=request_id or uuid.uuid4().hex, deployment_id=deployment_id, role=role,
                           parallel=parallel, config=config if config is not None else deepseek_config(),
                           runtime=runtime, **kw)
+
+
+def decided(req: ResolveRequest) -> ResolveRequest:
+    """`req` as the registry stores and answers it: its runtime names the engine that decided."""
+    from loadplan.service.rules.resolve import resolve_decisions
+
+    return resolve_decisions(req).request

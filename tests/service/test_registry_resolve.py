@@ -19,6 +19,7 @@ from loadplan.plan import Parallel, ResolveRequest, Runtime
 from loadplan.service.errors import FailedPrecondition, InvalidArgument
 from loadplan.service.registry import NewPlan, Registry, new_plan_id, request_fingerprint
 from loadplan.service.rules.resolve import fingerprint, resolve_decisions
+from sample_requests import decided
 
 CONFIG = {"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 8, "n_routed_experts": 256,
           "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 1}
@@ -64,7 +65,7 @@ def test_the_fingerprint_is_the_one_stored_plans_carry():
                          runtime=Runtime(a2a_backend="deepep", enable_eplb=True))
     text = (f"('request/2', '{fingerprint(CONFIG)}', '{fingerprint({'quant_method': 'fp8'})}', "
             f"(\"d'1\", 'speculative', 'h\u00e9', 'fp8'), (1, 0, 8, 3, 1, 0, 1, 0), "
-            f"('deepep', 'cpu', 'torch', False, False, False, False, True, 0))")
+            f"('deepep', 'cpu', '', '', '', False, False, False, False, True, 0))")
     assert request_fingerprint(req) == hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -123,7 +124,9 @@ def test_resolve_new_hands_the_store_the_plan_its_fingerprint_and_the_config_tex
     got = registry.resolve_new(req, ("key-of", "these configs"), ("config text", "quantization text"))
     new = store.saved[-1]
     assert got.plan is new.plan and got.new is new
-    assert new.request_fingerprint == request_fingerprint(req)
+    # the request as decided (its runtime names the engine) is the one fingerprinted and stored
+    assert new.plan.request == decided(req)
+    assert new.request_fingerprint == request_fingerprint(decided(req))
     assert (new.config_json, new.quantization_config_json) == ("config text", "quantization text")
     assert new.deployment_inputs == resolve_decisions(req).deployment_inputs
     plan = new.plan

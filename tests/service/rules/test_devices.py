@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from loadplan.service.errors import InvalidArgument
-from loadplan.service.rules.devices import (Device, check_runner, parse_device, runs_fused_kernel,
+from loadplan.service.rules.devices import (Device, parse_device, runs_fused_kernel,
                                             runs_fused_slots_under_ep)
 
 
@@ -30,25 +30,6 @@ def test_bad_device_strings_name_the_field(text):
         parse_device(text)
     assert e.value.field == "runtime.device"
     assert str(e.value).startswith("runtime.device:")
-
-
-def test_unknown_runner_lists_the_known_ones():
-    with pytest.raises(InvalidArgument) as e:
-        check_runner("triton", Device("cuda", (9, 0)))
-    assert e.value.field == "runtime.moe_runner"
-    assert "torch" in str(e.value) and "kernel" in str(e.value)
-
-
-def test_kernel_runner_needs_an_accelerator():
-    with pytest.raises(InvalidArgument) as e:
-        check_runner("kernel", Device("cpu"))
-    assert e.value.field == "runtime.moe_runner"
-
-
-@pytest.mark.parametrize("runner,dev", [("torch", "cpu"), ("torch", "cuda:9.0"), ("kernel", "cuda:9.0"),
-                                        ("kernel", "hip:9.4"), ("kernel", "musa:3.1")])
-def test_valid_runner_device_pairs(runner, dev):
-    check_runner(runner, parse_device(dev))
 
 
 @pytest.mark.parametrize("dev,fused", [

@@ -145,39 +145,39 @@ def test_deepseek_other_backends_fuse_at_ep1(backend):
     ("musa:3.0", False), ("musa:3.1", True), ("musa:4.0", True),
 ])
 def test_deepseek_device_threshold_for_the_vendor_kernel(device, ok):
-    d = fusion(deepseek(), moe_runner="kernel", device=device)
+    d = fusion(deepseek(), engine="sglang", device=device)
     if ok:
         assert_fused(d, "deepseek")
     else:
         assert_off(d, "deepseek.device", device, "kernel")
-        assert_fused(fusion(deepseek(), moe_runner="kernel", device=device, **ENFORCE), "deepseek")
+        assert_fused(fusion(deepseek(), engine="sglang", device=device, **ENFORCE), "deepseek")
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda:7.0", "hip:9.0", "musa:2.0"])
 def test_deepseek_torch_runner_fuses_on_any_device(device):
-    assert_fused(fusion(deepseek(), moe_runner="torch", device=device), "deepseek")
+    assert_fused(fusion(deepseek(), engine="loadplan", device=device), "deepseek")
 
 
 # --- DeepSeek rule 7: expert parallelism -------------------------------------
 
-@pytest.mark.parametrize("device,runner,ok", [
-    ("cuda:9.0", "kernel", False), ("cuda:12.0", "kernel", False), ("musa:3.1", "kernel", False),
-    ("hip:9.4", "kernel", True), ("hip:9.5", "kernel", True),
-    ("cpu", "torch", True), ("cuda:9.0", "torch", True),
+@pytest.mark.parametrize("device,engine,ok", [
+    ("cuda:9.0", "sglang", False), ("cuda:12.0", "sglang", False), ("musa:3.1", "sglang", False),
+    ("hip:9.4", "sglang", True), ("hip:9.5", "sglang", True),
+    ("cpu", "loadplan", True), ("cuda:9.0", "loadplan", True),
 ])
 @pytest.mark.parametrize("ep_size", [2, 8])
-def test_deepseek_expert_parallel(device, runner, ok, ep_size):
-    d = fusion(deepseek(), moe_runner=runner, device=device, ep_size=ep_size)
+def test_deepseek_expert_parallel(device, engine, ok, ep_size):
+    d = fusion(deepseek(), engine=engine, device=device, ep_size=ep_size)
     if ok:
         assert_fused(d, "deepseek")
     else:
         assert_off(d, "deepseek.expert_parallel", f"ep_size={ep_size}", device)
-        assert_fused(fusion(deepseek(), moe_runner=runner, device=device, ep_size=ep_size, **ENFORCE), "deepseek")
-    assert_fused(fusion(deepseek(), moe_runner=runner, device=device, ep_size=1), "deepseek")
+        assert_fused(fusion(deepseek(), engine=engine, device=device, ep_size=ep_size, **ENFORCE), "deepseek")
+    assert_fused(fusion(deepseek(), engine=engine, device=device, ep_size=1), "deepseek")
 
 
 def test_deepseek_device_is_checked_before_expert_parallel():
-    d = fusion(deepseek(), moe_runner="kernel", device="hip:9.3", ep_size=2)
+    d = fusion(deepseek(), engine="sglang", device="hip:9.3", ep_size=2)
     assert_off(d, "deepseek.device")
 
 
@@ -198,7 +198,7 @@ def test_deepseek_other_quantizations_fuse(quant):
 # --- DeepSeek: order (the first hit names the reason) -------------------------
 
 def test_deepseek_rules_apply_in_design_order():
-    every = dict(enable_sbo=True, a2a_backend="deepep", moe_runner="kernel", device="cuda:7.0", ep_size=2,
+    every = dict(enable_sbo=True, a2a_backend="deepep", engine="sglang", device="cuda:7.0", ep_size=2,
                  quantization="w4afp8")
     cfg = deepseek(n_routed_experts=128)
     steps = [
@@ -294,27 +294,27 @@ def test_glm_modelopt_without_the_shared_exclusion_fuses():
     ("musa:3.1", False), ("musa:9.9", False),  # DESIGN lists CUDA and HIP only for GLM
 ])
 def test_glm_device(device, ok):
-    d = fusion(glm4(), moe_runner="kernel", device=device)
+    d = fusion(glm4(), engine="sglang", device=device)
     if ok:
         assert_fused(d, "glm4_moe")
     else:
         assert_off(d, "glm4_moe.device", device)
-        assert_fused(fusion(glm4(), moe_runner="kernel", device=device, **ENFORCE), "glm4_moe")
+        assert_fused(fusion(glm4(), engine="sglang", device=device, **ENFORCE), "glm4_moe")
 
 
 def test_glm_torch_runner_fuses():
-    assert_fused(fusion(glm4(), moe_runner="torch", device="cpu"), "glm4_moe")
+    assert_fused(fusion(glm4(), engine="loadplan", device="cpu"), "glm4_moe")
 
 
-@pytest.mark.parametrize("device,runner,ok", [("cuda:9.0", "kernel", False), ("hip:9.4", "kernel", True),
-                                              ("cpu", "torch", True)])
-def test_glm_expert_parallel_only_on_hip94(device, runner, ok):
-    d = fusion(glm4(), moe_runner=runner, device=device, ep_size=2)
+@pytest.mark.parametrize("device,engine,ok", [("cuda:9.0", "sglang", False), ("hip:9.4", "sglang", True),
+                                              ("cpu", "loadplan", True)])
+def test_glm_expert_parallel_only_on_hip94(device, engine, ok):
+    d = fusion(glm4(), engine=engine, device=device, ep_size=2)
     if ok:
         assert_fused(d, "glm4_moe")
     else:
         assert_off(d, "glm4_moe.expert_parallel", "ep_size=2")
-        assert_fused(fusion(glm4(), moe_runner=runner, device=device, ep_size=2, **ENFORCE), "glm4_moe")
+        assert_fused(fusion(glm4(), engine=engine, device=device, ep_size=2, **ENFORCE), "glm4_moe")
 
 
 @pytest.mark.parametrize("backend", DEEPEP_CLASS)
@@ -377,7 +377,7 @@ def test_qwen2_quantization(quant):
 
 def test_qwen2_lists_no_device_or_ep_condition():
     """DESIGN 5.2 lists Qwen2-MoE's conditions exhaustively: sizes, backend, quantization."""
-    assert_fused(fusion(qwen2(), moe_runner="kernel", device="cuda:7.0", ep_size=2), "qwen2_moe")
+    assert_fused(fusion(qwen2(), engine="sglang", device="cuda:7.0", ep_size=2), "qwen2_moe")
 
 
 @pytest.mark.parametrize("ep_size", [2, 4])
@@ -436,7 +436,7 @@ def test_wrapper_keeps_every_deepseek_rule():
     assert_off(fusion(cfg, enable_tbo=True), "deepseek.overlap")
     assert_off(fusion(cfg, a2a_backend="mooncake"), "deepseek.deepep_class")
     assert_off(fusion(cfg, quantization="wint4a16"), "deepseek.quantization")
-    assert_off(fusion(cfg, moe_runner="kernel", device="cuda:9.0", ep_size=2), "deepseek.expert_parallel")
+    assert_off(fusion(cfg, engine="sglang", device="cuda:9.0", ep_size=2), "deepseek.expert_parallel")
 
 
 # --- Llama 4 (not in DESIGN 5.2: our gate) ----------------------------------------

@@ -83,7 +83,7 @@ def test_deepseek_v3_on_deepep():
 @pytest.mark.parametrize("device,fused,rule", [("cuda:9.0", False, "deepseek.expert_parallel"),
                                                ("hip:9.4", True, "deepseek.fused")])
 def test_deepseek_v3_vendor_kernel_under_ep(device, fused, rule):
-    _, d = decide("deepseek-v3", ep_size=8, moe_runner="kernel", device=device)
+    _, d = decide("deepseek-v3", ep_size=8, engine="sglang", device=device)
     assert (d[Keys.SHARED_EXPERTS_FUSION].value, d[Keys.SHARED_EXPERTS_FUSION].rule) == (fused, rule)
 
 
@@ -160,11 +160,11 @@ def test_glm45_fuses_on_defaults():
 
 
 @pytest.mark.parametrize("kw,rule", [
-    (dict(moe_runner="kernel", device="musa:3.1"), "glm4_moe.device"),
-    (dict(moe_runner="kernel", device="cuda:9.0", ep_size=8), "glm4_moe.expert_parallel"),
+    (dict(engine="sglang", device="musa:3.1"), "glm4_moe.device"),
+    (dict(engine="sglang", device="cuda:9.0", ep_size=8), "glm4_moe.expert_parallel"),
     (dict(a2a_backend="mori", ep_size=8), "glm4_moe.deepep_class"),
     (dict(quantization="w4afp8"), "glm4_moe.quantization"),
-    (dict(moe_runner="kernel", device="hip:9.4", ep_size=8), "glm4_moe.fused"),
+    (dict(engine="sglang", device="hip:9.4", ep_size=8), "glm4_moe.fused"),
 ])
 def test_glm45_gate(kw, rule):
     _, d = decide("glm-4.5", **kw)

@@ -81,9 +81,10 @@ def test_bad_device(device):
     invalid("runtime.device", device=device)
 
 
-def test_bad_runner():
-    invalid("runtime.moe_runner", moe_runner="triton")
-    invalid("runtime.moe_runner", moe_runner="kernel", device="cpu")
+def test_moe_runner_backend_only_for_sglang():
+    err = invalid("runtime.moe_runner_backend", moe_runner_backend="triton")   # cpu: the loadplan engine
+    assert "sglang" in str(err)
+    invalid("runtime.moe_runner_backend", engine="vllm", moe_runner_backend="triton")
 
 
 def test_quantization_config_must_be_an_object():
@@ -298,7 +299,8 @@ def test_ranks_agree_on_deployment_wide_decisions_and_inputs(cfg):
 
 BASE = dict(tp_size=2, ep_size=2, pp_size=2, dp_size=2)
 RUNTIME_CHANGES = {
-    "a2a_backend": "megamoe", "device": "cuda:9.0", "moe_runner": "kernel", "enable_sbo": True, "enable_tbo": True,
+    "a2a_backend": "megamoe", "device": "cuda:9.0", "engine": "vllm",
+    "moe_runner_backend": "flashinfer_trtllm", "enable_sbo": True, "enable_tbo": True,
     "disable_shared_experts_fusion": True, "enforce_shared_experts_fusion": True, "enable_eplb": True,
     "ep_num_redundant_experts": 2,
 }
@@ -310,17 +312,27 @@ def _inputs(cfg=None, **kw):
 
 
 def test_runtime_changes_cover_every_runtime_field():
-    assert set(RUNTIME_CHANGES) == {f.name for f in dataclasses.fields(Runtime)}
+    # engine_version follows the engine: asking for the profile's own version changes nothing
+    assert set(RUNTIME_CHANGES) | {"engine_version"} == {f.name for f in dataclasses.fields(Runtime)}
+
+
+def test_asking_for_the_profiles_own_version_or_the_default_engine_changes_nothing():
+    on_gpu = _inputs(device="cuda:9.0")
+    assert diff_deployment_inputs(on_gpu, _inputs(device="cuda:9.0", engine="sglang")) == []
+    assert diff_deployment_inputs(on_gpu, _inputs(device="cuda:9.0", engine_version="0.5.23")) == []
 
 
 @pytest.mark.parametrize("field", sorted(RUNTIME_CHANGES))
 def test_each_runtime_change_is_named_exactly(field):
-    base = {"device": "cuda:9.0"} if field == "moe_runner" else {}
+    # The engine named: a device's default engine would change with the device.
+    base = {"engine": "sglang", "device": "cuda:9.0"} if field == "moe_runner_backend" else {"engine": "loadplan"}
     if field == "ep_num_redundant_experts":
-        base = {"enable_eplb": True}
+        base["enable_eplb"] = True
     a = _inputs(**base)
     b = _inputs(**{**base, field: RUNTIME_CHANGES[field]})
-    assert diff_deployment_inputs(a, b) == [f"runtime.{field}"]
+    # another engine is another version too
+    changed = [f"runtime.{field}", "runtime.engine_version"] if field == "engine" else [f"runtime.{field}"]
+    assert diff_deployment_inputs(a, b) == changed
 
 
 @pytest.mark.parametrize("axis", ["tp", "ep", "pp", "dp"])
@@ -370,7 +382,7 @@ def test_deployment_inputs_function_matches_the_resolution():
     req = request(deepseek(), **BASE)
     res = resolve_decisions(req)
     resolved = entries.resolve_entry("DeepseekV3ForCausalLM", ConfigView(req.config), None, None)
-    assert deployment_inputs(req, resolved) == res.deployment_inputs
+    assert deployment_inputs(res.request, resolved) == res.deployment_inputs
     assert res.config_fingerprint == fingerprint(deepseek())
 
 

@@ -156,7 +156,7 @@ def test_a_save_returns_its_plan_committed(store, executor, observer, make_reque
 
     writer, plan, stored = run_writer(store, executor, body)
     assert plan.plan_id == new.plan.plan_id and not plan.replayed
-    assert stored.request == request
+    assert stored.request == new.plan.request   # as decided: the engine named
     assert stored.decisions == plan.decisions
     assert (writer.group.batches, writer.group.items) == (1, 1)
     assert pins(observer, [request.deployment_id]) == {(request.deployment_id, "target"): [plan.plan_id]}

@@ -301,7 +301,7 @@ def test_every_column_round_trips_in_its_place(store, make_request):
     req = dataclasses.replace(new.plan.request, quantization="fp8-explicit", role="speculative",
                               parallel=Parallel(tp_size=11, tp_rank=1, ep_size=12, ep_rank=2, pp_size=13, pp_rank=3,
                                                 dp_size=14, dp_rank=4),
-                              runtime=Runtime(a2a_backend="deepep", device="cuda:9.0", moe_runner="kernel",
+                              runtime=Runtime(a2a_backend="deepep", device="cuda:9.0", engine="sglang",
                                               enable_tbo=True, enable_eplb=True, ep_num_redundant_experts=5))
     plan = dataclasses.replace(new.plan, request=req, entry_class="Entry", config_fingerprint="cfp",
                                quantization="fp8-settled", ruleset_version="rs-9")

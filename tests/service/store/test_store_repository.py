@@ -30,7 +30,8 @@ def test_round_trip_rebuilds_the_whole_plan(registry, make_request):
         parallel=Parallel(tp_size=2, tp_rank=1, ep_size=4, ep_rank=3, pp_size=2, pp_rank=1, dp_size=2, dp_rank=1),
         host="gpu-node-17", config=config,
         quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]},
-        runtime=Runtime(a2a_backend="none", device="cuda:9.0", moe_runner="kernel", enable_tbo=True,
+        runtime=Runtime(a2a_backend="none", device="cuda:9.0", engine="sglang", engine_version="0.5.23",
+                        enable_tbo=True,
                         enable_eplb=True, ep_num_redundant_experts=32))
     plan = registry.resolve(req)
     assert not plan.replayed

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from sample_requests import request
+from sample_requests import decided, request
 
 from loadplan.service.embedded import EmbeddedRegistry
 from loadplan.service.healthcheck import check
@@ -19,7 +19,7 @@ def test_embedded_registry_round_trip_and_persistence(tmp_path):
         assert check(reg.address)                     # migrated, so SERVING from the start
         with reg.client() as client:
             plan = client.resolve_load_plan(req)
-            assert plan.request == req
+            assert plan.request == decided(req)
             assert client.get_plan(plan.plan_id) == plan
     with EmbeddedRegistry(url) as reg, reg.client() as client:   # a second process on the same file
         again = client.resolve_load_plan(req)

@@ -25,7 +25,8 @@ config = st.dictionaries(text, json_value, max_size=5)
 zones = [None, dt.timezone.utc, dt.timezone(dt.timedelta(hours=-3, minutes=-30))]
 when = st.datetimes(min_value=dt.datetime(1900, 1, 1), max_value=dt.datetime(2200, 1, 1), timezones=st.sampled_from(zones))
 parallel = st.builds(Parallel, **{f.name: int32 for f in dataclasses.fields(Parallel)})
-runtime = st.builds(Runtime, a2a_backend=text, device=text, moe_runner=text, enable_sbo=st.booleans(),
+runtime = st.builds(Runtime, a2a_backend=text, device=text, engine=text, engine_version=text,
+                    moe_runner_backend=text, enable_sbo=st.booleans(),
                     enable_tbo=st.booleans(), disable_shared_experts_fusion=st.booleans(),
                     enforce_shared_experts_fusion=st.booleans(), enable_eplb=st.booleans(),
                     ep_num_redundant_experts=int32)

@@ -7,7 +7,7 @@ import datetime as dt
 
 import grpc
 import pytest
-from sample_requests import deepseek_config, real_config, request
+from sample_requests import decided, deepseek_config, real_config, request
 
 from loadplan.plan import Decision, Keys, Parallel, ResolveRequest, Runtime
 from loadplan.service.rules.backends import BACKENDS
@@ -23,7 +23,7 @@ def test_resolve_round_trip_equals_the_stored_domain_plan(client, store):
 
     assert store.count() == 1
     assert plan == store.plans[plan.plan_id]
-    assert plan.request == req and not plan.replayed
+    assert plan.request == decided(req) and not plan.replayed
     expected = resolve_decisions(req).decisions
     assert {k: dataclasses.replace(d, decided_at=None) for k, d in plan.decisions.items()} == expected
     # JSON on the wire keeps integers and floats apart.
@@ -68,7 +68,7 @@ def test_request_without_parallel_or_runtime_gets_the_defaults(server, store):
             '"num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 8}'),
             timeout=5)
     stored = store.plans[reply.plan_id].request
-    assert stored.parallel == Parallel() and stored.runtime == Runtime() and stored.role == "target"
+    assert stored.parallel == Parallel() and stored.runtime == decided(request()).runtime and stored.role == "target"
 
 
 def test_get_list_and_diff(client, store):
