@@ -147,6 +147,8 @@ def main(argv=None) -> int:
             "flags_shared": FLAGS_SHARED, "flags_unshared": FLAGS_UNSHARED,
             "runners": RUNNERS, "pp_sizes": PP_SIZES, "drafts": DRAFTS, "limit": args.limit,
         },
+        "environment": "the oracle's DISPATCH_BUDGETS (per-rank dispatch-token budgets of "
+                       "MoRI, pplx and DeepEP v2, set as an operator sets them)",
         "shape_mapping": "loadplan (tp, ep, dp) -> SGLang --tp-size tp*ep --ep-size ep "
                          "[--dp-size dp --enable-dp-attention when dp > 1]",
     }

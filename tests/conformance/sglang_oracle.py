@@ -86,6 +86,17 @@ SPARSE_PREDICATES = {
 BRANCH_METHOD = re.compile(r"^_?forward_(normal|deepep|mega|dwdp|cpu|fuseep|a2a)")
 DISPATCH_BRANCH_WORDS = ("deepep", "a2a", "mega", "fuseep")
 
+# Per-rank dispatch-token budgets, set as an operator running these backends sets them.
+# At SGLang's defaults (128 for pplx and DeepEP v2, 4096 for MoRI) resolution refuses
+# every point of those backends for the default chunked-prefill size: a buffer-size
+# check the registry cannot see (it is not a layout decision), which would hide what
+# SGLang decides about the layout there.
+DISPATCH_BUDGETS = {
+    "SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK": "16384",
+    "SGLANG_PPLX_NUM_MAX_DISPATCH_TOKENS_PER_RANK": "16384",
+    "SGLANG_DEEPEP_V2_NUM_MAX_DISPATCH_TOKENS_PER_RANK": "16384",
+}
+
 
 def config_dir(name: str) -> Path:
     for base in CONFIG_DIRS:
@@ -342,6 +353,9 @@ def answer(point: dict) -> dict:
         "refused": False,
         "entry_class": model_class.__name__,
         "architecture": arch,
+        # What SGLang's ModelConfig made of the checkpoint's config (a NextN draft's
+        # architectures name the NextN class): what the runner would send the registry.
+        "config_architectures": list(getattr(model_config.hf_config, "architectures", None) or []),
         "quantization": quant_config.get_name() if quant_config is not None else None,
         "rewritten": rewritten,
         "shared_experts_fusion": not shared.fusion_disabled and shared.num_fused_shared_experts > 0,
@@ -380,6 +394,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    for name, value in DISPATCH_BUDGETS.items():
+        os.environ.setdefault(name, value)
     logging.getLogger().setLevel(logging.ERROR)   # SGLang's start-up chatter
     sglang_cpu.emulate(args.device)
     t0 = time.time()
