@@ -37,6 +37,9 @@ $(SGLANG_VENV)/.installed: scripts/sglang-env-requirements.txt pyproject.toml $(
 	$(SGLANG_PY) -m pip install -q torch==2.13.0
 	$(SGLANG_PY) -m pip install -q --no-deps sglang==0.5.23 compressed-tensors==0.18.0
 	$(SGLANG_PY) -m pip install -q -r scripts/sglang-env-requirements.txt
+	# loadplan's client and the SGLang adapter, for the adapter's tests (issue 31).
+	$(SGLANG_PY) -m pip install -q 'grpcio>=1.60' 'protobuf>=5'
+	$(SGLANG_PY) -m pip install -q --no-deps -e .
 	touch $@
 
 test: setup sglang-env
