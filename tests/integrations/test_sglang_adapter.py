@@ -187,3 +187,19 @@ def test_sglang_run_needs_a_command_and_a_registry():
     env = {k: v for k, v in os.environ.items() if k != adapter.ENV_REGISTRY}
     run = subprocess.run([str(LOADPLAN), "sglang-run", "--", "true"], capture_output=True, text=True, env=env)
     assert run.returncode != 0 and "--registry: an address is needed" in run.stderr
+
+
+def test_the_compose_sglang_worker_runs_sglang_under_sglang_run():
+    import yaml
+
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    svc = services["sglang-worker"]
+    argv = [str(a) for a in svc["command"]]
+    assert argv[:2] == ["loadplan", "sglang-run"]
+    assert argv[argv.index("--registry") + 1] == "registry:50051"
+    assert argv[argv.index("--") + 1:argv.index("--") + 4] == ["python3", "-m", "sglang.launch_server"]
+    assert svc["depends_on"]["registry"]["condition"] == "service_healthy"
+    assert svc["profiles"] == ["sglang"]      # needs GPUs: only when asked for
+    assert svc["build"]["dockerfile"] == "Dockerfile.sglang"
+    dockerfile = (ROOT / "Dockerfile.sglang").read_text()
+    assert "--no-deps ." in dockerfile and "check_version()" in dockerfile
