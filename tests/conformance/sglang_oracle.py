@@ -23,6 +23,17 @@ own code, run as its scheduler runs it (DESIGN 8.4):
 - `get_pp_indices(...)` per stage, and the decoder's own `_is_layer_sparse` for EPLB layers
   (the model runner gives a draft worker no EPLB manager: `not self.is_draft_worker`).
 
+Answer fields: `refused` (+ `stage`, `message`: SGLang's own refusal), `rewritten` (the
+server args resolution left: tp/ep/moe-tp/attention-DP sizes, a2a and runner backends,
+the fusion flags), `shared_experts_fusion`, `num_fused_shared_experts`, `fusion_reason`
+(the gate's reason), `block`/`branch` (the MoE block and the forward branch it took),
+`dispatcher` (what its experts layer builds), `combine_complete`, `forward_path` (`a2a`
+when tokens are dispatched and combined: the dispatch branch, or an all-to-all
+dispatcher or complete combine inside the experts layer under the normal branch),
+`post_experts_all_reduce` (a reduction still owed after the experts on that branch),
+`pp_layer_ranges` (per stage; none for a draft), `eplb_enabled`, `eplb_layers` (per stage),
+`config_architectures` (what SGLang's ModelConfig made of the config).
+
 What is emulated, not SGLang's: the device (tests/conformance/sglang_cpu.py), and the
 experts layer's dispatcher, which is taken from SGLang's `create_moe_dispatcher` run with
 its dispatcher classes replaced by their names.
@@ -36,7 +47,6 @@ import contextlib
 import functools
 import importlib
 import inspect
-import io
 import json
 import logging
 import os
@@ -347,7 +357,7 @@ def answer(point: dict) -> dict:
     eplb_enabled = bool(get_exec().moe.enable_eplb) and not draft
     eplb_layers = None
     if eplb_enabled and ranges:
-        sparse = _sparse_layers(branch.get("block"), model_class, hf, layers)
+        sparse = _sparse_layers(model_class, hf, layers)
         eplb_layers = [[i for i in sparse if s <= i < e] for s, e in ranges] if sparse is not None else None
     return {
         "refused": False,
@@ -376,15 +386,14 @@ def answer(point: dict) -> dict:
     }
 
 
-def _sparse_layers(block, model_class, hf, layers):
-    module = sys.modules.get(model_class.__module__)
+def _sparse_layers(model_class, hf, layers):
+    """The layers holding routed experts, by the family decoder's own `_is_layer_sparse`."""
     for mod_name, decoder in SPARSE_PREDICATES.items():
         mod = importlib.import_module(mod_name)
-        if issubclass(model_class, tuple(getattr(mod, n) for n in dir(mod)
-                                         if n.endswith("ForCausalLM") and isinstance(getattr(mod, n), type))):
-            pred = getattr(getattr(mod, decoder), "_is_layer_sparse")
-            return [i for i in range(layers) if pred(hf, i, is_nextn=False)]
-    _ = module, block
+        entry_classes = tuple(v for n, v in vars(mod).items() if n.endswith("ForCausalLM") and isinstance(v, type))
+        if issubclass(model_class, entry_classes):
+            predicate = getattr(mod, decoder)._is_layer_sparse
+            return [i for i in range(layers) if predicate(hf, i, is_nextn=False)]
     return None
 
 
