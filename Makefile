@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PROTO := proto/loadplan/v1/registry.proto
 GEN := gen/loadplan/v1/registry_pb2.py
 
-.PHONY: setup proto test demo clean sglang-env
+.PHONY: setup proto test demo clean browser sglang-env
 
 setup: $(VENV)/.installed $(GEN)
 
@@ -42,7 +42,15 @@ $(SGLANG_VENV)/.installed: scripts/sglang-env-requirements.txt pyproject.toml $(
 	$(SGLANG_PY) -m pip install -q --no-deps -e .
 	touch $@
 
-test: setup sglang-env
+
+# The web view's browser tests (tests/service/http) drive Debian's Chromium through the
+# Playwright package; Playwright's own browser download is not used.
+browser: setup
+	$(PY) -c "import playwright" 2>/dev/null || $(PY) -m pip install -q playwright
+	command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -q && apt-get install -y -q chromium; } \
+		|| echo "note: no chromium (apt-get install chromium as root); the browser tests are skipped"
+
+test: setup browser sglang-env
 	$(PY) -m pytest -q -p no:cacheprovider
 
 demo: setup

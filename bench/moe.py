@@ -5,15 +5,19 @@
 Qwen3-MoE shape: hidden 1024, 64 experts, top-8, expert intermediate 256, fp32, on
 all cores. For each T it measures, on the same weights and the same inputs:
 - `engine_ms`: the engine's Qwen3-MoE block (router + engine/moe.py RoutedExperts)
-  as it is on disk; `engine_proposed_ms`: the same with the change still proposed
-  for moe.py (see `propose`); `engine_loop_ms`: with moe.py's kernel from before
-  engine/expert_kernel.py (per-expert Python loop, see `loop_kernel`);
+  as it runs by default: on the experts implementation it measured fastest here at
+  its first call (engine/expert_choice.py; `engine_impl`, and `engine_measured_ms` the
+  fastest call of each candidate in that measurement; the bench measures anew, not
+  from the cache); `engine_<impl>_ms`: the same block forced to each implementation
+  ("kernel": the compiled kernel, "grouped_mm": torch.nn.functional.grouped_mm,
+  "per_expert": one matmul pair per hit expert);
 - transformers' Qwen3MoeSparseMoeBlock with each experts implementation that runs
   on CPU ("eager", "batched_mm", "grouped_mm"): `hf_default_ms` is the one
   from_pretrained picks by default, `hf_best_ms` the fastest here;
 - `roofline_ms` = max(bytes of the experts hit / bandwidth, one dense matmul with
-  the same FLOPs): the bandwidth is measured by streaming one large weight (bigger
-  than the last-level cache) through a matrix-vector product, the dense matmul is
+  the same FLOPs): the bandwidth is the machine's best streaming read on all cores,
+  the faster of two probes over one 512 MiB weight (bigger than the last-level cache):
+  a matrix-vector product and a sum (a plain reduction); the dense matmul is
   [T*K, 1024] x [1024, 3*256].
 Then a DeepSeek-V3-style layer (256 routed experts, group-limited sigmoid router,
 top-8, one shared expert, same hidden and expert sizes) with the shared expert
@@ -42,7 +46,7 @@ import warnings
 
 import torch
 
-from loadplan.engine import expert_kernel
+from loadplan.engine import expert_choice
 from loadplan.engine.layers.deepseek_router import DeepseekV3Router
 from loadplan.engine.layers.mlp import GatedMLP
 from loadplan.engine.models.qwen_moe import QwenMoeConfig, QwenSparseMoeBlock
@@ -82,55 +86,16 @@ def param(t: torch.Tensor) -> torch.nn.Parameter:
     return torch.nn.Parameter(t, requires_grad=False)
 
 
-def propose(experts: RoutedExperts) -> RoutedExperts:
-    """The changes still proposed for moe.py: (1) when this rank holds every physical slot (ep_size 1) the
-    (physical) ids already are the slot ids, so _local_slots' six elementwise ops can go; (2) whole experts
-    per core (expert_kernel's `expert_parallel=True`) instead of every matmul split over the cores."""
-    if experts.local_start == 0 and experts.num_local_experts == getattr(experts, "num_physical",
-                                                                            experts.num_experts):
-        experts._local_slots = lambda ids: ids
-    on_disk = experts.forward
-
-    def forward(*args):
-        before, expert_kernel.EXPERT_PARALLEL = expert_kernel.EXPERT_PARALLEL, True
-        try:
-            return on_disk(*args)
-        finally:
-            expert_kernel.EXPERT_PARALLEL = before
-
-    experts.forward = forward
-    return experts
+def forced(impl: str):
+    """The engine's block with its experts implementation forced (RoutedExperts.experts_impl)."""
+    def variant(experts: RoutedExperts) -> RoutedExperts:
+        experts.experts_impl = impl
+        return experts
+    return variant
 
 
-def loop_kernel(experts: RoutedExperts) -> RoutedExperts:
-    """RoutedExperts' kernel before engine/expert_kernel.py, to show what the kernel gained: argsort and
-    bincount, then per hit expert one gate_up matmul, silu * up and one down matmul, weights on the output."""
-    I = experts.intermediate_size
-
-    def forward(x, topk_ids, topk_weights):
-        T, K = topk_ids.shape
-        slots = experts._local_slots(topk_ids).reshape(-1)
-        order = torch.argsort(slots, stable=True)
-        counts = torch.bincount(slots, minlength=experts.num_slots + 1).tolist()
-        order = order[:sum(counts[:experts.num_slots])]
-        token = order // K
-        xs = x.index_select(0, token)
-        out = torch.empty_like(xs)
-        start = 0
-        for e, n in enumerate(counts[:experts.num_slots]):
-            if n:
-                gate_up = xs[start:start + n] @ experts.gate_up_proj[e].t()
-                h = torch.nn.functional.silu(gate_up[:, :I]) * gate_up[:, I:]
-                torch.mm(h, experts.down_proj[e].t(), out=out[start:start + n])
-                start += n
-        w = topk_weights.reshape(-1).index_select(0, order).to(out.dtype)
-        return torch.zeros_like(x).index_add_(0, token, out * w[:, None])
-
-    experts.forward = forward
-    return experts
-
-
-VARIANTS = {"engine": lambda ex: ex, "engine_proposed": propose, "engine_loop": loop_kernel}
+# "engine": as it runs by default, on the implementation it measured fastest here (engine/expert_choice.py)
+VARIANTS = {"engine": lambda ex: ex, **{f"engine_{impl}": forced(impl) for impl in expert_choice.IMPLS}}
 
 
 def qwen_layers(n_layers: int, seed: int):
@@ -245,8 +210,19 @@ def reps_for(T: int, scale: float) -> int:
     return max(5, int(scale * {1: 200, 16: 60}.get(T, 25)))
 
 
+def key_of(T: int) -> str:
+    """The engine's shape class of the bench layer at T tokens (engine/expert_choice.py)."""
+    return expert_choice.shape_class(torch.empty(T, D, device="meta"), torch.empty(T, K, device="meta"),
+                                     torch.empty(E, 2 * I, D, device="meta"), torch.empty(E, D, I, device="meta"))
+
+
+def impl_of(T: int) -> str:
+    return expert_choice.chosen().get(key_of(T), "?")
+
+
 def bench_qwen(tokens: list[int], n_layers: int, scale: float) -> list[dict]:
     layers, hf_cfg = qwen_layers(n_layers, seed=0)
+    expert_choice.forget(read_cache=False)        # the engine measures its choice anew here
     default = hf_default_impl()
     stream_w = torch.randn(STREAM_BYTES // (4 * D), D)
     stream_x = torch.randn(D)
@@ -302,6 +278,7 @@ def bench_qwen(tokens: list[int], n_layers: int, scale: float) -> list[dict]:
         contenders = {
             **{name: (lambda i, name=name: (lambda b, x: b[name](x))(*inp(i))) for name in VARIANTS},
             "stream": lambda i: torch.mv(stream_w, stream_x),
+            "stream_sum": lambda i: torch.sum(stream_w),
             "dense": lambda i: torch.mm(dense_a, dense_b),
         }
         for impl in impls:
@@ -315,19 +292,22 @@ def bench_qwen(tokens: list[int], n_layers: int, scale: float) -> list[dict]:
             times = measure(contenders, reps_for(T, scale))
 
         ms = {n: med_ms(ts) for n, ts in times.items()}
-        bw = STREAM_BYTES / (ms["stream"] / 1e3)                          # bytes/s
+        # the machine's best streaming read on all cores: the faster of the two probes
+        bw = STREAM_BYTES / (min(ms["stream"], ms["stream_sum"]) / 1e3)   # bytes/s
         bw_ms = experts_hit * EXPERT_BYTES / bw * 1e3
         roofline = max(bw_ms, ms["dense"])
         # the same bound from each probe's fastest call, to set against the contenders' fastest calls
         mn = {n: min(ts) * 1e3 for n, ts in times.items()}
-        roofline_min = max(experts_hit * EXPERT_BYTES / (STREAM_BYTES / (mn["stream"] / 1e3)) * 1e3, mn["dense"])
+        roofline_min = max(experts_hit * EXPERT_BYTES / (STREAM_BYTES / (min(mn["stream"], mn["stream_sum"]) / 1e3))
+                           * 1e3, mn["dense"])
         hf = {impl: round(ms[f"hf_{impl}"], 3) for impl in impls}
         best = min(hf, key=hf.get)
         rows.append({
             "tokens": T,
             "engine_ms": round(ms["engine"], 3),
-            "engine_proposed_ms": round(ms["engine_proposed"], 3),
-            "engine_loop_ms": round(ms["engine_loop"], 3),
+            "engine_impl": impl_of(T),
+            "engine_measured_ms": {k: round(v, 3) for k, v in expert_choice.measured().get(key_of(T), {}).items()},
+            **{f"{name}_ms": round(ms[name], 3) for name in VARIANTS if name != "engine"},
             "hf_default_ms": hf.get(default),
             "hf_default_impl": default,
             "hf_best_ms": hf[best],
@@ -339,17 +319,17 @@ def bench_qwen(tokens: list[int], n_layers: int, scale: float) -> list[dict]:
             "roofline_matmul_ms": round(ms["dense"], 3),
             "experts_hit": experts_hit,
             "bandwidth_gb_s": round(bw / 1e9, 2),
+            "bandwidth_probe": "sum" if ms["stream_sum"] < ms["stream"] else "mv",
+            "bandwidth_gb_s_by_probe": {p: round(STREAM_BYTES / (ms[n] / 1e3) / 1e9, 2)
+                                        for p, n in (("mv", "stream"), ("sum", "stream_sum"))},
             "dense_gflop_s": round(2 * T * K * D * 3 * I / (ms["dense"] / 1e3) / 1e9, 1),
             "engine_over_hf_best": round(ms["engine"] / hf[best], 3),
             "engine_over_roofline": round(ms["engine"] / roofline, 3),
-            "proposed_over_hf_best": round(ms["engine_proposed"] / hf[best], 3),
-            "proposed_over_roofline": round(ms["engine_proposed"] / roofline, 3),
             "max_abs_diff_vs_hf_eager": {k: float(f"{v:.3g}") for k, v in diffs.items()},
             "noise": {n: noise(ts) for n, ts in times.items()},
             "min_ms": {n: round(v, 3) for n, v in mn.items()},
             "roofline_from_min_ms": round(roofline_min, 3),
             "engine_min_over_roofline_min": round(mn["engine"] / roofline_min, 3),
-            "proposed_min_over_roofline_min": round(mn["engine_proposed"] / roofline_min, 3),
             "reps": len(times["engine"]),
             "threads": torch.get_num_threads(),
         })
@@ -395,19 +375,22 @@ def _progress(row: dict) -> None:
 def print_table(rows: list[dict], ds: dict | None) -> None:
     print(f"Qwen3-MoE layer: hidden {D}, {E} experts, top-{K}, expert size {I}, fp32, "
           f"{torch.get_num_threads()} threads; medians in ms")
-    print(f"{'T':>5} {'engine':>9} {'proposed':>9} {'loop':>9} {'hf default':>24} {'hf best':>24} "
-          f"{'roofline':>9} {'hit':>6} {'eng/best':>9} {'eng/roof':>9} {'prop/roof':>9}")
+    impls = [f"engine_{i}" for i in expert_choice.IMPLS]
+    print(f"{'T':>5} {'engine':>9} {'(impl)':>11} " + " ".join(f"{i.removeprefix('engine_'):>10}" for i in impls)
+          + f" {'hf best':>24} {'roofline':>9} {'hit':>6} {'eng/best':>9} {'eng/roof':>9}")
     for r in rows:
-        dflt = f"{r['hf_default_ms']:.3f} ({r['hf_default_impl']})"
         best = f"{r['hf_best_ms']:.3f} ({r['hf_best_impl']})"
-        print(f"{r['tokens']:>5} {r['engine_ms']:>9.3f} {r['engine_proposed_ms']:>9.3f} {r['engine_loop_ms']:>9.3f} "
-              f"{dflt:>24} {best:>24} {r['roofline_ms']:>9.3f} {r['experts_hit']:>6.1f} "
-              f"{r['engine_over_hf_best']:>9.3f} {r['engine_over_roofline']:>9.3f} {r['proposed_over_roofline']:>9.3f}")
-        print(f"      transformers {r['hf_ms']} skipped {r['hf_skipped']}; stream {r['bandwidth_gb_s']} GB/s, "
+        print(f"{r['tokens']:>5} {r['engine_ms']:>9.3f} {r['engine_impl']:>11} "
+              + " ".join(f"{r[i + '_ms']:>10.3f}" for i in impls)
+              + f" {best:>24} {r['roofline_ms']:>9.3f} {r['experts_hit']:>6.1f} "
+              f"{r['engine_over_hf_best']:>9.3f} {r['engine_over_roofline']:>9.3f}")
+        print(f"      engine measured {r['engine_measured_ms']}; transformers {r['hf_ms']} (default "
+              f"{r['hf_default_impl']}) skipped {r['hf_skipped']}")
+        print(f"      stream {r['bandwidth_gb_s']} GB/s ({r['bandwidth_gb_s_by_probe']}), "
               f"dense {r['dense_gflop_s']} GFLOP/s")
         print(f"      noise {r['noise']}")
         print(f"      min   {r['min_ms']}; roofline from min {r['roofline_from_min_ms']}, engine/roof "
-              f"{r['engine_min_over_roofline_min']}, proposed/roof {r['proposed_min_over_roofline_min']}")
+              f"{r['engine_min_over_roofline_min']}")
     if ds:
         print(f"\nDeepSeek-style layer ({ds['routed_experts']} routed + 1 shared expert, top-{K}), medians in ms:")
         print(f"{'T':>5} {'fused':>9} {'unfused':>9}")

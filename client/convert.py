@@ -80,6 +80,11 @@ def datetime_of(msg: Any, name: str) -> dt.datetime | None:
 # --- parallelism and runtime ---------------------------------------------------
 
 def parallel_to_pb(p: Parallel) -> pb.Parallelism:
+    # On the wire a size of 0 is "unset" and means 1; a Parallel's sizes default to 1, so a 0
+    # here was given on purpose (`--tp-size 0`) and is refused rather than sent as "unset".
+    for name in ("tp_size", "ep_size", "pp_size", "dp_size"):
+        if getattr(p, name) == 0:
+            raise WireError(f"parallel.{name}", "must be >= 1, got 0")
     return pb.Parallelism(tp_size=p.tp_size, tp_rank=p.tp_rank, ep_size=p.ep_size, ep_rank=p.ep_rank,
                           pp_size=p.pp_size, pp_rank=p.pp_rank, dp_size=p.dp_size, dp_rank=p.dp_rank)
 

@@ -10,7 +10,11 @@ Slot ids >= S mean "not here" (another rank's expert) and are dropped.
 
 Why it is shaped like this (measured on 2 cores, D=1024, I=256, 64 experts, top-8,
 fp32; bench/moe.py):
-- Every expert goes to engine/expert_native.py when it applies (float32, contiguous,
+Which implementation runs (impl="kernel": the compiled kernel; "grouped_mm": torch.nn.functional.grouped_mm;
+"per_expert": the torch path below) is measured per shape class on the machine at hand
+(engine/expert_choice.py): the figures below are from where each was tuned.
+
+- impl="kernel": every expert goes to engine/expert_native.py when it applies (float32, contiguous,
   sizes multiples of 16, a compiler, no autograd): one C++ call per layer that hands
   the experts (split at 96 rows) to torch's OpenMP threads one at a time (dynamic: a
   core taken by another process does not hold up the layer), fuses silu(gate) * up *
@@ -69,16 +73,12 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from . import expert_native
+from . import expert_choice, expert_native
 
 
 # Default of the `expert_parallel` arguments below: whole experts per core (bench/moe.py measures both).
 # A test that counts matmuls with a thread-local TorchDispatchMode turns it off for itself.
 EXPERT_PARALLEL = True
-# Experts (with at most expert_native.max_rows() rows: all where the kernel has AVX-512) go to the compiled
-# kernel when it applies (float32, contiguous, sizes multiples of 16, a compiler to build it): see
-# engine/expert_native.py.
-NATIVE = True
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -89,11 +89,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_expert_mlp(xs: torch.Tensor, counts: Sequence[int], gate_up: torch.Tensor, down: torch.Tensor,
-                       row_weights: torch.Tensor | None = None, expert_parallel: bool | None = None) -> torch.Tensor:
+                       row_weights: torch.Tensor | None = None, expert_parallel: bool | None = None,
+                       native: bool = True) -> torch.Tensor:
     """xs [N, D] sorted by slot, counts[s] rows for slot s (sum(counts) == N) -> [N, D].
 
     Row i of the result is down_s(silu(gate_s(xs[i])) * up_s(xs[i])), times row_weights[i] if given.
-    expert_parallel (default EXPERT_PARALLEL): whole slots per thread, see _expert_parallel."""
+    expert_parallel (default EXPERT_PARALLEL): whole slots per thread, see _expert_parallel. native: the compiled
+    kernel takes the slots it computes well where it applies."""
     N = xs.shape[0]
     assert sum(counts) == N, f"counts sum to {sum(counts)}, xs has {N} rows"
     spans = []                                                   # (slot, start, end) of each hit slot
@@ -105,7 +107,7 @@ def grouped_expert_mlp(xs: torch.Tensor, counts: Sequence[int], gate_up: torch.T
     out = xs.new_empty(N, down.shape[1])
     if not spans:
         return out
-    if NATIVE and expert_native.applies(xs, gate_up, down):
+    if native and expert_native.applies(xs, gate_up, down):
         cap = expert_native.max_rows()
         mine = [(s, a, a, b - a) for s, a, b in spans if cap is None or b - a <= cap]
         if mine:
@@ -192,7 +194,7 @@ def _expert_parallel(spans, threads, xs, gate_up, down, row_weights, out) -> Non
 
 
 def _decode(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-            down: torch.Tensor) -> torch.Tensor:
+            down: torch.Tensor, native: bool) -> torch.Tensor:
     """One token: its K slots are (normally) K distinct experts, so no grouping is needed (a repeated slot
     is computed twice)."""
     S = gate_up.shape[0]
@@ -204,7 +206,7 @@ def _decode(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up
     w = weights.reshape(-1)
     if len(keep) < len(ids):
         w = w[keep]
-    if NATIVE and expert_native.applies(x, gate_up, down):
+    if native:
         rows = x.new_empty(len(keep), x.shape[1])                # [n, D] one row per kept slot, summed below
         expert_native.run_spans(x.contiguous(), gate_up, down, w.to(torch.float32).contiguous(), rows,
                                 [(ids[k], 0, j, 1) for j, k in enumerate(keep)])
@@ -283,19 +285,57 @@ def general_experts(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
 
 
 def fused_experts(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor, expert_parallel: bool | None = None) -> torch.Tensor:
-    """x [T, D], slots [T, K] local slot ids (>= S dropped), weights [T, K] -> y [T, D] in x's dtype."""
+                  down: torch.Tensor, expert_parallel: bool | None = None, impl: str | None = None) -> torch.Tensor:
+    """x [T, D], slots [T, K] local slot ids (>= S dropped), weights [T, K] -> y [T, D] in x's dtype.
+
+    impl: one of expert_choice.IMPLS ("kernel", "grouped_mm", "per_expert"); None: LOADPLAN_EXPERTS_IMPL, else
+    the implementation measured fastest on this machine for this shape class (engine/expert_choice.py)."""
+    if impl is None:
+        S = gate_up.shape[0]
+
+        def run(name: str, rep: int):       # each timed call reads other experts: weights from memory, as in a forward
+            moved = torch.where(slots < S, (slots + rep * slots.shape[1]) % S, slots)
+            return _run(name, x, moved, weights, gate_up, down, expert_parallel)
+        impl = expert_choice.choose(x, slots, gate_up, down, run)
+    elif impl not in expert_choice.IMPLS:
+        raise ValueError(f"impl={impl!r}: expected one of {', '.join(expert_choice.IMPLS)}")
+    return _run(impl, x, slots, weights, gate_up, down, expert_parallel)
+
+
+def _run(impl, x, slots, weights, gate_up, down, expert_parallel) -> torch.Tensor:
+    native = impl == "kernel" and expert_native.applies(x, gate_up, down)
+    if impl == "grouped_mm" and expert_choice.grouped_mm_applies(x, gate_up):
+        return _grouped_mm(x, slots, weights, gate_up, down)
     T, K = slots.shape
     if T == 1:
-        return _decode(x, slots, weights, gate_up, down)
+        return _decode(x, slots, weights, gate_up, down, native)
     order, counts = sort_by_slot(slots, gate_up.shape[0])
     token = torch.div(order, K, rounding_mode="floor")           # [N] source token of each row
-    if NATIVE and expert_native.applies(x, gate_up, down) and expert_native.max_rows() is None:
+    if native and expert_native.max_rows() is None:
         return _native(x, order, token, counts, weights, gate_up, down)
     xs = x.index_select(0, token)                                # [N, D] contiguous per slot
     w = weights.reshape(-1).index_select(0, order)
-    out = grouped_expert_mlp(xs, counts, gate_up, down, row_weights=w, expert_parallel=expert_parallel)
+    out = grouped_expert_mlp(xs, counts, gate_up, down, row_weights=w, expert_parallel=expert_parallel,
+                             native=native)
     return x.new_zeros(T, x.shape[1]).index_add_(0, token, out)
+
+
+def _grouped_mm(x, slots, weights, gate_up, down) -> torch.Tensor:
+    """torch.nn.functional.grouped_mm over the kept rows sorted by slot (transformers' grouped_mm experts):
+    one grouped call per projection, offs[s] = the end of slot s's rows."""
+    T, K = slots.shape
+    S = gate_up.shape[0]
+    order, counts = sort_by_slot(slots, S)
+    if not order.numel():
+        return x.new_zeros(T, x.shape[1])
+    token = torch.div(order, K, rounding_mode="floor")
+    offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    g = F.grouped_mm(x.index_select(0, token), gate_up.transpose(1, 2), offs=offs)         # [N, 2I]
+    h = silu_mul(g).mul_(weights.reshape(-1).index_select(0, order).to(g.dtype)[:, None])  # [N, I]
+    rows = F.grouped_mm(h, down.transpose(1, 2), offs=offs)                                # [N, D]
+    if order.numel() == T * K:
+        return rows.new_empty(T * K, rows.shape[1]).index_copy_(0, order, rows).view(T, K, -1).sum(1)
+    return x.new_zeros(T, x.shape[1]).index_add_(0, token, rows)
 
 
 def _native(x, order, token, counts, weights, gate_up, down) -> torch.Tensor:

@@ -134,6 +134,9 @@ class RoutedExperts(nn.Module):
         self.adds_down_bias = self.tp.size == 1 or par.tp_rank == 0
         # Llama 4: the routing weight scales each expert's input, not its output (expert_kernel.general_experts).
         self.weight_inputs = weight_inputs
+        # Which implementation computes the experts (engine/expert_choice.py's IMPLS): None, the one measured
+        # fastest on this machine for the call's shape class (or LOADPLAN_EXPERTS_IMPL's); a name forces it.
+        self.experts_impl: str | None = None
 
         # The EP group of this rank: from the worker's parallel context, fixed at build time.
         ctx = parallel_context.current()
@@ -236,7 +239,7 @@ class RoutedExperts(nn.Module):
     def _experts(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The local experts' weighted rows summed per token: x [T, D], slots [T, K] local ids -> [T, D]."""
         if self.gate_up_bias is None and self.activation is None and not self.weight_inputs:
-            return fused_experts(x, slots, weights, self.gate_up_proj, self.down_proj)
+            return fused_experts(x, slots, weights, self.gate_up_proj, self.down_proj, impl=self.experts_impl)
         return general_experts(x, slots, weights, self.gate_up_proj, self.down_proj, gate_up_bias=self.gate_up_bias,
                                down_bias=self.down_bias if self.adds_down_bias else None,
                                act=self.activation or silu_mul, weight_inputs=self.weight_inputs)

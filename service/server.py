@@ -1,11 +1,11 @@
 """Server wiring: the registry servicer, health, reflection, limits, readiness.
 
 The server is grpc.aio on an event loop of its own thread: RPCs are coroutines,
-so a resolve that waits for its group commit holds no thread (service/store/
-pg_async_writer.py writes PostgreSQL batches from the same loop). Blocking work
-(the store's reads, SQLite, the careful write path) runs on `max_workers`
-threads. The class is used from ordinary threads: `start`, `stop` and `wait`
-block their caller and run what they must on the loop.
+so a resolve that waits for its group commit (service/store/group_commit.py)
+holds no thread. Blocking work (the store's reads, and each group commit's
+`save_batch`) runs on `max_workers` threads. The class is used from ordinary
+threads: `start`, `stop` and `wait` block their caller and run what they must
+on the loop.
 
 Health (grpc.health.v1) says NOT_SERVING until the store is ready (database
 reachable and migrated) and follows it afterwards: a background thread asks
@@ -21,20 +21,20 @@ import logging
 import threading
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, Coroutine
+from typing import Any, Callable, Coroutine
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from ..v1 import registry_pb2 as pb
-from . import auth
-from .accept_ahead import AcceptAhead
+from ..v1 import registry_pb2_grpc as pb_grpc
+from . import auth, reflection_v1
 from .auth import TokenStore
 from .registry import PlanStore, Registry
 from .rules import entries
 from .tls import ServerTls, add_port
-from .transport.servicer import ModelRegistryServicer, add_to_server
+from .store.group_commit import GroupCommit
+from .transport.servicer import ModelRegistryServicer
 
 log = logging.getLogger("loadplan.service")
 
@@ -52,9 +52,7 @@ class ServerStartError(RuntimeError):
 class ServerOptions:
     listen: str = "127.0.0.1:50051"
     max_receive_message_bytes: int = DEFAULT_MAX_RECEIVE_BYTES   # larger requests: RESOURCE_EXHAUSTED
-    # Threads for the store's blocking calls (reads, SQLite's writes, PostgreSQL's careful path).
-    # On SQLite a resolve waits for its group commit on one, so they bound how many plans one
-    # commit carries: sized for 64 ranks resolving at once.
+    # Threads for the store's blocking calls (reads, appends, each group commit's save_batch).
     max_workers: int = 64
     readiness_interval_s: float = 1.0
     # A store that has not answered readiness within this is NOT_SERVING (a stalled database).
@@ -62,19 +60,10 @@ class ServerOptions:
     grace_s: float = 5.0
     tokens: TokenStore | None = None     # bearer tokens and roles (service/auth.py); None: open
     tls: ServerTls | None = None         # TLS / mutual TLS (service/tls.py); None: plaintext
-    # Extra call requests kept outstanding per registry method (service/accept_ahead.py; it uses
-    # private parts of grpcio, so it is opt-in); 0: grpc's own accept loop alone, one call of a
-    # method accepted at a time.
-    accept_ahead: int = 0
-    # The longest a group of concurrent plans waits for more before it is written
-    # (`AsyncPlanWriter.fill_wait`); None: the writer's own (6 ms; 1 ms with calls accepted ahead).
-    # The wait pays under load (dozens of calls in flight); a lightly loaded replica does better
-    # with 0 (a group written as soon as the previous one is).
-    group_wait_ms: float | None = None
-
-
-# A longer wait is a misconfiguration: under load every resolve would wait about as long.
-MAX_GROUP_WAIT_MS = 1000
+    # Called after each group commit with its latency (s) and its number of plans (metrics).
+    on_commit: Callable[[float, int], None] | None = None
+    # Interceptors run before authentication's, outermost first (service/metrics.py counts resolves).
+    interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()
 
 
 class _Probe:
@@ -120,7 +109,7 @@ class RegistryServer:
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="loadplan-grpc", daemon=True)
         self._loop_thread.start()
-        self.writer = None                    # the store's AsyncPlanWriter (`store.async_writer`), if it has one
+        self.group_commit: GroupCommit | None = None   # over the store's save_batch, for the loop's resolves
         self._stopped = False
         try:
             self.port = self._call(self._build())
@@ -138,14 +127,9 @@ class RegistryServer:
     async def _build(self) -> int:
         """On the loop: the aio server, its services, its port (the port bound)."""
         options = self.options
-        if options.accept_ahead < 0:
-            raise ServerStartError(f"accept_ahead must be >= 0, got {options.accept_ahead}")
-        if options.group_wait_ms is not None and not 0 <= options.group_wait_ms <= MAX_GROUP_WAIT_MS:
-            raise ServerStartError(f"group_wait_ms must be between 0 and {MAX_GROUP_WAIT_MS}, "
-                                   f"got {options.group_wait_ms}")
         self.health = health.aio.HealthServicer()
         await self._publish(NOT_SERVING)
-        interceptors = auth.interceptors(options.tokens)
+        interceptors = list(options.interceptors) + auth.interceptors(options.tokens)
         self._server = grpc.aio.server(
             options=[("grpc.max_receive_message_length", options.max_receive_message_bytes),
                      # Without this, Linux lets a second server bind the same port and
@@ -153,17 +137,14 @@ class RegistryServer:
                      ("grpc.so_reuseport", 0)],
             interceptors=interceptors,
         )
-        make_writer = getattr(self.store, "async_writer", None)
-        self.writer = make_writer(self._executor) if make_writer is not None else None
-        writer = self.writer
-        handlers = add_to_server(ModelRegistryServicer(Registry(self.store), blocking=self._blocking,
-                                                       save_made=writer.save_made if writer is not None else None),
-                                 self._server)
-        self.accept_ahead = AcceptAhead(self._server, handlers, interceptors, options.accept_ahead)
+        self.group_commit = GroupCommit(self.store.save_batch, run_blocking=self._blocking,
+                                        on_commit=options.on_commit)
+        registry = Registry(self.store, save=self.group_commit.save)
+        pb_grpc.add_ModelRegistryServicer_to_server(ModelRegistryServicer(registry, blocking=self._blocking),
+                                                    self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self._server)
+        reflection_v1.enable((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
+                             self._server)
         try:
             port = add_port(self._server, options.listen, options.tls)
         except RuntimeError as e:
@@ -250,18 +231,12 @@ class RegistryServer:
 
     async def _start(self) -> None:
         await self._server.start()
-        await self.accept_ahead.start()
-        if self.accept_ahead.active and self.writer is not None:
-            self.writer.accepting_ahead()
-        if self.options.group_wait_ms is not None and self.writer is not None:
-            self.writer.fill_wait(self.options.group_wait_ms / 1000)   # the operator's, over either default
 
     async def _shutdown(self, grace: float) -> None:
         await self.health.enter_graceful_shutdown()
         await self._server.stop(grace)
-        await self.accept_ahead.stop()
-        if self.writer is not None:
-            await self.writer.aclose()
+        if self.group_commit is not None:
+            await self.group_commit.aclose()
 
     def _close_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -34,3 +34,17 @@ def test_registry_waits_for_migration_and_migration_for_postgres():
     assert services["registry"]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
     assert services["registry"]["command"][:2] == ["loadplan", "serve"]
     assert "healthcheck" in services["postgres"] and "healthcheck" in services["registry"]
+
+
+def test_registry_serves_metrics_and_prometheus_scrapes_every_replica():
+    registry = _compose()["services"]["registry"]
+    command = [str(a) for a in registry["command"]]
+    http = command[command.index("--http") + 1]
+    port = int(http.rsplit(":", 1)[1])
+    assert http.startswith("0.0.0.0:")
+    assert any(str(p).endswith(f":{port}") for p in registry["ports"])
+    assert registry["labels"]["prometheus.io/port"] == str(port)
+    assert registry["labels"]["prometheus.io/path"] == "/metrics"
+    scrape = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())["scrape_configs"]
+    (job,) = [j for j in scrape if j["metrics_path"] == "/metrics"]
+    assert job["dns_sd_configs"] == [{"names": ["registry"], "type": "A", "port": port}]

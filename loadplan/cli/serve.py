@@ -4,6 +4,15 @@ Security (service/auth.py, service/tls.py): `--tokens-file FILE` (or
 $LOADPLAN_TOKENS_FILE, plus entries in $LOADPLAN_TOKENS) turns bearer-token
 authentication on; `--tls-cert` + `--tls-key` serve TLS, and `--tls-client-ca`
 makes it mutual TLS (clients need a certificate that CA signed).
+
+The embedded default just works: on a SQLite file `serve` creates or upgrades
+its schema itself (one process owns the file). PostgreSQL is shared by replicas
+whose upgrade is an operator's step: `loadplan migrate` (the compose `migrate`
+job) or `serve --migrate`.
+
+`--http HOST:PORT` (off unless given) also serves Prometheus metrics at
+`/metrics` and a read-only web view of the history (service/http/), with the
+gRPC port's TLS and the reader role's token when tokens are on.
 """
 
 from __future__ import annotations
@@ -24,19 +33,15 @@ HELP = "run the registry gRPC server"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_db_argument(parser)
     parser.add_argument("--listen", default="127.0.0.1:50051", metavar="HOST:PORT")
-    parser.add_argument("--migrate", action="store_true", help="upgrade the database to head before serving")
+    parser.add_argument("--migrate", action="store_true",
+                        help="upgrade the database to head before serving (a SQLite file is always upgraded)")
+    parser.add_argument("--http", default=None, metavar="HOST:PORT",
+                        help="also serve /metrics (Prometheus) and the read-only web view of the history here "
+                             "(off unless given)")
     parser.add_argument("--max-message-bytes", type=int, default=4 * 1024 * 1024, metavar="N",
                         help="largest request accepted (default 4 MiB)")
     parser.add_argument("--workers", type=int, default=None, metavar="N",
-                        help="worker threads for the database calls that block (default 64: reads, SQLite writes)")
-    parser.add_argument("--accept-ahead", type=int, default=None, metavar="N",
-                        help="extra calls of each registry method the server asks gRPC for ahead of time "
-                             "(default 0: gRPC's own accept loop, one call of a method at a time; 4 measured "
-                             "best; uses private parts of grpcio, see README)")
-    parser.add_argument("--group-wait-ms", type=float, default=None, metavar="MS",
-                        help="longest a group of concurrent plans waits for more before it is written "
-                             "(default 6, 1 with --accept-ahead; 0 suits a lightly loaded registry, "
-                             "below ~16 calls in flight)")
+                        help="worker threads for the database calls that block (default 64: reads, group commits)")
     sec = parser.add_argument_group("security")
     sec.add_argument("--tokens-file", metavar="FILE", default=None,
                      help="ROLE:TOKEN lines (roles worker, reader, admin); default $LOADPLAN_TOKENS_FILE, plus "
@@ -50,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..service.auth import TokenConfigError, load_tokens
     from ..service.server import RegistryServer, ServerOptions, ServerStartError
-    from ..service.store.db import make_engine, migrate
+    from ..service.store.db import make_engine, migrate, normalize_url
     from ..service.store.repository import SqlPlanStore
     from ..service.tls import TlsConfigError, describe, server_tls
 
@@ -67,23 +72,32 @@ def run(args: argparse.Namespace) -> int:
     except TlsConfigError as e:
         raise CliError("INVALID_ARGUMENT", one_line(e)) from None
     try:
-        if args.migrate:
+        if args.migrate or normalize_url(url).drivername.startswith("sqlite"):
             migrate(url)
         engine = make_engine(url)
     except ValueError as e:
         raise CliError("INVALID_ARGUMENT", f"--db: {one_line(e)}") from None
     except Exception as e:  # noqa: BLE001
         raise CliError("UNAVAILABLE", f"database {redact(url)}: {short_error(e)}") from None
+    metrics = None
+    if args.http:
+        from ..service.metrics import RegistryMetrics, ResolveMetrics
+        metrics = RegistryMetrics()
+    store = SqlPlanStore(engine)
     try:
-        server = RegistryServer(SqlPlanStore(engine), ServerOptions(
+        server = RegistryServer(store, ServerOptions(
             listen=args.listen, max_receive_message_bytes=args.max_message_bytes,
             **({} if args.workers is None else {"max_workers": args.workers}),
-            **({} if args.accept_ahead is None else {"accept_ahead": args.accept_ahead}),
-            **({} if args.group_wait_ms is None else {"group_wait_ms": args.group_wait_ms}),
-            tokens=tokens, tls=tls))
+            tokens=tokens, tls=tls, interceptors=(ResolveMetrics(metrics),) if metrics else (),
+            on_commit=metrics.observe_commit if metrics else None))
     except ServerStartError as e:
         raise CliError("FAILED_PRECONDITION", one_line(e)) from None
+    http = None
+    if args.http:
+        http = _http_server(server, store, metrics, args.http, tokens, tls)
     server.start()
+    if http is not None:
+        http.start()
     # Everything made so far (modules, tables, the rules) lives as long as the process: take it out
     # of the cyclic collector's sight. Otherwise every full collection walks it all, a 30-40 ms
     # stall of the event loop (every call in flight waits: the p99 at 64 resolves in flight was
@@ -91,9 +105,12 @@ def run(args: argparse.Namespace) -> int:
     gc.freeze()
     print(f"loadplan registry listening on {server.address} (database {redact(url)}; {describe(tls)}, "
           f"{'bearer tokens' if tokens else 'no authentication'})", flush=True)
+    if http is not None:
+        print(f"loadplan web view and /metrics on {http.scheme}://{http.address}/", flush=True)
     if not server.serving:
         print(f"warning: database {redact(url)} is not reachable or not migrated; health is NOT_SERVING until it "
-              f"is (run `loadplan migrate --db URL`)", file=sys.stderr, flush=True)
+              f"is (`serve` upgrades SQLite itself, not PostgreSQL: run `loadplan migrate --db URL` or "
+              f"`serve --migrate`)", file=sys.stderr, flush=True)
     done = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: done.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -101,6 +118,23 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if http is not None:
+            http.stop()
         server.stop()
         engine.dispose()
     return 0
+
+
+def _http_server(server, store, metrics, listen: str, tokens, tls):
+    """`--http`: the web view and /metrics of `server` (service/http/), not started yet."""
+    from ..service.http.app import create_app
+    from ..service.http.server import HttpServer, HttpStartError
+    from ..service.registry import Registry
+
+    metrics.follow(server)
+    app = create_app(Registry(store), metrics, tokens or None, secure_cookie=tls is not None)
+    try:
+        return HttpServer(app, listen, tls)
+    except HttpStartError as e:
+        server.stop()
+        raise CliError("FAILED_PRECONDITION", one_line(e)) from None

@@ -30,7 +30,6 @@ import pathlib
 import socket
 import threading
 import time
-import weakref
 from typing import Any
 
 import sqlalchemy as sa
@@ -83,7 +82,6 @@ def make_engine(url: str | sa.URL, *, operation_timeout_s: float | None = DEFAUL
     if operation_timeout_s is None:
         kwargs.setdefault("pool_pre_ping", True)
         engine = sa.create_engine(u, connect_args=connect_args, **kwargs)
-        engine.dialect.loadplan_connect_args = connect_args
         return engine
     if operation_timeout_s <= 0:
         raise ValueError(f"operation_timeout_s must be > 0 or None, got {operation_timeout_s}")
@@ -98,18 +96,8 @@ def make_engine(url: str | sa.URL, *, operation_timeout_s: float | None = DEFAUL
     # The ping is ours (`_install_pg_guards`): under the watchdog, and only for idle connections.
     kwargs["pool_pre_ping"] = False
     engine = sa.create_engine(u, connect_args=connect_args, **kwargs)
-    engine.dialect.loadplan_connect_args = connect_args
     _install_pg_guards(engine, operation_timeout_s)
     return engine
-
-
-def psycopg_connect_kwargs(engine: Engine) -> dict[str, Any]:
-    """The keyword arguments `engine`'s pool gives `psycopg.connect` (its URL, and the timeouts and
-    keepalives `make_engine` adds): for a connection of one's own to the same database, bounded
-    the same way (`PgAsyncWriter`)."""
-    _, params = engine.dialect.create_connect_args(engine.url)
-    params.pop("context", None)   # SQLAlchemy's adapters for its own connections
-    return {**params, **getattr(engine.dialect, "loadplan_connect_args", {})}
 
 
 class _Watchdog:
@@ -174,47 +162,6 @@ def shut_down_socket(dbapi_conn: Any) -> None:
 WATCHDOG = _Watchdog()
 
 
-# psycopg connections running a transaction in autocommit mode with our own BEGIN (see
-# `borrow_autocommit`); switched back when that transaction ends, before anyone else uses them.
-_AUTOCOMMIT_BORROWED: "weakref.WeakSet[Any]" = weakref.WeakSet()
-
-
-def borrow_autocommit(dbapi_conn: Any) -> bool:
-    """Before `dbapi_conn.pipeline()`: let the transaction's BEGIN travel with the statements.
-    psycopg's own BEGIN waits for its answer in pipeline mode (a round trip of its own), so the
-    connection runs this one transaction in autocommit mode and the caller sends "BEGIN" itself
-    as the pipeline's first statement (psycopg still sends COMMIT / ROLLBACK, since the server
-    says a transaction is open); the dialect's commit and rollback (`_install_pg_guards`) switch
-    it back. Switched here, outside the pipeline, where it costs no round trip. False, doing
-    nothing, when not applicable (a transaction open already, non-default transaction
-    characteristics): psycopg's own BEGIN then applies."""
-    import psycopg
-
-    if (dbapi_conn.autocommit or dbapi_conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
-            or dbapi_conn.isolation_level is not None or dbapi_conn.read_only is not None
-            or dbapi_conn.deferrable is not None):
-        return False
-    _AUTOCOMMIT_BORROWED.add(dbapi_conn)
-    dbapi_conn.autocommit = True
-    return True
-
-
-def _give_back_autocommit(dbapi_conn: Any) -> None:
-    raw = getattr(dbapi_conn, "dbapi_connection", dbapi_conn)   # the pool's reset passes its proxy
-    if raw in _AUTOCOMMIT_BORROWED:
-        _AUTOCOMMIT_BORROWED.discard(raw)
-        if not raw.closed:
-            raw.autocommit = False   # the transaction has ended: IDLE again
-
-
-def arm_watchdog(engine: Engine, dbapi_conn: Any) -> None:
-    """Bound a wait on the raw connection that SQLAlchemy's events do not see (a pipeline's sync);
-    `WATCHDOG.disarm(dbapi_conn)` after it."""
-    seconds = operation_timeout(engine)
-    if seconds is not None:
-        WATCHDOG.arm(dbapi_conn, seconds)
-
-
 def _install_pg_guards(engine: Engine, seconds: float) -> None:
     """The watchdog over every statement, commit, rollback and ping of `engine`."""
     dialect = engine.dialect
@@ -228,7 +175,6 @@ def _install_pg_guards(engine: Engine, seconds: float) -> None:
                 return method(dbapi_conn, *args, **kwargs)
             finally:
                 WATCHDOG.disarm(dbapi_conn)
-                _give_back_autocommit(dbapi_conn)
         return call
 
     # Commits and rollbacks have no before/after event pair; the dialect's own methods do.
@@ -252,10 +198,6 @@ def _install_pg_guards(engine: Engine, seconds: float) -> None:
     @event.listens_for(engine, "checkin")
     def _checked_in(dbapi_conn, record):
         WATCHDOG.disarm(dbapi_conn)
-        if dbapi_conn is not None and dbapi_conn in _AUTOCOMMIT_BORROWED:
-            # Returned without its transaction ended by the dialect (never expected): unusable.
-            record.invalidate()
-            return
         record.info["loadplan_idle_since"] = time.monotonic()
 
     @event.listens_for(engine, "checkout")

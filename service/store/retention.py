@@ -28,7 +28,6 @@ from sqlalchemy.engine import Engine
 
 from .db import writer
 from .models import DecisionAppendRow, DecisionRow, DeploymentPinRow, PlanRow
-from .repository import UnitOfWork
 
 PLANS, DECISIONS = PlanRow.__table__, DecisionRow.__table__
 APPENDS, PINS = DecisionAppendRow.__table__, DeploymentPinRow.__table__
@@ -88,8 +87,7 @@ def prune_plans(engine: Engine, before: dt.datetime, *, dry_run: bool = False,
 
 def _prune_batch(engine: Engine, before: dt.datetime, batch_size: int) -> int:
     """One transaction: up to `batch_size` prunable plans and what hangs off them; how many went."""
-    with UnitOfWork(writer(engine)) as uow:
-        conn = uow.conn
+    with writer(engine).begin() as conn:
         pick = (sa.select(PLANS.c.plan_id)
                 .where(PLANS.c.created_at < before, ~_pinned(), ~_active(before))
                 .order_by(PLANS.c.created_at, PLANS.c.plan_id)
@@ -104,5 +102,4 @@ def _prune_batch(engine: Engine, before: dt.datetime, batch_size: int) -> int:
         deleted = conn.execute(sa.delete(PLANS).where(PLANS.c.plan_id.in_(ids))).rowcount
         if deleted != len(ids):   # somebody deleted some meanwhile (another prune): start this batch over
             raise RuntimeError(f"pruning: {len(ids) - deleted} of {len(ids)} plans vanished meanwhile")
-        uow.commit()
         return deleted

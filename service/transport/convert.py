@@ -7,11 +7,11 @@ INVALID_ARGUMENT naming the field, filters, diffs, backends and coverage.
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import threading
-from typing import Any, NamedTuple
+from typing import Any
 
-from ...client.convert import (WireError, config_to_json, datetime_of, decision_from_pb, decision_to_pb,
+from ...client.convert import (WireError, datetime_of, decision_from_pb, decision_to_pb,
                                parallel_from_pb, plan_from_pb, plan_to_pb, role_from_pb, runtime_from_pb)
 from ...plan import Decision, Parallel, ResolveRequest, Runtime
 from ...v1 import registry_pb2 as pb
@@ -24,29 +24,11 @@ __all__ = ["plan_to_pb", "plan_from_pb", "request_from_pb", "filter_from_pb", "d
 
 
 def _json_object(text: str, field: str, *, required: bool) -> dict[str, Any] | None:
-    doc = _document(text, field, required=required)
-    return None if doc is None else doc.value
-
-
-class _Document(NamedTuple):
-    value: dict[str, Any]   # the parsed object, shared by every request that sent the same text
-    stored: str             # `client.convert.config_to_json(value)`: the text the store and the wire carry
-
-
-def _document(text: str, field: str, *, required: bool) -> _Document | None:
-    """The config `text` parsed, remembered by text: every rank of a deployment sends the same
-    config.json, parsed (and re-encoded for the store) once. The parsed object is shared between
-    requests, which is safe because nothing on the resolve path changes a request's config
-    (the domain treats a ResolveRequest as a value; tests/service/transport checks the cached
-    documents stay as parsed). Refusals are not remembered."""
-    global _documents_chars
+    """The JSON object `text` (a config.json), or None for "" when not `required`."""
     if not text:
         if required:
             raise InvalidArgument(field, "required (the checkpoint's config.json)")
         return None
-    doc = _DOCUMENTS.get(text)
-    if doc is not None:
-        return doc
     try:
         value = json.loads(text)
     except ValueError as e:
@@ -57,36 +39,7 @@ def _document(text: str, field: str, *, required: bool) -> _Document | None:
         raise InvalidArgument(field, f"must be a JSON object, got {type(value).__name__}")
     if _depth(value) > MAX_JSON_DEPTH:
         raise InvalidArgument(field, f"nested deeper than {MAX_JSON_DEPTH} levels")
-    doc = _Document(value, config_to_json(value))
-    if len(text) <= DOCUMENTS_CHARS:
-        with _documents_lock:
-            if text not in _DOCUMENTS:
-                _DOCUMENTS[text] = doc
-                _documents_chars += len(text)
-            while len(_DOCUMENTS) > DOCUMENTS_SIZE or _documents_chars > DOCUMENTS_CHARS:
-                oldest = next(iter(_DOCUMENTS))
-                del _DOCUMENTS[oldest]
-                _documents_chars -= len(oldest)
-    return doc
-
-
-# Distinct config texts remembered (a fleet has a handful), oldest forgotten first; bounded in
-# count and in characters too, since a parsed document takes several times its text's memory.
-DOCUMENTS_SIZE = 256
-DOCUMENTS_CHARS = 8 << 20
-_DOCUMENTS: dict[str, _Document] = {}
-_documents_chars = 0
-_documents_lock = threading.Lock()
-
-
-def stored_config_texts(msg: pb.ResolveLoadPlanRequest) -> tuple[str, str | None]:
-    """`config_to_json(req.config)` and `quantization_config_to_json(req.quantization_config)` of
-    `req = request_from_pb(msg)`, from the documents it parsed (computed again if forgotten
-    since), but None for no quantization config: `NewPlan.config_json` and
-    `quantization_config_json`, which the store writes as they are (None: it writes NULL)."""
-    config = _document(msg.config_json, "config_json", required=True)
-    qconfig = _document(msg.quantization_config_json, "quantization_config_json", required=False)
-    return config.stored, None if qconfig is None else qconfig.stored
+    return value
 
 
 # Real checkpoint configs nest a few levels; the rules, fingerprints and the store walk
@@ -118,37 +71,26 @@ def request_from_pb(msg: pb.ResolveLoadPlanRequest) -> ResolveRequest:
         request_id=msg.request_id,
         deployment_id=msg.deployment_id,
         role=_wire(role_from_pb, msg.role),
-        # A request without the message gets the defaults (one rank); a message that is
-        # present is taken literally, so tp_size=0 is refused rather than silently made 1.
-        parallel=_shared(_PARALLELS, msg.parallel, parallel_from_pb) if msg.HasField("parallel") else _ONE_RANK,
+        # A request without the message gets the defaults (one rank); in a message that is
+        # present an unset size (proto3's zero) means 1, as the proto says: a client that sets
+        # only the sizes it uses (tp_size=8) must not be refused for dp_size. Negative sizes
+        # and ranks are taken literally and refused naming the field.
+        parallel=_parallel_unset_sizes_one(msg.parallel) if msg.HasField("parallel") else Parallel(),
         host=msg.host,
         config=_json_object(msg.config_json, "config_json", required=True),
         quantization_config=_json_object(msg.quantization_config_json, "quantization_config_json",
                                          required=False),
         quantization=msg.quantization or None,
-        runtime=_shared(_RUNTIMES, msg.runtime, runtime_from_pb) if msg.HasField("runtime") else _DEFAULT_RUNTIME,
+        runtime=runtime_from_pb(msg.runtime) if msg.HasField("runtime") else Runtime(),
     )
 
 
-def _shared(cache: dict[bytes, Any], msg, from_pb):
-    """`from_pb(msg)`, one object per distinct message: Parallel and Runtime are frozen values
-    that every rank (Runtime) or every deployment of a shape (Parallel) repeats, and building
-    one costs several times looking it up by its bytes."""
-    raw = msg.SerializeToString()
-    value = cache.get(raw)
-    if value is None:
-        value = from_pb(msg)
-        if len(cache) >= SHARED_SIZE:
-            cache.clear()   # rare (a fleet has few shapes); simpler than an LRU and as bounded
-        cache[raw] = value
-    return value
+def _parallel_unset_sizes_one(msg: pb.Parallelism) -> Parallel:
+    """`parallel_from_pb`, a zero size read as 1 (proto3 cannot tell unset from 0)."""
+    return dataclasses.replace(parallel_from_pb(msg), **{f: 1 for f in _SIZES if getattr(msg, f) == 0})
 
 
-SHARED_SIZE = 4096
-_PARALLELS: dict[bytes, Parallel] = {}
-_RUNTIMES: dict[bytes, Runtime] = {}
-_ONE_RANK = Parallel()
-_DEFAULT_RUNTIME = Runtime()
+_SIZES = ("tp_size", "ep_size", "pp_size", "dp_size")
 
 
 def filter_from_pb(msg: pb.ListPlansRequest) -> PlanFilter:

@@ -12,7 +12,7 @@ import asyncio
 import functools
 import logging
 import uuid
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable
 
 import grpc
 
@@ -21,14 +21,11 @@ from ...v1 import registry_pb2 as pb
 from ...v1 import registry_pb2_grpc as pb_grpc
 from .. import coverage
 from ..errors import FailedPrecondition, InvalidArgument, NotFound, RegistryError, Unavailable
-from ...plan import LoadPlan
-from ..registry import NewPlan, Registry
+from ..registry import Registry
 from ..rules.backends import BACKENDS
-from . import convert, plan_wire
-from .request_shapes import RequestShapes, shape_key
+from . import convert
 
 log = logging.getLogger("loadplan.service")
-T = TypeVar("T")
 
 STATUS_OF: dict[type[RegistryError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -91,62 +88,25 @@ async def _internal(context, name: str, err: BaseException):
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error (incident {incident}; see the registry log)")
 
 
-async def _to_thread(fn: Callable[..., T], *args: Any) -> T:
-    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-
-
-def _answer(texts: tuple[str, str | None], new: NewPlan, plan: LoadPlan) -> bytes:
-    """The answer's bytes for `plan`, what the store answered for `new` (`Registry.new_plan` of a
-    request whose stored config texts are `texts`): `new`'s plan encoded with those texts, else (a
-    stored plan replayed) encoded whole."""
-    if plan is new.plan:
-        return plan_wire.plan_bytes(plan, config_json=texts[0], quantization_config_json=texts[1],
-                                    unstamped=new.unstamped)
-    return plan_wire.plan_bytes(plan)
-
-
 class ModelRegistryServicer(pb_grpc.ModelRegistryServicer):
     """For a grpc.aio server: every method is a coroutine on the server's event loop.
 
-    Work that blocks (the store's reads and writes) runs through `blocking(fn, *args)` (the
-    server's: its worker threads); the rules are pure CPU and run on the loop. A resolve's plan
-    is saved, and its answer derived, by `save_made` (the server's: its writer's
-    `AsyncPlanWriter.save_made`, which awaits its group commit on the loop and makes the plan
-    of a known request shape with its batch); without one, the plan is made here and saved by
-    the store's `save_plan` through `blocking`."""
+    Each method translates its request (`convert`), calls one use case of `Registry` and
+    translates the answer back; errors become statuses (`_rpc`). A resolve runs the rules on
+    the loop and awaits its save (`Registry.resolve_async`); the other use cases block on the
+    database and run through `blocking(fn, *args)` (the server's worker threads)."""
 
-    def __init__(self, registry: Registry, *, blocking: Callable[..., Awaitable[Any]] | None = None,
-                 save_made: Callable[[Callable[[], NewPlan], Callable[[NewPlan, LoadPlan], Any]], Awaitable[Any]]
-                 | None = None):
+    def __init__(self, registry: Registry, *, blocking: Callable[..., Awaitable[Any]] | None = None):
         self.registry = registry
-        self._blocking = blocking or _to_thread
-        self._save_made = save_made or self._make_and_save
-        self.shapes = RequestShapes()
-
-    async def _make_and_save(self, make: Callable[[], NewPlan], answer: Callable[[NewPlan, LoadPlan], T]) -> T:
-        """`save_made` where the server has no writer (`AsyncPlanWriter.save_made`): the plan made
-        here and saved by the store's `save_plan` through `blocking`."""
-        new = make()
-        return answer(new, await self._blocking(self.registry.store.save_plan, new))
+        self._blocking = blocking or asyncio.to_thread
 
     @_rpc
     async def ResolveLoadPlan(self, request, context):
-        """Answers with the plan's wire bytes (`plan_wire`; `add_to_server` sends them as they are).
-        A request of a shape decided before is made like that one (`request_shapes`)."""
-        key = shape_key(request)
-        shape = self.shapes.get(key)
-        if shape is not None:   # made by the batch's writer, with the batch's other plans (`save_made`)
-            return await self._save_made(functools.partial(self.registry.new_plan_like, shape.first,
-                                                           request.request_id, request.deployment_id), shape.answer)
         req = convert.request_from_pb(request)
-        texts = convert.stored_config_texts(request)
-        # The config texts determine the parsed configs: the rules' deployment cache key.
-        new = self.registry.new_plan(req, (request.config_json, request.quantization_config_json), texts)
-        # Saved, and answered, as a plan of a known shape is (the writer derives the answer while
-        # the database commits); a shape is remembered once its first plan is saved.
-        answered = await self._save_made(lambda: new, functools.partial(_answer, texts))
-        self.shapes.remember(key, new)
-        return answered
+        # The config texts determine the parsed configs: the rules' key for what they decide
+        # once per deployment (`rules.resolve.resolve_decisions`).
+        plan = await self.registry.resolve_async(req, (request.config_json, request.quantization_config_json))
+        return convert.plan_to_pb(plan)
 
     @_rpc
     async def GetPlan(self, request, context):
@@ -183,22 +143,3 @@ class ModelRegistryServicer(pb_grpc.ModelRegistryServicer):
     async def Echo(self, request, context):
         return pb.EchoResponse(payload=request.payload)
 
-
-def _serialize(response) -> bytes:
-    # ResolveLoadPlan answers with bytes already encoded; every other call with a message.
-    return response if response.__class__ is bytes else response.SerializeToString()
-
-
-def add_to_server(servicer: ModelRegistryServicer, server: grpc.aio.Server) -> dict[str, grpc.RpcMethodHandler]:
-    """`pb_grpc.add_ModelRegistryServicer_to_server`, but every answer goes through `_serialize`,
-    so that a method may answer with pre-encoded bytes. Returns the handlers by method path."""
-    service = pb.DESCRIPTOR.services_by_name["ModelRegistry"]
-    handlers = {}
-    for method in service.methods:
-        assert not (method.client_streaming or method.server_streaming), f"{method.name}: unary calls only"
-        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, method.name), request_deserializer=getattr(pb, method.input_type.name).FromString,
-            response_serializer=_serialize)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
-    server.add_registered_method_handlers(service.full_name, handlers)
-    return {f"/{service.full_name}/{name}": handler for name, handler in handlers.items()}

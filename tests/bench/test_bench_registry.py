@@ -1,5 +1,5 @@
-"""bench/registry.py's CPU accounting: what each call costs the server, the load generator and the database; its
-floor server (bench/floor_server.py), whose resolves only save a copied plan."""
+"""bench/registry.py's CPU accounting: what each call costs the server, the load generator and the database;
+its targets."""
 
 from __future__ import annotations
 
@@ -112,30 +112,7 @@ def test_each_row_says_its_target_and_whether_it_is_met(bench):
     seq = {"inflight": 1, "echo_p50_ms": 0.7, "commit_p50_ms": 0.5, "resolve_p50_ms": 1.45}
     assert bench.target_figures(seq) == {"target": "p50<=1.450", "target_met": True}
     assert bench.target_figures({**seq, "resolve_p50_ms": 1.451})["target_met"] is False
-    loaded = {"inflight": 64, "resolve_vs_echo_qps": 0.8}
-    assert bench.target_figures(loaded) == {"target": "qps>=0.8x", "target_met": True}
-    assert bench.target_figures({**loaded, "resolve_vs_echo_qps": 0.799})["target_met"] is False
+    loaded = {"inflight": 64, "resolve_vs_echo_qps": 0.5}
+    assert bench.target_figures(loaded) == {"target": "qps>=0.5x", "target_met": True}
+    assert bench.target_figures({**loaded, "resolve_vs_echo_qps": 0.499})["target_met"] is False
     assert bench.target_figures({**loaded, "inflight": 8}) == {"target": "-", "target_met": None}   # no target there
-
-
-def test_the_floor_server_answers_every_resolve_with_its_own_saved_plan(tmp_path):
-    """Its resolves after the first of a shape skip the rules: each still gets a new plan for its own request id
-    (the bench checks every answer) and every plan is in the database, as the real server's, but only the first of
-    each shape has its own request fingerprint."""
-    import sqlite3
-
-    spec = importlib.util.spec_from_file_location("loadplan_bench_registry_floor", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    url = f"sqlite:///{tmp_path / 'floor.db'}"
-    server = bench.Server(url, floor=True)
-    try:
-        row = bench.measure(server.address, inflight=8, n=40, rounds=1)     # 8 shapes (ranks): 32 copies
-    finally:
-        server.close()
-    assert row["resolve_qps"] > 0
-    with sqlite3.connect(tmp_path / "floor.db") as db:
-        plans, pins = (db.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in ("plans", "deployment_pins"))
-        fingerprints = db.execute("SELECT count(DISTINCT request_fingerprint) FROM plans").fetchone()[0]
-    assert plans == pins == 40 + 40       # measure's warm-up (min(50, n)) and its n: a plan and a pin each
-    assert fingerprints == 8              # the copies keep their shape's first fingerprint: no rules ran for them

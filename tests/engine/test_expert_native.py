@@ -46,7 +46,7 @@ def test_matches_reference(T, threads):
     g = torch.Generator().manual_seed(T)
     slots = torch.stack([torch.randperm(S, generator=g)[:K] for _ in range(T)])
     weights = torch.rand(T, K, generator=g)
-    y = fused_experts(x, slots, weights, gate_up, down)
+    y = fused_experts(x, slots, weights, gate_up, down, impl="kernel")
     torch.testing.assert_close(y.double(), expert_reference(x, slots, weights, gate_up, down), rtol=1e-5, atol=1e-5)
 
 
@@ -88,7 +88,7 @@ def test_experts_above_max_rows_go_to_torch(cap, monkeypatch):
     g = torch.Generator().manual_seed(cap)
     slots = torch.stack([torch.randperm(S, generator=g)[:3] for _ in range(40)])
     weights = torch.rand(40, 3, generator=g)
-    torch.testing.assert_close(fused_experts(x[:40], slots, weights, gate_up, down).double(),
+    torch.testing.assert_close(fused_experts(x[:40], slots, weights, gate_up, down, impl="kernel").double(),
                                expert_reference(x[:40], slots, weights, gate_up, down), rtol=1e-5, atol=1e-5)
 
 
@@ -99,7 +99,7 @@ def test_dropped_slots_and_repeats(T, threads):
     x, gate_up, down = make(S=S, T=T, seed=3)
     slots = torch.tensor([[1, S, 1, 4], [0, 0, S + 3, 5]]).repeat(75, 1)[:T]
     weights = torch.rand(T, 4)
-    y = fused_experts(x, slots, weights, gate_up, down)
+    y = fused_experts(x, slots, weights, gate_up, down, impl="kernel")
     torch.testing.assert_close(y.double(), expert_reference(x, slots, weights, gate_up, down), rtol=1e-5, atol=1e-5)
 
 
@@ -115,21 +115,22 @@ def test_same_as_the_torch_path(T, monkeypatch):
     slots = torch.stack([torch.randperm(S, generator=g)[:K] for _ in range(T)])
     weights = torch.rand(T, K, generator=g)
     with CountOps() as ops:
-        native = fused_experts(x, slots, weights, gate_up, down)
+        native = fused_experts(x, slots, weights, gate_up, down, impl="kernel")
     cap = expert_native.max_rows()
     rows = torch.bincount(slots.reshape(-1), minlength=S).tolist()
     to_torch = 0 if cap is None or T == 1 else sum(n > cap for n in rows)
     assert ops.calls.count("mm") == 2 * to_torch, f"max_rows()={cap}, rows per expert {rows}"
     assert not {"mv", "addmv"} & set(ops.calls), "a token's products ran in torch, not the kernel"
-    monkeypatch.setattr(expert_kernel, "NATIVE", False)
-    torch.testing.assert_close(native, fused_experts(x, slots, weights, gate_up, down), rtol=1e-5, atol=1e-6)
+    for impl in ("per_expert", "grouped_mm"):
+        torch.testing.assert_close(native, fused_experts(x, slots, weights, gate_up, down, impl=impl), rtol=1e-5,
+                                   atol=1e-6)
 
 
 def test_large_activations_stay_finite():
     # silu(a) for a far below zero: exp(-a) overflows to inf and a / inf is -0, not nan
     x, gate_up, down = make(S=2, T=2)
     x = x * 1e3
-    y = fused_experts(x, torch.tensor([[0, 1], [1, 0]]), torch.ones(2, 2), gate_up, down)
+    y = fused_experts(x, torch.tensor([[0, 1], [1, 0]]), torch.ones(2, 2), gate_up, down, impl="kernel")
     assert torch.isfinite(y).all()
     want = expert_reference(x, torch.tensor([[0, 1], [1, 0]]), torch.ones(2, 2), gate_up, down)
     torch.testing.assert_close(y.double(), want, rtol=1e-4, atol=1e-3)

@@ -35,8 +35,7 @@ COMMIT = "commit"
 class BackendKiller:
     """Arms itself for one transaction: before its statement number `at` (0-based), or
     before its COMMIT, the backend serving that connection is terminated and gone. Watches
-    the engine's transactions, and (`watch`) the statements of the registry's PgAsyncWriter,
-    each a transaction of its own (autocommitted: no COMMIT to cut)."""
+    the engine's transactions (the store's only way to the database)."""
 
     def __init__(self, engine, admin):
         self.admin = admin
@@ -48,15 +47,6 @@ class BackendKiller:
         event.listen(engine, "begin", self._begin)
         event.listen(engine, "before_cursor_execute", self._before_execute)
         event.listen(engine, "commit", self._before_commit)
-
-    def watch(self, server) -> None:
-        if server.writer is not None:
-            server.writer.before_statement.append(self._before_own_statement)
-
-    def _before_own_statement(self, conn, statement: str) -> None:
-        if self.counting:
-            self.statements.append([_summary(statement)])
-        self._maybe_kill(lambda: conn.info.backend_pid, 0)
 
     def arm(self, at: int | str | None) -> None:
         with self._lock:
@@ -119,7 +109,6 @@ def killed_registry(pg_db, admin):
     # No readiness polling during the test: its transactions would take the armed slot.
     server = RegistryServer(SqlPlanStore(engine), ServerOptions(listen="127.0.0.1:0", max_workers=4,
                                                                  readiness_interval_s=3600)).start()
-    killer.watch(server)
     try:
         yield server, killer
     finally:
@@ -187,9 +176,9 @@ def test_backend_terminated_at_every_point_of_a_save(killed_registry, pg_engine,
 
 
 def test_commit_answer_lost_then_retry_replays(pg_proxy, pg_engine):
-    """The write of a plan reached PostgreSQL and committed (one autocommitted statement for a
-    rank of a pinned deployment), its answer never came back: the plan exists, the client
-    heard UNAVAILABLE; its retry must get that very plan (replayed), not a second one."""
+    """The COMMIT of a plan's transaction reached PostgreSQL, its answer never came back: the
+    plan exists, the client heard UNAVAILABLE; its retry must get that very plan (replayed),
+    not a second one."""
     proxy, url = pg_proxy
     engine = make_engine(url)   # as `loadplan serve` makes it
     server = RegistryServer(SqlPlanStore(engine), ServerOptions(listen="127.0.0.1:0", max_workers=4,
@@ -199,7 +188,7 @@ def test_commit_answer_lost_then_retry_replays(pg_proxy, pg_engine):
         with RegistryClient(server.address, timeout=10, max_attempts=1) as once:
             once.resolve_load_plan(runner_request(f"{dep}-warm", dep, 0))   # warm the pool
             req = runner_request(f"{dep}-r1", dep, 1)
-            proxy.lose_reply_to(req.request_id.encode())   # in the parameters of the plan's write
+            proxy.lose_reply_to(b"COMMIT")   # the next COMMIT is this save's (readiness polls are off)
             with pytest.raises(RegistryCallError) as info:
                 once.resolve_load_plan(req)
             assert info.value.code == "UNAVAILABLE", info.value
@@ -225,7 +214,6 @@ def test_cuts_while_many_ranks_save_at_once(pg_proxy, pg_engine, admin):
     killer = BackendKiller(engine, admin)
     server = RegistryServer(SqlPlanStore(engine), ServerOptions(listen="127.0.0.1:0", max_workers=16,
                                                                  readiness_interval_s=3600)).start()
-    killer.watch(server)
     dep = f"many-{uuid.uuid4().hex[:6]}"
     deployments = [f"{dep}-a", f"{dep}-b"]
     outcomes = Outcomes()
@@ -234,8 +222,8 @@ def test_cuts_while_many_ranks_save_at_once(pg_proxy, pg_engine, admin):
     fired = []
 
     def chaos():
-        # A save is one autocommitted statement when nothing needs looking up, a transaction
-        # (look-ups, inserts, COMMIT) after a fault (its retries replay): the faults hit either.
+        # A save is a transaction (look-ups, inserts, COMMIT) of one or several plans: a backend
+        # killed before its first statement, or a statement's reply lost, hits every plan in it.
         faults = [0, "lose a save's reply", 0, "lose a save's reply", 0]
         for fault in faults:
             if stop.is_set():

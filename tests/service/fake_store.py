@@ -9,7 +9,6 @@ makes each call atomic, like the database transaction does.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import threading
 from typing import Sequence
@@ -18,8 +17,6 @@ from loadplan.plan import Decision, LoadPlan
 from loadplan.service.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from loadplan.service.registry import NewPlan, PlanFilter
 from loadplan.service.rules.resolve import diff_deployment_inputs, fingerprint
-from loadplan.service.store.async_writer import AsyncPlanWriter
-from loadplan.service.store.group_commit import DEFER
 
 
 class FakePlanStore:
@@ -65,6 +62,18 @@ class FakePlanStore:
             self.history[plan.plan_id] = list(plan.decisions.values())
             self.by_request[req.request_id] = (new.request_fingerprint, plan.plan_id)
             return plan
+
+    def save_batch(self, news: Sequence[NewPlan]) -> list[LoadPlan | Exception]:
+        """`save_plan` of each, in order; a refusal is that plan's outcome, Unavailable the batch's."""
+        out: list[LoadPlan | Exception] = []
+        for new in news:
+            try:
+                out.append(self.save_plan(new))
+            except Unavailable:
+                raise
+            except Exception as err:  # noqa: BLE001 - that plan's outcome
+                out.append(err)
+        return out
 
     def get_plan(self, plan_id: str, include_history: bool = False) -> LoadPlan:
         with self._lock:
@@ -127,37 +136,3 @@ def _matches(p: LoadPlan, flt: PlanFilter) -> bool:
             and (flt.host is None or req.host == flt.host)
             and (flt.created_after is None or p.created_at >= flt.created_after)
             and (flt.created_before is None or p.created_at < flt.created_before))
-
-
-class FakeAsyncWriter(AsyncPlanWriter):
-    """The server's async writer (group commit, `save_made`) over a `FakePlanStore`: a batch's plans
-    are saved one by one, a store refusal is that plan's outcome. `events`: ("write", [request
-    ids]) per batch; `defer`: request ids deferred once (as a second plan of an id in a batch is);
-    `gate`: when set up, batches wait for it (else a batch yields to the loop once, as the
-    database's round trip does)."""
-
-    def __init__(self, store: FakePlanStore, *, timeout: float | None = None, defer: set[str] = frozenset()):
-        store.wait_timeout_s = timeout     # how long a caller waits for its batch (the SQL store's setting)
-        super().__init__(store, max_leaders=1, max_batch=64, fill_wait_s=0.0)
-        self.events: list[tuple] = []
-        self.defer = set(defer)
-        self.gate: asyncio.Event | None = None
-
-    async def _write(self, news):
-        self.events.append(("write", [n.plan.request.request_id for n in news]))
-        if self.gate is not None:
-            await self.gate.wait()
-        else:
-            await asyncio.sleep(0)
-        out = []
-        for new in news:
-            rid = new.plan.request.request_id
-            if rid in self.defer:
-                self.defer.discard(rid)
-                out.append(DEFER)
-                continue
-            try:
-                out.append(self.store.save_plan(new))
-            except Exception as err:  # noqa: BLE001 - the store's refusal is that plan's outcome
-                out.append(err)
-        return out

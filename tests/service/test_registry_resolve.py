@@ -1,4 +1,4 @@
-"""Registry.resolve_new and request_fingerprint: what the store is handed for one resolve.
+"""Registry.resolve and request_fingerprint: what the store is handed for one resolve.
 
 The request fingerprint decides replay (same request id, same fingerprint) or refusal (same
 id, different request), so it must be equal exactly when two requests are equal but for their
@@ -6,18 +6,17 @@ request id, whichever way it is computed (from the configs, or from their finger
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime as dt
 import hashlib
 import uuid
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loadplan.plan import Parallel, ResolveRequest, Runtime
-from loadplan.service.errors import FailedPrecondition, InvalidArgument
-from loadplan.service.registry import NewPlan, Registry, new_plan_id, request_fingerprint
+from loadplan.service.registry import NewPlan, Registry, request_fingerprint
 from loadplan.service.rules.resolve import fingerprint, resolve_decisions
 from sample_requests import decided
 
@@ -44,7 +43,7 @@ def same_but_request_id(a: ResolveRequest, b: ResolveRequest) -> bool:
 
 
 def given_fingerprints(req: ResolveRequest) -> str:
-    # As Registry.resolve_new computes it: the configs' fingerprints from the rules' deployment inputs.
+    # As Registry.new_plan computes it: the configs' fingerprints from the rules' deployment inputs.
     return request_fingerprint(req, fingerprint(dict(req.config)), fingerprint(req.quantization_config or {}))
 
 
@@ -116,90 +115,33 @@ class RecordingStore:
         return new.plan
 
 
-def test_resolve_new_hands_the_store_the_plan_its_fingerprint_and_the_config_texts():
+def test_resolve_hands_the_store_the_plan_its_fingerprint_and_the_deployment_inputs():
     store = RecordingStore()
     registry = Registry(store, clock=lambda: NOW)
     req = ResolveRequest("r1", "d1", parallel=Parallel(ep_size=2, ep_rank=1), config=CONFIG,
                          quantization_config={"quant_method": "fp8"})
-    got = registry.resolve_new(req, ("key-of", "these configs"), ("config text", "quantization text"))
+    plan = registry.resolve(req, ("key-of", "these configs"))
     new = store.saved[-1]
-    assert got.plan is new.plan and got.new is new
     # the request as decided (its runtime names the engine) is the one fingerprinted and stored
-    assert new.plan.request == decided(req)
+    assert plan is new.plan and plan.request == decided(req) and plan.ruleset_version
     assert new.request_fingerprint == request_fingerprint(decided(req))
-    assert (new.config_json, new.quantization_config_json) == ("config text", "quantization text")
     assert new.deployment_inputs == resolve_decisions(req).deployment_inputs
-    plan = new.plan
     assert plan.created_at == NOW and all(d.decided_at == NOW for d in plan.decisions.values())
-    assert got.new.unstamped == resolve_decisions(req).decisions
-    assert {k: dataclasses.replace(d, decided_at=None) for k, d in plan.decisions.items()} == got.new.unstamped
-
-    # Without texts the store encodes the configs itself; resolve answers the plan alone.
-    plan = registry.resolve(dataclasses.replace(req, request_id="r2"))
-    assert store.saved[-1].plan is plan
-    assert (store.saved[-1].config_json, store.saved[-1].quantization_config_json) == (None, None)
+    assert {k: dataclasses.replace(d, decided_at=None) for k, d in plan.decisions.items()} == \
+        dict(resolve_decisions(req).decisions)
+    assert uuid.UUID(hex=plan.plan_id).version == 4
 
 
-def test_plan_ids_are_random_uuid4_hex():
-    ids = [new_plan_id() for _ in range(2000)]
-    assert len(set(ids)) == len(ids)
-    for plan_id in ids:
-        u = uuid.UUID(hex=plan_id)
-        assert u.hex == plan_id and u.version == 4 and u.variant == uuid.RFC_4122
+def test_resolve_async_saves_through_the_given_save_or_the_stores_save_plan():
+    req = ResolveRequest("r1", "d1", config=CONFIG)
+    saved: list[NewPlan] = []
 
+    async def save(new: NewPlan):
+        saved.append(new)
+        return new.plan
 
-ids = st.sampled_from(["r1", "r2", "other-run/7", "a" * 128])
-
-
-@st.composite
-def parallels(draw) -> Parallel:
-    """Sizes and ranks the rules accept (most of `requests`' are refused)."""
-    sizes = {axis: draw(st.sampled_from([1, 2, 4])) for axis in ("tp", "ep", "pp", "dp")}
-    return Parallel(**{f"{axis}_size": n for axis, n in sizes.items()},
-                    **{f"{axis}_rank": draw(st.integers(0, n - 1)) for axis, n in sizes.items()})
-
-
-resolvable = st.builds(
-    ResolveRequest, request_id=ids, deployment_id=ids, role=st.sampled_from(["target", "speculative"]),
-    parallel=parallels(), host=st.sampled_from(["", "h"]), config=st.sampled_from([CONFIG, {**CONFIG, "n_group": 8}]),
-    quantization_config=qconfigs, quantization=st.sampled_from([None, "fp8"]),
-    runtime=st.builds(Runtime, a2a_backend=st.sampled_from(["none", "deepep", "mooncake"]), enable_eplb=st.booleans(),
-                      enable_tbo=st.booleans(), disable_shared_experts_fusion=st.booleans()))
-
-
-def _made_twice(registry: Registry, req: ResolveRequest, request_id: str, deployment_id: str):
-    """(new_plan of `req` with these ids, new_plan_like of the plan `req` got): both at NOW."""
-    first = registry.new_plan(req, (id(req.config), id(req.quantization_config)), ("config text", None))
-    direct = registry.new_plan(dataclasses.replace(req, request_id=request_id, deployment_id=deployment_id),
-                               (id(req.config), id(req.quantization_config)), ("config text", None))
-    return direct, registry.new_plan_like(first, request_id, deployment_id)
-
-
-@settings(max_examples=300, deadline=None)
-@given(req=resolvable, request_id=ids, deployment_id=ids)
-def test_a_plan_made_like_an_earlier_one_is_the_plan_its_request_gets(req, request_id, deployment_id):
-    """`new_plan_like` (a request of a shape decided before, ResolveLoadPlan's shortcut) hands the
-    store what `new_plan` would for that request: same request, decisions, fingerprint, inputs and
-    config texts; only the plan id is its own."""
-    registry = Registry(RecordingStore(), clock=lambda: NOW)
-    try:
-        direct, like = _made_twice(registry, req, request_id, deployment_id)
-    except (InvalidArgument, FailedPrecondition):
-        return   # refused: nothing to make a plan like
-    assert like.plan.plan_id != direct.plan.plan_id
-    assert dataclasses.replace(like.plan, plan_id="p") == dataclasses.replace(direct.plan, plan_id="p")
-    assert like.plan.request.request_id == request_id and like.plan.request.deployment_id == deployment_id
-    assert like.request_fingerprint == direct.request_fingerprint
-    assert (like.deployment_inputs, like.unstamped) == (direct.deployment_inputs, direct.unstamped)
-    assert (like.config_json, like.quantization_config_json) == (direct.config_json, direct.quantization_config_json)
-
-
-@pytest.mark.parametrize("request_id, deployment_id, field", [
-    ("", "d1", "request_id"), ("r 1", "d1", "request_id"), ("r1\n", "d1", "request_id"),
-    ("r1", "", "deployment_id"), ("r1", "-d", "deployment_id"), ("r1", "d" * 129, "deployment_id")])
-def test_a_plan_made_like_an_earlier_one_checks_its_ids(request_id, deployment_id, field):
-    registry = Registry(RecordingStore(), clock=lambda: NOW)
-    first = registry.new_plan(ResolveRequest("r0", "d0", config=CONFIG))
-    with pytest.raises(InvalidArgument) as err:
-        registry.new_plan_like(first, request_id, deployment_id)
-    assert err.value.field == field
+    plan = asyncio.run(Registry(RecordingStore(), clock=lambda: NOW, save=save).resolve_async(req))
+    assert saved and plan is saved[0].plan
+    store = RecordingStore()
+    plan = asyncio.run(Registry(store, clock=lambda: NOW).resolve_async(req))
+    assert plan is store.saved[0].plan and plan.request == decided(req)

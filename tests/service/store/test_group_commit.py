@@ -1,148 +1,104 @@
-"""GroupCommit on its own: a fake writer, no database."""
+"""GroupCommit (service/store/group_commit.py): the plans saved while a batch is written go in
+the next batch, each caller gets its own outcome, and `on_commit` hears every batch."""
 
 from __future__ import annotations
 
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
+import asyncio
 
 import pytest
 
-from loadplan.service.store.group_commit import DEFER, GroupCommit
+from loadplan.service.errors import FailedPrecondition, Unavailable
+from loadplan.service.store.group_commit import GroupCommit
 
 
-class RecordingWriter:
-    """write_batch fake: records each batch, answers item * 10, raises items that are exceptions."""
+class FakeBatches:
+    """A `save_batch` that records its batches and answers each item with itself (a str) or
+    with the exception it is; `gate` holds a batch back until set."""
 
-    def __init__(self, delay_s: float = 0.0):
+    def __init__(self):
         self.batches: list[list] = []
-        self.delay_s = delay_s
-        self.lock = threading.Lock()
-        self.deferred_once: set = set()
+        self.gate: asyncio.Event | None = None
+        self.fail_next: Exception | None = None
 
-    def __call__(self, items):
-        with self.lock:
-            self.batches.append(list(items))
-        time.sleep(self.delay_s)   # a commit takes time: callers queue meanwhile
-        out = []
-        for item in items:
-            if isinstance(item, BaseException):
-                out.append(item)
-            elif isinstance(item, str) and item.startswith("defer") and item not in self.deferred_once:
-                self.deferred_once.add(item)
-                out.append(DEFER)
-            else:
-                out.append(item * 10 if isinstance(item, int) else item.upper())
-        return out
+    def save_batch(self, items):
+        self.batches.append(list(items))
+        if self.fail_next is not None:
+            err, self.fail_next = self.fail_next, None
+            raise err
+        return list(items)
+
+    async def run_blocking(self, fn, *args):
+        if self.gate is not None:
+            await self.gate.wait()
+        return fn(*args)
 
 
-def _submit_all(gc, items, workers=None):
-    barrier = threading.Barrier(len(items))
+def test_plans_saved_while_a_batch_is_written_share_the_next_one():
+    fake = FakeBatches()
+    commits: list[tuple[float, int]] = []
 
-    def one(item):
-        barrier.wait()
-        try:
-            return gc.submit(item)
-        except Exception as exc:  # noqa: BLE001
-            return exc
+    async def main():
+        fake.gate = asyncio.Event()
+        group = GroupCommit(fake.save_batch, run_blocking=fake.run_blocking,
+                            on_commit=lambda s, n: commits.append((s, n)))
+        first = asyncio.create_task(group.save("a"))
+        await asyncio.sleep(0.01)                 # "a" is being written (held at the gate)
+        rest = [asyncio.create_task(group.save(x)) for x in "bcd"]
+        await asyncio.sleep(0.01)
+        fake.gate.set()
+        return await first, await asyncio.gather(*rest)
 
-    with ThreadPoolExecutor(max_workers=workers or len(items)) as pool:
-        return list(pool.map(one, items))
-
-
-def test_a_lone_caller_writes_its_own_batch():
-    writer = RecordingWriter()
-    gc = GroupCommit(writer)
-    assert [gc.submit(i) for i in range(3)] == [0, 10, 20]
-    assert writer.batches == [[0], [1], [2]]
-
-
-def test_concurrent_callers_share_batches_and_each_gets_its_own_outcome():
-    writer = RecordingWriter(delay_s=0.02)
-    gc = GroupCommit(writer)
-    items = list(range(40))
-    assert _submit_all(gc, items) == [i * 10 for i in items]
-    assert sorted(i for b in writer.batches for i in b) == items   # each item written exactly once
-    assert len(writer.batches) < len(items)                          # ...and some shared a batch
-    assert gc.pending() == 0
+    assert asyncio.run(main()) == ("a", ["b", "c", "d"])
+    assert fake.batches == [["a"], ["b", "c", "d"]]
+    assert [n for _, n in commits] == [1, 3] and all(s >= 0 for s, _ in commits)
 
 
-def test_an_item_error_fails_that_caller_only():
-    writer = RecordingWriter(delay_s=0.01)
-    gc = GroupCommit(writer)
-    boom = ValueError("this one")
-    results = _submit_all(gc, [1, boom, 3, 4])
-    assert results[0] == 10 and results[2] == 30 and results[3] == 40
-    assert results[1] is boom
+def test_a_refusal_is_its_callers_and_a_failed_batch_fails_only_its_plans():
+    fake = FakeBatches()
+    refused = FailedPrecondition("pinned to other inputs", field="runtime.a2a_backend")
+
+    async def main():
+        group = GroupCommit(fake.save_batch, run_blocking=fake.run_blocking)
+        ok, no = await asyncio.gather(group.save("ok"), group.save(refused), return_exceptions=True)
+        fake.fail_next = Unavailable("database unavailable while saving a plan")
+        down = await asyncio.gather(group.save("x"), group.save("y"), return_exceptions=True)
+        after = await group.save("z")            # the next batch is written as ever
+        return ok, no, down, after
+
+    ok, no, down, after = asyncio.run(main())
+    assert ok == "ok" and no is refused
+    assert all(isinstance(e, Unavailable) for e in down) and len(down) == 2
+    assert after == "z"
 
 
-def test_a_failing_batch_fails_each_of_its_callers_and_the_next_batch_runs():
-    calls = []
+def test_a_batch_holds_at_most_max_batch_plans():
+    fake = FakeBatches()
 
-    def write(items):
-        calls.append(list(items))
-        if len(calls) == 1:
-            raise RuntimeError("connection lost")
-        return [i for i in items]
+    async def main():
+        group = GroupCommit(fake.save_batch, run_blocking=fake.run_blocking, max_batch=2)
+        return await asyncio.gather(*(group.save(i) for i in range(5)))
 
-    gc = GroupCommit(write)
-    with pytest.raises(RuntimeError, match="connection lost"):
-        gc.submit(1)
-    assert gc.submit(2) == 2   # the leadership was given back
+    assert asyncio.run(main()) == [0, 1, 2, 3, 4]
+    assert [len(b) for b in fake.batches] == [2, 2, 1]
 
 
-def test_deferred_items_go_to_a_later_batch():
-    writer = RecordingWriter(delay_s=0.01)
-    gc = GroupCommit(writer)
-    results = _submit_all(gc, ["a", "defer-b", "c"])
-    assert results == ["A", "DEFER-B", "C"]
-    first = next(i for i, b in enumerate(writer.batches) if "defer-b" in b)
-    assert any("defer-b" in b for b in writer.batches[first + 1:])
+def test_a_caller_that_went_away_does_not_stop_the_batch():
+    fake = FakeBatches()
 
+    async def main():
+        fake.gate = asyncio.Event()
+        group = GroupCommit(fake.save_batch, run_blocking=fake.run_blocking)
+        gone = asyncio.create_task(group.save("gone"))
+        await asyncio.sleep(0.01)
+        gone.cancel()
+        stays = asyncio.create_task(group.save("stays"))
+        fake.gate.set()
+        return await stays
 
-def test_max_batch_bounds_the_batches():
-    writer = RecordingWriter(delay_s=0.02)
-    gc = GroupCommit(writer, max_batch=4)
-    assert _submit_all(gc, list(range(20))) == [i * 10 for i in range(20)]
-    assert max(len(b) for b in writer.batches) <= 4
+    assert asyncio.run(main()) == "stays"
+    assert fake.batches == [["gone"], ["stays"]]   # written all the same (its retry would replay)
 
 
 def test_max_batch_must_be_positive():
     with pytest.raises(ValueError, match="max_batch"):
         GroupCommit(lambda items: items, max_batch=0)
-
-
-def test_several_leaders_write_batches_at_once_and_never_lose_the_lead():
-    # Two batches in flight at a time; callers arrive in waves, some deferred once. Every call must
-    # come back (a leader lost on the way would leave callers queued forever).
-    import random
-
-    rng = random.Random(7)
-    in_flight, most = [0], [0]
-    lock = threading.Lock()
-    deferred_once: set = set()
-
-    def write(items):
-        with lock:
-            in_flight[0] += 1
-            most[0] = max(most[0], in_flight[0])
-        time.sleep(rng.random() * 0.01)
-        with lock:
-            in_flight[0] -= 1
-            out = []
-            for item in items:
-                if item % 7 == 0 and item not in deferred_once:
-                    deferred_once.add(item)
-                    out.append(DEFER)
-                else:
-                    out.append(item * 10)
-        return out
-
-    gc = GroupCommit(write, max_leaders=2)
-    for wave in range(5):
-        items = list(range(wave * 100, wave * 100 + 30))
-        with ThreadPoolExecutor(max_workers=len(items)) as pool:
-            futures = [pool.submit(gc.submit, i) for i in items]
-            assert [f.result(timeout=30) for f in futures] == [i * 10 for i in items]
-    assert most[0] == 2
-    assert gc.pending() == 0 and gc.submit(1) == 10

@@ -305,33 +305,6 @@ def test_unreachable_database_is_unavailable(kind, make_request):
     engine.dispose()
 
 
-def test_unit_of_work_rolls_back_unless_committed(store, rows, deployment):
-    import sqlalchemy as sa
-
-    from loadplan.service.store.models import PlanRow
-
-    def insert(n: int):
-        return sa.insert(PlanRow).values(
-            plan_id=f"{deployment}-{n}", request_id=f"{deployment}-{n}", request_fingerprint="f",
-            deployment_id=deployment, role="target", host="", tp_size=1, tp_rank=0, ep_size=1, ep_rank=0,
-            pp_size=1, pp_rank=0, dp_size=1, dp_rank=0, entry_class="X", config_fingerprint="c",
-            config_json="{}", runtime_json="{}", ruleset_version="v", created_at=dt.datetime.now(UTC))
-
-    before = rows()
-    with store.unit_of_work(write=True) as uow:
-        uow.conn.execute(insert(1))
-    assert rows() == before
-    with pytest.raises(RuntimeError):
-        with store.unit_of_work(write=True) as uow:
-            uow.conn.execute(insert(2))
-            raise RuntimeError("boom")
-    assert rows() == before
-    with store.unit_of_work(write=True) as uow:
-        uow.conn.execute(insert(3))
-        uow.commit()
-    assert rows()["plans"] == before["plans"] + 1
-
-
 def test_times_come_back_in_utc_whatever_the_session_time_zone(postgres_url, make_request):
     # PostgreSQL answers TIMESTAMPTZ in the session's zone; the store hands back UTC.
     engine = make_engine(postgres_url, connect_args={"options": "-c timezone=Asia/Tokyo"})

@@ -7,12 +7,14 @@ import time
 import grpc
 import pytest
 from fake_store import FakePlanStore
+from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from sample_requests import deepseek_config, request
 
 from loadplan.client import RegistryClient
 from loadplan.client.convert import request_to_pb
+from loadplan.service import reflection_v1
 from loadplan.service.rules import entries
 from loadplan.service.server import SERVICE_NAME, RegistryServer, ServerOptions, ServerStartError
 
@@ -77,6 +79,43 @@ def test_reflection_lists_the_services(server):
     assert {"loadplan.v1.ModelRegistry", "grpc.health.v1.Health"} <= names
 
 
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+def test_reflection_answers_under_v1_and_v1alpha(server, version):
+    """grpcurl and Postman ask grpc.reflection.v1 first; older clients v1alpha. Both list the
+    services and hand out the registry's file descriptor."""
+    if version == "v1":
+        req_cls, resp_cls = (reflection_v1.v1_message("ServerReflectionRequest"),
+                             reflection_v1.v1_message("ServerReflectionResponse"))
+        method = "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"
+    else:
+        req_cls, resp_cls = reflection_pb2.ServerReflectionRequest, reflection_pb2.ServerReflectionResponse
+        method = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+    with grpc.insecure_channel(server.address) as ch:
+        call = ch.stream_stream(method, request_serializer=req_cls.SerializeToString,
+                                response_deserializer=resp_cls.FromString)
+        replies = list(call(iter([req_cls(list_services=""),
+                                  req_cls(file_containing_symbol="loadplan.v1.ModelRegistry")]), timeout=5))
+    names = {s.name for s in replies[0].list_services_response.service}
+    assert {"loadplan.v1.ModelRegistry", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection"} <= names
+    files = [descriptor_pb2.FileDescriptorProto.FromString(b)
+             for b in replies[1].file_descriptor_response.file_descriptor_proto]
+    assert any(f.package == "loadplan.v1" and "ModelRegistry" in {s.name for s in f.service} for f in files)
+
+
+def test_reflection_v1_describes_itself(server):
+    req_cls = reflection_v1.v1_message("ServerReflectionRequest")
+    resp_cls = reflection_v1.v1_message("ServerReflectionResponse")
+    with grpc.insecure_channel(server.address) as ch:
+        call = ch.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                                request_serializer=req_cls.SerializeToString, response_deserializer=resp_cls.FromString)
+        (reply,) = list(call(iter([req_cls(file_containing_symbol="grpc.reflection.v1.ServerReflection")]),
+                             timeout=5))
+    assert not reply.HasField("error_response"), reply.error_response
+    (fd,) = [descriptor_pb2.FileDescriptorProto.FromString(b) for b in reply.file_descriptor_response.file_descriptor_proto]
+    assert fd.package == "grpc.reflection.v1" and fd.service[0].name == "ServerReflection"
+
+
 def test_message_size_limit_is_configurable():
     store = FakePlanStore()
     opts = ServerOptions(listen="127.0.0.1:0", max_receive_message_bytes=64 * 1024)
@@ -131,44 +170,26 @@ def test_graceful_stop_lets_in_flight_calls_finish():
     assert len(results) == 1 and store.count() == 1
 
 
-def test_resolves_are_saved_through_the_stores_async_writer(db_url, monkeypatch):
-    """The server saves plans through the store's AsyncPlanWriter on its event loop (PostgreSQL:
-    PgAsyncWriter, from the loop itself), not through `save_plan` on a worker thread, each with its
-    answer (`save_made`); a request of a shape it decided before has its plan made by that writer
-    (`Registry.new_plan_like`), not decided again."""
+def test_resolves_are_saved_through_the_group_commit_and_reported(db_url):
+    """The server saves plans through one group commit over the store's `save_batch` (not the
+    sync `save_plan`), and `ServerOptions.on_commit` hears each commit's latency and size; each
+    answered plan is the stored one."""
     import dataclasses
+    from concurrent.futures import ThreadPoolExecutor
 
-    from loadplan.service.store.async_writer import AsyncPlanWriter
     from loadplan.service.store.db import make_engine
-    from loadplan.service.store.pg_async_writer import PgAsyncWriter
     from loadplan.service.store.repository import SqlPlanStore
 
-    made: list[tuple[str, bool]] = []     # (request id, made like a known shape's first plan)
-    save_made = AsyncPlanWriter.save_made
-
-    async def spy(self, make, answer):
-        like = getattr(getattr(make, "func", None), "__name__", None) == "new_plan_like"    # a partial of it
-
-        def made_by_the_writer():
-            new = make()
-            made.append((new.plan.request.request_id, like))
-            return new
-        return await save_made(self, made_by_the_writer, answer)
-
-    monkeypatch.setattr(AsyncPlanWriter, "save_made", spy)
     engine = make_engine(db_url)
     store = SqlPlanStore(engine)
     store.save_plan = None      # the sync way must not be taken: it would fail the call
+    commits: list[tuple[float, int]] = []
+    options = ServerOptions(listen="127.0.0.1:0", on_commit=lambda s, n: commits.append((s, n)))
     try:
-        with RegistryServer(store, ServerOptions(listen="127.0.0.1:0")) as srv, \
-                RegistryClient(srv.address, timeout=10) as client:
-            on_pg = engine.dialect.name == "postgresql"
-            assert isinstance(srv.writer, PgAsyncWriter if on_pg else AsyncPlanWriter)
-            firsts = [request_for(rank) for rank in range(3)]
-            again = [request_for(rank) for rank in range(3)]      # the same shapes, another deployment
-            plans = [client.resolve_load_plan(req) for req in firsts + again]
-            assert made == [(req.request_id, False) for req in firsts] + [(req.request_id, True) for req in again]
-            assert srv.writer.group.items == 6
+        with RegistryServer(store, options) as srv, RegistryClient(srv.address, timeout=10) as client:
+            with ThreadPoolExecutor(8) as pool:
+                plans = list(pool.map(client.resolve_load_plan, [request_for(rank % 4) for rank in range(16)]))
+            assert sum(n for _, n in commits) == 16 and all(s > 0 for s, _ in commits)
             stored = [client.get_plan(p.plan_id) for p in plans]
             assert [dataclasses.replace(p, history=()) for p in stored] == plans
     finally:
@@ -181,36 +202,3 @@ def request_for(rank: int):
     from loadplan.plan import Parallel
     return request(request_id=f"wired-{uuid.uuid4().hex}", deployment_id=f"wired-{uuid.uuid4().hex[:8]}",
                    parallel=Parallel(ep_size=8, ep_rank=rank))
-
-
-@pytest.mark.parametrize("depth", [0, 4])
-def test_the_operators_group_wait_is_the_fill_whether_calls_are_accepted_ahead_or_not(tmp_path, depth):
-    """`group_wait_ms` (`serve --group-wait-ms`) bounds how long a group of plans fills, over both
-    of the writer's defaults (6 ms; 1 ms with calls accepted ahead), shorter or longer; with 0,
-    concurrent resolves are each saved as ever."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from loadplan.service.store import SqlPlanStore, make_engine, migrate
-
-    url = f"sqlite:///{tmp_path / 'r.db'}"
-    migrate(url)
-    engine = make_engine(url)
-    options = ServerOptions(listen="127.0.0.1:0", max_workers=4, accept_ahead=depth, group_wait_ms=0)
-    try:
-        with RegistryServer(SqlPlanStore(engine), options) as srv, RegistryClient(srv.address, timeout=10) as client:
-            assert srv.writer.group.fill_wait_s == 0
-            with ThreadPoolExecutor(8) as pool:
-                plans = list(pool.map(client.resolve_load_plan, [request_for(rank % 4) for rank in range(24)]))
-            assert srv.writer.group.items == 24
-            assert [client.get_plan(p.plan_id).plan_id for p in plans] == [p.plan_id for p in plans]
-        longer = ServerOptions(listen="127.0.0.1:0", max_workers=4, accept_ahead=depth, group_wait_ms=2.5)
-        with RegistryServer(SqlPlanStore(engine), longer) as srv:
-            assert srv.writer.group.fill_wait_s == 0.0025
-    finally:
-        engine.dispose()
-
-
-@pytest.mark.parametrize("wait", [-1, 1001, float("nan")])
-def test_a_group_wait_out_of_bounds_is_refused(wait):
-    with pytest.raises(ServerStartError, match=r"group_wait_ms must be between 0 and 1000"):
-        RegistryServer(FakePlanStore(), ServerOptions(listen="127.0.0.1:0", group_wait_ms=wait))

@@ -100,13 +100,27 @@ def test_unknown_backend_lists_the_known_ones(client, store):
 
 
 @pytest.mark.parametrize("parallel, field", [
-    (Parallel(tp_size=0), "parallel.tp_size"),
-    (Parallel(ep_size=-2), "parallel.ep_size"),
-    (Parallel(pp_size=0, pp_rank=0), "parallel.pp_size"),
+    (Parallel(tp_size=0), "parallel.tp_size"),      # given on purpose: the client refuses it
+    (Parallel(ep_size=-2), "parallel.ep_size"),     # the rest: the server
+    (Parallel(pp_size=-1, pp_rank=0), "parallel.pp_size"),
     (Parallel(dp_size=-1), "parallel.dp_size"),
 ])
 def test_zero_or_negative_sizes(client, store, parallel, field):
     _expect(client, store, request(parallel=parallel), "INVALID_ARGUMENT", field, ">= 1")
+
+
+def test_unset_sizes_mean_one(server, store):
+    """proto3 cannot tell an unset size from 0: a Parallelism that sets only ep_size is EP 2 x
+    TP 1 x PP 1 x DP 1, as the proto says, not refused for the sizes it left out."""
+    msg = request_to_pb(request())
+    msg.parallel.Clear()
+    msg.parallel.ep_size, msg.parallel.ep_rank = 2, 1
+    with grpc.insecure_channel(server.address) as ch:
+        plan = pb_grpc.ModelRegistryStub(ch).ResolveLoadPlan(msg, timeout=5)
+    got = plan.parallel
+    assert (got.tp_size, got.ep_size, got.pp_size, got.dp_size) == (1, 2, 1, 1)
+    assert (got.tp_rank, got.ep_rank, got.pp_rank, got.dp_rank) == (0, 1, 0, 0)
+    assert store.count() == 1
 
 
 @pytest.mark.parametrize("parallel, field", [
@@ -179,7 +193,7 @@ class _ExplodingStore:
     def __init__(self, exc):
         self.exc = exc
 
-    def save_plan(self, new):
+    def save_batch(self, news):
         raise self.exc
 
     def ready(self):

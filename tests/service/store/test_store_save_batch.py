@@ -1,11 +1,11 @@
-"""SqlPlanStore's group commit (service/store/group_commit.py): plans saved at the same time share one
-transaction, and each caller still gets the answer the store gives saving plans one by one."""
+"""SqlPlanStore.save_batch: the plans of a batch share one transaction, and each still gets the
+answer the store gives saving them one by one; concurrent writers (threads, replicas) agree."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import threading
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,20 +16,13 @@ from loadplan.plan import Decision, LoadPlan, Parallel, Runtime
 from loadplan.service.errors import FailedPrecondition, RegistryError
 from loadplan.service.registry import NewPlan, Registry
 from loadplan.service.store.db import make_engine, migrate
-from loadplan.service.store.group_commit import DEFER
+from loadplan.service.store.group_commit import GroupCommit
 from loadplan.service.store.models import DeploymentPinRow, PlanRow
 from loadplan.service.store.repository import SqlPlanStore
 
 
-class _Capture:
-    """A PlanStore that keeps nothing: Registry.resolve(req) returns the NewPlan it would save."""
-
-    def save_plan(self, new: NewPlan) -> NewPlan:
-        return new
-
-
 def new_plan(req) -> NewPlan:
-    return Registry(_Capture()).resolve(req)
+    return Registry(None).new_plan(req)
 
 
 @pytest.fixture
@@ -41,7 +34,7 @@ def reference(db_url, request, tmp_path):
         url = request.getfixturevalue("make_postgres_database")()
     migrate(url)
     engine = make_engine(url)
-    yield SqlPlanStore(engine, max_batch=1)
+    yield SqlPlanStore(engine)
     engine.dispose()
 
 
@@ -52,56 +45,6 @@ def _answer(result):
     if isinstance(result, RegistryError):
         return (type(result).__name__, result.field, str(result))
     return (type(result).__name__,)   # a database refusal: its text quotes the statement
-
-
-def _save_in_one_batch(store: SqlPlanStore, db_url: str, news: list[NewPlan]):
-    """Save each of `news` from its own thread, queued in list order while a first batch is held
-    back, so that they are written in ONE batch. Each caller reads its plan back at once through a fresh
-    engine (a returned plan is committed). Returns (results, readbacks, batches after the first)."""
-    real = store._group._write_batch
-    holding, release = threading.Event(), threading.Event()
-    batches: list[list[tuple[NewPlan, object]]] = []
-
-    def write(items):
-        if not batches and not holding.is_set():
-            holding.set()
-            release.wait(30)
-        outcomes = real(items)
-        batches.append(list(zip(items, outcomes)))
-        return outcomes
-
-    store._group._write_batch = write
-    readers = make_engine(db_url)
-    results: list = [None] * len(news)
-    readback: list = [None] * len(news)
-
-    def one(i: int) -> None:
-        try:
-            results[i] = store.save_plan(news[i])
-        except Exception as exc:  # noqa: BLE001 - the caller's answer
-            results[i] = exc
-            return
-        readback[i] = SqlPlanStore(readers).get_plan(results[i].plan_id)
-
-    plug = new_plan(_request(f"plug-{uuid.uuid4().hex[:8]}"))
-    try:
-        with ThreadPoolExecutor(max_workers=len(news) + 1) as pool:
-            first = pool.submit(store.save_plan, plug)
-            assert holding.wait(30)
-            futures = []
-            for i in range(len(news)):   # one at a time: the batch holds them in list order
-                futures.append(pool.submit(one, i))
-                deadline = time.monotonic() + 30
-                while store._group.pending() < i + 1 and time.monotonic() < deadline:
-                    time.sleep(0.002)
-            release.set()
-            first.result()
-            for f in futures:
-                f.result()
-    finally:
-        store._group._write_batch = real
-        readers.dispose()
-    return results, readback, batches[1:]
 
 
 def _request(deployment: str, **kw):
@@ -125,7 +68,7 @@ def _rows(engine, deployments):
 
 
 def test_one_batch_answers_each_caller_like_plans_saved_one_by_one(db_engine, db_url, reference):
-    store = SqlPlanStore(db_engine, max_batches_in_flight=1)   # one batch at a time: the held one, then ours
+    store = SqlPlanStore(db_engine)
     tag = uuid.uuid4().hex[:8]
     a, b, c, d = (f"{name}-{tag}" for name in "abcd")
     none = Runtime(a2a_backend="none")
@@ -152,28 +95,27 @@ def test_one_batch_answers_each_caller_like_plans_saved_one_by_one(db_engine, db
         new_plan(_request(b, parallel=Parallel(ep_size=8, ep_rank=0))),                # pins b in the batch
         new_plan(_request(b, parallel=Parallel(ep_size=8, ep_rank=1), runtime=none)),  # refused by that pin
         new_plan(racing_retry),
-        new_plan(racing_retry),                                                        # same id: next batch
+        new_plan(racing_retry),                                                        # same id: replays
         new_plan(reused_in_batch),
-        new_plan(dataclasses.replace(reused_in_batch, host="other")),                  # same id: next batch
+        new_plan(dataclasses.replace(reused_in_batch, host="other")),                  # same id: refused
         no_time,
         too_long,
         new_plan(_request(d, parallel=Parallel(ep_size=8, ep_rank=7))),
     ]
-    results, readback, batches = _save_in_one_batch(store, db_url, news)
-
-    assert len(batches[0]) == len(news)                     # all of them in one batch...
-    deferred = [new for new, outcome in batches[0] if outcome is DEFER]
-    assert deferred == [news[7], news[9]]                   # ...but the second call of a request id
-    # The reference saves the same plans one at a time, in the order the batches held them.
-    ref = {}
-    for batch in batches:
-        for new, outcome in batch:
-            if outcome is not DEFER:
-                try:
-                    ref[id(new)] = reference.save_plan(new)
-                except Exception as exc:  # noqa: BLE001
-                    ref[id(new)] = exc
-    assert [_answer(r) for r in results] == [_answer(ref[id(n)]) for n in news]
+    results = store.save_batch(news)
+    readers = make_engine(db_url)   # every returned plan is committed: another connection reads it
+    try:
+        readback = [SqlPlanStore(readers).get_plan(r.plan_id) if isinstance(r, LoadPlan) else None for r in results]
+    finally:
+        readers.dispose()
+    # The reference saves the same plans one at a time, in batch order.
+    ref = []
+    for new in news:
+        try:
+            ref.append(reference.save_plan(new))
+        except Exception as exc:  # noqa: BLE001
+            ref.append(exc)
+    assert [_answer(r) for r in results] == [_answer(r) for r in ref]
 
     # What the answers are (so that a wrong reference cannot hide a wrong store).
     kinds = [_answer(r)[0] for r in results]
@@ -196,22 +138,24 @@ def test_one_batch_answers_each_caller_like_plans_saved_one_by_one(db_engine, db
     assert _rows(db_engine, [a, b, c, d]) == _rows(reference.engine, [a, b, c, d])
 
 
-def test_many_ranks_at_once_pin_once_and_batch(busy_store, make_request, deployment, rows):
-    store = busy_store
+def test_many_ranks_at_once_pin_once_and_share_commits(busy_store, make_request, rows):
+    """The server's group commit over save_batch: 32 ranks at once, one pin, fewer commits than
+    ranks, each rank its own plan, `on_commit` told each commit's latency and size."""
     ranks = [make_request(parallel=Parallel(ep_size=32, ep_rank=r), runtime=Runtime(a2a_backend="deepep"))
              for r in range(32)]
     before = rows()
-    barrier = threading.Barrier(len(ranks))
+    commits: list[tuple[float, int]] = []
 
-    def one(req):
-        barrier.wait()
-        return Registry(store).resolve(req)
+    async def fleet():
+        group = GroupCommit(busy_store.save_batch, on_commit=lambda s, n: commits.append((s, n)))
+        registry = Registry(busy_store, save=group.save)
+        return await asyncio.gather(*(registry.resolve_async(r) for r in ranks))
 
-    with ThreadPoolExecutor(max_workers=len(ranks)) as pool:
-        plans = list(pool.map(one, ranks))
+    plans = asyncio.run(fleet())
     after = rows()
     assert after["plans"] - before["plans"] == 32 and after["deployment_pins"] - before["deployment_pins"] == 1
-    assert store._group.batches < 32    # some ranks shared a commit
+    assert [p.request.request_id for p in plans] == [r.request_id for r in ranks]
+    assert sum(n for _, n in commits) == 32 and len(commits) < 32 and all(s > 0 for s, _ in commits)
     wide = [{k: d.value for k, d in p.decisions.items() if d.deployment_wide} for p in plans]
     assert all(w == wide[0] for w in wide)
 
@@ -295,8 +239,7 @@ def test_a_replica_checks_a_pin_it_has_not_seen(db_url, make_request, rows):
 
 
 def test_every_column_round_trips_in_its_place(store, make_request):
-    # The batch statements write rows as positional tuples: give every field its own value so
-    # that two swapped columns cannot pass unnoticed.
+    # Every field its own value, so that two swapped columns cannot pass unnoticed.
     new = new_plan(make_request(quantization_config={"quant_method": "fp8"}, host="host-x"))
     req = dataclasses.replace(new.plan.request, quantization="fp8-explicit", role="speculative",
                               parallel=Parallel(tp_size=11, tp_rank=1, ep_size=12, ep_rank=2, pp_size=13, pp_rank=3,

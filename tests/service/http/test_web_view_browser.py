@@ -1,0 +1,132 @@
+"""The web view in a real browser (Playwright on Debian's Chromium): from the deployment list to
+a deployment, a plan, the draft-vs-target diff and a runner's EPLB rebalances, with a screenshot
+of each page under test-artifacts/web-view/ (printed; `pytest -s` shows the paths)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+
+import pytest
+from web_tokens import READER_TOKEN, WORKER_TOKEN
+
+CHROMIUM = os.environ.get("LOADPLAN_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+ARTIFACTS = pathlib.Path(__file__).resolve().parents[3] / "test-artifacts" / "web-view"
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright not installed (make setup installs it)")
+if not os.path.exists(CHROMIUM):
+    pytest.skip(f"no Chromium at {CHROMIUM} (make setup installs Debian's chromium)", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as p:
+        # Playwright's own browser download is not used: Debian's Chromium, no sandbox as root.
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport={"width": 1400, "height": 900})
+    pg = context.new_page()
+    pg.set_default_timeout(5000)
+    yield pg
+    context.close()
+
+
+def shot(page, name: str) -> pathlib.Path:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    path = ARTIFACTS / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    print(f"screenshot: {path}")
+    return path
+
+
+def first_cells(page) -> list[str]:
+    return page.locator("#deployments td:first-child").all_inner_texts()
+
+
+def test_list_to_deployment_to_plan_to_diff(page, history):
+    page.goto(f"{history.base}/deployments")
+    assert first_cells(page) == ["split-ep2", "qwen-one", "dsv3-ep2"]      # newest first
+    shot(page, "1-deployments")
+
+    page.get_by_role("link", name="dsv3-ep2").click()
+    page.wait_for_url("**/deployments/dsv3-ep2")
+    assert page.locator(".runners[data-role=target] tr").count() == 3      # header + 2 ranks
+    assert page.locator(".runners[data-role=speculative] tr").count() == 3
+    assert page.locator(".agree").all_inner_texts() == ["ranks agree", "ranks agree"]
+    assert "ep 1/2" in page.locator(".runners[data-role=target] tr").nth(2).inner_text()
+    shot(page, "2-deployment")
+
+    page.locator(".runners[data-role=target] .plan-link").first.click()
+    page.wait_for_url(f"**/plans/{history.targets[0].plan_id}")
+    decisions = page.locator("#decisions").inner_text()
+    assert "moe.shared_experts_fusion" in decisions and "eplb.placement" in decisions
+    assert "rebalanced after 2000 steps" in decisions                # the latest revision
+    assert "runtime.a2a_backend" in page.locator("#inputs").inner_text()
+    shot(page, "3-plan")
+
+    page.locator("#eplb-link").click()
+    page.wait_for_url("**/eplb")
+    table = page.locator("#rebalances").inner_text()
+    assert "rebalanced after 1000 steps" in table and "rebalanced after 2000 steps" in table
+    assert page.locator("#rebalances td b").all_inner_texts() == ["0", "1", "2"]   # resolved, 2 rebalances
+    shot(page, "4-eplb")
+
+    page.go_back()
+    page.go_back()
+    page.locator(".draft-diff").first.click()                        # the draft vs its target, one click
+    page.wait_for_url("**/diff?*")
+    diff = page.locator("#diff-decisions").inner_text()
+    assert "eplb.enabled" in diff and "moe.forward_path" not in diff      # the draft runs without EPLB
+    inputs = page.locator("#diff-inputs").inner_text()
+    assert "runtime.enable_eplb" in inputs and "role" in inputs
+    assert history.targets[0].plan_id in page.locator("dl.a").inner_text()
+    assert history.drafts[0].plan_id in page.locator("dl.b").inner_text()
+    shot(page, "5-diff")
+
+
+def test_filter_by_model_and_time(page, history):
+    page.goto(f"{history.base}/deployments")
+    page.fill("input[name=model]", "deepseek")
+    page.click("button[type=submit]")
+    page.wait_for_url("**model=deepseek*")
+    assert first_cells(page) == ["split-ep2", "dsv3-ep2"]
+    page.goto(f"{history.base}/deployments?before=2000-01-01T00:00")
+    assert "No deployment matches" in page.locator("main").inner_text()
+
+
+def test_ranks_that_disagree_are_flagged(page, history):
+    page.goto(f"{history.base}/deployments/split-ep2")
+    assert page.locator(".agree").all_inner_texts() == ["ranks disagree on eplb.placement"]
+    shot(page, "7-ranks-disagree")
+
+
+def test_a_draft_plan_links_to_its_target(page, history):
+    page.goto(f"{history.base}/plans/{history.drafts[1].plan_id}")
+    page.locator("#diff-target").click()
+    page.wait_for_url(f"**/diff?a={history.targets[1].plan_id}&b={history.drafts[1].plan_id}")
+    assert "eplb.enabled" in page.locator("#diff-decisions").inner_text()
+
+
+def test_unknown_plan_is_a_404_page(page, history):
+    response = page.goto(f"{history.base}/plans/no-such-plan")
+    assert response.status == 404 and "no-such-plan" in page.locator("main").inner_text()
+
+
+def test_login_with_a_reader_token(page, guarded):
+    base, plan = guarded.base, guarded.plan
+    page.goto(f"{base}/plans/{plan.plan_id}")
+    page.wait_for_url("**/login?*")
+    page.fill("input[name=token]", WORKER_TOKEN)
+    page.click("button[type=submit]")
+    assert "not a reader's" in page.locator("main").inner_text()
+    page.fill("input[name=token]", READER_TOKEN)
+    page.click("button[type=submit]")
+    page.wait_for_url(f"**/plans/{plan.plan_id}")
+    assert "moe.shared_experts_fusion" in page.locator("#decisions").inner_text()
+    shot(page, "6-after-login")
