@@ -8,7 +8,7 @@ GEN := gen/loadplan/v1/registry_pb2.py
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: setup vllm-env proto test demo clean browser
+.PHONY: setup vllm-env sglang-env proto test demo clean browser
 
 setup: $(VENV)/.installed $(GEN)
 
@@ -44,6 +44,25 @@ proto: $(GEN)
 $(GEN): $(PROTO) scripts/gen_proto.py
 	$(PY) scripts/gen_proto.py
 
+# SGLang 0.5.23's own decision code, in an environment of its own (DESIGN 8.4): the
+# conformance test and the SGLang adapter's tests run it beside the project's torch,
+# never inside the project's .venv. Cached: rebuilt only when its requirements change.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+
+sglang-env: $(SGLANG_VENV)/.installed
+
+$(SGLANG_VENV)/.installed: scripts/sglang-env-requirements.txt pyproject.toml $(GEN)
+	test -x $(SGLANG_PY) || python3 -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -m pip install -q torch==2.13.0
+	$(SGLANG_PY) -m pip install -q --no-deps sglang==0.5.23 compressed-tensors==0.18.0
+	$(SGLANG_PY) -m pip install -q -r scripts/sglang-env-requirements.txt
+	# loadplan's client and the SGLang adapter, for the adapter's tests (issue 31).
+	$(SGLANG_PY) -m pip install -q 'grpcio>=1.60' 'protobuf>=5'
+	$(SGLANG_PY) -m pip install -q --no-deps -e .
+	touch $@
+
+
 # The web view's browser tests (tests/service/http) drive Debian's Chromium through the
 # Playwright package; Playwright's own browser download is not used.
 browser: setup
@@ -51,7 +70,7 @@ browser: setup
 	command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -q && apt-get install -y -q chromium; } \
 		|| echo "note: no chromium (apt-get install chromium as root); the browser tests are skipped"
 
-test: setup browser vllm-env
+test: setup browser sglang-env vllm-env
 	$(PY) -m pytest -q -p no:cacheprovider
 
 demo: setup

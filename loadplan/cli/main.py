@@ -37,6 +37,8 @@ COMMANDS: dict[str, Command] = {
     "backends": Command("loadplan.cli.backends", "the a2a backend capability table"),
     "engines": Command("loadplan.cli.engines", "the engines whose decisions the registry makes"),
     "coverage": Command("loadplan.cli.coverage", "check that every entry class reaches a fusion gate"),
+    "sglang-run": Command("loadplan.integrations.sglang_run",
+                          "run an SGLang command whose every runner asks the registry for its load plan"),
     "generate": Command("loadplan.engine.cli", "greedy generation with a MoE checkpoint",
                         add_arguments="add_generate_arguments", run="run_generate", extra="engine"),
     "demo": Command("loadplan.engine.demo", "make tiny checkpoints and run the whole path on them",

@@ -1,0 +1,325 @@
+"""SGLang workers ask the registry: an adapter at SGLang's single instantiation point.
+
+SGLang's loader asks `resolve_shared_experts_config(model_class, hf_config, quant_config)`
+once per runner, just before it constructs the model (a draft's inside
+`draft_model_build_scope()`). With the adapter installed that function asks the registry
+(`ResolveLoadPlan`, engine `sglang`) instead, with the runner's identity read from SGLang's
+own published state, and hands the registry's decision back to SGLang in SGLang's own
+`SharedExpertsConfig`. The plan id is logged. A refused plan (a hazard, ranks that
+disagree) stops that runner's start with the registry's message; an unreachable registry
+is retried as the client retries, then stops the start too. Only `allow_fallback=True`
+lets SGLang decide on its own then, and it says so loudly.
+
+    from loadplan.integrations import sglang
+    sglang.install(registry="registry:50051", deployment="dsv3-prod")   # before SGLang loads
+
+`loadplan sglang-run -- python -m sglang.launch_server ...` installs it in every Python
+process the command starts (SGLang spawns one scheduler per rank), through the start-up
+hook in `sglang_boot/` and the LOADPLAN_SGLANG_* environment variables below.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.metadata
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from ..plan import ENGINE_SGLANG, ROLE_SPECULATIVE, ROLE_TARGET, Keys, LoadPlan, Parallel, ResolveRequest, Runtime
+
+log = logging.getLogger("loadplan.integrations.sglang")
+
+# The SGLang versions whose `resolve_shared_experts_config` (signature, its callers and
+# the state it reads) this adapter was written against and tested with.
+SUPPORTED_VERSIONS = ("0.5.23",)
+
+# What `loadplan sglang-run` passes to the processes it starts.
+ENV_ACTIVE = "LOADPLAN_SGLANG"             # "1": the start-up hook installs the adapter
+ENV_REGISTRY = "LOADPLAN_SGLANG_REGISTRY"  # registry address (host:port)
+ENV_DEPLOYMENT = "LOADPLAN_SGLANG_DEPLOYMENT"
+ENV_ALLOW_FALLBACK = "LOADPLAN_SGLANG_ALLOW_FALLBACK"
+ENV_TIMEOUT = "LOADPLAN_SGLANG_TIMEOUT"
+# The token travels as the client's own LOADPLAN_TOKEN / LOADPLAN_TOKEN_FILE.
+
+# The modules that hold SGLang's function: its definition, and the loader, which
+# imported it by name.
+MOE_UTILS = "sglang.srt.layers.moe.utils"
+LOADER = "sglang.srt.model_loader.loader"
+FUNCTION = "resolve_shared_experts_config"
+
+
+class SglangVersionError(RuntimeError):
+    pass
+
+
+class LoadPlanRefused(RuntimeError):
+    """The registry refused this runner's plan (or could not be reached): the start stops."""
+
+
+@dataclass(frozen=True)
+class Options:
+    registry: str
+    deployment: str | None = None
+    token: str | None = None
+    timeout: float = 30.0
+    allow_fallback: bool = False
+
+
+_lock = threading.Lock()
+_options: Options | None = None
+_client = None
+_original = None
+
+
+def sglang_version() -> str | None:
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_version(version: str | None = None) -> str:
+    """The installed SGLang version, refused unless this adapter knows it."""
+    version = version if version is not None else sglang_version()
+    if version is None:
+        raise SglangVersionError("loadplan's SGLang adapter: sglang is not installed in this Python "
+                                 f"({sys.executable})")
+    if version not in SUPPORTED_VERSIONS:
+        raise SglangVersionError(
+            f"loadplan's SGLang adapter wraps resolve_shared_experts_config of sglang "
+            f"{', '.join(SUPPORTED_VERSIONS)}; this is sglang {version}. Run a supported version, "
+            "or start SGLang without the adapter")
+    return version
+
+
+def install(registry: str | None = None, *, deployment: str | None = None, token: str | None = None,
+            timeout: float | None = None, allow_fallback: bool | None = None) -> None:
+    """Make this process's SGLang ask the registry at its instantiation point.
+
+    Call before SGLang builds a model: the function is replaced in SGLang's modules now
+    if they are imported, else as soon as they are. Unset arguments come from the
+    LOADPLAN_SGLANG_* environment. Raises SglangVersionError for an SGLang it does not know.
+    """
+    global _options, _client
+    check_version()
+    env = os.environ
+    registry = registry or env.get(ENV_REGISTRY)
+    if not registry:
+        raise ValueError(f"registry: an address is needed (install(registry=...) or ${ENV_REGISTRY})")
+    options = Options(
+        registry=registry,
+        deployment=deployment or env.get(ENV_DEPLOYMENT) or None,
+        token=token,
+        timeout=float(timeout if timeout is not None else env.get(ENV_TIMEOUT, 30.0)),
+        allow_fallback=bool(allow_fallback if allow_fallback is not None
+                            else env.get(ENV_ALLOW_FALLBACK, "") in ("1", "true", "yes")),
+    )
+    with _lock:
+        if _client is not None:
+            _client.close()
+        _options, _client = options, None
+        if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+            sys.meta_path.insert(0, _PatchOnImport())
+        for name in (MOE_UTILS, LOADER):
+            if name in sys.modules:
+                _patch(sys.modules[name])
+    log.info("loadplan: SGLang %s asks the registry at %s for its load plans", sglang_version(), registry)
+
+
+def installed() -> bool:
+    """Whether SGLang's loader, as imported in this process, asks the registry."""
+    loader = sys.modules.get(LOADER)
+    utils = sys.modules.get(MOE_UTILS)
+    fns = [getattr(m, FUNCTION, None) for m in (loader, utils) if m is not None]
+    return _options is not None and all(getattr(f, "__loadplan__", False) for f in fns)
+
+
+def uninstall() -> None:
+    """Give SGLang its own function back (tests; a process that stops asking)."""
+    global _options, _client
+    with _lock:
+        for name in (MOE_UTILS, LOADER):
+            module = sys.modules.get(name)
+            if module is not None and _original is not None and getattr(module, FUNCTION, None) is not _original:
+                setattr(module, FUNCTION, _original)
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _PatchOnImport)]
+        if _client is not None:
+            _client.close()
+        _options, _client = None, None
+
+
+def _patch(module) -> None:
+    global _original
+    current = getattr(module, FUNCTION, None)
+    if current is None or getattr(current, "__loadplan__", False):
+        return
+    if module.__name__ == MOE_UTILS:
+        _original = current
+    elif _original is None:
+        _original = importlib.import_module(MOE_UTILS).resolve_shared_experts_config
+    setattr(module, FUNCTION, resolve_shared_experts_config)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Patches SGLang's two modules right after they execute, wherever they are imported."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in (MOE_UTILS, LOADER):
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _PatchingLoader(spec.loader)
+                return spec
+        return None
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, inner):
+        self.inner = inner
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):
+        self.inner.exec_module(module)
+        _patch(module)
+
+
+# --- the function SGLang calls ---------------------------------------------------
+
+
+def resolve_shared_experts_config(model_class, hf_config, quant_config):
+    """SGLang's `resolve_shared_experts_config`, answered by the registry."""
+    from sglang.srt.configs.shared_experts import SharedExpertsConfig
+    from sglang.srt.runtime_context import get_exec
+
+    options = _options
+    if options is None:   # uninstalled under a caller that kept the reference
+        return _original(model_class, hf_config, quant_config)
+    request = runner_request(model_class, hf_config, quant_config, deployment=options.deployment)
+    try:
+        plan = _registry().resolve_load_plan(request)
+    except Exception as e:  # noqa: BLE001 - every way of not getting a plan is judged below
+        _refuse_or_fall_back(request, e)
+        return _original(model_class, hf_config, quant_config)
+    log.info("loadplan plan %s for %s %s (%s, tp %d/%d ep %d/%d pp %d/%d): %s",
+             plan.plan_id, request.role, plan.entry_class, request.deployment_id,
+             request.parallel.tp_rank, request.parallel.tp_size, request.parallel.ep_rank,
+             request.parallel.ep_size, request.parallel.pp_rank, request.parallel.pp_size,
+             _summary(plan))
+    fused = bool(plan.value(Keys.SHARED_EXPERTS_FUSION))
+    num_decision = plan.decisions.get(Keys.NUM_FUSED_SHARED_EXPERTS)
+    num = int(num_decision.value) if fused and num_decision is not None else 0
+    # `use_waterfill` is SGLang's own kernel preference for fused slots; the registry
+    # decides whether there are fused slots.
+    return SharedExpertsConfig(fusion_disabled=not fused, num_fused_shared_experts=num,
+                               use_waterfill=num > 0 and bool(get_exec().moe.enable_waterfill))
+
+
+resolve_shared_experts_config.__loadplan__ = True
+
+
+def _summary(plan: LoadPlan) -> str:
+    keys = (Keys.SHARED_EXPERTS_FUSION, Keys.FORWARD_PATH, Keys.POST_EXPERTS_ALL_REDUCE, Keys.PP_LAYER_RANGE)
+    return ", ".join(f"{k}={plan.decisions[k].value!r}" for k in keys if k in plan.decisions)
+
+
+def _refuse_or_fall_back(request: ResolveRequest, e: Exception) -> None:
+    from ..client.errors import RegistryCallError, UnavailableError
+
+    what = f"{request.role} runner of deployment {request.deployment_id}"
+    unreachable = isinstance(e, UnavailableError) or not isinstance(e, RegistryCallError)
+    if unreachable and _options is not None and _options.allow_fallback:
+        log.error("LOADPLAN REGISTRY UNREACHABLE (%s): the %s falls back to SGLang's own decision, "
+                  "which no plan records (allow_fallback is set)", e, what)
+        return
+    if unreachable:
+        raise LoadPlanRefused(f"loadplan registry at {_options.registry if _options else '?'} is unreachable "
+                              f"after the client's retries ({e}); the {what} does not start") from e
+    raise LoadPlanRefused(f"loadplan registry refused the {what}: {e}") from e
+
+
+def _registry():
+    global _client
+    with _lock:
+        if _client is None:
+            from ..client import RegistryClient
+
+            _client = RegistryClient(_options.registry, timeout=_options.timeout, token=_options.token)
+        return _client
+
+
+# --- the runner's identity, read from SGLang's state -----------------------------
+
+
+def runner_request(model_class, hf_config, quant_config, *, deployment: str | None = None) -> ResolveRequest:
+    """What this runner asks: SGLang's published ranks, flags and this checkpoint's config."""
+    import torch
+    from sglang.srt.runtime_context import get_exec, get_flags, get_parallel, get_server_args
+
+    parallel, moe = get_parallel(), get_exec().moe
+    role = ROLE_SPECULATIVE if get_flags().moe.in_speculative_scope else ROLE_TARGET
+    attn_dp = int(parallel.attn_dp_size or 1)
+    config = _config_dict(hf_config)
+    quant_cfg = config.get("quantization_config")
+    deployment = deployment or _default_deployment(get_server_args())
+    ranks = Parallel(
+        # loadplan's tp x ep is SGLang's tp group (DESIGN 8.1): its MoE-TP and EP factors.
+        tp_size=int(parallel.moe_tp_size), tp_rank=int(parallel.moe_tp_rank),
+        ep_size=int(parallel.moe_ep_size), ep_rank=int(parallel.moe_ep_rank),
+        pp_size=int(parallel.pp_size), pp_rank=int(parallel.pp_rank),
+        dp_size=attn_dp, dp_rank=int(parallel.attn_dp_rank) if attn_dp > 1 else 0,
+    )
+    runtime = Runtime(
+        a2a_backend=str(moe.moe_a2a_backend or "none"),
+        device=_device(torch),
+        engine=ENGINE_SGLANG,
+        engine_version=sglang_version() or "",
+        moe_runner_backend=str(moe.moe_runner_backend or "auto"),
+        enable_sbo=bool(get_exec().overlap.enable_single_batch_overlap),
+        enable_tbo=bool(get_exec().overlap.enable_two_batch_overlap),
+        disable_shared_experts_fusion=bool(moe.disable_shared_experts_fusion),
+        enforce_shared_experts_fusion=bool(moe.enforce_shared_experts_fusion),
+        enable_eplb=bool(moe.enable_eplb),
+        ep_num_redundant_experts=int(moe.ep_num_redundant_experts or 0),
+    )
+    return ResolveRequest(
+        request_id=f"sglang-{uuid.uuid4().hex}",
+        deployment_id=deployment,
+        role=role,
+        parallel=ranks,
+        host=socket.gethostname()[:255],
+        config=config,
+        quantization_config=quant_cfg if isinstance(quant_cfg, dict) else None,
+        quantization=quant_config.get_name() if quant_config is not None else None,
+        runtime=runtime,
+    )
+
+
+def _config_dict(hf_config) -> dict[str, Any]:
+    raw = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+    return json.loads(json.dumps(raw, default=str))
+
+
+def _device(torch) -> str:
+    major, minor = torch.cuda.get_device_capability()
+    return f"{'hip' if torch.version.hip else 'cuda'}:{major}.{minor}"
+
+
+def _default_deployment(server_args) -> str:
+    """Without --deployment: the served model's name, the same on every rank of one server."""
+    name = getattr(server_args, "served_model_name", None) or os.path.basename(
+        str(getattr(server_args, "model_path", "model")).rstrip("/"))
+    clean = "".join(c if c.isalnum() or c in "._-" else "-" for c in str(name)).strip("-.") or "model"
+    return f"sglang-{clean}"[:128]

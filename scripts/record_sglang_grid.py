@@ -1,0 +1,170 @@
+"""Record SGLang 0.5.23's own load-time decisions over the conformance grid.
+
+Runs tests/conformance/sglang_oracle.py (SGLang's own code, one process per emulated
+device, under the SGLang environment made by `make sglang-env`) over every grid point and
+writes the answers as data: a gzipped JSON-lines file whose first line says the SGLang
+version, this script and its inputs, and each further line is one point and SGLang's
+answer. The conformance test (tests/conformance/test_sglang_conformance.py) checks the
+registry against every recorded point and re-runs SGLang live on a sample of them.
+
+    .venv-sglang/bin/python scripts/record_sglang_grid.py            # the whole grid
+    .venv-sglang/bin/python scripts/record_sglang_grid.py --limit 50 # a quick look
+
+Grid (and how it is pruned):
+- main: every config × every a2a backend SGLang 0.5.23 accepts × 4 devices × 3 tp/ep/dp
+  shapes × intent/overlap flags. Families with shared experts get 6 flag combinations
+  (none, disable, enforce, SBO, TBO, enforce+TBO); families without shared experts get
+  3 (none, SBO, TBO), since the fusion intent flags reach no gate there.
+- runner: the families with shared experts × MoE runner backends that SGLang's
+  resolution treats specially × 4 devices, tp 8, backend none.
+- pipeline: every config × pp 2, 3, 4 (layer ranges per stage), cuda:9.0, tp 8.
+- eplb: every config × EPLB on, backends none and deepep, ep 8, cuda:9.0.
+- draft: target + draft pairs (a NextN draft and a Qwen3 draft), per device, inside
+  SGLang's draft build scope, with and without EPLB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gzip
+import itertools
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ORACLE = ROOT / "tests" / "conformance" / "sglang_oracle.py"
+DEFAULT_OUT = ROOT / "tests" / "data" / "sglang_0.5.23_grid.jsonl.gz"
+
+CONFIGS_SHARED = ["deepseek-v3", "kimi-k2", "kimi-k2.5", "glm-4.5", "qwen1.5-moe-a2.7b"]
+CONFIGS_UNSHARED = ["qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-20b"]
+A2A_BACKENDS = ["none", "deepep", "mooncake", "nixl", "mori", "ascend_fuseep", "flashinfer",
+                "megamoe", "deepep_v2", "ascend_tp", "pplx", "flashinfer_megamoe"]
+DEVICES = ["cuda:8.0", "cuda:9.0", "cuda:10.0", "hip:9.4"]
+# loadplan's (tp, ep, dp); SGLang gets tp = tp*ep, ep = ep, and attention DP = dp.
+SHAPES = [(8, 1, 1), (2, 4, 1), (1, 8, 8)]
+FLAGS_SHARED = [{}, {"disable_fusion": True}, {"enforce_fusion": True}, {"sbo": True},
+                {"tbo": True}, {"enforce_fusion": True, "tbo": True}]
+FLAGS_UNSHARED = [{}, {"sbo": True}, {"tbo": True}]
+RUNNERS = ["triton", "deep_gemm", "flashinfer_trtllm", "flashinfer_cutedsl",
+           "flashinfer_trtllm_routed", "experimental_sgl_trtllm", "marlin", "aiter"]
+PP_SIZES = [2, 3, 4]
+# (target, draft): a draft naming the target's own config is its NextN layer.
+DRAFTS = [("deepseek-v3", "deepseek-v3"), ("kimi-k2", "kimi-k2"), ("glm-4.5", "glm-4.5"),
+          ("qwen3-30b-a3b", "qwen3-0.6b")]
+
+
+def grid() -> list[dict]:
+    points: list[dict] = []
+
+    def add(subgrid, **p):
+        points.append({"grid": subgrid, **p})
+
+    for cfgs, flagsets in ((CONFIGS_SHARED, FLAGS_SHARED), (CONFIGS_UNSHARED, FLAGS_UNSHARED)):
+        for cfg, backend, device, (tp, ep, dp), flags in itertools.product(
+                cfgs, A2A_BACKENDS, DEVICES, SHAPES, flagsets):
+            add("main", config=cfg, a2a_backend=backend, device=device, tp=tp, ep=ep, dp=dp, **flags)
+    for cfg, runner, device in itertools.product(CONFIGS_SHARED, RUNNERS, DEVICES):
+        add("runner", config=cfg, a2a_backend="none", moe_runner_backend=runner, device=device,
+            tp=8, ep=1, dp=1)
+    for cfg, pp in itertools.product(CONFIGS_SHARED + CONFIGS_UNSHARED, PP_SIZES):
+        add("pipeline", config=cfg, a2a_backend="none", device="cuda:9.0", tp=8, ep=1, dp=1, pp=pp)
+    for cfg, backend in itertools.product(CONFIGS_SHARED + CONFIGS_UNSHARED, ["none", "deepep"]):
+        add("eplb", config=cfg, a2a_backend=backend, device="cuda:9.0", tp=1, ep=8, dp=1, eplb=True)
+    for (target, draft), device, eplb in itertools.product(DRAFTS, DEVICES, [False, True]):
+        for role_draft in (None, draft):
+            add("draft", config=target, draft_config=role_draft, a2a_backend="none", device=device,
+                tp=1, ep=8, dp=1, eplb=eplb)
+    return points
+
+
+def run_device(python: str, device: str, points: list[dict], results: dict, progress: list) -> None:
+    proc = subprocess.Popen([python, str(ORACLE), "--device", device], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+
+    def feed():
+        for p in points:
+            proc.stdin.write(json.dumps(p) + "\n")
+        proc.stdin.close()
+
+    threading.Thread(target=feed, daemon=True).start()
+    ready = json.loads(proc.stdout.readline())
+    results["_ready_" + device] = ready
+    for i, line in enumerate(proc.stdout):
+        rec = json.loads(line)
+        results[json.dumps(points[i], sort_keys=True)] = rec["answer"]
+        progress[0] += 1
+    if proc.wait() != 0:
+        raise RuntimeError(f"oracle for {device} exited {proc.returncode}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--python", default=str(ROOT / ".venv-sglang" / "bin" / "python"),
+                        help="the SGLang environment's python (default: .venv-sglang)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--limit", type=int, default=0, help="record only the first N points per device")
+    args = parser.parse_args(argv)
+
+    points = grid()
+    by_device: dict[str, list[dict]] = {}
+    for p in points:
+        by_device.setdefault(p["device"], []).append(p)
+    if args.limit:
+        by_device = {d: ps[: args.limit] for d, ps in by_device.items()}
+    total = sum(len(ps) for ps in by_device.values())
+    print(f"{total} points over {len(by_device)} devices", flush=True)
+    results: dict = {}
+    progress = [0]
+    started = time.time()
+    threads = [threading.Thread(target=run_device, args=(args.python, d, ps, results, progress))
+               for d, ps in by_device.items()]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        time.sleep(10)
+        print(f"  {progress[0]}/{total} in {time.time() - started:.0f} s", flush=True)
+    for t in threads:
+        t.join()
+    missing = total - progress[0]
+    if missing:
+        print(f"{missing} points got no answer", file=sys.stderr)
+        return 1
+    ready = [results.pop(k) for k in sorted(k for k in results if k.startswith("_ready_"))]
+    header = {
+        "sglang": ready[0]["sglang"],
+        "script": "scripts/record_sglang_grid.py",
+        "oracle": "tests/conformance/sglang_oracle.py",
+        "recorded_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "points": total,
+        "inputs": {
+            "configs_shared": CONFIGS_SHARED, "configs_unshared": CONFIGS_UNSHARED,
+            "a2a_backends": A2A_BACKENDS, "devices": DEVICES, "shapes_tp_ep_dp": SHAPES,
+            "flags_shared": FLAGS_SHARED, "flags_unshared": FLAGS_UNSHARED,
+            "runners": RUNNERS, "pp_sizes": PP_SIZES, "drafts": DRAFTS, "limit": args.limit,
+        },
+        "environment": "the oracle's DISPATCH_BUDGETS (per-rank dispatch-token budgets of "
+                       "MoRI, pplx and DeepEP v2, set as an operator sets them)",
+        "shape_mapping": "loadplan (tp, ep, dp) -> SGLang --tp-size tp*ep --ep-size ep "
+                         "[--dp-size dp --enable-dp-attention when dp > 1]",
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(".tmp")
+    with gzip.open(tmp, "wt") as f:
+        f.write(json.dumps(header, sort_keys=True) + "\n")
+        for key in sorted(results):
+            f.write(json.dumps({"point": json.loads(key), "answer": results[key]}, sort_keys=True) + "\n")
+    tmp.replace(args.out)
+    refused = sum(1 for a in results.values() if a.get("refused"))
+    errors = sum(1 for a in results.values() if "error" in a)
+    print(f"wrote {args.out}: {total} points, {refused} refused by SGLang, "
+          f"{errors} oracle errors, {time.time() - started:.0f} s")
+    return 0 if not errors else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,434 @@
+"""SGLang 0.5.23's own load-time decisions for grid points: the conformance oracle.
+
+Run under the SGLang environment's python (`.venv-sglang`), one process per device:
+
+    .venv-sglang/bin/python tests/conformance/sglang_oracle.py --device cuda:9.0 < points.jsonl
+
+Each input line is a grid point (JSON); each output line is SGLang's answer for it, in
+order, as JSON: `{"point": ..., "answer": ...}`. For every point the decision is SGLang's
+own code, run as its scheduler runs it (DESIGN 8.4):
+
+- `ServerArgs(...)` then `publish(server_args, role="scheduler", ranks=...)`: the whole
+  server-args resolution pipeline, with its input rewrites and its start-up refusals;
+- `initialize_moe_config()` (the scheduler's MoE flags; refuses SBO on SM90);
+- `ModelConfig.from_server_args`, `get_model_architecture`, the loader's
+  `_get_quantization_config` (refuses a quantization the device cannot run);
+- `resolve_shared_experts_config(model_class, hf_config, quant_config)`, for a draft inside
+  `draft_model_build_scope()`;
+- the family MoE block's own `forward`, run on a stand-in `self` whose branch methods
+  record which one was taken; the attributes that select the branch are SGLang's own
+  `__init__` expressions, evaluated (FAMILY_BLOCKS says which block a class builds);
+- `post_experts_output_is_complete(...)` and the MoE widths: whether a reduction is still
+  owed after the experts on the branch taken;
+- `get_pp_indices(...)` per stage, and the decoder's own `_is_layer_sparse` for EPLB layers
+  (the model runner gives a draft worker no EPLB manager: `not self.is_draft_worker`).
+
+Answer fields: `refused` (+ `stage`, `message`: SGLang's own refusal), `rewritten` (the
+server args resolution left: tp/ep/moe-tp/attention-DP sizes, a2a and runner backends,
+the fusion flags), `shared_experts_fusion`, `num_fused_shared_experts`, `fusion_reason`
+(the gate's reason), `block`/`branch` (the MoE block and the forward branch it took),
+`dispatcher` (what its experts layer builds), `combine_complete`, `forward_path` (`a2a`
+when tokens are dispatched and combined: the dispatch branch, or an all-to-all
+dispatcher or complete combine inside the experts layer under the normal branch),
+`post_experts_all_reduce` (a reduction still owed after the experts on that branch),
+`pp_layer_ranges` (per stage; none for a draft), `eplb_enabled`, `eplb_layers` (per stage),
+`config_architectures` (what SGLang's ModelConfig made of the config).
+
+What is emulated, not SGLang's: the device (tests/conformance/sglang_cpu.py), and the
+experts layer's dispatcher, which is taken from SGLang's `create_moe_dispatcher` run with
+its dispatcher classes replaced by their names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import functools
+import importlib
+import inspect
+import json
+import logging
+import os
+import re
+import sys
+import textwrap
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+
+import sglang_cpu  # noqa: E402
+
+CONFIG_DIRS = (ROOT / "tests" / "data" / "configs", HERE / "configs")
+
+# The MoE block each entry class builds (module, class): the class whose forward picks
+# the dispatch or the partial-sum branch. A wrapper builds its inner family's block.
+FAMILY_BLOCKS = {
+    "DeepseekV2ForCausalLM": ("sglang.srt.models.deepseek_v2", "DeepseekV2MoE"),
+    "DeepseekV3ForCausalLM": ("sglang.srt.models.deepseek_v2", "DeepseekV2MoE"),
+    "DeepseekV3ForCausalLMNextN": ("sglang.srt.models.deepseek_v2", "DeepseekV2MoE"),
+    "DeepseekV32ForCausalLM": ("sglang.srt.models.deepseek_v2", "DeepseekV2MoE"),
+    "KimiK25ForConditionalGeneration": ("sglang.srt.models.deepseek_v2", "DeepseekV2MoE"),
+    "KimiVLForConditionalGeneration": ("sglang.srt.models.deepseek_v2", "DeepseekV2MoE"),
+    "Glm4MoeForCausalLM": ("sglang.srt.models.glm4_moe", "Glm4MoeSparseMoeBlock"),
+    "Glm4MoeForCausalLMNextN": ("sglang.srt.models.glm4_moe", "Glm4MoeSparseMoeBlock"),
+    "Glm4vMoeForConditionalGeneration": ("sglang.srt.models.glm4_moe", "Glm4MoeSparseMoeBlock"),
+    "Glm4MoeLiteForCausalLM": ("sglang.srt.models.glm4_moe_lite", "Glm4MoeLiteSparseMoeBlock"),
+    "GptOssForCausalLM": ("sglang.srt.models.gpt_oss", "GptOssSparseMoeBlock"),
+    "MixtralForCausalLM": ("sglang.srt.models.mixtral", "MixtralMoE"),
+    "Qwen2MoeForCausalLM": ("sglang.srt.models.qwen2_moe", "Qwen2MoeSparseMoeBlock"),
+    "Qwen3MoeForCausalLM": ("sglang.srt.models.qwen3_moe", "Qwen3MoeSparseMoeBlock"),
+}
+
+# Decoder-layer classes whose `_is_layer_sparse(config, layer_id, is_nextn=...)` says
+# which layers hold routed experts (the EPLB layers).
+SPARSE_PREDICATES = {
+    "sglang.srt.models.deepseek_v2": "DeepseekV2DecoderLayer",
+    "sglang.srt.models.glm4_moe": "Glm4MoeDecoderLayer",
+}
+
+# The block methods that are whole forward branches (helpers such as
+# `_forward_shared_experts` run inside a branch and are not one).
+BRANCH_METHOD = re.compile(r"^_?forward_(normal|deepep|mega|dwdp|cpu|fuseep|a2a)")
+DISPATCH_BRANCH_WORDS = ("deepep", "a2a", "mega", "fuseep")
+
+# Per-rank dispatch-token budgets, set as an operator running these backends sets them.
+# At SGLang's defaults (128 for pplx and DeepEP v2, 4096 for MoRI) resolution refuses
+# every point of those backends for the default chunked-prefill size: a buffer-size
+# check the registry cannot see (it is not a layout decision), which would hide what
+# SGLang decides about the layout there.
+DISPATCH_BUDGETS = {
+    "SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK": "16384",
+    "SGLANG_PPLX_NUM_MAX_DISPATCH_TOKENS_PER_RANK": "16384",
+    "SGLANG_DEEPEP_V2_NUM_MAX_DISPATCH_TOKENS_PER_RANK": "16384",
+}
+
+
+def config_dir(name: str) -> Path:
+    for base in CONFIG_DIRS:
+        if (base / name / "config.json").is_file():
+            return base / name
+    raise ValueError(f"config: no config dir {name!r} under {[str(b) for b in CONFIG_DIRS]}")
+
+
+class _Branch(Exception):
+    def __init__(self, name):
+        super().__init__(name)
+        self.name = name
+
+
+class _BlockStandIn:
+    """`self` for a MoE block's forward: branch methods record themselves, the branch
+    attributes are SGLang's own __init__ expressions, anything else is an inert stub."""
+
+    def __init__(self, cls, attrs):
+        object.__setattr__(self, "_cls", cls)
+        object.__setattr__(self, "_attrs", attrs)
+
+    def __getattr__(self, name):
+        attrs = object.__getattribute__(self, "_attrs")
+        if name in attrs:
+            return attrs[name]
+        cls = object.__getattribute__(self, "_cls")
+        if BRANCH_METHOD.match(name) and callable(getattr(cls, name, None)):
+            def branch(*a, **k):
+                raise _Branch(name)
+            return branch
+        return sglang_cpu._Anything(f"self.{name}")
+
+    def __setattr__(self, name, value):
+        object.__getattribute__(self, "_attrs")[name] = value
+
+
+@functools.lru_cache(maxsize=None)
+def _branch_selectors(cls) -> tuple:
+    """The `self.X = <expr>` lines of cls.__init__ whose expression reads the a2a backend."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls.__init__)))
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Assign) or len(node.targets) != 1:
+            continue
+        target = node.targets[0]
+        if not (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
+                and target.value.id == "self"):
+            continue
+        text = ast.unparse(node.value)
+        if "a2a_backend" in text or "deepep" in text:
+            found.append((target.attr, compile(ast.Expression(node.value), f"<{cls.__name__}.__init__>", "eval")))
+    return tuple(found)
+
+
+def _init_branch_attrs(cls, module, hf_config, quant_config) -> dict:
+    """Evaluate SGLang's own branch-selecting __init__ expressions for this runner."""
+    attrs: dict = {}
+    stand_in = _BlockStandIn(cls, attrs)
+    for name, code in _branch_selectors(cls):
+        try:
+            value = eval(code, vars(module), {"self": stand_in, "config": hf_config,
+                                              "quant_config": quant_config})
+        except Exception:  # an expression needing the real layer: not a branch selector
+            continue
+        if isinstance(value, bool):
+            attrs[name] = value
+    return attrs
+
+
+def forward_branch(entry_class, hf_config, quant_config) -> dict:
+    """Run the family block's forward on a stand-in; return the branch it takes."""
+    import torch
+
+    where = FAMILY_BLOCKS.get(entry_class)
+    if where is None:
+        return {"block": None, "branch": None}
+    module = importlib.import_module(where[0])
+    cls = getattr(module, where[1])
+    text = getattr(hf_config, "text_config", None) or hf_config
+    attrs = _init_branch_attrs(cls, module, text, quant_config)
+    attrs.setdefault("num_fused_shared_experts", 0)
+    stand_in = _BlockStandIn(cls, attrs)
+    hidden = torch.zeros(1, 8)
+    try:
+        cls.forward(stand_in, hidden, None)
+    except _Branch as taken:
+        branch = taken.name
+    except NotImplementedError as e:
+        branch = f"not_implemented: {e}"
+    except Exception as e:  # the inline body reached the (stub) experts and broke there
+        branch = "inline"
+        _ = e
+    else:
+        branch = "inline"
+    return {"block": f"{where[1]}", "branch": branch, "branch_attrs": attrs}
+
+
+def experts_dispatcher() -> str:
+    """The dispatcher SGLang's experts layer builds for the published a2a backend."""
+    layer = importlib.import_module("sglang.srt.layers.moe.fused_moe_triton.layer")
+    names = ("StandardDispatcher", "MaybeTboDeepEPDispatcher", "DeepEPv2Dispatcher",
+             "FlashinferDispatcher", "AscendTPDispatcher")
+    saved = {n: getattr(layer, n) for n in names if hasattr(layer, n)}
+    saved_extra = {n: getattr(layer, n) for n in ("get_parallel", "_get_deepep_comm_group",
+                                                   "get_deepep_v2_dispatcher_output_dtype",
+                                                   "_deepep_v2_experts_are_fp8", "get_deepep_mode")
+                   if hasattr(layer, n)}
+    try:
+        for n in saved:
+            setattr(layer, n, (lambda name: (lambda *a, **k: name))(n))
+        for n in saved_extra:
+            setattr(layer, n, lambda *a, **k: sglang_cpu._Anything(n))
+        return layer.create_moe_dispatcher(sglang_cpu._Anything("moe_runner_config"),
+                                           sglang_cpu._Anything("quant_method"))
+    except NotImplementedError as e:
+        return f"unsupported: {e}"
+    finally:
+        for n, v in {**saved, **saved_extra}.items():
+            setattr(layer, n, v)
+
+
+A2A_DISPATCHERS = {"MaybeTboDeepEPDispatcher", "DeepEPv2Dispatcher", "FlashinferDispatcher"}
+
+
+def server_args_for(point: dict, model_dir: Path):
+    from sglang.srt.server_args import ServerArgs
+
+    tp, ep, dp = point["tp"], point["ep"], point.get("dp", 1)
+    kwargs = dict(
+        model_path=str(model_dir),
+        skip_tokenizer_init=True,
+        load_format="dummy",
+        tp_size=tp * ep,                 # SGLang's tp is the whole group (DESIGN 8.1)
+        ep_size=ep,
+        pp_size=point.get("pp", 1),
+        moe_a2a_backend=point.get("a2a_backend", "none"),
+        moe_runner_backend=point.get("moe_runner_backend") or "auto",
+        disable_shared_experts_fusion=bool(point.get("disable_fusion")),
+        enforce_shared_experts_fusion=bool(point.get("enforce_fusion")),
+        enable_single_batch_overlap=bool(point.get("sbo")),
+        enable_two_batch_overlap=bool(point.get("tbo")),
+        enable_eplb=bool(point.get("eplb")),
+    )
+    if dp > 1:
+        kwargs.update(dp_size=dp, enable_dp_attention=True)
+    if point.get("quantization"):
+        kwargs["quantization"] = point["quantization"]
+    if point.get("draft_config"):
+        # A draft of the target's own checkpoint is its NextN/MTP layer; another
+        # checkpoint is a standalone draft model.
+        algorithm = "NEXTN" if point["draft_config"] == point["config"] else "STANDALONE"
+        kwargs.update(speculative_algorithm=algorithm,
+                      speculative_draft_model_path=str(config_dir(point["draft_config"])),
+                      speculative_num_steps=1, speculative_eagle_topk=1,
+                      speculative_num_draft_tokens=2)
+    return ServerArgs(**kwargs)
+
+
+def _message(e: BaseException) -> str:
+    text = str(e).strip()
+    if not text:   # a bare assert: name the SGLang line that refused
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        text = f"{Path(frame.filename).name}:{frame.lineno}: {frame.line}"
+    return f"{type(e).__name__}: {text}"[:600]
+
+
+def answer(point: dict) -> dict:
+    """SGLang's decisions for one grid point (the point's device must be this process's)."""
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.distributed.utils import get_pp_indices
+    from sglang.srt.layers.moe import utils as moe_utils
+    from sglang.srt.model_loader.loader import _get_quantization_config
+    from sglang.srt.model_loader.utils import get_model_architecture
+    from sglang.srt.runtime_context import (SpawnRanks, get_exec, get_parallel, publish,
+                                            reset_context)
+
+    draft = bool(point.get("draft_config"))
+    started = time.perf_counter()
+    stage = "server_args"
+    try:
+        model_dir = config_dir(point["config"])
+        server_args = server_args_for(point, model_dir)
+        reset_context()
+        publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
+        stage = "moe_config"
+        moe_utils.initialize_moe_config()
+        exec_moe = get_exec().moe
+        parallel = get_parallel()
+        rewritten = {
+            "tp_size": parallel.tp_size,
+            "ep_size": parallel.moe_ep_size,
+            "moe_tp_size": parallel.moe_tp_size,
+            "attn_dp_size": parallel.attn_dp_size,
+            "moe_a2a_backend": str(exec_moe.moe_a2a_backend),
+            "moe_runner_backend": str(exec_moe.moe_runner_backend),
+            "disable_shared_experts_fusion": bool(exec_moe.disable_shared_experts_fusion),
+            "enforce_shared_experts_fusion": bool(exec_moe.enforce_shared_experts_fusion),
+        }
+        stage = "model_config"
+        model_config = ModelConfig.from_server_args(server_args)
+        if draft:
+            model_config = ModelConfig.from_server_args(
+                server_args, model_path=str(config_dir(point["draft_config"])),
+                is_draft_model=True)
+        model_class, arch = get_model_architecture(model_config)
+        stage = "quantization"
+        quant_config = _get_quantization_config(model_config, LoadConfig(load_format="dummy"))
+        stage = "shared_experts"
+        scope = moe_utils.draft_model_build_scope() if draft else contextlib.nullcontext()
+        with scope:
+            shared = moe_utils.resolve_shared_experts_config(
+                model_class, model_config.hf_config, quant_config)
+            # The reason SGLang logs (on rank 0 of an initialised group only): its gate, asked
+            # as resolve_shared_experts_config asks it.
+            gate = getattr(model_class, "shared_experts_fusion_disable_reason", None)
+            reason = (None if exec_moe.disable_shared_experts_fusion or gate is None
+                      else gate(model_config.hf_config, quant_config))
+        stage = "forward"
+        branch = forward_branch(model_class.__name__, model_config.hf_config, quant_config)
+        dispatcher = experts_dispatcher()
+        complete_ep = moe_utils.post_experts_output_is_complete(is_tp_path=False)
+        complete_tp = moe_utils.post_experts_output_is_complete(is_tp_path=True)
+    except Exception as e:
+        return {"refused": True, "stage": stage, "message": _message(e)}
+
+    b = branch["branch"] or ""
+    dispatch_branch = any(w in b for w in DISPATCH_BRANCH_WORDS)
+    if branch["block"] is None or b.startswith("not_implemented"):
+        # No MoE block (a dense draft), or a branch SGLang's file does not implement.
+        forward_path, all_reduce = None, None
+    elif dispatch_branch:
+        # The dispatch branches of these files combine and never reduce afterwards.
+        forward_path, all_reduce = "a2a", False
+    else:
+        a2a_inside = dispatcher in A2A_DISPATCHERS or (complete_ep and complete_tp
+                                                       and rewritten["moe_a2a_backend"] != "none")
+        forward_path = "a2a" if a2a_inside else "normal"
+        all_reduce = bool((parallel.moe_ep_size > 1 and not complete_ep)
+                          or (parallel.moe_tp_size > 1 and not complete_tp))
+    hf = model_config.hf_text_config
+    layers = getattr(hf, "num_hidden_layers", None)
+    pp = point.get("pp", 1)
+    # A draft runs in a singleton pipeline group (get_pp_indices ignores the partition).
+    ranges = ([list(get_pp_indices(layers, r, pp)) for r in range(pp)]
+              if layers and not draft else None)
+    eplb_enabled = bool(get_exec().moe.enable_eplb) and not draft
+    eplb_layers = None
+    if eplb_enabled and ranges:
+        sparse = _sparse_layers(model_class, hf, layers)
+        eplb_layers = [[i for i in sparse if s <= i < e] for s, e in ranges] if sparse is not None else None
+    return {
+        "refused": False,
+        "entry_class": model_class.__name__,
+        "architecture": arch,
+        # What SGLang's ModelConfig made of the checkpoint's config (a NextN draft's
+        # architectures name the NextN class): what the runner would send the registry.
+        "config_architectures": list(getattr(model_config.hf_config, "architectures", None) or []),
+        "quantization": quant_config.get_name() if quant_config is not None else None,
+        "rewritten": rewritten,
+        "shared_experts_fusion": not shared.fusion_disabled and shared.num_fused_shared_experts > 0,
+        "fusion_disabled": bool(shared.fusion_disabled),
+        "num_fused_shared_experts": int(shared.num_fused_shared_experts),
+        "fusion_reason": ("--disable-shared-experts-fusion" if exec_moe.disable_shared_experts_fusion
+                          else reason or (None if gate else "no shared_experts_fusion_disable_reason gate")),
+        "block": branch.get("block"),
+        "branch": branch.get("branch"),
+        "dispatcher": dispatcher,
+        "combine_complete": bool(complete_ep and complete_tp),
+        "forward_path": forward_path,
+        "post_experts_all_reduce": all_reduce,
+        "pp_layer_ranges": ranges,
+        "eplb_enabled": eplb_enabled,
+        "eplb_layers": eplb_layers,
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+
+
+def _sparse_layers(model_class, hf, layers):
+    """The layers holding routed experts, by the family decoder's own `_is_layer_sparse`."""
+    for mod_name, decoder in SPARSE_PREDICATES.items():
+        mod = importlib.import_module(mod_name)
+        entry_classes = tuple(v for n, v in vars(mod).items() if n.endswith("ForCausalLM") and isinstance(v, type))
+        if issubclass(model_class, entry_classes):
+            predicate = getattr(mod, decoder)._is_layer_sparse
+            return [i for i in range(layers) if predicate(hf, i, is_nextn=False)]
+    return None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", required=True, choices=sorted(sglang_cpu.DEVICES))
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    for name, value in DISPATCH_BUDGETS.items():
+        os.environ.setdefault(name, value)
+    logging.getLogger().setLevel(logging.ERROR)   # SGLang's start-up chatter
+    sglang_cpu.emulate(args.device)
+    t0 = time.time()
+    import sglang.srt.models.registry  # noqa: F401  (imports every model file once)
+    from sglang.srt.model_loader.utils import get_model_architecture  # noqa: F401
+    print(json.dumps({"ready": True, "sglang": sglang_cpu.sglang_version(),
+                      "device": args.device, "import_s": round(time.time() - t0, 1)}), flush=True)
+    out = sys.stdout
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        point = json.loads(line)
+        if point.get("device", args.device) != args.device:
+            result = {"error": f"device: this oracle emulates {args.device}, not {point['device']}"}
+        else:
+            with contextlib.redirect_stdout(sys.stderr):
+                try:
+                    result = answer(point)
+                except Exception:
+                    result = {"error": traceback.format_exc(limit=4)}
+        out.write(json.dumps({"point": point, "answer": result}, sort_keys=True) + "\n")
+        out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""SGLang's side of the adapter tests: runs in the SGLang environment (`.venv-sglang`).
+
+Starts runners the way SGLang's scheduler does (publish the server args for a rank,
+initialize_moe_config, ModelConfig, the architecture, the loader's quantization config)
+and calls `resolve_shared_experts_config` through the name SGLang's loader calls
+(`sglang.srt.model_loader.loader.resolve_shared_experts_config`), for a draft inside
+`draft_model_build_scope()`. Prints one JSON line per runner with the SharedExpertsConfig
+SGLang got, or the error that stopped the runner.
+
+    sglang_runner.py [--device cuda:9.0] --run SCENARIO:DEPLOYMENT[@REGISTRY] [--run ...]
+
+A run with @REGISTRY installs the adapter in-process first (loadplan.integrations.sglang.install,
+pointed at REGISTRY); one without it needs the adapter already active (a process started by
+`loadplan sglang-run`). Runs go in order, in one process (SGLang's import is paid once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "conformance"))
+
+import sglang_cpu  # noqa: E402
+
+CONFIGS = {
+    "deepseek-v3": ROOT / "tests" / "data" / "configs" / "deepseek-v3",
+    "kimi-k2": ROOT / "tests" / "data" / "configs" / "kimi-k2",
+    "qwen3-0.6b": ROOT / "tests" / "conformance" / "configs" / "qwen3-0.6b",
+}
+
+# scenario -> (target config, draft config or None, SGLang server args, world ranks)
+SCENARIOS = {
+    # DeepSeek-V3 on tp 2 x ep 2 (SGLang --tp-size 4 --ep-size 2) with a Qwen3 draft model.
+    "dsv3_with_qwen3_draft": ("deepseek-v3", "qwen3-0.6b", dict(tp_size=4, ep_size=2), range(4)),
+    # DeepSeek-V3 on one 8-GPU tp group, no draft: SGLang would fuse on SM90.
+    "dsv3_tp8": ("deepseek-v3", None, dict(tp_size=8), range(1)),
+    # Kimi-K2 (384 experts, FP8) with --enforce-shared-experts-fusion: SGLang's own comment says
+    # the fused path then mis-loads the shared expert; the registry lists it as a hazard.
+    "kimi_k2_enforced": ("kimi-k2", None, dict(tp_size=8, enforce_shared_experts_fusion=True), range(1)),
+}
+
+
+def run(scenario: str, registry: str | None, deployment: str) -> list[dict]:
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.layers.moe import utils as moe_utils
+    from sglang.srt.model_loader import loader
+    from sglang.srt.model_loader.loader import _get_quantization_config
+    from sglang.srt.model_loader.utils import get_model_architecture
+    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    from loadplan.integrations import sglang as adapter
+
+    if registry:
+        adapter.install(registry, deployment=deployment, timeout=20)
+    target, draft, server_kwargs, ranks = SCENARIOS[scenario]
+    out = []
+    for world_rank in ranks:
+        kwargs = dict(model_path=str(CONFIGS[target]), skip_tokenizer_init=True, load_format="dummy",
+                      **server_kwargs)
+        if draft:
+            kwargs.update(speculative_algorithm="STANDALONE", speculative_draft_model_path=str(CONFIGS[draft]),
+                          speculative_num_steps=1, speculative_eagle_topk=1, speculative_num_draft_tokens=2)
+        server_args = ServerArgs(**kwargs)
+        reset_context()
+        publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=world_rank, gpu_id=world_rank))
+        moe_utils.initialize_moe_config()
+        runners = [("target", ModelConfig.from_server_args(server_args))]
+        if draft:
+            runners.append(("speculative", ModelConfig.from_server_args(
+                server_args, model_path=str(CONFIGS[draft]), is_draft_model=True)))
+        for role, model_config in runners:
+            model_class, _ = get_model_architecture(model_config)
+            quant_config = _get_quantization_config(model_config, LoadConfig(load_format="dummy"))
+            record = {"scenario": scenario, "world_rank": world_rank, "role": role, "entry_class": model_class.__name__,
+                      "adapter_active": adapter.installed()}
+            try:
+                if role == "speculative":
+                    with moe_utils.draft_model_build_scope():
+                        got = loader.resolve_shared_experts_config(model_class, model_config.hf_config, quant_config)
+                else:
+                    got = loader.resolve_shared_experts_config(model_class, model_config.hf_config, quant_config)
+                record.update(fusion_disabled=got.fusion_disabled,
+                              num_fused_shared_experts=got.num_fused_shared_experts,
+                              type=f"{type(got).__module__}.{type(got).__name__}")
+            except Exception as e:  # noqa: BLE001 - what stopped this runner's start
+                record["stopped"] = f"{type(e).__name__}: {e}"
+            out.append(record)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cuda:9.0")
+    parser.add_argument("--run", action="append", required=True, metavar="SCENARIO:DEPLOYMENT[@REGISTRY]")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import logging
+
+    logging.getLogger().setLevel(logging.ERROR)
+    plan_log = logging.getLogger("loadplan.integrations.sglang")   # the plan ids, on stderr
+    plan_log.setLevel(logging.INFO)
+    plan_log.addHandler(logging.StreamHandler(sys.stderr))
+    plan_log.propagate = False
+    sglang_cpu.emulate(args.device)
+    for spec in args.run:
+        scenario, _, rest = spec.partition(":")
+        deployment, _, registry = rest.partition("@")
+        if scenario not in SCENARIOS:
+            parser.error(f"--run: unknown scenario {scenario!r}; known: {', '.join(sorted(SCENARIOS))}")
+        for record in run(scenario, registry or None, deployment):
+            print("RUNNER " + json.dumps(record, sort_keys=True), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

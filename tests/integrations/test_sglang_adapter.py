@@ -1,0 +1,205 @@
+"""loadplan's SGLang adapter (issue 31), tested without a GPU.
+
+SGLang 0.5.23's own modules run in their environment (`.venv-sglang`, DESIGN 8.4, made
+by `make sglang-env`), with the device emulated; tests/integrations/sglang_runner.py
+starts runners there as SGLang's scheduler does and calls the real
+`resolve_shared_experts_config` through the name SGLang's loader calls. The registry is
+the real server (EmbeddedRegistry on SQLite) in this process. The two SGLang processes
+start at once (each pays SGLang's ~15 s import), one installing the adapter in-process and
+one started by `loadplan sglang-run`, and are read by the tests below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loadplan.client import RegistryClient
+from loadplan.integrations import sglang as adapter
+from loadplan.integrations import sglang_run
+from loadplan.plan import Keys
+from loadplan.service.embedded import EmbeddedRegistry
+
+ROOT = Path(__file__).resolve().parents[2]
+SGLANG_PY = ROOT / ".venv-sglang" / "bin" / "python"
+RUNNER = ROOT / "tests" / "integrations" / "sglang_runner.py"
+LOADPLAN = Path(sys.executable).parent / "loadplan"
+CLOSED_PORT = "127.0.0.1:9"   # discard port: nothing listens on loopback
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    db = tmp_path_factory.mktemp("sglang-adapter") / "registry.db"
+    with EmbeddedRegistry(f"sqlite:///{db}") as reg:
+        yield reg
+
+
+@pytest.fixture(scope="module")
+def runs(registry):
+    """Start the SGLang processes together; {name: [runner records], ...} plus their output."""
+    if not SGLANG_PY.exists():
+        pytest.skip(f"{SGLANG_PY} missing: `make sglang-env` makes SGLang's environment (`make test` does)")
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    starts = {
+        # in-process install(): DeepSeek-V3 tp 2 x ep 2 with a Qwen3 draft (4 targets, 4 drafts);
+        # a hazard the registry refuses; then no registry at all (retried, then the start stops)
+        "install": [str(SGLANG_PY), str(RUNNER),
+                    "--run", f"dsv3_with_qwen3_draft:dsv3-draft@{registry.address}",
+                    "--run", f"kimi_k2_enforced:kimi-hazard@{registry.address}",
+                    "--run", f"dsv3_tp8:nowhere@{CLOSED_PORT}"],
+        # `loadplan sglang-run` starts the process: the adapter must be active without install()
+        "sglang_run": [str(LOADPLAN), "sglang-run", "--registry", registry.address, "--deployment", "dsv3-run",
+                       "--timeout", "20", "--", str(SGLANG_PY), str(RUNNER), "--run", "dsv3_tp8:dsv3-run"],
+    }
+    procs = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                    cwd=ROOT) for name, cmd in starts.items()}
+    out = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        records = [json.loads(line[len("RUNNER "):]) for line in stdout.splitlines() if line.startswith("RUNNER ")]
+        assert proc.returncode == 0, stderr[-3000:]
+        out[name] = {"records": records, "stderr": stderr[-3000:]}
+    return out
+
+
+def _scenario(runs, name, scenario):
+    records = [r for r in runs[name]["records"] if r["scenario"] == scenario]
+    assert records, runs[name]["stderr"]
+    return records
+
+
+def _plans(registry, deployment):
+    with RegistryClient(registry.address) as client:
+        plans, _ = client.list_plans(deployment_id=deployment, page_size=100)
+    return plans
+
+
+def test_target_and_draft_runners_get_the_registrys_decisions(runs, registry):
+    records = _scenario(runs, "install", "dsv3_with_qwen3_draft")
+    assert [(r["world_rank"], r["role"]) for r in records] == [
+        (w, role) for w in range(4) for role in ("target", "speculative")]
+    for r in records:
+        assert "stopped" not in r, r
+        assert r["adapter_active"] is True
+        assert r["type"] == "sglang.srt.configs.shared_experts.SharedExpertsConfig"
+    plans = _plans(registry, "dsv3-draft")
+    # One plan per runner, with the role and ranks SGLang's state gave it.
+    assert len(plans) == 8
+    by_runner = {(p.request.role, p.request.parallel.tp_rank, p.request.parallel.ep_rank): p for p in plans}
+    assert set(by_runner) == {(role, t, e) for role in ("target", "speculative") for t in (0, 1) for e in (0, 1)}
+    for p in plans:
+        assert (p.request.parallel.tp_size, p.request.parallel.ep_size) == (2, 2)
+        assert p.request.runtime.engine == "sglang" and p.request.runtime.device == "cuda:9.0"
+    targets = [p for p in plans if p.request.role == "target"]
+    drafts = [p for p in plans if p.request.role == "speculative"]
+    assert {p.entry_class for p in targets} == {"DeepseekV3ForCausalLM"}
+    assert {p.entry_class for p in drafts} == {"Qwen3ForCausalLM"}
+    # What each runner got from SGLang's function is its plan's decision.
+    for r in records:
+        sglang_world = r["world_rank"]
+        # SGLang tp 4 = loadplan tp 2 x ep 2: moe_ep_rank = world // 2, moe_tp_rank = world % 2
+        plan = by_runner[(r["role"], sglang_world % 2, sglang_world // 2)]
+        fused = plan.value(Keys.SHARED_EXPERTS_FUSION)
+        assert r["fusion_disabled"] is (not fused)
+        assert r["num_fused_shared_experts"] == (plan.value(Keys.NUM_FUSED_SHARED_EXPERTS) if fused else 0)
+
+
+def test_the_draft_does_not_change_the_targets_plan(runs, registry):
+    _scenario(runs, "install", "dsv3_with_qwen3_draft")
+    plans = _plans(registry, "dsv3-draft")
+    targets = [p for p in plans if p.request.role == "target"]
+    wide = {k for k, d in targets[0].decisions.items() if d.deployment_wide}
+    for p in targets[1:]:
+        assert {k: p.decisions[k].value for k in wide} == {k: targets[0].decisions[k].value for k in wide}
+    # The same target shape asked with no draft at all decides the same.
+    from loadplan.service.rules.resolve import resolve_decisions
+
+    alone = resolve_decisions(targets[0].request)
+    for k in (Keys.SHARED_EXPERTS_FUSION, Keys.FORWARD_PATH, Keys.POST_EXPERTS_ALL_REDUCE):
+        assert alone.decisions[k].value == targets[0].decisions[k].value
+
+
+def test_a_hazard_stops_the_runners_start_with_the_registrys_message(runs, registry):
+    (record,) = _scenario(runs, "install", "kimi_k2_enforced")
+    assert record["adapter_active"] is True
+    assert "fusion_disabled" not in record
+    assert record["stopped"].startswith("LoadPlanRefused: loadplan registry refused the target runner of "
+                                        "deployment kimi-hazard: FAILED_PRECONDITION: hazard:"), record
+    assert _plans(registry, "kimi-hazard") == []
+
+
+def test_an_unreachable_registry_stops_the_start_after_retries(runs):
+    (record,) = _scenario(runs, "install", "dsv3_tp8")
+    assert record["stopped"].startswith(f"LoadPlanRefused: loadplan registry at {CLOSED_PORT} is unreachable "
+                                        "after the client's retries"), record
+    assert "fusion_disabled" not in record
+
+
+def test_a_process_started_by_sglang_run_has_the_adapter_active(runs, registry):
+    (record,) = _scenario(runs, "sglang_run", "dsv3_tp8")
+    assert record["adapter_active"] is True
+    assert "stopped" not in record, record
+    (plan,) = _plans(registry, "dsv3-run")
+    assert plan.request.role == "target" and plan.entry_class == "DeepseekV3ForCausalLM"
+    assert plan.request.parallel.tp_size == 8 and plan.request.runtime.engine_version == "0.5.23"
+    assert record["fusion_disabled"] is (not plan.value(Keys.SHARED_EXPERTS_FUSION))
+    assert f"loadplan plan {plan.plan_id} for target DeepseekV3ForCausalLM" in runs["sglang_run"]["stderr"]
+
+
+# --- without SGLang's modules ------------------------------------------------------
+
+
+def test_install_refuses_other_sglang_versions_naming_the_known_ones():
+    with pytest.raises(adapter.SglangVersionError, match=r"sglang 0\.5\.23; this is sglang 0\.5\.22"):
+        adapter.check_version("0.5.22")
+    assert adapter.check_version("0.5.23") == "0.5.23"
+
+
+def test_the_start_up_hook_stops_a_process_with_an_unknown_sglang(tmp_path):
+    # A Python whose sglang says 0.5.22 (a bare dist-info is all importlib.metadata reads).
+    dist = tmp_path / "sglang-0.5.22.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.22\n")
+    args = argparse.Namespace(
+        registry="127.0.0.1:1", deployment="d", token=None, timeout=None, allow_fallback=False)
+    env = sglang_run.environment(args, base={"PATH": os.environ["PATH"], "PYTHONPATH": str(tmp_path)})
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(sglang_run.BOOT_DIR), str(tmp_path)]
+    assert env[adapter.ENV_ACTIVE] == "1" and env[adapter.ENV_REGISTRY] == "127.0.0.1:1"
+    proc = subprocess.run([sys.executable, "-c", "print('started')"], env=env, capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "wraps resolve_shared_experts_config of sglang 0.5.23; this is sglang 0.5.22" in proc.stderr
+    assert "started" not in proc.stdout
+    # Without LOADPLAN_SGLANG the hook does nothing.
+    env.pop(adapter.ENV_ACTIVE)
+    proc = subprocess.run([sys.executable, "-c", "print('started')"], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == "started"
+
+
+def test_sglang_run_needs_a_command_and_a_registry():
+    run = subprocess.run([str(LOADPLAN), "sglang-run", "--registry", "127.0.0.1:1"], capture_output=True, text=True)
+    assert run.returncode != 0 and "command: nothing to run" in run.stderr
+    env = {k: v for k, v in os.environ.items() if k != adapter.ENV_REGISTRY}
+    run = subprocess.run([str(LOADPLAN), "sglang-run", "--", "true"], capture_output=True, text=True, env=env)
+    assert run.returncode != 0 and "--registry: an address is needed" in run.stderr
+
+
+def test_the_compose_sglang_worker_runs_sglang_under_sglang_run():
+    import yaml
+
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    svc = services["sglang-worker"]
+    argv = [str(a) for a in svc["command"]]
+    assert argv[:2] == ["loadplan", "sglang-run"]
+    assert argv[argv.index("--registry") + 1] == "registry:50051"
+    assert argv[argv.index("--") + 1:argv.index("--") + 4] == ["python3", "-m", "sglang.launch_server"]
+    assert svc["depends_on"]["registry"]["condition"] == "service_healthy"
+    assert svc["profiles"] == ["sglang"]      # needs GPUs: only when asked for
+    assert svc["build"]["dockerfile"] == "Dockerfile.sglang"
+    dockerfile = (ROOT / "Dockerfile.sglang").read_text()
+    assert "--no-deps ." in dockerfile and "check_version()" in dockerfile
