@@ -4,4 +4,4 @@
 its decisions; everything else here is a table or a small helper of it.
 """
 
-RULESET_VERSION = "2026.12.2"   # the sglang 0.5.23 and vllm 0.32.0 profiles decide for their engines
+RULESET_VERSION = "2026.12.3"   # the vllm 0.32.0 profile agrees with vLLM's own decision code (DP flattening, a2a, get_pp_indices)

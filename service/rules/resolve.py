@@ -525,7 +525,7 @@ def _vllm_part(req: ResolveRequest, resolved: Resolved, layout: MoeLayout, devic
     put(Keys.FORWARD_PATH, fwd.path, fwd.reason, fwd.rule)
     put(Keys.POST_EXPERTS_ALL_REDUCE, fwd.all_reduce, fwd.reason, fwd.rule + ".reduction")
     physical = _sharding(put, layout, rt, p.ep_size)
-    return _finish(req, resolved, layout, d, physical, sglang.stage_range, eplb=rt.enable_eplb,
+    return _finish(req, resolved, layout, d, physical, vllm.stage_range, eplb=rt.enable_eplb,
                    eplb_off_reason="EPLB not enabled (runtime.enable_eplb is false)")
 
 
