@@ -267,12 +267,12 @@ class SqlPlanStore:
         self._insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
 
     def _run(self, what: str, fn, *, write: bool):
-        """`fn(connection)` in one transaction, committed; started over when it lost a race."""
+        """`fn(connection, attempt)` in one transaction, committed; started over when it lost a race."""
         last: BaseException | None = None
-        for _ in range(MAX_ATTEMPTS):
+        for attempt in range(MAX_ATTEMPTS):
             try:
                 with _translate_errors(what), (self._writer if write else self.engine).begin() as conn:
-                    return fn(conn)
+                    return fn(conn, attempt)
             except _Retry as err:
                 last = err.__cause__
         raise Unavailable(f"database contention while {what}: gave up after {MAX_ATTEMPTS} attempts "
@@ -294,7 +294,7 @@ class SqlPlanStore:
         if not news:
             return []
         try:
-            return self._run("saving a plan", lambda conn: self._save(conn, news), write=True)
+            return self._run("saving a plan", lambda conn, attempt: self._save(conn, news, attempt > 0), write=True)
         except Unavailable:
             raise
         except Exception as err:  # noqa: BLE001 - one plan's fault must not fail the others
@@ -308,10 +308,14 @@ class SqlPlanStore:
         except Exception as err:  # noqa: BLE001 - this plan's own answer
             return err
 
-    def _save(self, conn: Connection, news: Sequence[NewPlan]) -> list[LoadPlan | Exception]:
-        """One try of a batch in the open transaction of `conn`."""
+    def _save(self, conn: Connection, news: Sequence[NewPlan], retried: bool) -> list[LoadPlan | Exception]:
+        """One try of a batch in the open transaction of `conn`. The first try assumes no request
+        id of the batch is stored (a client retry is rare): if one is, inserting its plan is a
+        unique violation, the transaction starts over, and the retries look the ids up first
+        (a round trip fewer for every batch but those). A plan refused meanwhile has its id
+        looked up before anything is written: a reused id is refused as that."""
         outcomes: list[LoadPlan | Exception | None] = [None] * len(news)
-        stored = self._stored_requests(conn, sorted({n.plan.request.request_id for n in news}))
+        stored = self._stored_requests(conn, sorted({n.plan.request.request_id for n in news})) if retried else {}
         pins = self._pins(conn, sorted({(n.plan.request.deployment_id, n.plan.request.role) for n in news}))
         first_of: dict[str, int] = {}           # request id -> the batch's first plan of it
         replays: dict[int, str] = {}            # plan -> the stored plan id it replays
@@ -352,6 +356,9 @@ class SqlPlanStore:
                     continue
             writes.append(new)
             outcomes[i] = new.plan
+        if not retried and len(writes) < len(first_of):
+            # A refusal: the request id may be stored (a reused id is refused as that, first).
+            return self._save(conn, news, True)
         if writes:
             conn.execute(sa.insert(PLANS), [_plan_row(n) for n in sorted(writes, key=_request_id)])
         if setters:
@@ -421,7 +428,7 @@ class SqlPlanStore:
         return plan
 
     def get_plan(self, plan_id: str, include_history: bool = False) -> LoadPlan:
-        return self._run("reading a plan", lambda conn: self._get(conn, plan_id, include_history=include_history),
+        return self._run("reading a plan", lambda conn, _: self._get(conn, plan_id, include_history=include_history),
                          write=False)
 
     def list_plans(self, flt: PlanFilter, page_size: int, page_token: str | None) -> tuple[list[LoadPlan], str]:
@@ -438,7 +445,7 @@ class SqlPlanStore:
             conds.append(sa.or_(c.created_at < t, sa.and_(c.created_at == t, c.plan_id < pid)))
         query = sa.select(PLANS).where(*conds).order_by(c.created_at.desc(), c.plan_id.desc()).limit(page_size + 1)
 
-        def run(conn: Connection):
+        def run(conn: Connection, _attempt: int):
             rows = conn.execute(query).all()
             more = len(rows) > page_size
             rows = rows[:page_size]
@@ -454,7 +461,7 @@ class SqlPlanStore:
     def append_decisions(self, request_id: str, plan_id: str, decisions: Sequence[Decision]) -> LoadPlan:
         fp = _append_fingerprint(plan_id, decisions)
         return self._run("appending decisions",
-                         lambda conn: self._append(conn, request_id, plan_id, list(decisions), fp), write=True)
+                         lambda conn, _: self._append(conn, request_id, plan_id, list(decisions), fp), write=True)
 
     def _append(self, conn: Connection, request_id: str, plan_id: str, decisions: list[Decision],
                 fp: str) -> LoadPlan:
