@@ -30,7 +30,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import json
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
@@ -55,6 +55,15 @@ MAX_ATTEMPTS = 5
 # SQLSTATEs worth retrying in place: serialization_failure, deadlock_detected.
 _RETRY_SQLSTATES = {"40001", "40P01"}
 LOOKUP_CHUNK = 400   # keys per IN (...) look-up
+# Committed pins this process has seen, kept so that a rank of a known deployment is checked
+# without a look-up: a pin never changes once committed (nothing updates or deletes one).
+PIN_CACHE_SIZE = 4096
+
+
+class Pin(NamedTuple):
+    """A deployment pin: the plan that set it and the deployment-wide inputs it holds."""
+    plan_id: str
+    inputs_json: str
 
 
 class _Retry(Exception):
@@ -265,6 +274,7 @@ class SqlPlanStore:
         self.engine = engine
         self._writer = writer(engine)
         self._insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
+        self._pin_cache: dict[tuple[str, str], Pin] = {}   # (deployment, role) -> its committed pin
 
     def _run(self, what: str, fn, *, write: bool):
         """`fn(connection, attempt)` in one transaction, committed; started over when it lost a race."""
@@ -293,14 +303,20 @@ class SqlPlanStore:
         again without it. Raises Unavailable (nothing written) when the database is down."""
         if not news:
             return []
+        learned: dict[tuple[str, str], Pin] = {}
         try:
-            return self._run("saving a plan", lambda conn, attempt: self._save(conn, news, attempt > 0), write=True)
+            outcomes = self._run("saving a plan", lambda conn, attempt: self._save(conn, news, attempt > 0, learned),
+                                 write=True)
         except Unavailable:
             raise
         except Exception as err:  # noqa: BLE001 - one plan's fault must not fail the others
             if len(news) == 1:
                 return [err]
             return [self._save_alone(new) for new in news]
+        if len(self._pin_cache) + len(learned) > PIN_CACHE_SIZE:
+            self._pin_cache.clear()
+        self._pin_cache.update(learned)   # committed now
+        return outcomes
 
     def _save_alone(self, new: NewPlan) -> LoadPlan | Exception:
         try:
@@ -308,15 +324,25 @@ class SqlPlanStore:
         except Exception as err:  # noqa: BLE001 - this plan's own answer
             return err
 
-    def _save(self, conn: Connection, news: Sequence[NewPlan], retried: bool) -> list[LoadPlan | Exception]:
+    def _save(self, conn: Connection, news: Sequence[NewPlan], retried: bool,
+              learned: dict[tuple[str, str], Pin]) -> list[LoadPlan | Exception]:
         """One try of a batch in the open transaction of `conn`. The first try assumes no request
         id of the batch is stored (a client retry is rare): if one is, inserting its plan is a
         unique violation, the transaction starts over, and the retries look the ids up first
         (a round trip fewer for every batch but those). A plan refused meanwhile has its id
-        looked up before anything is written: a reused id is refused as that."""
+        looked up before anything is written: a reused id is refused as that. Likewise the first
+        try reads no pin: a (deployment, role) this process saw pinned is checked against the
+        pin it saw, another is pinned by the batch's first plan of it (ON CONFLICT DO NOTHING),
+        and only a pin lost to an earlier one is read back. `learned`: the pins the transaction
+        read or wrote, for the cache once it committed."""
+        learned.clear()
         outcomes: list[LoadPlan | Exception | None] = [None] * len(news)
         stored = self._stored_requests(conn, sorted({n.plan.request.request_id for n in news})) if retried else {}
-        pins = self._pins(conn, sorted({(n.plan.request.deployment_id, n.plan.request.role) for n in news}))
+        groups = {_group(n) for n in news}
+        pins = {g: self._pin_cache[g] for g in groups if g in self._pin_cache}
+        if retried:
+            pins.update(self._pins(conn, sorted(groups - pins.keys())))
+            learned.update(pins)
         first_of: dict[str, int] = {}           # request id -> the batch's first plan of it
         replays: dict[int, str] = {}            # plan -> the stored plan id it replays
         setters: dict[tuple[str, str], NewPlan] = {}   # (deployment, role) -> the plan that pins it
@@ -358,18 +384,23 @@ class SqlPlanStore:
             outcomes[i] = new.plan
         if not retried and len(writes) < len(first_of):
             # A refusal: the request id may be stored (a reused id is refused as that, first).
-            return self._save(conn, news, True)
+            return self._save(conn, news, True, learned)
         if writes:
             conn.execute(sa.insert(PLANS), [_plan_row(n) for n in sorted(writes, key=_request_id)])
         if setters:
             rows = [_pin_row(setters[g], inputs_json(setters[g])) for g in sorted(setters)]
-            won = conn.execute(self._insert(PINS).on_conflict_do_nothing(index_elements=["deployment_id", "role"])
-                               .returning(PINS.c.deployment_id, PINS.c.role), rows).all()
-            lost = sorted(set(setters) - {(r.deployment_id, r.role) for r in won})
-            if lost:
-                # Another writer pinned these since we looked; if every plan of ours agrees with its
-                # pin, what we wrote stands, else start over (and refuse those plans then).
-                theirs = self._pins(conn, lost)
+            # Without RETURNING: an executemany of one short statement (RETURNING makes it one
+            # statement of every row, which psycopg parses anew each time: 0.1 ms a pin).
+            inserted = conn.execute(self._insert(PINS).on_conflict_do_nothing(
+                index_elements=["deployment_id", "role"]), rows).rowcount
+            theirs = self._pins(conn, sorted(setters)) if inserted < len(rows) else {}
+            theirs = {g: pin for g, pin in theirs.items() if pin.plan_id != setters[g].plan.plan_id}
+            learned.update((g, Pin(setters[g].plan.plan_id, inputs_json(setters[g]))) for g in setters
+                           if g not in theirs)
+            if theirs:
+                # Pinned by another writer (before us, or since we looked); if every plan of ours
+                # agrees with its pin, what we wrote stands, else start over (and refuse those then).
+                learned.update(theirs)
                 if any(_pin_refusal(n, inputs_json(n), theirs[_group(n)].plan_id, theirs[_group(n)].inputs_json)
                        is not None for n in writes if _group(n) in theirs):
                     raise _Retry()
@@ -393,13 +424,13 @@ class SqlPlanStore:
         return found
 
     @staticmethod
-    def _pins(conn: Connection, groups: list[tuple[str, str]]) -> dict[tuple[str, str], Row]:
+    def _pins(conn: Connection, groups: list[tuple[str, str]]) -> dict[tuple[str, str], Pin]:
         c = PINS.c
         found = {}
         for chunk in _chunks(groups):
             query = sa.select(c.deployment_id, c.role, c.plan_id, c.inputs_json).where(
                 sa.tuple_(c.deployment_id, c.role).in_(chunk))
-            found.update(((r.deployment_id, r.role), r) for r in conn.execute(query))
+            found.update(((r.deployment_id, r.role), Pin(r.plan_id, r.inputs_json)) for r in conn.execute(query))
         return found
 
     # --- reading plans ----------------------------------------------------------------
