@@ -340,7 +340,8 @@ class SqlPlanStore:
         outcomes: list[LoadPlan | Exception | None] = [None] * len(news)
         stored = self._stored_requests(conn, sorted({n.plan.request.request_id for n in news})) if retried else {}
         groups = {_group(n) for n in news}
-        pins = {g: self._pin_cache[g] for g in groups if g in self._pin_cache}
+        cached = self._pin_cache   # shared by concurrent callers: read each key once (no `in` then [])
+        pins = {g: pin for g in groups if (pin := cached.get(g)) is not None}
         if retried:
             pins.update(self._pins(conn, sorted(groups - pins.keys())))
             learned.update(pins)
