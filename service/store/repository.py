@@ -30,7 +30,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import json
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
@@ -55,6 +55,15 @@ MAX_ATTEMPTS = 5
 # SQLSTATEs worth retrying in place: serialization_failure, deadlock_detected.
 _RETRY_SQLSTATES = {"40001", "40P01"}
 LOOKUP_CHUNK = 400   # keys per IN (...) look-up
+# Committed pins this process has seen, kept so that a rank of a known deployment is checked
+# without a look-up: a pin never changes once committed (nothing updates or deletes one).
+PIN_CACHE_SIZE = 4096
+
+
+class Pin(NamedTuple):
+    """A deployment pin: the plan that set it and the deployment-wide inputs it holds."""
+    plan_id: str
+    inputs_json: str
 
 
 class _Retry(Exception):
@@ -265,14 +274,15 @@ class SqlPlanStore:
         self.engine = engine
         self._writer = writer(engine)
         self._insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
+        self._pin_cache: dict[tuple[str, str], Pin] = {}   # (deployment, role) -> its committed pin
 
     def _run(self, what: str, fn, *, write: bool):
-        """`fn(connection)` in one transaction, committed; started over when it lost a race."""
+        """`fn(connection, attempt)` in one transaction, committed; started over when it lost a race."""
         last: BaseException | None = None
-        for _ in range(MAX_ATTEMPTS):
+        for attempt in range(MAX_ATTEMPTS):
             try:
                 with _translate_errors(what), (self._writer if write else self.engine).begin() as conn:
-                    return fn(conn)
+                    return fn(conn, attempt)
             except _Retry as err:
                 last = err.__cause__
         raise Unavailable(f"database contention while {what}: gave up after {MAX_ATTEMPTS} attempts "
@@ -293,14 +303,20 @@ class SqlPlanStore:
         again without it. Raises Unavailable (nothing written) when the database is down."""
         if not news:
             return []
+        learned: dict[tuple[str, str], Pin] = {}
         try:
-            return self._run("saving a plan", lambda conn: self._save(conn, news), write=True)
+            outcomes = self._run("saving a plan", lambda conn, attempt: self._save(conn, news, attempt > 0, learned),
+                                 write=True)
         except Unavailable:
             raise
         except Exception as err:  # noqa: BLE001 - one plan's fault must not fail the others
             if len(news) == 1:
                 return [err]
             return [self._save_alone(new) for new in news]
+        if len(self._pin_cache) + len(learned) > PIN_CACHE_SIZE:
+            self._pin_cache.clear()
+        self._pin_cache.update(learned)   # committed now
+        return outcomes
 
     def _save_alone(self, new: NewPlan) -> LoadPlan | Exception:
         try:
@@ -308,11 +324,27 @@ class SqlPlanStore:
         except Exception as err:  # noqa: BLE001 - this plan's own answer
             return err
 
-    def _save(self, conn: Connection, news: Sequence[NewPlan]) -> list[LoadPlan | Exception]:
-        """One try of a batch in the open transaction of `conn`."""
+    def _save(self, conn: Connection, news: Sequence[NewPlan], retried: bool,
+              learned: dict[tuple[str, str], Pin]) -> list[LoadPlan | Exception]:
+        """One try of a batch in the open transaction of `conn`. The first try assumes no request
+        id of the batch is stored (a client retry is rare): if one is, inserting its plan is a
+        unique violation, the transaction starts over, and the retries look the ids up first
+        (a round trip fewer for every batch but those). A plan refused meanwhile has its id
+        looked up before anything is written: a reused id is refused as that. Likewise the first
+        try reads no pin: a (deployment, role) this process saw pinned is checked against the
+        pin it saw, another is pinned by the batch's first plan of it (ON CONFLICT DO NOTHING)
+        and read back after (the plans are written by then: a plan that disagrees with a pin set
+        first by another writer starts the transaction over). `learned`: the pins the
+        transaction read or wrote, for the cache once it committed."""
+        learned.clear()
         outcomes: list[LoadPlan | Exception | None] = [None] * len(news)
-        stored = self._stored_requests(conn, sorted({n.plan.request.request_id for n in news}))
-        pins = self._pins(conn, sorted({(n.plan.request.deployment_id, n.plan.request.role) for n in news}))
+        stored = self._stored_requests(conn, sorted({n.plan.request.request_id for n in news})) if retried else {}
+        groups = {_group(n) for n in news}
+        cached = self._pin_cache   # shared by concurrent callers: read each key once (no `in` then [])
+        pins = {g: pin for g in groups if (pin := cached.get(g)) is not None}
+        if retried:
+            pins.update(self._pins(conn, sorted(groups - pins.keys())))
+            learned.update(pins)
         first_of: dict[str, int] = {}           # request id -> the batch's first plan of it
         replays: dict[int, str] = {}            # plan -> the stored plan id it replays
         setters: dict[tuple[str, str], NewPlan] = {}   # (deployment, role) -> the plan that pins it
@@ -352,17 +384,25 @@ class SqlPlanStore:
                     continue
             writes.append(new)
             outcomes[i] = new.plan
+        if not retried and len(writes) < len(first_of):
+            # A refusal: the request id may be stored (a reused id is refused as that, first).
+            return self._save(conn, news, True, learned)
         if writes:
             conn.execute(sa.insert(PLANS), [_plan_row(n) for n in sorted(writes, key=_request_id)])
         if setters:
             rows = [_pin_row(setters[g], inputs_json(setters[g])) for g in sorted(setters)]
-            won = conn.execute(self._insert(PINS).on_conflict_do_nothing(index_elements=["deployment_id", "role"])
-                               .returning(PINS.c.deployment_id, PINS.c.role), rows).all()
-            lost = sorted(set(setters) - {(r.deployment_id, r.role) for r in won})
-            if lost:
-                # Another writer pinned these since we looked; if every plan of ours agrees with its
-                # pin, what we wrote stands, else start over (and refuse those plans then).
-                theirs = self._pins(conn, lost)
+            # Without RETURNING, an executemany of one short statement; then read back which pins
+            # are ours. (RETURNING makes it one long statement of every row, which psycopg parses
+            # anew each time: 0.1 ms of CPU a pin, more than the look-up's round trip costs.)
+            conn.execute(self._insert(PINS).on_conflict_do_nothing(index_elements=["deployment_id", "role"]), rows)
+            theirs = {g: pin for g, pin in self._pins(conn, sorted(setters)).items()
+                      if pin.plan_id != setters[g].plan.plan_id}
+            learned.update((g, Pin(setters[g].plan.plan_id, inputs_json(setters[g]))) for g in setters
+                           if g not in theirs)
+            if theirs:
+                # Pinned by another writer (before us, or since we looked); if every plan of ours
+                # agrees with its pin, what we wrote stands, else start over (and refuse those then).
+                learned.update(theirs)
                 if any(_pin_refusal(n, inputs_json(n), theirs[_group(n)].plan_id, theirs[_group(n)].inputs_json)
                        is not None for n in writes if _group(n) in theirs):
                     raise _Retry()
@@ -386,13 +426,13 @@ class SqlPlanStore:
         return found
 
     @staticmethod
-    def _pins(conn: Connection, groups: list[tuple[str, str]]) -> dict[tuple[str, str], Row]:
+    def _pins(conn: Connection, groups: list[tuple[str, str]]) -> dict[tuple[str, str], Pin]:
         c = PINS.c
         found = {}
         for chunk in _chunks(groups):
             query = sa.select(c.deployment_id, c.role, c.plan_id, c.inputs_json).where(
                 sa.tuple_(c.deployment_id, c.role).in_(chunk))
-            found.update(((r.deployment_id, r.role), r) for r in conn.execute(query))
+            found.update(((r.deployment_id, r.role), Pin(r.plan_id, r.inputs_json)) for r in conn.execute(query))
         return found
 
     # --- reading plans ----------------------------------------------------------------
@@ -421,7 +461,7 @@ class SqlPlanStore:
         return plan
 
     def get_plan(self, plan_id: str, include_history: bool = False) -> LoadPlan:
-        return self._run("reading a plan", lambda conn: self._get(conn, plan_id, include_history=include_history),
+        return self._run("reading a plan", lambda conn, _: self._get(conn, plan_id, include_history=include_history),
                          write=False)
 
     def list_plans(self, flt: PlanFilter, page_size: int, page_token: str | None) -> tuple[list[LoadPlan], str]:
@@ -438,7 +478,7 @@ class SqlPlanStore:
             conds.append(sa.or_(c.created_at < t, sa.and_(c.created_at == t, c.plan_id < pid)))
         query = sa.select(PLANS).where(*conds).order_by(c.created_at.desc(), c.plan_id.desc()).limit(page_size + 1)
 
-        def run(conn: Connection):
+        def run(conn: Connection, _attempt: int):
             rows = conn.execute(query).all()
             more = len(rows) > page_size
             rows = rows[:page_size]
@@ -454,7 +494,7 @@ class SqlPlanStore:
     def append_decisions(self, request_id: str, plan_id: str, decisions: Sequence[Decision]) -> LoadPlan:
         fp = _append_fingerprint(plan_id, decisions)
         return self._run("appending decisions",
-                         lambda conn: self._append(conn, request_id, plan_id, list(decisions), fp), write=True)
+                         lambda conn, _: self._append(conn, request_id, plan_id, list(decisions), fp), write=True)
 
     def _append(self, conn: Connection, request_id: str, plan_id: str, decisions: list[Decision],
                 fp: str) -> LoadPlan:

@@ -238,6 +238,32 @@ def test_a_replica_checks_a_pin_it_has_not_seen(db_url, make_request, rows):
             e.dispose()
 
 
+def test_a_batch_of_a_deployment_the_store_saw_pinned_reads_nothing_before_writing(db_engine, store, make_request):
+    """The first try of a batch looks up no request id and no pin this store saw committed: the
+    ranks of a pinned deployment are one INSERT of their plans in the transaction. A retry of one
+    of them still replays, a disagreeing rank is still refused, and both write nothing."""
+    first = store.save_plan(new_plan(make_request(parallel=Parallel(ep_size=4))))
+    statements: list[str] = []
+
+    def record(conn, cursor, statement, parameters, context, executemany):
+        statements.append(" ".join(statement.split()[:3]))
+
+    sa.event.listen(db_engine, "before_cursor_execute", record)
+    news = [new_plan(make_request(parallel=Parallel(ep_size=4, ep_rank=r))) for r in (1, 2)]
+    assert [o.plan_id for o in store.save_batch(news)] == [n.plan.plan_id for n in news]
+    assert [s for s in statements if not s.startswith("BEGIN")] == ["INSERT INTO plans"]
+    sa.event.remove(db_engine, "before_cursor_execute", record)
+
+    disagreeing = new_plan(make_request(parallel=Parallel(ep_size=8, ep_rank=3)))
+    retried, refused = store.save_batch([news[0], disagreeing])
+    assert retried.replayed and retried.plan_id == news[0].plan.plan_id
+    assert isinstance(refused, FailedPrecondition) and refused.field == "parallel.ep_size"
+    assert first.plan_id in str(refused)
+    with db_engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(PlanRow).where(
+            PlanRow.deployment_id == first.request.deployment_id)).scalar_one() == 3
+
+
 def test_every_column_round_trips_in_its_place(store, make_request):
     # Every field its own value, so that two swapped columns cannot pass unnoticed.
     new = new_plan(make_request(quantization_config={"quant_method": "fp8"}, host="host-x"))
