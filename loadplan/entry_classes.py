@@ -142,9 +142,10 @@ ENTRY_CLASSES: dict[str, EntryClass] = {
     # pixtral.py: PixtralForConditionalGeneration builds MistralLarge3ForCausalLM from text_config (when its
     # model_type is deepseek_v3) with the checkpoint's quantization
     "PixtralForConditionalGeneration": wrapper("MistralLarge3ForCausalLM", "text_config", None),
-    # deepseek_ocr.py: DeepseekOCRForCausalLM builds DeepSeek-V2's model from text_config with the checkpoint's
-    # quantization, and asks DeepseekV2ForCausalLM's gate with it
-    "DeepseekOCRForCausalLM": wrapper("DeepseekV2ForCausalLM", "text_config", None),
+    # deepseek_ocr.py: DeepseekOCRForCausalLM builds DeepSeek-V2's model from its hf_config.text_config, which
+    # SGLang's config class (configs/deepseek_ocr.py: DeepseekVLV2Config) reads from config.json's language_config,
+    # with the checkpoint's quantization, and asks DeepseekV2ForCausalLM's gate with it
+    "DeepseekOCRForCausalLM": wrapper("DeepseekV2ForCausalLM", "language_config", None),
     # minicpmv.py: MiniCPM-V 4.6 / 4.7 build a Qwen3.5 text model (Qwen3_5MoeForCausalLM for a MoE text_config)
     # from text_config with the checkpoint's quantization
     "MiniCPMV4_6ForConditionalGeneration": wrapper("Qwen3_5MoeForCausalLM", "text_config", None),

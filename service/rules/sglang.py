@@ -438,12 +438,14 @@ NESTED_GATES = {
     "PixtralForConditionalGeneration": NestedGate(
         "text_config.model_type == 'deepseek_v3'",
         lambda c: _nested(c, "text_config", "model_type") == "deepseek_v3"),
-    # deepseek_ocr.py: _fused_moe_text_config, with configs/deepseek_ocr.py: is_ocr2_config
+    # deepseek_ocr.py: _fused_moe_text_config, with configs/deepseek_ocr.py: is_ocr2_config (its hf_config.text_config
+    # is config.json's language_config: DeepseekVLV2Config)
     "DeepseekOCRForCausalLM": NestedGate(
         "not is_ocr2_config(hf_config) and (text_config.topk_method == 'noaux_tc' or text_config.use_mla)",
         lambda c: not (str(_nested(c, "vision_config", "model_name") or "").lower() == "deepencoderv2"
                        or _nested(c, "projector_config", "input_dim") == 896)
-        and (_nested(c, "text_config", "topk_method") == "noaux_tc" or bool(_nested(c, "text_config", "use_mla")))),
+        and (_nested(c, "language_config", "topk_method") == "noaux_tc"
+             or bool(_nested(c, "language_config", "use_mla")))),
 }
 
 

@@ -126,10 +126,11 @@ def test_pixtral_with_another_text_model_type_never_fuses_even_when_enforced():
 def _ocr(**text_over):
     text = deepseek(**text_over)
     del text["architectures"]
-    return {"architectures": ["DeepseekOCRForCausalLM"], "text_config": text}
+    # config.json's language_config (SGLang's DeepseekVLV2Config makes it hf_config.text_config)
+    return {"architectures": ["DeepseekOCRForCausalLM"], "language_config": text}
 
 
-def test_deepseek_ocr_asks_deepseek_v2s_gate_with_its_text_config_when_noaux_tc_or_mla():
+def test_deepseek_ocr_asks_deepseek_v2s_gate_with_its_language_config_when_noaux_tc_or_mla():
     res = sglang(_ocr(topk_method="noaux_tc"), tp_size=8)
     assert res.chain == ("DeepseekOCRForCausalLM", "DeepseekV2ForCausalLM")
     assert res.decisions[Keys.SHARED_EXPERTS_FUSION].reason == "Config does not support fused shared expert(s)."
