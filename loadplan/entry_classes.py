@@ -128,6 +128,28 @@ ENTRY_CLASSES: dict[str, EntryClass] = {
     # Rules only: SGLang's dense Qwen3, a standalone draft beside a Qwen3-MoE target (loadplan's engine builds MoE
     # families only)
     "Qwen3ForCausalLM": direct("dense", None),
+    # Rules only: the families and wrappers SGLang 0.5.23 gates beyond loadplan's engine (DESIGN 8.1); their gates
+    # are the sglang profile's (service/rules/sglang.py: GATES), paths under sglang/srt/models/.
+    # minimax_m3.py: MiniMaxM3SparseForCausalLM, its own config, its own gate (a shared expert sized n_shared_experts)
+    "MiniMaxM3SparseForCausalLM": direct("minimax_m3", None),
+    # deepseek_v4.py: DeepseekV4ForCausalLM, DeepSeek-V2's MoE block (DeepseekV2MoE) under its own gate
+    "DeepseekV4ForCausalLM": direct("deepseek", None),
+    # dots3.py -> dots3_common/modeling.py: Dots3NoteForCausalLM hands its own (flat) config to
+    # Dots3LanguageModelForCausalLM, DeepSeek's expert fields, its own gate and fused architecture
+    "Dots3NoteForCausalLM": direct("deepseek", None),
+    # mistral_large_3.py: MistralLarge3ForCausalLM subclasses DeepseekV3ForCausalLM (its gate and fused architecture)
+    "MistralLarge3ForCausalLM": direct("deepseek", None),
+    # pixtral.py: PixtralForConditionalGeneration builds MistralLarge3ForCausalLM from text_config (when its
+    # model_type is deepseek_v3) with the checkpoint's quantization
+    "PixtralForConditionalGeneration": wrapper("MistralLarge3ForCausalLM", "text_config", None),
+    # deepseek_ocr.py: DeepseekOCRForCausalLM builds DeepSeek-V2's model from its hf_config.text_config, which
+    # SGLang's config class (configs/deepseek_ocr.py: DeepseekVLV2Config) reads from config.json's language_config,
+    # with the checkpoint's quantization, and asks DeepseekV2ForCausalLM's gate with it
+    "DeepseekOCRForCausalLM": wrapper("DeepseekV2ForCausalLM", "language_config", None),
+    # minicpmv.py: MiniCPM-V 4.6 / 4.7 build a Qwen3.5 text model (Qwen3_5MoeForCausalLM for a MoE text_config)
+    # from text_config with the checkpoint's quantization
+    "MiniCPMV4_6ForConditionalGeneration": wrapper("Qwen3_5MoeForCausalLM", "text_config", None),
+    "MiniCPMV4_7ForConditionalGeneration": wrapper("Qwen3_5MoeForCausalLM", "text_config", None),
     "Llama4ForConditionalGeneration": wrapper("Llama4ForCausalLM", "text_config", "llama4"),
     "Qwen3VLMoeForConditionalGeneration": wrapper("Qwen3MoeForCausalLM", "text_config", "qwen3_vl_moe"),
     # GLM-4.5V run text-only: GLM-4-MoE's text model; its gate is GLM-4-MoE's, asked with text_config

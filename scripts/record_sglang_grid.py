@@ -21,6 +21,11 @@ Grid (and how it is pruned):
 - eplb: every config × EPLB on, backends none and deepep, ep 8, cuda:9.0.
 - draft: target + draft pairs (a NextN draft and a Qwen3 draft), per device, inside
   SGLang's draft build scope, with and without EPLB.
+- entries: minimal configs of rules-only entry classes SGLang gates (tests/conformance/configs:
+  Dots3, DeepSeek-V4, DeepSeek-OCR, MiniCPM-V 4.6) × backends none and deepep × tp/ep 8/1 and 2/4 × enforce or not, cuda:9.0.
+
+`--only GRID` records one sub-grid and replaces that sub-grid's points in the existing
+recording (the other points and their answers are kept as recorded, with their date).
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ PP_SIZES = [2, 3, 4]
 # (target, draft): a draft naming the target's own config is its NextN layer.
 DRAFTS = [("deepseek-v3", "deepseek-v3"), ("kimi-k2", "kimi-k2"), ("glm-4.5", "glm-4.5"),
           ("qwen3-30b-a3b", "qwen3-0.6b")]
+# Minimal configs (tests/conformance/configs) of rules-only entry classes SGLang 0.5.23 gates.
+CONFIGS_ENTRIES = ["tiny-dots3", "tiny-deepseek-v4", "tiny-deepseek-ocr", "tiny-minicpmv4_6"]
 
 
 def grid() -> list[dict]:
@@ -79,6 +86,9 @@ def grid() -> list[dict]:
         for role_draft in (None, draft):
             add("draft", config=target, draft_config=role_draft, a2a_backend="none", device=device,
                 tp=1, ep=8, dp=1, eplb=eplb)
+    for cfg, backend, (tp, ep), flags in itertools.product(CONFIGS_ENTRIES, ["none", "deepep"], [(8, 1), (2, 4)],
+                                                          [{}, {"enforce_fusion": True}]):
+        add("entries", config=cfg, a2a_backend=backend, device="cuda:9.0", tp=tp, ep=ep, dp=1, **flags)
     return points
 
 
@@ -108,9 +118,10 @@ def main(argv=None) -> int:
                         help="the SGLang environment's python (default: .venv-sglang)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--limit", type=int, default=0, help="record only the first N points per device")
+    parser.add_argument("--only", default="", help="record only this sub-grid, replacing its points in --out")
     args = parser.parse_args(argv)
 
-    points = grid()
+    points = [p for p in grid() if not args.only or p["grid"] == args.only]
     by_device: dict[str, list[dict]] = {}
     for p in points:
         by_device.setdefault(p["device"], []).append(p)
@@ -135,17 +146,31 @@ def main(argv=None) -> int:
         print(f"{missing} points got no answer", file=sys.stderr)
         return 1
     ready = [results.pop(k) for k in sorted(k for k in results if k.startswith("_ready_"))]
+    recorded = {}
+    if args.only:       # keep every other sub-grid's recorded points and answers, and their date
+        with gzip.open(args.out, "rt") as f:
+            old = json.loads(f.readline())
+            for line in f:
+                rec = json.loads(line)
+                if rec["point"]["grid"] != args.only:
+                    results[json.dumps(rec["point"], sort_keys=True)] = rec["answer"]
+        total = len(results)
+        recorded = {k: v for k, v in old.items() if k.startswith("recorded_at")}
+    now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     header = {
         "sglang": ready[0]["sglang"],
         "script": "scripts/record_sglang_grid.py",
         "oracle": "tests/conformance/sglang_oracle.py",
-        "recorded_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "recorded_at": recorded.get("recorded_at", now),
+        **{k: v for k, v in recorded.items() if k != "recorded_at"},
+        **({f"recorded_at_{args.only}": now} if args.only else {}),
         "points": total,
         "inputs": {
             "configs_shared": CONFIGS_SHARED, "configs_unshared": CONFIGS_UNSHARED,
             "a2a_backends": A2A_BACKENDS, "devices": DEVICES, "shapes_tp_ep_dp": SHAPES,
             "flags_shared": FLAGS_SHARED, "flags_unshared": FLAGS_UNSHARED,
             "runners": RUNNERS, "pp_sizes": PP_SIZES, "drafts": DRAFTS, "limit": args.limit,
+            "configs_entries": CONFIGS_ENTRIES,
         },
         "environment": "the oracle's DISPATCH_BUDGETS (per-rank dispatch-token budgets of "
                        "MoRI, pplx and DeepEP v2, set as an operator sets them)",

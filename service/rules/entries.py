@@ -219,6 +219,11 @@ FAMILIES: dict[str, Family] = {
                fused_architecture="DeepseekV3ForCausalLM"),
         Family("sarvam_moe", layouts.sarvam_moe_layout, gates.glm4_moe_gate, True,
                fused_architecture="Glm4MoeForCausalLM"),
+        # MiniMax-M3 (rules only): Mixtral-style experts plus n_shared_experts shared ones on moe_layer_freq's layers.
+        # loadplan's rules have no fused layout for it (its fusion under engine sglang is SGLang's own gate,
+        # service/rules/sglang.py)
+        Family("minimax_m3", layouts.minimax_m3_layout, None, True,
+               never_fuses=_experts_beside("minimax_m3", "MiniMax-M3")),
         # Hunyuan-A13B: every layer MoE with an ungated shared MLP beside the experts, never fused
         Family("hunyuan_v1_moe", layouts.hunyuan_v1_moe_layout, None, True,
                never_fuses=_mlp_beside("hunyuan_v1_moe", "Hunyuan")),

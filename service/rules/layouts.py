@@ -149,6 +149,25 @@ def every_layer_moe_layout(cfg: ConfigView, experts_field: str) -> MoeLayout:
     return MoeLayout(layers, layers, n_routed, 0, top_k)
 
 
+def minimax_m3_layout(cfg: ConfigView) -> MoeLayout:
+    """MiniMax-M3 (SGLang's models/minimax_m3.py): num_local_experts routed experts and n_shared_experts shared ones
+    (none when unset) on the layers whose moe_layer_freq entry is non-zero (every layer when it is unset)."""
+    n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
+    n_routed = cfg.int("num_local_experts", minimum=1)
+    n_shared = cfg.int("n_shared_experts", 0, minimum=0)
+    top_k = cfg.int("num_experts_per_tok", minimum=1)
+    _check_top_k(cfg, top_k, n_routed)
+    freq = cfg.raw("moe_layer_freq")
+    if freq is None:
+        moe = tuple(range(n_layers))
+    else:
+        if not isinstance(freq, list) or len(freq) != n_layers or not all(isinstance(f, int) for f in freq):
+            raise InvalidArgument(cfg.field("moe_layer_freq"),
+                                  f"must be a list of {n_layers} integers (one per layer; 0 = dense)")
+        moe = tuple(i for i, f in enumerate(freq) if f != 0)
+    return MoeLayout(tuple(range(n_layers)), moe, n_routed, n_shared, top_k)
+
+
 def granitemoe_shared_layout(cfg: ConfigView) -> MoeLayout:
     """Granite MoE with an ungated shared MLP beside the experts of every layer (none when
     shared_intermediate_size is 0, transformers' default)."""

@@ -19,6 +19,7 @@ What a resolve reads here, in SGLang's order:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -94,6 +95,8 @@ class Inputs:
     quant_blocks_fusion: bool    # Quark excluding the shared expert (can_fuse_shared_expert() false)
     w4a16: bool                  # w4afp8 / wint4afp8 / compressed-tensors W4A16
     server_quantization: str | None   # --quantization as server-args resolution leaves it (SGLang's spelling)
+    # False where a wrapper's hooks do not speak for its nested config (NESTED_GATES): gate None, 0 fusable
+    nested_gate_speaks: bool = True
 
 
 @dataclass(frozen=True)
@@ -312,6 +315,62 @@ def glm45v_gate(i: Inputs, fused_architecture: str) -> str | None:
     return None
 
 
+def minimax_m3_gate(i: Inputs, fused_architecture: str) -> str | None:
+    """models/minimax_m3.py: MiniMaxM3SparseForCausalLM.shared_experts_fusion_disable_reason (reads neither enforce
+    nor SBO/TBO; num_fusable_shared_experts asserts exactly one shared expert)."""
+    if not i.layout.n_shared:
+        return "No shared experts are defined in the config."
+    if i.quantization.name in ("modelopt_mixed", "minimax_m3_nvfp4"):
+        return "Shared and routed experts may use different quantization formats in mixed-precision checkpoints."
+    if i.device.kind not in ("cuda", "hip"):
+        return "Shared experts fusion currently requires CUDA or ROCm devices."
+    if i.device.kind == "cuda" and not _cuda80(i.device):
+        return "Shared experts fusion requires SM80 or newer GPUs."
+    if i.device.kind == "hip" and not _device_at_least(i.device, "hip", (9, 5)):
+        return "Shared experts fusion on ROCm is validated on gfx950 only."
+    if i.shape.ep > 1:
+        return "Shared experts fusion is not supported together with expert parallelism yet."
+    if i.a2a == "deepep":       # MoeA2ABackend.is_deepep(): deepep itself, not the DeepEP class
+        return "Shared experts fusion is not supported when Deepep MoE backend is enabled."
+    if i.layout.n_shared != 1:
+        raise FailedPrecondition(f"runtime.shared_experts_fusion: SGLang {VERSION} refuses to start: Only 1 fused "
+                                 f"shared expert is supported for MiniMax-M3 (n_shared_experts={i.layout.n_shared})")
+    return None
+
+
+def deepseek_v4_gate(i: Inputs, fused_architecture: str) -> str | None:
+    """models/deepseek_v4.py: DeepseekV4ForCausalLM.shared_experts_fusion_disable_reason: fuses only when enforced,
+    and then with exactly one shared expert (else SGLang raises ValueError at load)."""
+    if i.quant_blocks_fusion:
+        return ("Quantization keeps shared experts at a higher precision than the routed experts, so they cannot "
+                "be fused into the quantized routed-expert path.")
+    if i.shape.ep > 1 and i.a2a not in PER_RANK_FUSED_SLOTS:
+        return ("Expert parallelism keeps only a slice of the routed experts on each rank, so the fused shared "
+                "expert cannot be appended to the routed weight tensor (only DeepEP/MegaMOE per-rank shared slots "
+                "support fusion under EP).")
+    if not i.enforce_fusion:
+        return "Config does not support fused shared expert(s)."
+    if i.layout.n_shared != 1:
+        raise FailedPrecondition(f"runtime.enforce_shared_experts_fusion: SGLang {VERSION} refuses to start: DeepSeek "
+                                 f"V4 shared-experts fusion expects exactly one shared expert, but got "
+                                 f"n_shared_experts={i.layout.n_shared}.")
+    return None
+
+
+def dots3_gate(i: Inputs, fused_architecture: str) -> str | None:
+    """models/dots3_common/modeling.py: Dots3LanguageModelForCausalLM.shared_experts_fusion_disable_reason (asked by
+    Dots3NoteForCausalLM with its own config; CUDA only; reads neither enforce, SBO/TBO nor the a2a backend)."""
+    lay = i.layout
+    if (not _cuda80(i.device) or i.architecture != fused_architecture or lay.n_routed != 256
+            or lay.n_shared != 1):
+        return "Shared-expert fusion is unsupported for this Dots3 configuration."
+    if i.shape.ep > 1:
+        return "Dots3 shared-expert fusion is unsupported with expert parallelism."
+    if i.quantization.name == "w4afp8":
+        return "Dots3 W4AFP8 shared and routed experts use incompatible quantization."
+    return None
+
+
 @dataclass(frozen=True)
 class GateRow:
     gate: Callable[[Inputs, str], str | None]
@@ -337,7 +396,62 @@ GATES: dict[str, GateRow] = {
     "Glm4MoeLiteForCausalLM": GateRow(glm47_flash_gate, "Glm4MoeLiteForCausalLM"),
     "Glm4MoeLiteForCausalLMNextN": GateRow(glm47_flash_gate, "Glm4MoeLiteForCausalLMNextN"),
     "Glm4vMoeForConditionalGeneration": GateRow(glm45v_gate, "Glm4vMoeForConditionalGeneration"),
+    "MiniMaxM3SparseForCausalLM": GateRow(minimax_m3_gate, "MiniMaxM3SparseForCausalLM"),
+    "DeepseekV4ForCausalLM": GateRow(deepseek_v4_gate, "DeepseekV4ForCausalLM"),
+    # dots3_common/modeling.py: fused_shared_experts_architecture = "Dots3NoteForCausalLM"
+    "Dots3NoteForCausalLM": GateRow(dots3_gate, "Dots3NoteForCausalLM"),
+    # mistral_large_3.py: a DeepseekV3ForCausalLM subclass (its gate, its fused architecture)
+    "MistralLarge3ForCausalLM": GateRow(deepseek_gate, "DeepseekV3ForCausalLM"),
+    # pixtral.py: asks MistralLarge3ForCausalLM's gate with text_config (see NESTED_GATES)
+    "PixtralForConditionalGeneration": GateRow(deepseek_gate, "DeepseekV3ForCausalLM"),
+    # deepseek_ocr.py: asks DeepseekV2ForCausalLM's gate with text_config (see NESTED_GATES)
+    "DeepseekOCRForCausalLM": GateRow(deepseek_gate, "DeepseekV3ForCausalLM"),
 }
+
+# Classes with a shared_experts_fusion_disable_reason but no num_fusable_shared_experts: resolve_shared_experts_config
+# ("fusion requires both hooks") fuses none, whatever the gate says.
+GATE_WITHOUT_COUNT = {
+    # minicpmv.py: MiniCPMV (and its 4.6 / 4.7 subclasses) asks Qwen3_5ForCausalLM's gate with text_config, which
+    # speaks only on ROCm (qwen3_5.py: _qwen3_5_shared_experts_fusion_disable_reason); neither defines a count
+    "MiniCPMV4_6ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "MiniCPMV4_7ForConditionalGeneration": "Qwen3_5ForCausalLM",
+}
+
+
+def _nested(config: Any, *path: str) -> Any:
+    for key in path:
+        config = config.get(key) if isinstance(config, Mapping) else None
+    return config
+
+
+@dataclass(frozen=True)
+class NestedGate:
+    """A wrapper whose hooks speak only for some nested configs: elsewhere its gate answers None and
+    num_fusable_shared_experts 0 (never fused)."""
+
+    when: str                                  # SGLang's condition, as its source spells it
+    speaks: Callable[[Mapping], bool]             # read from the checkpoint's (outer) config
+
+
+NESTED_GATES = {
+    # pixtral.py: _fused_moe_text_config
+    "PixtralForConditionalGeneration": NestedGate(
+        "text_config.model_type == 'deepseek_v3'",
+        lambda c: _nested(c, "text_config", "model_type") == "deepseek_v3"),
+    # deepseek_ocr.py: _fused_moe_text_config, with configs/deepseek_ocr.py: is_ocr2_config (its hf_config.text_config
+    # is config.json's language_config: DeepseekVLV2Config)
+    "DeepseekOCRForCausalLM": NestedGate(
+        "not is_ocr2_config(hf_config) and (text_config.topk_method == 'noaux_tc' or text_config.use_mla)",
+        lambda c: not (str(_nested(c, "vision_config", "model_name") or "").lower() == "deepencoderv2"
+                       or _nested(c, "projector_config", "input_dim") == 896)
+        and (_nested(c, "language_config", "topk_method") == "noaux_tc"
+             or bool(_nested(c, "language_config", "use_mla")))),
+}
+
+
+def nested_gate_speaks(entry_class: str, config: Any) -> bool:
+    row = NESTED_GATES.get(entry_class)
+    return row is None or row.speaks(config if isinstance(config, Mapping) else {})
 
 
 # The architecture a wrapper's gate compares: models/kimi_vl.py hands its text config over renamed
@@ -349,6 +463,14 @@ def fusion(i: Inputs) -> tuple[bool, str, str]:
     """(fused, rule, reason) as resolve_shared_experts_config answers."""
     if i.disable_fusion:
         return False, "sglang.disable_shared_experts_fusion", "--disable-shared-experts-fusion (the gate is not asked)"
+    if i.entry_class in GATE_WITHOUT_COUNT:
+        return False, "sglang.no_fusable_count", (
+            f"SGLang's {i.entry_class} asks {GATE_WITHOUT_COUNT[i.entry_class]}'s gate but defines no "
+            f"num_fusable_shared_experts: its shared experts are never fused")
+    if not i.nested_gate_speaks:
+        return False, "sglang.nested_gate_silent", (
+            f"SGLang's {i.entry_class} fuses only when {NESTED_GATES[i.entry_class].when}: otherwise its gate "
+            f"answers None and num_fusable_shared_experts 0")
     row = GATES.get(i.entry_class)
     if row is None:
         return False, "sglang.no_gate", (f"SGLang's {i.entry_class} has no shared_experts_fusion_disable_reason: "
@@ -374,6 +496,12 @@ DISPATCH_BRANCH: dict[str, frozenset[str]] = {
     "glm4_moe": _ALL_A2A - {"pplx", "deepep_v2", "megamoe"},                  # models/glm4_moe.py
     "qwen2_moe": frozenset({"deepep", "deepep_v2", "mori", "ascend_fuseep", "megamoe"}),  # models/qwen2_moe.py
     "qwen3_moe": _ALL_A2A - {"nixl", "flashinfer"},                           # models/qwen3_moe.py
+    # models/minimax_m3.py: MiniMaxM3 MoE forward: megamoe -> forward_mega_moe, is_deepep() -> forward_deepep,
+    # else forward_normal. Only deepep is restated as a dispatch branch; forward_mega_moe is read as the normal
+    # branch (not yet checked against SGLang's code)
+    "minimax_m3": frozenset({"deepep"}),
+    # models/dots3_common/modeling.py: Dots3MoE.forward: forward_deepep only when is_deepep()
+    "dots3": frozenset({"deepep"}),
 }
 # The block each entry class builds (models/registry.py; the oracle's FAMILY_BLOCKS). A class not here builds a
 # block whose forward has no dispatch branch.
@@ -386,6 +514,11 @@ BLOCKS = {
     "Glm4vMoeForConditionalGeneration": "glm4_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen3VLMoeForConditionalGeneration": "qwen3_moe",
+    # deepseek_v4.py builds deepseek_v2.DeepseekV2MoE; mistral_large_3.py / pixtral.py DeepSeek-V3's model;
+    # deepseek_ocr.py DeepSeek-V2's
+    "DeepseekV4ForCausalLM": "deepseek", "MistralLarge3ForCausalLM": "deepseek",
+    "PixtralForConditionalGeneration": "deepseek", "DeepseekOCRForCausalLM": "deepseek",
+    "MiniMaxM3SparseForCausalLM": "minimax_m3", "Dots3NoteForCausalLM": "dots3",
 }
 # layers/moe/fused_moe_triton/layer.py: create_moe_dispatcher: the backends whose experts layer dispatches and
 # combines itself (MaybeTboDeepEPDispatcher, DeepEPv2Dispatcher, FlashinferDispatcher); none, megamoe,
@@ -489,7 +622,7 @@ class Decided:
 
 def decide(*, entry_class: str, architecture: str, layout: MoeLayout, quantization: Quantization,
            qconfig: dict | None, device: Device, a2a: str, runner: str, tp: int, ep: int, dp: int, sbo: bool,
-           tbo: bool, disable_fusion: bool, enforce_fusion: bool, draft: bool) -> Decided:
+           tbo: bool, disable_fusion: bool, enforce_fusion: bool, draft: bool, config: Any = None) -> Decided:
     """SGLang's decisions for one deployment, or FAILED_PRECONDITION (a start-up refusal, or a hazard)."""
     from . import hazards
 
@@ -504,7 +637,7 @@ def decide(*, entry_class: str, architecture: str, layout: MoeLayout, quantizati
     if is_sm100(device) and entry_class in SM100_TRTLLM_FAMILY and quantization.name:
         server_q = quantization.name.replace("compressed_tensors", "compressed-tensors")
     i = Inputs(entry_class, architecture, layout, quantization, device, a2a, runner, shape, sbo, tbo, disable,
-               enforce_fusion, draft, blocks, w4a16, server_q)
+               enforce_fusion, draft, blocks, w4a16, server_q, nested_gate_speaks(entry_class, config))
     refuse(i)
     fused = fusion(i)
     fwd = forward(i)

@@ -82,6 +82,10 @@ FAMILY_BLOCKS = {
     "MixtralForCausalLM": ("sglang.srt.models.mixtral", "MixtralMoE"),
     "Qwen2MoeForCausalLM": ("sglang.srt.models.qwen2_moe", "Qwen2MoeSparseMoeBlock"),
     "Qwen3MoeForCausalLM": ("sglang.srt.models.qwen3_moe", "Qwen3MoeSparseMoeBlock"),
+    # deepseek_v4.py and deepseek_ocr.py build deepseek_v2.DeepseekV2MoE; dots3.py's Dots3NoteForCausalLM its Dots3MoE
+    "DeepseekV4ForCausalLM": ("sglang.srt.models.deepseek_v2", "DeepseekV2MoE"),
+    "DeepseekOCRForCausalLM": ("sglang.srt.models.deepseek_v2", "DeepseekV2MoE"),
+    "Dots3NoteForCausalLM": ("sglang.srt.models.dots3_common.modeling", "Dots3MoE"),
 }
 
 # Decoder-layer classes whose `_is_layer_sparse(config, layer_id, is_nextn=...)` says
