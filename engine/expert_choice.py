@@ -69,8 +69,11 @@ def shape_class(x: torch.Tensor, slots: torch.Tensor, gate_up: torch.Tensor, dow
             f"/I{down.shape[2]}/threads{torch.get_num_threads()}")
 
 
-def grouped_mm_applies(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
-    return (hasattr(F, "grouped_mm") and x.dtype == gate_up.dtype and x.device.type == "cpu"
+def grouped_mm_applies(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    # grouped_mm wants every operand's row stride a multiple of 16 bytes ("strides should be multiple of
+    # 16 bytes"): the hidden size D and the intermediate size I (a tensor-parallel shard's may be odd).
+    aligned = all(n * x.element_size() % 16 == 0 for n in (x.shape[1], down.shape[-1]))
+    return (hasattr(F, "grouped_mm") and x.dtype == gate_up.dtype and x.device.type == "cpu" and aligned
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16))     # what grouped_mm computes in
 
 
@@ -78,7 +81,7 @@ def applies(impl: str, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
     if impl == "kernel":
         return expert_native.applies(x, gate_up, down)
     if impl == "grouped_mm":
-        return grouped_mm_applies(x, gate_up)
+        return grouped_mm_applies(x, gate_up, down)
     return True
 
 

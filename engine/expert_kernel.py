@@ -304,7 +304,7 @@ def fused_experts(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, g
 
 def _run(impl, x, slots, weights, gate_up, down, expert_parallel) -> torch.Tensor:
     native = impl == "kernel" and expert_native.applies(x, gate_up, down)
-    if impl == "grouped_mm" and expert_choice.grouped_mm_applies(x, gate_up):
+    if impl == "grouped_mm" and expert_choice.grouped_mm_applies(x, gate_up, down):
         return _grouped_mm(x, slots, weights, gate_up, down)
     T, K = slots.shape
     if T == 1:

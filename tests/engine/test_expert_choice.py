@@ -131,3 +131,18 @@ def test_every_implementation_matches_transformers_logits(qwen3, impl, monkeypat
         with torch.no_grad():
             got = model(ids)
         assert (got - want).abs().max().item() <= 1e-3, impl
+
+
+def test_grouped_mm_is_no_candidate_for_rows_it_cannot_stride(fresh):
+    """grouped_mm refuses operands whose row stride is not a multiple of 16 bytes (an intermediate
+    size a tensor-parallel shard made odd, in bfloat16): the choice leaves it out, and every
+    implementation it keeps computes the experts."""
+    S, T, K = 4, 3, 2
+    x, gate_up, down = make_experts(S, T, 0, torch.bfloat16, D=D, I=9)
+    slots = torch.tensor([[0, 1], [2, 3], [1, 2]])
+    weights = torch.rand(T, K)
+    assert not expert_choice.applies("grouped_mm", x, gate_up, down)
+    assert expert_choice.applies("grouped_mm", *make_experts(S, T, 0, torch.bfloat16, D=D, I=16))
+    want = expert_reference(x.float(), slots, weights, gate_up.float(), down.float())
+    got = fused_experts(x, slots, weights, gate_up, down)
+    torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
