@@ -13,7 +13,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from types import MappingProxyType
 from typing import Any, Hashable, Mapping
 
@@ -212,8 +212,7 @@ def resolve_decisions(req: ResolveRequest, inputs_key: Hashable | None = None) -
     refusals are never cached)."""
     if inputs_key is None:
         validate_request(req)
-        req = _decided(req)
-        return _deployment_part(req).for_rank(req)
+        return _deployment_part(_decided(req)).for_rank(req)
     p = req.parallel
     key = (inputs_key, req.quantization, req.runtime, p.tp_size, p.ep_size, p.pp_size, p.dp_size)
     try:
@@ -226,7 +225,7 @@ def resolve_decisions(req: ResolveRequest, inputs_key: Hashable | None = None) -
         DEPLOYMENT_CACHE.put(key, part)
     else:
         validate_request(req, deployment_checked=True)
-    return part.for_rank(_decided(req))
+    return part.for_rank(req)
 
 
 def _decided(req: ResolveRequest) -> ResolveRequest:
@@ -238,9 +237,11 @@ class _Part:
     """What every rank of one deployment gets (a `Resolution` without the rank's decisions)."""
 
     __slots__ = ("tiling", "entry_class", "chain", "family", "config_fingerprint", "quantization", "head", "eplb_head",
-                 "n_layers", "first_layer", "moe_layers", "enable_eplb", "inputs", "stages")
+                 "n_layers", "first_layer", "moe_layers", "enable_eplb", "inputs", "stages", "runtime")
 
     def for_rank(self, req: ResolveRequest) -> Resolution:
+        """`req`'s resolution; its runtime is the part's (the same request's but for the engine that
+        decided: `runtime` is in the cache key), so the engine is settled once per part."""
         # pp_size is the part's (it is in the cache key), so the stage alone settles the
         # rank's decisions: made once per stage, shared like the deployment-wide ones (and so,
         # like them, never changed by anyone, their list values included). Both are handed out
@@ -250,7 +251,7 @@ class _Part:
         if d is None:
             d = self.stages[req.parallel.pp_rank] = MappingProxyType(self._stage_decisions(req.parallel))
         return Resolution(self.entry_class, self.chain, self.family, self.config_fingerprint, self.quantization,
-                          d, self.inputs, req)
+                          d, self.inputs, req if req.runtime is self.runtime else replace(req, runtime=self.runtime))
 
     def _stage_decisions(self, p) -> dict[str, Decision]:
         start, end = self.tiling(self.n_layers, p.pp_size, p.pp_rank)
@@ -414,6 +415,7 @@ def _finish(req: ResolveRequest, resolved: Resolved, layout: MoeLayout, head: di
     part.moe_layers = tuple(layout.moe_layers)
     inputs = deployment_inputs(req, resolved)
     part.inputs = MappingProxyType(inputs)
+    part.runtime = req.runtime    # as decided: names the engine and version
     part.entry_class = resolved.chain[0]
     part.chain = resolved.chain
     part.family = resolved.family.name
