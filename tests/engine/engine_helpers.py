@@ -564,13 +564,21 @@ LONGCAT_FLASH_TINY = dict(vocab_size=128, hidden_size=32, ffn_hidden_size=48, ex
 
 def make_longcat_flash_checkpoint(path: Path, *, seed: int = 0, **config) -> Path:
     """Save a random LongCat-Flash of LONGCAT_FLASH_TINY updated with `config` (transformers' LongcatFlashConfig
-    kwargs), with a routing bias of the size of its softmax scores (so that it shifts the choice without making it)."""
-    def smaller_bias(model, seed):
+    kwargs), with a routing bias of the size of its softmax scores (so that it shifts the choice without making it),
+    and each zero-computation expert's router row near a routed expert's, so that tokens pick both kinds (with rows
+    drawn alike, whether they do depended on the draw: transformers 5.25 saves fewer expert rows, and none did)."""
+    def comparable_zero_experts(model, seed):
+        g = torch.Generator().manual_seed(seed + 2)
+        n, zero = model.config.n_routed_experts, model.config.zero_expert_num or 0
         with torch.no_grad():
             for name, b in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     b.mul_(0.1)
-    return _save_random_model(path, "LongcatFlash", seed, dict(LONGCAT_FLASH_TINY, **config), smaller_bias)
+            for name, w in model.named_parameters():
+                if name.endswith("router.classifier.weight") and zero:
+                    w[n:] = w[:zero] + 0.3 * w[:zero].std() * torch.randn(w[n:].shape, generator=g)
+    return _save_random_model(path, "LongcatFlash", seed, dict(LONGCAT_FLASH_TINY, **config),
+                              comparable_zero_experts)
 
 
 # Solar Open: 3 layers, 4 heads of 8 (2 key/value heads), every layer 8 experts (top-2, in 2 groups of which 1 is
@@ -1160,8 +1168,10 @@ def hf_reference(path: Path, arch: str):
 
 
 def hf_logits(path: Path, arch: str, ids: torch.Tensor) -> torch.Tensor:
+    """The prompt's logits in one forward. The reference keeps no cache (here and in `hf_greedy`): none is needed,
+    and transformers 5.25's cache of a Nemotron-H whose first layer is MoE has no length to ask (it raises)."""
     with torch.no_grad():
-        return hf_reference(path, arch)(ids).logits
+        return hf_reference(path, arch)(ids, use_cache=False).logits
 
 
 def hf_logits_of_order_one(path: Path, arch: str, ids: torch.Tensor) -> torch.Tensor:
@@ -1412,10 +1422,11 @@ def check_ranks_give_one_process_logits(path: Path, ids: torch.Tensor, *, world:
 
 
 def hf_greedy(path: Path, arch: str, prompt_ids: list[int], n: int) -> list[int]:
-    """transformers' n greedy tokens after `prompt_ids` (no end-of-sequence stop)."""
+    """transformers' n greedy tokens after `prompt_ids` (no end-of-sequence stop), each step over the whole
+    sequence (no cache: see `hf_logits`)."""
     with torch.no_grad():
         out = hf_reference(path, arch).generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False,
-                                                eos_token_id=None, pad_token_id=0)
+                                                eos_token_id=None, pad_token_id=0, use_cache=False)
     return out[0, len(prompt_ids):].tolist()
 
 
