@@ -18,6 +18,13 @@ import pytest
 PG_ENV = "LOADPLAN_TEST_POSTGRES_URL"
 
 
+def pytest_collection_modifyitems(config, items):
+    """Modules marked `heavy` run first (the sort is stable: every other order stays). `make test`'s two
+    workers take whole files in collection order, so a heavy file left to the end keeps one worker busy
+    alone for a minute after the other has finished."""
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
+
+
 def _admin_engine(server_url: str):
     from loadplan.service.store.db import make_engine
 

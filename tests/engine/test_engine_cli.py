@@ -12,6 +12,8 @@ from loadplan.cli.main import main
 
 from engine_helpers import hf_reference, make_checkpoint
 
+pytestmark = pytest.mark.heavy
+
 ARCH = "Qwen3MoeForCausalLM"
 PROMPT = [5, 17, 99, 3]
 N = 8

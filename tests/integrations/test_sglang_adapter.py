@@ -26,6 +26,8 @@ from loadplan.integrations import sglang_run
 from loadplan.plan import Keys
 from loadplan.service.embedded import EmbeddedRegistry
 
+pytestmark = pytest.mark.heavy
+
 ROOT = Path(__file__).resolve().parents[2]
 SGLANG_PY = ROOT / ".venv-sglang" / "bin" / "python"
 RUNNER = ROOT / "tests" / "integrations" / "sglang_runner.py"

@@ -25,6 +25,8 @@ from engine_helpers import DEEPSEEK_TINY as TINY
 from engine_helpers import (check_speculative_gives_the_targets_greedy_tokens, load_local,
                             make_deepseek_mtp_checkpoint, prompt, target_hidden_states)
 
+pytestmark = pytest.mark.heavy
+
 transformers = pytest.importorskip("transformers")
 
 ARCH = "DeepseekV3ForCausalLM"

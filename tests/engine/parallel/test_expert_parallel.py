@@ -23,6 +23,8 @@ from families import (AFMOE, AXK1, BAILING_HYBRID, COHERE2_MOE, DBRX, DEEPSEEK, 
                       SARVAM_MOE, SOLAR_OPEN, STEP3P7, make_model)
 from parallel_helpers import single_process
 
+pytestmark = pytest.mark.heavy
+
 EP = 2
 N_NEW = 4
 # Families whose MoE output is RMS-normalised before anything else reads it (FlexOlmo's post_feedforward_layernorm,

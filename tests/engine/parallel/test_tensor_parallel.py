@@ -27,6 +27,8 @@ from families import (AFMOE, AXK1, BAILING_HYBRID, COHERE2_MOE, DBRX, DEEPSEEK, 
                       make_model)
 from parallel_helpers import single_process
 
+pytestmark = pytest.mark.heavy
+
 N_NEW = 4
 TOL = 1e-4
 INTENTS = {None: {}, "enforce": {"enforce_shared_experts_fusion": True},

@@ -23,7 +23,7 @@ from loadplan.plan import ENGINE_VLLM, Keys, ResolveRequest, Runtime
 from vllm_env import make_deepseek_v3, make_qwen3_moe, run_vllm, vllm_python
 
 # The shared vLLM process (three engine starts) is set up inside the first test's time.
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.heavy, pytest.mark.timeout(600)]
 
 PROMPTS = [[1, 5, 9, 20], [7, 3, 100, 42, 8, 64]]
 MAX_TOKENS = 8
