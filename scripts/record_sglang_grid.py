@@ -22,7 +22,9 @@ Grid (and how it is pruned):
 - draft: target + draft pairs (a NextN draft and a Qwen3 draft), per device, inside
   SGLang's draft build scope, with and without EPLB.
 - entries: minimal configs of rules-only entry classes SGLang gates (tests/conformance/configs:
-  Dots3, DeepSeek-V4, DeepSeek-OCR, MiniCPM-V 4.6) × backends none and deepep × tp/ep 8/1 and 2/4 × enforce or not, cuda:9.0.
+  Dots3, DeepSeek-V4, DeepSeek-OCR, MiniCPM-V 4.6, MiniMax-M3, and Pixtral over a deepseek_v3 text_config, once
+  naming DeepseekV3ForCausalLM and once MistralLarge3ForCausalLM as SGLang's Mistral-format parser writes it)
+  × backends none and deepep × tp/ep 8/1 and 2/4 × enforce or not, cuda:9.0.
 
 `--only GRID` records one sub-grid and replaces that sub-grid's points in the existing
 recording (the other points and their answers are kept as recorded, with their date).
@@ -62,7 +64,8 @@ PP_SIZES = [2, 3, 4]
 DRAFTS = [("deepseek-v3", "deepseek-v3"), ("kimi-k2", "kimi-k2"), ("glm-4.5", "glm-4.5"),
           ("qwen3-30b-a3b", "qwen3-0.6b")]
 # Minimal configs (tests/conformance/configs) of rules-only entry classes SGLang 0.5.23 gates.
-CONFIGS_ENTRIES = ["tiny-dots3", "tiny-deepseek-v4", "tiny-deepseek-ocr", "tiny-minicpmv4_6"]
+CONFIGS_ENTRIES = ["tiny-dots3", "tiny-deepseek-v4", "tiny-deepseek-ocr", "tiny-minicpmv4_6", "tiny-minimax-m3",
+                   "tiny-pixtral", "tiny-pixtral-ml3"]
 
 
 def grid() -> list[dict]:

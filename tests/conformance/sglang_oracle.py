@@ -86,6 +86,11 @@ FAMILY_BLOCKS = {
     "DeepseekV4ForCausalLM": ("sglang.srt.models.deepseek_v2", "DeepseekV2MoE"),
     "DeepseekOCRForCausalLM": ("sglang.srt.models.deepseek_v2", "DeepseekV2MoE"),
     "Dots3NoteForCausalLM": ("sglang.srt.models.dots3_common.modeling", "Dots3MoE"),
+    # minimax_m3.py: MiniMaxM3DecoderLayer builds MiniMaxM3MoE on its sparse layers; mistral_large_3.py subclasses
+    # DeepseekV3ForCausalLM, and pixtral.py builds it from a text_config whose model_type is deepseek_v3
+    "MiniMaxM3SparseForCausalLM": ("sglang.srt.models.minimax_m3", "MiniMaxM3MoE"),
+    "MistralLarge3ForCausalLM": ("sglang.srt.models.deepseek_v2", "DeepseekV2MoE"),
+    "PixtralForConditionalGeneration": ("sglang.srt.models.deepseek_v2", "DeepseekV2MoE"),
 }
 
 # Decoder-layer classes whose `_is_layer_sparse(config, layer_id, is_nextn=...)` says
