@@ -24,6 +24,16 @@ class BackendCapabilities:
     fusion_force_disabled: bool = False  # fusion off even when enforced
 
 
+@dataclass(frozen=True)
+class Forward:
+    """How an engine's MoE layer runs its experts (`moe.forward_path`: NORMAL or A2A) and whether the layer
+    reduces after them (`moe.post_experts_all_reduce`), with the rule and reason of both decisions."""
+    path: str
+    all_reduce: bool
+    rule: str
+    reason: str
+
+
 BACKENDS: dict[str, BackendCapabilities] = {
     row.name: row
     for row in (

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import FailedPrecondition, NotFound
+from .backends import Forward
 from .devices import Device
 from .layouts import MoeLayout
 from .quantization import Quantization
@@ -528,14 +529,6 @@ A2A_DISPATCHER = frozenset({"deepep", "mooncake", "mori", "nixl", "pplx", "deepe
 PER_RANK_FUSED_SLOTS = DEEPEP_CLASS | {"megamoe"}
 
 
-@dataclass(frozen=True)
-class Forward:
-    path: str
-    all_reduce: bool
-    rule: str
-    reason: str
-    branch: str              # "dispatch" (the block's dispatch branch) or "normal"
-
 
 def forward(i: Inputs) -> Forward:
     """The forward path and post-experts reduction of the block SGLang builds, as its code runs them."""
@@ -543,7 +536,7 @@ def forward(i: Inputs) -> Forward:
     if block is not None and i.a2a in DISPATCH_BRANCH[block]:
         return Forward("a2a", False, f"sglang.forward.{block}.dispatch",
                        f"SGLang's {block} MoE block takes its dispatch/combine branch for {i.a2a}: the combine "
-                       f"returns each token's complete output", "dispatch")
+                       f"returns each token's complete output")
     complete = i.a2a in COMPLETE_COMBINE
     inside = i.a2a in A2A_DISPATCHER or (complete and i.a2a != "none")
     split = (i.shape.ep > 1 or i.shape.moe_tp > 1) and not complete
@@ -552,11 +545,11 @@ def forward(i: Inputs) -> Forward:
         return Forward("a2a", split, f"sglang.forward.{i.a2a}.inside_experts",
                        f"{where}: the experts layer's {i.a2a} dispatcher dispatches and combines"
                        + ("; the block then all-reduces" if split else
-                          " and its combine sums each token's outputs back to its rank: no all-reduce"), "normal")
+                          " and its combine sums each token's outputs back to its rank: no all-reduce"))
     return Forward("normal", split, "sglang.forward.normal",
                    f"{where} with experts split over SGLang's ep_size={i.shape.ep}, moe_tp_size={i.shape.moe_tp}: "
                    f"each rank holds partial sums, then the all-reduce" if split
-                   else f"{where}, experts not split: nothing to reduce", "normal")
+                   else f"{where}, experts not split: nothing to reduce")
 
 
 # --- 5. pipeline and EPLB ---------------------------------------------------------------------------------------------

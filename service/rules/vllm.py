@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import FailedPrecondition, NotFound
+from .backends import Forward
 
 NAME = "vllm"
 VERSION = "0.32.0"
@@ -76,13 +77,6 @@ def all2all(name: str) -> All2AllRow:
     except KeyError:
         raise NotFound("vllm all2all backend", name, ALL2ALL, field="runtime.a2a_backend") from None
 
-
-@dataclass(frozen=True)
-class Forward:
-    path: str
-    all_reduce: bool
-    rule: str
-    reason: str
 
 
 def moe_split(tp: int, ep: int, dp: int) -> tuple[int, int]:
