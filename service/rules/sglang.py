@@ -529,7 +529,6 @@ A2A_DISPATCHER = frozenset({"deepep", "mooncake", "mori", "nixl", "pplx", "deepe
 PER_RANK_FUSED_SLOTS = DEEPEP_CLASS | {"megamoe"}
 
 
-
 def forward(i: Inputs) -> Forward:
     """The forward path and post-experts reduction of the block SGLang builds, as its code runs them."""
     block = BLOCKS.get(i.entry_class)

@@ -78,7 +78,6 @@ def all2all(name: str) -> All2AllRow:
         raise NotFound("vllm all2all backend", name, ALL2ALL, field="runtime.a2a_backend") from None
 
 
-
 def moe_split(tp: int, ep: int, dp: int) -> tuple[int, int]:
     """(MoE tp_size, ep_size) as FusedMoEParallelConfig.make sets them: without expert parallelism the experts'
     tensor parallelism spans every DP x TP device (flatten_tp_across_dp_and_pcp); with it the experts are whole
