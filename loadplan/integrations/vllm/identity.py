@@ -2,15 +2,23 @@
 
 `WorkerIdentity` holds what vLLM knows about the runner as plain values; `identity_of` reads it
 from vLLM's objects inside the worker (needs vLLM), `resolve_request` turns it into the request
-(pure). Sizes are vLLM's own:
+(pure). Sizes and ranks are those of the worker's process groups, which vLLM's layers read
+(`get_tp_group()`, `get_pp_group()`, `get_dp_group()`), not of the `ParallelConfig` the model is built
+under: a draft model (`speculative_config`, method draft_model) is built under vLLM's own draft
+ParallelConfig (`SpeculativeConfig.create_draft_parallel_config`: pipeline_parallel_size 1,
+data_parallel_size 1, the default all2all backend, EP only for an MoE draft) in the target's
+workers and groups. So:
 
 - `parallel.tp_size`/`tp_rank`: vLLM's tensor parallel group (attention's TP);
 - `parallel.dp_size`/`dp_rank`: vLLM's data parallel group;
-- `parallel.pp_size`/`pp_rank`: vLLM's pipeline stage;
+- `parallel.pp_size`/`pp_rank`: vLLM's pipeline group (a draft is built on the last stage);
 - `parallel.ep_size`/`ep_rank`: the expert-parallel group vLLM's fused-MoE layer computes
   (`FusedMoEParallelConfig.make`: with --enable-expert-parallel the experts are split over the
   flattened dp x pcp x tp ranks and the MoE's own TP is 1; without it ep_size is 1);
-- `runtime.a2a_backend`: `ParallelConfig.all2all_backend`, spelled as vLLM spells it.
+- `runtime.a2a_backend`: `ParallelConfig.all2all_backend` of the model's own ParallelConfig (what its
+  MoE layers build with), spelled as vLLM spells it.
+
+The default deployment id is the served model's: a draft's is its target's (`Served`).
 """
 
 from __future__ import annotations
@@ -26,6 +34,18 @@ from ...plan import ENGINE_VLLM, ROLE_SPECULATIVE, ROLE_TARGET, Parallel, Resolv
 
 
 @dataclass(frozen=True)
+class Served:
+    """What names the deployment a runner belongs to: the model vLLM serves and that model's layout.
+    For a draft it is the target's (its own model, layout and all2all backend differ)."""
+    model: str
+    tp_size: int = 1
+    ep_size: int = 1
+    pp_size: int = 1
+    dp_size: int = 1
+    a2a_backend: str = "allgather_reducescatter"
+
+
+@dataclass(frozen=True)
 class WorkerIdentity:
     model: str                        # the checkpoint vLLM loads (path or hub name)
     config: Mapping[str, Any]         # its config.json, architectures as vLLM builds them
@@ -37,16 +57,26 @@ class WorkerIdentity:
     enable_eplb: bool = False
     ep_num_redundant_experts: int = 0
     engine_version: str = ""
+    served: Served | None = None      # the deployment's model and layout; None: this runner's own
+
+
+def served_by(identity: WorkerIdentity) -> Served:
+    if identity.served is not None:
+        return identity.served
+    p = identity.parallel
+    return Served(model=identity.model, tp_size=p.tp_size, ep_size=p.ep_size, pp_size=p.pp_size, dp_size=p.dp_size,
+                  a2a_backend=identity.a2a_backend)
 
 
 def default_deployment(identity: WorkerIdentity) -> str:
-    """A deployment id every rank of one vLLM deployment computes alike: the model and the layout.
+    """A deployment id every rank of one vLLM deployment computes alike, its draft's ranks included:
+    the served model and its layout.
 
     Set $LOADPLAN_DEPLOYMENT to name the deployment instead; two deployments of one model with
     one layout then stay apart in the history."""
-    p = identity.parallel
-    key = json.dumps([identity.model, p.tp_size, p.ep_size, p.pp_size, p.dp_size, identity.a2a_backend,
-                      identity.device], separators=(",", ":"))
+    s = served_by(identity)
+    key = json.dumps([s.model, s.tp_size, s.ep_size, s.pp_size, s.dp_size, s.a2a_backend, identity.device],
+                     separators=(",", ":"))
     return f"vllm-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
@@ -75,24 +105,31 @@ def identity_of(vllm_config, model_config) -> WorkerIdentity:
     """The identity of the runner about to build `model_config` under `vllm_config` (in a worker,
     after vLLM's distributed groups exist)."""
     import vllm
-    from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
+    from vllm.distributed import get_pp_group, get_tp_group
 
     from .built import moe_parallel_config
 
-    pc = vllm_config.parallel_config
-    moe = moe_parallel_config(pc)
+    pc = vllm_config.parallel_config          # the model's own: a draft's is vLLM's draft ParallelConfig
+    moe = moe_parallel_config(pc)             # the groups' sizes, with this model's EP and backend
     draft = vllm_config.speculative_config
     role = ROLE_SPECULATIVE if draft is not None and model_config is draft.draft_model_config else ROLE_TARGET
     config = checkpoint_config(model_config)
     has_own_quantization = isinstance(config.get("quantization_config"), dict)
+    tp, pp = get_tp_group(), get_pp_group()
+    served = None
+    if role == ROLE_SPECULATIVE:              # the deployment is the target's: its model and layout
+        target_pc = draft.target_parallel_config
+        served = Served(model=str(draft.target_model_config.model), tp_size=target_pc.tensor_parallel_size,
+                        ep_size=moe_parallel_config(target_pc).ep_size,
+                        pp_size=target_pc.pipeline_parallel_size, dp_size=target_pc.data_parallel_size,
+                        a2a_backend=target_pc.all2all_backend)
     return WorkerIdentity(
         model=str(model_config.model),
         config=config,
         role=role,
-        parallel=Parallel(tp_size=pc.tensor_parallel_size, tp_rank=get_tensor_model_parallel_rank(),
-                          ep_size=moe.ep_size, ep_rank=moe.ep_rank,
-                          pp_size=pc.pipeline_parallel_size, pp_rank=get_pp_group().rank_in_group,
-                          dp_size=pc.data_parallel_size, dp_rank=moe.dp_rank),
+        parallel=Parallel(tp_size=tp.world_size, tp_rank=tp.rank_in_group, ep_size=moe.ep_size, ep_rank=moe.ep_rank,
+                          pp_size=pp.world_size, pp_rank=pp.rank_in_group, dp_size=moe.dp_size, dp_rank=moe.dp_rank),
+        served=served,
         device=device_of(),
         a2a_backend=pc.all2all_backend,
         quantization=None if has_own_quantization else model_config.quantization,

