@@ -19,10 +19,13 @@ PG_ENV = "LOADPLAN_TEST_POSTGRES_URL"
 
 
 def pytest_collection_modifyitems(config, items):
-    """Modules marked `heavy` run first (the sort is stable: every other order stays). `make test`'s two
-    workers take whole files in collection order, so a heavy file left to the end keeps one worker busy
-    alone for a minute after the other has finished."""
-    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
+    """Modules marked `heavy(seconds)` run first, the longest first (the sort is stable: every other order stays).
+    `make test`'s two workers take whole files in collection order, so a long file left to the end keeps one
+    worker busy alone for a minute after the other has finished. The seconds are a module's serial time here."""
+    def weight(item):
+        mark = item.get_closest_marker("heavy")
+        return -mark.args[0] if mark is not None else 0
+    items.sort(key=weight)
 
 
 def _admin_engine(server_url: str):

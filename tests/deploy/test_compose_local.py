@@ -17,7 +17,7 @@ from sqlalchemy.engine import make_url
 
 from compose_local import ROOT, LocalCompose, depends_on, dockerfile_of, load
 
-pytestmark = [pytest.mark.heavy, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.heavy(21), pytest.mark.timeout(180)]
 
 # What each image leaves out (its Dockerfile installs `.[service]` resp. `.[engine]`):
 # the services built from it run here without those modules.

@@ -16,7 +16,7 @@ import pytest
 
 from deploy_helpers import DEMO_MAX_NEW_TOKENS, clean_env
 
-pytestmark = [pytest.mark.heavy, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.heavy(18), pytest.mark.timeout(240)]
 
 LOADPLAN = str(Path(sys.executable).parent / "loadplan")
 

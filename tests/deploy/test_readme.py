@@ -25,7 +25,7 @@ import yaml
 
 from deploy_helpers import clean_env
 
-pytestmark = [pytest.mark.heavy, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.heavy(55), pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()

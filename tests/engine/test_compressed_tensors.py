@@ -20,7 +20,7 @@ from engine_helpers import (COMPRESSED_GROUPS, DEEPSEEK_TINY, DictCheckpoint, ch
                             check_refused_before_any_plan, compressed_quantization, hf_logits, load_local,
                             make_compressed_copies, make_deepseek_checkpoint, prompt, with_config)
 
-pytestmark = pytest.mark.heavy
+pytestmark = pytest.mark.heavy(16)
 
 ARCH = "DeepseekV3ForCausalLM"
 

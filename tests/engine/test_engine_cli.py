@@ -12,7 +12,7 @@ from loadplan.cli.main import main
 
 from engine_helpers import hf_reference, make_checkpoint
 
-pytestmark = pytest.mark.heavy
+pytestmark = pytest.mark.heavy(20)
 
 ARCH = "Qwen3MoeForCausalLM"
 PROMPT = [5, 17, 99, 3]

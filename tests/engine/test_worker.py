@@ -18,7 +18,7 @@ from loadplan.service.embedded import EmbeddedRegistry
 
 from engine_helpers import LocalRegistry, make_checkpoint
 
-pytestmark = pytest.mark.heavy
+pytestmark = pytest.mark.heavy(17)
 
 QWEN3, QWEN2 = "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"
 SKEWED = (7,) * 10      # one token repeated: every position routes to the same experts in every layer

@@ -26,7 +26,7 @@ from loadplan.integrations import sglang_run
 from loadplan.plan import Keys
 from loadplan.service.embedded import EmbeddedRegistry
 
-pytestmark = pytest.mark.heavy
+pytestmark = pytest.mark.heavy(20)
 
 ROOT = Path(__file__).resolve().parents[2]
 SGLANG_PY = ROOT / ".venv-sglang" / "bin" / "python"

@@ -25,7 +25,7 @@ from engine_helpers import DEEPSEEK_TINY as TINY
 from engine_helpers import (check_speculative_gives_the_targets_greedy_tokens, load_local,
                             make_deepseek_mtp_checkpoint, prompt, target_hidden_states)
 
-pytestmark = pytest.mark.heavy
+pytestmark = pytest.mark.heavy(27)
 
 transformers = pytest.importorskip("transformers")
 

@@ -23,7 +23,7 @@ from families import (AFMOE, AXK1, BAILING_HYBRID, COHERE2_MOE, DBRX, DEEPSEEK, 
                       SARVAM_MOE, SOLAR_OPEN, STEP3P7, make_model)
 from parallel_helpers import single_process
 
-pytestmark = pytest.mark.heavy
+pytestmark = pytest.mark.heavy(90)
 
 EP = 2
 N_NEW = 4

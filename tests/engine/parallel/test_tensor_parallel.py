@@ -27,7 +27,7 @@ from families import (AFMOE, AXK1, BAILING_HYBRID, COHERE2_MOE, DBRX, DEEPSEEK, 
                       make_model)
 from parallel_helpers import single_process
 
-pytestmark = pytest.mark.heavy
+pytestmark = pytest.mark.heavy(70)
 
 N_NEW = 4
 TOL = 1e-4
