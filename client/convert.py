@@ -170,19 +170,13 @@ def value_json(value: Any) -> str:
     return json.dumps(value)
 
 
-def decision_to_pb(d: Decision, stamps: dict | None = None) -> pb.Decision:
-    """`stamps`: a memo of Timestamps by datetime, for the decisions of one plan (one time)."""
-    if d.decided_at is None:
-        return pb.Decision(key=d.key, value_json=value_json(d.value), reason=d.reason, rule=d.rule,
-                           deployment_wide=d.deployment_wide, revision=d.revision)
-    if stamps is None:
-        ts = timestamp(d.decided_at)
-    else:
-        ts = stamps.get(d.decided_at)
-        if ts is None:
-            ts = stamps[d.decided_at] = timestamp(d.decided_at)
+def decision_to_pb(d: Decision, decided_at: Timestamp | None = None) -> pb.Decision:
+    """`decided_at`: `d`'s time, made already by the caller (a plan's decisions mostly share
+    its created_at; a new plan's have no time of their own: `Decision.decided_at`)."""
+    if decided_at is None and d.decided_at is not None:
+        decided_at = timestamp(d.decided_at)
     return pb.Decision(key=d.key, value_json=value_json(d.value), reason=d.reason, rule=d.rule,
-                       deployment_wide=d.deployment_wide, revision=d.revision, decided_at=ts)
+                       deployment_wide=d.deployment_wide, revision=d.revision, decided_at=decided_at)
 
 
 def decision_from_pb(msg: pb.Decision, field: str = "decision") -> Decision:
@@ -197,8 +191,12 @@ def decision_from_pb(msg: pb.Decision, field: str = "decision") -> Decision:
 
 def plan_to_pb(plan: LoadPlan) -> pb.LoadPlan:
     req = plan.request
-    stamps: dict[dt.datetime, Timestamp] = {}
-    msg = pb.LoadPlan(
+    created = None if plan.created_at is None else timestamp(plan.created_at)
+
+    def at(d: Decision) -> Timestamp | None:
+        return created if d.decided_at is None or d.decided_at == plan.created_at else None
+
+    return pb.LoadPlan(
         plan_id=plan.plan_id,
         ruleset_version=plan.ruleset_version,
         request_id=req.request_id,
@@ -210,17 +208,14 @@ def plan_to_pb(plan: LoadPlan) -> pb.LoadPlan:
         config_fingerprint=plan.config_fingerprint,
         quantization=plan.quantization or "",
         runtime=runtime_to_pb(req.runtime),
-        decisions=[decision_to_pb(plan.decisions[k], stamps) for k in sorted(plan.decisions)],
+        decisions=[decision_to_pb(d, at(d)) for _, d in sorted(plan.decisions.items())],
+        created_at=created,
         replayed=plan.replayed,
-        history=[decision_to_pb(d, stamps) for d in plan.history],
+        history=[decision_to_pb(d, at(d)) for d in plan.history],
         config_json=config_to_json(req.config),
         quantization_config_json=quantization_config_to_json(req.quantization_config),
         requested_quantization=req.quantization or "",
     )
-    if plan.created_at is not None:
-        created = stamps.get(plan.created_at) or timestamp(plan.created_at)
-        msg.created_at.CopyFrom(created)
-    return msg
 
 
 def plan_from_pb(msg: pb.LoadPlan) -> LoadPlan:

@@ -7,7 +7,7 @@ store persists them, the transport translates them, the engine reads them.
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 ROLE_TARGET = "target"
@@ -91,6 +91,8 @@ class Decision:
     rule: str
     deployment_wide: bool = True
     revision: int = 0
+    # None in a plan: decided when the plan was created (its created_at). A new plan's
+    # resolved decisions come so from the rules; what is read back or received is stamped.
     decided_at: dt.datetime | None = None
 
 
@@ -111,6 +113,14 @@ class LoadPlan:
 
     def value(self, key: str) -> Any:
         return self.decisions[key].value
+
+    def dated(self) -> "LoadPlan":
+        """This plan with a time on every decision: those without one (a new plan's, as the
+        registry decided them) were decided at its created_at. A stored or received plan is so."""
+        if all(d.decided_at is not None for d in self.decisions.values()):
+            return self
+        return replace(self, decisions={k: d if d.decided_at is not None else replace(d, decided_at=self.created_at)
+                                        for k, d in self.decisions.items()})
 
     def to_json(self) -> dict[str, Any]:
         """The `--json` shape of the CLI: plan id, ruleset version, decisions."""

@@ -11,14 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import threading
-from collections import OrderedDict
 from dataclasses import asdict, dataclass, replace
 from types import MappingProxyType
 from typing import Any, Hashable, Mapping
 
 from ...plan import ROLE_SPECULATIVE, ROLES, Decision, Keys, ResolveRequest
 from ..errors import FailedPrecondition, InvalidArgument
+from ..lru import LruCache
 from . import RULESET_VERSION
 from .backends import NORMAL, backend
 from .config_view import ConfigView
@@ -273,43 +272,9 @@ class _Part:
         return d
 
 
-class _LruCache:
-    """A bounded, thread-safe LRU map (the server's event loop and in-process callers share it)."""
-
-    def __init__(self, maxsize: int):
-        self.maxsize = maxsize
-        self._data: OrderedDict[Hashable, Any] = OrderedDict()
-        self._lock = threading.Lock()
-        self.hits = self.misses = 0
-
-    def get(self, key: Hashable) -> Any:
-        with self._lock:
-            value = self._data.get(key)
-            if value is None:
-                self.misses += 1
-            else:
-                self.hits += 1
-                self._data.move_to_end(key)
-            return value
-
-    def put(self, key: Hashable, value: Any) -> None:
-        with self._lock:
-            self._data[key] = value
-            self._data.move_to_end(key)
-            while len(self._data) > self.maxsize:
-                self._data.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._data.clear()
-
-
 # Distinct deployment-wide inputs remembered per process: a fleet has a handful of configs.
 DEPLOYMENT_CACHE_SIZE = 256
-DEPLOYMENT_CACHE = _LruCache(DEPLOYMENT_CACHE_SIZE)
+DEPLOYMENT_CACHE = LruCache(DEPLOYMENT_CACHE_SIZE)
 
 
 def _deployment_part(req: ResolveRequest) -> _Part:

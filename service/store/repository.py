@@ -29,7 +29,9 @@ import binascii
 import contextlib
 import dataclasses
 import datetime as dt
+import functools
 import json
+from types import MappingProxyType
 from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
 import sqlalchemy as sa
@@ -39,6 +41,7 @@ from sqlalchemy.engine import Connection, Engine, Row
 
 from ...plan import Decision, LoadPlan, Parallel, ResolveRequest, Runtime
 from ..errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from ..lru import LruCache
 from ..registry import NewPlan, PlanFilter
 from ..rules.resolve import diff_deployment_inputs, fingerprint
 from .db import is_at_head, writer
@@ -174,21 +177,36 @@ def _plan_row(new: NewPlan) -> dict[str, Any]:
         entry_class=plan.entry_class, config_fingerprint=plan.config_fingerprint,
         config_json=_dumps(dict(req.config)), quantization=plan.quantization, requested_quantization=req.quantization,
         quantization_config_json=None if req.quantization_config is None else _dumps(dict(req.quantization_config)),
-        runtime_json=_dumps(_fields_of(req.runtime, _RUNTIME_FIELDS)), ruleset_version=plan.ruleset_version,
+        runtime_json=_runtime_json(req.runtime), ruleset_version=plan.ruleset_version,
         created_at=plan.created_at, decisions_json=_decisions_json(plan))
+
+
+@functools.lru_cache(maxsize=256)
+def _runtime_json(runtime: Runtime) -> str:
+    return _dumps(_fields_of(runtime, _RUNTIME_FIELDS))
+
+
+# The decisions' texts of the stages a fleet is resolving: every rank of a stage hands the
+# store the rules' same read-only view (`rules.resolve.Resolution`), written once (service/lru.py).
+_DECISIONS_TEXTS = LruCache(256)
 
 
 def _decisions_json(plan: LoadPlan) -> str:
     """`plans.decisions_json` of a new plan: [[key, value, reason, rule, deployment_wide], ...].
-    A resolved decision is revision 0, decided when its plan was created: what the column
-    leaves out, so a decision that is not is refused rather than stored altered."""
-    out = []
+    A resolved decision is revision 0, decided when its plan was created (no time of its own,
+    or the plan's): what the column leaves out, so a decision that is not is refused rather
+    than stored altered."""
     for d in plan.decisions.values():
-        if d.decided_at != plan.created_at or d.revision != 0:
+        if d.revision != 0 or (d.decided_at is not None and d.decided_at != plan.created_at):
             raise ValueError(f"decision {d.key}: a new plan's decisions are revision 0 decided at its created_at "
                              f"({plan.created_at}), got revision {d.revision} decided at {d.decided_at}")
-        out.append([d.key, d.value, d.reason, d.rule, d.deployment_wide])
-    return _dumps(out)
+    if isinstance(plan.decisions, MappingProxyType):
+        return _DECISIONS_TEXTS.of((plan.decisions,), lambda: _decisions_text(plan.decisions))
+    return _decisions_text(plan.decisions)
+
+
+def _decisions_text(decisions: Mapping[str, Decision]) -> str:
+    return _dumps([[d.key, d.value, d.reason, d.rule, d.deployment_wide] for d in decisions.values()])
 
 
 def _decision(row: Row) -> Decision:
@@ -558,4 +576,4 @@ def _again(new: NewPlan, first: NewPlan, outcome: LoadPlan | Exception) -> LoadP
         return _reused_id(new, first.plan.plan_id)
     if isinstance(outcome, Exception):
         return outcome
-    return dataclasses.replace(outcome, replayed=True)
+    return dataclasses.replace(outcome.dated(), replayed=True)   # as a replay reads it back

@@ -7,22 +7,30 @@ INVALID_ARGUMENT naming the field, filters, diffs, backends and coverage.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import json
 from typing import Any
 
-from ...client.convert import (WireError, datetime_of, decision_from_pb, decision_to_pb,
-                               parallel_from_pb, plan_from_pb, plan_to_pb, role_from_pb, runtime_from_pb)
-from ...plan import Decision, Parallel, ResolveRequest, Runtime
+from ...client.convert import (WireError, datetime_of, decision_from_pb, decision_to_pb, parallel_to_pb,
+                               plan_from_pb, plan_to_pb, role_from_pb, role_to_pb, runtime_from_pb, timestamp)
+from ...plan import Decision, LoadPlan, Parallel, ResolveRequest, Runtime
 from ...v1 import registry_pb2 as pb
 from ..errors import InvalidArgument
+from ..lru import LruCache
 from ..registry import PlanDiff, PlanFilter
 from ..rules.backends import BackendCapabilities
 
-__all__ = ["plan_to_pb", "plan_from_pb", "request_from_pb", "filter_from_pb", "decisions_from_pb", "diff_to_pb",
+__all__ = ["plan_to_pb", "plan_from_pb", "answer_to_pb", "request_from_pb", "filter_from_pb", "decisions_from_pb", "diff_to_pb",
            "backend_to_pb", "coverage_to_pb"]
 
 
+# Each distinct config text is parsed once while it is among the last this many: every rank of
+# a deployment sends the same one, and its ranks share the parsed object, which nobody changes
+# (the rules read it; the store and the answer encode it, `answer_to_pb` once per stage).
+PARSED_CONFIGS = 256
+
+
+@functools.lru_cache(maxsize=PARSED_CONFIGS)
 def _json_object(text: str, field: str, *, required: bool) -> dict[str, Any] | None:
     """The JSON object `text` (a config.json), or None for "" when not `required`."""
     if not text:
@@ -86,11 +94,52 @@ def request_from_pb(msg: pb.ResolveLoadPlanRequest) -> ResolveRequest:
 
 
 def _parallel_unset_sizes_one(msg: pb.Parallelism) -> Parallel:
-    """`parallel_from_pb`, a zero size read as 1 (proto3 cannot tell unset from 0)."""
-    return dataclasses.replace(parallel_from_pb(msg), **{f: 1 for f in _SIZES if getattr(msg, f) == 0})
+    """The client's `parallel_from_pb`, but a zero size read as 1 (proto3 cannot tell unset from 0)."""
+    return Parallel(tp_size=msg.tp_size or 1, tp_rank=msg.tp_rank, ep_size=msg.ep_size or 1, ep_rank=msg.ep_rank,
+                    pp_size=msg.pp_size or 1, pp_rank=msg.pp_rank, dp_size=msg.dp_size or 1, dp_rank=msg.dp_rank)
 
 
-_SIZES = ("tp_size", "ep_size", "pp_size", "dp_size")
+# The answers' templates of the stages a fleet is resolving (see `answer_to_pb`).
+_ANSWERS = LruCache(256)
+
+
+def answer_to_pb(plan: LoadPlan) -> pb.LoadPlan:
+    """`plan_to_pb(plan)` for a resolve's answer. What every rank of a pipeline stage shares
+    (the rules' read-only decisions, the parsed configs `request_from_pb` hands out, the
+    runtime as decided, the plan's scalars) is encoded once, by the client's `plan_to_pb`,
+    into a template that each answer copies before writing its own fields: a dozen decisions
+    built message by message were most of a resolve's encoding. tests/service/transport
+    holds it equal to `plan_to_pb` field by field."""
+    if plan.replayed or plan.history:   # read back from the store: nothing shared to reuse
+        return plan_to_pb(plan)
+    req = plan.request
+    template, undated = _ANSWERS.of(
+        (plan.decisions, req.config, req.quantization_config), lambda: _template(plan),
+        req.runtime, req.quantization, plan.ruleset_version, plan.entry_class, plan.config_fingerprint,
+        plan.quantization, plan.created_at is None)
+    msg = pb.LoadPlan()
+    msg.CopyFrom(template)
+    # What is each rank's own (all of plan_to_pb's fields that the template's key does not settle):
+    msg.plan_id = plan.plan_id
+    msg.request_id = req.request_id
+    msg.deployment_id = req.deployment_id
+    msg.role = role_to_pb(req.role)
+    msg.parallel.CopyFrom(parallel_to_pb(req.parallel))
+    msg.host = req.host
+    if plan.created_at is not None:
+        created = timestamp(plan.created_at)
+        msg.created_at.CopyFrom(created)
+        for i in undated:
+            msg.decisions[i].decided_at.CopyFrom(created)
+    return msg
+
+
+def _template(plan: LoadPlan) -> tuple[pb.LoadPlan, tuple[int, ...]]:
+    """`plan_to_pb(plan)`, and the positions of its decisions stamped with the plan's time
+    (without one of their own: `Decision.decided_at`), which each answer stamps with its own."""
+    msg = plan_to_pb(plan)
+    undated = tuple(i for i, (_, d) in enumerate(sorted(plan.decisions.items())) if d.decided_at is None)
+    return msg, undated
 
 
 def filter_from_pb(msg: pb.ListPlansRequest) -> PlanFilter:

@@ -106,7 +106,7 @@ class ModelRegistryServicer(pb_grpc.ModelRegistryServicer):
         # The config texts determine the parsed configs: the rules' key for what they decide
         # once per deployment (`rules.resolve.resolve_decisions`).
         plan = await self.registry.resolve_async(req, (request.config_json, request.quantization_config_json))
-        return convert.plan_to_pb(plan)
+        return convert.answer_to_pb(plan)
 
     @_rpc
     async def GetPlan(self, request, context):

@@ -57,11 +57,10 @@ class FakePlanStore:
                         field=differing[0])
             else:
                 self.pins[key] = (new.plan.plan_id, dict(new.deployment_inputs))
-            plan = new.plan
-            self.plans[plan.plan_id] = plan
+            self.plans[new.plan.plan_id] = plan = new.plan.dated()   # as a real store reads it back
             self.history[plan.plan_id] = list(plan.decisions.values())
             self.by_request[req.request_id] = (new.request_fingerprint, plan.plan_id)
-            return plan
+            return new.plan
 
     def save_batch(self, news: Sequence[NewPlan]) -> list[LoadPlan | Exception]:
         """`save_plan` of each, in order; a refusal is that plan's outcome, Unavailable the batch's."""

@@ -123,12 +123,14 @@ def test_resolve_hands_the_store_the_plan_its_fingerprint_and_the_deployment_inp
     plan = registry.resolve(req, ("key-of", "these configs"))
     new = store.saved[-1]
     # the request as decided (its runtime names the engine) is the one fingerprinted and stored
-    assert plan is new.plan and plan.request == decided(req) and plan.ruleset_version
+    assert plan == new.plan.dated() and plan.request == decided(req) and plan.ruleset_version
     assert new.request_fingerprint == request_fingerprint(decided(req))
     assert new.deployment_inputs == resolve_decisions(req).deployment_inputs
+    # The store gets the rules' decisions as decided (no time of their own: the plan's); the
+    # caller gets them dated.
+    assert new.plan.decisions == dict(resolve_decisions(req).decisions)
+    assert all(d.decided_at is None for d in new.plan.decisions.values())
     assert plan.created_at == NOW and all(d.decided_at == NOW for d in plan.decisions.values())
-    assert {k: dataclasses.replace(d, decided_at=None) for k, d in plan.decisions.items()} == \
-        dict(resolve_decisions(req).decisions)
     assert uuid.UUID(hex=plan.plan_id).version == 4
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime as dt
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -83,7 +84,9 @@ def test_one_batch_answers_each_caller_like_plans_saved_one_by_one(db_engine, db
     reused_in_batch = _request(d, request_id=f"dup-{tag}")
     no_time = new_plan(_request(d, parallel=Parallel(ep_size=8, ep_rank=5)))
     no_time = dataclasses.replace(no_time, plan=dataclasses.replace(no_time.plan, decisions={
-        **no_time.plan.decisions, "extra": Decision("extra", 1, "r", "rule")}))   # no decided_at: refused
+        **no_time.plan.decisions, "extra": Decision("extra", 1, "r", "rule", decided_at=dt.datetime(2020, 1, 1,
+                                                                                      tzinfo=dt.timezone.utc))}))
+    # ^ decided at another time than its plan: refused
     too_long = new_plan(_request(d, parallel=Parallel(ep_size=8, ep_rank=6)))
     too_long = dataclasses.replace(too_long, plan=dataclasses.replace(
         too_long.plan, request=dataclasses.replace(too_long.plan.request, host="h" * 300)))   # PostgreSQL: VARCHAR(255)
@@ -133,7 +136,7 @@ def test_one_batch_answers_each_caller_like_plans_saved_one_by_one(db_engine, db
     # Every returned plan was committed when its caller got it.
     for result, back in zip(results, readback):
         if isinstance(result, LoadPlan):
-            assert back == dataclasses.replace(result, replayed=False)
+            assert back == dataclasses.replace(result.dated(), replayed=False)
     # And both databases hold the same rows.
     assert _rows(db_engine, [a, b, c, d]) == _rows(reference.engine, [a, b, c, d])
 
@@ -276,5 +279,5 @@ def test_every_column_round_trips_in_its_place(store, make_request):
                                quantization="fp8-settled", ruleset_version="rs-9")
     saved = store.save_plan(NewPlan(plan, "fingerprint-x", {"k": 1}))
     stored = store.get_plan(saved.plan_id)
-    assert stored == plan
+    assert stored == plan.dated()
     assert stored.request == req
