@@ -106,9 +106,12 @@ def runtime_to_pb(rt: Runtime) -> pb.Runtime:
     )
 
 
+_DEFAULT_RUNTIME = Runtime()
+
+
 def runtime_from_pb(msg: pb.Runtime) -> Runtime:
     """Empty strings are proto3's "unset": the domain defaults apply (the proto says so)."""
-    default = Runtime()
+    default = _DEFAULT_RUNTIME
     return Runtime(
         a2a_backend=msg.a2a_backend or default.a2a_backend,
         device=msg.device or default.device,
