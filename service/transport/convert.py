@@ -20,8 +20,8 @@ from ..lru import LruCache
 from ..registry import PlanDiff, PlanFilter
 from ..rules.backends import BackendCapabilities
 
-__all__ = ["plan_to_pb", "plan_from_pb", "answer_to_pb", "request_from_pb", "filter_from_pb", "decisions_from_pb", "diff_to_pb",
-           "backend_to_pb", "coverage_to_pb"]
+__all__ = ["plan_to_pb", "plan_from_pb", "answer_to_pb", "request_from_pb", "filter_from_pb", "decisions_from_pb",
+           "diff_to_pb", "backend_to_pb", "coverage_to_pb"]
 
 
 # Each distinct config text is parsed once while it is among the last this many: every rank of
