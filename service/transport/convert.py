@@ -94,7 +94,8 @@ def request_from_pb(msg: pb.ResolveLoadPlanRequest) -> ResolveRequest:
 
 
 def _parallel_unset_sizes_one(msg: pb.Parallelism) -> Parallel:
-    """The client's `parallel_from_pb`, but a zero size read as 1 (proto3 cannot tell unset from 0)."""
+    """The client's `parallel_from_pb`, but a zero size read as 1 (proto3 cannot tell unset from 0).
+    Built directly: `dataclasses.replace` over that one costs twice as much as the constructor."""
     return Parallel(tp_size=msg.tp_size or 1, tp_rank=msg.tp_rank, ep_size=msg.ep_size or 1, ep_rank=msg.ep_rank,
                     pp_size=msg.pp_size or 1, pp_rank=msg.pp_rank, dp_size=msg.dp_size or 1, dp_rank=msg.dp_rank)
 

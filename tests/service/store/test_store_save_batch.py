@@ -82,11 +82,11 @@ def test_one_batch_answers_each_caller_like_plans_saved_one_by_one(db_engine, db
 
     racing_retry = _request(b, parallel=Parallel(ep_size=8, ep_rank=2))
     reused_in_batch = _request(d, request_id=f"dup-{tag}")
-    no_time = new_plan(_request(d, parallel=Parallel(ep_size=8, ep_rank=5)))
-    no_time = dataclasses.replace(no_time, plan=dataclasses.replace(no_time.plan, decisions={
-        **no_time.plan.decisions, "extra": Decision("extra", 1, "r", "rule", decided_at=dt.datetime(2020, 1, 1,
-                                                                                      tzinfo=dt.timezone.utc))}))
-    # ^ decided at another time than its plan: refused
+    other_time = new_plan(_request(d, parallel=Parallel(ep_size=8, ep_rank=5)))
+    earlier = dt.datetime(2020, 1, 1, tzinfo=dt.timezone.utc)
+    other_time = dataclasses.replace(other_time, plan=dataclasses.replace(other_time.plan, decisions={
+        **other_time.plan.decisions, "extra": Decision("extra", 1, "r", "rule", decided_at=earlier)}))
+    # ^ a decision decided at another time than its plan: refused
     too_long = new_plan(_request(d, parallel=Parallel(ep_size=8, ep_rank=6)))
     too_long = dataclasses.replace(too_long, plan=dataclasses.replace(
         too_long.plan, request=dataclasses.replace(too_long.plan.request, host="h" * 300)))   # PostgreSQL: VARCHAR(255)
@@ -101,7 +101,7 @@ def test_one_batch_answers_each_caller_like_plans_saved_one_by_one(db_engine, db
         new_plan(racing_retry),                                                        # same id: replays
         new_plan(reused_in_batch),
         new_plan(dataclasses.replace(reused_in_batch, host="other")),                  # same id: refused
-        no_time,
+        other_time,
         too_long,
         new_plan(_request(d, parallel=Parallel(ep_size=8, ep_rank=7))),
     ]
