@@ -267,6 +267,42 @@ def test_a_batch_of_a_deployment_the_store_saw_pinned_reads_nothing_before_writi
             PlanRow.deployment_id == first.request.deployment_id)).scalar_one() == 3
 
 
+def test_a_batch_that_sets_every_pin_it_inserts_reads_no_pin_back(db_engine, db_url, store, make_request):
+    """The pins' INSERT ... ON CONFLICT DO NOTHING counts the rows it inserted: when that is every
+    pin of the batch, they are all the batch's and nothing is read back. When another writer set
+    one first (a replica whose pin this store never saw), the count falls short: the pins are read
+    back, and a plan of the batch that disagrees with that pin is refused, naming it."""
+    statements: list[str] = []
+
+    def record(conn, cursor, statement, parameters, context, executemany):
+        statements.append(" ".join(statement.split()[:3]))
+
+    sa.event.listen(db_engine, "before_cursor_execute", record)
+    fresh = [new_plan(make_request(deployment_id=f"fresh-{uuid.uuid4().hex[:8]}")) for _ in range(3)]
+    assert [o.plan_id for o in store.save_batch(fresh)] == [n.plan.plan_id for n in fresh]
+    assert [s for s in statements if not s.startswith("BEGIN")] == ["INSERT INTO plans", "INSERT INTO deployment_pins"]
+    _, pins = _rows(db_engine, [n.plan.request.deployment_id for n in fresh])
+    assert {pin.plan_id for pin in pins} == {n.plan.plan_id for n in fresh}
+
+    other = make_engine(db_url)
+    try:
+        theirs = SqlPlanStore(other).save_plan(new_plan(make_request(runtime=Runtime(a2a_backend="deepep"))))
+    finally:
+        other.dispose()
+    statements.clear()
+    mine = new_plan(make_request(deployment_id=f"fresh-{uuid.uuid4().hex[:8]}"))
+    disagreeing = new_plan(make_request(runtime=Runtime(a2a_backend="none")))
+    saved, refused = store.save_batch([mine, disagreeing])
+    sa.event.remove(db_engine, "before_cursor_execute", record)
+    assert saved.plan_id == mine.plan.plan_id
+    assert isinstance(refused, FailedPrecondition) and refused.field == "runtime.a2a_backend"
+    assert theirs.plan_id in str(refused)
+    assert "SELECT deployment_pins.deployment_id, deployment_pins.role," in statements
+    plans, pins = _rows(db_engine, [theirs.request.deployment_id, mine.plan.request.deployment_id])
+    assert plans == {theirs.plan_id, mine.plan.plan_id}
+    assert {pin.plan_id for pin in pins} == {theirs.plan_id, mine.plan.plan_id}
+
+
 def test_every_column_round_trips_in_its_place(store, make_request):
     # Every field its own value, so that two swapped columns cannot pass unnoticed.
     new = new_plan(make_request(quantization_config={"quant_method": "fp8"}, host="host-x"))
