@@ -82,6 +82,57 @@ def test_a_batch_holds_at_most_max_batch_plans():
     assert [len(b) for b in fake.batches] == [2, 2, 1]
 
 
+def test_plans_decided_in_the_loop_turns_before_a_batch_is_taken_join_it():
+    """Resolves whose requests have arrived are still deciding, a turn or two of the loop each
+    (`arrives` below), when the first plan is queued: they join its batch instead of waiting for
+    its commit. The batch is taken once a turn of the loop adds nothing, so a plan whose caller
+    is still waiting for something else (`late`) goes in the next one."""
+    fake = FakeBatches()
+
+    async def arrives(group: GroupCommit, name: str, turns: int):
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        return await group.save(name)
+
+    async def late(group: GroupCommit):
+        await asyncio.sleep(0.01)
+        return await group.save("late")
+
+    async def main():
+        group = GroupCommit(fake.save_batch, run_blocking=fake.run_blocking)
+        return await asyncio.gather(group.save("a"), arrives(group, "b", 1), arrives(group, "c", 2),
+                                    arrives(group, "d", 3), late(group))
+
+    assert asyncio.run(main()) == ["a", "b", "c", "d", "late"]
+    assert fake.batches == [["a", "b", "c", "d"], ["late"]]
+
+
+def test_a_lone_plan_is_written_after_one_turn_of_the_loop():
+    fake = FakeBatches()
+    turns = 0
+
+    async def count_turns(stop: asyncio.Event):
+        nonlocal turns
+        while not stop.is_set():
+            turns += 1
+            await asyncio.sleep(0)
+
+    async def main():
+        group = GroupCommit(fake.save_batch, run_blocking=fake.run_blocking)
+        stop = asyncio.Event()
+        counter = asyncio.create_task(count_turns(stop))
+        await asyncio.sleep(0)
+        turns_before = turns
+        saved = await group.save("alone")
+        stop.set()
+        await counter
+        return saved, turns_before
+
+    saved, turns_before = asyncio.run(main())
+    assert saved == "alone" and fake.batches == [["alone"]]
+    assert turns - turns_before <= 3   # the writer's start, one turn to look for more, the answer
+
+
 def test_a_caller_that_went_away_does_not_stop_the_batch():
     fake = FakeBatches()
 
