@@ -76,7 +76,7 @@ class GroupCommit:
     async def _gather(self) -> None:
         """Let the loop run while that adds plans to the queue, up to a batch. (A fleet start on
         two replicas, bench/fleet.py: 12 plans a commit became about 20, and the last plan's
-        time over echo's went from a median of 1.63x to 1.48x over 16 alternating runs.)"""
+        time over echo's went from a median of 1.64x to 1.48x over 16 alternating runs.)"""
         while len(self._queue) < self.max_batch:
             queued = len(self._queue)
             await asyncio.sleep(0)
