@@ -4,6 +4,7 @@ answer the store gives saving them one by one; concurrent writers (threads, repl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime as dt
 import threading
@@ -57,6 +58,21 @@ def _request(deployment: str, **kw):
                 parallel=Parallel(ep_size=8), host="node-0", config=DEEPSEEK_V3, runtime=Runtime(a2a_backend="deepep"))
     base.update(kw)
     return ResolveRequest(**base)
+
+
+@contextlib.contextmanager
+def _statements(engine):
+    """The statements `engine` runs meanwhile, each by its first three words."""
+    seen: list[str] = []
+
+    def record(conn, cursor, statement, parameters, context, executemany):
+        seen.append(" ".join(statement.split()[:3]))
+
+    sa.event.listen(engine, "before_cursor_execute", record)
+    try:
+        yield seen
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", record)
 
 
 def _rows(engine, deployments):
@@ -246,16 +262,10 @@ def test_a_batch_of_a_deployment_the_store_saw_pinned_reads_nothing_before_writi
     ranks of a pinned deployment are one INSERT of their plans in the transaction. A retry of one
     of them still replays, a disagreeing rank is still refused, and both write nothing."""
     first = store.save_plan(new_plan(make_request(parallel=Parallel(ep_size=4))))
-    statements: list[str] = []
-
-    def record(conn, cursor, statement, parameters, context, executemany):
-        statements.append(" ".join(statement.split()[:3]))
-
-    sa.event.listen(db_engine, "before_cursor_execute", record)
     news = [new_plan(make_request(parallel=Parallel(ep_size=4, ep_rank=r))) for r in (1, 2)]
-    assert [o.plan_id for o in store.save_batch(news)] == [n.plan.plan_id for n in news]
+    with _statements(db_engine) as statements:
+        assert [o.plan_id for o in store.save_batch(news)] == [n.plan.plan_id for n in news]
     assert [s for s in statements if not s.startswith("BEGIN")] == ["INSERT INTO plans"]
-    sa.event.remove(db_engine, "before_cursor_execute", record)
 
     disagreeing = new_plan(make_request(parallel=Parallel(ep_size=8, ep_rank=3)))
     retried, refused = store.save_batch([news[0], disagreeing])
@@ -272,14 +282,9 @@ def test_a_batch_that_sets_every_pin_it_inserts_reads_no_pin_back(db_engine, db_
     pin of the batch, they are all the batch's and nothing is read back. When another writer set
     one first (a replica whose pin this store never saw), the count falls short: the pins are read
     back, and a plan of the batch that disagrees with that pin is refused, naming it."""
-    statements: list[str] = []
-
-    def record(conn, cursor, statement, parameters, context, executemany):
-        statements.append(" ".join(statement.split()[:3]))
-
-    sa.event.listen(db_engine, "before_cursor_execute", record)
     fresh = [new_plan(make_request(deployment_id=f"fresh-{uuid.uuid4().hex[:8]}")) for _ in range(3)]
-    assert [o.plan_id for o in store.save_batch(fresh)] == [n.plan.plan_id for n in fresh]
+    with _statements(db_engine) as statements:
+        assert [o.plan_id for o in store.save_batch(fresh)] == [n.plan.plan_id for n in fresh]
     assert [s for s in statements if not s.startswith("BEGIN")] == ["INSERT INTO plans", "INSERT INTO deployment_pins"]
     _, pins = _rows(db_engine, [n.plan.request.deployment_id for n in fresh])
     assert {pin.plan_id for pin in pins} == {n.plan.plan_id for n in fresh}
@@ -289,11 +294,10 @@ def test_a_batch_that_sets_every_pin_it_inserts_reads_no_pin_back(db_engine, db_
         theirs = SqlPlanStore(other).save_plan(new_plan(make_request(runtime=Runtime(a2a_backend="deepep"))))
     finally:
         other.dispose()
-    statements.clear()
     mine = new_plan(make_request(deployment_id=f"fresh-{uuid.uuid4().hex[:8]}"))
     disagreeing = new_plan(make_request(runtime=Runtime(a2a_backend="none")))
-    saved, refused = store.save_batch([mine, disagreeing])
-    sa.event.remove(db_engine, "before_cursor_execute", record)
+    with _statements(db_engine) as statements:
+        saved, refused = store.save_batch([mine, disagreeing])
     assert saved.plan_id == mine.plan.plan_id
     assert isinstance(refused, FailedPrecondition) and refused.field == "runtime.a2a_backend"
     assert theirs.plan_id in str(refused)
