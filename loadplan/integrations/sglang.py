@@ -218,6 +218,9 @@ def resolve_shared_experts_config(model_class, hf_config, quant_config):
              request.parallel.tp_rank, request.parallel.tp_size, request.parallel.ep_rank,
              request.parallel.ep_size, request.parallel.pp_rank, request.parallel.pp_size,
              _summary(plan))
+    refusal = _stage_refusal(plan, request, hf_config)
+    if refusal is not None:
+        raise LoadPlanRefused(refusal)
     fused = bool(plan.value(Keys.SHARED_EXPERTS_FUSION))
     num_decision = plan.decisions.get(Keys.NUM_FUSED_SHARED_EXPERTS)
     num = int(num_decision.value) if fused and num_decision is not None else 0
@@ -228,6 +231,39 @@ def resolve_shared_experts_config(model_class, hf_config, quant_config):
 
 
 resolve_shared_experts_config.__loadplan__ = True
+
+
+# SGLang's override of its pipeline stages (`get_pp_indices`: one layer count per stage,
+# comma-separated). The registry plans SGLang's default partition; it has no input for this one.
+ENV_PP_LAYER_PARTITION = "SGLANG_PP_LAYER_PARTITION"
+
+
+def _stage_refusal(plan: LoadPlan, request: ResolveRequest, hf_config) -> str | None:
+    """Why this runner must not start on `plan`, or None: SGLang builds the layers of a target's stage
+    by its own `get_pp_indices`, which follows SGLANG_PP_LAYER_PARTITION when it is set (and the stage
+    is one of several), while the plan's `pp.layer_range` is SGLang's default partition. Where the two
+    differ, the plan would record layers this runner does not hold. (A draft's stage ignores the
+    partition in SGLang: its pipeline group is its own.)"""
+    partition = os.environ.get(ENV_PP_LAYER_PARTITION)
+    planned = plan.decisions.get(Keys.PP_LAYER_RANGE)
+    parallel = request.parallel
+    if partition is None or request.role != ROLE_TARGET or parallel.pp_size == 1 or planned is None:
+        return None
+    from sglang.srt.distributed import get_pp_indices
+
+    text = getattr(hf_config, "text_config", None) or hf_config
+    n_layers = int(text.num_hidden_layers)
+    try:
+        built = list(get_pp_indices(n_layers, parallel.pp_rank, parallel.pp_size))
+    except ValueError as e:   # SGLang's own refusal of the partition, before the registry's
+        return f"{ENV_PP_LAYER_PARTITION}={partition!r}: {e}"
+    if built == list(planned.value):
+        return None
+    return (f"loadplan plan {plan.plan_id} gives pp rank {parallel.pp_rank} of {parallel.pp_size} layers "
+            f"[{planned.value[0]}, {planned.value[1]}) (SGLang's default partition of {n_layers} layers), but "
+            f"{ENV_PP_LAYER_PARTITION}={partition!r} makes SGLang build [{built[0]}, {built[1]}); the registry "
+            f"cannot plan that partition: unset {ENV_PP_LAYER_PARTITION}, or start this deployment without "
+            f"the loadplan adapter")
 
 
 def _summary(plan: LoadPlan) -> str:

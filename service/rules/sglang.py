@@ -555,7 +555,8 @@ def forward(i: Inputs) -> Forward:
 
 def stage_range(n_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
     """distributed/utils.py: get_pp_indices: every stage num_layers // pp_size layers, the LAST
-    num_layers % pp_size stages one more (SGLANG_PP_LAYER_PARTITION, an environment override, is not an input)."""
+    num_layers % pp_size stages one more. SGLANG_PP_LAYER_PARTITION, an environment override, is not an input: the
+    SGLang adapter stops a runner whose stage it moves (loadplan/integrations/sglang.py, `_stage_refusal`)."""
     if pp_size > n_layers:
         raise FailedPrecondition(f"parallel.pp_size: {pp_size} stages for {n_layers} layers leaves a stage empty")
     base, extra = divmod(n_layers, pp_size)

@@ -42,17 +42,42 @@ SCENARIOS = {
     # Kimi-K2 (384 experts, FP8) with --enforce-shared-experts-fusion: SGLang's own comment says
     # the fused path then mis-loads the shared expert; the registry lists it as a hazard.
     "kimi_k2_enforced": ("kimi-k2", None, dict(tp_size=8, enforce_shared_experts_fusion=True), range(1)),
+    # DeepSeek-V3's 61 layers in two pipeline stages (--pp-size 2): SGLang's default partition, 30 + 31 ...
+    "dsv3_pp2": ("deepseek-v3", None, dict(tp_size=1, pp_size=2), range(2)),
+    # ... the same stages spelled out by SGLANG_PP_LAYER_PARTITION (below) ...
+    "dsv3_pp2_default_partition": ("deepseek-v3", None, dict(tp_size=1, pp_size=2), range(2)),
+    # ... and the stages it asks for instead: 20 + 41.
+    "dsv3_pp2_partition": ("deepseek-v3", None, dict(tp_size=1, pp_size=2), range(2)),
 }
+
+# The environment a scenario runs under (set for its runners, then restored).
+SCENARIO_ENV = {"dsv3_pp2_default_partition": {"SGLANG_PP_LAYER_PARTITION": "30,31"},
+                "dsv3_pp2_partition": {"SGLANG_PP_LAYER_PARTITION": "20,41"}}
 
 
 def run(scenario: str, registry: str | None, deployment: str) -> list[dict]:
+    env = SCENARIO_ENV.get(scenario, {})
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        return _run(scenario, registry, deployment)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _run(scenario: str, registry: str | None, deployment: str) -> list[dict]:
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.layers.moe import utils as moe_utils
     from sglang.srt.model_loader import loader
     from sglang.srt.model_loader.loader import _get_quantization_config
     from sglang.srt.model_loader.utils import get_model_architecture
-    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+    from sglang.srt.distributed import get_pp_indices
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
     from loadplan.integrations import sglang as adapter
@@ -80,6 +105,10 @@ def run(scenario: str, registry: str | None, deployment: str) -> list[dict]:
             quant_config = _get_quantization_config(model_config, LoadConfig(load_format="dummy"))
             record = {"scenario": scenario, "world_rank": world_rank, "role": role, "entry_class": model_class.__name__,
                       "adapter_active": adapter.installed()}
+            if role == "target":   # the layers SGLang builds on this rank's stage (a draft's stage holds all)
+                par = get_parallel()
+                record.update(pp_rank=par.pp_rank, sglang_layer_range=list(get_pp_indices(
+                    model_config.num_hidden_layers, par.pp_rank, par.pp_size)))
             try:
                 if role == "speculative":
                     with moe_utils.draft_model_build_scope():

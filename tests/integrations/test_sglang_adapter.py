@@ -54,7 +54,11 @@ def runs(registry):
         "install": [str(SGLANG_PY), str(RUNNER),
                     "--run", f"dsv3_with_qwen3_draft:dsv3-draft@{registry.address}",
                     "--run", f"kimi_k2_enforced:kimi-hazard@{registry.address}",
-                    "--run", f"dsv3_tp8:nowhere@{CLOSED_PORT}"],
+                    "--run", f"dsv3_tp8:nowhere@{CLOSED_PORT}",
+                    # two pipeline stages: SGLang's default partition, then SGLANG_PP_LAYER_PARTITION's
+                    "--run", f"dsv3_pp2:dsv3-pp2@{registry.address}",
+                    "--run", f"dsv3_pp2_default_partition:dsv3-pp2-default@{registry.address}",
+                    "--run", f"dsv3_pp2_partition:dsv3-pp2-partition@{registry.address}"],
         # `loadplan sglang-run` starts the process: the adapter must be active without install()
         "sglang_run": [str(LOADPLAN), "sglang-run", "--registry", registry.address, "--deployment", "dsv3-run",
                        "--timeout", "20", "--", str(SGLANG_PY), str(RUNNER), "--run", "dsv3_tp8:dsv3-run"],
@@ -141,6 +145,30 @@ def test_an_unreachable_registry_stops_the_start_after_retries(runs):
     assert record["stopped"].startswith(f"LoadPlanRefused: loadplan registry at {CLOSED_PORT} is unreachable "
                                         "after the client's retries"), record
     assert "fusion_disabled" not in record
+
+
+@pytest.mark.parametrize("scenario, deployment", [("dsv3_pp2", "dsv3-pp2"),
+                                                  ("dsv3_pp2_default_partition", "dsv3-pp2-default")])
+def test_each_pipeline_stage_is_planned_the_layers_sglang_builds_there(runs, registry, scenario, deployment):
+    """Without SGLANG_PP_LAYER_PARTITION, or with one that spells out SGLang's default stages."""
+    records = _scenario(runs, "install", scenario)
+    assert [r["pp_rank"] for r in records] == [0, 1] and not any("stopped" in r for r in records)
+    planned = {p.request.parallel.pp_rank: p.value(Keys.PP_LAYER_RANGE) for p in _plans(registry, deployment)}
+    assert planned == {r["pp_rank"]: r["sglang_layer_range"] for r in records}
+
+
+def test_a_layer_partition_the_registry_cannot_plan_stops_each_stage_naming_it(runs, registry):
+    """SGLANG_PP_LAYER_PARTITION moves SGLang's stage boundaries; the registry plans the default
+    ones, so a plan would record layers the runner does not hold: the runner does not start."""
+    records = _scenario(runs, "install", "dsv3_pp2_partition")
+    planned = {p.request.parallel.pp_rank: p.value(Keys.PP_LAYER_RANGE) for p in _plans(registry, "dsv3-pp2-partition")}
+    assert len(records) == 2 and len(planned) == 2
+    for r in records:
+        built, plan = r["sglang_layer_range"], planned[r["pp_rank"]]
+        assert built != plan
+        assert r["stopped"].startswith("LoadPlanRefused: ")
+        assert "SGLANG_PP_LAYER_PARTITION='20,41'" in r["stopped"]
+        assert f"[{plan[0]}, {plan[1]})" in r["stopped"] and f"[{built[0]}, {built[1]})" in r["stopped"]
 
 
 def test_a_process_started_by_sglang_run_has_the_adapter_active(runs, registry):
