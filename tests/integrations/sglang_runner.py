@@ -21,6 +21,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "conformance"))
@@ -56,17 +57,8 @@ SCENARIO_ENV = {"dsv3_pp2_default_partition": {"SGLANG_PP_LAYER_PARTITION": "30,
 
 
 def run(scenario: str, registry: str | None, deployment: str) -> list[dict]:
-    env = SCENARIO_ENV.get(scenario, {})
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
+    with mock.patch.dict(os.environ, SCENARIO_ENV.get(scenario, {})):   # restored after, as it was
         return _run(scenario, registry, deployment)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _run(scenario: str, registry: str | None, deployment: str) -> list[dict]:
