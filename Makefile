@@ -10,17 +10,19 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 
 .PHONY: setup vllm-env sglang-env proto test demo clean browser
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(GEN)
 
 # The protobuf code first (grpcio-tools alone), so that the other environments, which install
 # loadplan and so need gen/, can be built beside the rest of .venv (`make test` runs them in parallel).
+# Every environment installs loadplan editable, which reads gen/ in place: each needs gen/ to exist
+# (an order-only prerequisite), not a reinstall when it changes.
 $(VENV)/.tools:
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q grpcio-tools
 	touch $@
 
-$(VENV)/.installed: pyproject.toml $(GEN)
+$(VENV)/.installed: pyproject.toml | $(GEN)
 	# torch: exactly the CPU wheel on local disk; any other spec pulls a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[service,engine,dev]'
@@ -31,9 +33,9 @@ $(VENV)/.installed: pyproject.toml $(GEN)
 # (scripts/vllm_env_requirements.py) with torch held at the local wheel, then loadplan itself, so
 # that its vllm.general_plugins entry point is registered. About 1.5 minutes the first time with
 # pip's cache warm.
-vllm-env: $(VLLM_VENV)/.installed
+vllm-env: $(VLLM_VENV)/.installed $(GEN)
 
-$(VLLM_VENV)/.installed: pyproject.toml scripts/vllm_env_requirements.py $(GEN)
+$(VLLM_VENV)/.installed: pyproject.toml scripts/vllm_env_requirements.py | $(GEN)
 	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip packaging
 	$(VLLM_PY) -m pip install -q torch==2.13.0
@@ -55,9 +57,9 @@ $(GEN): $(PROTO) scripts/gen_proto.py | $(VENV)/.tools
 SGLANG_VENV ?= .venv-sglang
 SGLANG_PY := $(SGLANG_VENV)/bin/python
 
-sglang-env: $(SGLANG_VENV)/.installed
+sglang-env: $(SGLANG_VENV)/.installed $(GEN)
 
-$(SGLANG_VENV)/.installed: scripts/sglang-env-requirements.txt pyproject.toml $(GEN)
+$(SGLANG_VENV)/.installed: scripts/sglang-env-requirements.txt pyproject.toml | $(GEN)
 	test -x $(SGLANG_PY) || python3 -m venv $(SGLANG_VENV)
 	$(SGLANG_PY) -m pip install -q torch==2.13.0
 	$(SGLANG_PY) -m pip install -q --no-deps sglang==0.5.23 compressed-tensors==0.18.0
