@@ -40,6 +40,11 @@ log = logging.getLogger("loadplan.service")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ModelRegistry"].full_name   # "loadplan.v1.ModelRegistry"
 DEFAULT_MAX_RECEIVE_BYTES = 4 * 1024 * 1024
+# The calls gRPC holds before the server takes them up; beyond it gRPC refuses new ones, and
+# the client sees CANCELLED, which it does not retry. gRPC's own default is 1000, about one
+# replica's share of a fleet start: in bench/fleet.py, 1024 ranks a replica lost a call in 3 of
+# some 270 fleet starts, and 2048 a replica lost 100-400 calls in every one (README, Replicas).
+DEFAULT_MAX_PENDING_CALLS = 8192
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -54,6 +59,7 @@ class ServerOptions:
     max_receive_message_bytes: int = DEFAULT_MAX_RECEIVE_BYTES   # larger requests: RESOURCE_EXHAUSTED
     # Threads for the store's blocking calls (reads, appends, each group commit's save_batch).
     max_workers: int = 64
+    max_pending_calls: int = DEFAULT_MAX_PENDING_CALLS
     readiness_interval_s: float = 1.0
     # A store that has not answered readiness within this is NOT_SERVING (a stalled database).
     readiness_timeout_s: float = 2.0
@@ -64,6 +70,11 @@ class ServerOptions:
     on_commit: Callable[[float, int], None] | None = None
     # Interceptors run before authentication's, outermost first (service/metrics.py counts resolves).
     interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()
+
+    def __post_init__(self):
+        for name in ("max_receive_message_bytes", "max_workers", "max_pending_calls"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ServerOptions.{name} must be >= 1, got {getattr(self, name)}")
 
 
 class _Probe:
@@ -134,7 +145,10 @@ class RegistryServer:
             options=[("grpc.max_receive_message_length", options.max_receive_message_bytes),
                      # Without this, Linux lets a second server bind the same port and
                      # silently share its traffic; a busy port must be an error.
-                     ("grpc.so_reuseport", 0)],
+                     ("grpc.so_reuseport", 0),
+                     # Up to this many calls wait for the loop, more are refused (no random early refusals).
+                     ("grpc.server.max_pending_requests", options.max_pending_calls),
+                     ("grpc.server.max_pending_requests_hard_limit", options.max_pending_calls)],
             interceptors=interceptors,
         )
         self.group_commit = GroupCommit(self.store.save_batch, run_blocking=self._blocking,

@@ -39,6 +39,19 @@ def iso_time(flag: str, example: str = "2026-11-29T10:00:00+00:00"):
     return parse
 
 
+def positive_int(flag: str):
+    """An argparse type: an integer >= 1, refused naming `flag`."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise CliError("INVALID_ARGUMENT", f"{flag}: {text!r} is not an integer") from None
+        if value < 1:
+            raise CliError("INVALID_ARGUMENT", f"{flag}: must be >= 1, got {value}")
+        return value
+    return parse
+
+
 def add_db_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--db", metavar="URL", default=None,
                         help=f"history database (default ${DB_URL_ENV} or {DEFAULT_DB_URL})")

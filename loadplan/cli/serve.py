@@ -25,7 +25,7 @@ import sys
 import threading
 
 from .errors import CliError, one_line
-from .options import add_db_argument, default_db_url, redact, short_error
+from .options import add_db_argument, default_db_url, positive_int, redact, short_error
 
 HELP = "run the registry gRPC server"
 
@@ -38,10 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http", default=None, metavar="HOST:PORT",
                         help="also serve /metrics (Prometheus) and the read-only web view of the history here "
                              "(off unless given)")
-    parser.add_argument("--max-message-bytes", type=int, default=4 * 1024 * 1024, metavar="N",
-                        help="largest request accepted (default 4 MiB)")
-    parser.add_argument("--workers", type=int, default=None, metavar="N",
+    parser.add_argument("--max-message-bytes", type=positive_int("--max-message-bytes"), default=4 * 1024 * 1024,
+                        metavar="N", help="largest request accepted (default 4 MiB)")
+    parser.add_argument("--workers", type=positive_int("--workers"), default=None, metavar="N",
                         help="worker threads for the database calls that block (default 64: reads, group commits)")
+    parser.add_argument("--max-pending-calls", type=positive_int("--max-pending-calls"), default=None, metavar="N",
+                        help="calls gRPC holds for the server before it refuses more (the client sees CANCELLED): "
+                             "at least the ranks that may reach one replica at once (default 8192)")
     sec = parser.add_argument_group("security")
     sec.add_argument("--tokens-file", metavar="FILE", default=None,
                      help="ROLE:TOKEN lines (roles worker, reader, admin); default $LOADPLAN_TOKENS_FILE, plus "
@@ -88,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         server = RegistryServer(store, ServerOptions(
             listen=args.listen, max_receive_message_bytes=args.max_message_bytes,
             **({} if args.workers is None else {"max_workers": args.workers}),
+            **({} if args.max_pending_calls is None else {"max_pending_calls": args.max_pending_calls}),
             tokens=tokens, tls=tls, interceptors=(ResolveMetrics(metrics),) if metrics else (),
             on_commit=metrics.observe_commit if metrics else None))
     except ServerStartError as e:

@@ -113,3 +113,12 @@ def test_http_address_must_be_host_port(capsys, tmp_path, listen):
     code, out, err = run(capsys, "serve", "--db", f"sqlite:///{tmp_path / 'b.db'}", "--listen", "127.0.0.1:0",
                          "--http", listen)
     assert code == 2 and err.startswith(f"error: FAILED_PRECONDITION: --http: {listen!r} is not HOST:PORT"), err
+
+
+@pytest.mark.parametrize("flag", ["--max-pending-calls", "--workers", "--max-message-bytes"])
+@pytest.mark.parametrize("value, problem", [("0", "must be >= 1, got 0"), ("many", "'many' is not an integer")])
+def test_a_size_flag_is_refused_naming_it_before_anything_is_created(capsys, tmp_path, flag, value, problem):
+    code, out, err = run(capsys, "serve", "--db", f"sqlite:///{tmp_path / 'b.db'}", "--listen", "127.0.0.1:0",
+                         flag, value)
+    assert code == 2 and out == "" and err == f"error: INVALID_ARGUMENT: {flag}: {problem}\n", err
+    assert not (tmp_path / "b.db").exists()

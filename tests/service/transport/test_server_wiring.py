@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
@@ -17,6 +18,8 @@ from loadplan.client.convert import request_to_pb
 from loadplan.service import reflection_v1
 from loadplan.service.rules import entries
 from loadplan.service.server import SERVICE_NAME, RegistryServer, ServerOptions, ServerStartError
+from loadplan.v1 import registry_pb2 as pb
+from loadplan.v1 import registry_pb2_grpc as pb_grpc
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -128,6 +131,52 @@ def test_message_size_limit_is_configurable():
             stub.ResolveLoadPlan(request_to_pb(request(deepseek_config(padding="x" * 100_000))), timeout=5)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert store.count() == 1
+
+
+class HoldsTheLoop(grpc.aio.ServerInterceptor):
+    """Holds the server's event loop (a blocking sleep, on purpose) in the first call it sees: the
+    calls that arrive meanwhile wait in gRPC for the server to take them up, as in a fleet start."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.holding = threading.Event()
+
+    async def intercept_service(self, continuation, details):
+        if not self.holding.is_set():
+            self.holding.set()
+            time.sleep(self.seconds)
+        return await continuation(details)
+
+
+def codes_of_calls_that_wait(n: int, **options) -> list[grpc.StatusCode]:
+    """The statuses of `n` Echo calls that arrive while the server's loop is held for a second."""
+    hold = HoldsTheLoop(1.0)
+    opts = ServerOptions(listen="127.0.0.1:0", interceptors=(hold,), **options)
+    with RegistryServer(FakePlanStore(), opts) as srv, grpc.insecure_channel(srv.address) as ch:
+        stub = pb_grpc.ModelRegistryStub(ch)
+        first = stub.Echo.future(pb.EchoRequest(payload=b"first"), timeout=30)
+        assert hold.holding.wait(10)
+        waiting = [stub.Echo.future(pb.EchoRequest(payload=b"x"), timeout=30) for _ in range(n)]
+        codes = [f.code() for f in waiting]
+        assert first.code() == grpc.StatusCode.OK
+    return codes
+
+
+def test_calls_beyond_max_pending_calls_are_refused_and_the_default_holds_a_burst():
+    """gRPC refuses the calls beyond `max_pending_calls` that wait for the server (as CANCELLED);
+    the default holds a burst far larger than gRPC's own limit of 1000 would let through a
+    busy loop."""
+    few = codes_of_calls_that_wait(40, max_pending_calls=4)
+    assert few.count(grpc.StatusCode.CANCELLED) >= 40 - 4 - 4
+    assert set(few) == {grpc.StatusCode.OK, grpc.StatusCode.CANCELLED}
+    assert ServerOptions().max_pending_calls >= 8192
+    assert set(codes_of_calls_that_wait(2000)) == {grpc.StatusCode.OK}
+
+
+@pytest.mark.parametrize("field", ["max_pending_calls", "max_workers", "max_receive_message_bytes"])
+def test_server_options_refuse_a_size_below_one_naming_it(field):
+    with pytest.raises(ValueError, match=f"ServerOptions.{field} must be >= 1, got 0"):
+        ServerOptions(**{field: 0})
 
 
 def test_refuses_to_start_with_an_inconsistent_entry_table(monkeypatch):
