@@ -82,17 +82,20 @@ def test_a_batch_holds_at_most_max_batch_plans():
     assert [len(b) for b in fake.batches] == [2, 2, 1]
 
 
+async def arrives(group: GroupCommit, name: str, turns: int):
+    """`group.save(name)` after `turns` turns of the loop (a resolve still deciding)."""
+    for _ in range(turns):
+        await asyncio.sleep(0)
+    return await group.save(name)
+
+
 def test_plans_decided_in_the_loop_turns_before_a_batch_is_taken_join_it():
     """Resolves whose requests have arrived are still deciding, a turn or two of the loop each
-    (`arrives` below), when the first plan is queued: they join its batch instead of waiting for
-    its commit. The batch is taken once a turn of the loop adds nothing, so a plan whose caller
-    is still waiting for something else (`late`) goes in the next one."""
+    (`arrives`), when the first plan is queued: they join its batch instead of waiting for its
+    commit. After a lone plan (as here, the first) the batch is taken once a turn of the loop
+    adds nothing, so a plan whose caller is still waiting for something else (`late`) goes in
+    the next one."""
     fake = FakeBatches()
-
-    async def arrives(group: GroupCommit, name: str, turns: int):
-        for _ in range(turns):
-            await asyncio.sleep(0)
-        return await group.save(name)
 
     async def late(group: GroupCommit):
         await asyncio.sleep(0.01)
@@ -105,6 +108,27 @@ def test_plans_decided_in_the_loop_turns_before_a_batch_is_taken_join_it():
 
     assert asyncio.run(main()) == ["a", "b", "c", "d", "late"]
     assert fake.batches == [["a", "b", "c", "d"], ["late"]]
+
+
+def test_after_a_batch_of_n_plans_the_next_one_waits_n_quiet_turns_for_more():
+    """The quiet turns a batch waits for its next plan are the size of the batch before it: plans
+    that come three turns apart share a batch after a batch of four, and go one by one after a
+    lone plan; a lone plan then brings the wait back to one turn."""
+    def trickle(burst: int) -> list[list[str]]:
+        fake = FakeBatches()
+
+        async def main():
+            group = GroupCommit(fake.save_batch, run_blocking=fake.run_blocking)
+            await asyncio.gather(*(group.save(f"burst{i}") for i in range(burst)))
+            await asyncio.gather(group.save("e"), arrives(group, "f", 3), arrives(group, "g", 6))
+            await group.save("h")
+            await asyncio.gather(group.save("i"), arrives(group, "j", 3))
+
+        asyncio.run(main())
+        return fake.batches[1:]
+
+    assert trickle(4) == [["e", "f", "g"], ["h"], ["i"], ["j"]]
+    assert trickle(1) == [["e"], ["f"], ["g"], ["h"], ["i"], ["j"]]
 
 
 def test_a_lone_plan_is_written_after_one_turn_of_the_loop():
