@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .errors import CliError
-from .options import add_registry_arguments, iso_time, open_client
+from .options import add_registry_arguments, iso_time, open_client, positive_int
 from .output import (decision_json, decisions_table, history_table, iso, plan_header, plan_json, print_json,
                      ranks, table, value_text)
 
@@ -21,7 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ls.add_argument("--host")
     ls.add_argument("--since", type=iso_time("--since"), metavar="TIME", help="ISO 8601, inclusive (naive is UTC)")
     ls.add_argument("--until", type=iso_time("--until"), metavar="TIME", help="ISO 8601, exclusive (naive is UTC)")
-    ls.add_argument("--limit", type=int, default=50, metavar="N", help="at most N plans (default 50)")
+    ls.add_argument("--limit", type=positive_int("--limit"), default=50, metavar="N",
+                    help="at most N plans (default 50)")
     show = sub.add_parser("show", help="one plan and its decisions")
     show.add_argument("plan_id", metavar="PLAN_ID")
     show.add_argument("--history", action="store_true", help="every revision of every decision")
@@ -38,8 +38,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _list(args) -> int:
-    if args.limit < 1:
-        raise CliError("INVALID_ARGUMENT", f"--limit: must be >= 1, got {args.limit}")
     plans = []
     with open_client(args) as client:
         for plan in client.iter_plans(deployment_id=args.deployment, role=args.role, entry_class=args.entry_class,

@@ -12,7 +12,7 @@ import datetime as dt
 import re
 
 from .errors import CliError, one_line
-from .options import add_db_argument, default_db_url, iso_time, redact, short_error
+from .options import add_db_argument, default_db_url, iso_time, positive_int, redact, short_error
 from .output import iso, print_json
 
 HELP = "delete plans older than a cutoff from the history database"
@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cutoff.add_argument("--before", type=iso_time("--before", "2026-11-01T00:00:00+00:00"), metavar="TIME",
                         help="prune plans created before this ISO 8601 time (naive is UTC; at least 1h ago)")
     parser.add_argument("--dry-run", action="store_true", help="count what would be pruned, delete nothing")
-    parser.add_argument("--batch-size", type=int, default=1000, metavar="N",
+    parser.add_argument("--batch-size", type=positive_int("--batch-size"), default=1000, metavar="N",
                         help="plans per transaction (default 1000)")
     parser.add_argument("--json", action="store_true")
 
@@ -61,8 +61,6 @@ def run(args: argparse.Namespace) -> int:
     from ..service.store.db import make_engine
     from ..service.store.retention import prune_plans
 
-    if args.batch_size < 1:
-        raise CliError("INVALID_ARGUMENT", f"--batch-size: must be >= 1, got {args.batch_size}")
     before = cutoff_of(args, dt.datetime.now(dt.timezone.utc))
     url = args.db or default_db_url()
     try:
