@@ -118,12 +118,12 @@ FAMILIES: dict[str, Family] = {
         Family("deepseek_nextn", layouts.deepseek_nextn_layout, gates.deepseek_gate, True),
         Family("glm4_moe", layouts.glm4_moe_layout, gates.glm4_moe_gate, True),
         Family("glm4_moe_nextn", layouts.deepseek_nextn_layout, gates.glm4_moe_gate, True),
-        Family("qwen2_moe", lambda c: layouts.qwen_moe_layout(c, shared=True), gates.qwen2_moe_gate, True),
-        Family("qwen3_moe", lambda c: layouts.qwen_moe_layout(c, shared=False), None, False),
+        Family("qwen2_moe", layouts.qwen2_moe_layout, gates.qwen2_moe_gate, True),
+        Family("qwen3_moe", layouts.qwen3_moe_layout, None, False),
         # A dense decoder (no experts), e.g. SGLang's standalone Qwen3 draft beside a Qwen3-MoE target
         Family("dense", layouts.dense_layout, None, False),
-        Family("mixtral", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
-        Family("olmoe", lambda c: layouts.every_layer_moe_layout(c, "num_experts"), None, False),
+        Family("mixtral", layouts.mixtral_layout, None, False),
+        Family("olmoe", layouts.olmoe_layout, None, False),
         # MiMo-V2-Flash: DeepSeek-V3's router without shared experts, under windowed and global attention layers
         Family("mimo_v2_flash", layouts.mimo_v2_flash_layout, None, False),
         # DBRX: every layer MoE, no shared expert (its expert fields under ffn_config)
@@ -133,13 +133,13 @@ FAMILIES: dict[str, Family] = {
         # LFM2-MoE: short-conv and attention layers over a sigmoid-routed MoE, no shared expert
         Family("lfm2_moe", layouts.lfm2_moe_layout, None, False),
         # FlexOlmo: OLMoE's attention and MoE in OLMo 2's post-norm layer
-        Family("flex_olmo", lambda c: layouts.every_layer_moe_layout(c, "num_experts"), None, False),
-        Family("gpt_oss", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
-        Family("minimax_m2", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
+        Family("flex_olmo", layouts.olmoe_layout, None, False),
+        Family("gpt_oss", layouts.mixtral_layout, None, False),
+        Family("minimax_m2", layouts.mixtral_layout, None, False),
         # MiniMax-Text-01 / M1: lightning and softmax attention layers over Mixtral's experts, no shared expert
-        Family("minimax", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
-        Family("granitemoe", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
-        Family("phimoe", lambda c: layouts.every_layer_moe_layout(c, "num_local_experts"), None, False),
+        Family("minimax", layouts.mixtral_layout, None, False),
+        Family("granitemoe", layouts.mixtral_layout, None, False),
+        Family("phimoe", layouts.mixtral_layout, None, False),
         # GraniteMoeShared: Granite MoE with an ungated shared MLP, never fused
         Family("granitemoe_shared", layouts.granitemoe_shared_layout, None, True,
                never_fuses=_mlp_beside("granitemoe_shared", "Granite MoE")),
@@ -160,8 +160,8 @@ FAMILIES: dict[str, Family] = {
         # target's expert fields (DeepSeek's names) and GLM-4-MoE's gate
         Family("glm4_moe_lite_nextn", layouts.deepseek_nextn_layout, gates.glm4_moe_gate, True),
         # Qwen3-Next: linear-attention layers, but Qwen2-MoE's MoE block (a sigmoid-gated shared expert) and gate
-        Family("qwen3_next", lambda c: layouts.qwen_moe_layout(c, shared=True), gates.qwen2_moe_gate, True),
-        Family("qwen3_5_moe", lambda c: layouts.qwen_moe_layout(c, shared=True), gates.qwen2_moe_gate, True),
+        Family("qwen3_next", layouts.qwen2_moe_layout, gates.qwen2_moe_gate, True),
+        Family("qwen3_5_moe", layouts.qwen2_moe_layout, gates.qwen2_moe_gate, True),
         Family("qwen3_next_nextn", layouts.qwen_nextn_layout, gates.qwen2_moe_gate, True),
         Family("qwen3_5_nextn", layouts.qwen_nextn_layout, gates.qwen2_moe_gate, True),
         # ERNIE-4.5: DeepSeek-V3's MoE block with a softmax router and ungated shared experts, never fused

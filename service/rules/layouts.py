@@ -122,6 +122,17 @@ def qwen_nextn_layout(cfg: ConfigView) -> MoeLayout:
     return MoeLayout(ids, ids, target.n_routed, target.n_shared, target.top_k)
 
 
+def qwen2_moe_layout(cfg: ConfigView) -> MoeLayout:
+    """Qwen2-MoE, Qwen3-Next and Qwen3.5: Qwen's layout with a shared expert where shared_expert_intermediate_size
+    is set."""
+    return qwen_moe_layout(cfg, shared=True)
+
+
+def qwen3_moe_layout(cfg: ConfigView) -> MoeLayout:
+    """Qwen3-MoE: Qwen's layout without a shared expert."""
+    return qwen_moe_layout(cfg, shared=False)
+
+
 def qwen_moe_layout(cfg: ConfigView, *, shared: bool) -> MoeLayout:
     n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
     # The Hub's Qwen checkpoints say num_experts; transformers 5's save_pretrained writes
@@ -147,6 +158,17 @@ def every_layer_moe_layout(cfg: ConfigView, experts_field: str) -> MoeLayout:
     _check_top_k(cfg, top_k, n_routed)
     layers = tuple(range(n_layers))
     return MoeLayout(layers, layers, n_routed, 0, top_k)
+
+
+def mixtral_layout(cfg: ConfigView) -> MoeLayout:
+    """Mixtral's names: every layer MoE with num_local_experts routed experts (also gpt-oss, MiniMax-M2, MiniMax-Text,
+    Granite MoE and Phi-3.5-MoE)."""
+    return every_layer_moe_layout(cfg, "num_local_experts")
+
+
+def olmoe_layout(cfg: ConfigView) -> MoeLayout:
+    """OLMoE's names: every layer MoE with num_experts routed experts (also FlexOlmo)."""
+    return every_layer_moe_layout(cfg, "num_experts")
 
 
 def minimax_m3_layout(cfg: ConfigView) -> MoeLayout:
