@@ -36,7 +36,8 @@ from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..stacked_experts import StackedExperts
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, per_layer, read_rope, top_k
+from ...service.rules.layouts import mixtral_layout
+from .config import ConfigError, get_field as _get, moe_layout, per_layer, read_rope
 
 ARCHITECTURE = "GptOssForCausalLM"
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -70,9 +71,9 @@ class GptOssConfig:
     @classmethod
     def from_hf(cls, d: dict) -> "GptOssConfig":
         """config.json with transformers' GptOssConfig defaults where a checkpoint may leave a field out."""
-        n_layers = _get(d, "num_hidden_layers", kind=int)
-        n_experts = _get(d, "num_local_experts", kind=int)
-        k = top_k(d, n_experts, "num_local_experts")
+        layout = moe_layout(mixtral_layout, d)          # the registry's reader of the layer and expert fields
+        n_layers = len(layout.layer_ids)
+        # each layer's attention (windowed or full), which the layout does not say
         types = per_layer(d, "layer_types", n_layers, LAYER_TYPES,
                           ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers)])
         window = d.get("sliding_window", 128)
@@ -97,14 +98,14 @@ class GptOssConfig:
             max_position_embeddings=_get(d, "max_position_embeddings", 131072, int),
             tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
             rope=read_rope(d if rope_given else dict(d, rope_parameters=DEFAULT_ROPE), default_theta=150000.0),
-            num_experts=n_experts,
-            num_experts_per_tok=k,
+            num_experts=layout.n_routed,
+            num_experts_per_tok=layout.top_k,
             attention_bias=bool(_get(d, "attention_bias", True, bool)),
             sliding_window=window,
             layer_types=tuple(types),
             swiglu_alpha=float(_get(d, "swiglu_alpha", 1.702, (int, float))),
             swiglu_limit=limit,
-            moe_layers=tuple(range(n_layers)),
+            moe_layers=layout.moe_layers,
         )
 
 

@@ -33,8 +33,9 @@ from ..layers.rope import RotaryEmbedding
 from ..shown_tensors import ShownTensors
 from ..stacked_experts import StackedExperts
 from ..weights import CheckpointNames, ShapeMismatch
-from .config import ConfigError, get_field as _get, per_layer, sliding_window
-from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, SharedMlpMoeBlock, every_layer_moe_fields
+from ...service.rules.layouts import granitemoe_shared_layout, mixtral_layout
+from .config import ConfigError, get_field as _get, moe_layout, per_layer, sliding_window
+from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, SharedMlpMoeBlock, moe_fields
 
 ARCHITECTURE = "GraniteMoeForCausalLM"
 SHARED_ARCHITECTURE = "GraniteMoeSharedForCausalLM"
@@ -66,10 +67,14 @@ class GraniteMoeConfig(QwenMoeConfig):
     logits_scaling: float = 1.0
 
     @classmethod
-    def from_hf(cls, d: dict, architecture: str = ARCHITECTURE) -> "GraniteMoeConfig":
-        """transformers' GraniteMoeConfig defaults where a checkpoint may leave a field out."""
-        common = every_layer_moe_fields(d, experts_field="num_local_experts", rms_norm_eps=1e-6,
-                                        max_position_embeddings=2048, rope_theta=10000.0)
+    def from_hf(cls, d: dict, architecture: str = ARCHITECTURE, reader=None) -> "GraniteMoeConfig":
+        """transformers' GraniteMoeConfig defaults where a checkpoint may leave a field out. `reader`: the registry's
+        reader of the family's layer and expert fields (by default Granite MoE's, or GraniteMoeShared's for the
+        architectures with a shared MLP)."""
+        if reader is None:
+            reader = mixtral_layout if architecture == ARCHITECTURE else granitemoe_shared_layout
+        layout = moe_layout(reader, d)
+        common = moe_fields(d, layout, rms_norm_eps=1e-6, max_position_embeddings=2048, rope_theta=10000.0)
         hidden, heads = common["hidden_size"], common["num_attention_heads"]
         multipliers = {name: float(_get(d, name, 1.0, (int, float)))
                        for name in ("embedding_multiplier", "attention_multiplier", "residual_multiplier",
@@ -77,9 +82,8 @@ class GraniteMoeConfig(QwenMoeConfig):
         if multipliers["logits_scaling"] == 0:
             raise ConfigError("config.logits_scaling: must not be 0 (the logits are divided by it)")
         bias = bool(_get(d, "attention_bias", False, bool))
-        shared = _get(d, "shared_intermediate_size", 0, int) if architecture != ARCHITECTURE else 0
-        if shared < 0:
-            raise ConfigError(f"config.shared_intermediate_size: must be >= 0, got {shared}")
+        # the shared MLP's width: the layout says only whether there is one
+        shared = _get(d, "shared_intermediate_size", kind=int) if layout.n_shared else 0
         return cls(
             architecture=architecture,
             **common,

@@ -24,6 +24,7 @@ import torch
 from ..layers.attention import GQAttention
 from ..layers.mamba2 import Mamba2Mixer, rows_by_rank
 from ..parallel.tensor import TensorParallel
+from ...service.rules.layouts import granitemoe_hybrid_layout
 from .config import ConfigError, get_field as _get
 from .granitemoe import GraniteMoeConfig, GraniteMoeDecoderLayer, GraniteMoeForCausalLM
 
@@ -51,14 +52,12 @@ class GraniteMoeHybridConfig(GraniteMoeConfig):
         """transformers' GraniteMoeHybridConfig defaults where a checkpoint may leave a field out."""
         if d.get("shared_intermediate_size") is None:   # this family's default is 1024, not Granite MoE's 0
             d = dict(d, shared_intermediate_size=1024)
-        if _get(d, "num_local_experts", 8, int) < 1:
-            raise ConfigError("config.num_local_experts: must be >= 1 (a Granite 4.0-H without experts is dense, "
-                              "not served here)")
-        base = GraniteMoeConfig.from_hf(dict(d, num_local_experts=_get(d, "num_local_experts", 8, int)),
-                                        architecture)
+        # the registry's reader of the layer and expert fields, with this family's defaults (8 experts, top-2)
+        base = GraniteMoeConfig.from_hf(d, architecture, reader=granitemoe_hybrid_layout)
         if base.hidden_act != "silu":   # the Mamba2 conv runs the config's activation; only SiLU is tested
             raise ConfigError(f"config.hidden_act: {base.hidden_act!r} not supported; Granite 4.0-H runs 'silu'")
         n, hidden = base.num_hidden_layers, base.hidden_size
+        # each layer's token mixer, which the layout does not say
         field = "layer_types" if d.get("layer_types") is not None else "layers_block_type"
         kinds = d.get(field)
         if kinds is None:

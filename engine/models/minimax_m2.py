@@ -33,7 +33,8 @@ from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, read_rope, top_k
+from ...service.rules.layouts import mixtral_layout
+from .config import ConfigError, get_field as _get, moe_layout, read_rope
 from .mixtral import MIXTRAL_NAMES
 from .olmoe import OLMOE_NAMES
 
@@ -81,9 +82,7 @@ class MiniMaxM2Config:
         kinds = d.get("attn_type_list")
         if kinds is not None and (not isinstance(kinds, list) or any(k != 1 for k in kinds)):
             raise ConfigError(f"config.attn_type_list: only full attention (1) is supported, got {kinds!r}"[:300])
-        n_layers = _get(d, "num_hidden_layers", kind=int)
-        n_experts = _get(d, "num_local_experts", kind=int)
-        k = top_k(d, n_experts, "num_local_experts")
+        layout = moe_layout(mixtral_layout, d)          # the registry's reader of the layer and expert fields
         act = _get(d, "hidden_act", "silu", str)
         activation(act)   # refuses unknown activations by name
         head_dim = _get(d, "head_dim", 128, int)
@@ -106,7 +105,7 @@ class MiniMaxM2Config:
             vocab_size=_get(d, "vocab_size", kind=int),
             hidden_size=_get(d, "hidden_size", kind=int),
             intermediate_size=_get(d, "intermediate_size", kind=int),
-            num_hidden_layers=n_layers,
+            num_hidden_layers=len(layout.layer_ids),
             num_attention_heads=_get(d, "num_attention_heads", kind=int),
             # transformers' default is 8, which fits no particular head count: a config must say it.
             num_key_value_heads=_get(d, "num_key_value_heads", kind=int),
@@ -117,9 +116,9 @@ class MiniMaxM2Config:
             max_position_embeddings=_get(d, "max_position_embeddings", 196608, int),
             tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
             rope=dataclasses.replace(rope, partial_rotary_factor=rotary_dim / head_dim),
-            num_experts=n_experts,
-            num_experts_per_tok=k,
-            moe_layers=tuple(range(n_layers)),
+            num_experts=layout.n_routed,
+            num_experts_per_tok=layout.top_k,
+            moe_layers=layout.moe_layers,
             num_nextn_predict_layers=_get(d, "num_mtp_modules", 0, int) if d.get("use_mtp", True) else 0,
         )
 

@@ -15,8 +15,9 @@ router and `block_sparse_moe.experts.{e}.w1/w3/w2` the gate/up/down projections
 from __future__ import annotations
 
 from ..weights import CheckpointNames
-from .config import ConfigError, get_field as _get
-from .qwen_moe import QwenLayerCausalLM, QwenMoeConfig, every_layer_moe_fields
+from ...service.rules.layouts import mixtral_layout
+from .config import ConfigError, get_field as _get, moe_layout
+from .qwen_moe import QwenLayerCausalLM, QwenMoeConfig, moe_fields
 
 ARCHITECTURE = "MixtralForCausalLM"
 
@@ -32,8 +33,8 @@ MIXTRAL_NAMES = CheckpointNames((
 def mixtral_config(d: dict) -> QwenMoeConfig:
     """Mixtral's config.json as the layer's config; transformers' MixtralConfig defaults where a real
     checkpoint may leave a field out (rms_norm_eps, rope theta, hidden_act, head_dim)."""
-    common = every_layer_moe_fields(d, experts_field="num_local_experts", rms_norm_eps=1e-5,
-                                    max_position_embeddings=4096 * 32, rope_theta=1e6)
+    common = moe_fields(d, moe_layout(mixtral_layout, d), rms_norm_eps=1e-5, max_position_embeddings=4096 * 32,
+                        rope_theta=1e6)
     window = _get(d, "sliding_window", None, int)
     if window is not None and window < 1:
         raise ConfigError(f"config.sliding_window: must be >= 1 or null, got {window}")

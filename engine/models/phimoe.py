@@ -25,9 +25,10 @@ from torch import nn
 
 from ..layers.norm import LayerNorm
 from .causal_lm import DeclaredCausalLM
-from .config import ConfigError, get_field as _get, read_rope
+from ...service.rules.layouts import mixtral_layout
+from .config import ConfigError, get_field as _get, moe_layout, read_rope
 from .mixtral import MIXTRAL_NAMES
-from .qwen_moe import QwenDecoderLayer, QwenMoeConfig, QwenSparseMoeBlock, every_layer_moe_fields
+from .qwen_moe import QwenDecoderLayer, QwenMoeConfig, QwenSparseMoeBlock, moe_fields
 
 HUB_ARCHITECTURE = "PhiMoEForCausalLM"       # microsoft/Phi-3.5-MoE-instruct's config.json
 ARCHITECTURE = "PhimoeForCausalLM"           # transformers' class, what its save_pretrained writes
@@ -42,11 +43,11 @@ class PhimoeConfig(QwenMoeConfig):
     def from_hf(cls, d: dict, architecture: str = ARCHITECTURE) -> "PhimoeConfig":
         """transformers' PhimoeConfig defaults where a checkpoint may leave a field out."""
         no_rope = {name: v for name, v in d.items() if name not in ("rope_scaling", "rope_parameters")}
-        common = every_layer_moe_fields(no_rope, experts_field="num_local_experts", rms_norm_eps=1e-5,
-                                        max_position_embeddings=4096 * 32, rope_theta=1e6)
-        if common["num_experts_per_tok"] != 2:
-            raise ConfigError(f"config.num_experts_per_tok: {common['num_experts_per_tok']} is not supported; "
+        layout = moe_layout(mixtral_layout, d)
+        if layout.top_k != 2:
+            raise ConfigError(f"config.num_experts_per_tok: {layout.top_k} is not supported; "
                               f"Phi-3.5-MoE's sparsemixer routes every token to exactly 2 experts")
+        common = moe_fields(no_rope, layout, rms_norm_eps=1e-5, max_position_embeddings=4096 * 32, rope_theta=1e6)
         common["rope"] = read_rope(d, default_theta=1e6, longrope=True)
         jitter = float(_get(d, "router_jitter_noise", 0.01, (int, float)))
         if jitter < 0:

@@ -6,7 +6,8 @@ Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): q/k/v bias, one shared expert whose out
 is scaled per token by sigmoid(shared_expert_gate(x)). Fused (plan), the shared
 expert is routed slot E and that sigmoid is its routing weight (times the plan's
 scale). Qwen3-MoE: no shared expert, per-head RMSNorm on q and k, head_dim from config.
-Layer i is sparse iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0.
+Layer i is sparse iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0 (the registry's layouts.py
+reads it: `moe_layout`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from ..layers.rope import RopeConfig
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from .causal_lm import CausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, read_rope, top_k
+from ...service.rules.layouts import MoeLayout, qwen2_moe_layout, qwen3_moe_layout
+from .config import ConfigError, get_field as _get, moe_layout, read_rope, top_k
 
 
 @dataclass(frozen=True)
@@ -45,14 +47,15 @@ class QwenMoeConfig:
     num_experts_per_tok: int
     moe_intermediate_size: int
     norm_topk_prob: bool
-    decoder_sparse_step: int
-    mlp_only_layers: tuple[int, ...]
     qkv_bias: bool                      # q/k/v projections carry a bias
     o_bias: bool                        # o_proj carries a bias (Qwen3 attention_bias)
     qk_norm: bool                       # Qwen3: RMSNorm per head on q and k
     shared_expert_intermediate_size: int = 0   # Qwen2-MoE; 0 = no shared expert
     shared_intermediate_size: int = 0          # an ungated shared MLP (SharedMlpMoeBlock); 0 = none
     moe_layers: tuple[int, ...] = field(default=())
+    # Unread (the MoE layers are moe_layers, the registry's reading): kept for the families that still pass them.
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
     sliding_window: int | None = None          # Mixtral's (models/mixtral.py); the Qwen families refuse theirs
     qk_norm_span: str = "head"                 # OLMoE (models/olmoe.py): "projection", one norm over all heads
     clip_qkv: float | None = None              # OLMoE: q, k, v clamped to +-clip_qkv
@@ -63,25 +66,21 @@ class QwenMoeConfig:
         qwen2 = architecture == "Qwen2MoeForCausalLM"
         hidden = _get(d, "hidden_size", kind=int)
         heads = _get(d, "num_attention_heads", kind=int)
-        n_layers = _get(d, "num_hidden_layers", kind=int)
         if d.get("use_sliding_window"):
             raise ConfigError("config.use_sliding_window: sliding-window attention is not supported by the engine")
         layer_types = d.get("layer_types") or []
         if any(t != "full_attention" for t in layer_types):
             raise ConfigError(f"config.layer_types: only full_attention is supported, got {sorted(set(layer_types))}")
         activation(_get(d, "hidden_act", "silu", str))   # refuses unknown activations by name
-        # The Hub spells it num_experts; transformers 5 saves Qwen3-MoE's as num_local_experts.
-        n_experts = _get(d, "num_experts", None, int)
-        if n_experts is None:
-            n_experts = _get(d, "num_local_experts", kind=int)
-        k = top_k(d, n_experts, "num_experts")
-        step, mlp_only, moe_layers = sparse_layers(d, n_layers, n_experts)
+        # the registry's reader of the layer and expert fields (the Hub's num_experts, or transformers 5's
+        # num_local_experts; Qwen2-MoE's shared expert where shared_expert_intermediate_size is set)
+        layout = moe_layout(qwen2_moe_layout if qwen2 else qwen3_moe_layout, d)
         return cls(
             architecture=architecture,
             vocab_size=_get(d, "vocab_size", kind=int),
             hidden_size=hidden,
             intermediate_size=_get(d, "intermediate_size", kind=int),
-            num_hidden_layers=n_layers,
+            num_hidden_layers=len(layout.layer_ids),
             num_attention_heads=heads,
             num_key_value_heads=_get(d, "num_key_value_heads", heads, int),
             head_dim=_get(d, "head_dim", hidden // heads, int),
@@ -90,17 +89,17 @@ class QwenMoeConfig:
             max_position_embeddings=_get(d, "max_position_embeddings", 32768, int),
             tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
             rope=read_rope(d),
-            num_experts=n_experts,
-            num_experts_per_tok=k,
+            num_experts=layout.n_routed,
+            num_experts_per_tok=layout.top_k,
             moe_intermediate_size=_get(d, "moe_intermediate_size", kind=int),
             norm_topk_prob=bool(_get(d, "norm_topk_prob", False, bool)),
-            decoder_sparse_step=step,
-            mlp_only_layers=mlp_only,
             qkv_bias=bool(_get(d, "qkv_bias", True, bool)) if qwen2 else bool(_get(d, "attention_bias", False, bool)),
             o_bias=False if qwen2 else bool(_get(d, "attention_bias", False, bool)),
             qk_norm=not qwen2,
-            shared_expert_intermediate_size=_get(d, "shared_expert_intermediate_size", 0, int) if qwen2 else 0,
-            moe_layers=moe_layers,
+            # the shared expert's width: the layout says only whether there is one
+            shared_expert_intermediate_size=(_get(d, "shared_expert_intermediate_size", kind=int)
+                                             if layout.n_shared else 0),
+            moe_layers=layout.moe_layers,
         )
 
 
@@ -117,32 +116,40 @@ def sparse_layers(d: dict, n_layers: int, n_experts: int) -> tuple[int, tuple[in
 
 def every_layer_moe_fields(d: dict, *, experts_field: str, rms_norm_eps: float, max_position_embeddings: int,
                            rope_theta: float) -> dict:
-    """The `QwenMoeConfig` fields Mixtral and OLMoE read alike: every layer MoE, `experts_field` experts of
-    width intermediate_size, no shared expert, no dense layer; the keyword arguments are the family's
-    transformers defaults for fields a checkpoint may leave out."""
+    """`moe_fields` of a family that reads its layer and expert fields itself (every layer MoE, `experts_field`
+    experts, no shared expert)."""
     n_layers = _get(d, "num_hidden_layers", kind=int)
-    width = _get(d, "intermediate_size", kind=int)
     n_experts = _get(d, experts_field, kind=int)
     k = top_k(d, n_experts, experts_field)
+    layers = tuple(range(n_layers))
+    return dict(moe_fields(d, MoeLayout(layers, layers, n_experts, 0, k), rms_norm_eps=rms_norm_eps,
+                           max_position_embeddings=max_position_embeddings, rope_theta=rope_theta),
+                decoder_sparse_step=1, mlp_only_layers=())
+
+
+def moe_fields(d: dict, layout: MoeLayout, *, rms_norm_eps: float, max_position_embeddings: int,
+               rope_theta: float) -> dict:
+    """The `QwenMoeConfig` fields Mixtral, OLMoE and their kin read alike: the layers, the MoE ones and the expert
+    counts of `layout` (the registry's reading: `moe_layout`), experts of width intermediate_size; the keyword
+    arguments are the family's transformers defaults for fields a checkpoint may leave out."""
+    width = _get(d, "intermediate_size", kind=int)
     act = _get(d, "hidden_act", "silu", str)
     activation(act)   # refuses unknown activations by name
     return dict(
         vocab_size=_get(d, "vocab_size", kind=int),
         hidden_size=_get(d, "hidden_size", kind=int),
         intermediate_size=width,
-        num_hidden_layers=n_layers,
+        num_hidden_layers=len(layout.layer_ids),
         num_attention_heads=_get(d, "num_attention_heads", kind=int),
         rms_norm_eps=float(_get(d, "rms_norm_eps", rms_norm_eps)),
         hidden_act=act,
         max_position_embeddings=_get(d, "max_position_embeddings", max_position_embeddings, int),
         tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
         rope=read_rope(d, default_theta=rope_theta),
-        num_experts=n_experts,
-        num_experts_per_tok=k,
+        num_experts=layout.n_routed,
+        num_experts_per_tok=layout.top_k,
         moe_intermediate_size=width,
-        decoder_sparse_step=1,
-        mlp_only_layers=(),
-        moe_layers=tuple(range(n_layers)),
+        moe_layers=layout.moe_layers,
     )
 
 

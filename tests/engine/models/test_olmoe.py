@@ -65,7 +65,7 @@ def test_the_projection_norms_are_renamed_and_split_with_their_heads():
     ("clip_qkv", 0, "must be > 0 or null"),
     ("head_dim", 8, "must equal hidden_size=64"),
     ("num_experts", None, "missing"),
-    ("num_experts_per_tok", 9, "must be in"),
+    ("num_experts_per_tok", 9, "exceeds the number of routed experts"),
 ])
 def test_config_fields_are_refused_by_name(field, value, message):
     cfg = dict(OLMOE_TINY, architectures=[ARCH])
