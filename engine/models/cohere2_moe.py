@@ -30,7 +30,8 @@ from ..layers.norm import BiaslessLayerNorm
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM
-from .config import ConfigError, get_field as _get, per_layer, read_rope, top_k
+from ...service.rules.layouts import cohere2_moe_layout
+from .config import ConfigError, get_field as _get, moe_layout, per_layer, read_rope
 from .qwen_moe import QwenDecoderLayer, QwenMoeConfig, SharedMlpMoeBlock
 
 ARCHITECTURE = "Cohere2MoeForCausalLM"
@@ -61,26 +62,23 @@ class Cohere2MoeConfig(QwenMoeConfig):
         if partial not in (None, 1, 1.0):
             raise ConfigError(f"config.partial_rotary_factor: {partial!r} not supported; Cohere2-MoE rotates whole "
                               f"heads")
-        n = _get(d, "num_hidden_layers", 40, int)
+        # The registry's reader of the layer and expert fields: layer i is MoE iff mlp_layer_types[i] is "sparse"
+        # (by default every layer from first_k_dense_replace).
+        layout = moe_layout(cohere2_moe_layout, d)
+        n = len(layout.layer_ids)
         hidden = _get(d, "hidden_size", 8192, int)
         heads = _get(d, "num_attention_heads", 64, int)
-        n_experts = _get(d, "num_experts", 8, int)
-        if n_experts < 1:
-            raise ConfigError(f"config.num_experts: must be >= 1, got {n_experts}")
         width = _get(d, "intermediate_size", 22528, int)
-        n_shared = _get(d, "num_shared_experts", 0, int)
-        if n_shared < 0:
-            raise ConfigError(f"config.num_shared_experts: must be >= 0, got {n_shared}")
         combination = _choice(d, "shared_expert_combination_strategy", "average", _SHARED_COMBINATIONS)
         selection = _choice(d, "expert_selection_fn", "softmax", _EXPERT_SELECTIONS)
         act = _get(d, "hidden_act", "silu", str)
         activation(act)   # refuses unknown activations by name
 
+        # first_k_dense_replace also sets the attention pattern (layer_types) of the dense prefix when layer_types is
+        # absent, whatever mlp_layer_types says (transformers' Cohere2MoeConfig).
         first_dense = _get(d, "first_k_dense_replace", 0, int)
         if not 0 <= first_dense <= n:
             raise ConfigError(f"config.first_k_dense_replace: must be in [0, num_hidden_layers={n}], got {first_dense}")
-        mlp_types = per_layer(d, "mlp_layer_types", n, ("dense", "sparse"),
-                              ["dense" if i < first_dense else "sparse" for i in range(n)])
         prefix_every = _every(d, "prefix_dense_sliding_window_pattern", 1)
         every = _every(d, "sliding_window_pattern", 4)
         # transformers' default: the first first_k_dense_replace layers by the prefix pattern, the rest by the other
@@ -94,7 +92,7 @@ class Cohere2MoeConfig(QwenMoeConfig):
         if window is not None and window < 1:
             raise ConfigError(f"config.sliding_window: must be >= 1, got {window}")
         rotated = tuple(i for i in range(n) if types[i] == "sliding_attention"
-                        or (mlp_types[i] == "dense" and prefix_every == 1))
+                        or (i not in layout.moe_layers and prefix_every == 1))
 
         rms_eps = d.get("rms_norm_eps")
         layer_norm = rms_eps is None
@@ -116,8 +114,8 @@ class Cohere2MoeConfig(QwenMoeConfig):
             max_position_embeddings=_get(d, "max_position_embeddings", 8192, int),
             tie_word_embeddings=bool(_get(d, "tie_word_embeddings", True, bool)),
             rope=read_rope(d, default_theta=10000.0),
-            num_experts=n_experts,
-            num_experts_per_tok=top_k(d, n_experts, "num_experts", 2),
+            num_experts=layout.n_routed,
+            num_experts_per_tok=layout.top_k,
             moe_intermediate_size=width,
             norm_topk_prob=bool(_get(d, "norm_topk_prob", True, bool)),
             decoder_sparse_step=1,
@@ -125,8 +123,8 @@ class Cohere2MoeConfig(QwenMoeConfig):
             qkv_bias=bias,
             o_bias=bias,
             qk_norm=False,
-            shared_intermediate_size=width * n_shared,
-            moe_layers=tuple(i for i, t in enumerate(mlp_types) if t == "sparse"),
+            shared_intermediate_size=width * layout.n_shared,
+            moe_layers=layout.moe_layers,
             sliding_window=window,
             layer_types=tuple(types),
             rotated_layers=rotated,

@@ -24,7 +24,8 @@ from ..layers.rope import RopeConfig
 from ..shown_tensors import ShownTensors
 from ..weights import ShapeMismatch
 from .causal_lm import DeclaredCausalLM
-from .config import ConfigError, get_field as _get
+from ...service.rules.layouts import dbrx_layout
+from .config import ConfigError, get_field as _get, moe_layout
 from .qwen_moe import QwenDecoderLayer, QwenMoeConfig, QwenSparseMoeBlock
 
 ARCHITECTURE = "DbrxForCausalLM"
@@ -38,9 +39,11 @@ class DbrxConfig(QwenMoeConfig):
     def from_hf(cls, d: dict) -> "DbrxConfig":
         """transformers' DbrxConfig defaults where a checkpoint may leave a field out (attn_config and ffn_config
         are objects of their own: `config.attn_config.kv_n_heads` and so on)."""
+        # The registry's reader of the layer and expert fields (n_layers, ffn_config.moe_num_experts and moe_top_k):
+        # every layer MoE, no shared expert. ffn_config is read here too for the experts' width and activation.
+        layout = moe_layout(dbrx_layout, d)
         attn, ffn = _sub(d, "attn_config"), _sub(d, "ffn_config")
-        hidden, heads, n_layers = (_get(d, name, default, int) for name, default in
-                                   (("d_model", 2048), ("n_heads", 16), ("n_layers", 24)))
+        hidden, heads = _get(d, "d_model", 2048, int), _get(d, "n_heads", 16, int)
         kv = _sub_int(attn, "attn_config", "kv_n_heads", 1)
         if hidden % heads or heads % kv:
             raise ConfigError(f"config.n_heads: {heads} heads must divide d_model={hidden} and be a multiple of "
@@ -48,10 +51,6 @@ class DbrxConfig(QwenMoeConfig):
         clip = attn.get("clip_qkv")
         if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip <= 0):
             raise ConfigError(f"config.attn_config.clip_qkv: must be > 0 or null, got {clip!r}")
-        n_experts = _sub_int(ffn, "ffn_config", "moe_num_experts", 4)
-        k = _sub_int(ffn, "ffn_config", "moe_top_k", 1)
-        if not 0 < k <= n_experts:
-            raise ConfigError(f"config.ffn_config.moe_top_k: {k} must be in [1, moe_num_experts={n_experts}]")
         width = _sub_int(ffn, "ffn_config", "ffn_hidden_size", 3584)
         act = (ffn.get("ffn_act_fn") or {}).get("name", "silu")
         try:
@@ -67,13 +66,14 @@ class DbrxConfig(QwenMoeConfig):
         theta = params.get("rope_theta", attn.get("rope_theta", 10000.0))
         return cls(
             architecture=ARCHITECTURE, vocab_size=_get(d, "vocab_size", 32000, int), hidden_size=hidden,
-            intermediate_size=width, num_hidden_layers=n_layers, num_attention_heads=heads, num_key_value_heads=kv,
-            head_dim=hidden // heads, rms_norm_eps=1e-5, hidden_act=act,
+            intermediate_size=width, num_hidden_layers=len(layout.layer_ids), num_attention_heads=heads,
+            num_key_value_heads=kv, head_dim=hidden // heads, rms_norm_eps=1e-5, hidden_act=act,
             max_position_embeddings=_get(d, "max_seq_len", 2048, int),
             tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)), rope=RopeConfig(theta=float(theta)),
-            num_experts=n_experts, num_experts_per_tok=k, moe_intermediate_size=width, norm_topk_prob=False,
-            decoder_sparse_step=1, mlp_only_layers=(), qkv_bias=False, o_bias=False, qk_norm=False,
-            moe_layers=tuple(range(n_layers)), clip_qkv=None if clip is None else float(clip),
+            num_experts=layout.n_routed, num_experts_per_tok=layout.top_k, moe_intermediate_size=width,
+            norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=(), qkv_bias=False, o_bias=False,
+            qk_norm=False,
+            moe_layers=layout.moe_layers, clip_qkv=None if clip is None else float(clip),
             normalize_p=None if p is None else float(p))
 
 

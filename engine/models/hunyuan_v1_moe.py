@@ -22,10 +22,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..layers.mlp import activation
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM
-from .config import ConfigError, get_field as _get, read_rope
-from .qwen_moe import Float32RouterMoeBlock, QwenDecoderLayer, QwenMoeConfig, every_layer_moe_fields
+from ...service.rules.layouts import hunyuan_v1_moe_layout
+from .config import ConfigError, get_field as _get, moe_layout, read_rope
+from .qwen_moe import Float32RouterMoeBlock, QwenDecoderLayer, QwenMoeConfig
 
 ARCHITECTURE = "HunYuanMoEV1ForCausalLM"
 
@@ -43,7 +45,7 @@ _VARIANT_SWITCHES = (("use_qk_norm", True), ("use_mixed_mlp_moe", True), ("use_c
 
 def one_per_model(d: dict, name: str, n_layers: int, default=None) -> int | None:
     """`name`, an integer or a list of one integer per layer that all agree (the Hub's Hunyuan configs write
-    `moe_topk` and the like per layer); `default` when absent."""
+    `moe_intermediate_size` per layer, as the expert fields the registry's layout reads); `default` when absent."""
     value = d.get(name)
     if value is None:
         return default
@@ -69,37 +71,44 @@ class HunyuanMoeConfig(QwenMoeConfig):
             if name in d and d[name] is not None and d[name] != runs:
                 raise ConfigError(f"config.{name}: {d[name]!r} is not supported; the engine (as transformers) runs "
                                   f"{name}={runs!r} only")
-        n_layers = _get(d, "num_hidden_layers", kind=int)
+        # The registry's reader of the layer and expert fields (num_experts, moe_topk and num_shared_expert, each
+        # an integer or per-layer values that agree): every layer MoE.
+        layout = moe_layout(hunyuan_v1_moe_layout, d)
+        n_layers = len(layout.layer_ids)
         skipped = _get(d, "moe_layer_num_skipped", 0, int)
         if skipped:
             raise ConfigError(f"config.moe_layer_num_skipped: {skipped} is not supported; every layer is MoE")
-        n_experts = one_per_model(d, "num_experts", n_layers, 1)
-        k = one_per_model(d, "moe_topk", n_layers, 1)
         width = _get(d, "intermediate_size", kind=int)
         expert_width = one_per_model(d, "moe_intermediate_size", n_layers, width)
         if expert_width != width:
             raise ConfigError(f"config.moe_intermediate_size: {expert_width} differs from intermediate_size={width}, "
                               f"which sizes the experts and the shared MLP (as in transformers)")
-        n_shared = one_per_model(d, "num_shared_expert", n_layers, 1)
-        if n_shared != 1:
-            raise ConfigError(f"config.num_shared_expert: {n_shared} is not supported; one shared MLP of "
+        if layout.n_shared != 1:
+            raise ConfigError(f"config.num_shared_expert: {layout.n_shared} is not supported; one shared MLP of "
                               f"intermediate_size per layer (as in transformers)")
-        if n_experts < 1:
-            raise ConfigError(f"config.num_experts: must be >= 1, got {n_experts}")
-        if not 0 < k <= n_experts:
-            raise ConfigError(f"config.moe_topk: {k} must be in [1, num_experts={n_experts}]")
-        # The per-layer fields read as one, and the rope read below (its NTK-alpha is this family's reading).
-        flat = {name: v for name, v in d.items() if name not in ("rope_scaling", "rope_parameters")}
-        common = every_layer_moe_fields(dict(flat, num_experts=n_experts, num_experts_per_tok=k),
-                                        experts_field="num_experts", rms_norm_eps=1e-5, max_position_embeddings=2048,
-                                        rope_theta=10000.0)
-        hidden, heads = common["hidden_size"], common["num_attention_heads"]
-        common["rope"] = read_rope(d, default_theta=10000.0, ntk_alpha=True)
+        hidden, heads = _get(d, "hidden_size", kind=int), _get(d, "num_attention_heads", kind=int)
+        act = _get(d, "hidden_act", "silu", str)
+        activation(act)   # refuses unknown activations by name
         head_dim = _get(d, "head_dim", None, int) or _get(d, "attention_head_dim", hidden // heads, int)
         bias = bool(_get(d, "attention_bias", False, bool))
         return cls(
             architecture=architecture,
-            **common,
+            vocab_size=_get(d, "vocab_size", kind=int),
+            hidden_size=hidden,
+            intermediate_size=width,
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-5)),
+            hidden_act=act,
+            max_position_embeddings=_get(d, "max_position_embeddings", 2048, int),
+            tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
+            rope=read_rope(d, default_theta=10000.0, ntk_alpha=True),   # its NTK-alpha is this family's reading
+            num_experts=layout.n_routed,
+            num_experts_per_tok=layout.top_k,
+            moe_intermediate_size=width,
+            decoder_sparse_step=1,
+            mlp_only_layers=(),
+            moe_layers=layout.moe_layers,
             num_key_value_heads=_get(d, "num_key_value_heads", heads, int),
             head_dim=head_dim,
             norm_topk_prob=True,

@@ -22,10 +22,12 @@ import torch
 
 from ..layers.attention import GQAttention
 from ..layers.mamba1 import Mamba1Mixer, in_proj_by_rank
+from ..layers.mlp import activation
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
-from .config import ConfigError, get_field as _get, top_k
-from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, every_layer_moe_fields
+from ...service.rules.layouts import jamba_layout
+from .config import ConfigError, get_field as _get, moe_layout, read_rope
+from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig
 
 ARCHITECTURE = "JambaForCausalLM"
 
@@ -65,21 +67,17 @@ class JambaConfig(QwenMoeConfig):
     @classmethod
     def from_hf(cls, d: dict, architecture: str = ARCHITECTURE) -> "JambaConfig":
         """transformers' JambaConfig defaults where a checkpoint may leave a field out."""
-        n_experts = _get(d, "num_experts", 16, int)
-        if n_experts < 2:
-            raise ConfigError(f"config.num_experts: {n_experts}: a Jamba without routed experts is dense, not served "
-                              f"here (>= 2)")
-        filled = dict(d, num_experts=n_experts, num_experts_per_tok=top_k(d, n_experts, "num_experts", 2))
-        for name, default in (("vocab_size", 65536), ("hidden_size", 4096), ("intermediate_size", 14336),
-                              ("num_hidden_layers", 32), ("num_attention_heads", 32)):
-            filled[name] = _get(d, name, default, int)
-        common = every_layer_moe_fields(filled, experts_field="num_experts", rms_norm_eps=1e-6,
-                                        max_position_embeddings=262144, rope_theta=10000.0)
-        if common["hidden_act"] != "silu":   # the Mamba conv runs the config's activation; only SiLU is tested
-            raise ConfigError(f"config.hidden_act: {common['hidden_act']!r} not supported; Jamba runs 'silu'")
-        n, hidden, heads = common["num_hidden_layers"], common["hidden_size"], common["num_attention_heads"]
+        # The registry's reader of the layer and expert fields: layer i is MoE iff i % expert_layer_period ==
+        # expert_layer_offset; it refuses fewer than 2 experts (a Jamba without routed experts is dense).
+        layout = moe_layout(jamba_layout, d)
+        n = len(layout.layer_ids)
+        hidden, heads = _get(d, "hidden_size", 4096, int), _get(d, "num_attention_heads", 32, int)
+        width = _get(d, "intermediate_size", 14336, int)
+        act = _get(d, "hidden_act", "silu", str)
+        activation(act)   # refuses unknown activations by name
+        if act != "silu":   # the Mamba conv runs the config's activation; only SiLU is tested
+            raise ConfigError(f"config.hidden_act: {act!r} not supported; Jamba runs 'silu'")
         attn_period, attn_offset = _period_offset(d, "attn_layer_period", "attn_layer_offset", 8, 4)
-        moe_period, moe_offset = _period_offset(d, "expert_layer_period", "expert_layer_offset", 2, 1)
         expand, state = _get(d, "mamba_expand", 2, int), _get(d, "mamba_d_state", 16, int)
         kernel = _get(d, "mamba_d_conv", 4, int)
         for name, value in (("mamba_expand", expand), ("mamba_d_state", state), ("mamba_d_conv", kernel)):
@@ -89,11 +87,16 @@ class JambaConfig(QwenMoeConfig):
         rank = math.ceil(hidden / 16) if rank in ("auto", None) else _get(d, "mamba_dt_rank", kind=int)
         if rank < 1:
             raise ConfigError(f"config.mamba_dt_rank: must be >= 1 or \"auto\", got {rank}")
-        common.update(
-            moe_layers=tuple(i for i in range(n) if i % moe_period == moe_offset),
-            tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)))
-        return cls(architecture=architecture, **common, num_key_value_heads=_get(d, "num_key_value_heads", 8, int),
-                   head_dim=hidden // heads, norm_topk_prob=False, qkv_bias=False, o_bias=False, qk_norm=False,
+        return cls(architecture=architecture, vocab_size=_get(d, "vocab_size", 65536, int), hidden_size=hidden,
+                   intermediate_size=width, num_hidden_layers=n, num_attention_heads=heads,
+                   num_key_value_heads=_get(d, "num_key_value_heads", 8, int), head_dim=hidden // heads,
+                   rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6)), hidden_act=act,
+                   max_position_embeddings=_get(d, "max_position_embeddings", 262144, int),
+                   tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
+                   rope=read_rope(d, default_theta=10000.0), num_experts=layout.n_routed,
+                   num_experts_per_tok=layout.top_k, moe_intermediate_size=width, decoder_sparse_step=1,
+                   mlp_only_layers=(), moe_layers=layout.moe_layers,
+                   norm_topk_prob=False, qkv_bias=False, o_bias=False, qk_norm=False,
                    layer_kinds=tuple("attention" if i % attn_period == attn_offset else "mamba" for i in range(n)),
                    mamba_d_state=state, mamba_d_conv=kernel, mamba_inner=expand * hidden, mamba_dt_rank=rank,
                    mamba_conv_bias=bool(_get(d, "mamba_conv_bias", True, bool)),

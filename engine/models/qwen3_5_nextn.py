@@ -28,7 +28,7 @@ from .config import ConfigError, get_field as _get
 from .nextn import NextNDraft
 from .qwen3_5_moe import read_config
 from .qwen3_next import Qwen3NextConfig, Qwen3NextDecoderLayer
-from .qwen3_next_nextn import mtp_names
+from .qwen3_next_nextn import mtp_names, one_mtp_layer
 from .text_wrapper import read_text_config
 
 ARCHITECTURE = "Qwen3_5ForCausalLMMTP"
@@ -38,17 +38,12 @@ VISION_TOWER = "model.visual."
 
 
 def _read_text(d: dict) -> Qwen3NextConfig:
-    for name in ("mtp_num_hidden_layers", "num_nextn_predict_layers"):
-        n = _get(d, name, 1, int)
-        if n != 1:
-            raise ConfigError(f"config.{name}: {n} not supported by the engine; supported: 1 (the one MTP layer "
-                              f"Qwen3.5 ships)")
+    mtp_layer = one_mtp_layer(d, "Qwen3.5")
     if d.get("mtp_use_dedicated_embeddings"):
         raise ConfigError("config.mtp_use_dedicated_embeddings: true not supported; the engine's Qwen3.5 MTP layer "
                           "reads the target's embedding")
     cfg = read_config(d)
-    L = cfg.num_hidden_layers
-    return dataclasses.replace(cfg, layer_types=(*cfg.layer_types, "full_attention"), moe_layers=(L,))
+    return dataclasses.replace(cfg, layer_types=(*cfg.layer_types, "full_attention"), moe_layers=mtp_layer)
 
 
 class Qwen3_5ForCausalLMMTP(NextNDraft):
@@ -61,9 +56,11 @@ class Qwen3_5ForCausalLMMTP(NextNDraft):
             return _read_text(hf_config)
         if not isinstance(text, dict):
             raise ConfigError(f"config.text_config: must be a JSON object, got {type(text).__name__}")
-        if _get(hf_config, "num_nextn_predict_layers", 1, int) != 1:   # SGLang sets it on the outer config
-            raise ConfigError(f"config.num_nextn_predict_layers: {hf_config['num_nextn_predict_layers']} not "
-                              f"supported by the engine; supported: 1 (the one MTP layer Qwen3.5 ships)")
+        # SGLang sets the count on the outer config, where the registry's layout (of text_config) does not look
+        n = _get(hf_config, "num_nextn_predict_layers", 1, int)
+        if n != 1:
+            raise ConfigError(f"config.num_nextn_predict_layers: {n} not supported by the engine; supported: 1 (the "
+                              f"one MTP layer Qwen3.5 ships)")
         return read_text_config(_read_text, text)
 
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):

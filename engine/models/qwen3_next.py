@@ -25,8 +25,9 @@ from ..layers.rope import RopeConfig
 from ..parallel.tensor import TensorParallel
 from ..shown_tensors import rows_by_rank
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, per_layer, read_rope, top_k
-from .qwen_moe import QwenSparseMoeBlock, sparse_layers
+from ...service.rules.layouts import qwen2_moe_layout
+from .config import ConfigError, get_field as _get, moe_layout, per_layer, read_rope
+from .qwen_moe import QwenSparseMoeBlock
 
 # transformers' Qwen3NextConfig defaults for fields a config.json may leave out.
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.25
@@ -66,7 +67,10 @@ class Qwen3NextConfig:
 
     @classmethod
     def from_hf(cls, d: dict) -> "Qwen3NextConfig":
-        n_layers = _get(d, "num_hidden_layers", kind=int)
+        # The registry's reader of the layer and expert fields (Qwen's: layer i is MoE iff it is not in
+        # mlp_only_layers and (i + 1) % decoder_sparse_step == 0), so the engine builds the layout planned for.
+        layout = moe_layout(qwen2_moe_layout, d)
+        n_layers = len(layout.layer_ids)
         hidden = _get(d, "hidden_size", kind=int)
         heads = _get(d, "num_attention_heads", kind=int)
         head_dim = _get(d, "head_dim", hidden // heads, int)
@@ -92,7 +96,8 @@ class Qwen3NextConfig:
         kernel = _get(d, "linear_conv_kernel_dim", kind=int)
         if kernel < 1:
             raise ConfigError(f"config.linear_conv_kernel_dim: must be >= 1, got {kernel}")
-        n_experts = _get(d, "num_experts", kind=int)
+        # The shared expert's width (the layout says only whether there is one); required, as transformers' default
+        # (512) is not the registry's (none).
         shared = _get(d, "shared_expert_intermediate_size", kind=int)
         if shared < 1:
             raise ConfigError(f"config.shared_expert_intermediate_size: must be >= 1, got {shared} (Qwen3-Next's "
@@ -118,12 +123,12 @@ class Qwen3NextConfig:
             linear_key_head_dim=_get(d, "linear_key_head_dim", kind=int),
             linear_value_head_dim=_get(d, "linear_value_head_dim", kind=int),
             linear_conv_kernel_dim=kernel,
-            num_experts=n_experts,
-            num_experts_per_tok=top_k(d, n_experts, "num_experts"),
+            num_experts=layout.n_routed,
+            num_experts_per_tok=layout.top_k,
             moe_intermediate_size=_get(d, "moe_intermediate_size", kind=int),
             shared_expert_intermediate_size=shared,
             norm_topk_prob=bool(_get(d, "norm_topk_prob", True, bool)),
-            moe_layers=sparse_layers(d, n_layers, n_experts)[2],
+            moe_layers=layout.moe_layers,
         )
 
 

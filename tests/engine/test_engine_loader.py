@@ -344,7 +344,7 @@ _BAD_CONFIGS = [
     ("Glm4MoeForCausalLMNextN", "Glm4MoeConfig", dict(n_routed_experts=16, moe_intermediate_size=16),
      {"num_nextn_predict_layers": 2}, "speculative"),
     ("KimiK25ForConditionalGeneration", None, {}, {"text_config": None}, "target"),
-    ("Qwen3NextForCausalLMMTP", "Qwen3NextConfig", dict(num_experts=8, moe_intermediate_size=16,
+    ("Qwen3NextForCausalLMMTP", "Qwen3NextConfig", dict(num_experts=8, moe_intermediate_size=16, num_experts_per_tok=2,
                                                         shared_expert_intermediate_size=16, linear_num_key_heads=2,
                                                         linear_num_value_heads=4, linear_key_head_dim=8,
                                                         linear_value_head_dim=8),

@@ -91,8 +91,9 @@ def test_the_wrappers_stacked_experts_and_skipped_towers(ids, tmp_path):
 
 @pytest.mark.parametrize("overrides, match", [
     ({"norm_topk_prob": False}, r"config\.norm_topk_prob: False not supported; Qwen3\.5-MoE runs True"),
-    ({"mlp_only_layers": [0]}, r"config\.mlp_only_layers: \[0\] not supported"),
-    ({"decoder_sparse_step": 2}, r"config\.decoder_sparse_step: 2 not supported"),
+    ({"mlp_only_layers": [0]}, r"config\.decoder_sparse_step/mlp_only_layers: make layers \[0\] dense, not supported"),
+    ({"decoder_sparse_step": 2},
+     r"config\.decoder_sparse_step/mlp_only_layers: make layers \[0, 2\] dense, not supported"),
     ({"attn_output_gate": False}, r"config\.attn_output_gate: False not supported"),
     ({"linear_key_head_dim": None}, r"config\.linear_key_head_dim: missing"),
 ])
