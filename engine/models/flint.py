@@ -22,8 +22,9 @@ import torch
 from ..layers.attention import GQAttention
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
-from .config import common_fields, ConfigError, get_field as _get, per_layer, read_rope, sliding_window, top_k
-from .qwen_moe import Float32RouterMoeBlock, QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, sparse_layers
+from ...service.rules.layouts import flint_layout
+from .config import common_fields, ConfigError, get_field as _get, moe_layout, per_layer, read_rope, sliding_window
+from .qwen_moe import Float32RouterMoeBlock, QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig
 from .step3p5 import LAYER_TYPES
 
 ARCHITECTURE = "FlintForCausalLM"
@@ -42,16 +43,15 @@ class FlintConfig(QwenMoeConfig):
     @classmethod
     def from_hf(cls, d: dict, architecture: str = ARCHITECTURE) -> "FlintConfig":
         """transformers' FlintConfig defaults where a checkpoint may leave a field out."""
-        common = common_fields(d, vocab_size=150144, hidden_size=2048, num_hidden_layers=49, num_attention_heads=32,
-                               num_key_value_heads=4, head_dim=128, max_position_embeddings=262144)
-        n = common["num_hidden_layers"]
+        layout = moe_layout(flint_layout, d)          # the registry's reader of the layer and expert fields
+        n = len(layout.layer_ids)
+        common = dict(common_fields(d, vocab_size=150144, hidden_size=2048, num_hidden_layers=49,
+                                    num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                    max_position_embeddings=262144), num_hidden_layers=n)
         types = per_layer(d, "layer_types", n, LAYER_TYPES,
                           ["full_attention" if i < 2 or i % 4 == 1 or i == n - 1 else "sliding_attention"
                            for i in range(n)])
         window = sliding_window(d, 513)
-        n_experts = _get(d, "num_experts", 256, int)
-        step, mlp_only, moe_layers = sparse_layers(dict(d, mlp_only_layers=d.get("mlp_only_layers", [0, 1])), n,
-                                                   n_experts)
         rope = read_rope(d)
         if rope.partial_rotary_factor != 1.0:
             raise ConfigError(f"config.rope_parameters: partial_rotary_factor {rope.partial_rotary_factor} is not "
@@ -62,17 +62,17 @@ class FlintConfig(QwenMoeConfig):
             **common,
             intermediate_size=_get(d, "intermediate_size", 6144, int),
             rope=rope,
-            num_experts=n_experts,
-            num_experts_per_tok=top_k(d, n_experts, "num_experts", 6),
+            num_experts=layout.n_routed,
+            num_experts_per_tok=layout.top_k,
             moe_intermediate_size=_get(d, "moe_intermediate_size", 512, int),
             norm_topk_prob=bool(_get(d, "norm_topk_prob", True, bool)),
-            decoder_sparse_step=step,
-            mlp_only_layers=mlp_only,
+            decoder_sparse_step=1,             # Qwen's terms for the layout: its dense layers "MLP only"
+            mlp_only_layers=tuple(i for i in layout.layer_ids if i not in layout.moe_layers),
             qkv_bias=bias,
             o_bias=bias,
             qk_norm=True,
             shared_intermediate_size=_get(d, "shared_expert_intermediate_size", 1024, int),
-            moe_layers=moe_layers,
+            moe_layers=layout.moe_layers,
             sliding_window=window,
             layer_types=tuple(types),
         )

@@ -26,7 +26,8 @@ from torch import nn
 from ..layers.attention import GQAttention
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
-from .config import common_fields, ConfigError, get_field as _get, per_layer, read_rope, sliding_window, top_k
+from ...service.rules.layouts import kolibri1_layout
+from .config import common_fields, ConfigError, get_field as _get, moe_layout, per_layer, read_rope, sliding_window
 from .qwen_moe import Float32RouterMoeBlock, QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig
 from .step3p5 import LAYER_TYPES
 
@@ -48,9 +49,11 @@ class Kolibri1Config(QwenMoeConfig):
     @classmethod
     def from_hf(cls, d: dict, architecture: str = ARCHITECTURE) -> "Kolibri1Config":
         """transformers' Kolibri1Config defaults where a checkpoint may leave a field out."""
-        common = common_fields(d, vocab_size=128000, hidden_size=2560, num_hidden_layers=50, num_attention_heads=48,
-                               num_key_value_heads=4, head_dim=128, max_position_embeddings=262144)
-        n = common["num_hidden_layers"]
+        layout = moe_layout(kolibri1_layout, d)          # the registry's reader of the layer and expert fields
+        n = len(layout.layer_ids)
+        common = dict(common_fields(d, vocab_size=128000, hidden_size=2560, num_hidden_layers=50,
+                                    num_attention_heads=48, num_key_value_heads=4, head_dim=128,
+                                    max_position_embeddings=262144), num_hidden_layers=n)
         types = per_layer(d, "layer_types", n, LAYER_TYPES,
                           ["full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(n)])
         if "sliding_window" in d and d["sliding_window"] is None:
@@ -61,17 +64,14 @@ class Kolibri1Config(QwenMoeConfig):
         if rope.partial_rotary_factor != 1.0:
             raise ConfigError(f"config.rope_parameters: partial_rotary_factor {rope.partial_rotary_factor} is not "
                               f"supported; Kolibri-1 rotates whole heads")
-        # transformers saves num_local_experts; num_experts is its alias
-        experts_field = "num_local_experts" if d.get("num_local_experts") is not None else "num_experts"
-        n_experts = _get(d, experts_field, 384, int)
         width = _get(d, "moe_intermediate_size", 512, int)
         return cls(
             architecture=architecture,
             **common,
             intermediate_size=width,                       # no dense layer
             rope=rope,
-            num_experts=n_experts,
-            num_experts_per_tok=top_k(d, n_experts, experts_field, 6),
+            num_experts=layout.n_routed,
+            num_experts_per_tok=layout.top_k,
             moe_intermediate_size=width,
             norm_topk_prob=bool(_get(d, "norm_topk_prob", False, bool)),
             decoder_sparse_step=1,
@@ -80,7 +80,7 @@ class Kolibri1Config(QwenMoeConfig):
             o_bias=False,
             qk_norm=True,
             shared_intermediate_size=_get(d, "shared_expert_intermediate_size", 512, int),
-            moe_layers=tuple(range(n)),
+            moe_layers=layout.moe_layers,
             sliding_window=window,
             layer_types=tuple(types),
         )

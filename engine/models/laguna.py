@@ -27,7 +27,8 @@ from ..layers.rope import RopeConfig, RotaryEmbedding
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, per_layer, sliding_window, top_k
+from ...service.rules.layouts import laguna_layout
+from .config import ConfigError, get_field as _get, moe_layout, per_layer, sliding_window
 from .step3p5 import LAYER_TYPES, RopesByKind, SharedExpertMoE, rope_of_each_type
 
 ARCHITECTURE = "LagunaForCausalLM"
@@ -77,7 +78,8 @@ class LagunaConfig(RopesByKind):
         if d.get("moe_apply_router_weight_on_input"):
             raise ConfigError("config.moe_apply_router_weight_on_input: true is not supported; transformers' Laguna "
                               "weights the experts' outputs (it does not read the field)")
-        n = _get(d, "num_hidden_layers", 40, int)
+        layout = moe_layout(laguna_layout, d)          # the registry's reader of the layer and expert fields
+        n = len(layout.layer_ids)
         heads = _get(d, "num_attention_heads", 48, int)
         per_layer_heads = _get(d, "num_attention_heads_per_layer", [heads] * n, list)
         if len(per_layer_heads) != n or any(isinstance(h, bool) or not isinstance(h, int) or h < 1
@@ -85,7 +87,6 @@ class LagunaConfig(RopesByKind):
             raise ConfigError(f"config.num_attention_heads_per_layer: expected {n} positive integers, got "
                               f"{per_layer_heads!r}"[:300])
         types = per_layer(d, "layer_types", n, LAYER_TYPES, ["full_attention"] * n)
-        mlp_types = per_layer(d, "mlp_layer_types", n, ("dense", "sparse"), ["dense"] + ["sparse"] * (n - 1))
         window = sliding_window(d, 512)
         gating = d.get("gating", True)
         if gating not in (True, False, "per-head", "per-element"):
@@ -96,7 +97,6 @@ class LagunaConfig(RopesByKind):
         head_dim = _get(d, "head_dim", 128, int)
         params = d.get("rope_parameters") or DEFAULT_ROPES
         ropes = rope_of_each_type(params, types, head_dim)
-        n_experts = _get(d, "num_experts", 256, int)
         softcap = float(_get(d, "moe_router_logit_softcapping", 0.0, (int, float)))
         if softcap < 0:
             raise ConfigError(f"config.moe_router_logit_softcapping: must be >= 0, got {softcap}")
@@ -118,13 +118,13 @@ class LagunaConfig(RopesByKind):
             sliding_window=window,
             attention_bias=bool(_get(d, "attention_bias", False, bool)),
             gate_per_head=gating in (True, "per-head"),
-            num_experts=n_experts,
-            num_experts_per_tok=top_k(d, n_experts, "num_experts", 8),
+            num_experts=layout.n_routed,
+            num_experts_per_tok=layout.top_k,
             moe_intermediate_size=_get(d, "moe_intermediate_size", 512, int),
             shared_expert_intermediate_size=_get(d, "shared_expert_intermediate_size", 512, int),
             routed_scaling_factor=float(_get(d, "moe_routed_scaling_factor", 1.0, (int, float))),
             router_logit_softcap=softcap,
-            moe_layers=tuple(i for i, t in enumerate(mlp_types) if t == "sparse"),
+            moe_layers=layout.moe_layers,
         )
 
 

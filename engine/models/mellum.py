@@ -20,7 +20,8 @@ import torch
 from ..layers.attention import GQAttention
 from ..layers.rope import RotaryEmbedding
 from ..parallel.tensor import TensorParallel
-from .config import ConfigError, common_fields, get_field as _get, per_layer, top_k
+from ...service.rules.layouts import mellum_layout
+from .config import ConfigError, common_fields, get_field as _get, moe_layout, per_layer
 from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig
 from .step3p5 import LAYER_TYPES, RopesByKind, rope_of_each_type
 
@@ -38,11 +39,13 @@ class MellumConfig(QwenMoeConfig, RopesByKind):
     @classmethod
     def from_hf(cls, d: dict, architecture: str = ARCHITECTURE) -> "MellumConfig":
         """transformers' MellumConfig defaults where a checkpoint may leave a field out."""
-        common = common_fields(d, vocab_size=98304, hidden_size=2304, num_hidden_layers=28, num_attention_heads=32,
-                               num_key_value_heads=4, head_dim=128, max_position_embeddings=131072)
-        n, head_dim = common["num_hidden_layers"], common["head_dim"]
+        layout = moe_layout(mellum_layout, d)          # the registry's reader of the layer and expert fields
+        n = len(layout.layer_ids)
+        common = dict(common_fields(d, vocab_size=98304, hidden_size=2304, num_hidden_layers=28,
+                                    num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                    max_position_embeddings=131072), num_hidden_layers=n)
+        head_dim = common["head_dim"]
         types = per_layer(d, "layer_types", n, LAYER_TYPES, ["full_attention"] * n)
-        mlp_types = per_layer(d, "mlp_layer_types", n, ("dense", "sparse"), ["sparse"] * n)
         window = _get(d, "sliding_window", 1024, int) if d.get("sliding_window", 0) is not None else None
         if window is None and "sliding_attention" in types:
             raise ConfigError("config.sliding_window: null is not supported with sliding_attention layers")
@@ -52,16 +55,14 @@ class MellumConfig(QwenMoeConfig, RopesByKind):
         if any(rope.partial_rotary_factor != 1.0 for _, rope in ropes):
             raise ConfigError("config.rope_parameters: a partial_rotary_factor is not supported; Mellum rotates whole "
                               "heads")
-        n_experts = _get(d, "num_local_experts", None, int) or _get(d, "num_experts", 64, int)   # saved: the first
         bias = bool(_get(d, "attention_bias", False, bool))
         return cls(
             architecture=architecture,
             **common,
             intermediate_size=_get(d, "intermediate_size", 7168, int),
             rope=dict(ropes).get("full_attention", ropes[0][1]),
-            num_experts=n_experts,
-            num_experts_per_tok=top_k(d, n_experts, "num_local_experts" if "num_local_experts" in d else "num_experts",
-                                      8),
+            num_experts=layout.n_routed,
+            num_experts_per_tok=layout.top_k,
             moe_intermediate_size=_get(d, "moe_intermediate_size", 896, int),
             norm_topk_prob=bool(_get(d, "norm_topk_prob", True, bool)),
             decoder_sparse_step=1,
@@ -69,7 +70,7 @@ class MellumConfig(QwenMoeConfig, RopesByKind):
             qkv_bias=bias,
             o_bias=bias,
             qk_norm=True,
-            moe_layers=tuple(i for i, t in enumerate(mlp_types) if t == "sparse"),
+            moe_layers=layout.moe_layers,
             sliding_window=window,
             layer_types=tuple(types),
             ropes=ropes,

@@ -46,7 +46,8 @@ from ..parallel.tensor import TensorParallel
 from ..shown_tensors import ShownTensors
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, per_layer, top_k
+from ...service.rules.layouts import step3p5_layout
+from .config import ConfigError, get_field as _get, moe_layout, per_layer
 
 ARCHITECTURE = "Step3p5ForCausalLM"
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -107,8 +108,9 @@ class Step3p5Config(RopesByKind):
 
     @classmethod
     def from_hf(cls, d: dict) -> "Step3p5Config":
-        """transformers' Step3p7TextConfig defaults, and its readings of the Hub's older fields (moe_layers_enum,
-        attention_other_setting, rope_theta and partial_rotary_factors per layer), where a checkpoint gives them."""
+        """transformers' Step3p7TextConfig defaults, and its readings of the Hub's older fields
+        (attention_other_setting, rope_theta and partial_rotary_factors per layer), where a checkpoint gives them; the
+        layers and experts as the registry reads them (layouts.step3p5_layout: moe_layers_enum included)."""
         for name, value in FIXED_FIELDS.items():
             if name in d and d[name] != value:
                 raise ConfigError(f"config.{name}: {d[name]!r} is not supported; Step-3.5 runs {value!r}"[:300])
@@ -117,14 +119,13 @@ class Step3p5Config(RopesByKind):
                               "causally")
         if d.get("mlp_bias"):
             raise ConfigError("config.mlp_bias: true is not supported; Step-3.5's released MLPs have no bias")
-        n = _get(d, "num_hidden_layers", 45, int)
+        layout = moe_layout(step3p5_layout, d)          # the registry's reader of the layer and expert fields
+        n = len(layout.layer_ids)
+        # The MTP layers' count, which the layout does not give: the per-layer lists that also cover them are cut.
         mtp = _get(d, "num_nextn_predict_layers", None, int)
         mtp = _get(d, "num_mtp_layers", 0, int) if mtp is None else mtp
-        if mtp < 0:
-            raise ConfigError(f"config.num_nextn_predict_layers: must be >= 0, got {mtp}")
         cut = _PerLayerCut(d, n, n + mtp)
         types = per_layer(cut, "layer_types", n, LAYER_TYPES, ["full_attention"] * n)
-        mlp_types = per_layer(cut, "mlp_layer_types", n, ("dense", "sparse"), _mlp_types_of_enum(d, n, n + mtp))
         hidden = _get(d, "hidden_size", 4096, int)
         heads = _get(d, "num_attention_heads", 64, int)
         head_dim = _get(d, "head_dim", 128, int)
@@ -133,9 +134,6 @@ class Step3p5Config(RopesByKind):
             raise ConfigError("config.sliding_window: null is not supported with sliding_attention layers")
         if window is not None and window < 1:
             raise ConfigError(f"config.sliding_window: must be >= 1, got {window}")
-        n_experts = _first_of(d, ("n_routed_experts", "num_local_experts", "moe_num_experts"), 288)
-        k = _first_of(d, ("num_experts_per_tok", "moe_top_k"), 8)
-        top_k({"num_experts_per_tok": k}, n_experts, "n_routed_experts")
         gating = d.get("gating", True)
         if gating not in (True, "per-head"):
             raise ConfigError(f"config.gating: {gating!r} is not supported; true or \"per-head\" (a gate a head: "
@@ -162,12 +160,12 @@ class Step3p5Config(RopesByKind):
             sliding_window=window,
             attention_bias=bool(_get(d, "attention_bias", False, bool)),
             attention_scale=float(scalar) ** -0.5,
-            num_experts=n_experts,
-            num_experts_per_tok=k,
+            num_experts=layout.n_routed,
+            num_experts_per_tok=layout.top_k,
             moe_intermediate_size=_get(d, "moe_intermediate_size", 1280, int),
             share_expert_dim=_first_of(d, ("share_expert_dim", "share_expert_dims"), 1280),
             routed_scaling_factor=float(_get(d, "moe_router_scaling_factor", 1.0, (int, float))),
-            moe_layers=tuple(i for i, t in enumerate(mlp_types) if t == "sparse"),
+            moe_layers=layout.moe_layers,
             swiglu_limits=_limits(cut, "swiglu_limits", n),
             swiglu_limits_shared=_limits(cut, "swiglu_limits_shared", n),
             num_nextn_predict_layers=mtp,
@@ -189,26 +187,6 @@ def _first_of(d: dict, names: tuple[str, ...], default: int) -> int:
     """The first of `names` the config gives (a field and its older spellings), else `default`."""
     name = next((x for x in names if d.get(x) is not None), names[0])
     return _get(d, name, default, int)
-
-
-def _mlp_types_of_enum(d: dict, n: int, padded: int) -> list[str]:
-    """transformers' default mlp_layer_types: the layers `moe_layers_enum` lists (the Hub's field: "3,4,..." or a
-    list) are sparse, else every layer from the fourth."""
-    enum = d.get("moe_layers_enum")
-    if enum is None:
-        for name, reads_as in (("moe_layer_offset", 0), ("moe_every_n_layer", 1)):
-            if d.get(name) not in (None, reads_as):
-                raise ConfigError(f"config.{name}: {d[name]!r} is not supported without moe_layers_enum (or "
-                                  f"mlp_layer_types), which says the MoE layers as transformers reads them")
-        return ["dense" if i < 3 else "sparse" for i in range(n)]
-    items = enum.split(",") if isinstance(enum, str) else enum
-    try:
-        sparse = {int(i) for i in items if str(i).strip()} if isinstance(items, list) else None
-    except ValueError:
-        sparse = None
-    if sparse is None:
-        raise ConfigError(f"config.moe_layers_enum: expected layer numbers (\"3,4,5\" or a list), got {enum!r}"[:300])
-    return ["sparse" if i in sparse else "dense" for i in range(padded)][:n]
 
 
 def _sliding_heads(d: dict, heads: int, types: list[str]) -> int:

@@ -58,7 +58,7 @@ def test_a_batch_decodes_each_row_as_alone(ckpt, ids):
     (dict(layer_types=["sliding_attention"] * 3), r"config\.layer_types: expected 4 entries"),
     (dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4}}),
      r"config\.rope_parameters: expected one object per layer type \(full_attention, sliding_attention\)"),
-    (dict(num_experts_per_tok=9), r"config\.num_experts_per_tok: 9 must be in \[1, num_local_experts=8\]"),
+    (dict(num_experts_per_tok=9), r"config\.num_experts_per_tok: 9 exceeds the number of routed experts \(8\)"),
 ])
 def test_what_it_cannot_run_is_refused_by_field_before_any_plan(ckpt, tmp_path, overrides, match):
     check_refused_before_any_plan(with_config(ckpt, tmp_path / "bad", **overrides), ConfigError, match)
