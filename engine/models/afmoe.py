@@ -27,7 +27,8 @@ from ..layers.attention import GQAttention
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .causal_lm import DecoderLayer
-from .config import ConfigError, get_field as _get, windowed_layer_types
+from ...service.rules.layouts import afmoe_layout
+from .config import ConfigError, get_field as _get, moe_layout, windowed_layer_types
 from .deepseek_v3 import moe_or_dense_mlp
 from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
 
@@ -55,14 +56,13 @@ class AfmoeConfig(Glm4MoeConfig):
         for name in ("n_group", "topk_group"):
             if d.get(name) not in (None, 1):
                 raise ConfigError(f"config.{name}: {d[name]!r} not supported; AFMoE's router has no expert groups")
-        # Glm4MoeConfig reads the fields both share, under GLM's names, with AFMoE's defaults.
-        glm = Glm4MoeConfig.from_hf(dict(
-            d, n_routed_experts=_get(d, "num_experts", 64, int), n_shared_experts=_get(d, "num_shared_experts", 2, int),
-            num_experts_per_tok=d.get("num_experts_per_tok", 6), n_group=1, topk_group=1, norm_topk_prob=True,
+        # The registry's reader of the layer and expert fields; Glm4MoeConfig reads the other fields both share,
+        # under GLM's names, with AFMoE's defaults.
+        glm = Glm4MoeConfig.from_layout(dict(
+            d, n_group=1, topk_group=1, norm_topk_prob=True,
             routed_scaling_factor=float(_get(d, "route_scale", 1.0, (int, float))), partial_rotary_factor=1.0,
-            first_k_dense_replace=_get(d, "num_dense_layers", 1, int), head_dim=_get(d, "head_dim", 128, int),
-            max_position_embeddings=d.get("max_position_embeddings", 16384), use_qk_norm=True,
-            moe_intermediate_size=d.get("moe_intermediate_size", 1408)))
+            head_dim=_get(d, "head_dim", 128, int), max_position_embeddings=d.get("max_position_embeddings", 16384),
+            use_qk_norm=True, moe_intermediate_size=d.get("moe_intermediate_size", 1408)), moe_layout(afmoe_layout, d))
         n = glm.num_hidden_layers
         types = windowed_layer_types(d, n, "global_attn_every_n_layers", 4)
         window = _get(d, "sliding_window", 1024, int) if "sliding_window" not in d or d["sliding_window"] is not None \

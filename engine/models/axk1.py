@@ -8,39 +8,32 @@ registry never fuses (DeepSeek's gate: not the fused architecture).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from ..layers.norm import RMSNorm
-from .config import ConfigError, get_field as _get, per_layer
+from ...service.rules.layouts import axk1_layout
+from .config import ConfigError, moe_layout
 from .deepseek_v3 import DeepseekV3Config, DeepseekV3DecoderLayer, DeepseekV3ForCausalLM
 
 ARCHITECTURE = "AXK1ForCausalLM"
 
-# transformers' AXK1Config defaults where they differ from DeepSeek-V3's, or where DeepSeek-V3's are required
+# transformers' AXK1Config defaults where they differ from DeepSeek-V3's, or where DeepSeek-V3's are required (those
+# of the layers and experts: the registry's reader's, axk1_layout)
 AXK1_DEFAULTS = {"vocab_size": 163840, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
-                 "num_hidden_layers": 61, "num_attention_heads": 64, "n_shared_experts": 1, "n_routed_experts": 192,
-                 "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
-                 "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+                 "num_attention_heads": 64, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+                 "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4,
                  "max_position_embeddings": 32768}
 
 
 def axk1_config(d: dict) -> DeepseekV3Config:
-    """config.json read as transformers' AXK1Config reads it: DeepSeek-V3's fields, its defaults, mlp_layer_types."""
+    """config.json read as transformers' AXK1Config reads it: DeepSeek-V3's fields, its defaults, its layers and
+    experts as the registry's reader says (mlp_layer_types, else DeepSeek's first_k_dense_replace and
+    moe_layer_freq)."""
+    layout = moe_layout(axk1_layout, d)
     d = dict(AXK1_DEFAULTS, **d)
-    if d.get("num_local_experts") is not None and "n_routed_experts" not in d:
-        d["n_routed_experts"] = d["num_local_experts"]
     if d.get("q_lora_rank") is None:
         raise ConfigError("config.q_lora_rank: null is not supported; A.X K1's queries always go through their LoRA")
-    n = _get(d, "num_hidden_layers", kind=int)
-    first, freq = _get(d, "first_k_dense_replace", 1, int), _get(d, "moe_layer_freq", 1, int)
-    if freq < 1:
-        raise ConfigError(f"config.moe_layer_freq: must be >= 1, got {freq}")
-    types = per_layer(d, "mlp_layer_types", n, ("dense", "sparse"),
-                      ["sparse" if i >= first and i % freq == 0 else "dense" for i in range(n)])
-    v3 = DeepseekV3Config.from_hf(dict(d, first_k_dense_replace=0, moe_layer_freq=1))
-    return dataclasses.replace(v3, moe_layers=tuple(i for i, t in enumerate(types) if t == "sparse"))
+    return DeepseekV3Config.from_layout(d, layout)
 
 
 class AXK1DecoderLayer(DeepseekV3DecoderLayer):

@@ -38,7 +38,7 @@ from ..layers.rope import RopeConfig
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from .causal_lm import CausalLM, DecoderLayer
-from ...service.rules.layouts import deepseek_layout
+from ...service.rules.layouts import deepseek_layout, deepseek_nextn_layout
 from .config import ConfigError, get_field as _get, moe_layout, read_rope
 from .text_wrapper import TextOnlyWrapper
 
@@ -84,6 +84,18 @@ class DeepseekV3Config:
 
     @classmethod
     def from_hf(cls, d: dict, architecture: str = "DeepseekV3ForCausalLM") -> "DeepseekV3Config":
+        # The registry's reader of the layer and expert fields: a NextN draft's (its MTP layers after the target's)
+        # or the model's.
+        reader = deepseek_nextn_layout if architecture == NEXTN_ARCHITECTURE else deepseek_layout
+        return cls.from_layout(d, moe_layout(reader, d), architecture)
+
+    @classmethod
+    def from_layout(cls, d: dict, layout, architecture: str = "DeepseekV3ForCausalLM") -> "DeepseekV3Config":
+        """config.json `d` read as DeepSeek's fields, its layers and experts as `layout` says (`moe_layout` of the
+        family's reader: a family of DeepSeek's model under other names or defaults reads them with its own)."""
+        nextn = architecture == NEXTN_ARCHITECTURE
+        # A draft's layers are numbered after the target's num_hidden_layers (what its config dataclass counts).
+        n_layers = layout.layer_ids[0] if nextn else len(layout.layer_ids)
         v2 = architecture == "DeepseekV2ForCausalLM"
         scoring = _get(d, "scoring_func", "softmax" if v2 else "sigmoid", str)
         if scoring != ("softmax" if v2 else "sigmoid"):
@@ -97,17 +109,14 @@ class DeepseekV3Config:
             _refuse_where_v2_references_differ(d)
         # V3.2's sparse attention: its entry class, and the NextN draft of a V3.2 checkpoint (whose MTP layer's
         # attention has the indexer too; SGLang plans it as DeepseekV3ForCausalLMNextN with index_topk set).
-        v32 = architecture in SPARSE_ATTENTION_ARCHITECTURES or (
-            architecture == "DeepseekV3ForCausalLMNextN" and d.get("index_topk") is not None)
-        index = _sparse_attention_fields(d) if v32 else {}
+        v32 = architecture in SPARSE_ATTENTION_ARCHITECTURES or (nextn and d.get("index_topk") is not None)
+        index = _sparse_attention_fields(d, None if nextn else layout) if v32 else {}
         # GLM-5's indexer, and its MTP layer's (SGLang plans a GLM-5 draft as DeepseekV3ForCausalLMNextN too: its
         # config still says model_type glm_moe_dsa).
         if architecture == "GlmMoeDsaForCausalLM" or (v32 and d.get("model_type") == "glm_moe_dsa"):
-            index.update(_glm5_indexer_fields(d, nextn=architecture == "DeepseekV3ForCausalLMNextN"))
+            index.update(_glm5_indexer_fields(d, n_layers, nextn=nextn))
         hidden_act = _get(d, "hidden_act", "silu", str)
         activation(hidden_act)  # refuses unknown activations by name
-        layout = moe_layout(deepseek_layout, d)          # the registry's reader of the layer and expert fields
-        n_layers = len(layout.layer_ids)
         routing = routing_fields(d, layout, norm_topk_prob_default=not v2, group_scores_of_two=not v2)
         q_lora_rank = d.get("q_lora_rank")
         if q_lora_rank is not None and (not isinstance(q_lora_rank, int) or isinstance(q_lora_rank, bool)):
@@ -168,16 +177,28 @@ def first_moe_layer(layout) -> int:
 
 
 SPARSE_ATTENTION_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+NEXTN_ARCHITECTURE = "DeepseekV3ForCausalLMNextN"     # models/deepseek_nextn.py
 
 
-def _glm5_indexer_fields(d: dict, *, nextn: bool) -> dict:
+def refuse_moe_layer_freq(d: dict, family: str) -> None:
+    """The registry's DeepSeek layout counts moe_layer_freq, which `family`'s transformers model does not (every
+    layer from first_k_dense_replace on is MoE there): a config that sets it to anything but 1 has no reference to
+    match. The layout cannot tell (moe_layer_freq 2 with first_k_dense_replace 1 of 2 layers leaves no MoE layer,
+    as first_k_dense_replace 2 would), hence the field itself."""
+    freq = d.get("moe_layer_freq")
+    if freq not in (None, 1):
+        raise ConfigError(f"config.moe_layer_freq: {freq} not supported; supported: 1 ({family} makes every layer "
+                          f"from first_k_dense_replace on an MoE layer)")
+
+
+def _glm5_indexer_fields(d: dict, n_layers: int, *, nextn: bool) -> dict:
     """GLM-5's indexer: interleaved rope, and which layers reuse the previous full layer's top-k instead of running
     their own indexer (transformers' GLM-MoE-DSA: `indexer_types`, else `index_topk_pattern`, else every
     `index_topk_freq`-th layer from `index_skip_topk_offset` (default 2) full, the rest shared).
 
     An MTP draft (`nextn`) runs its own indexer: its layer is separate from the target's, so there is no previous
-    layer's selection to reuse; a list that names its layer (number num_hidden_layers) shared is refused."""
-    n_layers = _get(d, "num_hidden_layers", kind=int)
+    layer's selection to reuse; a list that names its layer (number num_hidden_layers: `n_layers`, the target's)
+    shared is refused."""
     types = _indexer_types(d, n_layers)
     if nextn:
         if len(types) > n_layers and types[n_layers] == "shared":
@@ -218,21 +239,24 @@ def _indexer_types(d: dict, n: int) -> list[str]:
     return types
 
 
-def _sparse_attention_fields(d: dict) -> dict:
+def _sparse_attention_fields(d: dict, layout) -> dict:
     """DeepSeek-V3.2's indexer fields, and the fields transformers' V3.2 does not read refused where they would
     change the arithmetic: its MLA always has a query latent and interleaved rope, and its dense layers are the
-    first first_k_dense_replace (mlp_layer_types spells the same, when given)."""
+    first first_k_dense_replace (mlp_layer_types spells the same, when given): the model's `layout` must be those
+    (a NextN draft's, None, is its MTP layers alone)."""
     if d.get("q_lora_rank") is None:
         raise ConfigError("config.q_lora_rank: sparse attention needs a query latent (its indexer reads it)")
     if d.get("rope_interleave") is False:
         raise ConfigError("config.rope_interleave: False not supported; DeepSeek-V3.2 and GLM-5 run True")
-    if _get(d, "moe_layer_freq", 1, int) != 1:
-        raise ConfigError(f"config.moe_layer_freq: {d['moe_layer_freq']} not supported; DeepSeek-V3.2 runs 1")
-    n_layers, first_dense = _get(d, "num_hidden_layers", kind=int), _get(d, "first_k_dense_replace", 0, int)
-    types = d.get("mlp_layer_types")
-    expected = ["dense"] * min(first_dense, n_layers) + ["sparse"] * max(n_layers - first_dense, 0)
-    if types is not None and types != expected:
-        raise ConfigError(f"config.mlp_layer_types: {types!r} disagrees with first_k_dense_replace={first_dense}"[:300])
+    if layout is not None:
+        refuse_moe_layer_freq(d, "DeepSeek-V3.2")
+        # transformers' V3.2 builds its MoE layers from mlp_layer_types, which the registry's layout does not read.
+        n_layers, first_dense = len(layout.layer_ids), first_moe_layer(layout)
+        types = d.get("mlp_layer_types")
+        expected = ["dense"] * first_dense + ["sparse"] * (n_layers - first_dense)
+        if types is not None and types != expected:
+            raise ConfigError(f"config.mlp_layer_types: {types!r} disagrees with first_k_dense_replace="
+                              f"{first_dense}"[:300])
     fields = {name: _get(d, name, kind=int) for name in ("index_n_heads", "index_head_dim", "index_topk")}
     if fields["index_topk"] < 1 or fields["index_n_heads"] < 1:
         bad = "index_topk" if fields["index_topk"] < 1 else "index_n_heads"
@@ -249,9 +273,7 @@ def _refuse_where_v2_references_differ(d: dict) -> None:
     if _get(d, "norm_topk_prob", False, bool):
         raise ConfigError("config.norm_topk_prob: true not supported for DeepseekV2ForCausalLM (transformers does "
                           "not renormalise V2's top-k weights); supported: false")
-    if _get(d, "moe_layer_freq", 1, int) != 1:
-        raise ConfigError(f"config.moe_layer_freq: {d['moe_layer_freq']} not supported for DeepseekV2ForCausalLM; "
-                          f"supported: 1")
+    refuse_moe_layer_freq(d, "transformers' DeepSeek-V2")
     if _get(d, "mlp_bias", False, bool):
         raise ConfigError("config.mlp_bias: true not supported; supported: false")
 

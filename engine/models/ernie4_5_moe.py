@@ -32,8 +32,9 @@ from ..parallel.tensor import TensorParallel
 from ..shown_tensors import ShownTensors
 from ..weights import ShapeMismatch
 from .causal_lm import DecoderLayer
-from .config import ConfigError, get_field as _get, read_rope, top_k
-from .deepseek_v3 import moe_or_dense_mlp
+from ...service.rules.layouts import ernie4_5_moe_layout
+from .config import ConfigError, get_field as _get, moe_layout, read_rope
+from .deepseek_v3 import first_moe_layer, moe_or_dense_mlp
 from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
 
 ARCHITECTURE = "Ernie4_5_MoeForCausalLM"
@@ -55,17 +56,8 @@ class Ernie45MoeConfig(Glm4MoeConfig):
         activation(hidden_act)  # refuses unknown activations by name
         hidden = _get(d, "hidden_size", kind=int)
         heads = _get(d, "num_attention_heads", kind=int)
-        n_layers = _get(d, "num_hidden_layers", kind=int)
+        layout = moe_layout(ernie4_5_moe_layout, d)      # the registry's reader of the layer and expert fields
         head_dim = _get(d, "head_dim", None, int) or hidden // heads
-        n_routed = _get(d, "moe_num_experts", 64, int)
-        start = _get(d, "moe_layer_start_index", 1, int)
-        if "moe_layer_end_index" in d and d["moe_layer_end_index"] is None:
-            raise ConfigError("config.moe_layer_end_index: null; say -1 (the last layer) or a layer number")
-        end = _get(d, "moe_layer_end_index", -1, int)
-        end = n_layers - 1 if end == -1 else end
-        interval = _get(d, "moe_layer_interval", 1, int)
-        if interval < 1:
-            raise ConfigError(f"config.moe_layer_interval: must be >= 1, got {interval}")
         norm_min = float(_get(d, "moe_norm_min", 1e-12))
         if not norm_min > 0:
             raise ConfigError(f"config.moe_norm_min: must be > 0, got {norm_min}")
@@ -78,7 +70,7 @@ class Ernie45MoeConfig(Glm4MoeConfig):
             hidden_size=hidden,
             intermediate_size=_get(d, "intermediate_size", kind=int),
             moe_intermediate_size=_get(d, "moe_intermediate_size", kind=int),
-            num_hidden_layers=n_layers,
+            num_hidden_layers=len(layout.layer_ids),
             num_attention_heads=heads,
             num_key_value_heads=_get(d, "num_key_value_heads", heads, int),
             head_dim=head_dim,
@@ -90,16 +82,16 @@ class Ernie45MoeConfig(Glm4MoeConfig):
             rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-5)),
             hidden_act=hidden_act,
             tie_word_embeddings=bool(_get(d, "tie_word_embeddings", True, bool)),
-            n_routed_experts=n_routed,
-            n_shared_experts=_get(d, "moe_num_shared_experts", 2, int),
-            num_experts_per_tok=top_k(d, n_routed, "moe_num_experts", 6, field="moe_k"),
+            n_routed_experts=layout.n_routed,
+            n_shared_experts=layout.n_shared,
+            num_experts_per_tok=layout.top_k,
             n_group=1,
             topk_group=1,
             norm_topk_prob=True,
             routed_scaling_factor=1.0,
-            first_k_dense_replace=start,
+            first_k_dense_replace=first_moe_layer(layout),
             num_nextn_predict_layers=0,      # its MTP tensors are model.mtp_* (ignore_prefixes), not layers
-            moe_layers=tuple(i for i in range(n_layers) if (i + 1) % interval == 0 and start <= i <= end),
+            moe_layers=layout.moe_layers,
             scoring_func="softmax",
             renorm_min=norm_min,
         )

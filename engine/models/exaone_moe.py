@@ -24,7 +24,8 @@ from ..layers.attention import GQAttention
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .causal_lm import DecoderLayer
-from .config import ConfigError, get_field as _get, per_layer, sliding_window, windowed_layer_types
+from ...service.rules.layouts import exaone_moe_layout
+from .config import ConfigError, moe_layout, sliding_window, windowed_layer_types
 from .deepseek_v3 import moe_or_dense_mlp
 from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
 
@@ -48,24 +49,20 @@ class ExaoneMoeConfig(Glm4MoeConfig):
                               f"heads (1.0)")
         if d.get("attention_bias"):
             raise ConfigError("config.attention_bias: true is not supported; EXAONE-MoE's projections have none")
-        # Glm4MoeConfig reads the fields both share, under GLM's names, with EXAONE-MoE's defaults.
-        glm = Glm4MoeConfig.from_hf(dict(
-            d, n_routed_experts=_get(d, "num_experts", 64, int), n_shared_experts=_get(d, "num_shared_experts", 1, int),
-            partial_rotary_factor=1.0, first_k_dense_replace=d.get("first_k_dense_replace", 1),
-            norm_topk_prob=d.get("norm_topk_prob", True), routed_scaling_factor=d.get("routed_scaling_factor", 2.5),
+        # The registry's reader of the layer and expert fields (the MoE layers by mlp_layer_types); Glm4MoeConfig
+        # reads the other fields both share, under GLM's names, with EXAONE-MoE's defaults.
+        glm = Glm4MoeConfig.from_layout(dict(
+            d, partial_rotary_factor=1.0, norm_topk_prob=d.get("norm_topk_prob", True),
+            routed_scaling_factor=d.get("routed_scaling_factor", 2.5),
             max_position_embeddings=d.get("max_position_embeddings", 2048), use_qk_norm=True,
-            moe_intermediate_size=d.get("moe_intermediate_size", 1024)))
+            moe_intermediate_size=d.get("moe_intermediate_size", 1024)), moe_layout(exaone_moe_layout, d))
         n = glm.num_hidden_layers
-        mlp_types = per_layer(d, "mlp_layer_types", n, ("dense", "sparse"),
-                              ["dense" if i < glm.first_k_dense_replace else "sparse" for i in range(n)])
         if "sliding_window" in d and d["sliding_window"] is None:
             raise ConfigError("config.sliding_window: null is not supported; EXAONE-MoE's windowed layers need one "
                               "(transformers requires an integer)")
         window = sliding_window(d, 4096)
         types = windowed_layer_types(d, n, "sliding_window_pattern", 4)
-        return cls(**{f.name: getattr(glm, f.name) for f in dataclasses.fields(Glm4MoeConfig)
-                      if f.name != "moe_layers"},
-                   moe_layers=tuple(i for i, t in enumerate(mlp_types) if t == "sparse"),
+        return cls(**{f.name: getattr(glm, f.name) for f in dataclasses.fields(Glm4MoeConfig)},
                    sliding_window=window, layer_types=tuple(types))
 
 

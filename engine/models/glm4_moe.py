@@ -30,7 +30,7 @@ from ..parallel.tensor import TensorParallel
 from .causal_lm import CausalLM, DecoderLayer
 from ...service.rules.layouts import glm4_moe_layout
 from .config import ConfigError, get_field as _get, moe_layout, read_rope
-from .deepseek_v3 import first_moe_layer, moe_or_dense_mlp, routing_fields
+from .deepseek_v3 import first_moe_layer, moe_or_dense_mlp, refuse_moe_layer_freq, routing_fields
 
 # transformers' Glm4MoeConfig: "partial_rotary_factor" defaults to 0.5 (kept for older configs).
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.5
@@ -70,16 +70,20 @@ class Glm4MoeConfig:
 
     @classmethod
     def from_hf(cls, d: dict) -> "Glm4MoeConfig":
+        layout = moe_layout(glm4_moe_layout, d)          # the registry's reader of the layer and expert fields
+        refuse_moe_layer_freq(d, "GLM-4-MoE")
+        return cls.from_layout(d, layout)
+
+    @classmethod
+    def from_layout(cls, d: dict, layout) -> "Glm4MoeConfig":
+        """config.json `d` read as GLM-4-MoE's fields, its layers and experts as `layout` says (`moe_layout` of the
+        family's reader: a family of GLM's shape under other names reads them with its own)."""
         hidden_act = _get(d, "hidden_act", "silu", str)
         activation(hidden_act)  # refuses unknown activations by name
         hidden = _get(d, "hidden_size", kind=int)
         heads = _get(d, "num_attention_heads", kind=int)
-        layout = moe_layout(glm4_moe_layout, d)          # the registry's reader of the layer and expert fields
         n_layers = len(layout.layer_ids)
         routing = routing_fields(d, layout, norm_topk_prob_default=True, group_scores_of_two=True)
-        if d.get("moe_layer_freq") not in (None, 1):      # a layout this model file does not build
-            raise ConfigError(f"config.moe_layer_freq: {d['moe_layer_freq']} not supported; supported: 1 (GLM-4-MoE "
-                              f"makes every layer from first_k_dense_replace on an MoE layer)")
         head_dim = _get(d, "head_dim", None, int) or hidden // heads
         rope = read_rope(d, partial_rotary_factor=DEFAULT_PARTIAL_ROTARY_FACTOR)
         rotary_dim = int(head_dim * rope.partial_rotary_factor)
