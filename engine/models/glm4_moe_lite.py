@@ -9,37 +9,36 @@ so the engine builds it as `DeepseekV3ForCausalLM`, from the same config read wi
 family's own defaults (transformers' Glm4MoeLiteConfig: 1.8 scaling, one shared expert,
 rms_norm_eps 1e-5) and its own layer list: `mlp_layer_types` says which layers are
 "sparse" (MoE) and which "dense" (by default the first dense, the others sparse), where
-DeepSeek counts first_k_dense_replace. Its fusion gate is GLM-4-MoE's (the registry).
+DeepSeek counts first_k_dense_replace (read, with the expert counts, by the registry's
+glm4_moe_lite_layout; first_k_dense_replace and moe_layer_freq are not read, as transformers
+reads neither). Its fusion gate is GLM-4-MoE's (the registry).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from .config import ConfigError, get_field as _get, per_layer
-from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from ...service.rules.layouts import glm4_moe_lite_layout
+from .config import moe_layout
+from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, first_moe_layer
 
 ARCHITECTURE = "Glm4MoeLiteForCausalLM"
-MLP_LAYER_TYPES = ("dense", "sparse")
-# transformers' Glm4MoeLiteConfig where DeepSeek-V3's reader would assume otherwise.
-DEFAULTS = {"n_shared_experts": 1, "routed_scaling_factor": 1.8, "num_experts_per_tok": 4, "n_group": 1,
-            "topk_group": 1, "norm_topk_prob": True, "rms_norm_eps": 1e-5, "max_position_embeddings": 202752}
+# transformers' Glm4MoeLiteConfig where DeepSeek-V3's reader would assume otherwise (its layer and expert fields:
+# the registry's reader, below).
+DEFAULTS = {"routed_scaling_factor": 1.8, "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 202752}
 
 
 def glm4_moe_lite_config(d: dict) -> DeepseekV3Config:
-    n_layers = _get(d, "num_hidden_layers", kind=int)
-    types = per_layer(d, "mlp_layer_types", n_layers, MLP_LAYER_TYPES, ["dense"] + ["sparse"] * (n_layers - 1))
-    # transformers reads neither; a config that carries them (as GLM-4.5's do) must agree with the layer list.
-    first_dense = d.get("first_k_dense_replace")
-    if first_dense is not None and types != ["dense"] * first_dense + ["sparse"] * (n_layers - first_dense):
-        raise ConfigError(f"config.first_k_dense_replace: {first_dense!r} disagrees with mlp_layer_types {types!r}, "
-                          f"which {ARCHITECTURE} follows"[:300])
-    if d.get("moe_layer_freq") not in (None, 1):
-        raise ConfigError(f"config.moe_layer_freq: {d['moe_layer_freq']!r} disagrees with mlp_layer_types, which "
-                          f"{ARCHITECTURE} follows")
-    given = {k: v for k, v in d.items() if v is not None and k not in ("first_k_dense_replace", "moe_layer_freq")}
-    cfg = DeepseekV3Config.from_hf({**DEFAULTS, **given}, "DeepseekV3ForCausalLM")
-    return dataclasses.replace(cfg, moe_layers=tuple(i for i, t in enumerate(types) if t == "sparse"))
+    layout = moe_layout(glm4_moe_lite_layout, d)     # the registry's reader of the layer and expert fields
+    given = {k: v for k, v in d.items() if v is not None}
+    # DeepSeek-V3's reading of the rest, handed the layout under its names (which its reader reads back as they are);
+    # the MoE layers are the layout's, which DeepSeek's count need not spell.
+    cfg = DeepseekV3Config.from_hf(dict(
+        {**DEFAULTS, **given}, num_hidden_layers=len(layout.layer_ids), n_routed_experts=layout.n_routed,
+        n_shared_experts=layout.n_shared, num_experts_per_tok=layout.top_k,
+        first_k_dense_replace=first_moe_layer(layout), moe_layer_freq=1), "DeepseekV3ForCausalLM")
+    return dataclasses.replace(cfg, moe_layers=layout.moe_layers)
 
 
 class Glm4MoeLiteForCausalLM(DeepseekV3ForCausalLM):

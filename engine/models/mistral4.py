@@ -22,18 +22,18 @@ from dataclasses import dataclass
 import torch
 
 from ..stacked_experts import StackedExperts
-from .config import ConfigError
-from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from ...service.rules.layouts import mistral4_layout
+from .config import ConfigError, moe_layout
+from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, first_moe_layer
 
 ARCHITECTURE = "Mistral4ForCausalLM"
 
-# transformers' Mistral4Config defaults where they differ from DeepSeek-V3's, or where DeepSeek-V3's are required
+# transformers' Mistral4Config defaults where they differ from DeepSeek-V3's, or where DeepSeek-V3's are required (its
+# layer and expert fields: the registry's reader, mistral4_layout)
 MISTRAL4_DEFAULTS = {"vocab_size": 131072, "hidden_size": 4096, "intermediate_size": 12288,
-                     "moe_intermediate_size": 2048, "num_hidden_layers": 36, "num_attention_heads": 32,
-                     "n_shared_experts": 1, "n_routed_experts": 128, "routed_scaling_factor": 1.0, "kv_lora_rank": 256,
-                     "q_lora_rank": 1024, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 64,
-                     "n_group": 1, "topk_group": 1, "num_experts_per_tok": 4, "first_k_dense_replace": 0,
-                     "max_position_embeddings": 1048576}
+                     "moe_intermediate_size": 2048, "num_attention_heads": 32, "routed_scaling_factor": 1.0,
+                     "kv_lora_rank": 256, "q_lora_rank": 1024, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                     "qk_nope_head_dim": 64, "n_group": 1, "topk_group": 1, "max_position_embeddings": 1048576}
 # transformers' default rope (its partial_rotary_factor is qk_rope_head_dim's share of a head, which MLA rotates)
 DEFAULT_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 128.0, "original_max_position_embeddings": 8192,
                 "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}
@@ -51,8 +51,6 @@ class Mistral4ForCausalLM(DeepseekV3ForCausalLM):
     @classmethod
     def parse_config(cls, hf_config: dict) -> Mistral4Config:
         d = dict(MISTRAL4_DEFAULTS, **hf_config)      # a field given as null is kept: q_lora_rank null means none
-        if hf_config.get("num_local_experts") is not None and hf_config.get("n_routed_experts") is None:
-            d["n_routed_experts"] = hf_config["num_local_experts"]           # transformers' alias
         if d.get("rope_scaling"):
             raise ConfigError("config.rope_scaling: not read by Mistral 4 (transformers reads rope_parameters, its "
                               "YaRN by default); say the rope there")
@@ -71,11 +69,17 @@ class Mistral4ForCausalLM(DeepseekV3ForCausalLM):
         if isinstance(original, bool) or not isinstance(original, int) or original < 1:
             raise ConfigError(f"config.rope_parameters.original_max_position_embeddings: expected a positive integer, "
                               f"got {original!r} (Mistral 4's query scaling counts positions in it)")
-        # DeepSeek-V3's reading of the rest: its router read as V3's, then made Mistral 4's (softmax, no bias)
-        v3 = DeepseekV3Config.from_hf(dict(d, rope_parameters=rope, scoring_func="sigmoid", topk_method="noaux_tc"))
-        return Mistral4Config(**{f.name: getattr(v3, f.name) for f in dataclasses.fields(DeepseekV3Config)
-                                 if f.name != "scoring_func"},
-                              scoring_func="softmax", query_position_scale=(float(beta), original))
+        layout = moe_layout(mistral4_layout, hf_config)   # the registry's reader of the layer and expert fields
+        # DeepSeek-V3's reading of the rest, handed the layout under its names (its reader reads them back as they
+        # are; the MoE layers are the layout's): its router read as V3's, then made Mistral 4's (softmax, no bias)
+        v3 = DeepseekV3Config.from_hf(dict(
+            d, rope_parameters=rope, scoring_func="sigmoid", topk_method="noaux_tc",
+            num_hidden_layers=len(layout.layer_ids), n_routed_experts=layout.n_routed,
+            n_shared_experts=layout.n_shared, num_experts_per_tok=layout.top_k,
+            first_k_dense_replace=first_moe_layer(layout), moe_layer_freq=1))
+        return Mistral4Config(**dict({f.name: getattr(v3, f.name) for f in dataclasses.fields(DeepseekV3Config)},
+                                     moe_layers=layout.moe_layers, scoring_func="softmax"),
+                              query_position_scale=(float(beta), original))
 
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
         super().__init__(hf_config, plan, dtype=dtype)

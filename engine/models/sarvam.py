@@ -15,21 +15,24 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..shown_tensors import ShownTensors
 from ..weights import CheckpointNames
-from .config import ConfigError
-from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from ...service.rules.layouts import sarvam_mla_layout, sarvam_moe_layout
+from .config import ConfigError, moe_layout
+from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, first_moe_layer
 from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
 
-# Sarvam's config.json names -> the ones the families read (transformers' attribute_map for both configs)
-ALIASES = {"num_experts": "n_routed_experts", "num_local_experts": "n_routed_experts",
-           "num_shared_experts": "n_shared_experts", "num_mtp_layers": "num_nextn_predict_layers",
-           "use_qkv_bias": "attention_bias"}
+# Sarvam's config.json names -> the ones the families read (transformers' attribute_map for both configs), for the
+# fields the layout does not give; its layer and expert fields, under either name, are the registry's readers'.
+ALIASES = {"num_mtp_layers": "num_nextn_predict_layers", "use_qkv_bias": "attention_bias"}
 
 
-def with_family_names(d: dict, defaults: dict) -> dict:
-    """config.json under the names the family reads, `defaults` where it gives neither name. A field given under
-    both names, differently, is refused (which one counts cannot be told)."""
+def with_family_names(d: dict, defaults: dict, layout) -> dict:
+    """config.json under the names the family reads, `defaults` where it gives neither name, and `layout` (the
+    registry's reading of its layer and expert fields) under DeepSeek's names, which the family's reader reads back
+    as they are. A field given under both names, differently, is refused (which one counts cannot be told)."""
     out = dict(defaults)
     out.update({k: v for k, v in d.items() if k not in ALIASES})
     for alias, name in ALIASES.items():
@@ -38,15 +41,17 @@ def with_family_names(d: dict, defaults: dict) -> dict:
         if d.get(name) is not None and d[name] != d[alias]:
             raise ConfigError(f"config.{alias}: {d[alias]!r} disagrees with {name}={d[name]!r} (the same field)")
         out[name] = d[alias]
-    return out
+    return dict(out, num_hidden_layers=len(layout.layer_ids), n_routed_experts=layout.n_routed,
+                n_shared_experts=layout.n_shared, num_experts_per_tok=layout.top_k,
+                first_k_dense_replace=first_moe_layer(layout))
 
 
-# transformers' SarvamMLAConfig defaults where they differ from DeepSeek-V3's, or where DeepSeek-V3's are required
+# transformers' SarvamMLAConfig defaults where they differ from DeepSeek-V3's, or where DeepSeek-V3's are required (its
+# layer and expert fields: sarvam_mla_layout's)
 SARVAM_MLA_DEFAULTS = {"vocab_size": 262144, "hidden_size": 4096, "intermediate_size": 16384,
-                       "moe_intermediate_size": 2048, "num_hidden_layers": 32, "num_attention_heads": 64,
-                       "n_routed_experts": 128, "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 1,
-                       "topk_group": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
-                       "kv_lora_rank": 512, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128}
+                       "moe_intermediate_size": 2048, "num_attention_heads": 64, "n_group": 1, "topk_group": 1,
+                       "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                       "qk_nope_head_dim": 128}
 
 
 class SarvamMLAForCausalLM(DeepseekV3ForCausalLM):
@@ -56,19 +61,21 @@ class SarvamMLAForCausalLM(DeepseekV3ForCausalLM):
     def parse_config(cls, hf_config: dict) -> DeepseekV3Config:
         # head_dim (the MLA cache width vLLM reads) and q_head_dim (derived): not read, as DeepSeek-V3's reading
         # reads neither
-        d = with_family_names(hf_config, SARVAM_MLA_DEFAULTS)
+        layout = moe_layout(sarvam_mla_layout, hf_config)   # the registry's reader of the layer and expert fields
+        d = with_family_names(hf_config, SARVAM_MLA_DEFAULTS, layout)
         scaling = d.get("rope_scaling") or {}
         if "deepseek_yarn" in (scaling.get("type"), scaling.get("rope_type")):
             d.pop("rope_scaling")
             d["rope_parameters"] = {k: v for k, v in scaling.items() if k != "type"} | {"rope_type": "yarn"}
-        # DeepSeek-V3's reading of the rest, as DeepSeek-V3's (its refusals name the fields as they are spelled here)
-        return DeepseekV3Config.from_hf(d, "DeepseekV3ForCausalLM")
+        # DeepSeek-V3's reading of the rest, as DeepSeek-V3's (its refusals name the fields as they are spelled here);
+        # the MoE layers are the layout's (moe_layer_freq included), which DeepSeek's count need not spell
+        cfg = DeepseekV3Config.from_hf(dict(d, moe_layer_freq=1), "DeepseekV3ForCausalLM")
+        return dataclasses.replace(cfg, moe_layers=layout.moe_layers)
 
 
-SARVAM_MOE_DEFAULTS = {"vocab_size": 262144, "intermediate_size": 8192, "num_hidden_layers": 19,
-                       "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 64, "rms_norm_eps": 1e-6,
-                       "moe_intermediate_size": 1024, "num_experts_per_tok": 6, "routed_scaling_factor": 2.5,
-                       "use_qk_norm": True, "partial_rotary_factor": 1.0, "n_routed_experts": 128,
+SARVAM_MOE_DEFAULTS = {"vocab_size": 262144, "intermediate_size": 8192, "num_attention_heads": 64,
+                       "num_key_value_heads": 4, "head_dim": 64, "rms_norm_eps": 1e-6, "moe_intermediate_size": 1024,
+                       "routed_scaling_factor": 2.5, "use_qk_norm": True, "partial_rotary_factor": 1.0,
                        "hidden_size": 4096}
 SARVAM_MOE_THETA = 8_000_000.0
 
@@ -87,7 +94,8 @@ class SarvamMoEForCausalLM(Glm4MoeForCausalLM):
 
     @classmethod
     def parse_config(cls, hf_config: dict) -> Glm4MoeConfig:
-        d = with_family_names(hf_config, SARVAM_MOE_DEFAULTS)
+        # the registry's reader of the layer and expert fields; GLM-4-MoE's refuses a moe_layer_freq other than 1
+        d = with_family_names(hf_config, SARVAM_MOE_DEFAULTS, moe_layout(sarvam_moe_layout, hf_config))
         if d.get("rope_theta") is None and not (d.get("rope_parameters") or {}).get("rope_theta"):
             d["rope_theta"] = SARVAM_MOE_THETA
         return Glm4MoeConfig.from_hf(d)

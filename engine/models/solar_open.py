@@ -8,26 +8,27 @@ Shapes: B batch, T tokens, D hidden, E routed experts, K top-k, V vocab, H/H_kv 
 - Every layer is MoE: DeepSeek-V3's block (deepseek_v3.DeepseekV3MoE) as GLM-4-MoE runs it, the sigmoid router
   with e_score_correction_bias and group-limited top-k, and n_shared_experts shared experts beside the routed ones,
   never fused (our choice: the registry's solar_open gate).
-- transformers' SolarOpenConfig has no first_k_dense_replace, q/k norm or MTP layers: a config that asks for them
-  is refused by field, as is a partial rotary factor (Llama's attention rotates whole heads).
+- transformers' SolarOpenConfig has no q/k norm or MTP layers: a config that asks for them is refused by field, as is
+  a partial rotary factor (Llama's attention rotates whole heads). It has no first_k_dense_replace or moe_layer_freq
+  either: not read (every layer is MoE, as the registry's solar_open_layout reads it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from .config import ConfigError
+from ...service.rules.layouts import solar_open_layout
+from .config import ConfigError, moe_layout
+from .deepseek_v3 import first_moe_layer
 from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
 
 ARCHITECTURE = "SolarOpenForCausalLM"
 
-# transformers' SolarOpenConfig defaults where GLM-4-MoE's differ.
-DEFAULTS = dict(vocab_size=196608, hidden_size=4096, num_hidden_layers=48, num_attention_heads=64,
-                num_key_value_heads=8, head_dim=128, moe_intermediate_size=1280, num_experts_per_tok=8,
-                n_routed_experts=128, routed_scaling_factor=1.0, n_group=1, topk_group=1, rope_theta=1_000_000.0)
+# transformers' SolarOpenConfig defaults where GLM-4-MoE's differ (its layer and expert fields: solar_open_layout's).
+DEFAULTS = dict(vocab_size=196608, hidden_size=4096, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+                moe_intermediate_size=1280, routed_scaling_factor=1.0, n_group=1, topk_group=1, rope_theta=1_000_000.0)
 # Fields of GLM-4-MoE's config that Solar Open's does not have, and the value that changes nothing.
-NOT_RUN = (("first_k_dense_replace", 0), ("use_qk_norm", False), ("num_nextn_predict_layers", 0),
-           ("num_mtp_layers", 0), ("moe_layer_freq", 1))
+NOT_RUN = (("use_qk_norm", False), ("num_nextn_predict_layers", 0), ("num_mtp_layers", 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +46,13 @@ class SolarOpenConfig(Glm4MoeConfig):
         if d.get("rope_parameters") is None and d.get("rope_theta") is None:
             named["rope_theta"] = DEFAULTS["rope_theta"]
         named.setdefault("intermediate_size", 0)        # no dense layer to size
-        glm = Glm4MoeConfig.from_hf(dict(named, partial_rotary_factor=1.0, first_k_dense_replace=0, use_qk_norm=False,
-                                         num_nextn_predict_layers=0))
+        layout = moe_layout(solar_open_layout, d)        # the registry's reader of the layer and expert fields
+        # Glm4MoeConfig reads the rest, handed the layout under GLM's names (its reader reads them back as they are)
+        glm = Glm4MoeConfig.from_hf(dict(
+            named, num_hidden_layers=len(layout.layer_ids), n_routed_experts=layout.n_routed,
+            n_shared_experts=layout.n_shared, num_experts_per_tok=layout.top_k,
+            first_k_dense_replace=first_moe_layer(layout), moe_layer_freq=1, partial_rotary_factor=1.0,
+            use_qk_norm=False, num_nextn_predict_layers=0))
         return cls(**{f.name: getattr(glm, f.name) for f in dataclasses.fields(Glm4MoeConfig)})
 
 

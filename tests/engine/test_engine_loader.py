@@ -245,7 +245,7 @@ _BAD_CONFIGS = [
                                              head_dim=12), {"n_group": 2}, "target"),
     ("DbrxForCausalLM", None, {}, {"n_heads": 5}, "target"),
     ("MiMoV2FlashForCausalLM", "MiMoV2FlashConfig", dict(n_routed_experts=8, moe_intermediate_size=16, head_dim=8,
-                                                         v_head_dim=8, num_experts_per_tok=2), {"n_shared_experts": 1},
+                                                         v_head_dim=8, num_experts_per_tok=2), {"sliding_window": 0},
      "target"),
     ("Lfm2MoeForCausalLM", "Lfm2MoeConfig", dict(num_experts=8, moe_intermediate_size=16, num_experts_per_tok=2,
                                                  layer_types=["conv", "full_attention"]), {"conv_L_cache": 0},

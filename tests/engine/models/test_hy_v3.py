@@ -47,6 +47,12 @@ def test_a_config_without_rope_fields_has_hy_v3s_theta(ckpt, tmp_path, ids):
     assert model.config.rope.theta == 11_158_840.0
 
 
+def test_moe_layer_freq_is_not_read_as_transformers_reads_it_not(ckpt, tmp_path, ids):
+    """mlp_layer_types alone says which layers are MoE (transformers and the registry's hy_v3_layout)."""
+    model = check_matches_transformers(with_config(ckpt, tmp_path / "f", moe_layer_freq=2), ARCH, ids)
+    assert model.moe_layer_ids == (1, 2)
+
+
 def test_decoding_token_by_token_gives_transformers_logits_of_the_whole_prompt(ckpt, ids):
     check_decoding_token_by_token(ckpt, ARCH, ids)
 

@@ -45,6 +45,14 @@ def test_the_hubs_spellings_are_read_as_transformers_reads_them(ckpt, tmp_path, 
     assert model.model.layers[1].self_attn.sliding_window == 3
 
 
+def test_n_shared_experts_and_moe_layer_freq_are_not_read_as_transformers_reads_neither(ckpt, tmp_path, ids):
+    """MiMo-V2-Flash's MoE has no shared expert: n_shared_experts and moe_layer_freq are not read (by transformers
+    or the registry's mimo_v2_flash_layout)."""
+    model = check_matches_transformers(with_config(ckpt, tmp_path / "s", n_shared_experts=1, moe_layer_freq=2),
+                                       ARCH, ids)
+    assert model.moe_layer_ids == (1, 2) and model.model.layers[1].mlp.shared_experts is None
+
+
 def test_its_checkpoints_mtp_layers_are_skipped_as_transformers_skips_them(ckpt, tmp_path, ids):
     """The released checkpoints store Multi-Token-Prediction layers under model.mtp.: not part of the model (any
     other unknown tensor is still refused)."""
@@ -65,7 +73,6 @@ def test_its_checkpoints_mtp_layers_are_skipped_as_transformers_skips_them(ckpt,
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (dict(n_shared_experts=1), r"config\.n_shared_experts: 1 is not supported"),
     (dict(layer_types=["full_attention", "chunked_attention", "sliding_attention"]), r"config\.layer_types: expected"),
     (dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4}}),
      r"config\.rope_parameters: expected one object per layer type"),

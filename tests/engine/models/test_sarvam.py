@@ -62,5 +62,8 @@ def test_a_batch_decodes_each_row_as_alone(ckpt, ids):
 
 
 def test_a_field_under_both_its_names_differently_is_refused_before_any_plan(ckpt, tmp_path):
-    check_refused_before_any_plan(with_config(ckpt[1], tmp_path / "bad", n_routed_experts=16), ConfigError,
-                                  r"config\.num_experts: 8 disagrees with n_routed_experts=16 \(the same field\)")
+    family, path = ckpt
+    bias = family == "MoE"                                  # the checkpoint's use_qkv_bias
+    check_refused_before_any_plan(with_config(path, tmp_path / "bad", attention_bias=not bias), ConfigError,
+                                  rf"config\.use_qkv_bias: {bias} disagrees with attention_bias={not bias} "
+                                  rf"\(the same field\)")

@@ -36,6 +36,14 @@ def test_with_biases_and_a_tied_head_it_matches_transformers(tmp_path, ids):
                                                           tie_word_embeddings=True), ARCH, ids)
 
 
+def test_deepseeks_layer_fields_are_not_read_as_transformers_reads_neither(ckpt, tmp_path, ids):
+    """Every layer is MoE (transformers, and the registry's solar_open_layout), whatever first_k_dense_replace and
+    moe_layer_freq say."""
+    model = check_matches_transformers(with_config(ckpt, tmp_path / "f", first_k_dense_replace=1, moe_layer_freq=2),
+                                       ARCH, ids)
+    assert model.moe_layer_ids == (0, 1, 2)
+
+
 def test_decoding_token_by_token_gives_transformers_logits_of_the_whole_prompt(ckpt, ids):
     check_decoding_token_by_token(ckpt, ARCH, ids)
 
@@ -45,7 +53,7 @@ def test_a_batch_decodes_each_row_as_alone(ckpt, ids):
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (dict(first_k_dense_replace=1), r"config\.first_k_dense_replace: 1 not supported; Solar Open runs 0"),
+    (dict(num_nextn_predict_layers=1), r"config\.num_nextn_predict_layers: 1 not supported; Solar Open runs 0"),
     (dict(use_qk_norm=True), r"config\.use_qk_norm: True not supported; Solar Open runs False"),
     (dict(partial_rotary_factor=0.5), r"config\.partial_rotary_factor: 0\.5 not supported"),
     (dict(num_experts_per_tok=9), r"config\.num_experts_per_tok: 9 exceeds the number of routed experts \(8\)"),
