@@ -29,7 +29,8 @@ from ..layers.mla import MultiHeadLatentAttention
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .causal_lm import CausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, per_layer
+from ...service.rules.layouts import bailing_hybrid_layout
+from .config import ConfigError, get_field as _get, moe_layout, per_layer
 from .deepseek_v3 import DeepseekV3Config, moe_or_dense_mlp
 from .kimi_linear import LAYER_TYPES, RENAMED, deepseek_fields_renamed
 
@@ -49,12 +50,11 @@ BAILING_HYBRID_NAMES = CheckpointNames((
 
 # transformers' BailingHybridConfig defaults of the fields DeepSeek-V3's config reads without one (or another one).
 DEFAULTS = dict(routed_scaling_factor=2.5, rms_norm_eps=1e-6, kv_lora_rank=512, qk_rope_head_dim=64,
-                qk_nope_head_dim=128, v_head_dim=128, topk_group=4, first_k_dense_replace=2, num_hidden_layers=42,
-                hidden_size=2560, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
-                vocab_size=157184)
-# Its own defaults for the renamed fields: 512 experts in 8 groups, one shared; and num_mtp_layers MTP layers.
-LING_RENAMED = tuple((ours, deepseek, {"num_experts": 512, "num_expert_group": 8, "model_max_length": 262144}
-                      .get(ours, default)) for ours, deepseek, default in RENAMED) + (
+                qk_nope_head_dim=128, v_head_dim=128, topk_group=4, hidden_size=2560, intermediate_size=6144,
+                moe_intermediate_size=768, num_attention_heads=32, vocab_size=157184)
+# Its own defaults for the renamed fields: experts in 8 groups; and num_mtp_layers MTP layers (skipped at load).
+LING_RENAMED = tuple((ours, deepseek, {"num_expert_group": 8, "model_max_length": 262144}.get(ours, default))
+                     for ours, deepseek, default in RENAMED) + (
     ("num_mtp_layers", "num_nextn_predict_layers", 1),)
 DEFAULT_ROPE_THETA = 6_000_000.0
 # Fields transformers' Ling hybrids do not read (it always interleaves, derives the MoE layers from
@@ -77,15 +77,14 @@ class BailingHybridConfig(DeepseekV3Config):
         named = dict(d)
         if d.get("rope_parameters") is None and d.get("rope_scaling") is None:
             named["rope_theta"] = d.get("rope_theta", DEFAULT_ROPE_THETA)
-        ds = deepseek_fields_renamed(named, LING_RENAMED, DEFAULTS)
+        layout = moe_layout(bailing_hybrid_layout, d)    # the registry's reader of the layer and expert fields
+        ds = deepseek_fields_renamed(named, layout, LING_RENAMED, DEFAULTS)
         n = ds.num_hidden_layers
         group = _get(d, "layer_group_size", 6, int)
         if group < 1:
             raise ConfigError(f"config.layer_group_size: must be >= 1, got {group}")
         layer_types = per_layer(d, "layer_types", n, LAYER_TYPES,
                                 [LAYER_TYPES[(i + 1) % group == 0] for i in range(n)])
-        mlp_types = per_layer(d, "mlp_layer_types", n, ("dense", "sparse"),
-                              ["dense" if i < ds.first_k_dense_replace else "sparse" for i in range(n)])
         kernel = _get(d, "short_conv_kernel_size", 4, int)
         head_dim = _get(d, "head_dim", 128, int)
         if kernel < 1 or head_dim < 1:
@@ -93,10 +92,9 @@ class BailingHybridConfig(DeepseekV3Config):
             raise ConfigError(f"config.{bad}: must be >= 1, got {d[bad]}")
         bound = float(_get(d, "kda_lower_bound", -5.0, (int, float)))
         return cls(**{f.name: getattr(ds, f.name) for f in dataclasses.fields(DeepseekV3Config)
-                      if f.name not in ("moe_layers", "tie_word_embeddings")},
+                      if f.name != "tie_word_embeddings"},
                    # transformers' Ling hybrids tie no head whatever the config says (their checkpoints keep lm_head)
                    tie_word_embeddings=False,
-                   moe_layers=tuple(i for i, t in enumerate(mlp_types) if t == "sparse"),
                    layer_types=tuple(layer_types), head_dim=head_dim, short_conv_kernel_size=kernel,
                    kda_lower_bound=bound if _get(d, "kda_safe_gate", True, bool) else None)
 

@@ -30,8 +30,9 @@ from ..parallel.tensor import TensorParallel
 from ..shown_tensors import ShownTensors
 from ..weights import CheckpointNames
 from .causal_lm import CausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, per_layer
-from .deepseek_v3 import DeepseekV3Config, moe_or_dense_mlp
+from ...service.rules.layouts import kimi_linear_layout
+from .config import ConfigError, get_field as _get, moe_layout, per_layer
+from .deepseek_v3 import DeepseekV3Config, first_moe_layer, moe_or_dense_mlp
 
 ARCHITECTURE = "KimiLinearForCausalLM"
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -47,18 +48,16 @@ KIMI_LINEAR_NAMES = CheckpointNames((
       for mlp in ("shared_experts.", "") for proj in ("gate", "up", "down")),
 ))
 
-# (Hub / transformers name, DeepSeek-V3's name, transformers' KimiLinearConfig default)
+# (Hub / transformers name, DeepSeek-V3's name, transformers' KimiLinearConfig default) of the fields the layout
+# does not give (its expert counts and top-k: the registry's kimi_linear_layout reads them under either name).
 RENAMED = (
-    ("num_experts", "n_routed_experts", 256),
-    ("num_shared_experts", "n_shared_experts", 1),
-    ("num_experts_per_token", "num_experts_per_tok", 8),
     ("num_expert_group", "n_group", 1),
     ("moe_renormalize", "norm_topk_prob", True),
     ("model_max_length", "max_position_embeddings", 1048576),
 )
 # transformers' KimiLinearConfig defaults of the fields DeepSeek-V3's config reads without one (or another one).
 DEFAULTS = dict(routed_scaling_factor=2.446, rms_norm_eps=1e-5, kv_lora_rank=512, qk_rope_head_dim=64,
-                qk_nope_head_dim=128, v_head_dim=128, topk_group=1, first_k_dense_replace=1)
+                qk_nope_head_dim=128, v_head_dim=128, topk_group=1)
 # Fields of later Kimi models (Kimi-K3's text model shares the model_type) that transformers' Kimi-Linear does
 # not run: refused where they would change the arithmetic, (field, the value that changes nothing).
 NOT_RUN = (("mla_use_nope", True), ("mla_use_output_gate", False), ("attn_res_block_size", None),
@@ -86,28 +85,28 @@ class KimiLinearConfig(DeepseekV3Config):
             if linear.get(field, harmless) != harmless:
                 raise ConfigError(f"config.linear_attn_config.{field}: {linear[field]!r} not supported; Kimi-Linear "
                                   f"runs {harmless!r}"[:200])
+        layout = moe_layout(kimi_linear_layout, d)       # the registry's reader of the layer and expert fields
         # no rope: the MLA is NoPE
         ds = deepseek_fields_renamed({k: v for k, v in d.items() if k not in ("rope_parameters", "rope_scaling",
-                                                                               "rope_theta")}, RENAMED, DEFAULTS)
-        n = ds.num_hidden_layers
-        mlp_types = per_layer(d, "mlp_layer_types", n, ("dense", "sparse"),
-                              ["dense" if i < ds.first_k_dense_replace else "sparse" for i in range(n)])
+                                                                               "rope_theta")}, layout, RENAMED,
+                                     DEFAULTS)
         return cls(**{f.name: getattr(ds, f.name) for f in dataclasses.fields(DeepseekV3Config)
-                      if f.name not in ("moe_layers", "tie_word_embeddings")},
+                      if f.name != "tie_word_embeddings"},
                    # transformers' Kimi-Linear ties no head whatever the config says (its checkpoints keep lm_head)
                    tie_word_embeddings=False,
-                   moe_layers=tuple(i for i, t in enumerate(mlp_types) if t == "sparse"),
-                   layer_types=tuple(_layer_types(d, linear, n)),
+                   layer_types=tuple(_layer_types(d, linear, ds.num_hidden_layers)),
                    linear_num_heads=_linear_field(d, linear, "num_heads", "linear_num_heads", 32),
                    linear_head_dim=_linear_field(d, linear, "head_dim", "linear_head_dim", 128),
                    linear_conv_kernel_dim=_linear_field(d, linear, "short_conv_kernel_size", "linear_conv_kernel_dim",
                                                         4))
 
 
-def deepseek_fields_renamed(d: dict, renamed: tuple, defaults: dict) -> DeepseekV3Config:
-    """DeepSeek-V3's config of a family that names its fields otherwise (`renamed`: (its name, DeepSeek's, default)),
-    with the family's `defaults`; refusals name the fields as the config spells them. SiLU only: the KDA layers'
-    conv runs the config's activation too, and transformers' Kimi-Linear and Ling models run SiLU."""
+def deepseek_fields_renamed(d: dict, layout, renamed: tuple, defaults: dict) -> DeepseekV3Config:
+    """DeepSeek-V3's config of a family that names its fields otherwise: its layers, MoE layers, expert counts and
+    top-k those of `layout` (the registry's reading of `d`, `moe_layout`), its other fields by `renamed` ((its name,
+    DeepSeek's, default)) with the family's `defaults`; refusals name the fields as the config spells them. SiLU
+    only: the KDA layers' conv runs the config's activation too, and transformers' Kimi-Linear and Ling models run
+    SiLU."""
     act = _get(d, "hidden_act", "silu", str)
     if act != "silu":
         raise ConfigError(f"config.hidden_act: {act!r} not supported; supported: 'silu'")
@@ -116,8 +115,14 @@ def deepseek_fields_renamed(d: dict, renamed: tuple, defaults: dict) -> Deepseek
         named[deepseek] = d[ours] if d.get(ours) is not None else d.get(deepseek, default)
     for field, default in defaults.items():
         named.setdefault(field, default)
+    # The layout under DeepSeek's names, for its checks (n_group must split the experts); its MoE layers, which
+    # mlp_layer_types may place where DeepSeek's first_k_dense_replace cannot, are set after.
+    named.update(num_hidden_layers=len(layout.layer_ids), n_routed_experts=layout.n_routed,
+                 n_shared_experts=layout.n_shared, num_experts_per_tok=layout.top_k,
+                 first_k_dense_replace=first_moe_layer(layout))
     try:
-        return DeepseekV3Config.from_hf(named, "DeepseekV3ForCausalLM")
+        return dataclasses.replace(DeepseekV3Config.from_hf(named, "DeepseekV3ForCausalLM"),
+                                   moe_layers=layout.moe_layers)
     except ConfigError as e:   # name the fields as this config spells them
         message = str(e)
         for ours, deepseek, _ in renamed:

@@ -28,7 +28,8 @@ from ..layers.short_conv import ShortConv
 from ..moe import RoutedExperts
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, per_layer, read_rope, top_k
+from ...service.rules.layouts import lfm2_moe_layout
+from .config import ConfigError, get_field as _get, moe_layout, per_layer, read_rope
 
 ARCHITECTURE = "Lfm2MoeForCausalLM"
 LAYER_TYPES = ("conv", "full_attention")
@@ -79,13 +80,10 @@ class Lfm2MoeConfig:
     @classmethod
     def from_hf(cls, d: dict) -> "Lfm2MoeConfig":
         """transformers' Lfm2MoeConfig defaults where a checkpoint may leave a field out (layer_types it needs)."""
-        n = _get(d, "num_hidden_layers", 32, int)
+        layout = moe_layout(lfm2_moe_layout, d)          # the registry's reader of the layer and expert fields
+        n = len(layout.layer_ids)
         hidden = _get(d, "hidden_size", 2048, int)
         heads = _get(d, "num_attention_heads", 32, int)
-        n_experts = _get(d, "num_experts", 32, int)
-        dense = _get(d, "num_dense_layers", 2, int)
-        if not 0 <= dense <= n:
-            raise ConfigError(f"config.num_dense_layers: must be in [0, num_hidden_layers={n}], got {dense}")
         kernel = _get(d, "conv_L_cache", 3, int)
         if kernel < 1:
             raise ConfigError(f"config.conv_L_cache: must be >= 1, got {kernel}")
@@ -109,12 +107,12 @@ class Lfm2MoeConfig:
             layer_types=tuple(per_layer(d, "layer_types", n, LAYER_TYPES, [])),
             conv_kernel=kernel,
             conv_bias=bool(_get(d, "conv_bias", False, bool)),
-            num_experts=n_experts,
-            num_experts_per_tok=top_k(d, n_experts, "num_experts", 4),
+            num_experts=layout.n_routed,
+            num_experts_per_tok=layout.top_k,
             use_expert_bias=bool(_get(d, "use_expert_bias", True, bool)),
             norm_topk_prob=bool(_get(d, "norm_topk_prob", True, bool)),
             routed_scaling_factor=float(_get(d, "routed_scaling_factor", 1.0, (int, float))),
-            moe_layers=tuple(range(dense, n)),
+            moe_layers=layout.moe_layers,
         )
 
 

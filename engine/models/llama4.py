@@ -37,7 +37,8 @@ from ..parallel.tensor import TensorParallel
 from ..stacked_experts import StackedExperts
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, per_layer, read_rope, top_k
+from ...service.rules.layouts import llama4_layout
+from .config import ConfigError, get_field as _get, moe_layout, per_layer, read_rope
 from .text_wrapper import TextOnlyWrapper
 
 ARCHITECTURE = "Llama4ForCausalLM"
@@ -93,9 +94,8 @@ class Llama4Config:
     @classmethod
     def from_hf(cls, d: dict) -> "Llama4Config":
         """config.json with transformers' Llama4TextConfig defaults where a checkpoint may leave a field out."""
-        n_layers = _get(d, "num_hidden_layers", kind=int)
-        n_experts = _get(d, "num_local_experts", kind=int)
-        k = top_k(d, n_experts, "num_local_experts", default=1)     # transformers' Llama4TextConfig default
+        layout = moe_layout(llama4_layout, d)            # the registry's reader of the layer and expert fields
+        n_layers = len(layout.layer_ids)
         act = _get(d, "hidden_act", "silu", str)
         activation(act)   # refuses unknown activations by name
         interval = _get(d, "no_rope_layer_interval", 4, int)
@@ -109,16 +109,7 @@ class Llama4Config:
                           ["chunked_attention" if r and chunk is not None else "full_attention" for r in rope_flags])
         if chunk is None and "chunked_attention" in types:
             raise ConfigError("config.attention_chunk_size: null, but layer_types has chunked_attention layers")
-        moe_layers = d.get("moe_layers")
-        if moe_layers is None:
-            step = _get(d, "interleave_moe_layer_step", 1, int)
-            if step < 1:
-                raise ConfigError(f"config.interleave_moe_layer_step: must be >= 1, got {step}")
-            moe_layers = list(range(step - 1, n_layers, step))
-        if not isinstance(moe_layers, list) or any(not isinstance(i, int) or not 0 <= i < n_layers
-                                                   for i in moe_layers):
-            raise ConfigError(f"config.moe_layers: expected layer ids in [0, {n_layers}), got {moe_layers!r}"[:300])
-        dense = len(set(moe_layers)) < n_layers
+        dense = len(layout.moe_layers) < n_layers
         floor_scale = float(_get(d, "floor_scale", 8192, (int, float)))
         if floor_scale <= 0:
             raise ConfigError(f"config.floor_scale: must be > 0, got {floor_scale}")
@@ -137,9 +128,9 @@ class Llama4Config:
             max_position_embeddings=_get(d, "max_position_embeddings", 4096 * 32, int),
             tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
             rope=read_rope(d, default_theta=500000.0),
-            num_experts=n_experts,
-            num_experts_per_tok=k,
-            moe_layers=tuple(sorted(set(moe_layers))),
+            num_experts=layout.n_routed,
+            num_experts_per_tok=layout.top_k,
+            moe_layers=layout.moe_layers,
             rope_layers=tuple(bool(r) for r in rope_flags),
             chunked_layers=tuple(t == "chunked_attention" for t in types),
             attention_chunk_size=chunk,

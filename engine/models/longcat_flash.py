@@ -35,7 +35,8 @@ from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..shown_tensors import ShownTensors
 from .causal_lm import CausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, read_rope, top_k
+from ...service.rules.layouts import longcat_flash_layout
+from .config import ConfigError, get_field as _get, moe_layout, read_rope
 
 ARCHITECTURE = "LongcatFlashForCausalLM"
 
@@ -70,17 +71,9 @@ class LongcatFlashConfig:
         """transformers' LongcatFlashConfig defaults where a config leaves a field out."""
         act = _get(d, "hidden_act", "silu", str)
         activation(act)   # refuses unknown activations by name
-        if d.get("num_layers") is None and d.get("num_hidden_layers") is not None:
-            # transformers counts the sublayers there: num_hidden_layers = 2 * num_layers
-            sublayers = _get(d, "num_hidden_layers", kind=int)
-            if sublayers < 2 or sublayers % 2:
-                raise ConfigError(f"config.num_hidden_layers: {sublayers} is not twice a number of layers (LongCat-"
-                                  f"Flash's layers hold two sublayers each; num_layers counts them)")
-            n_layers = sublayers // 2
-        else:
-            n_layers = _get(d, "num_layers", 28, int)
-        if n_layers < 1:
-            raise ConfigError(f"config.num_layers: must be >= 1, got {n_layers}")
+        # the registry's reader of the layer and expert fields: num_layers layers (or num_hidden_layers / 2, as
+        # transformers counts the sublayers), all MoE; n_routed_experts and moe_topk
+        layout = moe_layout(longcat_flash_layout, d)
         if d.get("router_bias"):
             raise ConfigError("config.router_bias: true not supported; transformers' LongCat-Flash routes without a "
                               "bias (it loads one and does not add it): supported: false")
@@ -91,11 +84,8 @@ class LongcatFlashConfig:
         if _get(d, "head_dim", 64, int) != rot:
             raise ConfigError(f"config.head_dim: {d.get('head_dim', 64)!r} must equal qk_rope_head_dim={rot} "
                               f"(transformers' rotary tables are head_dim wide)")
-        n_routed = _get(d, "n_routed_experts", 512, int)
+        # The zero-computation experts are not in the layout (EP does not place them); the reader checked the count.
         zero = _get(d, "zero_expert_num", 256, int)
-        if n_routed < 1 or zero < 0:
-            bad = "n_routed_experts" if n_routed < 1 else "zero_expert_num"
-            raise ConfigError(f"config.{bad}: must be >= {1 if bad == 'n_routed_experts' else 0}, got {d[bad]}")
         q_lora_rank = _get(d, "q_lora_rank", 1536, int)
         kv_lora_rank = _get(d, "kv_lora_rank", 512, int)
         if q_lora_rank < 1 or kv_lora_rank < 1:
@@ -108,7 +98,7 @@ class LongcatFlashConfig:
             hidden_size=_get(d, "hidden_size", 6144, int),
             ffn_hidden_size=_get(d, "ffn_hidden_size", 12288, int),
             expert_ffn_hidden_size=_get(d, "expert_ffn_hidden_size", 2048, int),
-            num_hidden_layers=n_layers,
+            num_hidden_layers=len(layout.layer_ids),
             num_attention_heads=_get(d, "num_attention_heads", 64, int),
             q_lora_rank=q_lora_rank,
             kv_lora_rank=kv_lora_rank,
@@ -121,11 +111,11 @@ class LongcatFlashConfig:
             rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-5)),
             hidden_act=act,
             tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
-            n_routed_experts=n_routed,
+            n_routed_experts=layout.n_routed,
             zero_expert_num=zero,
-            num_experts_per_tok=top_k(d, n_routed + zero, "n_routed_experts + zero_expert_num", 12, field="moe_topk"),
+            num_experts_per_tok=layout.top_k,
             routed_scaling_factor=float(_get(d, "routed_scaling_factor", 6.0)),
-            moe_layers=tuple(range(n_layers)),
+            moe_layers=layout.moe_layers,
         )
 
 

@@ -40,7 +40,8 @@ from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..shown_tensors import ShownTensors
 from .causal_lm import DeclaredCausalLM
-from .config import ConfigError, get_field as _get, top_k
+from ...service.rules.layouts import nemotron_h_layout
+from .config import ConfigError, get_field as _get, moe_layout
 
 ARCHITECTURE = "NemotronHForCausalLM"
 # A layer's kind as configs spell it (transformers 5, its older names, hybrid_override_pattern) -> the engine's.
@@ -91,8 +92,8 @@ class NemotronHConfig:
     def from_hf(cls, d: dict) -> "NemotronHConfig":
         """transformers' NemotronHConfig defaults where a checkpoint may leave a field out, its older field names
         (mamba_n_groups, mamba_d_conv, ...) read first as transformers reads them."""
+        layout = moe_layout(nemotron_h_layout, d)        # the registry's reader of the layer and expert fields
         kinds = _layer_kinds(d)
-        n = len(kinds)
         latent = d.get("moe_latent_size")
         if latent is not None and (isinstance(latent, bool) or not isinstance(latent, int) or latent < 1):
             raise ConfigError(f"config.moe_latent_size: expected an integer >= 1 or null, got {latent!r}")
@@ -108,7 +109,7 @@ class NemotronHConfig:
         kernel = _legacy(d, "mamba_d_conv", "conv_kernel", 4)
         if kernel < 1:
             raise ConfigError(f"config.conv_kernel: must be >= 1, got {kernel}")
-        n_experts = _get(d, "n_routed_experts", 8, int)
+        n_experts = layout.n_routed
         n_group = _get(d, "n_group", 1, int)
         if n_group < 1 or n_experts % n_group:
             raise ConfigError(f"config.n_group: {n_group} must be >= 1 and divide n_routed_experts={n_experts}")
@@ -121,7 +122,7 @@ class NemotronHConfig:
         return cls(
             vocab_size=_get(d, "vocab_size", 131072, int),
             hidden_size=hidden,
-            num_hidden_layers=n,
+            num_hidden_layers=len(layout.layer_ids),
             layer_kinds=kinds,
             num_attention_heads=heads,
             num_key_value_heads=_get(d, "num_key_value_heads", 8, int),
@@ -142,7 +143,7 @@ class NemotronHConfig:
             use_bias=bool(_get(d, "use_bias", False, bool)),
             time_step_min=float(dt_min),
             num_experts=n_experts,
-            num_experts_per_tok=top_k(d, n_experts, "n_routed_experts", 2),
+            num_experts_per_tok=layout.top_k,
             moe_intermediate_size=_get(d, "moe_intermediate_size", 7688, int),
             moe_shared_expert_intermediate_size=_get(d, "moe_shared_expert_intermediate_size", 7688, int),
             n_group=n_group,
@@ -150,7 +151,7 @@ class NemotronHConfig:
             norm_topk_prob=bool(_get(d, "norm_topk_prob", True, bool)),
             routed_scaling_factor=float(_get(d, "routed_scaling_factor", 1.0, (int, float))),
             num_nextn_predict_layers=_get(d, "num_nextn_predict_layers", 0, int),
-            moe_layers=tuple(i for i, kind in enumerate(kinds) if kind == "moe"),
+            moe_layers=layout.moe_layers,
             moe_latent_size=latent,
         )
 
@@ -161,24 +162,14 @@ def _legacy(d: dict, old: str, new: str, default, kind=int):
 
 
 def _layer_kinds(d: dict) -> tuple[str, ...]:
-    """Each layer's kind: `layers_block_type` (its alias `layer_types`), else `hybrid_override_pattern`, else
-    transformers' default [mamba, moe, attention, mlp]."""
+    """Each layer's kind, for its token mixer (the layout gives only which layers are MoE): `layers_block_type` (its
+    alias `layer_types`), else `hybrid_override_pattern`, else transformers' default [mamba, moe, attention, mlp].
+    The registry's reader (`nemotron_h_layout`) has refused what these do not name."""
     field = next((f for f in ("layers_block_type", "layer_types") if d.get(f) is not None), None)
     if field is not None:
-        kinds = d[field]
-        if not isinstance(kinds, list) or not kinds or any(k not in KINDS for k in kinds):
-            raise ConfigError(f"config.{field}: expected a list of {', '.join(KINDS)}, got {kinds!r}"[:300])
-        return tuple(KINDS[k] for k in kinds)
+        return tuple(KINDS[k] for k in d[field])
     pattern = d.get("hybrid_override_pattern")
-    if pattern is None:
-        return ("mamba", "moe", "attention", "mlp")
-    if not isinstance(pattern, str) or not pattern or any(c not in PATTERN for c in pattern):
-        raise ConfigError(f"config.hybrid_override_pattern: expected a string of {''.join(PATTERN)}, got "
-                          f"{pattern!r}"[:300])
-    n = d.get("num_hidden_layers")
-    if n is not None and n != len(pattern):
-        raise ConfigError(f"config.hybrid_override_pattern: {len(pattern)} layers, but num_hidden_layers={n}")
-    return tuple(PATTERN[c] for c in pattern)
+    return ("mamba", "moe", "attention", "mlp") if pattern is None else tuple(PATTERN[c] for c in pattern)
 
 
 class NemotronHMoE(nn.Module):
@@ -234,7 +225,7 @@ class NemotronHBlock(nn.Module):
             self.self_attn = GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                                          cfg.head_dim, qkv_bias=False, o_bias=False, qk_norm=False,
                                          rms_norm_eps=cfg.rms_norm_eps, dtype=dtype, tp=tp, use_rope=False)
-        elif self.kind == "moe":
+        elif layer_id in cfg.moe_layers:     # the layout's MoE layers: its "moe" blocks
             self.mlp = NemotronHMoE(cfg, plan, layer_id, dtype)
         else:
             self.mlp = UngatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_act, cfg.mlp_bias, dtype, tp=tp)

@@ -80,7 +80,7 @@ def test_an_expert_beyond_the_zero_computation_ones_is_refused_by_name(ckpt, tmp
     (dict(router_bias=True), r"config\.router_bias: true not supported"),
     (dict(head_dim=16), r"config\.head_dim: 16 must equal qk_rope_head_dim=8"),
     (dict(qk_head_dim=20), r"config\.qk_head_dim: 20 must be qk_nope_head_dim \+ qk_rope_head_dim = 16"),
-    (dict(moe_topk=13), r"config\.moe_topk: 13 must be in \[1, n_routed_experts \+ zero_expert_num=12\]"),
+    (dict(moe_topk=13), r"config\.moe_topk: 13 exceeds the number of experts \(8 routed and 4 zero-computation ones\)"),
     (dict(num_layers=DROP, num_hidden_layers=3), r"config\.num_hidden_layers: 3 is not twice a number of layers"),
     (dict(rope_interleave=False), r"config\.rope_interleave: False not supported"),
 ])
