@@ -118,8 +118,6 @@ class Cohere2MoeConfig(QwenMoeConfig):
             num_experts_per_tok=layout.top_k,
             moe_intermediate_size=width,
             norm_topk_prob=bool(_get(d, "norm_topk_prob", True, bool)),
-            decoder_sparse_step=1,
-            mlp_only_layers=(),
             qkv_bias=bias,
             o_bias=bias,
             qk_norm=False,

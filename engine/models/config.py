@@ -37,15 +37,6 @@ def moe_layout(reader, d: dict):
         raise ConfigError(str(e)) from None
 
 
-def top_k(d: dict, n_experts: int, experts_field: str, default=_MISSING, *, field: str = "num_experts_per_tok") -> int:
-    """num_experts_per_tok (a family's own name for it: `field`), which must be in [1, n_experts] (`experts_field`
-    names the count in the error)."""
-    k = get_field(d, field, default, int)
-    if not 0 < k <= n_experts:
-        raise ConfigError(f"config.{field}: {k} must be in [1, {experts_field}={n_experts}]")
-    return k
-
-
 def per_layer(d: dict, name: str, n_layers: int, choices: tuple[str, ...], default: list[str]) -> list[str]:
     """A list with one of `choices` per layer (`layer_types`, `mlp_layer_types`); `default` when absent or null."""
     value = d.get(name)
@@ -88,7 +79,7 @@ def windowed_layer_types(d: dict, n_layers: int, every_field: str, every_default
     return ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n_layers)]
 
 
-def common_fields(d: dict, *, vocab_size: int, hidden_size: int, num_hidden_layers: int, num_attention_heads: int,
+def common_fields(d: dict, *, vocab_size: int, hidden_size: int, num_attention_heads: int,
                   num_key_value_heads: int, head_dim: int, max_position_embeddings: int, rms_norm_eps: float = 1e-6,
                   tie_word_embeddings: bool = False) -> dict:
     """The fields every decoder's config names, read with the family's transformers defaults (the keyword arguments):
@@ -100,7 +91,6 @@ def common_fields(d: dict, *, vocab_size: int, hidden_size: int, num_hidden_laye
     return dict(
         vocab_size=get_field(d, "vocab_size", vocab_size, int),
         hidden_size=get_field(d, "hidden_size", hidden_size, int),
-        num_hidden_layers=get_field(d, "num_hidden_layers", num_hidden_layers, int),
         num_attention_heads=get_field(d, "num_attention_heads", num_attention_heads, int),
         num_key_value_heads=get_field(d, "num_key_value_heads", num_key_value_heads, int),
         head_dim=get_field(d, "head_dim", head_dim, int),

@@ -45,7 +45,7 @@ class FlintConfig(QwenMoeConfig):
         """transformers' FlintConfig defaults where a checkpoint may leave a field out."""
         layout = moe_layout(flint_layout, d)          # the registry's reader of the layer and expert fields
         n = len(layout.layer_ids)
-        common = dict(common_fields(d, vocab_size=150144, hidden_size=2048, num_hidden_layers=49,
+        common = dict(common_fields(d, vocab_size=150144, hidden_size=2048,
                                     num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                                     max_position_embeddings=262144), num_hidden_layers=n)
         types = per_layer(d, "layer_types", n, LAYER_TYPES,
@@ -66,8 +66,6 @@ class FlintConfig(QwenMoeConfig):
             num_experts_per_tok=layout.top_k,
             moe_intermediate_size=_get(d, "moe_intermediate_size", 512, int),
             norm_topk_prob=bool(_get(d, "norm_topk_prob", True, bool)),
-            decoder_sparse_step=1,             # Qwen's terms for the layout: its dense layers "MLP only"
-            mlp_only_layers=tuple(i for i in layout.layer_ids if i not in layout.moe_layers),
             qkv_bias=bias,
             o_bias=bias,
             qk_norm=True,

@@ -106,8 +106,6 @@ class HunyuanMoeConfig(QwenMoeConfig):
             num_experts=layout.n_routed,
             num_experts_per_tok=layout.top_k,
             moe_intermediate_size=width,
-            decoder_sparse_step=1,
-            mlp_only_layers=(),
             moe_layers=layout.moe_layers,
             num_key_value_heads=_get(d, "num_key_value_heads", heads, int),
             head_dim=head_dim,

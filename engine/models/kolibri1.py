@@ -51,7 +51,7 @@ class Kolibri1Config(QwenMoeConfig):
         """transformers' Kolibri1Config defaults where a checkpoint may leave a field out."""
         layout = moe_layout(kolibri1_layout, d)          # the registry's reader of the layer and expert fields
         n = len(layout.layer_ids)
-        common = dict(common_fields(d, vocab_size=128000, hidden_size=2560, num_hidden_layers=50,
+        common = dict(common_fields(d, vocab_size=128000, hidden_size=2560,
                                     num_attention_heads=48, num_key_value_heads=4, head_dim=128,
                                     max_position_embeddings=262144), num_hidden_layers=n)
         types = per_layer(d, "layer_types", n, LAYER_TYPES,
@@ -74,8 +74,6 @@ class Kolibri1Config(QwenMoeConfig):
             num_experts_per_tok=layout.top_k,
             moe_intermediate_size=width,
             norm_topk_prob=bool(_get(d, "norm_topk_prob", False, bool)),
-            decoder_sparse_step=1,
-            mlp_only_layers=(),
             qkv_bias=False,
             o_bias=False,
             qk_norm=True,

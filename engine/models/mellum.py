@@ -41,7 +41,7 @@ class MellumConfig(QwenMoeConfig, RopesByKind):
         """transformers' MellumConfig defaults where a checkpoint may leave a field out."""
         layout = moe_layout(mellum_layout, d)          # the registry's reader of the layer and expert fields
         n = len(layout.layer_ids)
-        common = dict(common_fields(d, vocab_size=98304, hidden_size=2304, num_hidden_layers=28,
+        common = dict(common_fields(d, vocab_size=98304, hidden_size=2304,
                                     num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                                     max_position_embeddings=131072), num_hidden_layers=n)
         head_dim = common["head_dim"]
@@ -65,8 +65,6 @@ class MellumConfig(QwenMoeConfig, RopesByKind):
             num_experts_per_tok=layout.top_k,
             moe_intermediate_size=_get(d, "moe_intermediate_size", 896, int),
             norm_topk_prob=bool(_get(d, "norm_topk_prob", True, bool)),
-            decoder_sparse_step=1,
-            mlp_only_layers=(),
             qkv_bias=bias,
             o_bias=bias,
             qk_norm=True,

@@ -25,7 +25,7 @@ from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from .causal_lm import CausalLM, DecoderLayer
 from ...service.rules.layouts import MoeLayout, qwen2_moe_layout, qwen3_moe_layout
-from .config import ConfigError, get_field as _get, moe_layout, read_rope, top_k
+from .config import ConfigError, get_field as _get, moe_layout, read_rope
 
 
 @dataclass(frozen=True)
@@ -53,9 +53,6 @@ class QwenMoeConfig:
     shared_expert_intermediate_size: int = 0   # Qwen2-MoE; 0 = no shared expert
     shared_intermediate_size: int = 0          # an ungated shared MLP (SharedMlpMoeBlock); 0 = none
     moe_layers: tuple[int, ...] = field(default=())
-    # Unread (the MoE layers are moe_layers, the registry's reading): kept for the families that still pass them.
-    decoder_sparse_step: int = 1
-    mlp_only_layers: tuple[int, ...] = ()
     sliding_window: int | None = None          # Mixtral's (models/mixtral.py); the Qwen families refuse theirs
     qk_norm_span: str = "head"                 # OLMoE (models/olmoe.py): "projection", one norm over all heads
     clip_qkv: float | None = None              # OLMoE: q, k, v clamped to +-clip_qkv
@@ -101,30 +98,6 @@ class QwenMoeConfig:
                                              if layout.n_shared else 0),
             moe_layers=layout.moe_layers,
         )
-
-
-def sparse_layers(d: dict, n_layers: int, n_experts: int) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
-    """(decoder_sparse_step, mlp_only_layers, the MoE layers) of a Qwen config: layer i is sparse iff it is not
-    in mlp_only_layers and (i + 1) % decoder_sparse_step == 0 (and there are experts)."""
-    step = _get(d, "decoder_sparse_step", 1, int)
-    if step < 1:
-        raise ConfigError(f"config.decoder_sparse_step: must be >= 1, got {step}")
-    mlp_only = tuple(_get(d, "mlp_only_layers", [], list))
-    return step, mlp_only, tuple(i for i in range(n_layers) if n_experts > 0 and i not in mlp_only
-                                 and (i + 1) % step == 0)
-
-
-def every_layer_moe_fields(d: dict, *, experts_field: str, rms_norm_eps: float, max_position_embeddings: int,
-                           rope_theta: float) -> dict:
-    """`moe_fields` of a family that reads its layer and expert fields itself (every layer MoE, `experts_field`
-    experts, no shared expert)."""
-    n_layers = _get(d, "num_hidden_layers", kind=int)
-    n_experts = _get(d, experts_field, kind=int)
-    k = top_k(d, n_experts, experts_field)
-    layers = tuple(range(n_layers))
-    return dict(moe_fields(d, MoeLayout(layers, layers, n_experts, 0, k), rms_norm_eps=rms_norm_eps,
-                           max_position_embeddings=max_position_embeddings, rope_theta=rope_theta),
-                decoder_sparse_step=1, mlp_only_layers=())
 
 
 def moe_fields(d: dict, layout: MoeLayout, *, rms_norm_eps: float, max_position_embeddings: int,

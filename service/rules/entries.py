@@ -117,7 +117,7 @@ FAMILIES: dict[str, Family] = {
                fused_architecture="DeepseekV3ForCausalLM"),
         Family("deepseek_nextn", layouts.deepseek_nextn_layout, gates.deepseek_gate, True),
         Family("glm4_moe", layouts.glm4_moe_layout, gates.glm4_moe_gate, True),
-        Family("glm4_moe_nextn", layouts.deepseek_nextn_layout, gates.glm4_moe_gate, True),
+        Family("glm4_moe_nextn", layouts.glm4_moe_nextn_layout, gates.glm4_moe_gate, True),
         Family("qwen2_moe", layouts.qwen2_moe_layout, gates.qwen2_moe_gate, True),
         Family("qwen3_moe", layouts.qwen3_moe_layout, None, False),
         # A dense decoder (no experts), e.g. SGLang's standalone Qwen3 draft beside a Qwen3-MoE target

@@ -112,6 +112,15 @@ def deepseek_nextn_layout(cfg: ConfigView) -> MoeLayout:
     return MoeLayout(ids, ids, n_routed, n_shared, top_k)
 
 
+def glm4_moe_nextn_layout(cfg: ConfigView) -> MoeLayout:
+    """A GLM-4-MoE NextN draft: its num_nextn_predict_layers MoE layers after the target's, with the target's expert
+    fields as GLM-4-MoE names and defaults them (one shared expert unless the config says otherwise)."""
+    target = glm4_moe_layout(cfg)
+    n_nextn = cfg.int("num_nextn_predict_layers", 1, minimum=1, maximum=MAX_LAYERS)
+    ids = tuple(range(len(target.layer_ids), len(target.layer_ids) + n_nextn))
+    return MoeLayout(ids, ids, target.n_routed, target.n_shared, target.top_k)
+
+
 def qwen_nextn_layout(cfg: ConfigView) -> MoeLayout:
     """A Qwen3-Next or Qwen3.5 MTP draft: its num_nextn_predict_layers MoE layers after the target's (Qwen's expert
     fields). Qwen3.5's config.json counts them as mtp_num_hidden_layers."""
@@ -407,8 +416,14 @@ def step3p5_layout(cfg: ConfigView) -> MoeLayout:
 
 def _named(cfg: ConfigView, name: str, *aliases: str) -> str:
     """The field the config gives: `name`, else the first of its `aliases` it has (else `name`, for its default or
-    its refusal as missing)."""
-    return next((x for x in (name, *aliases) if cfg.has(x)), name)
+    its refusal as missing). Two of the names with different values are refused: which one a model reads differs
+    (transformers' attribute maps take the alias), so the layout would be a guess."""
+    given = [x for x in (name, *aliases) if cfg.has(x)]
+    for other in given[1:]:
+        if cfg.raw(other) != cfg.raw(given[0]):
+            raise InvalidArgument(cfg.field(other), f"{quote(cfg.raw(other))} disagrees with "
+                                  f"{cfg.field(given[0])}={quote(cfg.raw(given[0]))} (two names of one field)")
+    return given[0] if given else name
 
 
 def sarvam_mla_layout(cfg: ConfigView) -> MoeLayout:

@@ -11,6 +11,7 @@ from loadplan.service.rules.layouts import (afmoe_layout, axk1_layout, bailing_h
                                             dbrx_layout,
                                             deepseek_layout, deepseek_nextn_layout, ernie4_5_moe_layout,
                                             every_layer_moe_layout, exaone_moe_layout, flint_layout,
+                                            glm4_moe_nextn_layout,
                                             granitemoe_hybrid_layout,
                                             hunyuan_v1_moe_layout, hy_v3_layout,
                                             jamba_layout, kimi_linear_layout, kolibri1_layout, laguna_layout,
@@ -68,6 +69,31 @@ def test_nextn_layers_follow_the_target():
     assert lay.layer_ids == (61, 62) and lay.moe_layers == (61, 62)
     cfg = deepseek(num_hidden_layers=61)
     assert deepseek_nextn_layout(ConfigView(cfg)).layer_ids == (61,)  # one MTP module by default
+
+
+def test_glm4_nextn_layers_follow_the_target_under_glm_names_and_defaults():
+    # GLM-4-MoE's config leaves n_shared_experts out at one shared expert and spells the experts num_local_experts
+    # too (DeepSeek's reader would say no shared expert): the draft's rules and the engine read it as GLM does.
+    cfg = {"num_hidden_layers": 46, "num_local_experts": 128, "num_experts_per_tok": 8, "num_nextn_predict_layers": 1}
+    lay = glm4_moe_nextn_layout(ConfigView(cfg))
+    assert lay.layer_ids == lay.moe_layers == (46,)
+    assert (lay.n_routed, lay.n_shared, lay.top_k) == (128, 1, 8)
+    assert entries.FAMILIES["glm4_moe_nextn"].layout is glm4_moe_nextn_layout
+
+
+@pytest.mark.parametrize("fields,refused", [
+    ({"n_routed_experts": 16, "num_experts": 8}, "config.num_experts"),
+    ({"n_shared_experts": 1, "num_shared_experts": 2}, "config.num_shared_experts"),
+])
+def test_two_names_of_one_field_that_disagree_are_refused(fields, refused):
+    with pytest.raises(InvalidArgument) as info:
+        sarvam_mla_layout(ConfigView({"num_hidden_layers": 6, **fields}))
+    assert info.value.field == refused and "two names of one field" in info.value.message
+
+
+def test_two_names_of_one_field_that_agree_are_read():
+    lay = sarvam_mla_layout(ConfigView({"num_hidden_layers": 6, "n_routed_experts": 16, "num_experts": 16}))
+    assert lay.n_routed == 16
 
 
 @pytest.mark.parametrize("fields,moe", [
