@@ -20,7 +20,7 @@ from ..layers.norm import WeightFirstRMSNorm
 from ..parallel.tensor import TensorParallel
 from .causal_lm import DeclaredCausalLM, DecoderLayer
 from ...service.rules.layouts import olmoe_layout
-from .config import ConfigError, get_field as _get, moe_layout
+from .config import ConfigError, get_field as _get, moe_layout, read_rope
 from .olmoe import OLMOE_NAMES
 from .qwen_moe import QwenMoeConfig, QwenSparseMoeBlock, moe_fields
 
@@ -33,7 +33,7 @@ def flex_olmo_config(d: dict) -> QwenMoeConfig:
     if d.get("clip_qkv") is not None:
         raise ConfigError(f"config.clip_qkv: {d['clip_qkv']!r} is not supported; FlexOlmo does not clip q, k, v")
     common = moe_fields(d, moe_layout(olmoe_layout, d), rms_norm_eps=1e-6, max_position_embeddings=4096,
-                        rope_theta=10000.0)
+                        rope=read_rope(d, default_theta=10000.0))
     hidden, heads = common["hidden_size"], common["num_attention_heads"]
     bias = bool(_get(d, "attention_bias", False, bool))
     return QwenMoeConfig(

@@ -34,7 +34,7 @@ from ..shown_tensors import ShownTensors
 from ..stacked_experts import StackedExperts
 from ..weights import CheckpointNames, ShapeMismatch
 from ...service.rules.layouts import granitemoe_shared_layout, mixtral_layout
-from .config import ConfigError, get_field as _get, moe_layout, per_layer, sliding_window
+from .config import ConfigError, get_field as _get, moe_layout, per_layer, read_rope, sliding_window
 from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, SharedMlpMoeBlock, moe_fields
 
 ARCHITECTURE = "GraniteMoeForCausalLM"
@@ -74,7 +74,8 @@ class GraniteMoeConfig(QwenMoeConfig):
         if reader is None:
             reader = mixtral_layout if architecture == ARCHITECTURE else granitemoe_shared_layout
         layout = moe_layout(reader, d)
-        common = moe_fields(d, layout, rms_norm_eps=1e-6, max_position_embeddings=2048, rope_theta=10000.0)
+        common = moe_fields(d, layout, rms_norm_eps=1e-6, max_position_embeddings=2048,
+                            rope=read_rope(d, default_theta=10000.0))
         hidden, heads = common["hidden_size"], common["num_attention_heads"]
         multipliers = {name: float(_get(d, name, 1.0, (int, float)))
                        for name in ("embedding_multiplier", "attention_multiplier", "residual_multiplier",

@@ -22,12 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..layers.mlp import activation
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM
 from ...service.rules.layouts import hunyuan_v1_moe_layout
 from .config import ConfigError, get_field as _get, moe_layout, read_rope
-from .qwen_moe import Float32RouterMoeBlock, QwenDecoderLayer, QwenMoeConfig
+from .qwen_moe import Float32RouterMoeBlock, QwenDecoderLayer, QwenMoeConfig, moe_fields
 
 ARCHITECTURE = "HunYuanMoEV1ForCausalLM"
 
@@ -86,27 +85,15 @@ class HunyuanMoeConfig(QwenMoeConfig):
         if layout.n_shared != 1:
             raise ConfigError(f"config.num_shared_expert: {layout.n_shared} is not supported; one shared MLP of "
                               f"intermediate_size per layer (as in transformers)")
-        hidden, heads = _get(d, "hidden_size", kind=int), _get(d, "num_attention_heads", kind=int)
-        act = _get(d, "hidden_act", "silu", str)
-        activation(act)   # refuses unknown activations by name
+        # its NTK-alpha is this family's reading of the rotary fields
+        common = moe_fields(d, layout, rms_norm_eps=1e-5, max_position_embeddings=2048,
+                            rope=read_rope(d, default_theta=10000.0, ntk_alpha=True))
+        hidden, heads = common["hidden_size"], common["num_attention_heads"]
         head_dim = _get(d, "head_dim", None, int) or _get(d, "attention_head_dim", hidden // heads, int)
         bias = bool(_get(d, "attention_bias", False, bool))
         return cls(
             architecture=architecture,
-            vocab_size=_get(d, "vocab_size", kind=int),
-            hidden_size=hidden,
-            intermediate_size=width,
-            num_hidden_layers=n_layers,
-            num_attention_heads=heads,
-            rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-5)),
-            hidden_act=act,
-            max_position_embeddings=_get(d, "max_position_embeddings", 2048, int),
-            tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
-            rope=read_rope(d, default_theta=10000.0, ntk_alpha=True),   # its NTK-alpha is this family's reading
-            num_experts=layout.n_routed,
-            num_experts_per_tok=layout.top_k,
-            moe_intermediate_size=width,
-            moe_layers=layout.moe_layers,
+            **common,
             num_key_value_heads=_get(d, "num_key_value_heads", heads, int),
             head_dim=head_dim,
             norm_topk_prob=True,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ..weights import CheckpointNames
 from ...service.rules.layouts import mixtral_layout
-from .config import ConfigError, get_field as _get, moe_layout
+from .config import ConfigError, get_field as _get, moe_layout, read_rope
 from .qwen_moe import QwenLayerCausalLM, QwenMoeConfig, moe_fields
 
 ARCHITECTURE = "MixtralForCausalLM"
@@ -34,7 +34,7 @@ def mixtral_config(d: dict) -> QwenMoeConfig:
     """Mixtral's config.json as the layer's config; transformers' MixtralConfig defaults where a real
     checkpoint may leave a field out (rms_norm_eps, rope theta, hidden_act, head_dim)."""
     common = moe_fields(d, moe_layout(mixtral_layout, d), rms_norm_eps=1e-5, max_position_embeddings=4096 * 32,
-                        rope_theta=1e6)
+                        rope=read_rope(d, default_theta=1e6))
     window = _get(d, "sliding_window", None, int)
     if window is not None and window < 1:
         raise ConfigError(f"config.sliding_window: must be >= 1 or null, got {window}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ..weights import CheckpointNames
 from ...service.rules.layouts import olmoe_layout
-from .config import ConfigError, get_field as _get, moe_layout
+from .config import ConfigError, get_field as _get, moe_layout, read_rope
 from .qwen_moe import QwenLayerCausalLM, QwenMoeConfig, moe_fields
 
 ARCHITECTURE = "OlmoeForCausalLM"
@@ -32,7 +32,7 @@ def olmoe_config(d: dict) -> QwenMoeConfig:
     """OLMoE's config.json as the layer's config; transformers' OlmoeConfig defaults where a checkpoint may
     leave a field out (rms_norm_eps, rope theta, hidden_act, attention_bias, clip_qkv, norm_topk_prob)."""
     common = moe_fields(d, moe_layout(olmoe_layout, d), rms_norm_eps=1e-5, max_position_embeddings=4096,
-                        rope_theta=10000.0)
+                        rope=read_rope(d, default_theta=10000.0))
     hidden, heads = common["hidden_size"], common["num_attention_heads"]
     # transformers sizes q_norm by hidden_size and k_norm by (hidden_size // heads) * kv heads: the heads
     # are hidden_size // heads wide, whatever a head_dim field says.

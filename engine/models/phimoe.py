@@ -42,13 +42,12 @@ class PhimoeConfig(QwenMoeConfig):
     @classmethod
     def from_hf(cls, d: dict, architecture: str = ARCHITECTURE) -> "PhimoeConfig":
         """transformers' PhimoeConfig defaults where a checkpoint may leave a field out."""
-        no_rope = {name: v for name, v in d.items() if name not in ("rope_scaling", "rope_parameters")}
         layout = moe_layout(mixtral_layout, d)
         if layout.top_k != 2:
             raise ConfigError(f"config.num_experts_per_tok: {layout.top_k} is not supported; "
                               f"Phi-3.5-MoE's sparsemixer routes every token to exactly 2 experts")
-        common = moe_fields(no_rope, layout, rms_norm_eps=1e-5, max_position_embeddings=4096 * 32, rope_theta=1e6)
-        common["rope"] = read_rope(d, default_theta=1e6, longrope=True)
+        common = moe_fields(d, layout, rms_norm_eps=1e-5, max_position_embeddings=4096 * 32,
+                            rope=read_rope(d, default_theta=1e6, longrope=True))
         jitter = float(_get(d, "router_jitter_noise", 0.01, (int, float)))
         if jitter < 0:
             raise ConfigError(f"config.router_jitter_noise: must be >= 0, got {jitter}")

@@ -101,10 +101,11 @@ class QwenMoeConfig:
 
 
 def moe_fields(d: dict, layout: MoeLayout, *, rms_norm_eps: float, max_position_embeddings: int,
-               rope_theta: float) -> dict:
+               rope: RopeConfig) -> dict:
     """The `QwenMoeConfig` fields Mixtral, OLMoE and their kin read alike: the layers, the MoE ones and the expert
     counts of `layout` (the registry's reading: `moe_layout`), experts of width intermediate_size; the keyword
-    arguments are the family's transformers defaults for fields a checkpoint may leave out."""
+    arguments are the family's transformers defaults for fields a checkpoint may leave out, and its rotary
+    embedding as it reads it (`read_rope`)."""
     width = _get(d, "intermediate_size", kind=int)
     act = _get(d, "hidden_act", "silu", str)
     activation(act)   # refuses unknown activations by name
@@ -118,7 +119,7 @@ def moe_fields(d: dict, layout: MoeLayout, *, rms_norm_eps: float, max_position_
         hidden_act=act,
         max_position_embeddings=_get(d, "max_position_embeddings", max_position_embeddings, int),
         tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
-        rope=read_rope(d, default_theta=rope_theta),
+        rope=rope,
         num_experts=layout.n_routed,
         num_experts_per_tok=layout.top_k,
         moe_intermediate_size=width,

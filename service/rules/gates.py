@@ -90,7 +90,7 @@ def deepseek_gate(ctx: GateContext) -> Verdict | None:
 
 
 def glm4_moe_gate(ctx: GateContext) -> Verdict | None:
-    rt, lay, q = ctx.runtime, ctx.layout, ctx.quantization
+    lay, q = ctx.layout, ctx.quantization
     if ctx.entry_class != ctx.fused_architecture:
         return Verdict("glm4_moe.structural.architecture",
                        f"{ctx.entry_class} is not the fused architecture {ctx.fused_architecture}")
