@@ -16,11 +16,10 @@ reads neither). Its fusion gate is GLM-4-MoE's (the registry).
 
 from __future__ import annotations
 
-import dataclasses
 
 from ...service.rules.layouts import glm4_moe_lite_layout
 from .config import moe_layout
-from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, first_moe_layer
+from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 
 ARCHITECTURE = "Glm4MoeLiteForCausalLM"
 # transformers' Glm4MoeLiteConfig where DeepSeek-V3's reader would assume otherwise (its layer and expert fields:
@@ -32,13 +31,8 @@ DEFAULTS = {"routed_scaling_factor": 1.8, "n_group": 1, "topk_group": 1, "norm_t
 def glm4_moe_lite_config(d: dict) -> DeepseekV3Config:
     layout = moe_layout(glm4_moe_lite_layout, d)     # the registry's reader of the layer and expert fields
     given = {k: v for k, v in d.items() if v is not None}
-    # DeepSeek-V3's reading of the rest, handed the layout under its names (which its reader reads back as they are);
-    # the MoE layers are the layout's, which DeepSeek's count need not spell.
-    cfg = DeepseekV3Config.from_hf(dict(
-        {**DEFAULTS, **given}, num_hidden_layers=len(layout.layer_ids), n_routed_experts=layout.n_routed,
-        n_shared_experts=layout.n_shared, num_experts_per_tok=layout.top_k,
-        first_k_dense_replace=first_moe_layer(layout), moe_layer_freq=1), "DeepseekV3ForCausalLM")
-    return dataclasses.replace(cfg, moe_layers=layout.moe_layers)
+    # DeepSeek-V3's reading of the rest, its layers and experts the layout's.
+    return DeepseekV3Config.from_layout({**DEFAULTS, **given}, layout, "DeepseekV3ForCausalLM")
 
 
 class Glm4MoeLiteForCausalLM(DeepseekV3ForCausalLM):

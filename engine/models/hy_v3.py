@@ -26,7 +26,7 @@ from ..weights import CheckpointNames
 from .causal_lm import DecoderLayer
 from ...service.rules.layouts import hy_v3_layout
 from .config import ConfigError, get_field as _get, moe_layout
-from .deepseek_v3 import first_moe_layer, moe_or_dense_mlp
+from .deepseek_v3 import moe_or_dense_mlp
 from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
 
 ARCHITECTURE = "HYV3ForCausalLM"
@@ -53,22 +53,18 @@ class HYV3Config(Glm4MoeConfig):
             raise ConfigError("config.mlp_bias: true is not supported; HY-V3's MLPs have no bias")
         rope = {} if d.get("rope_parameters") or d.get("rope_theta") is not None else {"rope_theta": 11_158_840.0}
         layout = moe_layout(hy_v3_layout, d)          # the registry's reader of the layer and expert fields
-        # Glm4MoeConfig reads the other fields both share, under GLM's names, with HY-V3's defaults, and is handed
-        # the layout under GLM's names (its reader reads them back as they are; the MoE layers are the layout's,
-        # which GLM's count need not spell); its router has one group, whatever the config says (transformers'
+        # Glm4MoeConfig reads the other fields both share, under GLM's names, with HY-V3's defaults; its layers and
+        # experts are the layout's; its router has one group, whatever the config says (transformers'
         # HYV3TopKRouter has none).
-        glm = Glm4MoeConfig.from_hf(dict(
-            d, **rope, num_hidden_layers=len(layout.layer_ids), n_routed_experts=layout.n_routed,
-            n_shared_experts=layout.n_shared, num_experts_per_tok=layout.top_k,
-            first_k_dense_replace=first_moe_layer(layout), moe_layer_freq=1, n_group=1, topk_group=1,
+        glm = Glm4MoeConfig.from_layout(dict(
+            d, **rope, n_group=1, topk_group=1,
             norm_topk_prob=True, routed_scaling_factor=float(_get(d, "router_scaling_factor", 2.826, (int, float))),
             partial_rotary_factor=1.0, use_qk_norm=True, vocab_size=d.get("vocab_size", 120832),
             hidden_size=d.get("hidden_size", 4096), intermediate_size=d.get("intermediate_size", 13312),
             num_attention_heads=d.get("num_attention_heads", 64), num_key_value_heads=d.get("num_key_value_heads", 8),
             head_dim=_get(d, "head_dim", 128, int), moe_intermediate_size=d.get("moe_intermediate_size", 1536),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-5)))
-        return cls(**dict({f.name: getattr(glm, f.name) for f in dataclasses.fields(Glm4MoeConfig)},
-                          moe_layers=layout.moe_layers),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-5)), layout)
+        return cls(**{f.name: getattr(glm, f.name) for f in dataclasses.fields(Glm4MoeConfig)},
                    moe_fp32_combine=bool(_get(d, "enable_moe_fp32_combine", True, bool)))
 
 

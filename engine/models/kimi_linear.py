@@ -32,7 +32,7 @@ from ..weights import CheckpointNames
 from .causal_lm import CausalLM, DecoderLayer
 from ...service.rules.layouts import kimi_linear_layout
 from .config import ConfigError, get_field as _get, moe_layout, per_layer
-from .deepseek_v3 import DeepseekV3Config, first_moe_layer, moe_or_dense_mlp
+from .deepseek_v3 import DeepseekV3Config, moe_or_dense_mlp
 
 ARCHITECTURE = "KimiLinearForCausalLM"
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -115,14 +115,8 @@ def deepseek_fields_renamed(d: dict, layout, renamed: tuple, defaults: dict) -> 
         named[deepseek] = d[ours] if d.get(ours) is not None else d.get(deepseek, default)
     for field, default in defaults.items():
         named.setdefault(field, default)
-    # The layout under DeepSeek's names, for its checks (n_group must split the experts); its MoE layers, which
-    # mlp_layer_types may place where DeepSeek's first_k_dense_replace cannot, are set after.
-    named.update(num_hidden_layers=len(layout.layer_ids), n_routed_experts=layout.n_routed,
-                 n_shared_experts=layout.n_shared, num_experts_per_tok=layout.top_k,
-                 first_k_dense_replace=first_moe_layer(layout))
     try:
-        return dataclasses.replace(DeepseekV3Config.from_hf(named, "DeepseekV3ForCausalLM"),
-                                   moe_layers=layout.moe_layers)
+        return DeepseekV3Config.from_layout(named, layout, "DeepseekV3ForCausalLM")
     except ConfigError as e:   # name the fields as this config spells them
         message = str(e)
         for ours, deepseek, _ in renamed:

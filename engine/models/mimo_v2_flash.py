@@ -32,7 +32,7 @@ from ..weights import CheckpointNames
 from .causal_lm import DecoderLayer
 from ...service.rules.layouts import mimo_v2_flash_layout
 from .config import ConfigError, get_field as _get, moe_layout, per_layer
-from .deepseek_v3 import first_moe_layer, moe_or_dense_mlp
+from .deepseek_v3 import moe_or_dense_mlp
 from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
 
 ARCHITECTURE = "MiMoV2FlashForCausalLM"
@@ -62,17 +62,14 @@ class MiMoV2FlashConfig(Glm4MoeConfig):
         layout = moe_layout(mimo_v2_flash_layout, d)     # the registry's reader of the layer and expert fields
         scale = d.get("routed_scaling_factor")
         no_rope = {name: v for name, v in d.items() if name not in ("rope_scaling", "rope_parameters")}
-        # Glm4MoeConfig reads the other fields both share, with MiMo-V2-Flash's defaults, and is handed the layout
-        # under GLM's names (its reader reads them back as they are; the MoE layers are the layout's, which GLM's
-        # count need not spell); its rope is read below, by kind.
-        glm = Glm4MoeConfig.from_hf(dict(
-            no_rope, num_hidden_layers=len(layout.layer_ids), n_routed_experts=layout.n_routed,
-            n_shared_experts=layout.n_shared, num_experts_per_tok=layout.top_k,
-            first_k_dense_replace=first_moe_layer(layout), moe_layer_freq=1, partial_rotary_factor=1.0,
+        # Glm4MoeConfig reads the other fields both share, with MiMo-V2-Flash's defaults, its layers and experts the
+        # layout's; its rope is read below, by kind.
+        glm = Glm4MoeConfig.from_layout(dict(
+            no_rope, partial_rotary_factor=1.0,
             routed_scaling_factor=1.0 if scale is None else scale, norm_topk_prob=d.get("norm_topk_prob", True),
             head_dim=_get(d, "head_dim", 192, int), intermediate_size=d.get("intermediate_size", 16384),
             moe_intermediate_size=d.get("moe_intermediate_size", 2048),
-            max_position_embeddings=d.get("max_position_embeddings", 131072)))
+            max_position_embeddings=d.get("max_position_embeddings", 131072)), layout)
         n = glm.num_hidden_layers
         # the attention kind of each layer (the layout gives the MLP's)
         types = per_layer(d, "layer_types", n, LAYER_TYPES,
@@ -102,7 +99,7 @@ class MiMoV2FlashConfig(Glm4MoeConfig):
                                   f"head_dim={glm.head_dim} rotates {rotary} features; needs an even number >= 2")
             ropes.append((t, rope))
         return cls(**dict({f.name: getattr(glm, f.name) for f in dataclasses.fields(Glm4MoeConfig)},
-                          rope=dict(ropes).get("full_attention", ropes[0][1]), moe_layers=layout.moe_layers),
+                          rope=dict(ropes).get("full_attention", ropes[0][1])),
                    v_head_dim=_get(d, "v_head_dim", 128, int),
                    attention_value_scale=1.0 if value_scale is None else float(value_scale),
                    sliding_window=window, layer_types=tuple(types), ropes=tuple(ropes))

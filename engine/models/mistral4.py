@@ -24,7 +24,7 @@ import torch
 from ..stacked_experts import StackedExperts
 from ...service.rules.layouts import mistral4_layout
 from .config import ConfigError, moe_layout
-from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, first_moe_layer
+from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 
 ARCHITECTURE = "Mistral4ForCausalLM"
 
@@ -70,15 +70,12 @@ class Mistral4ForCausalLM(DeepseekV3ForCausalLM):
             raise ConfigError(f"config.rope_parameters.original_max_position_embeddings: expected a positive integer, "
                               f"got {original!r} (Mistral 4's query scaling counts positions in it)")
         layout = moe_layout(mistral4_layout, hf_config)   # the registry's reader of the layer and expert fields
-        # DeepSeek-V3's reading of the rest, handed the layout under its names (its reader reads them back as they
-        # are; the MoE layers are the layout's): its router read as V3's, then made Mistral 4's (softmax, no bias)
-        v3 = DeepseekV3Config.from_hf(dict(
-            d, rope_parameters=rope, scoring_func="sigmoid", topk_method="noaux_tc",
-            num_hidden_layers=len(layout.layer_ids), n_routed_experts=layout.n_routed,
-            n_shared_experts=layout.n_shared, num_experts_per_tok=layout.top_k,
-            first_k_dense_replace=first_moe_layer(layout), moe_layer_freq=1))
+        # DeepSeek-V3's reading of the rest, its layers and experts the layout's: its router read as V3's, then made
+        # Mistral 4's (softmax, no bias)
+        v3 = DeepseekV3Config.from_layout(dict(d, rope_parameters=rope, scoring_func="sigmoid", topk_method="noaux_tc"),
+                                          layout)
         return Mistral4Config(**dict({f.name: getattr(v3, f.name) for f in dataclasses.fields(DeepseekV3Config)},
-                                     moe_layers=layout.moe_layers, scoring_func="softmax"),
+                                     scoring_func="softmax"),
                               query_position_scale=(float(beta), original))
 
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):

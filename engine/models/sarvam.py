@@ -15,13 +15,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 from ..shown_tensors import ShownTensors
 from ..weights import CheckpointNames
 from ...service.rules.layouts import sarvam_mla_layout, sarvam_moe_layout
 from .config import ConfigError, moe_layout
-from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, first_moe_layer
+from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, refuse_moe_layer_freq
 from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
 
 # Sarvam's config.json names -> the ones the families read (transformers' attribute_map for both configs), for the
@@ -29,10 +28,9 @@ from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
 ALIASES = {"num_mtp_layers": "num_nextn_predict_layers", "use_qkv_bias": "attention_bias"}
 
 
-def with_family_names(d: dict, defaults: dict, layout) -> dict:
-    """config.json under the names the family reads, `defaults` where it gives neither name, and `layout` (the
-    registry's reading of its layer and expert fields) under DeepSeek's names, which the family's reader reads back
-    as they are. A field given under both names, differently, is refused (which one counts cannot be told)."""
+def with_family_names(d: dict, defaults: dict) -> dict:
+    """config.json under the names the family reads, `defaults` where it gives neither name. A field given under
+    both names, differently, is refused (which one counts cannot be told)."""
     out = dict(defaults)
     out.update({k: v for k, v in d.items() if k not in ALIASES})
     for alias, name in ALIASES.items():
@@ -41,9 +39,7 @@ def with_family_names(d: dict, defaults: dict, layout) -> dict:
         if d.get(name) is not None and d[name] != d[alias]:
             raise ConfigError(f"config.{alias}: {d[alias]!r} disagrees with {name}={d[name]!r} (the same field)")
         out[name] = d[alias]
-    return dict(out, num_hidden_layers=len(layout.layer_ids), n_routed_experts=layout.n_routed,
-                n_shared_experts=layout.n_shared, num_experts_per_tok=layout.top_k,
-                first_k_dense_replace=first_moe_layer(layout))
+    return out
 
 
 # transformers' SarvamMLAConfig defaults where they differ from DeepSeek-V3's, or where DeepSeek-V3's are required (its
@@ -62,15 +58,14 @@ class SarvamMLAForCausalLM(DeepseekV3ForCausalLM):
         # head_dim (the MLA cache width vLLM reads) and q_head_dim (derived): not read, as DeepSeek-V3's reading
         # reads neither
         layout = moe_layout(sarvam_mla_layout, hf_config)   # the registry's reader of the layer and expert fields
-        d = with_family_names(hf_config, SARVAM_MLA_DEFAULTS, layout)
+        d = with_family_names(hf_config, SARVAM_MLA_DEFAULTS)
         scaling = d.get("rope_scaling") or {}
         if "deepseek_yarn" in (scaling.get("type"), scaling.get("rope_type")):
             d.pop("rope_scaling")
             d["rope_parameters"] = {k: v for k, v in scaling.items() if k != "type"} | {"rope_type": "yarn"}
-        # DeepSeek-V3's reading of the rest, as DeepSeek-V3's (its refusals name the fields as they are spelled here);
-        # the MoE layers are the layout's (moe_layer_freq included), which DeepSeek's count need not spell
-        cfg = DeepseekV3Config.from_hf(dict(d, moe_layer_freq=1), "DeepseekV3ForCausalLM")
-        return dataclasses.replace(cfg, moe_layers=layout.moe_layers)
+        # DeepSeek-V3's reading of the rest (its refusals name the fields as they are spelled here); the layers and
+        # experts are the layout's (moe_layer_freq included)
+        return DeepseekV3Config.from_layout(d, layout, "DeepseekV3ForCausalLM")
 
 
 SARVAM_MOE_DEFAULTS = {"vocab_size": 262144, "intermediate_size": 8192, "num_attention_heads": 64,
@@ -94,11 +89,12 @@ class SarvamMoEForCausalLM(Glm4MoeForCausalLM):
 
     @classmethod
     def parse_config(cls, hf_config: dict) -> Glm4MoeConfig:
-        # the registry's reader of the layer and expert fields; GLM-4-MoE's refuses a moe_layer_freq other than 1
-        d = with_family_names(hf_config, SARVAM_MOE_DEFAULTS, moe_layout(sarvam_moe_layout, hf_config))
+        layout = moe_layout(sarvam_moe_layout, hf_config)   # the registry's reader of the layer and expert fields
+        refuse_moe_layer_freq(hf_config, "Sarvam-MoE (GLM-4-MoE's model)")
+        d = with_family_names(hf_config, SARVAM_MOE_DEFAULTS)
         if d.get("rope_theta") is None and not (d.get("rope_parameters") or {}).get("rope_theta"):
             d["rope_theta"] = SARVAM_MOE_THETA
-        return Glm4MoeConfig.from_hf(d)
+        return Glm4MoeConfig.from_layout(d, layout)
 
     def checkpoint_view(self, ckpt):
         cfg = self.config

@@ -19,7 +19,6 @@ import dataclasses
 
 from ...service.rules.layouts import solar_open_layout
 from .config import ConfigError, moe_layout
-from .deepseek_v3 import first_moe_layer
 from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
 
 ARCHITECTURE = "SolarOpenForCausalLM"
@@ -47,12 +46,9 @@ class SolarOpenConfig(Glm4MoeConfig):
             named["rope_theta"] = DEFAULTS["rope_theta"]
         named.setdefault("intermediate_size", 0)        # no dense layer to size
         layout = moe_layout(solar_open_layout, d)        # the registry's reader of the layer and expert fields
-        # Glm4MoeConfig reads the rest, handed the layout under GLM's names (its reader reads them back as they are)
-        glm = Glm4MoeConfig.from_hf(dict(
-            named, num_hidden_layers=len(layout.layer_ids), n_routed_experts=layout.n_routed,
-            n_shared_experts=layout.n_shared, num_experts_per_tok=layout.top_k,
-            first_k_dense_replace=first_moe_layer(layout), moe_layer_freq=1, partial_rotary_factor=1.0,
-            use_qk_norm=False, num_nextn_predict_layers=0))
+        # Glm4MoeConfig reads the rest, its layers and experts the layout's
+        glm = Glm4MoeConfig.from_layout(dict(named, partial_rotary_factor=1.0, use_qk_norm=False,
+                                             num_nextn_predict_layers=0), layout)
         return cls(**{f.name: getattr(glm, f.name) for f in dataclasses.fields(Glm4MoeConfig)})
 
 
