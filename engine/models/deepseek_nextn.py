@@ -19,7 +19,7 @@ class DeepseekV3ForCausalLMNextN(NextNDraft):
 
     @classmethod
     def parse_config(cls, hf_config: dict) -> DeepseekV3Config:
-        return mtp_config(hf_config, DeepseekV3Config.from_hf(hf_config, cls.ARCHITECTURE))
+        return mtp_config(DeepseekV3Config.from_hf(hf_config, cls.ARCHITECTURE))
 
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
         cfg = self.parse_config(hf_config)

@@ -28,7 +28,7 @@ from ..layers.mlp import activation
 from ..layers.rope import RopeConfig
 from ..parallel.tensor import TensorParallel
 from .causal_lm import CausalLM, DecoderLayer
-from ...service.rules.layouts import glm4_moe_layout
+from ...service.rules.layouts import glm4_moe_layout, glm4_moe_nextn_layout
 from .config import ConfigError, get_field as _get, moe_layout, read_rope
 from .deepseek_v3 import first_moe_layer, moe_or_dense_mlp, refuse_moe_layer_freq, routing_fields
 
@@ -69,20 +69,23 @@ class Glm4MoeConfig:
     renorm_min: float | None = None   # its renormalisation's clamp (ERNIE-4.5); None: + 1e-20
 
     @classmethod
-    def from_hf(cls, d: dict) -> "Glm4MoeConfig":
-        layout = moe_layout(glm4_moe_layout, d)          # the registry's reader of the layer and expert fields
+    def from_hf(cls, d: dict, *, nextn: bool = False) -> "Glm4MoeConfig":
+        # The registry's reader of the layer and expert fields: a NextN draft's (its MTP layers after the target's)
+        # or the model's.
+        layout = moe_layout(glm4_moe_nextn_layout if nextn else glm4_moe_layout, d)
         refuse_moe_layer_freq(d, "GLM-4-MoE")
-        return cls.from_layout(d, layout)
+        return cls.from_layout(d, layout, nextn=nextn)
 
     @classmethod
-    def from_layout(cls, d: dict, layout) -> "Glm4MoeConfig":
+    def from_layout(cls, d: dict, layout, *, nextn: bool = False) -> "Glm4MoeConfig":
         """config.json `d` read as GLM-4-MoE's fields, its layers and experts as `layout` says (`moe_layout` of the
         family's reader: a family of GLM's shape under other names reads them with its own)."""
         hidden_act = _get(d, "hidden_act", "silu", str)
         activation(hidden_act)  # refuses unknown activations by name
         hidden = _get(d, "hidden_size", kind=int)
         heads = _get(d, "num_attention_heads", kind=int)
-        n_layers = len(layout.layer_ids)
+        # A draft's layers are numbered after the target's num_hidden_layers (what its config dataclass counts).
+        n_layers = layout.layer_ids[0] if nextn else len(layout.layer_ids)
         routing = routing_fields(d, layout, norm_topk_prob_default=True, group_scores_of_two=True)
         head_dim = _get(d, "head_dim", None, int) or hidden // heads
         rope = read_rope(d, partial_rotary_factor=DEFAULT_PARTIAL_ROTARY_FACTOR)

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from ...service.rules.layouts import MoeLayout, glm4_moe_nextn_layout
-from .config import moe_layout
 from .glm4_moe import Glm4MoeConfig, Glm4MoeDecoderLayer
 from .nextn import NextNDraft, mtp_config
 
@@ -24,11 +22,7 @@ class Glm4MoeForCausalLMNextN(NextNDraft):
 
     @classmethod
     def parse_config(cls, hf_config: dict) -> Glm4MoeConfig:
-        # The registry's reader of the draft's layer and expert fields (its MTP layer after the target's, GLM's
-        # names and defaults); the config counts the target's layers before it.
-        draft = moe_layout(glm4_moe_nextn_layout, hf_config)
-        target = MoeLayout(tuple(range(draft.layer_ids[0])), (), draft.n_routed, draft.n_shared, draft.top_k)
-        return mtp_config(hf_config, Glm4MoeConfig.from_layout(hf_config, target))
+        return mtp_config(Glm4MoeConfig.from_hf(hf_config, nextn=True))
 
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
         cfg = self.parse_config(hf_config)

@@ -43,7 +43,7 @@ from ..layers.rope import RotaryEmbedding
 from ..weights import WeightLayout
 from . import ExpertWeightsView, PPMissingLayer
 from .causal_lm import DecoderLayer
-from .config import ConfigError, get_field as _get
+from .config import ConfigError
 
 
 class SharedHead(nn.Module):
@@ -78,14 +78,13 @@ class MultiTokenPredictionLayer(DecoderLayer):
         return self.shared_head.head(out), out
 
 
-def mtp_config(d: dict, cfg):
-    """The target's config `cfg` (a family config dataclass) with the one MTP layer (id num_hidden_layers)
-    as its only MoE layer; `d` is config.json, whose num_nextn_predict_layers must be 1."""
-    n = _get(d, "num_nextn_predict_layers", 1, int)    # the registry's layout assumes 1 when absent
-    if n != 1:
-        raise ConfigError(f"config.num_nextn_predict_layers: {n} not supported by the engine; supported: 1 "
-                          f"(the one MTP layer DeepSeek-V3/R1 and GLM-4.5 ship)")
-    return dataclasses.replace(cfg, num_nextn_predict_layers=1, moe_layers=(cfg.num_hidden_layers,))
+def mtp_config(cfg):
+    """A draft's config `cfg` (a family config dataclass read with the registry's draft layout: its MoE layers are
+    the MTP layers, numbered from the target's num_hidden_layers) as the engine builds it: the one MTP layer."""
+    if len(cfg.moe_layers) != 1:
+        raise ConfigError(f"config.num_nextn_predict_layers: {len(cfg.moe_layers)} not supported by the engine; "
+                          f"supported: 1 (the one MTP layer DeepSeek-V3/R1 and GLM-4.5 ship)")
+    return dataclasses.replace(cfg, num_nextn_predict_layers=1)
 
 
 class NextNDraft(nn.Module):

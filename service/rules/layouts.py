@@ -113,20 +113,20 @@ def deepseek_nextn_layout(cfg: ConfigView) -> MoeLayout:
 
 
 def glm4_moe_nextn_layout(cfg: ConfigView) -> MoeLayout:
-    """A GLM-4-MoE NextN draft: its num_nextn_predict_layers MoE layers after the target's, with the target's expert
-    fields as GLM-4-MoE names and defaults them (one shared expert unless the config says otherwise)."""
-    target = glm4_moe_layout(cfg)
-    n_nextn = cfg.int("num_nextn_predict_layers", 1, minimum=1, maximum=MAX_LAYERS)
-    ids = tuple(range(len(target.layer_ids), len(target.layer_ids) + n_nextn))
-    return MoeLayout(ids, ids, target.n_routed, target.n_shared, target.top_k)
+    """A GLM-4-MoE NextN draft: its num_nextn_predict_layers MoE layers after the target's, the target's expert
+    fields under GLM-4-MoE's names and defaults (one shared expert unless the config says otherwise)."""
+    return _draft_after(glm4_moe_layout(cfg), cfg.int("num_nextn_predict_layers", 1, minimum=1, maximum=MAX_LAYERS))
 
 
 def qwen_nextn_layout(cfg: ConfigView) -> MoeLayout:
     """A Qwen3-Next or Qwen3.5 MTP draft: its num_nextn_predict_layers MoE layers after the target's (Qwen's expert
     fields). Qwen3.5's config.json counts them as mtp_num_hidden_layers."""
-    target = qwen_moe_layout(cfg, shared=True)
     count = "num_nextn_predict_layers" if cfg.has("num_nextn_predict_layers") else "mtp_num_hidden_layers"
-    n_nextn = cfg.int(count, 1, minimum=1, maximum=MAX_LAYERS)
+    return _draft_after(qwen_moe_layout(cfg, shared=True), cfg.int(count, 1, minimum=1, maximum=MAX_LAYERS))
+
+
+def _draft_after(target: MoeLayout, n_nextn: int) -> MoeLayout:
+    """A draft of `n_nextn` MoE layers numbered after `target`'s, with its expert counts."""
     ids = tuple(range(len(target.layer_ids), len(target.layer_ids) + n_nextn))
     return MoeLayout(ids, ids, target.n_routed, target.n_shared, target.top_k)
 

@@ -32,7 +32,7 @@ ALSO_READ: dict[str, tuple[str, set[str]]] = {
     "layers_block_type": ("each layer's token mixer (Mamba2, attention, MLP)", {"granitemoe_hybrid.py", "nemotron_h.py"}),
     "hybrid_override_pattern": ("Nemotron-H's older spelling of its token mixers", {"nemotron_h.py"}),
     "num_nextn_predict_layers": (MTP, {"bailing_hybrid.py", "causal_lm.py", "deepseek_v3.py", "glm4_moe.py",
-                                       "nemotron_h.py", "nextn.py", "qwen3_5_nextn.py", "qwen3_next_nextn.py",
+                                       "nemotron_h.py", "qwen3_5_nextn.py", "qwen3_next_nextn.py",
                                        "sarvam.py", "solar_open.py", "step3p5.py"}),
     "num_mtp_layers": (MTP, {"bailing_hybrid.py", "sarvam.py", "solar_open.py", "step3p5.py"}),
     "mtp_num_hidden_layers": (MTP, {"qwen3_next_nextn.py"}),
