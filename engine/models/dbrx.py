@@ -71,8 +71,7 @@ class DbrxConfig(QwenMoeConfig):
             max_position_embeddings=_get(d, "max_seq_len", 2048, int),
             tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)), rope=RopeConfig(theta=float(theta)),
             num_experts=layout.n_routed, num_experts_per_tok=layout.top_k, moe_intermediate_size=width,
-            norm_topk_prob=False, qkv_bias=False, o_bias=False,
-            qk_norm=False,
+            norm_topk_prob=False, qkv_bias=False, o_bias=False, qk_norm=False,
             moe_layers=layout.moe_layers, clip_qkv=None if clip is None else float(clip),
             normalize_p=None if p is None else float(p))
 

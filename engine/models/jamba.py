@@ -22,12 +22,11 @@ import torch
 
 from ..layers.attention import GQAttention
 from ..layers.mamba1 import Mamba1Mixer, in_proj_by_rank
-from ..layers.mlp import activation
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from ...service.rules.layouts import jamba_layout
 from .config import ConfigError, get_field as _get, moe_layout, read_rope
-from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig
+from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, moe_fields
 
 ARCHITECTURE = "JambaForCausalLM"
 
@@ -70,13 +69,14 @@ class JambaConfig(QwenMoeConfig):
         # The registry's reader of the layer and expert fields: layer i is MoE iff i % expert_layer_period ==
         # expert_layer_offset; it refuses fewer than 2 experts (a Jamba without routed experts is dense).
         layout = moe_layout(jamba_layout, d)
-        n = len(layout.layer_ids)
-        hidden, heads = _get(d, "hidden_size", 4096, int), _get(d, "num_attention_heads", 32, int)
-        width = _get(d, "intermediate_size", 14336, int)
-        act = _get(d, "hidden_act", "silu", str)
-        activation(act)   # refuses unknown activations by name
-        if act != "silu":   # the Mamba conv runs the config's activation; only SiLU is tested
-            raise ConfigError(f"config.hidden_act: {act!r} not supported; Jamba runs 'silu'")
+        # The fields the Qwen-layer families share (`moe_fields`), with Jamba's defaults where a config leaves one out.
+        filled = dict(d, **{name: _get(d, name, default, int) for name, default in (
+            ("vocab_size", 65536), ("hidden_size", 4096), ("intermediate_size", 14336), ("num_attention_heads", 32))})
+        common = moe_fields(filled, layout, rms_norm_eps=1e-6, max_position_embeddings=262144,
+                            rope=read_rope(d, default_theta=10000.0))
+        if common["hidden_act"] != "silu":   # the Mamba conv runs the config's activation; only SiLU is tested
+            raise ConfigError(f"config.hidden_act: {common['hidden_act']!r} not supported; Jamba runs 'silu'")
+        n, hidden, heads = len(layout.layer_ids), common["hidden_size"], common["num_attention_heads"]
         attn_period, attn_offset = _period_offset(d, "attn_layer_period", "attn_layer_offset", 8, 4)
         expand, state = _get(d, "mamba_expand", 2, int), _get(d, "mamba_d_state", 16, int)
         kernel = _get(d, "mamba_d_conv", 4, int)
@@ -87,16 +87,8 @@ class JambaConfig(QwenMoeConfig):
         rank = math.ceil(hidden / 16) if rank in ("auto", None) else _get(d, "mamba_dt_rank", kind=int)
         if rank < 1:
             raise ConfigError(f"config.mamba_dt_rank: must be >= 1 or \"auto\", got {rank}")
-        return cls(architecture=architecture, vocab_size=_get(d, "vocab_size", 65536, int), hidden_size=hidden,
-                   intermediate_size=width, num_hidden_layers=n, num_attention_heads=heads,
-                   num_key_value_heads=_get(d, "num_key_value_heads", 8, int), head_dim=hidden // heads,
-                   rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6)), hidden_act=act,
-                   max_position_embeddings=_get(d, "max_position_embeddings", 262144, int),
-                   tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
-                   rope=read_rope(d, default_theta=10000.0), num_experts=layout.n_routed,
-                   num_experts_per_tok=layout.top_k, moe_intermediate_size=width,
-                   moe_layers=layout.moe_layers,
-                   norm_topk_prob=False, qkv_bias=False, o_bias=False, qk_norm=False,
+        return cls(architecture=architecture, **common, num_key_value_heads=_get(d, "num_key_value_heads", 8, int),
+                   head_dim=hidden // heads, norm_topk_prob=False, qkv_bias=False, o_bias=False, qk_norm=False,
                    layer_kinds=tuple("attention" if i % attn_period == attn_offset else "mamba" for i in range(n)),
                    mamba_d_state=state, mamba_d_conv=kernel, mamba_inner=expand * hidden, mamba_dt_rank=rank,
                    mamba_conv_bias=bool(_get(d, "mamba_conv_bias", True, bool)),

@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-
 from ..shown_tensors import ShownTensors
 from ..weights import CheckpointNames
 from ...service.rules.layouts import sarvam_mla_layout, sarvam_moe_layout
