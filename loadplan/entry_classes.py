@@ -133,10 +133,10 @@ ENTRY_CLASSES: dict[str, EntryClass] = {
     # minimax_m3.py: MiniMaxM3SparseForCausalLM, its own config, its own gate (a shared expert sized n_shared_experts)
     "MiniMaxM3SparseForCausalLM": direct("minimax_m3", None),
     # deepseek_v4.py: DeepseekV4ForCausalLM, DeepSeek-V2's MoE block (DeepseekV2MoE) under its own gate
-    "DeepseekV4ForCausalLM": direct("deepseek", None),
+    "DeepseekV4ForCausalLM": direct("deepseek_v4", None),
     # dots3.py -> dots3_common/modeling.py: Dots3NoteForCausalLM hands its own (flat) config to
     # Dots3LanguageModelForCausalLM, DeepSeek's expert fields, its own gate and fused architecture
-    "Dots3NoteForCausalLM": direct("deepseek", None),
+    "Dots3NoteForCausalLM": direct("dots3", None),
     # mistral_large_3.py: MistralLarge3ForCausalLM subclasses DeepseekV3ForCausalLM (its gate and fused architecture)
     "MistralLarge3ForCausalLM": direct("deepseek", None),
     # pixtral.py: PixtralForConditionalGeneration builds MistralLarge3ForCausalLM from text_config (when its

@@ -42,8 +42,6 @@ class Dots1Config(Glm4MoeConfig):
     def from_hf(cls, d: dict) -> "Dots1Config":
         layout = moe_layout(deepseek_layout, d)          # the registry's reader of the layer and expert fields
         refuse_moe_layer_freq(d, "dots.llm1")
-        # transformers' MoE block needs it (its config has no default); the layout would assume none
-        _get(d, "n_shared_experts", kind=int)
         partial = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor"))
         if partial not in (None, 1, 1.0):
             raise ConfigError(f"config.partial_rotary_factor: {partial!r} not supported; Qwen3's attention rotates "

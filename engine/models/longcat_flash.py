@@ -71,8 +71,8 @@ class LongcatFlashConfig:
         """transformers' LongcatFlashConfig defaults where a config leaves a field out."""
         act = _get(d, "hidden_act", "silu", str)
         activation(act)   # refuses unknown activations by name
-        # the registry's reader of the layer and expert fields: num_layers layers (or num_hidden_layers / 2, as
-        # transformers counts the sublayers), all MoE; n_routed_experts and moe_topk
+        # the registry's reader of the layer and expert fields: num_layers layers, all MoE; n_routed_experts and
+        # moe_topk
         layout = moe_layout(longcat_flash_layout, d)
         if d.get("router_bias"):
             raise ConfigError("config.router_bias: true not supported; transformers' LongCat-Flash routes without a "

@@ -2,9 +2,9 @@
 Qwen3-Next's hybrid (models/qwen3_next.py) with three differences, as transformers' modeling_qwen3_5_moe.py:
 - the linear layers' input projections are separate (`in_proj_qkv` in the conv's channel order,
   `in_proj_z`, `in_proj_b`, `in_proj_a`: layers/gated_delta_net.py, projections="separate");
-- every layer is MoE and the router always renormalises its top-k weights (its config has no
-  decoder_sparse_step, mlp_only_layers nor norm_topk_prob: a config whose layout has a dense layer, or that
-  says norm_topk_prob false, is refused);
+- every layer is MoE and the router always renormalises its top-k weights (its model reads no
+  decoder_sparse_step, mlp_only_layers nor norm_topk_prob: the first two are ignored, as transformers and
+  SGLang do, and a config that says norm_topk_prob false is refused);
 - the wrapper's multimodal rotary embedding (MRoPE, `rope_parameters.mrope_section`), which with
   text alone is the plain one (a text token's three position ids are equal: models/qwen3_vl_moe.py).
 The wrapper keeps the text model under `model.language_model.`, the vision tower under `model.visual.`
@@ -18,6 +18,7 @@ import dataclasses
 from ..shown_tensors import renamed
 from ..stacked_experts import StackedExperts
 from .config import ConfigError
+from ...service.rules.layouts import qwen3_5_moe_layout
 from .qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 from .qwen3_vl_moe import PREFIXES
 from .text_wrapper import TextOnlyWrapper
@@ -31,13 +32,9 @@ def read_config(d: dict) -> Qwen3NextConfig:
         if d.get(name) is not None and d[name] != value:
             raise ConfigError(f"config.{name}: {d[name]!r} not supported; Qwen3.5-MoE runs {value!r}")
     # No dense layer: intermediate_size (the dense MLP's width) is not needed.
-    cfg = Qwen3NextConfig.from_hf(dict(d, **FIXED_FIELDS, intermediate_size=d.get("intermediate_size") or 0))
-    # Every layer is MoE in transformers' Qwen3.5-MoE, which reads neither field that could make one dense in the
-    # registry's layout (Qwen's, read by Qwen3NextConfig).
-    dense = sorted(set(range(cfg.num_hidden_layers)) - set(cfg.moe_layers))
-    if dense:
-        raise ConfigError(f"config.decoder_sparse_step/mlp_only_layers: make layers {dense[:8]} dense, not "
-                          f"supported; every Qwen3.5-MoE layer is MoE")
+    # Every layer is MoE (the registry's Qwen3.5 reader), as in transformers' Qwen3.5-MoE.
+    cfg = Qwen3NextConfig.from_hf(dict(d, **FIXED_FIELDS, intermediate_size=d.get("intermediate_size") or 0),
+                                  reader=qwen3_5_moe_layout)
     return dataclasses.replace(cfg, linear_projections="separate")
 
 

@@ -66,10 +66,11 @@ class Qwen3NextConfig:
     linear_projections: str = "grouped"   # the linear layers' input projections (layers/gated_delta_net.py)
 
     @classmethod
-    def from_hf(cls, d: dict) -> "Qwen3NextConfig":
+    def from_hf(cls, d: dict, reader=qwen2_moe_layout) -> "Qwen3NextConfig":
         # The registry's reader of the layer and expert fields (Qwen's: layer i is MoE iff it is not in
-        # mlp_only_layers and (i + 1) % decoder_sparse_step == 0), so the engine builds the layout planned for.
-        layout = moe_layout(qwen2_moe_layout, d)
+        # mlp_only_layers and (i + 1) % decoder_sparse_step == 0; `reader`: Qwen3.5's, every layer), so the engine
+        # builds the layout planned for.
+        layout = moe_layout(reader, d)
         n_layers = len(layout.layer_ids)
         hidden = _get(d, "hidden_size", kind=int)
         heads = _get(d, "num_attention_heads", kind=int)
@@ -96,8 +97,7 @@ class Qwen3NextConfig:
         kernel = _get(d, "linear_conv_kernel_dim", kind=int)
         if kernel < 1:
             raise ConfigError(f"config.linear_conv_kernel_dim: must be >= 1, got {kernel}")
-        # The shared expert's width (the layout says only whether there is one); required, as transformers' default
-        # (512) is not the registry's (none).
+        # The shared expert's width (the layout says only whether there is one, and requires it).
         shared = _get(d, "shared_expert_intermediate_size", kind=int)
         if shared < 1:
             raise ConfigError(f"config.shared_expert_intermediate_size: must be >= 1, got {shared} (Qwen3-Next's "

@@ -116,6 +116,10 @@ FAMILIES: dict[str, Family] = {
         Family("deepseek", layouts.deepseek_layout, gates.deepseek_gate, True,
                fused_architecture="DeepseekV3ForCausalLM"),
         Family("deepseek_nextn", layouts.deepseek_nextn_layout, gates.deepseek_gate, True),
+        # Rules only (SGLang builds them with DeepSeek's MoE block and its own config class, whose defaults differ)
+        Family("deepseek_v4", layouts.deepseek_v4_layout, gates.deepseek_gate, True,
+               fused_architecture="DeepseekV3ForCausalLM"),
+        Family("dots3", layouts.dots3_layout, gates.deepseek_gate, True, fused_architecture="DeepseekV3ForCausalLM"),
         Family("glm4_moe", layouts.glm4_moe_layout, gates.glm4_moe_gate, True),
         Family("glm4_moe_nextn", layouts.glm4_moe_nextn_layout, gates.glm4_moe_gate, True),
         Family("qwen2_moe", layouts.qwen2_moe_layout, gates.qwen2_moe_gate, True),
@@ -158,10 +162,10 @@ FAMILIES: dict[str, Family] = {
         Family("glm4_moe_lite", layouts.glm4_moe_lite_layout, gates.glm4_moe_gate, True),
         # GLM-4.7-Flash's NextN draft (SGLang's Glm4MoeLiteForCausalLMNextN): its MTP layer after the target's, the
         # target's expert fields (DeepSeek's names) and GLM-4-MoE's gate
-        Family("glm4_moe_lite_nextn", layouts.deepseek_nextn_layout, gates.glm4_moe_gate, True),
+        Family("glm4_moe_lite_nextn", layouts.glm4_moe_lite_nextn_layout, gates.glm4_moe_gate, True),
         # Qwen3-Next: linear-attention layers, but Qwen2-MoE's MoE block (a sigmoid-gated shared expert) and gate
         Family("qwen3_next", layouts.qwen2_moe_layout, gates.qwen2_moe_gate, True),
-        Family("qwen3_5_moe", layouts.qwen2_moe_layout, gates.qwen2_moe_gate, True),
+        Family("qwen3_5_moe", layouts.qwen3_5_moe_layout, gates.qwen2_moe_gate, True),
         Family("qwen3_next_nextn", layouts.qwen_nextn_layout, gates.qwen2_moe_gate, True),
         Family("qwen3_5_nextn", layouts.qwen_nextn_layout, gates.qwen2_moe_gate, True),
         # ERNIE-4.5: DeepSeek-V3's MoE block with a softmax router and ungated shared experts, never fused

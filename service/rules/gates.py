@@ -119,8 +119,10 @@ def glm4_moe_gate(ctx: GateContext) -> Verdict | None:
 
 
 def qwen2_moe_gate(ctx: GateContext) -> Verdict | None:
-    shared = ctx.cfg.int("shared_expert_intermediate_size", 0)
-    routed = ctx.cfg.int("moe_intermediate_size", 0)
+    # Both required: left out, the reference reads its config class's default widths, which differ between the
+    # families this gate serves (Qwen2-MoE's 5632 and 1408, Qwen3-Next's and Qwen3.5's 512 and 512).
+    shared = ctx.cfg.int("shared_expert_intermediate_size")
+    routed = ctx.cfg.int("moe_intermediate_size")
     if shared != routed:
         return Verdict("qwen2_moe.structural.intermediate_size",
                        f"shared_expert_intermediate_size={shared} != moe_intermediate_size={routed}: "

@@ -2,7 +2,9 @@
 
 Conventions follow the architectures' reference implementations:
 - DeepSeek/GLM: layer i is MoE iff i >= first_k_dense_replace and i % moe_layer_freq == 0.
-- Qwen2/Qwen3-MoE: layer i is MoE iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0.
+- Qwen2/Qwen3-MoE and Qwen3-Next: layer i is MoE iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0;
+  Qwen3.5-MoE: every layer. A shared expert (Qwen2-MoE, Qwen3-Next, Qwen3.5) unless shared_expert_intermediate_size
+  is 0.
 - Mixtral, OLMoE, FlexOlmo, gpt-oss, MiniMax-M2, Granite MoE and Phi-3.5-MoE: every layer is MoE (num_experts
   routed experts for OLMoE and FlexOlmo, num_local_experts for the others; no shared expert).
 - GLM-4-MoE-Lite: layer i is MoE iff mlp_layer_types[i] is "sparse" (by default every layer
@@ -53,6 +55,10 @@ Conventions follow the architectures' reference implementations:
   first_k_dense_replace, 0), with num_experts (8) routed experts, num_experts_per_tok (2) of them a token and
   num_shared_experts (0) shared ones.
 - A NextN draft has num_nextn_predict_layers MoE layers numbered after the target's.
+
+A field a config leaves out is read as the architecture's reference config class fills it in (transformers', or
+SGLang's own where SGLang reads the config with one), or refused, naming it, where that default is not the
+registry's to guess; never as something else (tests/service/rules/test_layout_defaults.py).
 """
 
 from __future__ import annotations
@@ -67,6 +73,11 @@ from .config_view import ConfigView, quote
 MAX_LAYERS = 4096
 
 
+def _or_required(default: int | None) -> tuple[int, ...]:
+    """`ConfigView.int`'s default argument: `default`, or none (the field is required) for None."""
+    return () if default is None else (default,)
+
+
 @dataclass(frozen=True)
 class MoeLayout:
     layer_ids: tuple[int, ...]     # global ids of every decoder layer, in order
@@ -79,13 +90,32 @@ class MoeLayout:
 def deepseek_layout(cfg: ConfigView) -> MoeLayout:
     n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
     n_routed = cfg.int("n_routed_experts", minimum=1)
-    n_shared = cfg.int("n_shared_experts", 0, minimum=0)
+    n_shared = cfg.int("n_shared_experts", minimum=0)
     top_k = cfg.int("num_experts_per_tok", minimum=1)
-    first_dense = cfg.int("first_k_dense_replace", 0, minimum=0)
+    first_dense = cfg.int("first_k_dense_replace", minimum=0)
     freq = cfg.int("moe_layer_freq", 1, minimum=1)
     _check_top_k(cfg, top_k, n_routed)
     moe = tuple(i for i in range(n_layers) if i >= first_dense and i % freq == 0)
     return MoeLayout(tuple(range(n_layers)), moe, n_routed, n_shared, top_k)
+
+
+def deepseek_v4_layout(cfg: ConfigView) -> MoeLayout:
+    """DeepSeek-V4 (rules only; SGLang's models/deepseek_v4.py): every layer MoE, its first n_hash_layers routed by
+    hash (still its experts), whatever first_k_dense_replace or moe_layer_freq say. 256 routed experts and one
+    shared by default; the layer count and top-k are required (SGLang reads the config with transformers'
+    DeepseekV3Config under V4's name: 61 and 8, transformers' DeepseekV4Config says 43 and 6)."""
+    n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
+    n_routed = cfg.int("n_routed_experts", 256, minimum=1)
+    top_k = cfg.int("num_experts_per_tok", minimum=1)
+    _check_top_k(cfg, top_k, n_routed)
+    layers = tuple(range(n_layers))
+    return MoeLayout(layers, layers, n_routed, cfg.int("n_shared_experts", 1, minimum=0), top_k)
+
+
+def dots3_layout(cfg: ConfigView) -> MoeLayout:
+    """dots.llm3 (rules only; SGLang's models/dots3_common): DeepSeek's layout with SGLang's Dots3Config defaults (30
+    layers, the first dense; 128 experts, top-6, one shared)."""
+    return _deepseek_defaults_layout(cfg, layers=30, experts=128, top_k=6, first_dense=1, aliases=())
 
 
 def glm4_moe_layout(cfg: ConfigView) -> MoeLayout:
@@ -105,7 +135,7 @@ def deepseek_nextn_layout(cfg: ConfigView) -> MoeLayout:
     n_target = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
     n_nextn = cfg.int("num_nextn_predict_layers", 1, minimum=1, maximum=MAX_LAYERS)
     n_routed = cfg.int("n_routed_experts", minimum=1)
-    n_shared = cfg.int("n_shared_experts", 0, minimum=0)
+    n_shared = cfg.int("n_shared_experts", minimum=0)
     top_k = cfg.int("num_experts_per_tok", minimum=1)
     _check_top_k(cfg, top_k, n_routed)
     ids = tuple(range(n_target, n_target + n_nextn))
@@ -132,9 +162,15 @@ def _draft_after(target: MoeLayout, n_nextn: int) -> MoeLayout:
 
 
 def qwen2_moe_layout(cfg: ConfigView) -> MoeLayout:
-    """Qwen2-MoE, Qwen3-Next and Qwen3.5: Qwen's layout with a shared expert where shared_expert_intermediate_size
-    is set."""
+    """Qwen2-MoE and Qwen3-Next: Qwen's layout with a shared expert unless shared_expert_intermediate_size is 0."""
     return qwen_moe_layout(cfg, shared=True)
+
+
+def qwen3_5_moe_layout(cfg: ConfigView) -> MoeLayout:
+    """Qwen3.5-MoE: every layer MoE (transformers' and SGLang's Qwen3.5-MoE read neither decoder_sparse_step nor
+    mlp_only_layers, which its config class inherits from Qwen3-Next's), Qwen's expert fields."""
+    lay = qwen_moe_layout(cfg, shared=True)
+    return replace(lay, moe_layers=lay.layer_ids)
 
 
 def qwen3_moe_layout(cfg: ConfigView) -> MoeLayout:
@@ -152,9 +188,9 @@ def qwen_moe_layout(cfg: ConfigView, *, shared: bool) -> MoeLayout:
     step = cfg.int("decoder_sparse_step", 1, minimum=1)
     mlp_only = set(cfg.int_list("mlp_only_layers"))
     _check_top_k(cfg, top_k, n_routed)
-    n_shared = 0
-    if shared and cfg.int("shared_expert_intermediate_size", 0, minimum=0) > 0:
-        n_shared = 1
+    # Required: left out, the reference builds a shared expert of its config class's default width (5632 for
+    # Qwen2-MoE, 512 for Qwen3-Next and Qwen3.5), which the plan and the engine could only guess at.
+    n_shared = 1 if shared and cfg.int("shared_expert_intermediate_size", minimum=0) > 0 else 0
     moe = tuple(i for i in range(n_layers) if i not in mlp_only and (i + 1) % step == 0)
     return MoeLayout(tuple(range(n_layers)), moe, n_routed, n_shared, top_k)
 
@@ -208,10 +244,11 @@ def granitemoe_shared_layout(cfg: ConfigView) -> MoeLayout:
 
 def granitemoe_hybrid_layout(cfg: ConfigView) -> MoeLayout:
     """Granite 4.0-H: Granite MoE's experts and shared MLP on every layer, whether its token mixer is Mamba2 or
-    attention; transformers' GraniteMoeHybridConfig defaults where a config leaves a field out (8 experts, a shared
-    MLP of 1024: one shared MLP unless sized 0)."""
-    n_layers = cfg.int("num_hidden_layers", 32, minimum=1, maximum=MAX_LAYERS)
-    n_routed = cfg.int("num_local_experts", 8, minimum=1)
+    attention; transformers' GraniteMoeHybridConfig defaults where a config leaves a field out (a shared MLP of 1024:
+    one shared MLP unless sized 0), but num_hidden_layers and num_local_experts, required (transformers says 32 and 8,
+    SGLang's GraniteMoeHybridConfig 40 and 0)."""
+    n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
+    n_routed = cfg.int("num_local_experts", minimum=1)
     top_k = cfg.int("num_experts_per_tok", 2, minimum=1)
     _check_top_k(cfg, top_k, n_routed)
     layers = tuple(range(n_layers))
@@ -228,7 +265,8 @@ _NEMOTRON_H_KINDS = {"linear_attention": "mamba", "mamba": "mamba", "full_attent
 def nemotron_h_layout(cfg: ConfigView) -> MoeLayout:
     """Nemotron-H: one block a layer, by layers_block_type (or hybrid_override_pattern: M Mamba2, * attention, E MoE,
     - MLP); the MoE ones have n_routed_experts routed experts and one shared MLP (transformers builds it whatever
-    n_shared_experts says). transformers' NemotronHConfig defaults where a config leaves a field out."""
+    n_shared_experts says). transformers' NemotronHConfig defaults where a config leaves a field out, but the layers'
+    kinds: required (SGLang's NemotronHConfig and transformers' default to different patterns)."""
     field = next((f for f in ("layers_block_type", "layer_types") if cfg.has(f)), None)
     if field is not None:
         kinds = cfg.raw(field)
@@ -246,7 +284,8 @@ def nemotron_h_layout(cfg: ConfigView) -> MoeLayout:
                                   f"{len(pattern)} layers, but num_hidden_layers={cfg.int('num_hidden_layers')}")
         kinds = [_NEMOTRON_H_PATTERN[c] for c in pattern]
     else:
-        kinds = ["mamba", "moe", "attention", "mlp"]
+        raise InvalidArgument(cfg.field("layers_block_type"), "missing (or hybrid_override_pattern): the layers' "
+                                                              "kinds have no default the references agree on")
     if len(kinds) > MAX_LAYERS:
         raise InvalidArgument(cfg.field(field or "hybrid_override_pattern"),
                               f"{len(kinds)} layers: more than {MAX_LAYERS}")
@@ -283,25 +322,26 @@ def dbrx_layout(cfg: ConfigView) -> MoeLayout:
 
 def lfm2_moe_layout(cfg: ConfigView) -> MoeLayout:
     """transformers' Lfm2MoeConfig defaults where a config leaves a field out."""
-    return _moe_after_dense_layers(cfg, layers=32, experts=32, top_k=4, dense=2, shared=None)
+    return _moe_after_dense_layers(cfg, layers=32, experts=32, top_k=4, dense=2, shared=0, has_shared=False)
 
 
 def afmoe_layout(cfg: ConfigView) -> MoeLayout:
-    """transformers' AfmoeConfig defaults where a config leaves a field out."""
-    return _moe_after_dense_layers(cfg, layers=None, experts=64, top_k=6, dense=1, shared=2)
+    """transformers' AfmoeConfig defaults where a config leaves a field out, but num_dense_layers and
+    num_shared_experts, required: SGLang's AfmoeConfig defaults them to 0 and 0, transformers' to 1 and 2."""
+    return _moe_after_dense_layers(cfg, layers=None, experts=64, top_k=6, dense=None, shared=None)
 
 
-def _moe_after_dense_layers(cfg: ConfigView, *, layers: int | None, experts: int, top_k: int, dense: int,
-                            shared: int | None) -> MoeLayout:
+def _moe_after_dense_layers(cfg: ConfigView, *, layers: int | None, experts: int, top_k: int, dense: int | None,
+                            shared: int | None, has_shared: bool = True) -> MoeLayout:
     """Every layer from num_dense_layers MoE, num_experts routed experts, num_experts_per_tok a token, and
-    num_shared_experts shared ones (`shared`: its default; None: the family has none). The keywords are the
-    family's defaults for fields a config leaves out (`layers` None: num_hidden_layers is required)."""
-    n_layers = cfg.int("num_hidden_layers", *(() if layers is None else (layers,)), minimum=1, maximum=MAX_LAYERS)
+    num_shared_experts shared ones (none when not `has_shared`). The keywords are the family's defaults for fields
+    a config leaves out (None: the field is required)."""
+    n_layers = cfg.int("num_hidden_layers", *_or_required(layers), minimum=1, maximum=MAX_LAYERS)
     n_routed = cfg.int("num_experts", experts, minimum=1)
     k = cfg.int("num_experts_per_tok", top_k, minimum=1)
     _check_top_k(cfg, k, n_routed)
-    first_moe = cfg.int("num_dense_layers", dense, minimum=0)
-    n_shared = 0 if shared is None else cfg.int("num_shared_experts", shared, minimum=0)
+    first_moe = cfg.int("num_dense_layers", *_or_required(dense), minimum=0)
+    n_shared = cfg.int("num_shared_experts", *_or_required(shared), minimum=0) if has_shared else 0
     return MoeLayout(tuple(range(n_layers)), tuple(range(first_moe, n_layers)), n_routed, n_shared, k)
 
 
@@ -315,7 +355,7 @@ def _num_experts_by_mlp_layer_types(cfg: ConfigView, *, layers: int | None, expe
     """num_experts routed experts, num_shared_experts shared ones, num_experts_per_tok a token, the MoE layers by
     mlp_layer_types (else every layer from first_k_dense_replace); the keyword arguments are the family's defaults
     (`layers` None: num_hidden_layers is required)."""
-    n_layers = cfg.int("num_hidden_layers", *(() if layers is None else (layers,)), minimum=1, maximum=MAX_LAYERS)
+    n_layers = cfg.int("num_hidden_layers", *_or_required(layers), minimum=1, maximum=MAX_LAYERS)
     n_routed = cfg.int("num_experts", experts, minimum=1)
     n_shared = cfg.int("num_shared_experts", shared, minimum=0)
     k = cfg.int("num_experts_per_tok", top_k, minimum=1)
@@ -326,44 +366,64 @@ def _num_experts_by_mlp_layer_types(cfg: ConfigView, *, layers: int | None, expe
 
 def kimi_linear_layout(cfg: ConfigView) -> MoeLayout:
     """Kimi-Linear's names for DeepSeek-V3's fields (transformers' KimiLinearConfig attribute map: num_experts,
-    num_shared_experts, num_experts_per_token; DeepSeek's where a config gives those instead) and its defaults."""
-    return _deepseek_renamed_layout(cfg, layers=None, experts=256, first_dense=1)
+    num_shared_experts, num_experts_per_token; DeepSeek's where a config gives those instead) and its defaults, but
+    num_shared_experts, and first_k_dense_replace where mlp_layer_types is absent, required: SGLang's
+    KimiLinearConfig defaults them to 0 and 0, transformers' to 1 and 1. transformers places the MoE layers by
+    mlp_layer_types (which its configs write in place of first_k_dense_replace), SGLang by first_k_dense_replace and
+    moe_layer_freq: a config that gives both ways and reads two ways is refused."""
+    lay = _deepseek_renamed_layout(cfg, layers=None, experts=256, first_dense=None, shared=None)
+    if not cfg.has("first_k_dense_replace"):
+        return lay
+    first = cfg.int("first_k_dense_replace", minimum=0)
+    freq = cfg.int("moe_layer_freq", 1, minimum=1)
+    by_sglang = tuple(i for i in lay.layer_ids if i >= first and i % freq == 0)
+    if by_sglang != lay.moe_layers:
+        field = "mlp_layer_types" if cfg.has("mlp_layer_types") else "moe_layer_freq"
+        raise InvalidArgument(cfg.field(field), f"makes layers {_shown(lay.moe_layers)} MoE for transformers and "
+                                                f"{_shown(by_sglang)} for SGLang (by first_k_dense_replace={first}, "
+                                                f"moe_layer_freq={freq}): give fields both read alike")
+    return lay
+
+
+def _shown(layers: tuple[int, ...]) -> str:
+    return str(list(layers[:8]))[:-1] + (", ...]" if len(layers) > 8 else "]")
 
 
 def bailing_hybrid_layout(cfg: ConfigView) -> MoeLayout:
-    """The Ling 3 hybrids: Kimi-Linear's names, transformers' BailingHybridConfig defaults."""
-    return _deepseek_renamed_layout(cfg, layers=42, experts=512, first_dense=2)
+    """The Ling 3 hybrids: Kimi-Linear's names, transformers' BailingHybridConfig defaults (SGLang builds no such
+    model)."""
+    return _deepseek_renamed_layout(cfg, layers=42, experts=512, first_dense=2, shared=1)
 
 
-def _deepseek_renamed_layout(cfg: ConfigView, *, layers: int | None, experts: int, first_dense: int) -> MoeLayout:
-    """DeepSeek-V3's layout under Kimi-Linear's names, with the family's defaults (`layers` None: required)."""
-    n_layers = cfg.int("num_hidden_layers", *(() if layers is None else (layers,)), minimum=1, maximum=MAX_LAYERS)
+def _deepseek_renamed_layout(cfg: ConfigView, *, layers: int | None, experts: int | None, first_dense: int | None,
+                             shared: int | None) -> MoeLayout:
+    """DeepSeek-V3's layout under Kimi-Linear's names, with the family's defaults (None: required)."""
+    n_layers = cfg.int("num_hidden_layers", *_or_required(layers), minimum=1, maximum=MAX_LAYERS)
 
     def named(ours: str, deepseek: str) -> str:
         return deepseek if cfg.raw(ours) is None and cfg.raw(deepseek) is not None else ours
 
-    n_routed = cfg.int(named("num_experts", "n_routed_experts"), experts, minimum=1)
-    n_shared = cfg.int(named("num_shared_experts", "n_shared_experts"), 1, minimum=0)
+    n_routed = cfg.int(named("num_experts", "n_routed_experts"), *_or_required(experts), minimum=1)
+    n_shared = cfg.int(named("num_shared_experts", "n_shared_experts"), *_or_required(shared), minimum=0)
     k_field = named("num_experts_per_token", "num_experts_per_tok")
     top_k = cfg.int(k_field, 8, minimum=1)
     _check_top_k(cfg, top_k, n_routed, k_field)
-    first = cfg.int("first_k_dense_replace", first_dense, minimum=0)
+    # transformers' configs write mlp_layer_types in its place
+    first = None if cfg.has("mlp_layer_types") else cfg.int("first_k_dense_replace", *_or_required(first_dense),
+                                                             minimum=0)
     return MoeLayout(tuple(range(n_layers)), _sparse_by_mlp_layer_types(cfg, n_layers, first), n_routed,
                      n_shared, top_k)
 
 
 def longcat_flash_layout(cfg: ConfigView) -> MoeLayout:
-    """LongCat-Flash: num_layers layers (transformers' num_hidden_layers counts their two sublayers each), every one
-    MoE, with n_routed_experts routed experts and zero_expert_num zero-computation ones (identity, on every rank: not
-    among the experts EP places), moe_topk picks a token among both; no shared expert. transformers' defaults."""
+    """LongCat-Flash: num_layers layers, every one MoE, with n_routed_experts routed experts and zero_expert_num
+    zero-computation ones (identity, on every rank: not among the experts EP places), moe_topk picks a token among
+    both; no shared expert. transformers' defaults. A config that gives num_hidden_layers without num_layers is refused:
+    transformers reads it as the count of sublayers (two a layer), SGLang as the count of layers."""
     if cfg.raw("num_layers") is None and cfg.raw("num_hidden_layers") is not None:
-        sublayers = cfg.int("num_hidden_layers", minimum=2, maximum=2 * MAX_LAYERS)
-        if sublayers % 2:
-            raise InvalidArgument(cfg.field("num_hidden_layers"), f"{sublayers} is not twice a number of layers "
-                                                                  f"(each holds two sublayers)")
-        n_layers = sublayers // 2
-    else:
-        n_layers = cfg.int("num_layers", 28, minimum=1, maximum=MAX_LAYERS)
+        raise InvalidArgument(cfg.field("num_layers"), "missing: num_hidden_layers alone counts LongCat-Flash's "
+                                                       "sublayers for transformers and its layers for SGLang")
+    n_layers = cfg.int("num_layers", 28, minimum=1, maximum=MAX_LAYERS)
     n_routed = cfg.int("n_routed_experts", 512, minimum=1)
     zero = cfg.int("zero_expert_num", 256, minimum=0)
     top_k = cfg.int("moe_topk", 12, minimum=1)
@@ -491,12 +551,10 @@ def _deepseek_defaults_layout(cfg: ConfigView, *, layers: int | None, experts: i
     """DeepSeek's layout (layer i MoE iff i >= first_k_dense_replace and i % moe_layer_freq == 0) with a family's
     defaults (None: the field is required), its expert counts also under the names transformers' configs alias
     (`aliases` of n_routed_experts, num_shared_experts: one shared expert by default)."""
-    def need(default):
-        return () if default is None else (default,)
-    n_layers = cfg.int("num_hidden_layers", *need(layers), minimum=1, maximum=MAX_LAYERS)
-    n_routed = cfg.int(_named(cfg, "n_routed_experts", *aliases), *need(experts), minimum=1)
+    n_layers = cfg.int("num_hidden_layers", *_or_required(layers), minimum=1, maximum=MAX_LAYERS)
+    n_routed = cfg.int(_named(cfg, "n_routed_experts", *aliases), *_or_required(experts), minimum=1)
     n_shared = cfg.int(_named(cfg, "n_shared_experts", "num_shared_experts"), 1, minimum=0)
-    k = cfg.int("num_experts_per_tok", *need(top_k), minimum=1)
+    k = cfg.int("num_experts_per_tok", *_or_required(top_k), minimum=1)
     _check_top_k(cfg, k, n_routed)
     first = cfg.int("first_k_dense_replace", first_dense, minimum=0)
     freq = cfg.int("moe_layer_freq", 1, minimum=1)
@@ -552,10 +610,11 @@ def mimo_v2_flash_layout(cfg: ConfigView) -> MoeLayout:
     return MoeLayout(tuple(range(n_layers)), _sparse_by_mlp_layer_types(cfg, n_layers, 1), n_routed, 0, top_k)
 
 
-def _sparse_by_mlp_layer_types(cfg: ConfigView, n_layers: int, first_sparse: int) -> tuple[int, ...]:
-    """The layers mlp_layer_types says "sparse"; absent, every layer from `first_sparse`."""
+def _sparse_by_mlp_layer_types(cfg: ConfigView, n_layers: int, first_sparse: int | None) -> tuple[int, ...]:
+    """The layers mlp_layer_types says "sparse"; absent, every layer from `first_sparse` (None only when present)."""
     types = cfg.raw("mlp_layer_types")
     if types is None:
+        assert first_sparse is not None
         types = ["dense" if i < first_sparse else "sparse" for i in range(n_layers)]
     if not isinstance(types, list) or len(types) != n_layers or any(t not in ("dense", "sparse") for t in types):
         raise InvalidArgument(cfg.field("mlp_layer_types"),
@@ -604,6 +663,13 @@ def glm4_moe_lite_layout(cfg: ConfigView) -> MoeLayout:
                               f"expected {n_layers} entries of dense or sparse, got {str(types)[:200]}")
     return MoeLayout(tuple(range(n_layers)), tuple(i for i, t in enumerate(types) if t == "sparse"), n_routed,
                      n_shared, top_k)
+
+
+def glm4_moe_lite_nextn_layout(cfg: ConfigView) -> MoeLayout:
+    """A GLM-4.7-Flash NextN draft: its num_nextn_predict_layers MoE layers after the target's, the target's expert
+    fields under GLM-4-MoE-Lite's names and defaults (one shared expert unless the config says otherwise)."""
+    return _draft_after(glm4_moe_lite_layout(cfg),
+                        cfg.int("num_nextn_predict_layers", 1, minimum=1, maximum=MAX_LAYERS))
 
 
 def llama4_layout(cfg: ConfigView) -> MoeLayout:

@@ -48,8 +48,6 @@ ALSO_READ: dict[str, tuple[str, set[str]]] = {
     "first_k_dense_replace": ("Cohere2-MoE: also the attention kind of the dense layers when layer_types is absent",
                               {"cohere2_moe.py"}),
     "ffn_config": ("DBRX's experts' width, activation and weight normalisation", {"dbrx.py"}),
-    "n_shared_experts": ("dots.llm1: refused when absent (transformers has no default) where the layout reads 0",
-                         {"dots1.py"}),
     "zero_expert_num": ("LongCat-Flash: the zero-computation experts its router scores", {"longcat_flash.py"}),
 }
 

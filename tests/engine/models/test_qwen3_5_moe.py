@@ -1,7 +1,8 @@
 """Qwen3.5-MoE from save_pretrained checkpoints: its text model and the Hub's multimodal wrapper run text-only,
 logits and greedy tokens against transformers, float32, fused (as planned) and unfused; the wrapper's experts
-stacked as transformers holds them; its vision tower and MTP module skipped by name; the fields transformers'
-Qwen3.5-MoE does not read refused when they say otherwise. TP 2 with its separate projections:
+stacked as transformers holds them; its vision tower and MTP module skipped by name; of the fields transformers'
+Qwen3.5-MoE does not read, those the layout has (decoder_sparse_step, mlp_only_layers) ignored as it does, the
+others refused when they say otherwise. TP 2 with its separate projections:
 tests/engine/parallel/test_tensor_parallel.py (EP: its MoE block is Qwen3-Next's, tests/engine/parallel)."""
 
 from __future__ import annotations
@@ -89,11 +90,19 @@ def test_the_wrappers_stacked_experts_and_skipped_towers(ids, tmp_path):
     assert (logits_of(load_local(stacked), ids) - want).abs().max().item() <= TOL
 
 
+@pytest.mark.parametrize("overrides", [{"mlp_only_layers": [0]}, {"decoder_sparse_step": 2}])
+def test_fields_its_model_does_not_read_leave_every_layer_moe(text_ckpt, tmp_path, ids, overrides):
+    """Qwen3.5-MoE's config class inherits decoder_sparse_step and mlp_only_layers from Qwen3-Next's, its model (and
+    SGLang's) reads neither: every layer is MoE in the plan and the model, with transformers' logits."""
+    ckpt = with_config(text_ckpt, tmp_path / "ignored", **overrides)
+    model = load_local(ckpt)
+    assert model.moe_layer_ids == (0, 1, 2, 3)
+    assert model.plan.decisions[Keys.SHARED_EXPERTS_FUSION].value is True
+    assert (logits_of(model, ids) - hf_logits_of_order_one(ckpt, TEXT, ids)).abs().max().item() <= TEXT_TOL
+
+
 @pytest.mark.parametrize("overrides, match", [
     ({"norm_topk_prob": False}, r"config\.norm_topk_prob: False not supported; Qwen3\.5-MoE runs True"),
-    ({"mlp_only_layers": [0]}, r"config\.decoder_sparse_step/mlp_only_layers: make layers \[0\] dense, not supported"),
-    ({"decoder_sparse_step": 2},
-     r"config\.decoder_sparse_step/mlp_only_layers: make layers \[0, 2\] dense, not supported"),
     ({"attn_output_gate": False}, r"config\.attn_output_gate: False not supported"),
     ({"linear_key_head_dim": None}, r"config\.linear_key_head_dim: missing"),
 ])

@@ -102,10 +102,7 @@ def test_deepseek_structural_n_shared(n_shared, kw):
 
 @pytest.mark.parametrize("kw", [{}, ENFORCE], ids=["plain", "enforced"])
 def test_deepseek_without_shared_experts(kw):
-    cfg = deepseek()
-    del cfg["n_shared_experts"]
-    for c in (cfg, deepseek(n_shared_experts=0)):
-        assert_off(fusion(c, **kw), "deepseek.no_shared_experts", "no shared experts")
+    assert_off(fusion(deepseek(n_shared_experts=0), **kw), "deepseek.no_shared_experts", "no shared experts")
 
 
 @pytest.mark.parametrize("kw", [{}, ENFORCE], ids=["plain", "enforced"])
@@ -349,18 +346,20 @@ def test_qwen2_structural_sizes(shared, routed, kw):
     assert_off(d, "qwen2_moe.structural.intermediate_size", str(shared), str(routed))
 
 
-def test_qwen2_missing_routed_size_is_not_a_fit():
+@pytest.mark.parametrize("field", ["moe_intermediate_size", "shared_expert_intermediate_size"])
+def test_qwen2_missing_width_is_refused_naming_it(field):
+    # transformers' default widths differ by family (Qwen2-MoE 1408 / 5632, Qwen3-Next 512 / 512): not ours to guess
     cfg = qwen2()
-    del cfg["moe_intermediate_size"]
-    assert fusion(cfg).rule == "qwen2_moe.structural.intermediate_size"
+    del cfg[field]
+    with pytest.raises(InvalidArgument) as e:
+        fusion(cfg)
+    assert e.value.field == f"config.{field}"
 
 
 @pytest.mark.parametrize("kw", [{}, ENFORCE], ids=["plain", "enforced"])
 def test_qwen2_without_a_shared_expert(kw):
-    cfg = qwen2()
-    del cfg["shared_expert_intermediate_size"]
-    for c in (cfg, qwen2(shared_expert_intermediate_size=0)):
-        assert_off(fusion(c, **kw), "qwen2_moe.no_shared_experts", "no shared experts")
+    assert_off(fusion(qwen2(shared_expert_intermediate_size=0), **kw), "qwen2_moe.no_shared_experts",
+               "no shared experts")
 
 
 @pytest.mark.parametrize("backend", DEEPEP_CLASS)
@@ -808,7 +807,7 @@ def test_never_fusing_families_are_rows_with_their_reason_and_enforce_does_not_s
     rows = {name: fam for name, fam in entries.FAMILIES.items() if fam.never_fuses is not None}
     assert len(rows) == 19 and all(fam.gate is None and fam.has_shared_experts for fam in rows.values())
     cfg = {"architectures": ["AfmoeForCausalLM"], "num_hidden_layers": 3, "num_experts": 8,
-           "num_experts_per_tok": 2, "num_shared_experts": 2}
+           "num_experts_per_tok": 2, "num_shared_experts": 2, "num_dense_layers": 1}
     for kw in ({}, ENFORCE):
         assert_off(fusion(cfg, **kw), "afmoe.structural.no_fused_layout",
                    "its 2 shared expert(s) run beside the routed experts", "AFMoE")

@@ -38,12 +38,25 @@ def test_deepseek_moe_layers(n, first_dense, freq, moe):
     assert (lay.n_routed, lay.n_shared, lay.top_k) == (256, 1, 8)
 
 
-def test_deepseek_defaults_every_layer_moe_without_shared():
+def test_deepseek_without_moe_layer_freq_every_layer_from_the_first_sparse_is_moe():
+    cfg = deepseek(first_k_dense_replace=1)
+    del cfg["moe_layer_freq"]
+    assert list(deepseek_layout(ConfigView(cfg)).moe_layers) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("reader", [deepseek_layout, deepseek_nextn_layout])
+@pytest.mark.parametrize("field", ["first_k_dense_replace", "n_shared_experts"])
+def test_deepseek_refuses_what_its_references_default_differently(reader, field):
+    # transformers' DeepseekV3Config fills in 3 dense layers and 1 shared expert, its DeepseekV2Config 0 and 2, the
+    # Hub's configuration_deepseek.py (what SGLang reads with trust_remote_code) 0 and none: not ours to pick
     cfg = deepseek()
-    for k in ("first_k_dense_replace", "moe_layer_freq", "n_shared_experts"):
-        del cfg[k]
-    lay = deepseek_layout(ConfigView(cfg))
-    assert list(lay.moe_layers) == [0, 1, 2, 3] and lay.n_shared == 0
+    del cfg[field]
+    if reader is deepseek_nextn_layout and field == "first_k_dense_replace":
+        assert reader(ConfigView(cfg)).n_shared == 1      # a draft's layers are all MoE: it does not read it
+        return
+    with pytest.raises(InvalidArgument) as e:
+        reader(ConfigView(cfg))
+    assert e.value.field == f"config.{field}"
 
 
 @pytest.mark.parametrize("n,step,mlp_only,moe", [
@@ -212,11 +225,21 @@ def test_cohere2_moe_layers(fields, moe, sizes):
     assert list(lay.moe_layers) == moe and (lay.n_routed, lay.n_shared, lay.top_k) == sizes
 
 
-@pytest.mark.parametrize("fields,moe,shared", [({}, [1, 2, 3], 2), ({"num_dense_layers": 0, "num_shared_experts": 1},
-                                                                    [0, 1, 2, 3], 1)])
+@pytest.mark.parametrize("fields,moe,shared", [({"num_dense_layers": 1, "num_shared_experts": 2}, [1, 2, 3], 2),
+                                                ({"num_dense_layers": 0, "num_shared_experts": 1}, [0, 1, 2, 3], 1)])
 def test_afmoe_layers(fields, moe, shared):
     lay = afmoe_layout(ConfigView({"num_hidden_layers": 4, **fields}))
     assert list(lay.moe_layers) == moe and (lay.n_routed, lay.n_shared, lay.top_k) == (64, shared, 6)
+
+
+@pytest.mark.parametrize("field", ["num_dense_layers", "num_shared_experts"])
+def test_afmoe_requires_what_sglang_and_transformers_default_differently(field):
+    # transformers' AfmoeConfig: 1 dense layer, 2 shared experts; SGLang's: 0 and 0
+    fields = {"num_hidden_layers": 4, "num_dense_layers": 1, "num_shared_experts": 2}
+    del fields[field]
+    with pytest.raises(InvalidArgument) as e:
+        afmoe_layout(ConfigView(fields))
+    assert e.value.field == f"config.{field}"
 
 
 def test_mimo_v2_flash_layers_by_mlp_layer_types():
@@ -241,15 +264,21 @@ def test_lfm2_moe_layers_follow_num_dense_layers():
 
 
 def test_granitemoe_hybrid_has_experts_and_a_shared_mlp_on_every_layer_by_default():
-    """Granite 4.0-H: transformers' defaults (32 layers, 8 experts, top-2, a shared MLP of 1024) where a config leaves
-    a field out, whatever each layer's token mixer; a dense one (no experts) is refused by field."""
-    lay = granitemoe_hybrid_layout(ConfigView({"layer_types": ["mamba"] * 32}))
+    """Granite 4.0-H: transformers' defaults (top-2, a shared MLP of 1024) where a config leaves a field out, whatever
+    each layer's token mixer, but the layer and expert counts (SGLang's defaults are not transformers'); a dense one
+    (no experts) is refused by field."""
+    lay = granitemoe_hybrid_layout(ConfigView({"layer_types": ["mamba"] * 32, "num_hidden_layers": 32,
+                                               "num_local_experts": 8}))
     assert lay.moe_layers == tuple(range(32)) and (lay.n_routed, lay.n_shared, lay.top_k) == (8, 1, 2)
+    for field in ("num_hidden_layers", "num_local_experts"):
+        with pytest.raises(InvalidArgument) as e:
+            granitemoe_hybrid_layout(ConfigView({"num_hidden_layers": 4, "num_local_experts": 8, field: None}))
+        assert e.value.field == f"config.{field}"
     lay = granitemoe_hybrid_layout(ConfigView({"num_hidden_layers": 4, "num_local_experts": 64,
                                                "num_experts_per_tok": 6, "shared_intermediate_size": 0}))
     assert lay.moe_layers == (0, 1, 2, 3) and (lay.n_routed, lay.n_shared, lay.top_k) == (64, 0, 6)
     with pytest.raises(InvalidArgument) as e:
-        granitemoe_hybrid_layout(ConfigView({"num_local_experts": 0}))
+        granitemoe_hybrid_layout(ConfigView({"num_hidden_layers": 4, "num_local_experts": 0}))
     assert e.value.field == "config.num_local_experts"
 
 
@@ -265,7 +294,9 @@ def test_nemotron_h_moe_layers_are_its_e_blocks_however_its_config_spells_them()
     kinds = {"M": "mamba", "E": "moe", "*": "attention", "-": "mlp"}
     for spelled in ([kinds[c] for c in "ME*-E"], ["linear_attention", "moe", "full_attention", "mlp", "moe"]):
         assert nemotron_h_layout(ConfigView({"layers_block_type": spelled})).moe_layers == (1, 4)
-    assert nemotron_h_layout(ConfigView({})).moe_layers == (1,)                      # transformers' default: M E * -
+    with pytest.raises(InvalidArgument) as e:     # transformers' default (M E * -) is not SGLang's
+        nemotron_h_layout(ConfigView({}))
+    assert e.value.field == "config.layers_block_type"
 
 
 @pytest.mark.parametrize("fields, field", [
@@ -292,31 +323,47 @@ def test_jamba_moe_layers_follow_the_expert_period_and_offset():
     assert e.value.field == "config.expert_layer_offset"
 
 
+KIMI_REQUIRED = {"first_k_dense_replace": 1, "num_shared_experts": 1}   # SGLang's defaults (0, 0) are not transformers'
+
+
 @pytest.mark.parametrize("fields,moe,sizes", [
-    ({}, [1, 2, 3], (256, 1, 8)),                                               # transformers' defaults
+    (KIMI_REQUIRED, [1, 2, 3], (256, 1, 8)),                                    # transformers' defaults
     ({"num_experts": 32, "num_shared_experts": 2, "num_experts_per_token": 4, "first_k_dense_replace": 2}, [2, 3],
      (32, 2, 4)),                                                               # its own names
-    ({"n_routed_experts": 16, "n_shared_experts": 0, "num_experts_per_tok": 2}, [1, 2, 3], (16, 0, 2)),  # DeepSeek's
-    ({"num_experts": 32, "n_routed_experts": 16, "mlp_layer_types": ["sparse", "dense", "sparse", "dense"]}, [0, 2],
-     (32, 1, 8)),                                                               # its own name and the list win
+    ({"n_routed_experts": 16, "n_shared_experts": 0, "num_experts_per_tok": 2, "first_k_dense_replace": 1}, [1, 2, 3],
+     (16, 0, 2)),                                                               # DeepSeek's
+    ({"num_experts": 32, "n_routed_experts": 32, "num_shared_experts": 1,
+      "mlp_layer_types": ["sparse", "dense", "sparse", "dense"]}, [0, 2], (32, 1, 8)),   # the list, as transformers
 ])
 def test_kimi_linear_layers(fields, moe, sizes):
     lay = kimi_linear_layout(ConfigView({"num_hidden_layers": 4, **fields}))
     assert list(lay.moe_layers) == moe and (lay.n_routed, lay.n_shared, lay.top_k) == sizes
 
 
-@pytest.mark.parametrize("fields,field", [({"num_experts": 4, "num_experts_per_token": 5}, "num_experts_per_token"),
-                                          ({"num_experts": 4, "num_experts_per_tok": 5}, "num_experts_per_tok")])
-def test_kimi_linear_refuses_more_experts_a_token_than_it_has_naming_the_field_it_read(fields, field):
+@pytest.mark.parametrize("fields,field", [
+    ({"num_shared_experts": 1}, "first_k_dense_replace"),           # SGLang: 0, transformers: 1
+    ({"first_k_dense_replace": 1}, "num_shared_experts"),           # SGLang: 0, transformers: 1
+    # SGLang places MoE layers by first_k_dense_replace and moe_layer_freq, transformers by the list
+    ({**KIMI_REQUIRED, "mlp_layer_types": ["sparse", "dense", "sparse", "dense"]}, "mlp_layer_types"),
+    ({**KIMI_REQUIRED, "moe_layer_freq": 2}, "moe_layer_freq"),
+    ({**KIMI_REQUIRED, "num_experts": 4, "num_experts_per_token": 5}, "num_experts_per_token"),
+    ({**KIMI_REQUIRED, "num_experts": 4, "num_experts_per_tok": 5}, "num_experts_per_tok"),
+])
+def test_kimi_linear_refuses_by_the_field_it_read(fields, field):
     with pytest.raises(InvalidArgument) as e:
         kimi_linear_layout(ConfigView({"num_hidden_layers": 4, **fields}))
     assert e.value.field == f"config.{field}"
 
 
+def test_kimi_linear_fields_both_references_read_alike_are_read():
+    lay = kimi_linear_layout(ConfigView({"num_hidden_layers": 4, **KIMI_REQUIRED, "moe_layer_freq": 1,
+                                         "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"]}))
+    assert lay.moe_layers == (1, 2, 3)
+
+
 @pytest.mark.parametrize("fields,n_layers,sizes", [
     ({}, 28, (512, 0, 12)),                                                     # transformers' defaults
     ({"num_layers": 3, "n_routed_experts": 16, "moe_topk": 4}, 3, (16, 0, 4)),
-    ({"num_hidden_layers": 6}, 3, (512, 0, 12)),                                # transformers' count of sublayers
     ({"n_routed_experts": 8, "zero_expert_num": 4, "moe_topk": 10}, 28, (8, 0, 10)),   # the picks: of both kinds
 ])
 def test_longcat_flash_layers_are_all_moe(fields, n_layers, sizes):
@@ -326,7 +373,7 @@ def test_longcat_flash_layers_are_all_moe(fields, n_layers, sizes):
 
 
 @pytest.mark.parametrize("fields,field", [({"n_routed_experts": 8, "zero_expert_num": 4, "moe_topk": 13}, "moe_topk"),
-                                          ({"num_hidden_layers": 5}, "num_hidden_layers")])
+                                          ({"num_hidden_layers": 6}, "num_layers")])   # sublayers or layers?
 def test_longcat_flash_refuses_by_field(fields, field):
     with pytest.raises(InvalidArgument) as e:
         longcat_flash_layout(ConfigView(fields))
@@ -459,6 +506,37 @@ def test_glm4_moe_lite_reads_its_layer_list():
     with pytest.raises(InvalidArgument) as e:
         fam.layout(ConfigView({"num_hidden_layers": 3, "n_routed_experts": 64, "mlp_layer_types": ["sparse"]}))
     assert e.value.field == "config.mlp_layer_types"
+
+
+def test_glm4_moe_lite_nextn_draft_reads_the_targets_fields_as_glm_lite_does():
+    # transformers' Glm4MoeLiteConfig leaves n_shared_experts out at one shared expert (DeepSeek's draft reader,
+    # which the GLM-4.7-Flash draft used, said none)
+    lay = entries.FAMILIES["glm4_moe_lite_nextn"].layout(ConfigView({"num_hidden_layers": 47, "n_routed_experts": 64,
+                                                                     "num_nextn_predict_layers": 1}))
+    assert lay.layer_ids == lay.moe_layers == (47,) and (lay.n_routed, lay.n_shared, lay.top_k) == (64, 1, 4)
+
+
+def test_qwen3_5_moe_makes_every_layer_moe_whatever_the_fields_it_does_not_read_say():
+    # transformers' and SGLang's Qwen3.5-MoE read neither decoder_sparse_step nor mlp_only_layers
+    cfg = qwen2(architectures=["Qwen3_5MoeForCausalLM"], decoder_sparse_step=2, mlp_only_layers=[0])
+    lay = entries.FAMILIES["qwen3_5_moe"].layout(ConfigView(cfg))
+    assert lay.moe_layers == lay.layer_ids == tuple(range(cfg["num_hidden_layers"])) and lay.n_shared == 1
+    assert entries.FAMILIES["qwen3_next"].layout(ConfigView(cfg)).moe_layers != lay.moe_layers   # Qwen3-Next reads them
+
+
+def test_deepseek_v4_makes_every_layer_moe_whatever_first_k_dense_replace_says():
+    # SGLang's models/deepseek_v4.py builds DeepSeek-V2's MoE block on every layer (its first n_hash_layers hash-routed)
+    cfg = deepseek(architectures=["DeepseekV4ForCausalLM"], first_k_dense_replace=1, moe_layer_freq=2,
+                   num_experts_per_tok=6)
+    lay = entries.FAMILIES["deepseek_v4"].layout(ConfigView(cfg))
+    assert lay.moe_layers == lay.layer_ids == (0, 1, 2, 3) and (lay.n_routed, lay.n_shared, lay.top_k) == (256, 1, 6)
+    del cfg["n_shared_experts"]
+    assert entries.FAMILIES["deepseek_v4"].layout(ConfigView(cfg)).n_shared == 1          # SGLang's default
+
+
+def test_dots3_reads_deepseeks_fields_with_sglangs_defaults():
+    lay = entries.FAMILIES["dots3"].layout(ConfigView({"num_hidden_layers": 4}))
+    assert lay.moe_layers == (1, 2, 3) and (lay.n_routed, lay.n_shared, lay.top_k) == (128, 1, 6)
 
 
 def test_minimax_m2_reads_num_local_experts():
