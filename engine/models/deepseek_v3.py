@@ -7,9 +7,9 @@ Shapes: B batch, T tokens, D hidden, E routed experts, K top-k, V vocab.
 
 - Attention: Multi-head Latent Attention (layers/mla.py), with or without q_lora_rank,
   interleaved RoPE (`rope_interleave`, default true as in the original code), YaRN.
-- Layer i is MoE iff i >= first_k_dense_replace and i % moe_layer_freq == 0 (the
-  original modeling code; the registry's layouts.py counts the same); the others
-  are dense SwiGLU MLPs of intermediate_size.
+- Layer i is MoE iff i >= first_k_dense_replace (the registry's layouts.py reads it,
+  and refuses a moe_layer_freq or mlp_layer_types that would say otherwise); the
+  others are dense SwiGLU MLPs of intermediate_size.
 - MoE: sigmoid router with e_score_correction_bias and group-limited top-k
   (layers/deepseek_router.py; V2: softmax, greedy or group-limited, layers/
   deepseek_v2_router.py), routed experts (engine/moe.py) whose weights already
@@ -110,7 +110,7 @@ class DeepseekV3Config:
         # V3.2's sparse attention: its entry class, and the NextN draft of a V3.2 checkpoint (whose MTP layer's
         # attention has the indexer too; SGLang plans it as DeepseekV3ForCausalLMNextN with index_topk set).
         v32 = architecture in SPARSE_ATTENTION_ARCHITECTURES or (nextn and d.get("index_topk") is not None)
-        index = _sparse_attention_fields(d, None if nextn else layout) if v32 else {}
+        index = _sparse_attention_fields(d) if v32 else {}
         # GLM-5's indexer, and its MTP layer's (SGLang plans a GLM-5 draft as DeepseekV3ForCausalLMNextN too: its
         # config still says model_type glm_moe_dsa).
         if architecture == "GlmMoeDsaForCausalLM" or (v32 and d.get("model_type") == "glm_moe_dsa"):
@@ -180,17 +180,6 @@ SPARSE_ATTENTION_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalL
 NEXTN_ARCHITECTURE = "DeepseekV3ForCausalLMNextN"     # models/deepseek_nextn.py
 
 
-def refuse_moe_layer_freq(d: dict, family: str) -> None:
-    """The registry's DeepSeek layout counts moe_layer_freq, which `family`'s transformers model does not (every
-    layer from first_k_dense_replace on is MoE there): a config that sets it to anything but 1 has no reference to
-    match. The layout cannot tell (moe_layer_freq 2 with first_k_dense_replace 1 of 2 layers leaves no MoE layer,
-    as first_k_dense_replace 2 would), hence the field itself."""
-    freq = d.get("moe_layer_freq")
-    if freq not in (None, 1):
-        raise ConfigError(f"config.moe_layer_freq: {freq} not supported; supported: 1 ({family} makes every layer "
-                          f"from first_k_dense_replace on an MoE layer)")
-
-
 def _glm5_indexer_fields(d: dict, n_layers: int, *, nextn: bool) -> dict:
     """GLM-5's indexer: interleaved rope, and which layers reuse the previous full layer's top-k instead of running
     their own indexer (transformers' GLM-MoE-DSA: `indexer_types`, else `index_topk_pattern`, else every
@@ -239,24 +228,14 @@ def _indexer_types(d: dict, n: int) -> list[str]:
     return types
 
 
-def _sparse_attention_fields(d: dict, layout) -> dict:
+def _sparse_attention_fields(d: dict) -> dict:
     """DeepSeek-V3.2's indexer fields, and the fields transformers' V3.2 does not read refused where they would
-    change the arithmetic: its MLA always has a query latent and interleaved rope, and its dense layers are the
-    first first_k_dense_replace (mlp_layer_types spells the same, when given): the model's `layout` must be those
-    (a NextN draft's, None, is its MTP layers alone)."""
+    change the arithmetic: its MLA always has a query latent and interleaved rope. (Its dense layers are the first
+    first_k_dense_replace, as mlp_layer_types spells them: the registry's reader refuses a list that disagrees.)"""
     if d.get("q_lora_rank") is None:
         raise ConfigError("config.q_lora_rank: sparse attention needs a query latent (its indexer reads it)")
     if d.get("rope_interleave") is False:
         raise ConfigError("config.rope_interleave: False not supported; DeepSeek-V3.2 and GLM-5 run True")
-    if layout is not None:
-        refuse_moe_layer_freq(d, "DeepSeek-V3.2")
-        # transformers' V3.2 builds its MoE layers from mlp_layer_types, which the registry's layout does not read.
-        n_layers, first_dense = len(layout.layer_ids), first_moe_layer(layout)
-        types = d.get("mlp_layer_types")
-        expected = ["dense"] * first_dense + ["sparse"] * (n_layers - first_dense)
-        if types is not None and types != expected:
-            raise ConfigError(f"config.mlp_layer_types: {types!r} disagrees with first_k_dense_replace="
-                              f"{first_dense}"[:300])
     fields = {name: _get(d, name, kind=int) for name in ("index_n_heads", "index_head_dim", "index_topk")}
     if fields["index_topk"] < 1 or fields["index_n_heads"] < 1:
         bad = "index_topk" if fields["index_topk"] < 1 else "index_n_heads"
@@ -273,7 +252,6 @@ def _refuse_where_v2_references_differ(d: dict) -> None:
     if _get(d, "norm_topk_prob", False, bool):
         raise ConfigError("config.norm_topk_prob: true not supported for DeepseekV2ForCausalLM (transformers does "
                           "not renormalise V2's top-k weights); supported: false")
-    refuse_moe_layer_freq(d, "transformers' DeepSeek-V2")
     if _get(d, "mlp_bias", False, bool):
         raise ConfigError("config.mlp_bias: true not supported; supported: false")
 

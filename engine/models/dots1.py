@@ -7,8 +7,8 @@ Shapes: B batch, T tokens, D hidden, E routed experts, K top-k, V vocab, H/H_kv 
   q/k/v and o only with `attention_bias`; layer i slides over `sliding_window` positions iff
   i >= max_window_layers (transformers' layer_types, which ignore `use_sliding_window`: a config whose
   use_sliding_window false disagrees with the layers that rule makes sliding is refused, by field).
-- Layer i is MoE iff i >= first_k_dense_replace, as the registry's DeepSeek layout reads it (its family's; the
-  moe_layer_freq it also counts, transformers' dots.llm1 has not: other than 1 is refused).
+- Layer i is MoE iff i >= first_k_dense_replace, as the registry's DeepSeek layout reads it (its family's; it
+  refuses a moe_layer_freq or mlp_layer_types that would say otherwise).
 - MoE: DeepSeek-V3's block (deepseek_v3.DeepseekV3MoE): the sigmoid router with e_score_correction_bias and
   group-limited top-k, top-k weights renormalised only with `norm_topk_prob` (false by default here), and
   n_shared_experts shared experts, one MLP of n_shared x the width (dots.llm1 ships 2: so the registry's
@@ -27,7 +27,7 @@ from ..parallel.tensor import TensorParallel
 from .causal_lm import DecoderLayer
 from ...service.rules.layouts import deepseek_layout
 from .config import ConfigError, get_field as _get, moe_layout
-from .deepseek_v3 import moe_or_dense_mlp, refuse_moe_layer_freq
+from .deepseek_v3 import moe_or_dense_mlp
 from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -41,7 +41,6 @@ class Dots1Config(Glm4MoeConfig):
     @classmethod
     def from_hf(cls, d: dict) -> "Dots1Config":
         layout = moe_layout(deepseek_layout, d)          # the registry's reader of the layer and expert fields
-        refuse_moe_layer_freq(d, "dots.llm1")
         partial = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor"))
         if partial not in (None, 1, 1.0):
             raise ConfigError(f"config.partial_rotary_factor: {partial!r} not supported; Qwen3's attention rotates "

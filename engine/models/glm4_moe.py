@@ -30,7 +30,7 @@ from ..parallel.tensor import TensorParallel
 from .causal_lm import CausalLM, DecoderLayer
 from ...service.rules.layouts import glm4_moe_layout, glm4_moe_nextn_layout
 from .config import ConfigError, get_field as _get, moe_layout, read_rope
-from .deepseek_v3 import first_moe_layer, moe_or_dense_mlp, refuse_moe_layer_freq, routing_fields
+from .deepseek_v3 import first_moe_layer, moe_or_dense_mlp, routing_fields
 
 # transformers' Glm4MoeConfig: "partial_rotary_factor" defaults to 0.5 (kept for older configs).
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.5
@@ -73,7 +73,6 @@ class Glm4MoeConfig:
         # The registry's reader of the layer and expert fields: a NextN draft's (its MTP layers after the target's)
         # or the model's.
         layout = moe_layout(glm4_moe_nextn_layout if nextn else glm4_moe_layout, d)
-        refuse_moe_layer_freq(d, "GLM-4-MoE")
         return cls.from_layout(d, layout, nextn=nextn)
 
     @classmethod

@@ -38,8 +38,9 @@ HUNYUAN_NAMES = CheckpointNames((
 ))
 
 # Switches of Tencent's own modeling code whose variants transformers does not build: (field, the value it runs).
-_VARIANT_SWITCHES = (("use_qk_norm", True), ("use_mixed_mlp_moe", True), ("use_cla", False), ("use_mla", False),
-                     ("mlp_bias", False), ("norm_topk_prob", True))
+# (use_mixed_mlp_moe, its shared MLP's switch, is the registry's reader's: it refuses false.)
+_VARIANT_SWITCHES = (("use_qk_norm", True), ("use_cla", False), ("use_mla", False), ("mlp_bias", False),
+                     ("norm_topk_prob", True))
 
 
 def one_per_model(d: dict, name: str, n_layers: int, default=None) -> int | None:
@@ -71,7 +72,7 @@ class HunyuanMoeConfig(QwenMoeConfig):
                 raise ConfigError(f"config.{name}: {d[name]!r} is not supported; the engine (as transformers) runs "
                                   f"{name}={runs!r} only")
         # The registry's reader of the layer and expert fields (num_experts, moe_topk and num_shared_expert, each
-        # an integer or per-layer values that agree): every layer MoE.
+        # an integer or per-layer values that agree): every layer MoE, with one shared MLP.
         layout = moe_layout(hunyuan_v1_moe_layout, d)
         n_layers = len(layout.layer_ids)
         skipped = _get(d, "moe_layer_num_skipped", 0, int)
@@ -82,9 +83,6 @@ class HunyuanMoeConfig(QwenMoeConfig):
         if expert_width != width:
             raise ConfigError(f"config.moe_intermediate_size: {expert_width} differs from intermediate_size={width}, "
                               f"which sizes the experts and the shared MLP (as in transformers)")
-        if layout.n_shared != 1:
-            raise ConfigError(f"config.num_shared_expert: {layout.n_shared} is not supported; one shared MLP of "
-                              f"intermediate_size per layer (as in transformers)")
         # its NTK-alpha is this family's reading of the rotary fields
         common = moe_fields(d, layout, rms_norm_eps=1e-5, max_position_embeddings=2048,
                             rope=read_rope(d, default_theta=10000.0, ntk_alpha=True))

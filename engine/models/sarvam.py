@@ -19,7 +19,7 @@ from ..shown_tensors import ShownTensors
 from ..weights import CheckpointNames
 from ...service.rules.layouts import sarvam_mla_layout, sarvam_moe_layout
 from .config import ConfigError, moe_layout
-from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, refuse_moe_layer_freq
+from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
 
 # Sarvam's config.json names -> the ones the families read (transformers' attribute_map for both configs), for the
@@ -89,7 +89,6 @@ class SarvamMoEForCausalLM(Glm4MoeForCausalLM):
     @classmethod
     def parse_config(cls, hf_config: dict) -> Glm4MoeConfig:
         layout = moe_layout(sarvam_moe_layout, hf_config)   # the registry's reader of the layer and expert fields
-        refuse_moe_layer_freq(hf_config, "Sarvam-MoE (GLM-4-MoE's model)")
         d = with_family_names(hf_config, SARVAM_MOE_DEFAULTS)
         if d.get("rope_theta") is None and not (d.get("rope_parameters") or {}).get("rope_theta"):
             d["rope_theta"] = SARVAM_MOE_THETA

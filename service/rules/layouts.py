@@ -56,9 +56,11 @@ Conventions follow the architectures' reference implementations:
   num_shared_experts (0) shared ones.
 - A NextN draft has num_nextn_predict_layers MoE layers numbered after the target's.
 
-A field a config leaves out is read as the architecture's reference config class fills it in (transformers', or
-SGLang's own where SGLang reads the config with one), or refused, naming it, where that default is not the
-registry's to guess; never as something else (tests/service/rules/test_layout_defaults.py).
+A config is read as the references read it (transformers' config class and model; SGLang's, for what SGLang
+builds): a field left out as their config class fills it in, a field under another name as its attribute map reads
+it, a field they do not read not at all. Where they disagree (a default, or a field one reads and the other does
+not, such as moe_layer_freq), the field is required or refused where it would change the layout; never read one
+way for an engine that reads it another (tests/conformance/test_layout_defaults.py).
 """
 
 from __future__ import annotations
@@ -88,15 +90,41 @@ class MoeLayout:
 
 
 def deepseek_layout(cfg: ConfigView) -> MoeLayout:
+    """DeepSeek-V2/V3/V3.2, GLM-5, dots.llm1, Mistral Large 3: first_k_dense_replace and n_shared_experts required
+    (transformers' config classes default them otherwise than the Hub's code and SGLang's wrappers); moe_layer_freq
+    and mlp_layer_types refused where they would place the MoE layers otherwise than first_k_dense_replace (SGLang
+    reads the first, transformers' V3.2 and GLM-5 the second, transformers' others neither)."""
     n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
     n_routed = cfg.int("n_routed_experts", minimum=1)
     n_shared = cfg.int("n_shared_experts", minimum=0)
     top_k = cfg.int("num_experts_per_tok", minimum=1)
-    first_dense = cfg.int("first_k_dense_replace", minimum=0)
-    freq = cfg.int("moe_layer_freq", 1, minimum=1)
     _check_top_k(cfg, top_k, n_routed)
-    moe = tuple(i for i in range(n_layers) if i >= first_dense and i % freq == 0)
+    first = cfg.int("first_k_dense_replace", minimum=0)
+    moe = _moe_from_first(cfg, n_layers, first, REFUSED)
+    types = cfg.raw("mlp_layer_types")
+    if types is not None and types != ["dense" if i not in moe else "sparse" for i in range(n_layers)]:
+        raise InvalidArgument(cfg.field("mlp_layer_types"), f"disagrees with first_k_dense_replace={first} (makes "
+                                                            f"layers {_shown(moe)} MoE): {quote(types)}")
     return MoeLayout(tuple(range(n_layers)), moe, n_routed, n_shared, top_k)
+
+
+# How a family's references read moe_layer_freq (layer i MoE only if i % moe_layer_freq == 0): every one reads it,
+# none does, or they differ (then it is refused where it would change the layout).
+READ, IGNORED, REFUSED = "read", "ignored", "refused"
+
+
+def _moe_from_first(cfg: ConfigView, n_layers: int, first: int, freq_rule: str) -> tuple[int, ...]:
+    """The layers from `first` on, less those moe_layer_freq skips as `freq_rule` says."""
+    every = tuple(range(first, n_layers))
+    if freq_rule == IGNORED:
+        return every
+    freq = cfg.int("moe_layer_freq", 1, minimum=1)
+    moe = tuple(i for i in every if i % freq == 0)
+    if freq_rule == REFUSED and moe != every:
+        raise InvalidArgument(cfg.field("moe_layer_freq"), f"{freq} makes layers {_shown(moe)} MoE for SGLang and "
+                                                           f"{_shown(every)} for transformers, which does not read "
+                                                           f"it: give 1")
+    return moe
 
 
 def deepseek_v4_layout(cfg: ConfigView) -> MoeLayout:
@@ -105,7 +133,7 @@ def deepseek_v4_layout(cfg: ConfigView) -> MoeLayout:
     shared by default; the layer count and top-k are required (SGLang reads the config with transformers'
     DeepseekV3Config under V4's name: 61 and 8, transformers' DeepseekV4Config says 43 and 6)."""
     n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
-    n_routed = cfg.int("n_routed_experts", 256, minimum=1)
+    n_routed = cfg.int(_named(cfg, "n_routed_experts", "num_local_experts"), 256, minimum=1)
     top_k = cfg.int("num_experts_per_tok", minimum=1)
     _check_top_k(cfg, top_k, n_routed)
     layers = tuple(range(n_layers))
@@ -115,14 +143,14 @@ def deepseek_v4_layout(cfg: ConfigView) -> MoeLayout:
 def dots3_layout(cfg: ConfigView) -> MoeLayout:
     """dots.llm3 (rules only; SGLang's models/dots3_common): DeepSeek's layout with SGLang's Dots3Config defaults (30
     layers, the first dense; 128 experts, top-6, one shared)."""
-    return _deepseek_defaults_layout(cfg, layers=30, experts=128, top_k=6, first_dense=1, aliases=())
+    return _deepseek_defaults_layout(cfg, layers=30, experts=128, top_k=6, first_dense=1, freq_rule=READ, aliases=())
 
 
 def glm4_moe_layout(cfg: ConfigView) -> MoeLayout:
     """GLM-4-MoE: DeepSeek's layout with transformers' Glm4MoeConfig defaults (the first layer dense, one shared
-    expert) and its alias num_local_experts for n_routed_experts."""
-    return _deepseek_defaults_layout(cfg, layers=None, experts=None, top_k=None, first_dense=1,
-                                     aliases=("num_local_experts",))
+    expert) and its alias num_local_experts for n_routed_experts; moe_layer_freq is read by neither transformers nor
+    SGLang."""
+    return _deepseek_defaults_layout(cfg, layers=None, experts=None, top_k=None, first_dense=1, freq_rule=IGNORED)
 
 
 def dense_layout(cfg: ConfigView) -> MoeLayout:
@@ -133,7 +161,7 @@ def dense_layout(cfg: ConfigView) -> MoeLayout:
 
 def deepseek_nextn_layout(cfg: ConfigView) -> MoeLayout:
     n_target = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
-    n_nextn = cfg.int("num_nextn_predict_layers", 1, minimum=1, maximum=MAX_LAYERS)
+    n_nextn = cfg.int(_named(cfg, "num_nextn_predict_layers", "num_mtp_layers"), 1, minimum=1, maximum=MAX_LAYERS)
     n_routed = cfg.int("n_routed_experts", minimum=1)
     n_shared = cfg.int("n_shared_experts", minimum=0)
     top_k = cfg.int("num_experts_per_tok", minimum=1)
@@ -145,7 +173,8 @@ def deepseek_nextn_layout(cfg: ConfigView) -> MoeLayout:
 def glm4_moe_nextn_layout(cfg: ConfigView) -> MoeLayout:
     """A GLM-4-MoE NextN draft: its num_nextn_predict_layers MoE layers after the target's, the target's expert
     fields under GLM-4-MoE's names and defaults (one shared expert unless the config says otherwise)."""
-    return _draft_after(glm4_moe_layout(cfg), cfg.int("num_nextn_predict_layers", 1, minimum=1, maximum=MAX_LAYERS))
+    return _draft_after(glm4_moe_layout(cfg), cfg.int(_named(cfg, "num_nextn_predict_layers", "num_mtp_layers"), 1,
+                                                      minimum=1, maximum=MAX_LAYERS))
 
 
 def qwen_nextn_layout(cfg: ConfigView) -> MoeLayout:
@@ -289,7 +318,7 @@ def nemotron_h_layout(cfg: ConfigView) -> MoeLayout:
     if len(kinds) > MAX_LAYERS:
         raise InvalidArgument(cfg.field(field or "hybrid_override_pattern"),
                               f"{len(kinds)} layers: more than {MAX_LAYERS}")
-    n_routed = cfg.int("n_routed_experts", 8, minimum=1)
+    n_routed = cfg.int(_named(cfg, "n_routed_experts", "num_local_experts"), 8, minimum=1)
     top_k = cfg.int("num_experts_per_tok", 2, minimum=1)
     _check_top_k(cfg, top_k, n_routed)
     return MoeLayout(tuple(range(len(kinds))), tuple(i for i, k in enumerate(kinds) if k == "moe"), n_routed, 1,
@@ -300,7 +329,7 @@ def jamba_layout(cfg: ConfigView) -> MoeLayout:
     """Jamba: layer i is MoE iff i % expert_layer_period == expert_layer_offset (whatever its token mixer); no shared
     expert. transformers' JambaConfig defaults where a config leaves a field out."""
     n_layers = cfg.int("num_hidden_layers", 32, minimum=1, maximum=MAX_LAYERS)
-    n_routed = cfg.int("num_experts", 16, minimum=2)
+    n_routed = cfg.int(_named(cfg, "num_experts", "num_local_experts"), 16, minimum=2)
     top_k = cfg.int("num_experts_per_tok", 2, minimum=1)
     _check_top_k(cfg, top_k, n_routed)
     period = cfg.int("expert_layer_period", 2, minimum=1)
@@ -311,7 +340,7 @@ def jamba_layout(cfg: ConfigView) -> MoeLayout:
 
 def dbrx_layout(cfg: ConfigView) -> MoeLayout:
     """transformers' DbrxConfig defaults where a config leaves a field out (ffn_config is an object of its own)."""
-    n_layers = cfg.int("n_layers", 24, minimum=1, maximum=MAX_LAYERS)
+    n_layers = cfg.int(_named(cfg, "n_layers", "num_hidden_layers"), 24, minimum=1, maximum=MAX_LAYERS)
     ffn = cfg.sub("ffn_config") if cfg.has("ffn_config") else ConfigView({}, cfg.field("ffn_config"))
     n_routed = ffn.int("moe_num_experts", 4, minimum=1)
     top_k = ffn.int("moe_top_k", 1, minimum=1)
@@ -403,7 +432,8 @@ def _deepseek_renamed_layout(cfg: ConfigView, *, layers: int | None, experts: in
     def named(ours: str, deepseek: str) -> str:
         return deepseek if cfg.raw(ours) is None and cfg.raw(deepseek) is not None else ours
 
-    n_routed = cfg.int(named("num_experts", "n_routed_experts"), *_or_required(experts), minimum=1)
+    n_routed = cfg.int(named(_named(cfg, "num_experts", "num_local_experts"), "n_routed_experts"),
+                       *_or_required(experts), minimum=1)
     n_shared = cfg.int(named("num_shared_experts", "n_shared_experts"), *_or_required(shared), minimum=0)
     k_field = named("num_experts_per_token", "num_experts_per_tok")
     top_k = cfg.int(k_field, 8, minimum=1)
@@ -424,11 +454,12 @@ def longcat_flash_layout(cfg: ConfigView) -> MoeLayout:
         raise InvalidArgument(cfg.field("num_layers"), "missing: num_hidden_layers alone counts LongCat-Flash's "
                                                        "sublayers for transformers and its layers for SGLang")
     n_layers = cfg.int("num_layers", 28, minimum=1, maximum=MAX_LAYERS)
-    n_routed = cfg.int("n_routed_experts", 512, minimum=1)
+    n_routed = cfg.int(_named(cfg, "n_routed_experts", "num_local_experts"), 512, minimum=1)
     zero = cfg.int("zero_expert_num", 256, minimum=0)
-    top_k = cfg.int("moe_topk", 12, minimum=1)
+    k_field = _named(cfg, "moe_topk", "num_experts_per_tok")
+    top_k = cfg.int(k_field, 12, minimum=1)
     if top_k > n_routed + zero:
-        raise InvalidArgument(cfg.field("moe_topk"), f"{top_k} exceeds the number of experts ({n_routed} routed and "
+        raise InvalidArgument(cfg.field(k_field), f"{top_k} exceeds the number of experts ({n_routed} routed and "
                                                      f"{zero} zero-computation ones)")
     layers = tuple(range(n_layers))
     return MoeLayout(layers, layers, n_routed, 0, top_k)
@@ -488,18 +519,26 @@ def _named(cfg: ConfigView, name: str, *aliases: str) -> str:
 
 def sarvam_mla_layout(cfg: ConfigView) -> MoeLayout:
     """transformers' SarvamMLAConfig defaults and names (its attribute_map) where a config leaves DeepSeek's out."""
-    return _deepseek_defaults_layout(cfg, layers=32, experts=128, top_k=8, first_dense=1)
+    return _deepseek_defaults_layout(cfg, layers=32, experts=128, top_k=8, first_dense=1, freq_rule=REFUSED,
+                                     aliases=SARVAM_ALIASES,
+                                     shared_aliases=("num_shared_experts",))
 
 
 def sarvam_moe_layout(cfg: ConfigView) -> MoeLayout:
     """transformers' SarvamMoEConfig defaults and names (its attribute_map) where a config leaves GLM-4-MoE's out."""
-    return _deepseek_defaults_layout(cfg, layers=19, experts=128, top_k=6, first_dense=1)
+    return _deepseek_defaults_layout(cfg, layers=19, experts=128, top_k=6, first_dense=1, freq_rule=REFUSED,
+                                     aliases=SARVAM_ALIASES,
+                                     shared_aliases=("num_shared_experts",))
+
+
+# Sarvam's config classes map the original checkpoints' names of the routed experts (num_experts) too.
+SARVAM_ALIASES = ("num_experts", "num_local_experts")
 
 
 def axk1_layout(cfg: ConfigView) -> MoeLayout:
     """transformers' AXK1Config defaults (61 layers; 192 experts, top-8, one shared): layer i is MoE iff
     mlp_layer_types[i] is "sparse", else as DeepSeek's first_k_dense_replace (1) and moe_layer_freq say."""
-    lay = _deepseek_defaults_layout(cfg, layers=61, experts=192, top_k=8, first_dense=1)
+    lay = _deepseek_defaults_layout(cfg, layers=61, experts=192, top_k=8, first_dense=1, freq_rule=READ)
     if cfg.raw("mlp_layer_types") is None:
         return lay
     n_layers = len(lay.layer_ids)
@@ -541,25 +580,24 @@ def mellum_layout(cfg: ConfigView) -> MoeLayout:
 
 def mistral4_layout(cfg: ConfigView) -> MoeLayout:
     """transformers' Mistral4Config defaults (36 layers, all MoE; 128 experts, top-4, one shared) where a config
-    leaves a field out."""
-    return _deepseek_defaults_layout(cfg, layers=36, experts=128, top_k=4, first_dense=0)
+    leaves a field out; moe_layer_freq is not read (by transformers; SGLang builds no Mistral 4)."""
+    return _deepseek_defaults_layout(cfg, layers=36, experts=128, top_k=4, first_dense=0, freq_rule=IGNORED)
 
 
 def _deepseek_defaults_layout(cfg: ConfigView, *, layers: int | None, experts: int | None, top_k: int | None,
-                              first_dense: int,
-                              aliases: tuple[str, ...] = ("num_experts", "num_local_experts")) -> MoeLayout:
-    """DeepSeek's layout (layer i MoE iff i >= first_k_dense_replace and i % moe_layer_freq == 0) with a family's
-    defaults (None: the field is required), its expert counts also under the names transformers' configs alias
-    (`aliases` of n_routed_experts, num_shared_experts: one shared expert by default)."""
+                              first_dense: int, freq_rule: str, aliases: tuple[str, ...] = ("num_local_experts",),
+                              shared_aliases: tuple[str, ...] = ()) -> MoeLayout:
+    """DeepSeek's layout (layer i MoE iff i >= first_k_dense_replace, and moe_layer_freq as `freq_rule` says) with a
+    family's defaults (None: the field is required), its expert counts also under the names its config class's
+    attribute map gives them (`aliases` of n_routed_experts, `shared_aliases` of n_shared_experts: one shared expert
+    by default); a name the class does not map is not read (the reference reads the default then)."""
     n_layers = cfg.int("num_hidden_layers", *_or_required(layers), minimum=1, maximum=MAX_LAYERS)
     n_routed = cfg.int(_named(cfg, "n_routed_experts", *aliases), *_or_required(experts), minimum=1)
-    n_shared = cfg.int(_named(cfg, "n_shared_experts", "num_shared_experts"), 1, minimum=0)
+    n_shared = cfg.int(_named(cfg, "n_shared_experts", *shared_aliases), 1, minimum=0)
     k = cfg.int("num_experts_per_tok", *_or_required(top_k), minimum=1)
     _check_top_k(cfg, k, n_routed)
     first = cfg.int("first_k_dense_replace", first_dense, minimum=0)
-    freq = cfg.int("moe_layer_freq", 1, minimum=1)
-    moe = tuple(i for i in range(n_layers) if i >= first and i % freq == 0)
-    return MoeLayout(tuple(range(n_layers)), moe, n_routed, n_shared, k)
+    return MoeLayout(tuple(range(n_layers)), _moe_from_first(cfg, n_layers, first, freq_rule), n_routed, n_shared, k)
 
 
 def _layer_numbers(cfg: ConfigView, name: str, value) -> set[int]:
@@ -623,14 +661,23 @@ def _sparse_by_mlp_layer_types(cfg: ConfigView, n_layers: int, first_sparse: int
 
 
 def hunyuan_v1_moe_layout(cfg: ConfigView) -> MoeLayout:
-    """transformers' HunYuanMoEV1Config defaults (one expert, top-1) where a config leaves a field out."""
+    """transformers' HunYuanMoEV1Config defaults (one expert, top-1) where a config leaves a field out. One shared MLP:
+    transformers always builds one of intermediate_size, SGLang one of num_shared_expert times that where
+    use_mixed_mlp_moe says so, none else; a config they read two ways (num_shared_expert other than 1,
+    use_mixed_mlp_moe false) is refused."""
     n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
-    n_routed = _one_per_model(cfg, "num_experts", n_layers, 1, minimum=1)
+    n_routed = _one_per_model(cfg, _named(cfg, "num_experts", "num_local_experts"), n_layers, 1, minimum=1)
     top_k = _one_per_model(cfg, "moe_topk", n_layers, 1, minimum=1)
-    n_shared = _one_per_model(cfg, "num_shared_expert", n_layers, 1, minimum=0)
     _check_top_k(cfg, top_k, n_routed, "moe_topk")
+    if _one_per_model(cfg, "num_shared_expert", n_layers, 1, minimum=0) != 1:
+        raise InvalidArgument(cfg.field("num_shared_expert"), "not 1: transformers builds one shared MLP of "
+                                                              "intermediate_size whatever it says, SGLang one this "
+                                                              "many times as wide")
+    if cfg.has("use_mixed_mlp_moe") and not cfg.raw("use_mixed_mlp_moe"):
+        raise InvalidArgument(cfg.field("use_mixed_mlp_moe"), "false: SGLang builds no shared MLP then, transformers "
+                                                              "one")
     layers = tuple(range(n_layers))
-    return MoeLayout(layers, layers, n_routed, n_shared, top_k)
+    return MoeLayout(layers, layers, n_routed, 1, top_k)
 
 
 def _one_per_model(cfg: ConfigView, name: str, n_layers: int, default: int, *, minimum: int) -> int:
@@ -690,10 +737,11 @@ def llama4_layout(cfg: ConfigView) -> MoeLayout:
 def ernie4_5_moe_layout(cfg: ConfigView) -> MoeLayout:
     """transformers' Ernie4_5_MoeConfig defaults where a config leaves a field out."""
     n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
-    n_routed = cfg.int("moe_num_experts", 64, minimum=1)
+    n_routed = cfg.int(_named(cfg, "moe_num_experts", "num_experts"), 64, minimum=1)
     n_shared = cfg.int("moe_num_shared_experts", 2, minimum=0)
-    top_k = cfg.int("moe_k", 6, minimum=1)
-    _check_top_k(cfg, top_k, n_routed, "moe_k")
+    k_field = _named(cfg, "moe_k", "num_experts_per_tok")
+    top_k = cfg.int(k_field, 6, minimum=1)
+    _check_top_k(cfg, top_k, n_routed, k_field)
     start = cfg.int("moe_layer_start_index", 1, minimum=0)
     if "moe_layer_end_index" in cfg.data and cfg.raw("moe_layer_end_index") is None:
         raise InvalidArgument(cfg.field("moe_layer_end_index"), "null; say -1 (the last layer) or a layer number")

@@ -1,16 +1,17 @@
-"""The registry's layout readers against the config classes a checkpoint's config.json is read with, for the fields a
-config leaves out.
+"""The registry's layout readers against the config classes a checkpoint's config.json is read with.
 
-A reader (loadplan.service.rules.layouts) may leave a field out of a config only as the reference does: read as the
-reference's config class fills it in, or refused naming it (where the references disagree, or the default is not
-the registry's to guess). Never as something else: a plan that counts a shared expert or a dense layer the engine
-does not build is a wrong plan, not an error.
+A reader (loadplan.service.rules.layouts) may read a config only as the references do: a field left out as the
+reference's config class fills it in, a field under another name as the class's attribute map reads it, a field the
+reference does not read not at all; or else refuse the config, naming a field (where the references disagree, or a
+default is not the registry's to guess). Never as something else: a plan that counts a shared expert or a dense
+layer the engine does not build is a wrong plan, not an error.
 
 For each entry class the registry builds directly (a wrapper's inner config is its inner entry class's), the
 reference config class is looked up by the model_type its config.json says (`MODEL_TYPES`), in transformers'
 registry (`CONFIG_MAPPING`, what AutoConfig reads with) or, in SGLang's environment, SGLang's own first (what its
 get_config reads with). Its defaults (with `FILL` for the layout fields it has no default for) are the complete
-config; each layout field of it is then left out in turn.
+config; each layout field of it is then left out in turn, each alias of one given instead, and (against
+transformers) each layout field name it does not have given a value.
 
 Run in-process by tests/conformance/test_layout_defaults.py against transformers, and as a script in SGLang's
 environment (`.venv-sglang`) against the classes SGLang reads with: `python layout_defaults.py` prints one JSON
@@ -114,9 +115,9 @@ def _read(reader: Callable, d: dict) -> Any:
     return reader(ConfigView(d, "config"))
 
 
-def _complete(config_class, reader: Callable) -> dict:
+def _complete(config_class, reader: Callable) -> tuple[dict, dict]:
     """The config class's defaults, with FILL for the layout fields the reader refuses them for (no default, or one
-    that builds no MoE layer, such as 0 experts)."""
+    that builds no MoE layer, such as 0 experts): (the complete config, the FILL values it took)."""
     from loadplan.service.errors import InvalidArgument
 
     given: dict = {}
@@ -124,7 +125,7 @@ def _complete(config_class, reader: Callable) -> dict:
         full = {**config_class(**given).to_dict(), **given}
         try:
             _read(reader, full)
-            return full
+            return full, given
         except InvalidArgument as err:
             name = err.field.removeprefix("config.")
             if name not in FILL or name in given:   # a default the reader refuses (none, or 0 experts)
@@ -133,9 +134,13 @@ def _complete(config_class, reader: Callable) -> dict:
     raise AssertionError("unreachable")
 
 
-def disagreements(config_class_of: Callable[[str], Any], entry_classes: list[str]) -> Iterator[str]:
+def disagreements(config_class_of: Callable[[str], Any], entry_classes: list[str], *,
+                  unread: bool) -> Iterator[str]:
     """For each entry class, each layout field its reference config class fills in that the reader, when the field
-    is left out, reads otherwise (a refusal that names a field the config lacks agrees)."""
+    is left out, reads otherwise, and each name of a field the reader reads otherwise than the class (a refusal
+    agrees: it is never a wrong layout). `unread`: a layout field name the class neither has nor maps must not change
+    the layout either (transformers' models read their config class's fields; SGLang's read any a config.json
+    gives, through getattr)."""
     from loadplan.entry_classes import ENTRY_CLASSES
     from loadplan.service.errors import InvalidArgument
     from loadplan.service.rules import entries
@@ -148,7 +153,7 @@ def disagreements(config_class_of: Callable[[str], Any], entry_classes: list[str
         if config_class is None:   # this environment cannot read such a config at all
             continue
         try:
-            full = _complete(config_class, reader)
+            full, given = _complete(config_class, reader)
         except InvalidArgument as err:
             yield f"{arch}: {config_class.__name__}'s defaults are refused: {err}"
             continue
@@ -157,17 +162,51 @@ def disagreements(config_class_of: Callable[[str], Any], entry_classes: list[str
             partial = {k: v for k, v in full.items() if k != name}
             try:
                 got = _read(reader, partial)
-            except InvalidArgument as err:
-                if err.field.removeprefix("config.") in partial:
-                    yield f"{arch}: without {name}, refused for another field: {err}"
+            except InvalidArgument:
                 continue
             if got != want:
-                differ = [f for f in ("layer_ids", "moe_layers", "n_routed", "n_shared", "top_k")
-                          if getattr(got, f) != getattr(want, f)]
                 yield (f"{arch}: without {name} ({config_class.__name__} fills in {json.dumps(full[name])[:60]}) "
-                       f"the reader's {', '.join(differ)} differ: "
-                       + "; ".join(f"{f} {str(getattr(got, f))[:40]} vs {str(getattr(want, f))[:40]}"
-                                   for f in differ))
+                       f"{_differ(got, want)}")
+        # A draft reads its MTP layers' count, which a target's config class need not have.
+        draft = ENTRY_CLASSES[arch].family.endswith("_nextn")
+        yield from _names(arch, reader, config_class, full, given, want, fields, unread=unread and not draft)
+
+
+def _names(arch: str, reader: Callable, config_class, full: dict, given: dict, want: Any, fields: set[str], *,
+           unread: bool) -> Iterator[str]:
+    """The names of fields: one the config class maps to a layout field (its attribute_map) is read as that field;
+    (`unread`) a layout field name it neither has nor maps is not read (a refusal that names it agrees)."""
+    from loadplan.service.errors import InvalidArgument
+
+    aliases = dict(getattr(config_class, "attribute_map", {}) or {})
+    for alias, name in sorted(aliases.items()):
+        if name not in fields or alias not in fields or not isinstance(full.get(name), int):
+            continue
+        value = full[name] + 1
+        partial = {k: v for k, v in full.items() if k != name}
+        if config_class(**{**given, alias: value}).to_dict().get(name) != value:
+            continue                                      # this class does not read the alias as a kwarg
+        try:
+            same = _read(reader, {**full, name: value})
+            got = _read(reader, {**partial, alias: value})
+        except InvalidArgument:       # refused (that value, or the alias as the field's missing name): agrees
+            continue
+        if got != same:
+            yield f"{arch}: {alias}={value}, {config_class.__name__}'s name of {name}, is not read as {name}"
+    for name in sorted(fields - set(full) - set(aliases)) if unread else ():
+        for value in (3, 5):
+            try:
+                got = _read(reader, {**full, name: value})
+            except InvalidArgument:
+                continue
+            if got != want:
+                yield f"{arch}: {name}={value}, which {config_class.__name__} does not read, {_differ(got, want)}"
+
+
+def _differ(got: Any, want: Any) -> str:
+    differ = [f for f in ("layer_ids", "moe_layers", "n_routed", "n_shared", "top_k") if getattr(got, f) != getattr(want, f)]
+    return (f"changes the reader's {', '.join(differ)}: "
+            + "; ".join(f"{f} {str(getattr(got, f))[:40]} vs {str(getattr(want, f))[:40]}" for f in differ))
 
 
 def transformers_config_class(model_type: str):
@@ -194,7 +233,7 @@ def main() -> None:
 
     built = set(ModelRegistry.get_supported_archs())   # what SGLang builds: its defaults matter for these alone
     checked = sorted(a for a in MODEL_TYPES if a in built and sglang_config_class(MODEL_TYPES[a]) is not None)
-    found = list(disagreements(sglang_config_class, checked))
+    found = list(disagreements(sglang_config_class, checked, unread=False))
     print(json.dumps({"checked": checked, "disagreements": found}))
 
 

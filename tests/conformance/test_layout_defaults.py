@@ -13,7 +13,7 @@ import pytest
 from loadplan.entry_classes import ENTRY_CLASSES
 from loadplan.service.rules import entries
 from loadplan.service.rules.config_view import ConfigView
-from loadplan.service.rules.layouts import MoeLayout, qwen2_moe_layout
+from loadplan.service.rules.layouts import MoeLayout, glm4_moe_layout, jamba_layout, qwen2_moe_layout
 
 from .layout_defaults import MODEL_TYPES, disagreements, transformers_config_class
 from .sglang_agreement import ROOT
@@ -32,7 +32,7 @@ def test_every_engine_built_entry_class_has_a_transformers_config_class():
 
 
 def test_left_out_fields_are_read_as_transformers_fills_them_in_or_refused():
-    assert list(disagreements(transformers_config_class, ENGINE_BUILT)) == []
+    assert list(disagreements(transformers_config_class, ENGINE_BUILT, unread=True)) == []
 
 
 def test_the_check_finds_a_reader_that_reads_a_left_out_field_as_something_else(monkeypatch):
@@ -45,8 +45,31 @@ def test_the_check_finds_a_reader_that_reads_a_left_out_field_as_something_else(
 
     family = entries.FAMILIES["qwen2_moe"]
     monkeypatch.setitem(entries.FAMILIES, "qwen2_moe", dataclasses.replace(family, layout=no_shared_when_left_out))
-    found = list(disagreements(transformers_config_class, ["Qwen2MoeForCausalLM"]))
+    found = list(disagreements(transformers_config_class, ["Qwen2MoeForCausalLM"], unread=True))
     assert len(found) == 1 and "without shared_expert_intermediate_size" in found[0] and "n_shared" in found[0]
+
+
+def _jamba_without_its_alias(cfg: ConfigView) -> MoeLayout:
+    """Jamba's reader as it was: num_local_experts (JambaConfig's name of num_experts) not read."""
+    return jamba_layout(ConfigView({k: v for k, v in cfg.data.items() if k != "num_local_experts"}))
+
+
+def _glm4_skipping_by_moe_layer_freq(cfg: ConfigView) -> MoeLayout:
+    """GLM-4-MoE's reader as it was: moe_layer_freq read, which neither transformers nor SGLang reads for it."""
+    lay = glm4_moe_layout(cfg)
+    freq = cfg.int("moe_layer_freq", 1)
+    return dataclasses.replace(lay, moe_layers=tuple(i for i in lay.moe_layers if i % freq == 0))
+
+
+@pytest.mark.parametrize("family,arch,reader,found", [
+    ("jamba", "JambaForCausalLM", _jamba_without_its_alias, "num_local_experts=17, JambaConfig's name of num_experts"),
+    ("glm4_moe", "Glm4MoeForCausalLM", _glm4_skipping_by_moe_layer_freq,
+     "moe_layer_freq=3, which Glm4MoeConfig does not read"),
+])
+def test_the_check_finds_a_reader_that_reads_a_name_otherwise_than_the_config_class(monkeypatch, family, arch, reader,
+                                                                                     found):
+    monkeypatch.setitem(entries.FAMILIES, family, dataclasses.replace(entries.FAMILIES[family], layout=reader))
+    assert any(found in line for line in disagreements(transformers_config_class, [arch], unread=True))
 
 
 def test_left_out_fields_are_read_as_sglang_fills_them_in_or_refused():

@@ -84,7 +84,7 @@ def test_config_refusals_name_the_field():
         DeepseekV3Config.from_hf({**base, "scoring_func": "sigmoid"}, ARCH)
     with pytest.raises(ConfigError, match="config.norm_topk_prob: true not supported"):
         DeepseekV3Config.from_hf({**base, "norm_topk_prob": True}, ARCH)
-    with pytest.raises(ConfigError, match="config.moe_layer_freq: 2 not supported"):
+    with pytest.raises(ConfigError, match="config.moe_layer_freq: 2 makes layers"):
         DeepseekV3Config.from_hf({**base, "moe_layer_freq": 2}, ARCH)
     with pytest.raises(ConfigError, match="config.mlp_bias"):
         DeepseekV3Config.from_hf({**base, "mlp_bias": True}, ARCH)

@@ -204,6 +204,9 @@ def test_config_refusals_name_the_field():
         DeepseekV3Config.from_hf({**base, "n_group": 0, "topk_group": 0})
     with pytest.raises(ConfigError, match="supported: default, linear, yarn"):
         DeepseekV3Config.from_hf({**base, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
-    cfg = DeepseekV3Config.from_hf({**base, "num_hidden_layers": 6, "first_k_dense_replace": 1, "moe_layer_freq": 2})
-    assert cfg.moe_layers == (2, 4)
+    # SGLang (and the original code) skip layers by moe_layer_freq, transformers does not: refused where it would
+    with pytest.raises(ConfigError, match=r"config\.moe_layer_freq: 2 makes layers \[2, 4\] MoE for SGLang"):
+        DeepseekV3Config.from_hf({**base, "num_hidden_layers": 6, "first_k_dense_replace": 1, "moe_layer_freq": 2})
+    cfg = DeepseekV3Config.from_hf({**base, "num_hidden_layers": 6, "first_k_dense_replace": 1, "moe_layer_freq": 1})
+    assert cfg.moe_layers == (1, 2, 3, 4, 5)
     assert cfg.rope_interleave is True   # the original code always interleaves

@@ -70,7 +70,7 @@ def test_the_indexer_chooses_and_with_every_key_kept_it_is_dense_mla(ckpt, ids, 
     ({"index_topk": 0}, r"config\.index_topk: must be >= 1, got 0"),
     ({"index_head_dim": 4}, r"config\.index_head_dim: 4 must hold qk_rope_head_dim=8"),
     ({"mlp_layer_types": ["dense", "dense", "sparse"]},
-     r"config\.mlp_layer_types: \['dense', 'dense', 'sparse'\] disagrees with first_k_dense_replace=1"),
+     r"config\.mlp_layer_types: disagrees with first_k_dense_replace=1"),
     ({"index_n_heads": None}, r"config\.index_n_heads: missing"),
 ])
 def test_a_config_it_cannot_run_is_refused_by_field_before_any_plan(ckpt, tmp_path, overrides, match):

@@ -51,7 +51,7 @@ def test_its_variants_match_transformers(tmp_path, ids, config):
     ({"sliding_window": 4, "max_window_layers": 1, "use_sliding_window": False, "layer_types": None},
      r"config\.use_sliding_window: false, but sliding_window=4 and max_window_layers=1 make layers 1\.\.2 slide"),
     ({"n_shared_experts": None}, r"config\.n_shared_experts: missing"),
-    ({"moe_layer_freq": 2}, r"config\.moe_layer_freq: 2 not supported"),
+    ({"moe_layer_freq": 2}, r"config\.moe_layer_freq: 2 makes layers \[2\] MoE for SGLang"),
     ({"partial_rotary_factor": 0.5}, r"config\.partial_rotary_factor: 0\.5 not supported"),
 ])
 def test_a_config_it_cannot_run_is_refused_by_field_before_any_plan(ckpt, tmp_path, overrides, match):

@@ -40,11 +40,8 @@ ALSO_READ: dict[str, tuple[str, set[str]]] = {
                                         {"flint.py", "kolibri1.py", "laguna.py", "qwen3_next.py", "qwen_moe.py"}),
     "shared_intermediate_size": ("the shared MLP's width (MiniMax-M2: refused, it has none)",
                                  {"granitemoe.py", "granitemoe_hybrid.py", "minimax_m2.py"}),
-    "moe_layer_freq": ("refused unless 1: the model transformers builds has no such field (DeepSeek-V2/V3.2, GLM-4-MoE, "
-                       "dots.llm1, Kimi-Linear, the Ling hybrids), so MoE layers the layout places by it would not "
-                       "be the model's", {"bailing_hybrid.py", "deepseek_v3.py", "kimi_linear.py"}),
-    "mlp_layer_types": ("DeepSeek-V3.2 and GLM-5 build their MoE layers from it, DeepSeek's reader does not: a list "
-                        "that disagrees with the layout is refused", {"deepseek_v3.py"}),
+    "moe_layer_freq": ("refused unless 1 among the fields of later models its transformers model does not run "
+                       "(Kimi-Linear, the Ling hybrids)", {"bailing_hybrid.py", "kimi_linear.py"}),
     "first_k_dense_replace": ("Cohere2-MoE: also the attention kind of the dense layers when layer_types is absent",
                               {"cohere2_moe.py"}),
     "ffn_config": ("DBRX's experts' width, activation and weight normalisation", {"dbrx.py"}),

@@ -26,9 +26,8 @@ from ._fixtures import deepseek, mixtral, qwen2, qwen3
 @pytest.mark.parametrize("n,first_dense,freq,moe", [
     (4, 0, 1, [0, 1, 2, 3]),
     (4, 1, 1, [1, 2, 3]),
-    (6, 1, 2, [2, 4]),
-    (7, 3, 3, [3, 6]),
     (3, 5, 1, []),
+    (3, 2, 2, [2]),            # no layer it would skip: read alike by every reference
 ])
 def test_deepseek_moe_layers(n, first_dense, freq, moe):
     lay = deepseek_layout(ConfigView(deepseek(num_hidden_layers=n, first_k_dense_replace=first_dense,
@@ -36,6 +35,29 @@ def test_deepseek_moe_layers(n, first_dense, freq, moe):
     assert lay.layer_ids == tuple(range(n))
     assert list(lay.moe_layers) == moe
     assert (lay.n_routed, lay.n_shared, lay.top_k) == (256, 1, 8)
+
+
+@pytest.mark.parametrize("fields,field", [
+    # SGLang (and the Hub's code) skip layers by moe_layer_freq, transformers does not read it
+    ({"num_hidden_layers": 6, "first_k_dense_replace": 1, "moe_layer_freq": 2}, "moe_layer_freq"),
+    # transformers' V3.2 and GLM-5 place MoE layers by mlp_layer_types, SGLang by first_k_dense_replace
+    ({"num_hidden_layers": 3, "first_k_dense_replace": 1, "mlp_layer_types": ["dense", "dense", "sparse"]},
+     "mlp_layer_types"),
+])
+def test_deepseek_refuses_fields_its_references_read_two_ways(fields, field):
+    with pytest.raises(InvalidArgument) as e:
+        deepseek_layout(ConfigView(deepseek(**fields)))
+    assert e.value.field == f"config.{field}"
+    lay = deepseek_layout(ConfigView(deepseek(num_hidden_layers=3, first_k_dense_replace=1,
+                                              mlp_layer_types=["dense", "sparse", "sparse"])))
+    assert lay.moe_layers == (1, 2)                                     # a list that agrees is read
+
+
+@pytest.mark.parametrize("n,first_dense,freq,moe", [(6, 1, 2, [2, 4]), (7, 3, 3, [3, 6])])
+def test_a_family_whose_references_all_read_moe_layer_freq_skips_layers_by_it(n, first_dense, freq, moe):
+    lay = entries.FAMILIES["dots3"].layout(ConfigView({"num_hidden_layers": n, "first_k_dense_replace": first_dense,
+                                                       "moe_layer_freq": freq}))
+    assert list(lay.moe_layers) == moe
 
 
 def test_deepseek_without_moe_layer_freq_every_layer_from_the_first_sparse_is_moe():
@@ -181,7 +203,8 @@ def test_kolibri1_layers(fields, sizes):
     ("mla", {}, [1, 2, 3, 4, 5], (128, 1, 8)),                                   # transformers' defaults
     ("moe", {}, [1, 2, 3, 4, 5], (128, 1, 6)),
     ("mla", {"num_experts": 64, "num_shared_experts": 2, "first_k_dense_replace": 3}, [3, 4, 5], (64, 2, 8)),
-    ("moe", {"n_routed_experts": 32, "moe_layer_freq": 2, "first_k_dense_replace": 0}, [0, 2, 4], (32, 1, 6)),
+    ("moe", {"n_routed_experts": 32, "moe_layer_freq": 1, "first_k_dense_replace": 0}, list(range(6)), (32, 1, 6)),
+    ("mistral4", {"moe_layer_freq": 2}, [0, 1, 2, 3, 4, 5], (128, 1, 4)),       # transformers does not read it
     ("mistral4", {}, [0, 1, 2, 3, 4, 5], (128, 1, 4)),
     ("axk1", {}, [1, 2, 3, 4, 5], (192, 1, 8)),
     ("axk1", {"mlp_layer_types": ["sparse", "dense"] * 3, "first_k_dense_replace": 3}, [0, 2, 4], (192, 1, 8)),
@@ -405,11 +428,22 @@ def test_exaone_moe_refuses_a_bad_mlp_layer_types_by_field():
 @pytest.mark.parametrize("fields,want", [
     ({}, (1, 1, 1)),                                                            # transformers' defaults
     ({"num_experts": 64, "moe_topk": 8, "num_shared_expert": 1}, (64, 1, 8)),
-    ({"num_experts": [16] * 4, "moe_topk": [4] * 4, "num_shared_expert": [0] * 4}, (16, 0, 4)),   # per layer
+    ({"num_experts": [16] * 4, "moe_topk": [4] * 4, "num_shared_expert": [1] * 4}, (16, 1, 4)),   # per layer
 ])
 def test_hunyuan_every_layer_moe_with_per_layer_fields(fields, want):
     lay = hunyuan_v1_moe_layout(ConfigView({"num_hidden_layers": 4, **fields}))
     assert lay.moe_layers == (0, 1, 2, 3) and (lay.n_routed, lay.n_shared, lay.top_k) == want
+
+
+@pytest.mark.parametrize("fields,field", [({"num_shared_expert": [0] * 4}, "num_shared_expert"),
+                                          ({"num_shared_expert": 2}, "num_shared_expert"),
+                                          ({"use_mixed_mlp_moe": False}, "use_mixed_mlp_moe")])
+def test_hunyuan_refuses_a_shared_mlp_its_references_build_two_ways(fields, field):
+    # transformers builds one shared MLP of intermediate_size whatever these say; SGLang num_shared_expert times as
+    # wide, and none without use_mixed_mlp_moe
+    with pytest.raises(InvalidArgument) as e:
+        hunyuan_v1_moe_layout(ConfigView({"num_hidden_layers": 4, **fields}))
+    assert e.value.field == f"config.{field}"
 
 
 @pytest.mark.parametrize("fields,field,why", [

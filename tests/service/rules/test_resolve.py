@@ -194,7 +194,9 @@ def _moe_layers(cfg, family):
 
 @pytest.mark.parametrize("cfg,family", [
     (deepseek(num_hidden_layers=13, first_k_dense_replace=3), "deepseek"),
-    (deepseek(num_hidden_layers=12, first_k_dense_replace=1, moe_layer_freq=2), "deepseek"),
+    # A.X K1 reads moe_layer_freq as DeepSeek's own code does (DeepSeek's reader refuses it: transformers does not)
+    (deepseek(num_hidden_layers=12, first_k_dense_replace=1, moe_layer_freq=2, architectures=["AXK1ForCausalLM"],
+              n_routed_experts=192), "deepseek"),
     (glm4(num_hidden_layers=10, first_k_dense_replace=3), "deepseek"),
     (qwen3(num_hidden_layers=11, decoder_sparse_step=2), "qwen"),
     (qwen3(num_hidden_layers=9, mlp_only_layers=[0, 4, 8]), "qwen"),
