@@ -334,7 +334,7 @@ _BAD_CONFIGS = [
                                                      index_head_dim=64),
      {"indexer_types": ["shared", "full"]}, "target"),
     ("Glm4MoeForCausalLM", "Glm4MoeConfig", dict(n_routed_experts=16, moe_intermediate_size=16),
-     {"moe_layer_freq": 2}, "target"),
+     {"n_group": 16}, "target"),
     ("Dots1ForCausalLM", "Dots1Config", dict(n_routed_experts=16, n_shared_experts=2, num_experts_per_tok=4,
                                              moe_intermediate_size=16), {"partial_rotary_factor": 0.5}, "target"),
     ("Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeConfig", dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=16),

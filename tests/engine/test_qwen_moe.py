@@ -105,7 +105,10 @@ def test_config_refusals_name_the_field():
         QwenMoeConfig.from_hf({k: v for k, v in base.items() if k != "moe_intermediate_size"}, QWEN3)
     with pytest.raises(ValueError, match="hidden_act 'gelu' not supported; supported: silu"):
         QwenMoeConfig.from_hf({**base, "hidden_act": "gelu"}, QWEN3)
-    q2 = QwenMoeConfig.from_hf(base, QWEN2)
+    # Qwen2-MoE's shared expert: transformers fills in a width of 5632 where the config leaves it out
+    with pytest.raises(ConfigError, match="config.shared_expert_intermediate_size: missing"):
+        QwenMoeConfig.from_hf(base, QWEN2)
+    q2 = QwenMoeConfig.from_hf({**base, "shared_expert_intermediate_size": 4}, QWEN2)
     assert q2.qkv_bias and not q2.o_bias and not q2.qk_norm
     q3 = QwenMoeConfig.from_hf(base, QWEN3)
     assert not q3.qkv_bias and q3.qk_norm and q3.head_dim == 4
