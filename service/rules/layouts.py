@@ -253,15 +253,26 @@ def minimax_m3_layout(cfg: ConfigView) -> MoeLayout:
     n_shared = cfg.int("n_shared_experts", 0, minimum=0)
     top_k = cfg.int("num_experts_per_tok", minimum=1)
     _check_top_k(cfg, top_k, n_routed)
-    freq = cfg.raw("moe_layer_freq")
-    if freq is None:
-        moe = tuple(range(n_layers))
-    else:
-        if not isinstance(freq, list) or len(freq) != n_layers or not all(isinstance(f, int) for f in freq):
-            raise InvalidArgument(cfg.field("moe_layer_freq"),
-                                  f"must be a list of {n_layers} integers (one per layer; 0 = dense)")
-        moe = tuple(i for i, f in enumerate(freq) if f != 0)
+    moe = tuple(range(n_layers)) if cfg.raw("moe_layer_freq") is None else _flagged(cfg, "moe_layer_freq", n_layers)
     return MoeLayout(tuple(range(n_layers)), moe, n_routed, n_shared, top_k)
+
+
+def _flagged(cfg: ConfigView, name: str, n_layers: int) -> tuple[int, ...]:
+    """The layers `name`, a list of one integer per layer, flags non-zero (SGLang's per-layer moe_layer_freq)."""
+    flags = cfg.raw(name)
+    if not isinstance(flags, list) or len(flags) != n_layers or not all(isinstance(f, int) for f in flags):
+        raise InvalidArgument(cfg.field(name), f"must be a list of {n_layers} integers (one per layer; 0 = dense)")
+    return tuple(i for i, f in enumerate(flags) if f != 0)
+
+
+def _as_sglang_reads(cfg: ConfigView, lay: MoeLayout, by_sglang: tuple[int, ...], field: str, how: str) -> MoeLayout:
+    """`lay`, transformers' reading of the config, refused naming `field` where SGLang's (`by_sglang`, by the fields
+    `how` names) places the MoE layers otherwise."""
+    if by_sglang != lay.moe_layers:
+        raise InvalidArgument(cfg.field(field), f"makes layers {_shown(lay.moe_layers)} MoE for transformers and "
+                                                f"{_shown(by_sglang)} for SGLang (by {how}): give fields both read "
+                                                f"alike")
+    return lay
 
 
 def granitemoe_shared_layout(cfg: ConfigView) -> MoeLayout:
@@ -406,12 +417,8 @@ def kimi_linear_layout(cfg: ConfigView) -> MoeLayout:
     first = cfg.int("first_k_dense_replace", minimum=0)
     freq = cfg.int("moe_layer_freq", 1, minimum=1)
     by_sglang = tuple(i for i in lay.layer_ids if i >= first and i % freq == 0)
-    if by_sglang != lay.moe_layers:
-        field = "mlp_layer_types" if cfg.has("mlp_layer_types") else "moe_layer_freq"
-        raise InvalidArgument(cfg.field(field), f"makes layers {_shown(lay.moe_layers)} MoE for transformers and "
-                                                f"{_shown(by_sglang)} for SGLang (by first_k_dense_replace={first}, "
-                                                f"moe_layer_freq={freq}): give fields both read alike")
-    return lay
+    return _as_sglang_reads(cfg, lay, by_sglang, "mlp_layer_types" if cfg.has("mlp_layer_types") else "moe_layer_freq",
+                            f"first_k_dense_replace={first}, moe_layer_freq={freq}")
 
 
 def _shown(layers: tuple[int, ...]) -> str:
@@ -638,14 +645,20 @@ def cohere2_moe_layout(cfg: ConfigView) -> MoeLayout:
 
 
 def mimo_v2_flash_layout(cfg: ConfigView) -> MoeLayout:
-    """transformers' MiMoV2FlashConfig defaults where a config leaves a field out."""
+    """transformers' MiMoV2FlashConfig defaults where a config leaves a field out. transformers places the MoE layers
+    by mlp_layer_types (by default every layer but the first), SGLang by moe_layer_freq, a list of one flag per layer
+    (the Hub's configs write it; transformers' do not): one that reads otherwise is refused."""
     n_layers = cfg.int("num_hidden_layers", 48, minimum=1, maximum=MAX_LAYERS)
     field = "num_local_experts" if cfg.has("num_local_experts") and not cfg.has("n_routed_experts") \
         else "n_routed_experts"
     n_routed = cfg.int(field, 256, minimum=1)
     top_k = cfg.int("num_experts_per_tok", 8, minimum=1)
     _check_top_k(cfg, top_k, n_routed)
-    return MoeLayout(tuple(range(n_layers)), _sparse_by_mlp_layer_types(cfg, n_layers, 1), n_routed, 0, top_k)
+    lay = MoeLayout(tuple(range(n_layers)), _sparse_by_mlp_layer_types(cfg, n_layers, 1), n_routed, 0, top_k)
+    if cfg.raw("moe_layer_freq") is None:
+        return lay
+    return _as_sglang_reads(cfg, lay, _flagged(cfg, "moe_layer_freq", n_layers), "moe_layer_freq",
+                            "its moe_layer_freq flags")
 
 
 def _sparse_by_mlp_layer_types(cfg: ConfigView, n_layers: int, first_sparse: int | None) -> tuple[int, ...]:
@@ -697,19 +710,21 @@ def _one_per_model(cfg: ConfigView, name: str, n_layers: int, default: int, *, m
 
 
 def glm4_moe_lite_layout(cfg: ConfigView) -> MoeLayout:
+    """GLM-4.7-Flash: transformers' Glm4MoeLiteConfig defaults; transformers places the MoE layers by mlp_layer_types
+    (by default every layer but the first), SGLang by first_k_dense_replace: a config they read two ways is
+    refused."""
     n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
     n_routed = cfg.int("n_routed_experts", minimum=1)
-    n_shared = cfg.int("n_shared_experts", 1, minimum=0)          # transformers' Glm4MoeLiteConfig defaults
+    n_shared = cfg.int("n_shared_experts", 1, minimum=0)
     top_k = cfg.int("num_experts_per_tok", 4, minimum=1)
     _check_top_k(cfg, top_k, n_routed)
-    types = cfg.raw("mlp_layer_types")
-    if types is None:
-        types = ["dense"] + ["sparse"] * (n_layers - 1)
-    if not isinstance(types, list) or len(types) != n_layers or any(t not in ("dense", "sparse") for t in types):
-        raise InvalidArgument(cfg.field("mlp_layer_types"),
-                              f"expected {n_layers} entries of dense or sparse, got {str(types)[:200]}")
-    return MoeLayout(tuple(range(n_layers)), tuple(i for i, t in enumerate(types) if t == "sparse"), n_routed,
-                     n_shared, top_k)
+    lay = MoeLayout(tuple(range(n_layers)), _sparse_by_mlp_layer_types(cfg, n_layers, 1), n_routed, n_shared, top_k)
+    if not cfg.has("first_k_dense_replace"):
+        return lay
+    first = cfg.int("first_k_dense_replace", minimum=0)
+    return _as_sglang_reads(cfg, lay, tuple(range(first, n_layers)),
+                            "mlp_layer_types" if cfg.has("mlp_layer_types") else "first_k_dense_replace",
+                            f"first_k_dense_replace={first}")
 
 
 def glm4_moe_lite_nextn_layout(cfg: ConfigView) -> MoeLayout:

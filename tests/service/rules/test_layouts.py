@@ -272,6 +272,40 @@ def test_mimo_v2_flash_layers_by_mlp_layer_types():
     assert lay.moe_layers == (0, 2) and (lay.n_routed, lay.n_shared, lay.top_k) == (16, 0, 8)
 
 
+@pytest.mark.parametrize("fields,moe_or_field", [
+    ({"moe_layer_freq": [0, 1, 1, 1]}, (1, 2, 3)),                           # the Hub's flags, read alike
+    ({"moe_layer_freq": [0, 1, 0, 1]}, "moe_layer_freq"),                   # SGLang's reading is not transformers'
+    ({"moe_layer_freq": 1}, "moe_layer_freq"),                              # SGLang: no MoE layer at all
+])
+def test_mimo_v2_flash_reads_sglangs_moe_layer_freq_only_where_transformers_reads_the_same(fields, moe_or_field):
+    cfg = ConfigView({"num_hidden_layers": 4, **fields})
+    if isinstance(moe_or_field, tuple):
+        assert mimo_v2_flash_layout(cfg).moe_layers == moe_or_field
+        return
+    with pytest.raises(InvalidArgument) as e:
+        mimo_v2_flash_layout(cfg)
+    assert e.value.field == f"config.{moe_or_field}"
+
+
+@pytest.mark.parametrize("fields,moe_or_field", [
+    ({"first_k_dense_replace": 1}, (1, 2, 3)),
+    ({"first_k_dense_replace": 2}, "first_k_dense_replace"),           # SGLang: 2 dense; transformers: the first
+    ({"first_k_dense_replace": 2, "mlp_layer_types": ["dense", "dense", "sparse", "sparse"]}, (2, 3)),
+    ({"first_k_dense_replace": 1, "mlp_layer_types": ["dense", "dense", "sparse", "sparse"]}, "mlp_layer_types"),
+])
+def test_glm4_moe_lite_reads_first_k_dense_replace_only_where_transformers_reads_the_same(fields, moe_or_field):
+    cfg = ConfigView({"num_hidden_layers": 4, "n_routed_experts": 64, **fields})
+    for family in ("glm4_moe_lite", "glm4_moe_lite_nextn"):
+        if isinstance(moe_or_field, tuple):
+            entries.FAMILIES[family].layout(cfg)
+            continue
+        with pytest.raises(InvalidArgument) as e:
+            entries.FAMILIES[family].layout(cfg)
+        assert e.value.field == f"config.{moe_or_field}"
+    if isinstance(moe_or_field, tuple):
+        assert entries.FAMILIES["glm4_moe_lite"].layout(cfg).moe_layers == moe_or_field
+
+
 def test_dbrx_layout_reads_ffn_config_and_names_its_fields():
     lay = dbrx_layout(ConfigView({"n_layers": 3, "ffn_config": {"moe_num_experts": 16, "moe_top_k": 4}}))
     assert lay.moe_layers == (0, 1, 2) and (lay.n_routed, lay.n_shared, lay.top_k) == (16, 0, 4)
