@@ -33,7 +33,7 @@ from ..layers.rope import RotaryEmbedding
 from ..shown_tensors import ShownTensors
 from ..stacked_experts import StackedExperts
 from ..weights import CheckpointNames, ShapeMismatch
-from ...service.rules.layouts import granitemoe_shared_layout, mixtral_layout
+from ...service.rules.layouts import granitemoe_layout, granitemoe_shared_layout
 from .config import ConfigError, get_field as _get, moe_layout, per_layer, read_rope, sliding_window
 from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, SharedMlpMoeBlock, moe_fields
 
@@ -72,7 +72,7 @@ class GraniteMoeConfig(QwenMoeConfig):
         reader of the family's layer and expert fields (by default Granite MoE's, or GraniteMoeShared's for the
         architectures with a shared MLP)."""
         if reader is None:
-            reader = mixtral_layout if architecture == ARCHITECTURE else granitemoe_shared_layout
+            reader = granitemoe_layout if architecture == ARCHITECTURE else granitemoe_shared_layout
         layout = moe_layout(reader, d)
         common = moe_fields(d, layout, rms_norm_eps=1e-6, max_position_embeddings=2048,
                             rope=read_rope(d, default_theta=10000.0))

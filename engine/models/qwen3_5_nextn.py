@@ -38,7 +38,7 @@ VISION_TOWER = "model.visual."
 
 
 def _read_text(d: dict) -> Qwen3NextConfig:
-    mtp_layer = one_mtp_layer(d, "Qwen3.5")
+    mtp_layer = one_mtp_layer(d)
     if d.get("mtp_use_dedicated_embeddings"):
         raise ConfigError("config.mtp_use_dedicated_embeddings: true not supported; the engine's Qwen3.5 MTP layer "
                           "reads the target's embedding")

@@ -24,7 +24,7 @@ import torch
 
 from ..shown_tensors import renamed
 from ...service.rules.layouts import qwen_nextn_layout
-from .config import ConfigError, moe_layout
+from .config import moe_layout
 from .nextn import NextNDraft
 from .qwen3_next import Qwen3NextConfig, Qwen3NextDecoderLayer
 
@@ -38,18 +38,10 @@ def mtp_names(n_layers: int) -> tuple[tuple[str, str], ...]:
             ("mtp.pre_fc_norm_hidden.", f"{mtp}hnorm."), ("mtp.norm.", f"{mtp}shared_head.norm."))
 
 
-def one_mtp_layer(d: dict, family: str) -> tuple[int, ...]:
-    """The draft's MoE layer as the registry reads it (its layout: num_nextn_predict_layers, else
-    mtp_num_hidden_layers, 1 when absent; numbered after the target's layers): `(num_hidden_layers,)`. More than the
-    one MTP layer `family` ships are refused."""
-    layout = moe_layout(qwen_nextn_layout, d)
-    if len(layout.layer_ids) != 1:
-        # The refusal names the field the reader took the count from (the layout does not say which): SGLang's
-        # num_nextn_predict_layers where the config has it, else Qwen3.5's mtp_num_hidden_layers.
-        field = "num_nextn_predict_layers" if d.get("num_nextn_predict_layers") is not None else "mtp_num_hidden_layers"
-        raise ConfigError(f"config.{field}: {len(layout.layer_ids)} not supported by the engine; supported: 1 (the "
-                          f"one MTP layer {family} ships)")
-    return layout.moe_layers
+def one_mtp_layer(d: dict) -> tuple[int, ...]:
+    """The draft's MoE layer as the registry reads it (its layout, which refuses another count than the one MTP
+    layer Qwen's checkpoints ship and SGLang builds; numbered after the target's layers): `(num_hidden_layers,)`."""
+    return moe_layout(qwen_nextn_layout, d).moe_layers
 
 
 class Qwen3NextForCausalLMMTP(NextNDraft):
@@ -57,7 +49,7 @@ class Qwen3NextForCausalLMMTP(NextNDraft):
 
     @classmethod
     def parse_config(cls, hf_config: dict) -> Qwen3NextConfig:
-        mtp_layer = one_mtp_layer(hf_config, "Qwen3-Next")
+        mtp_layer = one_mtp_layer(hf_config)
         cfg = Qwen3NextConfig.from_hf(hf_config)
         return dataclasses.replace(cfg, layer_types=(*cfg.layer_types, "full_attention"), moe_layers=mtp_layer)
 

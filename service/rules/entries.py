@@ -142,7 +142,7 @@ FAMILIES: dict[str, Family] = {
         Family("minimax_m2", layouts.mixtral_layout, None, False),
         # MiniMax-Text-01 / M1: lightning and softmax attention layers over Mixtral's experts, no shared expert
         Family("minimax", layouts.mixtral_layout, None, False),
-        Family("granitemoe", layouts.mixtral_layout, None, False),
+        Family("granitemoe", layouts.granitemoe_layout, None, False),
         Family("phimoe", layouts.mixtral_layout, None, False),
         # GraniteMoeShared: Granite MoE with an ungated shared MLP, never fused
         Family("granitemoe_shared", layouts.granitemoe_shared_layout, None, True,

@@ -95,7 +95,7 @@ def deepseek_layout(cfg: ConfigView) -> MoeLayout:
     and mlp_layer_types refused where they would place the MoE layers otherwise than first_k_dense_replace (SGLang
     reads the first, transformers' V3.2 and GLM-5 the second, transformers' others neither)."""
     n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
-    n_routed = cfg.int("n_routed_experts", minimum=1)
+    n_routed = cfg.int(_named(cfg, "n_routed_experts", *DEEPSEEK_ALIASES), minimum=1)
     n_shared = cfg.int("n_shared_experts", minimum=0)
     top_k = cfg.int("num_experts_per_tok", minimum=1)
     _check_top_k(cfg, top_k, n_routed)
@@ -106,6 +106,11 @@ def deepseek_layout(cfg: ConfigView) -> MoeLayout:
         raise InvalidArgument(cfg.field("mlp_layer_types"), f"disagrees with first_k_dense_replace={first} (makes "
                                                             f"layers {_shown(moe)} MoE): {quote(types)}")
     return MoeLayout(tuple(range(n_layers)), moe, n_routed, n_shared, top_k)
+
+
+# The names transformers' DeepSeek classes (and SGLang's, built on them) also read n_routed_experts by: V2's
+# num_experts; V3's, V3.2's and GLM-5's num_local_experts.
+DEEPSEEK_ALIASES = ("num_local_experts", "num_experts")
 
 
 # How a family's references read moe_layer_freq (layer i MoE only if i % moe_layer_freq == 0): every one reads it,
@@ -132,6 +137,9 @@ def deepseek_v4_layout(cfg: ConfigView) -> MoeLayout:
     hash (still its experts), whatever first_k_dense_replace or moe_layer_freq say. 256 routed experts and one
     shared by default; the layer count and top-k are required (SGLang reads the config with transformers'
     DeepseekV3Config under V4's name: 61 and 8, transformers' DeepseekV4Config says 43 and 6)."""
+    if cfg.raw("model_type") == "deepseek_v41" and cfg.has("text_config"):
+        raise InvalidArgument(cfg.field("text_config"), "SGLang's DeepseekV41Config reads its fields in place of the "
+                                                        "top level's: not read here")
     n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
     n_routed = cfg.int(_named(cfg, "n_routed_experts", "num_local_experts"), 256, minimum=1)
     top_k = cfg.int("num_experts_per_tok", minimum=1)
@@ -143,6 +151,10 @@ def deepseek_v4_layout(cfg: ConfigView) -> MoeLayout:
 def dots3_layout(cfg: ConfigView) -> MoeLayout:
     """dots.llm3 (rules only; SGLang's models/dots3_common): DeepSeek's layout with SGLang's Dots3Config defaults (30
     layers, the first dense; 128 experts, top-6, one shared)."""
+    for name in ("n_routed_experts", "n_shared_experts"):
+        if name in cfg.data and cfg.raw(name) is None:
+            raise InvalidArgument(cfg.field(name), "null: SGLang's Dots3Config keeps it (no MoE layer, no shared "
+                                                   "expert), not its default; give a number")
     return _deepseek_defaults_layout(cfg, layers=30, experts=128, top_k=6, first_dense=1, freq_rule=READ, aliases=())
 
 
@@ -162,7 +174,7 @@ def dense_layout(cfg: ConfigView) -> MoeLayout:
 def deepseek_nextn_layout(cfg: ConfigView) -> MoeLayout:
     n_target = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
     n_nextn = cfg.int(_named(cfg, "num_nextn_predict_layers", "num_mtp_layers"), 1, minimum=1, maximum=MAX_LAYERS)
-    n_routed = cfg.int("n_routed_experts", minimum=1)
+    n_routed = cfg.int(_named(cfg, "n_routed_experts", *DEEPSEEK_ALIASES), minimum=1)
     n_shared = cfg.int("n_shared_experts", minimum=0)
     top_k = cfg.int("num_experts_per_tok", minimum=1)
     _check_top_k(cfg, top_k, n_routed)
@@ -178,10 +190,14 @@ def glm4_moe_nextn_layout(cfg: ConfigView) -> MoeLayout:
 
 
 def qwen_nextn_layout(cfg: ConfigView) -> MoeLayout:
-    """A Qwen3-Next or Qwen3.5 MTP draft: its num_nextn_predict_layers MoE layers after the target's (Qwen's expert
-    fields). Qwen3.5's config.json counts them as mtp_num_hidden_layers."""
+    """A Qwen3-Next or Qwen3.5 MTP draft: one MoE layer after the target's (Qwen's expert fields). SGLang builds one
+    MTP layer whatever the config counts (num_nextn_predict_layers; Qwen3.5's mtp_num_hidden_layers): another count
+    is refused."""
+    _refuse_dense_qwen3_5(cfg)
     count = "num_nextn_predict_layers" if cfg.has("num_nextn_predict_layers") else "mtp_num_hidden_layers"
-    return _draft_after(qwen_moe_layout(cfg, shared=True), cfg.int(count, 1, minimum=1, maximum=MAX_LAYERS))
+    if cfg.int(count, 1, minimum=1, maximum=MAX_LAYERS) != 1:
+        raise InvalidArgument(cfg.field(count), f"{cfg.int(count)} MTP layers: SGLang builds one")
+    return _draft_after(qwen_moe_layout(cfg, shared=True, sparse_fields=False), 1)
 
 
 def _draft_after(target: MoeLayout, n_nextn: int) -> MoeLayout:
@@ -198,36 +214,54 @@ def qwen2_moe_layout(cfg: ConfigView) -> MoeLayout:
 def qwen3_5_moe_layout(cfg: ConfigView) -> MoeLayout:
     """Qwen3.5-MoE: every layer MoE (transformers' and SGLang's Qwen3.5-MoE read neither decoder_sparse_step nor
     mlp_only_layers, which its config class inherits from Qwen3-Next's), Qwen's expert fields."""
-    lay = qwen_moe_layout(cfg, shared=True)
+    _refuse_dense_qwen3_5(cfg)
+    lay = qwen_moe_layout(cfg, shared=True, sparse_fields=False)
     return replace(lay, moe_layers=lay.layer_ids)
 
 
 def qwen3_moe_layout(cfg: ConfigView) -> MoeLayout:
-    """Qwen3-MoE: Qwen's layout without a shared expert."""
-    return qwen_moe_layout(cfg, shared=False)
+    """Qwen3-MoE: Qwen's layout without a shared expert; its config class reads num_experts as num_local_experts."""
+    return qwen_moe_layout(cfg, shared=False, experts=_named(cfg, "num_experts", "num_local_experts"))
 
 
-def qwen_moe_layout(cfg: ConfigView, *, shared: bool) -> MoeLayout:
+def qwen_moe_layout(cfg: ConfigView, *, shared: bool, experts: str = "num_experts",
+                    sparse_fields: bool = True) -> MoeLayout:
+    """Qwen's expert fields (`experts` names the routed count: transformers' Qwen2-MoE, Qwen3-Next and Qwen3.5 classes
+    map no other name to it), every layer MoE. transformers makes layer i dense where i is in mlp_only_layers or
+    (i + 1) % decoder_sparse_step != 0, SGLang's Qwen MoE models make every layer MoE: (`sparse_fields`) a config
+    that makes a layer dense is refused."""
     n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
-    # The Hub's Qwen checkpoints say num_experts; transformers 5's save_pretrained writes
-    # the same count as num_local_experts (an attribute alias). Both name one field.
-    n_routed = cfg.int("num_experts" if cfg.has("num_experts") or not cfg.has("num_local_experts")
-                       else "num_local_experts", minimum=1)
+    n_routed = cfg.int(experts, minimum=1)
     top_k = cfg.int("num_experts_per_tok", minimum=1)
-    step = cfg.int("decoder_sparse_step", 1, minimum=1)
-    mlp_only = set(cfg.int_list("mlp_only_layers"))
     _check_top_k(cfg, top_k, n_routed)
     # Required: left out, the reference builds a shared expert of its config class's default width (5632 for
     # Qwen2-MoE, 512 for Qwen3-Next and Qwen3.5), which the plan and the engine could only guess at.
     n_shared = 1 if shared and cfg.int("shared_expert_intermediate_size", minimum=0) > 0 else 0
-    moe = tuple(i for i in range(n_layers) if i not in mlp_only and (i + 1) % step == 0)
-    return MoeLayout(tuple(range(n_layers)), moe, n_routed, n_shared, top_k)
+    layers = tuple(range(n_layers))
+    if sparse_fields:
+        step = cfg.int("decoder_sparse_step", 1, minimum=1)
+        mlp_only = set(cfg.int_list("mlp_only_layers"))
+        dense = [i for i in layers if i in mlp_only or (i + 1) % step]
+        if dense:
+            raise InvalidArgument(cfg.field("decoder_sparse_step" if step != 1 else "mlp_only_layers"),
+                                  f"makes layers {_shown(tuple(dense))} dense for transformers; SGLang's Qwen MoE "
+                                  f"models make every layer MoE")
+    return MoeLayout(layers, layers, n_routed, n_shared, top_k)
 
 
-def every_layer_moe_layout(cfg: ConfigView, experts_field: str) -> MoeLayout:
-    """Every decoder layer is MoE, with `experts_field` routed experts and no shared expert."""
+def _refuse_dense_qwen3_5(cfg: ConfigView) -> None:
+    """A dense Qwen3.5's text config (model_type qwen3_5_text): SGLang builds dense layers (and a dense MTP layer) for
+    it, whatever its expert fields say."""
+    if cfg.raw("model_type") == "qwen3_5_text":
+        raise InvalidArgument(cfg.field("model_type"), "qwen3_5_text is a dense Qwen3.5 (SGLang builds no MoE layer "
+                                                       "for it); a Qwen3.5-MoE says qwen3_5_moe_text")
+
+
+def every_layer_moe_layout(cfg: ConfigView, experts_field: str, *aliases: str) -> MoeLayout:
+    """Every decoder layer is MoE, with `experts_field` routed experts (or its config class's `aliases` of it) and no
+    shared expert."""
     n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
-    n_routed = cfg.int(experts_field, minimum=1)
+    n_routed = cfg.int(_named(cfg, experts_field, *aliases), minimum=1)
     top_k = cfg.int("num_experts_per_tok", minimum=1)
     _check_top_k(cfg, top_k, n_routed)
     layers = tuple(range(n_layers))
@@ -237,12 +271,12 @@ def every_layer_moe_layout(cfg: ConfigView, experts_field: str) -> MoeLayout:
 def mixtral_layout(cfg: ConfigView) -> MoeLayout:
     """Mixtral's names: every layer MoE with num_local_experts routed experts (also gpt-oss, MiniMax-M2, MiniMax-Text,
     Granite MoE and Phi-3.5-MoE)."""
-    return every_layer_moe_layout(cfg, "num_local_experts")
+    return every_layer_moe_layout(cfg, "num_local_experts", "num_experts")
 
 
 def olmoe_layout(cfg: ConfigView) -> MoeLayout:
     """OLMoE's names: every layer MoE with num_experts routed experts (also FlexOlmo)."""
-    return every_layer_moe_layout(cfg, "num_experts")
+    return every_layer_moe_layout(cfg, "num_experts", "num_local_experts")
 
 
 def minimax_m3_layout(cfg: ConfigView) -> MoeLayout:
@@ -265,6 +299,14 @@ def _flagged(cfg: ConfigView, name: str, n_layers: int) -> tuple[int, ...]:
     return tuple(i for i, f in enumerate(flags) if f != 0)
 
 
+def _transformers_alias(cfg: ConfigView, name: str, alias: str) -> None:
+    """Refuses `alias` where it says other than `name`: transformers' config class reads it as `name`, SGLang's does
+    not (it reads `name`, or its default)."""
+    if cfg.has(alias) and cfg.raw(alias) != cfg.raw(name):
+        raise InvalidArgument(cfg.field(alias), f"{quote(cfg.raw(alias))}: transformers reads it as {name}, SGLang "
+                                                f"does not (it reads {name}={quote(cfg.raw(name))}); give {name}")
+
+
 def _as_sglang_reads(cfg: ConfigView, lay: MoeLayout, by_sglang: tuple[int, ...], field: str, how: str) -> MoeLayout:
     """`lay`, transformers' reading of the config, refused naming `field` where SGLang's (`by_sglang`, by the fields
     `how` names) places the MoE layers otherwise."""
@@ -275,21 +317,44 @@ def _as_sglang_reads(cfg: ConfigView, lay: MoeLayout, by_sglang: tuple[int, ...]
     return lay
 
 
+def granitemoe_layout(cfg: ConfigView) -> MoeLayout:
+    """Granite MoE: Mixtral's names; no shared MLP (refused where SGLang would build one: its model_type says a
+    shared Granite and shared_intermediate_size is set)."""
+    _granite_shared_mlp(cfg, False)
+    return mixtral_layout(cfg)
+
+
 def granitemoe_shared_layout(cfg: ConfigView) -> MoeLayout:
     """Granite MoE with an ungated shared MLP beside the experts of every layer (none when
     shared_intermediate_size is 0, transformers' default)."""
-    lay = every_layer_moe_layout(cfg, "num_local_experts")
-    return replace(lay, n_shared=1 if cfg.int("shared_intermediate_size", 0, minimum=0) else 0)
+    lay = mixtral_layout(cfg)
+    return replace(lay, n_shared=1 if _granite_shared_mlp(cfg, True) else 0)
+
+
+_GRANITE_SHARED_TYPES = ("granitemoeshared", "granitemoe_swa")
+
+
+def _granite_shared_mlp(cfg: ConfigView, by_class: bool) -> bool:
+    """Whether a Granite MoE has a shared MLP: transformers builds one where its entry class has one (`by_class`) and
+    shared_intermediate_size is set, SGLang where its model_type is a shared one's; a config they read two ways is
+    refused."""
+    sized = cfg.int("shared_intermediate_size", 0, minimum=0) > 0
+    model_type = cfg.raw("model_type")
+    if sized and model_type is not None and (model_type in _GRANITE_SHARED_TYPES) != by_class:
+        raise InvalidArgument(cfg.field("model_type"), f"{quote(model_type)}: SGLang builds the shared MLP by "
+                                                       f"model_type ({', '.join(_GRANITE_SHARED_TYPES)}), transformers "
+                                                       f"by the entry class")
+    return by_class and sized
 
 
 def granitemoe_hybrid_layout(cfg: ConfigView) -> MoeLayout:
     """Granite 4.0-H: Granite MoE's experts and shared MLP on every layer, whether its token mixer is Mamba2 or
     attention; transformers' GraniteMoeHybridConfig defaults where a config leaves a field out (a shared MLP of 1024:
-    one shared MLP unless sized 0), but num_hidden_layers and num_local_experts, required (transformers says 32 and 8,
-    SGLang's GraniteMoeHybridConfig 40 and 0)."""
+    one shared MLP unless sized 0), but num_hidden_layers, num_local_experts and num_experts_per_tok, required
+    (transformers says 32, 8 and 2, SGLang's GraniteMoeHybridConfig 40, 0 and 0)."""
     n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
     n_routed = cfg.int("num_local_experts", minimum=1)
-    top_k = cfg.int("num_experts_per_tok", 2, minimum=1)
+    top_k = cfg.int("num_experts_per_tok", minimum=1)
     _check_top_k(cfg, top_k, n_routed)
     layers = tuple(range(n_layers))
     return MoeLayout(layers, layers, n_routed, 1 if cfg.int("shared_intermediate_size", 1024, minimum=0) else 0,
@@ -304,36 +369,51 @@ _NEMOTRON_H_KINDS = {"linear_attention": "mamba", "mamba": "mamba", "full_attent
 
 def nemotron_h_layout(cfg: ConfigView) -> MoeLayout:
     """Nemotron-H: one block a layer, by layers_block_type (or hybrid_override_pattern: M Mamba2, * attention, E MoE,
-    - MLP); the MoE ones have n_routed_experts routed experts and one shared MLP (transformers builds it whatever
-    n_shared_experts says). transformers' NemotronHConfig defaults where a config leaves a field out, but the layers'
-    kinds: required (SGLang's NemotronHConfig and transformers' default to different patterns)."""
+    - MLP); the MoE ones have n_routed_experts routed experts and one shared MLP (n_shared_experts other than 1 is
+    refused: transformers builds one whatever it says). transformers' NemotronHConfig defaults where a config leaves
+    a field out, but the layers' kinds: required (SGLang's NemotronHConfig and transformers' default to different
+    patterns); layer_types, which transformers reads and SGLang does not, refused where the pattern says otherwise."""
     field = next((f for f in ("layers_block_type", "layer_types") if cfg.has(f)), None)
+    pattern = _nemotron_h_pattern(cfg) if cfg.has("hybrid_override_pattern") else None
     if field is not None:
         kinds = cfg.raw(field)
         if not isinstance(kinds, list) or not kinds or any(k not in _NEMOTRON_H_KINDS for k in kinds):
             raise InvalidArgument(cfg.field(field), f"expected a list of {', '.join(_NEMOTRON_H_KINDS)}, got "
                                                     f"{quote(kinds)}")
         kinds = [_NEMOTRON_H_KINDS[k] for k in kinds]
-    elif cfg.has("hybrid_override_pattern"):
-        pattern = cfg.raw("hybrid_override_pattern")
-        if not isinstance(pattern, str) or not pattern or any(c not in _NEMOTRON_H_PATTERN for c in pattern):
-            raise InvalidArgument(cfg.field("hybrid_override_pattern"),
-                                  f"expected a string of {''.join(_NEMOTRON_H_PATTERN)}, got {quote(pattern)}")
-        if cfg.has("num_hidden_layers") and cfg.int("num_hidden_layers") != len(pattern):
-            raise InvalidArgument(cfg.field("hybrid_override_pattern"),
-                                  f"{len(pattern)} layers, but num_hidden_layers={cfg.int('num_hidden_layers')}")
-        kinds = [_NEMOTRON_H_PATTERN[c] for c in pattern]
+        if field == "layer_types" and pattern is not None and pattern != kinds:
+            raise InvalidArgument(cfg.field("layer_types"), "disagrees with hybrid_override_pattern, which SGLang "
+                                                            "reads in its place")
+    elif pattern is not None:
+        kinds = pattern
     else:
         raise InvalidArgument(cfg.field("layers_block_type"), "missing (or hybrid_override_pattern): the layers' "
                                                               "kinds have no default the references agree on")
     if len(kinds) > MAX_LAYERS:
         raise InvalidArgument(cfg.field(field or "hybrid_override_pattern"),
                               f"{len(kinds)} layers: more than {MAX_LAYERS}")
-    n_routed = cfg.int(_named(cfg, "n_routed_experts", "num_local_experts"), 8, minimum=1)
+    _transformers_alias(cfg, "n_routed_experts", "num_local_experts")
+    n_routed = cfg.int("n_routed_experts", 8, minimum=1)
     top_k = cfg.int("num_experts_per_tok", 2, minimum=1)
     _check_top_k(cfg, top_k, n_routed)
+    if cfg.int("n_shared_experts", 1, minimum=0) != 1:
+        raise InvalidArgument(cfg.field("n_shared_experts"), "not 1: transformers builds one shared MLP whatever it "
+                                                             "says, SGLang none for 0 and one that many times as "
+                                                             "wide else")
     return MoeLayout(tuple(range(len(kinds))), tuple(i for i, k in enumerate(kinds) if k == "moe"), n_routed, 1,
                      top_k)
+
+
+def _nemotron_h_pattern(cfg: ConfigView) -> list[str]:
+    """hybrid_override_pattern's layer kinds."""
+    pattern = cfg.raw("hybrid_override_pattern")
+    if not isinstance(pattern, str) or not pattern or any(c not in _NEMOTRON_H_PATTERN for c in pattern):
+        raise InvalidArgument(cfg.field("hybrid_override_pattern"),
+                              f"expected a string of {''.join(_NEMOTRON_H_PATTERN)}, got {quote(pattern)}")
+    if cfg.has("num_hidden_layers") and cfg.int("num_hidden_layers") != len(pattern):
+        raise InvalidArgument(cfg.field("hybrid_override_pattern"),
+                              f"{len(pattern)} layers, but num_hidden_layers={cfg.int('num_hidden_layers')}")
+    return [_NEMOTRON_H_PATTERN[c] for c in pattern]
 
 
 def jamba_layout(cfg: ConfigView) -> MoeLayout:
@@ -386,8 +466,13 @@ def _moe_after_dense_layers(cfg: ConfigView, *, layers: int | None, experts: int
 
 
 def exaone_moe_layout(cfg: ConfigView) -> MoeLayout:
-    """transformers' ExaoneMoeConfig defaults where a config leaves a field out."""
-    return _num_experts_by_mlp_layer_types(cfg, layers=None, experts=64, shared=1, top_k=8, first_dense=1)
+    """transformers' ExaoneMoeConfig defaults where a config leaves a field out; an is_moe_layer list (SGLang's
+    reading: one flag per layer) that places the MoE layers otherwise than transformers is refused."""
+    lay = _num_experts_by_mlp_layer_types(cfg, layers=None, experts=64, shared=1, top_k=8, first_dense=1)
+    if cfg.raw("is_moe_layer") is None:
+        return lay
+    return _as_sglang_reads(cfg, lay, _flagged(cfg, "is_moe_layer", len(lay.layer_ids)), "is_moe_layer",
+                            "its is_moe_layer flags")
 
 
 def _num_experts_by_mlp_layer_types(cfg: ConfigView, *, layers: int | None, experts: int, shared: int, top_k: int,
@@ -411,6 +496,11 @@ def kimi_linear_layout(cfg: ConfigView) -> MoeLayout:
     KimiLinearConfig defaults them to 0 and 0, transformers' to 1 and 1. transformers places the MoE layers by
     mlp_layer_types (which its configs write in place of first_k_dense_replace), SGLang by first_k_dense_replace and
     moe_layer_freq: a config that gives both ways and reads two ways is refused."""
+    # SGLang's KimiLinearConfig reads Kimi's own names (and builds no MoE layer without num_experts)
+    for name, alias in (("num_experts", "num_local_experts"), ("num_experts", "n_routed_experts"),
+                        ("num_shared_experts", "n_shared_experts")):
+        _transformers_alias(cfg, name, alias)
+    cfg.int("num_experts", minimum=1)
     lay = _deepseek_renamed_layout(cfg, layers=None, experts=256, first_dense=None, shared=None)
     if not cfg.has("first_k_dense_replace"):
         return lay
@@ -442,7 +532,7 @@ def _deepseek_renamed_layout(cfg: ConfigView, *, layers: int | None, experts: in
     n_routed = cfg.int(named(_named(cfg, "num_experts", "num_local_experts"), "n_routed_experts"),
                        *_or_required(experts), minimum=1)
     n_shared = cfg.int(named("num_shared_experts", "n_shared_experts"), *_or_required(shared), minimum=0)
-    k_field = named("num_experts_per_token", "num_experts_per_tok")
+    k_field = _named(cfg, "num_experts_per_token", "num_experts_per_tok")
     top_k = cfg.int(k_field, 8, minimum=1)
     _check_top_k(cfg, top_k, n_routed, k_field)
     # transformers' configs write mlp_layer_types in its place
@@ -461,12 +551,17 @@ def longcat_flash_layout(cfg: ConfigView) -> MoeLayout:
         raise InvalidArgument(cfg.field("num_layers"), "missing: num_hidden_layers alone counts LongCat-Flash's "
                                                        "sublayers for transformers and its layers for SGLang")
     n_layers = cfg.int("num_layers", 28, minimum=1, maximum=MAX_LAYERS)
-    n_routed = cfg.int(_named(cfg, "n_routed_experts", "num_local_experts"), 512, minimum=1)
+    if cfg.has("num_hidden_layers") and cfg.raw("num_hidden_layers") != n_layers:
+        raise InvalidArgument(cfg.field("num_hidden_layers"), f"{quote(cfg.raw('num_hidden_layers'))}: SGLang counts "
+                                                              f"the layers by it, transformers by num_layers="
+                                                              f"{n_layers}")
+    _transformers_alias(cfg, "n_routed_experts", "num_local_experts")
+    _transformers_alias(cfg, "moe_topk", "num_experts_per_tok")
+    n_routed = cfg.int("n_routed_experts", 512, minimum=1)
     zero = cfg.int("zero_expert_num", 256, minimum=0)
-    k_field = _named(cfg, "moe_topk", "num_experts_per_tok")
-    top_k = cfg.int(k_field, 12, minimum=1)
+    top_k = cfg.int("moe_topk", 12, minimum=1)
     if top_k > n_routed + zero:
-        raise InvalidArgument(cfg.field(k_field), f"{top_k} exceeds the number of experts ({n_routed} routed and "
+        raise InvalidArgument(cfg.field("moe_topk"), f"{top_k} exceeds the number of experts ({n_routed} routed and "
                                                      f"{zero} zero-computation ones)")
     layers = tuple(range(n_layers))
     return MoeLayout(layers, layers, n_routed, 0, top_k)
@@ -620,13 +715,26 @@ def _layer_numbers(cfg: ConfigView, name: str, value) -> set[int]:
 
 def hy_v3_layout(cfg: ConfigView) -> MoeLayout:
     """transformers' HYV3Config defaults (80 layers, the first dense; 192 experts, top-8, one shared) where a config
-    leaves a field out."""
+    leaves a field out; a first_k_dense_replace (SGLang's reading) that places the MoE layers otherwise than
+    mlp_layer_types (transformers') is refused."""
     n_layers = cfg.int("num_hidden_layers", 80, minimum=1, maximum=MAX_LAYERS)
     n_routed = cfg.int(_named(cfg, "num_experts", "num_local_experts"), 192, minimum=1)
     n_shared = cfg.int("num_shared_experts", 1, minimum=0)
     k = cfg.int("num_experts_per_tok", 8, minimum=1)
     _check_top_k(cfg, k, n_routed)
-    return MoeLayout(tuple(range(n_layers)), _sparse_by_mlp_layer_types(cfg, n_layers, 1), n_routed, n_shared, k)
+    lay = MoeLayout(tuple(range(n_layers)), _sparse_by_mlp_layer_types(cfg, n_layers, 1), n_routed, n_shared, k)
+    return _first_k_as_sglang_reads(cfg, lay)
+
+
+def _first_k_as_sglang_reads(cfg: ConfigView, lay: MoeLayout) -> MoeLayout:
+    """`lay` (transformers' reading: mlp_layer_types, or its default), refused where a first_k_dense_replace the
+    config gives (SGLang's reading: every layer from it MoE) places the MoE layers otherwise."""
+    if not cfg.has("first_k_dense_replace"):
+        return lay
+    first = cfg.int("first_k_dense_replace", minimum=0)
+    return _as_sglang_reads(cfg, lay, tuple(range(first, len(lay.layer_ids))),
+                            "mlp_layer_types" if cfg.has("mlp_layer_types") else "first_k_dense_replace",
+                            f"first_k_dense_replace={first}")
 
 
 def laguna_layout(cfg: ConfigView) -> MoeLayout:
@@ -640,8 +748,10 @@ def laguna_layout(cfg: ConfigView) -> MoeLayout:
 
 
 def cohere2_moe_layout(cfg: ConfigView) -> MoeLayout:
-    """transformers' Cohere2MoeConfig defaults where a config leaves a field out."""
-    return _num_experts_by_mlp_layer_types(cfg, layers=40, experts=8, shared=0, top_k=2, first_dense=0)
+    """transformers' Cohere2MoeConfig defaults where a config leaves a field out; mlp_layer_types (transformers'
+    reading) and first_k_dense_replace (SGLang's) that place the MoE layers otherwise are refused."""
+    lay = _num_experts_by_mlp_layer_types(cfg, layers=40, experts=8, shared=0, top_k=2, first_dense=0)
+    return _first_k_as_sglang_reads(cfg, lay) if cfg.has("mlp_layer_types") else lay
 
 
 def mimo_v2_flash_layout(cfg: ConfigView) -> MoeLayout:
@@ -674,14 +784,18 @@ def _sparse_by_mlp_layer_types(cfg: ConfigView, n_layers: int, first_sparse: int
 
 
 def hunyuan_v1_moe_layout(cfg: ConfigView) -> MoeLayout:
-    """transformers' HunYuanMoEV1Config defaults (one expert, top-1) where a config leaves a field out. One shared MLP:
+    """transformers' HunYuanMoEV1Config defaults (top-1) where a config leaves a field out, but num_experts, required
+    (transformers says 1, with which SGLang builds no MoE block; at least 2). One shared MLP:
     transformers always builds one of intermediate_size, SGLang one of num_shared_expert times that where
     use_mixed_mlp_moe says so, none else; a config they read two ways (num_shared_expert other than 1,
     use_mixed_mlp_moe false) is refused."""
     n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
-    n_routed = _one_per_model(cfg, _named(cfg, "num_experts", "num_local_experts"), n_layers, 1, minimum=1)
-    top_k = _one_per_model(cfg, "moe_topk", n_layers, 1, minimum=1)
-    _check_top_k(cfg, top_k, n_routed, "moe_topk")
+    # SGLang builds no MoE block for one expert (a dense MLP): at least two
+    experts = _named(cfg, "num_experts", "num_local_experts")
+    n_routed = _one_per_model(cfg, experts, n_layers, None, minimum=2)
+    k_field = _named(cfg, "moe_topk", "num_experts_per_tok")
+    top_k = _one_per_model(cfg, k_field, n_layers, 1, minimum=1)
+    _check_top_k(cfg, top_k, n_routed, k_field)
     if _one_per_model(cfg, "num_shared_expert", n_layers, 1, minimum=0) != 1:
         raise InvalidArgument(cfg.field("num_shared_expert"), "not 1: transformers builds one shared MLP of "
                                                               "intermediate_size whatever it says, SGLang one this "
@@ -693,11 +807,12 @@ def hunyuan_v1_moe_layout(cfg: ConfigView) -> MoeLayout:
     return MoeLayout(layers, layers, n_routed, 1, top_k)
 
 
-def _one_per_model(cfg: ConfigView, name: str, n_layers: int, default: int, *, minimum: int) -> int:
-    """`name` as an integer, or as a list of one integer per layer that all agree (Hunyuan's per-layer fields)."""
+def _one_per_model(cfg: ConfigView, name: str, n_layers: int, default: int | None, *, minimum: int) -> int:
+    """`name` as an integer, or as a list of one integer per layer that all agree (Hunyuan's per-layer fields);
+    `default` where the config leaves it out (None: required)."""
     value = cfg.raw(name)
     if not isinstance(value, list):
-        return cfg.int(name, default, minimum=minimum)
+        return cfg.int(name, *_or_required(default), minimum=minimum)
     values = cfg.int_list(name)
     if len(values) != n_layers:
         raise InvalidArgument(cfg.field(name), f"expected one value per layer ({n_layers}), got {len(values)}")
@@ -714,17 +829,12 @@ def glm4_moe_lite_layout(cfg: ConfigView) -> MoeLayout:
     (by default every layer but the first), SGLang by first_k_dense_replace: a config they read two ways is
     refused."""
     n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
-    n_routed = cfg.int("n_routed_experts", minimum=1)
+    n_routed = cfg.int(_named(cfg, "n_routed_experts", "num_local_experts"), minimum=1)
     n_shared = cfg.int("n_shared_experts", 1, minimum=0)
     top_k = cfg.int("num_experts_per_tok", 4, minimum=1)
     _check_top_k(cfg, top_k, n_routed)
     lay = MoeLayout(tuple(range(n_layers)), _sparse_by_mlp_layer_types(cfg, n_layers, 1), n_routed, n_shared, top_k)
-    if not cfg.has("first_k_dense_replace"):
-        return lay
-    first = cfg.int("first_k_dense_replace", minimum=0)
-    return _as_sglang_reads(cfg, lay, tuple(range(first, n_layers)),
-                            "mlp_layer_types" if cfg.has("mlp_layer_types") else "first_k_dense_replace",
-                            f"first_k_dense_replace={first}")
+    return _first_k_as_sglang_reads(cfg, lay)
 
 
 def glm4_moe_lite_nextn_layout(cfg: ConfigView) -> MoeLayout:
@@ -739,18 +849,21 @@ def llama4_layout(cfg: ConfigView) -> MoeLayout:
     n_routed = cfg.int("num_local_experts", minimum=1)
     top_k = cfg.int("num_experts_per_tok", 1, minimum=1)        # transformers' Llama4TextConfig default
     _check_top_k(cfg, top_k, n_routed)
+    step = cfg.int("interleave_moe_layer_step", 1, minimum=1)
+    moe = tuple(range(step - 1, n_layers, step))
     if cfg.has("moe_layers"):
-        moe = tuple(sorted(set(cfg.int_list("moe_layers"))))
-        if moe and not 0 <= moe[0] <= moe[-1] < n_layers:
-            raise InvalidArgument(cfg.field("moe_layers"), f"layer ids must be in [0, num_hidden_layers={n_layers})")
-    else:
-        step = cfg.int("interleave_moe_layer_step", 1, minimum=1)
-        moe = tuple(range(step - 1, n_layers, step))
+        # transformers places the MoE layers by moe_layers where it is given, SGLang by the step alone
+        listed = tuple(sorted(set(cfg.int_list("moe_layers"))))
+        if listed != moe:
+            raise InvalidArgument(cfg.field("moe_layers"), f"{_shown(listed)} (transformers' MoE layers) are not the "
+                                                           f"{_shown(moe)} SGLang places by interleave_moe_layer_step="
+                                                           f"{step}")
     return MoeLayout(tuple(range(n_layers)), moe, n_routed, 1, top_k)
 
 
 def ernie4_5_moe_layout(cfg: ConfigView) -> MoeLayout:
-    """transformers' Ernie4_5_MoeConfig defaults where a config leaves a field out."""
+    """transformers' Ernie4_5_MoeConfig defaults where a config leaves a field out; a moe_layer_interval that
+    transformers (counting from layer 0) and SGLang (from moe_layer_start_index) place otherwise is refused."""
     n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
     n_routed = cfg.int(_named(cfg, "moe_num_experts", "num_experts"), 64, minimum=1)
     n_shared = cfg.int("moe_num_shared_experts", 2, minimum=0)
@@ -763,8 +876,11 @@ def ernie4_5_moe_layout(cfg: ConfigView) -> MoeLayout:
     end = cfg.int("moe_layer_end_index", -1, minimum=-1)
     end = n_layers - 1 if end == -1 else end
     interval = cfg.int("moe_layer_interval", 1, minimum=1)
-    moe = tuple(i for i in range(n_layers) if (i + 1) % interval == 0 and start <= i <= end)
-    return MoeLayout(tuple(range(n_layers)), moe, n_routed, n_shared, top_k)
+    lay = MoeLayout(tuple(range(n_layers)), tuple(i for i in range(n_layers) if (i + 1) % interval == 0
+                                                  and start <= i <= end), n_routed, n_shared, top_k)
+    by_sglang = tuple(i for i in range(n_layers) if start <= i <= end and (i - start) % interval == 0)
+    return _as_sglang_reads(cfg, lay, by_sglang, "moe_layer_interval",
+                            f"(i - moe_layer_start_index) % moe_layer_interval == 0, from {start}")
 
 
 def _check_top_k(cfg: ConfigView, top_k: int, n_routed: int, field: str = "num_experts_per_tok") -> None:

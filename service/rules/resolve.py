@@ -290,6 +290,8 @@ def _deployment_part(req: ResolveRequest) -> _Part:
     if req.runtime.engine == sglang.NAME:
         sglang.check_draft(resolved.family.name, resolved.cfg)
     layout = resolved.family.layout(resolved.cfg)
+    if req.runtime.engine == sglang.NAME:
+        sglang.check_layout(resolved.family.name, resolved.cfg, layout)
     device = parse_device(req.runtime.device)
     p, rt = req.parallel, req.runtime
     if rt.engine == sglang.NAME:

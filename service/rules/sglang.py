@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import FailedPrecondition, NotFound
+from ..errors import FailedPrecondition, InvalidArgument, NotFound
 from .backends import Forward
 from .devices import Device
 from .layouts import MoeLayout
@@ -650,9 +650,50 @@ def decide(*, entry_class: str, architecture: str, layout: MoeLayout, quantizati
 
 def check_draft(family: str, cfg) -> None:
     """A NextN draft of a checkpoint that ships no MTP layer (num_nextn_predict_layers 0): SGLang builds its NextN
-    layer anyway and loads it from weights the checkpoint does not have."""
+    layer anyway and loads it from weights the checkpoint does not have. One of more than one: SGLang builds one and
+    refuses the checkpoint's others at load."""
     from . import hazards
 
     if family.endswith("_nextn") and cfg.raw("num_nextn_predict_layers") == 0:
         raise hazards.refuse("sglang.nextn_without_mtp_layer",
                              f"{cfg.field('num_nextn_predict_layers')} is 0")
+    count = cfg.raw("num_nextn_predict_layers")
+    if family.endswith("_nextn") and isinstance(count, int) and count > 1:
+        # deepseek_weight_loader.py / glm4_moe*.py: "Only 1 nextn layer is supported"
+        raise InvalidArgument(cfg.field("num_nextn_predict_layers"), f"{count}: SGLang builds and loads one MTP "
+                                                                     f"layer")
+
+
+def _every_layer_from_first_k(cfg, n_layers: int) -> tuple[int, ...]:
+    """SGLang's MoE layers of a family it places by first_k_dense_replace (getattr's default: 0) and moe_layer_freq."""
+    freq = cfg.int("moe_layer_freq", 1, minimum=1)
+    return tuple(i for i in range(n_layers) if i % freq == 0)
+
+
+# Fields SGLang places a family's MoE layers by that transformers' configs leave out (they write mlp_layer_types
+# instead): (field, SGLang's MoE layers without it, or None where SGLang cannot load such a config). A config that
+# leaves the field out is refused where SGLang would place the MoE layers otherwise than its plan.
+SGLANG_LAYER_FIELDS: dict[str, tuple[str, Callable[[Any, int], tuple[int, ...]] | None]] = {
+    "kimi_linear": ("first_k_dense_replace", _every_layer_from_first_k),      # models/kimi_linear.py
+    "hy_v3": ("first_k_dense_replace", lambda cfg, n: tuple(range(n))),       # models/hunyuan_v3.py
+    "cohere2_moe": ("first_k_dense_replace", lambda cfg, n: tuple(range(n))),  # models/cohere2_moe.py
+    "mimo_v2_flash": ("moe_layer_freq", lambda cfg, n: ()),                   # models/mimo_v2.py: is_moe_layer
+    "glm4_moe_lite": ("first_k_dense_replace", None),                         # models/glm4_moe_lite.py
+    "glm4_moe_lite_nextn": ("first_k_dense_replace", None),
+    "step3p5": ("moe_layers_enum", None),                                     # configs/step3p5.py: .split(",")
+}
+
+
+def check_layout(family: str, cfg, layout: MoeLayout) -> None:
+    """Refuses a config SGLang would build other MoE layers for than `layout`, its plan: one that leaves out a field
+    SGLang places them by (`SGLANG_LAYER_FIELDS`)."""
+    field, sglang_reads = SGLANG_LAYER_FIELDS.get(family, (None, None))
+    if field is None or cfg.has(field):
+        return
+    if sglang_reads is None:
+        raise InvalidArgument(cfg.field(field), f"missing: SGLang places {family}'s MoE layers by it")
+    moe = sglang_reads(cfg, len(layout.layer_ids))
+    if moe != layout.moe_layers:
+        raise InvalidArgument(cfg.field(field), f"missing: SGLang places {family}'s MoE layers by it (without it at "
+                                                f"{list(moe)[:8]}, where the config's other fields say "
+                                                f"{list(layout.moe_layers)[:8]})")

@@ -17,8 +17,10 @@ ROOT = Path(__file__).resolve().parents[3]
 LAYOUTS = ROOT / "service" / "rules" / "layouts.py"
 MODELS = ROOT / "engine" / "models"
 
-# Values the readers compare a field with, not fields.
-VALUES = {"attention", "dense", "full_attention", "linear_attention", "mamba", "mlp", "moe", "sparse"}
+# Values the readers compare a field with, and the fields they read only to refuse a config their family's
+# references read otherwise (a model_type, DeepSeek-V4.1's text_config), which the engine reads for its own reasons.
+VALUES = {"attention", "dense", "full_attention", "linear_attention", "mamba", "mlp", "moe", "sparse",
+          "deepseek_v41", "granitemoe_swa", "granitemoeshared", "qwen3_5_text", "model_type", "text_config"}
 
 MTP = "the MTP layers a target skips at load, or the one a draft builds: the layout counts the decoder's layers"
 
@@ -32,10 +34,9 @@ ALSO_READ: dict[str, tuple[str, set[str]]] = {
     "layers_block_type": ("each layer's token mixer (Mamba2, attention, MLP)", {"granitemoe_hybrid.py", "nemotron_h.py"}),
     "hybrid_override_pattern": ("Nemotron-H's older spelling of its token mixers", {"nemotron_h.py"}),
     "num_nextn_predict_layers": (MTP, {"bailing_hybrid.py", "causal_lm.py", "deepseek_v3.py", "glm4_moe.py",
-                                       "nemotron_h.py", "qwen3_5_nextn.py", "qwen3_next_nextn.py",
+                                       "nemotron_h.py", "qwen3_5_nextn.py",
                                        "sarvam.py", "solar_open.py", "step3p5.py"}),
     "num_mtp_layers": (MTP, {"bailing_hybrid.py", "sarvam.py", "solar_open.py", "step3p5.py"}),
-    "mtp_num_hidden_layers": (MTP, {"qwen3_next_nextn.py"}),
     "shared_expert_intermediate_size": ("the shared expert's width: the layout says only whether there is one",
                                         {"flint.py", "kolibri1.py", "laguna.py", "qwen3_next.py", "qwen_moe.py"}),
     "shared_intermediate_size": ("the shared MLP's width (MiniMax-M2: refused, it has none)",

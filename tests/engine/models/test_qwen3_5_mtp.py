@@ -119,7 +119,7 @@ def test_behind_the_wrapper_on_two_ranks_it_drafts_as_on_one_process(wrapped, tm
 def test_what_it_cannot_run_is_refused_by_field_before_any_plan(ckpt, wrapped, tmp_path):
     _, _, draft_dir = ckpt
     check_refused_before_any_plan(with_config(draft_dir, tmp_path / "two", mtp_num_hidden_layers=2), ConfigError,
-                                  r"config\.mtp_num_hidden_layers: 2 not supported by the engine; supported: 1",
+                                  r"config\.mtp_num_hidden_layers: 2 MTP layers: SGLang builds one",
                                   role="speculative")
     _, wrapped_draft = wrapped
     text = json.loads((wrapped_draft / "config.json").read_text())["text_config"]

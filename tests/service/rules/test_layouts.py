@@ -81,16 +81,24 @@ def test_deepseek_refuses_what_its_references_default_differently(reader, field)
     assert e.value.field == f"config.{field}"
 
 
-@pytest.mark.parametrize("n,step,mlp_only,moe", [
-    (4, 1, [], [0, 1, 2, 3]),
-    (4, 2, [], [1, 3]),
-    (6, 1, [0, 5], [1, 2, 3, 4]),
-    (8, 2, [3], [1, 5, 7]),
-])
-def test_qwen_moe_layers(n, step, mlp_only, moe):
-    lay = qwen_moe_layout(ConfigView(qwen3(num_hidden_layers=n, decoder_sparse_step=step, mlp_only_layers=mlp_only)),
+def test_qwen_moe_layers_are_every_layer():
+    lay = qwen_moe_layout(ConfigView(qwen3(num_hidden_layers=4, decoder_sparse_step=1, mlp_only_layers=[])),
                           shared=False)
-    assert list(lay.moe_layers) == moe and lay.n_shared == 0
+    assert list(lay.moe_layers) == [0, 1, 2, 3] and lay.n_shared == 0
+
+
+@pytest.mark.parametrize("n,step,mlp_only,field", [
+    (4, 2, [], "decoder_sparse_step"),
+    (6, 1, [0, 5], "mlp_only_layers"),
+    (8, 2, [3], "decoder_sparse_step"),
+])
+def test_qwen_moe_refuses_a_dense_layer_which_sglang_would_make_moe(n, step, mlp_only, field):
+    # transformers' Qwen2/3-MoE and Qwen3-Next read decoder_sparse_step and mlp_only_layers; SGLang's do not
+    for family in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
+        with pytest.raises(InvalidArgument) as e:
+            entries.FAMILIES[family].layout(ConfigView(qwen2(num_hidden_layers=n, decoder_sparse_step=step,
+                                                             mlp_only_layers=mlp_only)))
+        assert e.value.field == f"config.{field}" and "SGLang" in str(e.value)
 
 
 def test_qwen2_shared_expert_counts_once_when_sized():
@@ -241,7 +249,7 @@ def test_step3p5_refusals_name_the_field(fields, field):
 @pytest.mark.parametrize("fields,moe,sizes", [
     ({}, [0, 1, 2, 3], (8, 0, 2)),                                               # transformers' defaults
     ({"first_k_dense_replace": 1, "num_experts": 16, "num_shared_experts": 2}, [1, 2, 3], (16, 2, 2)),
-    ({"mlp_layer_types": ["sparse", "dense", "sparse", "dense"], "first_k_dense_replace": 3}, [0, 2], (8, 0, 2)),
+    ({"mlp_layer_types": ["dense", "sparse", "sparse", "sparse"], "first_k_dense_replace": 1}, [1, 2, 3], (8, 0, 2)),
 ])
 def test_cohere2_moe_layers(fields, moe, sizes):
     lay = cohere2_moe_layout(ConfigView({"num_hidden_layers": 4, **fields}))
@@ -263,6 +271,14 @@ def test_afmoe_requires_what_sglang_and_transformers_default_differently(field):
     with pytest.raises(InvalidArgument) as e:
         afmoe_layout(ConfigView(fields))
     assert e.value.field == f"config.{field}"
+
+
+def test_cohere2_moe_refuses_a_layer_list_sglang_reads_otherwise():
+    # transformers reads mlp_layer_types (writing first_k_dense_replace into it), SGLang first_k_dense_replace alone
+    with pytest.raises(InvalidArgument) as e:
+        cohere2_moe_layout(ConfigView({"num_hidden_layers": 4, "first_k_dense_replace": 3,
+                                       "mlp_layer_types": ["sparse", "dense", "sparse", "dense"]}))
+    assert e.value.field == "config.mlp_layer_types"
 
 
 def test_mimo_v2_flash_layers_by_mlp_layer_types():
@@ -325,17 +341,18 @@ def test_granitemoe_hybrid_has_experts_and_a_shared_mlp_on_every_layer_by_defaul
     each layer's token mixer, but the layer and expert counts (SGLang's defaults are not transformers'); a dense one
     (no experts) is refused by field."""
     lay = granitemoe_hybrid_layout(ConfigView({"layer_types": ["mamba"] * 32, "num_hidden_layers": 32,
-                                               "num_local_experts": 8}))
+                                               "num_local_experts": 8, "num_experts_per_tok": 2}))
     assert lay.moe_layers == tuple(range(32)) and (lay.n_routed, lay.n_shared, lay.top_k) == (8, 1, 2)
-    for field in ("num_hidden_layers", "num_local_experts"):
+    for field in ("num_hidden_layers", "num_local_experts", "num_experts_per_tok"):
         with pytest.raises(InvalidArgument) as e:
-            granitemoe_hybrid_layout(ConfigView({"num_hidden_layers": 4, "num_local_experts": 8, field: None}))
+            granitemoe_hybrid_layout(ConfigView({"num_hidden_layers": 4, "num_local_experts": 8,
+                                                 "num_experts_per_tok": 2, field: None}))
         assert e.value.field == f"config.{field}"
     lay = granitemoe_hybrid_layout(ConfigView({"num_hidden_layers": 4, "num_local_experts": 64,
                                                "num_experts_per_tok": 6, "shared_intermediate_size": 0}))
     assert lay.moe_layers == (0, 1, 2, 3) and (lay.n_routed, lay.n_shared, lay.top_k) == (64, 0, 6)
     with pytest.raises(InvalidArgument) as e:
-        granitemoe_hybrid_layout(ConfigView({"num_hidden_layers": 4, "num_local_experts": 0}))
+        granitemoe_hybrid_layout(ConfigView({"num_hidden_layers": 4, "num_local_experts": 0, "num_experts_per_tok": 2}))
     assert e.value.field == "config.num_local_experts"
 
 
@@ -380,15 +397,16 @@ def test_jamba_moe_layers_follow_the_expert_period_and_offset():
     assert e.value.field == "config.expert_layer_offset"
 
 
-KIMI_REQUIRED = {"first_k_dense_replace": 1, "num_shared_experts": 1}   # SGLang's defaults (0, 0) are not transformers'
+# SGLang's defaults (0, 0) are not transformers' (1, 1); without num_experts SGLang builds no MoE layer
+KIMI_REQUIRED = {"first_k_dense_replace": 1, "num_shared_experts": 1, "num_experts": 256}
 
 
 @pytest.mark.parametrize("fields,moe,sizes", [
     (KIMI_REQUIRED, [1, 2, 3], (256, 1, 8)),                                    # transformers' defaults
     ({"num_experts": 32, "num_shared_experts": 2, "num_experts_per_token": 4, "first_k_dense_replace": 2}, [2, 3],
      (32, 2, 4)),                                                               # its own names
-    ({"n_routed_experts": 16, "n_shared_experts": 0, "num_experts_per_tok": 2, "first_k_dense_replace": 1}, [1, 2, 3],
-     (16, 0, 2)),                                                               # DeepSeek's
+    ({"num_experts": 16, "n_routed_experts": 16, "num_shared_experts": 0, "n_shared_experts": 0,
+      "num_experts_per_tok": 2, "first_k_dense_replace": 1}, [1, 2, 3], (16, 0, 2)),   # DeepSeek's names, agreeing
     ({"num_experts": 32, "n_routed_experts": 32, "num_shared_experts": 1,
       "mlp_layer_types": ["sparse", "dense", "sparse", "dense"]}, [0, 2], (32, 1, 8)),   # the list, as transformers
 ])
@@ -398,8 +416,10 @@ def test_kimi_linear_layers(fields, moe, sizes):
 
 
 @pytest.mark.parametrize("fields,field", [
-    ({"num_shared_experts": 1}, "first_k_dense_replace"),           # SGLang: 0, transformers: 1
-    ({"first_k_dense_replace": 1}, "num_shared_experts"),           # SGLang: 0, transformers: 1
+    ({"num_shared_experts": 1, "num_experts": 8}, "first_k_dense_replace"),     # SGLang: 0, transformers: 1
+    ({"first_k_dense_replace": 1, "num_experts": 8}, "num_shared_experts"),     # SGLang: 0, transformers: 1
+    ({**KIMI_REQUIRED, "n_routed_experts": 16}, "n_routed_experts"),    # transformers' alias, not SGLang's
+    ({"first_k_dense_replace": 1, "num_shared_experts": 1}, "num_experts"),     # SGLang: no MoE layer
     # SGLang places MoE layers by first_k_dense_replace and moe_layer_freq, transformers by the list
     ({**KIMI_REQUIRED, "mlp_layer_types": ["sparse", "dense", "sparse", "dense"]}, "mlp_layer_types"),
     ({**KIMI_REQUIRED, "moe_layer_freq": 2}, "moe_layer_freq"),
@@ -460,7 +480,7 @@ def test_exaone_moe_refuses_a_bad_mlp_layer_types_by_field():
 
 
 @pytest.mark.parametrize("fields,want", [
-    ({}, (1, 1, 1)),                                                            # transformers' defaults
+    ({"num_experts": 2}, (2, 1, 1)),                                            # transformers' defaults
     ({"num_experts": 64, "moe_topk": 8, "num_shared_expert": 1}, (64, 1, 8)),
     ({"num_experts": [16] * 4, "moe_topk": [4] * 4, "num_shared_expert": [1] * 4}, (16, 1, 4)),   # per layer
 ])
@@ -476,7 +496,7 @@ def test_hunyuan_refuses_a_shared_mlp_its_references_build_two_ways(fields, fiel
     # transformers builds one shared MLP of intermediate_size whatever these say; SGLang num_shared_expert times as
     # wide, and none without use_mixed_mlp_moe
     with pytest.raises(InvalidArgument) as e:
-        hunyuan_v1_moe_layout(ConfigView({"num_hidden_layers": 4, **fields}))
+        hunyuan_v1_moe_layout(ConfigView({"num_hidden_layers": 4, "num_experts": 8, **fields}))
     assert e.value.field == f"config.{field}"
 
 
@@ -484,12 +504,14 @@ def test_hunyuan_refuses_a_shared_mlp_its_references_build_two_ways(fields, fiel
     ({"moe_topk": [8, 8, 8, 4]}, "moe_topk", "differ"),
     ({"moe_topk": [8, 8]}, "moe_topk", "one value per layer (4), got 2"),
     ({"num_experts": 8, "moe_topk": 9}, "moe_topk", "exceeds"),
-    ({"num_experts": [0] * 4}, "num_experts", "must be >= 1"),
+    ({"num_experts": [1] * 4}, "num_experts", "must be >= 2"),             # SGLang: a dense MLP
+    ({"num_experts": None}, "num_experts", "missing"),                     # transformers' 1: see above
+    ({"moe_topk": 2, "num_experts_per_tok": 4}, "num_experts_per_tok", "two names"),
     ({"num_shared_expert": [1, 1, 1, "1"]}, "num_shared_expert", "list of integers"),
 ])
 def test_hunyuan_refusals_name_the_field(fields, field, why):
     with pytest.raises(InvalidArgument) as e:
-        hunyuan_v1_moe_layout(ConfigView({"num_hidden_layers": 4, **fields}))
+        hunyuan_v1_moe_layout(ConfigView({"num_hidden_layers": 4, "num_experts": 8, **fields}))
     assert e.value.field == f"config.{field}" and why in str(e.value)
 
 
@@ -520,17 +542,19 @@ def test_deepseek_minimums(field, value):
     assert ">=" in str(e.value)
 
 
-def test_qwen_expert_count_under_either_spelling():
-    # transformers 5's save_pretrained writes num_local_experts; the Hub's files say num_experts.
+def test_qwen_expert_count_under_its_config_classes_names():
+    # transformers' Qwen3MoeConfig writes num_local_experts and reads num_experts as it; Qwen2-MoE's, Qwen3-Next's and
+    # Qwen3.5's read num_experts alone (SGLang too)
     cfg = qwen3()
     cfg["num_local_experts"] = cfg.pop("num_experts")
-    assert qwen_moe_layout(ConfigView(cfg), shared=False).n_routed == 128
-    both = qwen3(num_local_experts=7)
-    assert qwen_moe_layout(ConfigView(both), shared=False).n_routed == 128   # the Hub's spelling wins
-    neither = qwen3()
-    del neither["num_experts"]
+    assert entries.FAMILIES["qwen3_moe"].layout(ConfigView(cfg)).n_routed == 128
     with pytest.raises(InvalidArgument) as e:
-        qwen_moe_layout(ConfigView(neither), shared=False)
+        entries.FAMILIES["qwen3_moe"].layout(ConfigView(qwen3(num_local_experts=7)))    # two names disagree
+    assert e.value.field == "config.num_local_experts"
+    only_alias = qwen2()
+    only_alias["num_local_experts"] = only_alias.pop("num_experts")
+    with pytest.raises(InvalidArgument) as e:
+        entries.FAMILIES["qwen2_moe"].layout(ConfigView(only_alias))
     assert e.value.field == "config.num_experts"
 
 
@@ -541,16 +565,27 @@ def test_mixtral_every_layer_is_moe_with_its_local_experts():
     assert (lay.n_routed, lay.n_shared, lay.top_k) == (16, 0, 4)
 
 
-def test_olmoe_reads_num_experts():
-    lay = entries.FAMILIES["olmoe"].layout(ConfigView({"num_hidden_layers": 3, "num_experts": 64,
-                                                       "num_experts_per_tok": 8, "num_local_experts": 7}))
+@pytest.mark.parametrize("over", [{"moe_layers": [4, 0], "interleave_moe_layer_step": 2}, {"moe_layers": []}])
+def test_llama4_refuses_moe_layers_sglang_places_otherwise(over):
+    # transformers places the MoE layers by moe_layers, SGLang by interleave_moe_layer_step alone
+    with pytest.raises(InvalidArgument) as e:
+        entries.FAMILIES["llama4"].layout(ConfigView({"num_hidden_layers": 6, "num_local_experts": 16, **over}))
+    assert e.value.field == "config.moe_layers"
+
+
+def test_olmoe_reads_num_experts_and_its_alias():
+    lay = entries.FAMILIES["olmoe"].layout(ConfigView({"num_hidden_layers": 3, "num_local_experts": 64,
+                                                       "num_experts_per_tok": 8}))
     assert lay.moe_layers == (0, 1, 2) and (lay.n_routed, lay.top_k) == (64, 8)
+    with pytest.raises(InvalidArgument) as e:      # transformers' OlmoeConfig reads the alias over num_experts
+        entries.FAMILIES["olmoe"].layout(ConfigView({"num_hidden_layers": 3, "num_experts": 64,
+                                                     "num_experts_per_tok": 8, "num_local_experts": 7}))
+    assert e.value.field == "config.num_local_experts"
 
 
 @pytest.mark.parametrize("over, moe", [({"interleave_moe_layer_step": 2}, (1, 3, 5)),
                                        ({}, (0, 1, 2, 3, 4, 5)),
-                                       ({"moe_layers": [4, 0], "interleave_moe_layer_step": 2}, (0, 4)),
-                                       ({"moe_layers": []}, ())])
+                                       ({"moe_layers": [5, 1, 3], "interleave_moe_layer_step": 2}, (1, 3, 5))])
 def test_llama4_moe_layers_are_listed_or_interleaved_each_with_a_shared_expert(over, moe):
     cfg = {"num_hidden_layers": 6, "num_local_experts": 16, **over}
     lay = entries.FAMILIES["llama4"].layout(ConfigView(cfg))
@@ -589,7 +624,11 @@ def test_qwen3_5_moe_makes_every_layer_moe_whatever_the_fields_it_does_not_read_
     cfg = qwen2(architectures=["Qwen3_5MoeForCausalLM"], decoder_sparse_step=2, mlp_only_layers=[0])
     lay = entries.FAMILIES["qwen3_5_moe"].layout(ConfigView(cfg))
     assert lay.moe_layers == lay.layer_ids == tuple(range(cfg["num_hidden_layers"])) and lay.n_shared == 1
-    assert entries.FAMILIES["qwen3_next"].layout(ConfigView(cfg)).moe_layers != lay.moe_layers   # Qwen3-Next reads them
+    with pytest.raises(InvalidArgument):        # Qwen3-Next's transformers model reads them, SGLang's does not
+        entries.FAMILIES["qwen3_next"].layout(ConfigView(cfg))
+    with pytest.raises(InvalidArgument) as e:   # a dense Qwen3.5's text config
+        entries.FAMILIES["qwen3_5_moe"].layout(ConfigView(dict(cfg, model_type="qwen3_5_text")))
+    assert e.value.field == "config.model_type"
 
 
 def test_deepseek_v4_makes_every_layer_moe_whatever_first_k_dense_replace_says():
@@ -615,8 +654,12 @@ def test_minimax_m2_reads_num_local_experts():
 
 def test_gpt_oss_reads_num_local_experts():
     lay = entries.FAMILIES["gpt_oss"].layout(ConfigView({"num_hidden_layers": 4, "num_local_experts": 32,
-                                                         "num_experts_per_tok": 4, "num_experts": 7}))
+                                                         "num_experts_per_tok": 4}))
     assert lay.layer_ids == lay.moe_layers == (0, 1, 2, 3) and (lay.n_routed, lay.n_shared, lay.top_k) == (32, 0, 4)
+    with pytest.raises(InvalidArgument) as e:      # transformers' GptOssConfig reads num_experts as num_local_experts
+        entries.FAMILIES["gpt_oss"].layout(ConfigView({"num_hidden_layers": 4, "num_local_experts": 32,
+                                                       "num_experts_per_tok": 4, "num_experts": 7}))
+    assert e.value.field == "config.num_experts"
 
 
 @pytest.mark.parametrize("field,over", [("num_local_experts", {"num_local_experts": None}),

@@ -198,9 +198,8 @@ def _moe_layers(cfg, family):
     (deepseek(num_hidden_layers=12, first_k_dense_replace=1, moe_layer_freq=2, architectures=["AXK1ForCausalLM"],
               n_routed_experts=192), "deepseek"),
     (glm4(num_hidden_layers=10, first_k_dense_replace=3), "deepseek"),
-    (qwen3(num_hidden_layers=11, decoder_sparse_step=2), "qwen"),
-    (qwen3(num_hidden_layers=9, mlp_only_layers=[0, 4, 8]), "qwen"),
-    (qwen2(num_hidden_layers=10, decoder_sparse_step=3, mlp_only_layers=[2]), "qwen"),
+    (qwen3(num_hidden_layers=11), "qwen"),
+    (qwen2(num_hidden_layers=10), "qwen"),
 ])
 @pytest.mark.parametrize("pp_size", [1, 2, 3, 4])
 def test_eplb_layers_are_the_local_moe_layers_of_each_stage(cfg, family, pp_size):

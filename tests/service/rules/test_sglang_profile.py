@@ -183,7 +183,8 @@ def test_a_compressed_tensors_w4a16_scheme_is_read_as_sglang_reads_it():
 
 def test_glm47_flash_and_its_nextn_draft_have_sglangs_gate():
     from ._fixtures import resolve
-    body = {"num_hidden_layers": 4, "n_routed_experts": 64, "n_shared_experts": 1, "num_experts_per_tok": 4}
+    body = {"num_hidden_layers": 4, "n_routed_experts": 64, "n_shared_experts": 1, "num_experts_per_tok": 4,
+            "first_k_dense_replace": 1}
     target = {"architectures": ["Glm4MoeLiteForCausalLM"], **body}
     draft = {"architectures": ["Glm4MoeLiteForCausalLMNextN"], "num_nextn_predict_layers": 1, **body}
     for cfg in (target, draft):
@@ -195,3 +196,53 @@ def test_glm47_flash_and_its_nextn_draft_have_sglangs_gate():
             Keys.SHARED_EXPERTS_FUSION]
         assert ep.value is False and "under expert parallelism" in ep.reason
     assert resolve(draft, engine="sglang", device="cuda:9.0").decisions[Keys.PP_LAYER_RANGE].value == [4, 5]
+
+
+# --- layouts SGLang reads by fields transformers' configs leave out ----------------------------------------------
+
+KIMI = {"architectures": ["KimiLinearForCausalLM"], "num_hidden_layers": 4, "num_experts": 8, "num_shared_experts": 1,
+        "num_experts_per_token": 2, "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"]}
+MIMO = {"architectures": ["MiMoV2FlashForCausalLM"], "num_hidden_layers": 4, "n_routed_experts": 8,
+        "num_experts_per_tok": 2}
+COHERE2 = {"architectures": ["Cohere2MoeForCausalLM"], "num_hidden_layers": 4, "num_experts": 8,
+           "num_experts_per_tok": 2, "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"]}
+GLM47_FLASH = {"architectures": ["Glm4MoeLiteForCausalLM"], "num_hidden_layers": 4, "n_routed_experts": 64}
+
+
+@pytest.mark.parametrize("cfg,field,given", [
+    (KIMI, "first_k_dense_replace", 1),        # SGLang: layers from first_k_dense_replace (0 without it)
+    (MIMO, "moe_layer_freq", [0, 1, 1, 1]),    # SGLang: its per-layer flags (no MoE layer without them)
+    (COHERE2, "first_k_dense_replace", 1),     # SGLang: layers from first_k_dense_replace (0 without it)
+    (GLM47_FLASH, "first_k_dense_replace", 1),  # SGLang cannot load it without
+])
+def test_a_config_without_the_field_sglang_places_moe_layers_by_is_refused_for_sglang_alone(cfg, field, given):
+    from ._fixtures import resolve
+    from loadplan.service.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument) as e:
+        resolve(cfg, engine="sglang", device="cuda:9.0")
+    assert e.value.field == f"config.{field}" and "SGLang places" in str(e.value)
+    assert resolve(cfg).decisions[Keys.EPLB_LAYERS] is not None          # transformers' reading, for loadplan
+    res = resolve(dict(cfg, **{field: given}), engine="sglang", device="cuda:9.0", enable_eplb=True)
+    assert res.decisions[Keys.EPLB_LAYERS].value == [1, 2, 3]
+
+
+def test_a_kimi_linear_config_sglang_reads_alike_without_the_field_is_planned():
+    from ._fixtures import resolve
+
+    every = dict(KIMI, mlp_layer_types=["sparse"] * 4)       # SGLang's default first_k_dense_replace (0) agrees
+    assert resolve(every, engine="sglang", device="cuda:9.0", enable_eplb=True).decisions[
+        Keys.EPLB_LAYERS].value == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLMNextN", "Glm4MoeForCausalLMNextN"])
+def test_a_nextn_draft_of_more_than_one_mtp_layer_is_refused_for_sglang(arch):
+    """SGLang builds one MTP layer and refuses a checkpoint's others at load ("Only 1 nextn layer is supported")."""
+    from ._fixtures import deepseek, resolve
+    from loadplan.service.errors import InvalidArgument
+
+    cfg = dict(deepseek(), architectures=[arch], num_nextn_predict_layers=2)
+    with pytest.raises(InvalidArgument) as e:
+        resolve(cfg, engine="sglang", device="cuda:9.0")
+    assert e.value.field == "config.num_nextn_predict_layers"
+    assert resolve(cfg).decisions[Keys.PP_LAYER_RANGE].value == [4, 6]    # loadplan's engine builds both
