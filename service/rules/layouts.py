@@ -58,9 +58,10 @@ Conventions follow the architectures' reference implementations:
 
 A config is read as the references read it (transformers' config class and model; SGLang's, for what SGLang
 builds): a field left out as their config class fills it in, a field under another name as its attribute map reads
-it, a field they do not read not at all. Where they disagree (a default, or a field one reads and the other does
-not, such as moe_layer_freq), the field is required or refused where it would change the layout; never read one
-way for an engine that reads it another (tests/conformance/test_layout_defaults.py).
+it, a field they do not read not at all (tests/conformance/test_layout_defaults.py). Where their defaults or names
+disagree, the field is required, or refused where it says otherwise; never read one way for an engine that reads it
+another. Which layers are MoE is transformers' reading (loadplan's engine is held to transformers' logits); where
+SGLang places them otherwise, the sglang profile refuses the config (sglang.SGLANG_MOE_LAYERS).
 """
 
 from __future__ import annotations
@@ -197,7 +198,7 @@ def qwen_nextn_layout(cfg: ConfigView) -> MoeLayout:
     count = "num_nextn_predict_layers" if cfg.has("num_nextn_predict_layers") else "mtp_num_hidden_layers"
     if cfg.int(count, 1, minimum=1, maximum=MAX_LAYERS) != 1:
         raise InvalidArgument(cfg.field(count), f"{cfg.int(count)} MTP layers: SGLang builds one")
-    return _draft_after(qwen_moe_layout(cfg, shared=True, sparse_fields=False), 1)
+    return _draft_after(qwen_moe_layout(cfg, shared=True), 1)
 
 
 def _draft_after(target: MoeLayout, n_nextn: int) -> MoeLayout:
@@ -215,8 +216,7 @@ def qwen3_5_moe_layout(cfg: ConfigView) -> MoeLayout:
     """Qwen3.5-MoE: every layer MoE (transformers' and SGLang's Qwen3.5-MoE read neither decoder_sparse_step nor
     mlp_only_layers, which its config class inherits from Qwen3-Next's), Qwen's expert fields."""
     _refuse_dense_qwen3_5(cfg)
-    lay = qwen_moe_layout(cfg, shared=True, sparse_fields=False)
-    return replace(lay, moe_layers=lay.layer_ids)
+    return qwen_moe_layout(cfg, shared=True, sparse_fields=False)
 
 
 def qwen3_moe_layout(cfg: ConfigView) -> MoeLayout:
@@ -227,9 +227,8 @@ def qwen3_moe_layout(cfg: ConfigView) -> MoeLayout:
 def qwen_moe_layout(cfg: ConfigView, *, shared: bool, experts: str = "num_experts",
                     sparse_fields: bool = True) -> MoeLayout:
     """Qwen's expert fields (`experts` names the routed count: transformers' Qwen2-MoE, Qwen3-Next and Qwen3.5 classes
-    map no other name to it), every layer MoE. transformers makes layer i dense where i is in mlp_only_layers or
-    (i + 1) % decoder_sparse_step != 0, SGLang's Qwen MoE models make every layer MoE: (`sparse_fields`) a config
-    that makes a layer dense is refused."""
+    map no other name to it). Layer i is MoE unless (`sparse_fields`) i is in mlp_only_layers or
+    (i + 1) % decoder_sparse_step != 0 (transformers' reading; SGLang's, every layer, is the sglang profile's)."""
     n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
     n_routed = cfg.int(experts, minimum=1)
     top_k = cfg.int("num_experts_per_tok", minimum=1)
@@ -238,15 +237,12 @@ def qwen_moe_layout(cfg: ConfigView, *, shared: bool, experts: str = "num_expert
     # Qwen2-MoE, 512 for Qwen3-Next and Qwen3.5), which the plan and the engine could only guess at.
     n_shared = 1 if shared and cfg.int("shared_expert_intermediate_size", minimum=0) > 0 else 0
     layers = tuple(range(n_layers))
+    moe = layers
     if sparse_fields:
         step = cfg.int("decoder_sparse_step", 1, minimum=1)
         mlp_only = set(cfg.int_list("mlp_only_layers"))
-        dense = [i for i in layers if i in mlp_only or (i + 1) % step]
-        if dense:
-            raise InvalidArgument(cfg.field("decoder_sparse_step" if step != 1 else "mlp_only_layers"),
-                                  f"makes layers {_shown(tuple(dense))} dense for transformers; SGLang's Qwen MoE "
-                                  f"models make every layer MoE")
-    return MoeLayout(layers, layers, n_routed, n_shared, top_k)
+        moe = tuple(i for i in layers if i not in mlp_only and (i + 1) % step == 0)
+    return MoeLayout(layers, moe, n_routed, n_shared, top_k)
 
 
 def _refuse_dense_qwen3_5(cfg: ConfigView) -> None:
@@ -287,12 +283,13 @@ def minimax_m3_layout(cfg: ConfigView) -> MoeLayout:
     n_shared = cfg.int("n_shared_experts", 0, minimum=0)
     top_k = cfg.int("num_experts_per_tok", minimum=1)
     _check_top_k(cfg, top_k, n_routed)
-    moe = tuple(range(n_layers)) if cfg.raw("moe_layer_freq") is None else _flagged(cfg, "moe_layer_freq", n_layers)
+    moe = tuple(range(n_layers)) if cfg.raw("moe_layer_freq") is None else layer_flags(cfg, "moe_layer_freq", n_layers)
     return MoeLayout(tuple(range(n_layers)), moe, n_routed, n_shared, top_k)
 
 
-def _flagged(cfg: ConfigView, name: str, n_layers: int) -> tuple[int, ...]:
-    """The layers `name`, a list of one integer per layer, flags non-zero (SGLang's per-layer moe_layer_freq)."""
+def layer_flags(cfg: ConfigView, name: str, n_layers: int) -> tuple[int, ...]:
+    """The layers `name`, a list of one integer per layer, flags non-zero (MiniMax-M3's and MiMo's moe_layer_freq,
+    EXAONE's is_moe_layer)."""
     flags = cfg.raw(name)
     if not isinstance(flags, list) or len(flags) != n_layers or not all(isinstance(f, int) for f in flags):
         raise InvalidArgument(cfg.field(name), f"must be a list of {n_layers} integers (one per layer; 0 = dense)")
@@ -305,16 +302,6 @@ def _transformers_alias(cfg: ConfigView, name: str, alias: str) -> None:
     if cfg.has(alias) and cfg.raw(alias) != cfg.raw(name):
         raise InvalidArgument(cfg.field(alias), f"{quote(cfg.raw(alias))}: transformers reads it as {name}, SGLang "
                                                 f"does not (it reads {name}={quote(cfg.raw(name))}); give {name}")
-
-
-def _as_sglang_reads(cfg: ConfigView, lay: MoeLayout, by_sglang: tuple[int, ...], field: str, how: str) -> MoeLayout:
-    """`lay`, transformers' reading of the config, refused naming `field` where SGLang's (`by_sglang`, by the fields
-    `how` names) places the MoE layers otherwise."""
-    if by_sglang != lay.moe_layers:
-        raise InvalidArgument(cfg.field(field), f"makes layers {_shown(lay.moe_layers)} MoE for transformers and "
-                                                f"{_shown(by_sglang)} for SGLang (by {how}): give fields both read "
-                                                f"alike")
-    return lay
 
 
 def granitemoe_layout(cfg: ConfigView) -> MoeLayout:
@@ -466,13 +453,9 @@ def _moe_after_dense_layers(cfg: ConfigView, *, layers: int | None, experts: int
 
 
 def exaone_moe_layout(cfg: ConfigView) -> MoeLayout:
-    """transformers' ExaoneMoeConfig defaults where a config leaves a field out; an is_moe_layer list (SGLang's
-    reading: one flag per layer) that places the MoE layers otherwise than transformers is refused."""
-    lay = _num_experts_by_mlp_layer_types(cfg, layers=None, experts=64, shared=1, top_k=8, first_dense=1)
-    if cfg.raw("is_moe_layer") is None:
-        return lay
-    return _as_sglang_reads(cfg, lay, _flagged(cfg, "is_moe_layer", len(lay.layer_ids)), "is_moe_layer",
-                            "its is_moe_layer flags")
+    """transformers' ExaoneMoeConfig defaults where a config leaves a field out (SGLang places the MoE layers by
+    is_moe_layer instead: the sglang profile's)."""
+    return _num_experts_by_mlp_layer_types(cfg, layers=None, experts=64, shared=1, top_k=8, first_dense=1)
 
 
 def _num_experts_by_mlp_layer_types(cfg: ConfigView, *, layers: int | None, experts: int, shared: int, top_k: int,
@@ -490,25 +473,19 @@ def _num_experts_by_mlp_layer_types(cfg: ConfigView, *, layers: int | None, expe
 
 
 def kimi_linear_layout(cfg: ConfigView) -> MoeLayout:
-    """Kimi-Linear's names for DeepSeek-V3's fields (transformers' KimiLinearConfig attribute map: num_experts,
-    num_shared_experts, num_experts_per_token; DeepSeek's where a config gives those instead) and its defaults, but
-    num_shared_experts, and first_k_dense_replace where mlp_layer_types is absent, required: SGLang's
-    KimiLinearConfig defaults them to 0 and 0, transformers' to 1 and 1. transformers places the MoE layers by
-    mlp_layer_types (which its configs write in place of first_k_dense_replace), SGLang by first_k_dense_replace and
-    moe_layer_freq: a config that gives both ways and reads two ways is refused."""
-    # SGLang's KimiLinearConfig reads Kimi's own names (and builds no MoE layer without num_experts)
+    """Kimi-Linear's names for DeepSeek-V3's fields (num_experts, num_shared_experts, num_experts_per_token) and
+    transformers' KimiLinearConfig defaults, but:
+    - num_experts and num_shared_experts required, and first_k_dense_replace where mlp_layer_types is absent (SGLang
+      builds no MoE layer without num_experts, and its class defaults the other two to 0 and 0, transformers' to 1
+      and 1); DeepSeek's names, which transformers maps and SGLang does not, refused where they say otherwise;
+    - the MoE layers by mlp_layer_types (which transformers' configs write in place of first_k_dense_replace),
+      else first_k_dense_replace (SGLang's placement, by first_k_dense_replace and moe_layer_freq, is the sglang
+      profile's)."""
     for name, alias in (("num_experts", "num_local_experts"), ("num_experts", "n_routed_experts"),
                         ("num_shared_experts", "n_shared_experts")):
         _transformers_alias(cfg, name, alias)
     cfg.int("num_experts", minimum=1)
-    lay = _deepseek_renamed_layout(cfg, layers=None, experts=256, first_dense=None, shared=None)
-    if not cfg.has("first_k_dense_replace"):
-        return lay
-    first = cfg.int("first_k_dense_replace", minimum=0)
-    freq = cfg.int("moe_layer_freq", 1, minimum=1)
-    by_sglang = tuple(i for i in lay.layer_ids if i >= first and i % freq == 0)
-    return _as_sglang_reads(cfg, lay, by_sglang, "mlp_layer_types" if cfg.has("mlp_layer_types") else "moe_layer_freq",
-                            f"first_k_dense_replace={first}, moe_layer_freq={freq}")
+    return _deepseek_renamed_layout(cfg, layers=None, experts=256, first_dense=None, shared=None)
 
 
 def _shown(layers: tuple[int, ...]) -> str:
@@ -598,7 +575,7 @@ def step3p5_layout(cfg: ConfigView) -> MoeLayout:
         if enum is None:
             types = ["dense" if i < 3 else "sparse" for i in range(n_layers)]
         else:
-            sparse = _layer_numbers(cfg, "moe_layers_enum", enum)
+            sparse = layer_numbers(cfg, "moe_layers_enum", enum)
             types = ["sparse" if i in sparse else "dense" for i in range(n_layers)]
     if not isinstance(types, list) or len(types) != n_layers or any(t not in ("dense", "sparse") for t in types):
         raise InvalidArgument(cfg.field("mlp_layer_types"),
@@ -702,7 +679,7 @@ def _deepseek_defaults_layout(cfg: ConfigView, *, layers: int | None, experts: i
     return MoeLayout(tuple(range(n_layers)), _moe_from_first(cfg, n_layers, first, freq_rule), n_routed, n_shared, k)
 
 
-def _layer_numbers(cfg: ConfigView, name: str, value) -> set[int]:
+def layer_numbers(cfg: ConfigView, name: str, value) -> set[int]:
     """Layer numbers written "3,4,5" or as a list."""
     items = value.split(",") if isinstance(value, str) else value
     try:
@@ -715,26 +692,13 @@ def _layer_numbers(cfg: ConfigView, name: str, value) -> set[int]:
 
 def hy_v3_layout(cfg: ConfigView) -> MoeLayout:
     """transformers' HYV3Config defaults (80 layers, the first dense; 192 experts, top-8, one shared) where a config
-    leaves a field out; a first_k_dense_replace (SGLang's reading) that places the MoE layers otherwise than
-    mlp_layer_types (transformers') is refused."""
+    leaves a field out (SGLang places the MoE layers by first_k_dense_replace instead: the sglang profile's)."""
     n_layers = cfg.int("num_hidden_layers", 80, minimum=1, maximum=MAX_LAYERS)
     n_routed = cfg.int(_named(cfg, "num_experts", "num_local_experts"), 192, minimum=1)
     n_shared = cfg.int("num_shared_experts", 1, minimum=0)
     k = cfg.int("num_experts_per_tok", 8, minimum=1)
     _check_top_k(cfg, k, n_routed)
-    lay = MoeLayout(tuple(range(n_layers)), _sparse_by_mlp_layer_types(cfg, n_layers, 1), n_routed, n_shared, k)
-    return _first_k_as_sglang_reads(cfg, lay)
-
-
-def _first_k_as_sglang_reads(cfg: ConfigView, lay: MoeLayout) -> MoeLayout:
-    """`lay` (transformers' reading: mlp_layer_types, or its default), refused where a first_k_dense_replace the
-    config gives (SGLang's reading: every layer from it MoE) places the MoE layers otherwise."""
-    if not cfg.has("first_k_dense_replace"):
-        return lay
-    first = cfg.int("first_k_dense_replace", minimum=0)
-    return _as_sglang_reads(cfg, lay, tuple(range(first, len(lay.layer_ids))),
-                            "mlp_layer_types" if cfg.has("mlp_layer_types") else "first_k_dense_replace",
-                            f"first_k_dense_replace={first}")
+    return MoeLayout(tuple(range(n_layers)), _sparse_by_mlp_layer_types(cfg, n_layers, 1), n_routed, n_shared, k)
 
 
 def laguna_layout(cfg: ConfigView) -> MoeLayout:
@@ -748,27 +712,21 @@ def laguna_layout(cfg: ConfigView) -> MoeLayout:
 
 
 def cohere2_moe_layout(cfg: ConfigView) -> MoeLayout:
-    """transformers' Cohere2MoeConfig defaults where a config leaves a field out; mlp_layer_types (transformers'
-    reading) and first_k_dense_replace (SGLang's) that place the MoE layers otherwise are refused."""
-    lay = _num_experts_by_mlp_layer_types(cfg, layers=40, experts=8, shared=0, top_k=2, first_dense=0)
-    return _first_k_as_sglang_reads(cfg, lay) if cfg.has("mlp_layer_types") else lay
+    """transformers' Cohere2MoeConfig defaults where a config leaves a field out (SGLang places the MoE layers by
+    first_k_dense_replace alone: the sglang profile's)."""
+    return _num_experts_by_mlp_layer_types(cfg, layers=40, experts=8, shared=0, top_k=2, first_dense=0)
 
 
 def mimo_v2_flash_layout(cfg: ConfigView) -> MoeLayout:
-    """transformers' MiMoV2FlashConfig defaults where a config leaves a field out. transformers places the MoE layers
-    by mlp_layer_types (by default every layer but the first), SGLang by moe_layer_freq, a list of one flag per layer
-    (the Hub's configs write it; transformers' do not): one that reads otherwise is refused."""
+    """transformers' MiMoV2FlashConfig defaults where a config leaves a field out: the MoE layers by mlp_layer_types
+    (by default every layer but the first; SGLang's, by the Hub's moe_layer_freq flags, are the sglang profile's)."""
     n_layers = cfg.int("num_hidden_layers", 48, minimum=1, maximum=MAX_LAYERS)
     field = "num_local_experts" if cfg.has("num_local_experts") and not cfg.has("n_routed_experts") \
         else "n_routed_experts"
     n_routed = cfg.int(field, 256, minimum=1)
     top_k = cfg.int("num_experts_per_tok", 8, minimum=1)
     _check_top_k(cfg, top_k, n_routed)
-    lay = MoeLayout(tuple(range(n_layers)), _sparse_by_mlp_layer_types(cfg, n_layers, 1), n_routed, 0, top_k)
-    if cfg.raw("moe_layer_freq") is None:
-        return lay
-    return _as_sglang_reads(cfg, lay, _flagged(cfg, "moe_layer_freq", n_layers), "moe_layer_freq",
-                            "its moe_layer_freq flags")
+    return MoeLayout(tuple(range(n_layers)), _sparse_by_mlp_layer_types(cfg, n_layers, 1), n_routed, 0, top_k)
 
 
 def _sparse_by_mlp_layer_types(cfg: ConfigView, n_layers: int, first_sparse: int | None) -> tuple[int, ...]:
@@ -825,16 +783,14 @@ def _one_per_model(cfg: ConfigView, name: str, n_layers: int, default: int | Non
 
 
 def glm4_moe_lite_layout(cfg: ConfigView) -> MoeLayout:
-    """GLM-4.7-Flash: transformers' Glm4MoeLiteConfig defaults; transformers places the MoE layers by mlp_layer_types
-    (by default every layer but the first), SGLang by first_k_dense_replace: a config they read two ways is
-    refused."""
+    """GLM-4.7-Flash: transformers' Glm4MoeLiteConfig defaults; the MoE layers by mlp_layer_types (by default every
+    layer but the first; SGLang's, by first_k_dense_replace, are the sglang profile's)."""
     n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
     n_routed = cfg.int(_named(cfg, "n_routed_experts", "num_local_experts"), minimum=1)
     n_shared = cfg.int("n_shared_experts", 1, minimum=0)
     top_k = cfg.int("num_experts_per_tok", 4, minimum=1)
     _check_top_k(cfg, top_k, n_routed)
-    lay = MoeLayout(tuple(range(n_layers)), _sparse_by_mlp_layer_types(cfg, n_layers, 1), n_routed, n_shared, top_k)
-    return _first_k_as_sglang_reads(cfg, lay)
+    return MoeLayout(tuple(range(n_layers)), _sparse_by_mlp_layer_types(cfg, n_layers, 1), n_routed, n_shared, top_k)
 
 
 def glm4_moe_lite_nextn_layout(cfg: ConfigView) -> MoeLayout:
@@ -849,21 +805,19 @@ def llama4_layout(cfg: ConfigView) -> MoeLayout:
     n_routed = cfg.int("num_local_experts", minimum=1)
     top_k = cfg.int("num_experts_per_tok", 1, minimum=1)        # transformers' Llama4TextConfig default
     _check_top_k(cfg, top_k, n_routed)
-    step = cfg.int("interleave_moe_layer_step", 1, minimum=1)
-    moe = tuple(range(step - 1, n_layers, step))
-    if cfg.has("moe_layers"):
-        # transformers places the MoE layers by moe_layers where it is given, SGLang by the step alone
-        listed = tuple(sorted(set(cfg.int_list("moe_layers"))))
-        if listed != moe:
-            raise InvalidArgument(cfg.field("moe_layers"), f"{_shown(listed)} (transformers' MoE layers) are not the "
-                                                           f"{_shown(moe)} SGLang places by interleave_moe_layer_step="
-                                                           f"{step}")
+    if cfg.has("moe_layers"):      # SGLang places them by interleave_moe_layer_step alone: the sglang profile's
+        moe = tuple(sorted(set(cfg.int_list("moe_layers"))))
+        if moe and not 0 <= moe[0] <= moe[-1] < n_layers:
+            raise InvalidArgument(cfg.field("moe_layers"), f"layer ids must be in [0, num_hidden_layers={n_layers})")
+    else:
+        step = cfg.int("interleave_moe_layer_step", 1, minimum=1)
+        moe = tuple(range(step - 1, n_layers, step))
     return MoeLayout(tuple(range(n_layers)), moe, n_routed, 1, top_k)
 
 
 def ernie4_5_moe_layout(cfg: ConfigView) -> MoeLayout:
-    """transformers' Ernie4_5_MoeConfig defaults where a config leaves a field out; a moe_layer_interval that
-    transformers (counting from layer 0) and SGLang (from moe_layer_start_index) place otherwise is refused."""
+    """transformers' Ernie4_5_MoeConfig defaults where a config leaves a field out (SGLang counts
+    moe_layer_interval from moe_layer_start_index, not from layer 0: the sglang profile's)."""
     n_layers = cfg.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
     n_routed = cfg.int(_named(cfg, "moe_num_experts", "num_experts"), 64, minimum=1)
     n_shared = cfg.int("moe_num_shared_experts", 2, minimum=0)
@@ -876,11 +830,8 @@ def ernie4_5_moe_layout(cfg: ConfigView) -> MoeLayout:
     end = cfg.int("moe_layer_end_index", -1, minimum=-1)
     end = n_layers - 1 if end == -1 else end
     interval = cfg.int("moe_layer_interval", 1, minimum=1)
-    lay = MoeLayout(tuple(range(n_layers)), tuple(i for i in range(n_layers) if (i + 1) % interval == 0
-                                                  and start <= i <= end), n_routed, n_shared, top_k)
-    by_sglang = tuple(i for i in range(n_layers) if start <= i <= end and (i - start) % interval == 0)
-    return _as_sglang_reads(cfg, lay, by_sglang, "moe_layer_interval",
-                            f"(i - moe_layer_start_index) % moe_layer_interval == 0, from {start}")
+    moe = tuple(i for i in range(n_layers) if (i + 1) % interval == 0 and start <= i <= end)
+    return MoeLayout(tuple(range(n_layers)), moe, n_routed, n_shared, top_k)
 
 
 def _check_top_k(cfg: ConfigView, top_k: int, n_routed: int, field: str = "num_experts_per_tok") -> None:

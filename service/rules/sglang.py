@@ -26,7 +26,7 @@ from typing import Any, Callable
 from ..errors import FailedPrecondition, InvalidArgument, NotFound
 from .backends import Forward
 from .devices import Device
-from .layouts import MoeLayout
+from .layouts import MoeLayout, layer_flags, layer_numbers
 from .quantization import Quantization
 
 NAME = "sglang"
@@ -664,36 +664,88 @@ def check_draft(family: str, cfg) -> None:
                                                                      f"layer")
 
 
-def _every_layer_from_first_k(cfg, n_layers: int) -> tuple[int, ...]:
-    """SGLang's MoE layers of a family it places by first_k_dense_replace (getattr's default: 0) and moe_layer_freq."""
-    freq = cfg.int("moe_layer_freq", 1, minimum=1)
-    return tuple(i for i in range(n_layers) if i % freq == 0)
+# Where SGLang places a family's MoE layers otherwise than transformers, whose reading is the layout's: SGLang's
+# placement (None: SGLang cannot load the config), and the fields it places them by, the first of them the config
+# gives named in the refusal. models/<module>.py of SGLang 0.5.23, as noted.
+def _from_first_k(cfg, n_layers: int) -> tuple[int, ...]:
+    """Every layer from first_k_dense_replace (getattr's default: 0) on, as moe_layer_freq (1) keeps them."""
+    first, freq = cfg.int("first_k_dense_replace", 0, minimum=0), cfg.int("moe_layer_freq", 1, minimum=1)
+    return tuple(i for i in range(first, n_layers) if i % freq == 0)
 
 
-# Fields SGLang places a family's MoE layers by that transformers' configs leave out (they write mlp_layer_types
-# instead): (field, SGLang's MoE layers without it, or None where SGLang cannot load such a config). A config that
-# leaves the field out is refused where SGLang would place the MoE layers otherwise than its plan.
-SGLANG_LAYER_FIELDS: dict[str, tuple[str, Callable[[Any, int], tuple[int, ...]] | None]] = {
-    "kimi_linear": ("first_k_dense_replace", _every_layer_from_first_k),      # models/kimi_linear.py
-    "hy_v3": ("first_k_dense_replace", lambda cfg, n: tuple(range(n))),       # models/hunyuan_v3.py
-    "cohere2_moe": ("first_k_dense_replace", lambda cfg, n: tuple(range(n))),  # models/cohere2_moe.py
-    "mimo_v2_flash": ("moe_layer_freq", lambda cfg, n: ()),                   # models/mimo_v2.py: is_moe_layer
-    "glm4_moe_lite": ("first_k_dense_replace", None),                         # models/glm4_moe_lite.py
-    "glm4_moe_lite_nextn": ("first_k_dense_replace", None),
-    "step3p5": ("moe_layers_enum", None),                                     # configs/step3p5.py: .split(",")
+def _flags(name: str) -> Callable[[Any, int], tuple[int, ...] | None]:
+    """The layers a per-layer list of flags marks (None without it: SGLang reads no other field)."""
+    return lambda cfg, n: None if cfg.raw(name) is None else layer_flags(cfg, name, n)
+
+
+def _every_layer(cfg, n_layers: int) -> tuple[int, ...]:
+    return tuple(range(n_layers))
+
+
+def _ernie(cfg, n_layers: int) -> tuple[int, ...]:
+    """moe_layer_interval counted from moe_layer_start_index (transformers counts it from layer 0)."""
+    start = cfg.int("moe_layer_start_index", 1, minimum=0)
+    end = cfg.int("moe_layer_end_index", -1, minimum=-1)
+    end = n_layers - 1 if end == -1 else end
+    interval = cfg.int("moe_layer_interval", 1, minimum=1)
+    return tuple(i for i in range(n_layers) if start <= i <= end and (i - start) % interval == 0)
+
+
+def _llama4(cfg, n_layers: int) -> tuple[int, ...]:
+    """By interleave_moe_layer_step alone (transformers reads moe_layers where a config gives it)."""
+    step = cfg.int("interleave_moe_layer_step", 1, minimum=1)
+    return tuple(range(step - 1, n_layers, step))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How SGLang places a family's MoE layers: `place(cfg, n_layers)` (None: it cannot load the config), by the
+    field `reads` (None: by no field of the config); a refusal names `reads` where the config leaves it out, else the
+    first of `fields` (the fields the two readings differ on) that the config gives a telling value."""
+    reads: str | None
+    fields: tuple[str, ...]
+    place: Callable[[Any, int], tuple[int, ...] | None]
+
+
+def _step3p5(cfg, n_layers: int) -> tuple[int, ...] | None:
+    """configs/step3p5.py splits moe_layers_enum, a string, and reads no mlp_layer_types."""
+    enum = cfg.raw("moe_layers_enum")
+    return None if not isinstance(enum, str) else tuple(sorted(layer_numbers(cfg, "moe_layers_enum", enum)
+                                                               & set(range(n_layers))))
+
+
+_QWEN = Placement(None, ("decoder_sparse_step", "mlp_only_layers"), _every_layer)   # qwen2_moe.py, qwen3_*.py
+_FIRST_K = Placement("first_k_dense_replace", ("first_k_dense_replace", "mlp_layer_types"), _from_first_k)
+SGLANG_MOE_LAYERS: dict[str, Placement] = {
+    "qwen2_moe": _QWEN, "qwen3_moe": _QWEN, "qwen3_next": _QWEN,
+    "kimi_linear": Placement("first_k_dense_replace", ("moe_layer_freq", "first_k_dense_replace", "mlp_layer_types"),
+                             _from_first_k),                                       # kimi_linear.py
+    "hy_v3": _FIRST_K,                                                             # hunyuan_v3.py
+    "cohere2_moe": _FIRST_K,                                                       # cohere2_moe.py
+    # glm4_moe_lite.py: moe_layer_freq forced to 1; without first_k_dense_replace, an AttributeError
+    "glm4_moe_lite": Placement("first_k_dense_replace", ("first_k_dense_replace", "mlp_layer_types"),
+                               lambda cfg, n: _from_first_k(cfg, n) if cfg.has("first_k_dense_replace") else None),
+    "mimo_v2_flash": Placement("moe_layer_freq", ("moe_layer_freq",), _flags("moe_layer_freq")),   # mimo_v2.py
+    "exaone_moe": Placement("is_moe_layer", ("is_moe_layer",), _flags("is_moe_layer")),           # exaone_moe.py
+    "ernie4_5_moe": Placement(None, ("moe_layer_interval",), _ernie),                              # ernie4.py
+    "llama4": Placement(None, ("moe_layers",), _llama4),                                           # llama4.py
+    "step3p5": Placement("moe_layers_enum", ("moe_layers_enum", "mlp_layer_types"), _step3p5),
 }
 
 
 def check_layout(family: str, cfg, layout: MoeLayout) -> None:
-    """Refuses a config SGLang would build other MoE layers for than `layout`, its plan: one that leaves out a field
-    SGLang places them by (`SGLANG_LAYER_FIELDS`)."""
-    field, sglang_reads = SGLANG_LAYER_FIELDS.get(family, (None, None))
-    if field is None or cfg.has(field):
+    """Refuses a config SGLang would build other MoE layers for than `layout`, its plan (`SGLANG_MOE_LAYERS`)."""
+    placement = SGLANG_MOE_LAYERS.get(family)
+    if placement is None:
         return
-    if sglang_reads is None:
-        raise InvalidArgument(cfg.field(field), f"missing: SGLang places {family}'s MoE layers by it")
-    moe = sglang_reads(cfg, len(layout.layer_ids))
-    if moe != layout.moe_layers:
-        raise InvalidArgument(cfg.field(field), f"missing: SGLang places {family}'s MoE layers by it (without it at "
-                                                f"{list(moe)[:8]}, where the config's other fields say "
-                                                f"{list(layout.moe_layers)[:8]})")
+    moe = placement.place(cfg, len(layout.layer_ids))
+    if moe is None or moe != layout.moe_layers:
+        if placement.reads is not None and not cfg.has(placement.reads):
+            field = placement.reads
+        else:
+            field = next((f for f in placement.fields if cfg.has(f) and cfg.raw(f) not in (1, [])), placement.fields[0])
+        if moe is None:
+            raise InvalidArgument(cfg.field(field), f"missing: SGLang places {family}'s MoE layers by it")
+        raise InvalidArgument(cfg.field(field), f"SGLang places {family}'s MoE layers at {list(moe)[:8]}, this "
+                                                f"config's fields as transformers reads them at "
+                                                f"{list(layout.moe_layers)[:8]}")

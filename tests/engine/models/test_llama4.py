@@ -154,7 +154,7 @@ def test_the_hubs_conditional_generation_checkpoint_runs_text_only_as_transforme
     ({"layer_types": ["sliding_attention"] * 4}, r"config\.layer_types: expected 4 entries"),
     ({"attention_chunk_size": 0}, r"config\.attention_chunk_size: must be an integer >= 1 or null"),
     ({"attention_chunk_size": None}, r"config\.attention_chunk_size: null, but layer_types has chunked_attention"),
-    ({"moe_layers": [1, 4]}, r"config\.moe_layers: \[1, 4\] \(transformers' MoE layers\) are not"),
+    ({"moe_layers": [1, 4]}, r"config\.moe_layers: layer ids must be in \[0, num_hidden_layers=4\)"),
     ({"intermediate_size_mlp": None}, r"config\.intermediate_size_mlp: missing"),
     ({"num_key_value_heads": None}, r"config\.num_key_value_heads: missing"),
     ({"floor_scale": 0}, r"config\.floor_scale: must be > 0"),

@@ -10,7 +10,8 @@ import pytest
 
 from loadplan.plan import Keys
 from loadplan.service.errors import FailedPrecondition, NotFound
-from loadplan.service.rules import sglang
+from loadplan.service.rules import entries, sglang
+from loadplan.service.rules.config_view import ConfigView
 
 from ._fixtures import real_request
 from loadplan.service.rules.resolve import resolve_decisions
@@ -198,7 +199,7 @@ def test_glm47_flash_and_its_nextn_draft_have_sglangs_gate():
     assert resolve(draft, engine="sglang", device="cuda:9.0").decisions[Keys.PP_LAYER_RANGE].value == [4, 5]
 
 
-# --- layouts SGLang reads by fields transformers' configs leave out ----------------------------------------------
+# --- MoE layers SGLang places otherwise than transformers (SGLANG_MOE_LAYERS) ---------------------------------------
 
 KIMI = {"architectures": ["KimiLinearForCausalLM"], "num_hidden_layers": 4, "num_experts": 8, "num_shared_experts": 1,
         "num_experts_per_token": 2, "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"]}
@@ -207,15 +208,35 @@ MIMO = {"architectures": ["MiMoV2FlashForCausalLM"], "num_hidden_layers": 4, "n_
 COHERE2 = {"architectures": ["Cohere2MoeForCausalLM"], "num_hidden_layers": 4, "num_experts": 8,
            "num_experts_per_tok": 2, "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"]}
 GLM47_FLASH = {"architectures": ["Glm4MoeLiteForCausalLM"], "num_hidden_layers": 4, "n_routed_experts": 64}
+QWEN3 = {"architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2}
+LLAMA4 = {"architectures": ["Llama4ForCausalLM"], "num_hidden_layers": 4, "num_local_experts": 8}
+EXAONE = {"architectures": ["ExaoneMoeForCausalLM"], "num_hidden_layers": 4, "num_experts": 8,
+          "first_k_dense_replace": 1}
+ERNIE = {"architectures": ["Ernie4_5_MoeForCausalLM"], "num_hidden_layers": 6, "moe_num_experts": 8, "moe_k": 2,
+         "moe_layer_start_index": 0}
 
 
-@pytest.mark.parametrize("cfg,field,given", [
-    (KIMI, "first_k_dense_replace", 1),        # SGLang: layers from first_k_dense_replace (0 without it)
-    (MIMO, "moe_layer_freq", [0, 1, 1, 1]),    # SGLang: its per-layer flags (no MoE layer without them)
-    (COHERE2, "first_k_dense_replace", 1),     # SGLang: layers from first_k_dense_replace (0 without it)
-    (GLM47_FLASH, "first_k_dense_replace", 1),  # SGLang cannot load it without
+@pytest.mark.parametrize("cfg,field,agreeing", [
+    # SGLang: every layer from first_k_dense_replace (0 without it); transformers: mlp_layer_types
+    (KIMI, "first_k_dense_replace", {"first_k_dense_replace": 1}),
+    (dict(KIMI, first_k_dense_replace=1, moe_layer_freq=2), "moe_layer_freq", {"moe_layer_freq": 1}),
+    (COHERE2, "first_k_dense_replace", {"first_k_dense_replace": 1}),
+    # SGLang: its per-layer flags (no MoE layer without them); transformers: mlp_layer_types
+    (MIMO, "moe_layer_freq", {"moe_layer_freq": [0, 1, 1, 1]}),
+    (dict(MIMO, moe_layer_freq=[0, 0, 1, 1]), "moe_layer_freq", {"moe_layer_freq": [0, 1, 1, 1]}),
+    (EXAONE, "is_moe_layer", {"is_moe_layer": [False, True, True, True]}),
+    # SGLang cannot load GLM-4.7-Flash without first_k_dense_replace
+    (GLM47_FLASH, "first_k_dense_replace", {"first_k_dense_replace": 1}),
+    (dict(GLM47_FLASH, first_k_dense_replace=2), "first_k_dense_replace", {"first_k_dense_replace": 1}),
+    # SGLang's Qwen MoE models make every layer MoE; transformers reads decoder_sparse_step and mlp_only_layers
+    (dict(QWEN3, decoder_sparse_step=2, mlp_only_layers=[]), "decoder_sparse_step", {"decoder_sparse_step": 1}),
+    (dict(QWEN3, decoder_sparse_step=1, mlp_only_layers=[0]), "mlp_only_layers", {"mlp_only_layers": []}),
+    # SGLang: interleave_moe_layer_step alone; transformers: moe_layers where given
+    (dict(LLAMA4, moe_layers=[0, 2]), "moe_layers", {"moe_layers": [0, 1, 2, 3]}),
+    # SGLang counts moe_layer_interval from moe_layer_start_index, transformers from layer 0
+    (dict(ERNIE, moe_layer_interval=2), "moe_layer_interval", {"moe_layer_interval": 1}),
 ])
-def test_a_config_without_the_field_sglang_places_moe_layers_by_is_refused_for_sglang_alone(cfg, field, given):
+def test_moe_layers_sglang_places_otherwise_than_the_plan_are_refused_for_sglang_alone(cfg, field, agreeing):
     from ._fixtures import resolve
     from loadplan.service.errors import InvalidArgument
 
@@ -223,8 +244,10 @@ def test_a_config_without_the_field_sglang_places_moe_layers_by_is_refused_for_s
         resolve(cfg, engine="sglang", device="cuda:9.0")
     assert e.value.field == f"config.{field}" and "SGLang places" in str(e.value)
     assert resolve(cfg).decisions[Keys.EPLB_LAYERS] is not None          # transformers' reading, for loadplan
-    res = resolve(dict(cfg, **{field: given}), engine="sglang", device="cuda:9.0", enable_eplb=True)
-    assert res.decisions[Keys.EPLB_LAYERS].value == [1, 2, 3]
+    res = resolve(dict(cfg, **agreeing), engine="sglang", device="cuda:9.0", enable_eplb=True)
+    placement = sglang.SGLANG_MOE_LAYERS[entries.ENTRY_CLASSES[cfg["architectures"][0]].family]
+    assert res.decisions[Keys.EPLB_LAYERS].value == list(placement.place(ConfigView(dict(cfg, **agreeing)),
+                                                                         cfg["num_hidden_layers"]))
 
 
 def test_a_kimi_linear_config_sglang_reads_alike_without_the_field_is_planned():
