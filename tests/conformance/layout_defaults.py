@@ -7,7 +7,7 @@ default is not the registry's to guess). Never as something else: a plan that co
 layer the engine does not build is a wrong plan, not an error.
 
 For each entry class the registry builds directly (a wrapper's inner config is its inner entry class's), the
-reference config class is looked up by the model_type its config.json says (`MODEL_TYPES`), in transformers'
+reference config class is looked up by the model_type its config.json says (`model_types()`), in transformers'
 registry (`CONFIG_MAPPING`, what AutoConfig reads with) or, in SGLang's environment, SGLang's own first (what its
 get_config reads with). Its defaults (with `FILL` for the layout fields it has no default for) are the complete
 config; each layout field of it is then left out in turn, each alias of one given instead, and (against
@@ -27,68 +27,44 @@ from typing import Any, Callable, Iterator
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# entry class -> the model_type of its config.json (for a draft: its target's, which it is read from)
-MODEL_TYPES = {
-    "DeepseekV2ForCausalLM": "deepseek_v2",
-    "DeepseekV3ForCausalLM": "deepseek_v3",
-    "DeepseekV32ForCausalLM": "deepseek_v32",
-    "GlmMoeDsaForCausalLM": "glm_moe_dsa",
+# Entry classes whose config.json's model_type transformers' causal-LM mapping does not give by their name (drafts,
+# SGLang's names, the text models of multimodal families, families an older transformers lacks): the model_type
+# their config.json says (a draft's: its target's).
+OTHER_NAMES = {
     "DeepseekV3ForCausalLMNextN": "deepseek_v3",
-    "Dots1ForCausalLM": "dots1",
-    "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
-    "Glm4MoeForCausalLM": "glm4_moe",
     "Glm4MoeForCausalLMNextN": "glm4_moe",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "MixtralForCausalLM": "mixtral",
-    "OlmoeForCausalLM": "olmoe",
-    "FlexOlmoForCausalLM": "flex_olmo",
-    "Lfm2MoeForCausalLM": "lfm2_moe",
-    "JambaForCausalLM": "jamba",
-    "DbrxForCausalLM": "dbrx",
-    "MiMoV2FlashForCausalLM": "mimo_v2_flash",
-    "GptOssForCausalLM": "gpt_oss",
-    "MiniMaxM2ForCausalLM": "minimax_m2",
-    "MiniMaxForCausalLM": "minimax",
-    "GraniteMoeForCausalLM": "granitemoe",
-    "GraniteMoeSharedForCausalLM": "granitemoeshared",
-    "GraniteMoeSWAForCausalLM": "granitemoe_swa",
-    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
-    "NemotronHForCausalLM": "nemotron_h",
-    "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe",
-    "ExaoneMoeForCausalLM": "exaone_moe",
-    "Cohere2MoeForCausalLM": "cohere2_moe",
+    "Glm4MoeLiteForCausalLMNextN": "glm4_moe_lite",
+    "Qwen3NextForCausalLMMTP": "qwen3_next",
+    "Qwen3_5ForCausalLMMTP": "qwen3_5_moe_text",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+    "Llama4ForCausalLM": "llama4_text",
+    "PhiMoEForCausalLM": "phimoe",
     "Step3p5ForCausalLM": "step3p5",
     "SarvamMLAForCausalLM": "sarvam_mla",
-    "HYV3ForCausalLM": "hy_v3",
-    "Mistral4ForCausalLM": "mistral4",
-    "AXK1ForCausalLM": "axk1",
-    "MellumForCausalLM": "mellum",
-    "FlintForCausalLM": "flint",
-    "Kolibri1ForCausalLM": "kolibri1",
-    "LagunaForCausalLM": "laguna",
     "SarvamMoEForCausalLM": "sarvam_moe",
-    "KimiLinearForCausalLM": "kimi_linear",
-    "LongcatFlashForCausalLM": "longcat_flash",
-    "SolarOpenForCausalLM": "solar_open",
-    "BailingHybridForCausalLM": "bailing_hybrid",
-    "AfmoeForCausalLM": "afmoe",
-    "PhiMoEForCausalLM": "phimoe",
-    "PhimoeForCausalLM": "phimoe",
-    "Llama4ForCausalLM": "llama4_text",
-    "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
-    "Qwen3NextForCausalLM": "qwen3_next",
-    "Qwen3NextForCausalLMMTP": "qwen3_next",
-    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
-    "Qwen3_5ForCausalLMMTP": "qwen3_5_moe_text",
-    "Glm4MoeLiteForCausalLMNextN": "glm4_moe_lite",
-    "Qwen3ForCausalLM": "qwen3",
+    "Mistral4ForCausalLM": "mistral4",
     "MiniMaxM3SparseForCausalLM": "minimax_m2",
-    "DeepseekV4ForCausalLM": "deepseek_v4",
     "Dots3NoteForCausalLM": "dots3_note",
     # SGLang's Pixtral hands it a text_config of model_type deepseek_v3 (entry_classes.py)
     "MistralLarge3ForCausalLM": "deepseek_v3",
 }
+
+
+def model_types() -> dict[str, str]:
+    """Each entry class the registry builds directly -> the model_type of its config.json: transformers' causal-LM
+    mapping read backwards, else OTHER_NAMES (absent where neither knows it)."""
+    from loadplan.entry_classes import ENTRY_CLASSES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    by_name = {}
+    for model_type, names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+        for name in names if isinstance(names, (list, tuple)) else [names]:
+            by_name.setdefault(name, model_type)
+    return {arch: OTHER_NAMES.get(arch) or by_name[arch] for arch, row in ENTRY_CLASSES.items()
+            if not row.is_wrapper and (arch in OTHER_NAMES or arch in by_name)}
+
+
+MODEL_TYPES = model_types()
 
 # Layout fields some config classes have no default for (None), or do not write (SGLang's LongcatFlashConfig keeps
 # num_layers as its num_hidden_layers): a value to complete the config with.
