@@ -749,3 +749,29 @@ def check_layout(family: str, cfg, layout: MoeLayout) -> None:
         raise InvalidArgument(cfg.field(field), f"SGLang places {family}'s MoE layers at {list(moe)[:8]}, this "
                                                 f"config's fields as transformers reads them at "
                                                 f"{list(layout.moe_layers)[:8]}")
+
+# Where SGLang counts a family's experts otherwise than transformers: the routed experts and top-k SGLang builds
+# (None: as the layout says), and the fields it reads them by, named in the refusal.
+SGLANG_EXPERT_COUNTS: dict[str, tuple[tuple[str, str], Callable[[Any], tuple[int | None, int | None]]]] = {
+    # configs/step3p5.py: Step3p5Config reads moe_num_experts and moe_top_k alone (transformers' names: n_routed_experts,
+    # num_experts_per_tok)
+    "step3p5": (("moe_num_experts", "moe_top_k"),
+                lambda cfg: (cfg.int("moe_num_experts", 288, minimum=1), cfg.int("moe_top_k", 8, minimum=1))),
+    # models/phimoe.py: its router asserts top-2 at the first forward
+    "phimoe": (("num_local_experts", "num_experts_per_tok"), lambda cfg: (None, 2)),
+}
+
+
+def check_expert_counts(family: str, cfg, layout: MoeLayout) -> None:
+    """Refuses a config SGLang would build other routed-expert counts or top-k for than `layout`, its plan
+    (`SGLANG_EXPERT_COUNTS`)."""
+    if family not in SGLANG_EXPERT_COUNTS:
+        return
+    (experts_field, top_k_field), counts = SGLANG_EXPERT_COUNTS[family]
+    n_routed, top_k = counts(cfg)
+    if n_routed is not None and n_routed != layout.n_routed:
+        raise InvalidArgument(cfg.field(experts_field), f"SGLang builds {n_routed} routed experts by it, this "
+                                                        f"config's fields as transformers reads them {layout.n_routed}")
+    if top_k is not None and top_k != layout.top_k:
+        raise InvalidArgument(cfg.field(top_k_field), f"SGLang routes each token to {top_k} experts by it, this "
+                                                      f"config's fields as transformers reads them to {layout.top_k}")

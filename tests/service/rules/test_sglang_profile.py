@@ -269,3 +269,26 @@ def test_a_nextn_draft_of_more_than_one_mtp_layer_is_refused_for_sglang(arch):
         resolve(cfg, engine="sglang", device="cuda:9.0")
     assert e.value.field == "config.num_nextn_predict_layers"
     assert resolve(cfg).decisions[Keys.PP_LAYER_RANGE].value == [4, 6]    # loadplan's engine builds both
+
+
+@pytest.mark.parametrize("cfg,field", [
+    # Step3p5Config reads moe_num_experts / moe_top_k alone (defaults 288 / 8), transformers its own names
+    ({"architectures": ["Step3p5ForCausalLM"], "num_hidden_layers": 4, "moe_layers_enum": "1,2,3",
+      "n_routed_experts": 64, "num_experts_per_tok": 8}, "moe_num_experts"),
+    ({"architectures": ["Step3p5ForCausalLM"], "num_hidden_layers": 4, "moe_layers_enum": "1,2,3",
+      "n_routed_experts": 288, "num_experts_per_tok": 4}, "moe_top_k"),
+    # SGLang's PhiMoE router asserts top-2
+    ({"architectures": ["PhiMoEForCausalLM"], "num_hidden_layers": 4, "num_local_experts": 16,
+      "num_experts_per_tok": 4}, "num_experts_per_tok"),
+])
+def test_expert_counts_sglang_builds_otherwise_than_the_plan_are_refused_for_sglang_alone(cfg, field):
+    from ._fixtures import resolve
+    from loadplan.service.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument) as e:
+        resolve(cfg, engine="sglang", device="cuda:9.0")
+    assert e.value.field == f"config.{field}" and "SGLang" in str(e.value)
+    resolve(cfg)                                                   # transformers' reading, for loadplan
+    agreeing = {"moe_num_experts": cfg.get("n_routed_experts"), "moe_top_k": cfg["num_experts_per_tok"]} \
+        if field.startswith("moe_") else {"num_experts_per_tok": 2}
+    resolve(dict(cfg, **agreeing), engine="sglang", device="cuda:9.0")
