@@ -810,9 +810,14 @@ def llama4_layout(cfg: ConfigView) -> MoeLayout:
         if moe and not 0 <= moe[0] <= moe[-1] < n_layers:
             raise InvalidArgument(cfg.field("moe_layers"), f"layer ids must be in [0, num_hidden_layers={n_layers})")
     else:
-        step = cfg.int("interleave_moe_layer_step", 1, minimum=1)
-        moe = tuple(range(step - 1, n_layers, step))
+        moe = interleaved_moe_layers(cfg, n_layers)
     return MoeLayout(tuple(range(n_layers)), moe, n_routed, 1, top_k)
+
+
+def interleaved_moe_layers(cfg: ConfigView, n_layers: int) -> tuple[int, ...]:
+    """Llama 4's every interleave_moe_layer_step-th layer."""
+    step = cfg.int("interleave_moe_layer_step", 1, minimum=1)
+    return tuple(range(step - 1, n_layers, step))
 
 
 def ernie4_5_moe_layout(cfg: ConfigView) -> MoeLayout:
@@ -824,14 +829,18 @@ def ernie4_5_moe_layout(cfg: ConfigView) -> MoeLayout:
     k_field = _named(cfg, "moe_k", "num_experts_per_tok")
     top_k = cfg.int(k_field, 6, minimum=1)
     _check_top_k(cfg, top_k, n_routed, k_field)
+    start, end, interval = ernie_moe_span(cfg, n_layers)
+    moe = tuple(i for i in range(n_layers) if (i + 1) % interval == 0 and start <= i <= end)
+    return MoeLayout(tuple(range(n_layers)), moe, n_routed, n_shared, top_k)
+
+
+def ernie_moe_span(cfg: ConfigView, n_layers: int) -> tuple[int, int, int]:
+    """ERNIE-4.5's first and last MoE-capable layers and its moe_layer_interval, with transformers' defaults."""
     start = cfg.int("moe_layer_start_index", 1, minimum=0)
     if "moe_layer_end_index" in cfg.data and cfg.raw("moe_layer_end_index") is None:
         raise InvalidArgument(cfg.field("moe_layer_end_index"), "null; say -1 (the last layer) or a layer number")
     end = cfg.int("moe_layer_end_index", -1, minimum=-1)
-    end = n_layers - 1 if end == -1 else end
-    interval = cfg.int("moe_layer_interval", 1, minimum=1)
-    moe = tuple(i for i in range(n_layers) if (i + 1) % interval == 0 and start <= i <= end)
-    return MoeLayout(tuple(range(n_layers)), moe, n_routed, n_shared, top_k)
+    return start, n_layers - 1 if end == -1 else end, cfg.int("moe_layer_interval", 1, minimum=1)
 
 
 def _check_top_k(cfg: ConfigView, top_k: int, n_routed: int, field: str = "num_experts_per_tok") -> None:

@@ -26,7 +26,7 @@ from typing import Any, Callable
 from ..errors import FailedPrecondition, InvalidArgument, NotFound
 from .backends import Forward
 from .devices import Device
-from .layouts import MoeLayout, layer_flags, layer_numbers
+from .layouts import MoeLayout, ernie_moe_span, interleaved_moe_layers, layer_flags, layer_numbers
 from .quantization import Quantization
 
 NAME = "sglang"
@@ -684,17 +684,8 @@ def _every_layer(cfg, n_layers: int) -> tuple[int, ...]:
 
 def _ernie(cfg, n_layers: int) -> tuple[int, ...]:
     """moe_layer_interval counted from moe_layer_start_index (transformers counts it from layer 0)."""
-    start = cfg.int("moe_layer_start_index", 1, minimum=0)
-    end = cfg.int("moe_layer_end_index", -1, minimum=-1)
-    end = n_layers - 1 if end == -1 else end
-    interval = cfg.int("moe_layer_interval", 1, minimum=1)
+    start, end, interval = ernie_moe_span(cfg, n_layers)
     return tuple(i for i in range(n_layers) if start <= i <= end and (i - start) % interval == 0)
-
-
-def _llama4(cfg, n_layers: int) -> tuple[int, ...]:
-    """By interleave_moe_layer_step alone (transformers reads moe_layers where a config gives it)."""
-    step = cfg.int("interleave_moe_layer_step", 1, minimum=1)
-    return tuple(range(step - 1, n_layers, step))
 
 
 @dataclass(frozen=True)
@@ -728,7 +719,8 @@ SGLANG_MOE_LAYERS: dict[str, Placement] = {
     "mimo_v2_flash": Placement("moe_layer_freq", ("moe_layer_freq",), _flags("moe_layer_freq")),   # mimo_v2.py
     "exaone_moe": Placement("is_moe_layer", ("is_moe_layer",), _flags("is_moe_layer")),           # exaone_moe.py
     "ernie4_5_moe": Placement(None, ("moe_layer_interval",), _ernie),                              # ernie4.py
-    "llama4": Placement(None, ("moe_layers",), _llama4),                                           # llama4.py
+    # llama4.py: by interleave_moe_layer_step alone (transformers reads moe_layers where a config gives it)
+    "llama4": Placement(None, ("moe_layers",), interleaved_moe_layers),
     "step3p5": Placement("moe_layers_enum", ("moe_layers_enum", "mlp_layer_types"), _step3p5),
 }
 
