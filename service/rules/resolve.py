@@ -292,7 +292,6 @@ def _deployment_part(req: ResolveRequest) -> _Part:
     layout = resolved.family.layout(resolved.cfg)
     if req.runtime.engine == sglang.NAME:
         sglang.check_layout(resolved.family.name, resolved.cfg, layout)
-        sglang.check_expert_counts(resolved.family.name, resolved.cfg, layout)
     device = parse_device(req.runtime.device)
     p, rt = req.parallel, req.runtime
     if rt.engine == sglang.NAME:

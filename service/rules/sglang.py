@@ -654,19 +654,17 @@ def check_draft(family: str, cfg) -> None:
     refuses the checkpoint's others at load."""
     from . import hazards
 
-    if family.endswith("_nextn") and cfg.raw("num_nextn_predict_layers") == 0:
-        raise hazards.refuse("sglang.nextn_without_mtp_layer",
-                             f"{cfg.field('num_nextn_predict_layers')} is 0")
+    if not family.endswith("_nextn"):
+        return
     count = cfg.raw("num_nextn_predict_layers")
-    if family.endswith("_nextn") and isinstance(count, int) and count > 1:
+    if count == 0:
+        raise hazards.refuse("sglang.nextn_without_mtp_layer", f"{cfg.field('num_nextn_predict_layers')} is 0")
+    if isinstance(count, int) and count > 1:
         # deepseek_weight_loader.py / glm4_moe*.py: "Only 1 nextn layer is supported"
         raise InvalidArgument(cfg.field("num_nextn_predict_layers"), f"{count}: SGLang builds and loads one MTP "
                                                                      f"layer")
 
 
-# Where SGLang places a family's MoE layers otherwise than transformers, whose reading is the layout's: SGLang's
-# placement (None: SGLang cannot load the config), and the fields it places them by, the first of them the config
-# gives named in the refusal. models/<module>.py of SGLang 0.5.23, as noted.
 def _from_first_k(cfg, n_layers: int) -> tuple[int, ...]:
     """Every layer from first_k_dense_replace (getattr's default: 0) on, as moe_layer_freq (1) keeps them."""
     first, freq = cfg.int("first_k_dense_replace", 0, minimum=0), cfg.int("moe_layer_freq", 1, minimum=1)
@@ -705,6 +703,8 @@ def _step3p5(cfg, n_layers: int) -> tuple[int, ...] | None:
                                                                & set(range(n_layers))))
 
 
+# Where SGLang places a family's MoE layers otherwise than transformers, whose reading is the layout's
+# (models/<module>.py of SGLang 0.5.23, as noted).
 _QWEN = Placement(None, ("decoder_sparse_step", "mlp_only_layers"), _every_layer)   # qwen2_moe.py, qwen3_*.py
 _FIRST_K = Placement("first_k_dense_replace", ("first_k_dense_replace", "mlp_layer_types"), _from_first_k)
 SGLANG_MOE_LAYERS: dict[str, Placement] = {
@@ -726,7 +726,13 @@ SGLANG_MOE_LAYERS: dict[str, Placement] = {
 
 
 def check_layout(family: str, cfg, layout: MoeLayout) -> None:
-    """Refuses a config SGLang would build other MoE layers for than `layout`, its plan (`SGLANG_MOE_LAYERS`)."""
+    """Refuses a config SGLang would build otherwise than `layout`, its plan: other MoE layers
+    (`SGLANG_MOE_LAYERS`), other routed-expert counts or top-k (`SGLANG_EXPERT_COUNTS`)."""
+    _check_placement(family, cfg, layout)
+    _check_expert_counts(family, cfg, layout)
+
+
+def _check_placement(family: str, cfg, layout: MoeLayout) -> None:
     placement = SGLANG_MOE_LAYERS.get(family)
     if placement is None:
         return
@@ -742,6 +748,7 @@ def check_layout(family: str, cfg, layout: MoeLayout) -> None:
                                                 f"config's fields as transformers reads them at "
                                                 f"{list(layout.moe_layers)[:8]}")
 
+
 # Where SGLang counts a family's experts otherwise than transformers: the routed experts and top-k SGLang builds
 # (None: as the layout says), and the fields it reads them by, named in the refusal.
 SGLANG_EXPERT_COUNTS: dict[str, tuple[tuple[str, str], Callable[[Any], tuple[int | None, int | None]]]] = {
@@ -754,9 +761,7 @@ SGLANG_EXPERT_COUNTS: dict[str, tuple[tuple[str, str], Callable[[Any], tuple[int
 }
 
 
-def check_expert_counts(family: str, cfg, layout: MoeLayout) -> None:
-    """Refuses a config SGLang would build other routed-expert counts or top-k for than `layout`, its plan
-    (`SGLANG_EXPERT_COUNTS`)."""
+def _check_expert_counts(family: str, cfg, layout: MoeLayout) -> None:
     if family not in SGLANG_EXPERT_COUNTS:
         return
     (experts_field, top_k_field), counts = SGLANG_EXPERT_COUNTS[family]
