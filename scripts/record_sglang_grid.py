@@ -25,6 +25,9 @@ Grid (and how it is pruned):
   Dots3, DeepSeek-V4, DeepSeek-OCR, MiniCPM-V 4.6, MiniMax-M3, and Pixtral over a deepseek_v3 text_config, once
   naming DeepseekV3ForCausalLM and once MistralLarge3ForCausalLM as SGLang's Mistral-format parser writes it)
   × backends none and deepep × tp/ep 8/1 and 2/4 × enforce or not, cuda:9.0.
+- qwen_block: the classes whose Qwen2-MoE block decides its own fusion while it is built (Qwen3-Next, once with
+  n_shared_experts 0; Qwen3.5-MoE; MiniCPM-V 4.6) × the backends its fusion or its forward reads × 4 devices ×
+  tp/ep 8/1 and 2/4 × none, disable or enforce.
 
 `--only GRID` records one sub-grid and replaces that sub-grid's points in the existing
 recording (the other points and their answers are kept as recorded, with their date).
@@ -66,6 +69,9 @@ DRAFTS = [("deepseek-v3", "deepseek-v3"), ("kimi-k2", "kimi-k2"), ("glm-4.5", "g
 # Minimal configs (tests/conformance/configs) of rules-only entry classes SGLang 0.5.23 gates.
 CONFIGS_ENTRIES = ["tiny-dots3", "tiny-deepseek-v4", "tiny-deepseek-ocr", "tiny-minicpmv4_6", "tiny-minimax-m3",
                    "tiny-pixtral", "tiny-pixtral-ml3"]
+# Minimal configs of the classes whose Qwen2-MoE block decides its own fusion, and the backends it reads.
+CONFIGS_QWEN_BLOCK = ["tiny-qwen3-next", "tiny-qwen3-next-unshared", "tiny-qwen3_5-moe", "tiny-minicpmv4_6"]
+A2A_QWEN_BLOCK = ["none", "deepep", "deepep_v2", "mori", "mooncake", "megamoe", "nixl", "flashinfer"]
 
 
 def grid() -> list[dict]:
@@ -92,6 +98,10 @@ def grid() -> list[dict]:
     for cfg, backend, (tp, ep), flags in itertools.product(CONFIGS_ENTRIES, ["none", "deepep"], [(8, 1), (2, 4)],
                                                           [{}, {"enforce_fusion": True}]):
         add("entries", config=cfg, a2a_backend=backend, device="cuda:9.0", tp=tp, ep=ep, dp=1, **flags)
+    for cfg, backend, device, (tp, ep), flags in itertools.product(
+            CONFIGS_QWEN_BLOCK, A2A_QWEN_BLOCK, DEVICES, [(8, 1), (2, 4)],
+            [{}, {"disable_fusion": True}, {"enforce_fusion": True}]):
+        add("qwen_block", config=cfg, a2a_backend=backend, device=device, tp=tp, ep=ep, dp=1, **flags)
     return points
 
 
@@ -173,7 +183,8 @@ def main(argv=None) -> int:
             "a2a_backends": A2A_BACKENDS, "devices": DEVICES, "shapes_tp_ep_dp": SHAPES,
             "flags_shared": FLAGS_SHARED, "flags_unshared": FLAGS_UNSHARED,
             "runners": RUNNERS, "pp_sizes": PP_SIZES, "drafts": DRAFTS, "limit": args.limit,
-            "configs_entries": CONFIGS_ENTRIES,
+            "configs_entries": CONFIGS_ENTRIES, "configs_qwen_block": CONFIGS_QWEN_BLOCK,
+            "a2a_qwen_block": A2A_QWEN_BLOCK,
         },
         "environment": "the oracle's DISPATCH_BUDGETS (per-rank dispatch-token budgets of "
                        "MoRI, pplx and DeepEP v2, set as an operator sets them)",

@@ -223,7 +223,7 @@ def resolve_shared_experts_config(model_class, hf_config, quant_config):
         raise LoadPlanRefused(refusal)
     fused = bool(plan.value(Keys.SHARED_EXPERTS_FUSION))
     num_decision = plan.decisions.get(Keys.NUM_FUSED_SHARED_EXPERTS)
-    num = int(num_decision.value) if fused and num_decision is not None else 0
+    num = int(num_decision.value) if fused and num_decision is not None and _loader_fuses(model_class) else 0
     # `use_waterfill` is SGLang's own kernel preference for fused slots; the registry
     # decides whether there are fused slots.
     return SharedExpertsConfig(fusion_disabled=not fused, num_fused_shared_experts=num,
@@ -231,6 +231,14 @@ def resolve_shared_experts_config(model_class, hf_config, quant_config):
 
 
 resolve_shared_experts_config.__loadplan__ = True
+
+
+def _loader_fuses(model_class) -> bool:
+    """Whether SGLang's loader hands `model_class` fused slots: only a class with both hooks ("fusion requires both
+    hooks"). A class without them, Qwen3-Next's, fuses inside its MoE block as it is built: its plan says so, and the
+    loader's answer stays SGLang's own, no slots."""
+    return all(getattr(model_class, hook, None) is not None
+               for hook in ("shared_experts_fusion_disable_reason", "num_fusable_shared_experts"))
 
 
 # SGLang's override of its pipeline stages (`get_pp_indices`: one layer count per stage,

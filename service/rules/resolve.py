@@ -450,7 +450,8 @@ def _sglang_part(req: ResolveRequest, resolved: Resolved, layout: MoeLayout, dev
                         quantization=resolved.quantization, qconfig=_embedded_qconfig(req), device=device,
                         a2a=rt.a2a_backend, runner=rt.moe_runner_backend, tp=p.tp_size, ep=p.ep_size, dp=p.dp_size,
                         sbo=rt.enable_sbo, tbo=rt.enable_tbo, disable_fusion=rt.disable_shared_experts_fusion,
-                        enforce_fusion=rt.enforce_shared_experts_fusion, draft=draft, config=req.config)
+                        enforce_fusion=rt.enforce_shared_experts_fusion, draft=draft, config=req.config,
+                        cfg=resolved.cfg)
     d = _profile_head(req, resolved)
 
     def put(key: str, value: Any, reason: str, rule: str, deployment_wide: bool = True) -> None:

@@ -98,6 +98,10 @@ class Inputs:
     server_quantization: str | None   # --quantization as server-args resolution leaves it (SGLang's spelling)
     # False where a wrapper's hooks do not speak for its nested config (NESTED_GATES): gate None, 0 fusable
     nested_gate_speaks: bool = True
+    # A block that decides its own fusion (BLOCK_FUSION): its shared experts as it counts them, and whether one is as
+    # wide as a routed expert
+    block_shared: int = 0
+    block_widths_fit: bool = False
 
 
 @dataclass(frozen=True)
@@ -119,8 +123,10 @@ SM100_TRTLLM_QUANTS = {
     "glm4_moe": frozenset({None, "modelopt_fp4"}),          # model_overrides/glm4_moe.py
     "qwen3_moe": frozenset({None, "fp8", "modelopt_fp4", "modelopt_mixed"}),   # model_overrides/qwen3_moe.py
 }
-SM100_TRTLLM_FAMILY = {**{a: "deepseek" for a in DEEPSEEK_FAMILY_ARCHS},
-                       "Glm4MoeForCausalLM": "glm4_moe", "Qwen3MoeForCausalLM": "qwen3_moe"}
+SM100_TRTLLM_FAMILY = {**{a: "deepseek" for a in DEEPSEEK_FAMILY_ARCHS}, "Glm4MoeForCausalLM": "glm4_moe",
+                       # model_overrides/qwen3_moe.py: _qwen3_moe_family_overrides registers these architectures
+                       **dict.fromkeys(("Qwen3MoeForCausalLM", "Qwen3VLMoeForConditionalGeneration",
+                                        "Qwen3NextForCausalLM", "Qwen3_5MoeForConditionalGeneration"), "qwen3_moe")}
 
 
 def is_sm100(device: Device) -> bool:
@@ -409,15 +415,6 @@ GATES: dict[str, GateRow] = {
     "DeepseekOCRForCausalLM": GateRow(deepseek_gate, "DeepseekV3ForCausalLM"),
 }
 
-# Classes with a shared_experts_fusion_disable_reason but no num_fusable_shared_experts: resolve_shared_experts_config
-# ("fusion requires both hooks") fuses none, whatever the gate says.
-GATE_WITHOUT_COUNT = {
-    # minicpmv.py: MiniCPMV (and its 4.6 / 4.7 subclasses) asks Qwen3_5ForCausalLM's gate with text_config, which
-    # speaks only on ROCm (qwen3_5.py: _qwen3_5_shared_experts_fusion_disable_reason); neither defines a count
-    "MiniCPMV4_6ForConditionalGeneration": "Qwen3_5ForCausalLM",
-    "MiniCPMV4_7ForConditionalGeneration": "Qwen3_5ForCausalLM",
-}
-
 
 def _nested(config: Any, *path: str) -> Any:
     for key in path:
@@ -460,14 +457,73 @@ def nested_gate_speaks(entry_class: str, config: Any) -> bool:
 WRAPPER_ARCHITECTURE = {"KimiVLForConditionalGeneration": "DeepseekV2ForCausalLM"}
 
 
+@dataclass(frozen=True)
+class BlockFusion:
+    """A class whose MoE block decides its own fusion while it is built, whatever resolve_shared_experts_config
+    said: the Qwen2-MoE block (models/qwen2_moe.py: Qwen2MoeSparseMoeBlock.__init__), with the flags its builder
+    passes. Under SGLang's default environment: the block's other way to fuse, ROCm's aiter, needs SGLANG_USE_AITER,
+    which is not a plan input."""
+
+    builder: str                  # the module whose decoder layers build the block
+    on_cuda: bool                 # enable_cuda_shared_expert_fusion
+    refuses_more_than_one: bool   # the model refuses more than one fused shared expert at build
+
+
+_QWEN3_NEXT_BLOCK = BlockFusion("qwen3_next.py", True, True)
+_QWEN3_5_BLOCK = BlockFusion("qwen3_5.py", False, False)
+BLOCK_FUSION = {
+    "Qwen3NextForCausalLM": _QWEN3_NEXT_BLOCK, "Qwen3NextForCausalLMMTP": _QWEN3_NEXT_BLOCK,
+    "Qwen3_5MoeForCausalLM": _QWEN3_5_BLOCK, "Qwen3_5MoeForConditionalGeneration": _QWEN3_5_BLOCK,
+    # minicpmv.py builds qwen3_5.py's Qwen3_5MoeForCausalLM for a MoE text config (its hooks ask Qwen3_5ForCausalLM's
+    # gate but define no num_fusable_shared_experts: the loader fuses none, the block still decides)
+    "MiniCPMV4_6ForConditionalGeneration": _QWEN3_5_BLOCK, "MiniCPMV4_7ForConditionalGeneration": _QWEN3_5_BLOCK,
+}
+
+
+def block_shared(cfg: Any) -> tuple[int, bool]:
+    """The Qwen2-MoE block's shared experts as SGLang counts them (models/qwen2_moe.py: get_num_shared_experts:
+    n_shared_experts where the config says it, else one for a shared_expert_intermediate_size above 0) and whether
+    they fit a routed slot (can_fuse_shared_expert: the two widths equal). `cfg`: the family's ConfigView."""
+    width = cfg.int("shared_expert_intermediate_size")
+    count = cfg.int("n_shared_experts", minimum=0) if cfg.raw("n_shared_experts") is not None else int(width > 0)
+    return count, 0 < width == cfg.int("moe_intermediate_size")
+
+
+def block_fusion(i: Inputs, row: BlockFusion) -> tuple[bool, str, str]:
+    """Qwen2MoeSparseMoeBlock.__init__'s fusion, built by `row.builder`: supported on CUDA where the builder enables
+    it, then num_shared_experts > 0 and can_fuse_shared_expert, then off on a per-rank fused-slot backend under EP."""
+    where = f"SGLang's Qwen2-MoE block as {row.builder} builds it"
+    if not (row.on_cuda and i.device.kind == "cuda"):
+        return False, "sglang.block.qwen2_moe.device", (
+            f"{where} fuses only on " + ("CUDA" if row.on_cuda else "ROCm with aiter (SGLANG_USE_AITER)")
+            + f", not on {i.device}")
+    if i.block_shared == 0:
+        return False, "sglang.block.qwen2_moe.no_shared_experts", f"{where}: no shared experts (num_shared_experts 0)"
+    if not i.block_widths_fit:
+        return False, "sglang.block.qwen2_moe.intermediate_size", (
+            f"{where}: shared_expert_intermediate_size is not moe_intermediate_size (can_fuse_shared_expert)")
+    if i.a2a in ("deepep", "deepep_v2", "mori"):
+        return False, "sglang.block.qwen2_moe.a2a", f"{where}: no fusion with --moe-a2a-backend {i.a2a}"
+    if i.quant_blocks_fusion:
+        return False, "sglang.block.qwen2_moe.quantization", (
+            f"{where}: the quantization keeps the shared expert out of the routed path (can_fuse_shared_expert)")
+    if i.a2a in PER_RANK_FUSED_SLOTS and i.shape.ep > 1:
+        return False, "sglang.block.qwen2_moe.per_rank_slots", (
+            f"{where}: its single global shared slot does not fit {i.a2a}'s per-rank shared slots at "
+            f"moe_ep_size={i.shape.ep}")
+    if i.block_shared > 1 and row.refuses_more_than_one:
+        raise FailedPrecondition(f"config.n_shared_experts: SGLang {VERSION} refuses to start: {row.builder} fuses "
+                                 f"exactly one shared expert, got n_shared_experts={i.block_shared}")
+    return True, "sglang.block.qwen2_moe.fused", f"{where}: {i.block_shared} shared expert(s) fused as routed slot " \
+                                                 f"{i.layout.n_routed}"
+
+
 def fusion(i: Inputs) -> tuple[bool, str, str]:
-    """(fused, rule, reason) as resolve_shared_experts_config answers."""
+    """(fused, rule, reason) as resolve_shared_experts_config answers (or the block that decides itself)."""
     if i.disable_fusion:
         return False, "sglang.disable_shared_experts_fusion", "--disable-shared-experts-fusion (the gate is not asked)"
-    if i.entry_class in GATE_WITHOUT_COUNT:
-        return False, "sglang.no_fusable_count", (
-            f"SGLang's {i.entry_class} asks {GATE_WITHOUT_COUNT[i.entry_class]}'s gate but defines no "
-            f"num_fusable_shared_experts: its shared experts are never fused")
+    if i.entry_class in BLOCK_FUSION:
+        return block_fusion(i, BLOCK_FUSION[i.entry_class])
     if not i.nested_gate_speaks:
         return False, "sglang.nested_gate_silent", (
             f"SGLang's {i.entry_class} fuses only when {NESTED_GATES[i.entry_class].when}: otherwise its gate "
@@ -520,6 +576,8 @@ BLOCKS = {
     "DeepseekV4ForCausalLM": "deepseek", "MistralLarge3ForCausalLM": "deepseek",
     "PixtralForConditionalGeneration": "deepseek", "DeepseekOCRForCausalLM": "deepseek",
     "MiniMaxM3SparseForCausalLM": "minimax_m3", "Dots3NoteForCausalLM": "dots3",
+    # qwen3_next.py, qwen3_5.py (and minicpmv.py's Qwen3.5 text model) build the Qwen2-MoE block
+    **dict.fromkeys(BLOCK_FUSION, "qwen2_moe"),
 }
 # layers/moe/fused_moe_triton/layer.py: create_moe_dispatcher: the backends whose experts layer dispatches and
 # combines itself (MaybeTboDeepEPDispatcher, DeepEPv2Dispatcher, FlashinferDispatcher); none, megamoe,
@@ -615,8 +673,10 @@ class Decided:
 
 def decide(*, entry_class: str, architecture: str, layout: MoeLayout, quantization: Quantization,
            qconfig: dict | None, device: Device, a2a: str, runner: str, tp: int, ep: int, dp: int, sbo: bool,
-           tbo: bool, disable_fusion: bool, enforce_fusion: bool, draft: bool, config: Any = None) -> Decided:
-    """SGLang's decisions for one deployment, or FAILED_PRECONDITION (a start-up refusal, or a hazard)."""
+           tbo: bool, disable_fusion: bool, enforce_fusion: bool, draft: bool, config: Any = None,
+           cfg: Any = None) -> Decided:
+    """SGLang's decisions for one deployment, or FAILED_PRECONDITION (a start-up refusal, or a hazard). `config`: the
+    checkpoint's config.json; `cfg`: the ConfigView of the config the family reads (for a block that fuses itself)."""
     from . import hazards
 
     check_backend(a2a)
@@ -629,8 +689,9 @@ def decide(*, entry_class: str, architecture: str, layout: MoeLayout, quantizati
     server_q = None
     if is_sm100(device) and entry_class in SM100_TRTLLM_FAMILY and quantization.name:
         server_q = quantization.name.replace("compressed_tensors", "compressed-tensors")
+    shared, fit = block_shared(cfg) if entry_class in BLOCK_FUSION else (0, False)
     i = Inputs(entry_class, architecture, layout, quantization, device, a2a, runner, shape, sbo, tbo, disable,
-               enforce_fusion, draft, blocks, w4a16, server_q, nested_gate_speaks(entry_class, config))
+               enforce_fusion, draft, blocks, w4a16, server_q, nested_gate_speaks(entry_class, config), shared, fit)
     refuse(i)
     fused = fusion(i)
     fwd = forward(i)

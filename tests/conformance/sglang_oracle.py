@@ -91,7 +91,26 @@ FAMILY_BLOCKS = {
     "MiniMaxM3SparseForCausalLM": ("sglang.srt.models.minimax_m3", "MiniMaxM3MoE"),
     "MistralLarge3ForCausalLM": ("sglang.srt.models.deepseek_v2", "DeepseekV2MoE"),
     "PixtralForConditionalGeneration": ("sglang.srt.models.deepseek_v2", "DeepseekV2MoE"),
+    # qwen3_next.py (and its MTP subclass), qwen3_5.py (and the MiniCPM-V 4.6 / 4.7 text models it builds) build the
+    # Qwen2-MoE block on their MoE layers
+    **{name: ("sglang.srt.models.qwen2_moe", "Qwen2MoeSparseMoeBlock")
+       for name in ("Qwen3NextForCausalLM", "Qwen3NextForCausalLMMTP", "Qwen3_5MoeForCausalLM",
+                    "Qwen3_5MoeForConditionalGeneration", "MiniCPMV4_6ForConditionalGeneration",
+                    "MiniCPMV4_7ForConditionalGeneration")},
 }
+
+# Entry classes whose MoE block decides its own shared-expert fusion while it is built, outside
+# resolve_shared_experts_config: the Qwen2-MoE block, with the fusion flags the named module's decoder
+# layers pass it (its `Qwen2MoeSparseMoeBlock(...)` calls). See `block_fusion`.
+BLOCK_FUSION = {
+    "Qwen3NextForCausalLM": "sglang.srt.models.qwen3_next",
+    "Qwen3NextForCausalLMMTP": "sglang.srt.models.qwen3_next",
+    "Qwen3_5MoeForCausalLM": "sglang.srt.models.qwen3_5",
+    "Qwen3_5MoeForConditionalGeneration": "sglang.srt.models.qwen3_5",
+    "MiniCPMV4_6ForConditionalGeneration": "sglang.srt.models.qwen3_5",
+    "MiniCPMV4_7ForConditionalGeneration": "sglang.srt.models.qwen3_5",
+}
+BLOCK_FUSION_FLAGS = ("support_shared_expert_fusion", "enable_cuda_shared_expert_fusion")
 
 # Decoder-layer classes whose `_is_layer_sparse(config, layer_id, is_nextn=...)` says
 # which layers hold routed experts (the EPLB layers).
@@ -214,6 +233,59 @@ def forward_branch(entry_class, hf_config, quant_config) -> dict:
     return {"block": f"{where[1]}", "branch": branch, "branch_attrs": attrs}
 
 
+def _block_fusion_flags(builder) -> dict:
+    """The fusion keywords (source expressions) of the `Qwen2MoeSparseMoeBlock(...)` calls in `builder`'s source:
+    one set, whichever decoder layer builds the block."""
+    found = set()
+    for node in ast.walk(ast.parse(inspect.getsource(builder))):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Qwen2MoeSparseMoeBlock":
+            found.add(tuple(sorted((k.arg, ast.unparse(k.value)) for k in node.keywords
+                                   if k.arg in BLOCK_FUSION_FLAGS)))
+    if len(found) != 1:
+        raise RuntimeError(f"{builder.__name__} builds Qwen2MoeSparseMoeBlock with {len(found)} sets of fusion flags")
+    return dict(found.pop())
+
+
+def _statements(fn, first: str, last: str) -> list:
+    """The top-level statements of `fn`'s body from the one whose source holds `first` to the one holding `last`."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0].body
+    texts = [ast.unparse(stmt) for stmt in body]
+    start = next(i for i, t in enumerate(texts) if first in t)
+    end = next(i for i, t in enumerate(texts) if i >= start and last in t)
+    return body[start:end + 1]
+
+
+def block_fusion(model_class, hf_config, quant_config) -> int | None:
+    """`num_fused_shared_experts` as the Qwen2-MoE block's own __init__ sets it (None: a class whose block does not
+    decide it). The flags are the builder's call expressions, evaluated in its module; the decision is the block's
+    statements from `self.num_shared_experts` to `self.num_fused_shared_experts`, run on a stand-in `self`; then the
+    entry class's own refusal of the count (qwen3_next.py: more than one fused shared expert), where it has one."""
+    import types
+
+    where = BLOCK_FUSION.get(model_class.__name__)
+    if where is None:
+        return None
+    builder = importlib.import_module(where)
+    block_module = importlib.import_module(FAMILY_BLOCKS[model_class.__name__][0])
+    flags = {name: eval(expr, vars(builder)) for name, expr in _block_fusion_flags(builder).items()}
+    block = getattr(block_module, FAMILY_BLOCKS[model_class.__name__][1])
+    stand_in = types.SimpleNamespace()
+    local = {"self": stand_in, "config": getattr(hf_config, "text_config", None) or hf_config,
+             "quant_config": quant_config, **dict.fromkeys(BLOCK_FUSION_FLAGS, False), **flags}
+    code = ast.Module(body=_statements(block.__init__, "self.num_shared_experts =", "self.num_fused_shared_experts = "
+                                       "self.num_shared_experts"), type_ignores=[])
+    exec(compile(code, f"<{block.__name__}.__init__>", "exec"), vars(block_module), local)
+    for cls in model_class.__mro__:
+        init = vars(cls).get("__init__")
+        if inspect.isfunction(init) and "self.num_fused_shared_experts > 1" in inspect.getsource(init):
+            check = ast.Module(body=_statements(cls.__init__, "self.num_fused_shared_experts > 1",
+                                                "self.num_fused_shared_experts > 1"), type_ignores=[])
+            exec(compile(check, f"<{cls.__name__}.__init__>", "exec"), vars(importlib.import_module(cls.__module__)),
+                 {"self": stand_in})
+            break
+    return int(stand_in.num_fused_shared_experts)
+
+
 def experts_dispatcher() -> str:
     """The dispatcher SGLang's experts layer builds for the published a2a backend."""
     layer = importlib.import_module("sglang.srt.layers.moe.fused_moe_triton.layer")
@@ -291,7 +363,7 @@ def answer(point: dict) -> dict:
     from sglang.srt.layers.moe import utils as moe_utils
     from sglang.srt.model_loader.loader import _get_quantization_config
     from sglang.srt.model_loader.utils import get_model_architecture
-    from sglang.srt.runtime_context import (SpawnRanks, get_exec, get_parallel, publish,
+    from sglang.srt.runtime_context import (SpawnRanks, get_exec, get_model, get_parallel, publish,
                                             reset_context)
 
     draft = bool(point.get("draft_config"))
@@ -335,6 +407,9 @@ def answer(point: dict) -> dict:
             gate = getattr(model_class, "shared_experts_fusion_disable_reason", None)
             reason = (None if exec_moe.disable_shared_experts_fusion or gate is None
                       else gate(model_config.hf_config, quant_config))
+            # The Qwen2-MoE block decides its own fusion while the model builds, under the loader's decision.
+            with get_model().override(shared_experts=shared):
+                in_block = block_fusion(model_class, model_config.hf_config, quant_config)
         stage = "forward"
         branch = forward_branch(model_class.__name__, model_config.hf_config, quant_config)
         dispatcher = experts_dispatcher()
@@ -377,10 +452,12 @@ def answer(point: dict) -> dict:
         "config_architectures": list(getattr(model_config.hf_config, "architectures", None) or []),
         "quantization": quant_config.get_name() if quant_config is not None else None,
         "rewritten": rewritten,
-        "shared_experts_fusion": not shared.fusion_disabled and shared.num_fused_shared_experts > 0,
+        "shared_experts_fusion": (in_block > 0 if in_block is not None
+                                  else not shared.fusion_disabled and shared.num_fused_shared_experts > 0),
         "fusion_disabled": bool(shared.fusion_disabled),
-        "num_fused_shared_experts": int(shared.num_fused_shared_experts),
+        "num_fused_shared_experts": in_block if in_block is not None else int(shared.num_fused_shared_experts),
         "fusion_reason": ("--disable-shared-experts-fusion" if exec_moe.disable_shared_experts_fusion
+                          else "decided by the Qwen2-MoE block" if in_block is not None
                           else reason or (None if gate else "no shared_experts_fusion_disable_reason gate")),
         "block": branch.get("block"),
         "branch": branch.get("branch"),

@@ -32,6 +32,7 @@ CONFIGS = {
     "deepseek-v3": ROOT / "tests" / "data" / "configs" / "deepseek-v3",
     "kimi-k2": ROOT / "tests" / "data" / "configs" / "kimi-k2",
     "qwen3-0.6b": ROOT / "tests" / "conformance" / "configs" / "qwen3-0.6b",
+    "qwen3-next": ROOT / "tests" / "conformance" / "configs" / "tiny-qwen3-next",
 }
 
 # scenario -> (target config, draft config or None, SGLang server args, world ranks)
@@ -40,6 +41,8 @@ SCENARIOS = {
     "dsv3_with_qwen3_draft": ("deepseek-v3", "qwen3-0.6b", dict(tp_size=4, ep_size=2), range(4)),
     # DeepSeek-V3 on one 8-GPU tp group, no draft: SGLang would fuse on SM90.
     "dsv3_tp8": ("deepseek-v3", None, dict(tp_size=8), range(1)),
+    # Qwen3-Next on one 8-GPU tp group: its Qwen2-MoE block fuses on CUDA by itself (no loader hooks).
+    "qwen3_next_tp8": ("qwen3-next", None, dict(tp_size=8), range(1)),
     # Kimi-K2 (384 experts, FP8) with --enforce-shared-experts-fusion: SGLang's own comment says
     # the fused path then mis-loads the shared expert; the registry lists it as a hazard.
     "kimi_k2_enforced": ("kimi-k2", None, dict(tp_size=8, enforce_shared_experts_fusion=True), range(1)),

@@ -58,7 +58,8 @@ def runs(registry):
                     # two pipeline stages: SGLang's default partition, then SGLANG_PP_LAYER_PARTITION's
                     "--run", f"dsv3_pp2:dsv3-pp2@{registry.address}",
                     "--run", f"dsv3_pp2_default_partition:dsv3-pp2-default@{registry.address}",
-                    "--run", f"dsv3_pp2_partition:dsv3-pp2-partition@{registry.address}"],
+                    "--run", f"dsv3_pp2_partition:dsv3-pp2-partition@{registry.address}",
+                    "--run", f"qwen3_next_tp8:qwen3-next@{registry.address}"],
         # `loadplan sglang-run` starts the process: the adapter must be active without install()
         "sglang_run": [str(LOADPLAN), "sglang-run", "--registry", registry.address, "--deployment", "dsv3-run",
                        "--timeout", "20", "--", str(SGLANG_PY), str(RUNNER), "--run", "dsv3_tp8:dsv3-run"],
@@ -114,6 +115,18 @@ def test_target_and_draft_runners_get_the_registrys_decisions(runs, registry):
         fused = plan.value(Keys.SHARED_EXPERTS_FUSION)
         assert r["fusion_disabled"] is (not fused)
         assert r["num_fused_shared_experts"] == (plan.value(Keys.NUM_FUSED_SHARED_EXPERTS) if fused else 0)
+
+
+def test_a_block_that_fuses_itself_is_planned_fused_and_the_loader_gets_sglangs_own_answer(runs, registry):
+    """Qwen3-Next's Qwen2-MoE block fuses its shared expert on CUDA while it is built; its class has no loader hooks,
+    so SGLang's own resolve_shared_experts_config answers no fused slots (not disabled, 0), and so must the adapter."""
+    (record,) = _scenario(runs, "install", "qwen3_next_tp8")
+    assert "stopped" not in record, record
+    assert record["entry_class"] == "Qwen3NextForCausalLM"
+    assert (record["fusion_disabled"], record["num_fused_shared_experts"]) == (False, 0)
+    (plan,) = _plans(registry, "qwen3-next")
+    fused = plan.decisions[Keys.SHARED_EXPERTS_FUSION]
+    assert fused.value is True and fused.rule == "sglang.block.qwen2_moe.fused"
 
 
 def test_the_draft_does_not_change_the_targets_plan(runs, registry):

@@ -151,12 +151,12 @@ def _minicpmv(version="4_6"):
 
 
 @pytest.mark.parametrize("version", ["4_6", "4_7"])
-def test_minicpmv_asks_the_qwen35_gate_but_has_no_fusable_count_so_never_fuses(version):
+def test_minicpmv_builds_qwen35s_block_which_never_fuses_on_cuda(version):
     res = sglang(_minicpmv(version), tp_size=8, enforce_shared_experts_fusion=True)
     assert res.chain == (f"MiniCPMV{version}ForConditionalGeneration", "Qwen3_5MoeForCausalLM")
     d = res.decisions[Keys.SHARED_EXPERTS_FUSION]
-    assert d.value is False and d.rule == "sglang.no_fusable_count"
-    assert "num_fusable_shared_experts" in d.reason
+    assert d.value is False and d.rule == "sglang.block.qwen2_moe.device"
+    assert "qwen3_5.py" in d.reason and "ROCm with aiter" in d.reason
 
 
 def test_under_the_loadplan_profile_minimax_m3_is_a_never_fuses_row_even_enforced():
