@@ -23,8 +23,9 @@ Grid (and how it is pruned):
   SGLang's draft build scope, with and without EPLB.
 - entries: minimal configs of rules-only entry classes SGLang gates (tests/conformance/configs:
   Dots3, DeepSeek-V4, DeepSeek-OCR, MiniCPM-V 4.6, MiniMax-M3, and Pixtral over a deepseek_v3 text_config, once
-  naming DeepseekV3ForCausalLM and once MistralLarge3ForCausalLM as SGLang's Mistral-format parser writes it)
-  × backends none and deepep × tp/ep 8/1 and 2/4 × enforce or not, cuda:9.0.
+  naming DeepseekV3ForCausalLM and once MistralLarge3ForCausalLM as SGLang's Mistral-format parser writes it),
+  and gated families with n_shared_experts 0 (DeepSeek-V3, GLM-4.5, Dots3, MiniMax-M3: their gates may pass, the
+  count is 0) × backends none and deepep × tp/ep 8/1 and 2/4 × enforce or not, cuda:9.0.
 - qwen_block: the classes whose Qwen2-MoE block decides its own fusion while it is built (Qwen3-Next, once with
   n_shared_experts 0; Qwen3.5-MoE; MiniCPM-V 4.6) × the backends its fusion or its forward reads × 4 devices ×
   tp/ep 8/1 and 2/4 × none, disable or enforce.
@@ -68,7 +69,8 @@ DRAFTS = [("deepseek-v3", "deepseek-v3"), ("kimi-k2", "kimi-k2"), ("glm-4.5", "g
           ("qwen3-30b-a3b", "qwen3-0.6b")]
 # Minimal configs (tests/conformance/configs) of rules-only entry classes SGLang 0.5.23 gates.
 CONFIGS_ENTRIES = ["tiny-dots3", "tiny-deepseek-v4", "tiny-deepseek-ocr", "tiny-minicpmv4_6", "tiny-minimax-m3",
-                   "tiny-pixtral", "tiny-pixtral-ml3"]
+                   "tiny-pixtral", "tiny-pixtral-ml3", "tiny-deepseek-v3-unshared", "tiny-glm-4.5-unshared",
+                   "tiny-dots3-unshared", "tiny-minimax-m3-unshared"]
 # Minimal configs of the classes whose Qwen2-MoE block decides its own fusion, and the backends it reads.
 CONFIGS_QWEN_BLOCK = ["tiny-qwen3-next", "tiny-qwen3-next-unshared", "tiny-qwen3_5-moe", "tiny-minicpmv4_6"]
 A2A_QWEN_BLOCK = ["none", "deepep", "deepep_v2", "mori", "mooncake", "megamoe", "nixl", "flashinfer"]
