@@ -26,6 +26,8 @@ Grid (and how it is pruned):
   naming DeepseekV3ForCausalLM and once MistralLarge3ForCausalLM as SGLang's Mistral-format parser writes it),
   and gated families with n_shared_experts 0 (DeepSeek-V3, GLM-4.5, Dots3, MiniMax-M3: their gates may pass, the
   count is 0) × backends none and deepep × tp/ep 8/1 and 2/4 × enforce or not, cuda:9.0.
+- blocks: minimal configs of families whose MoE block has its own dispatch branch (MiniMax-M2, EXAONE-MoE,
+  MiMo-V2-Flash, Step-3.5, GLM-4.7-Flash, MiniMax-M3, Dots3) × every a2a backend × the 3 shapes, cuda:9.0.
 - qwen_block: the classes whose Qwen2-MoE block decides its own fusion while it is built (Qwen3-Next, once with
   n_shared_experts 0; Qwen3.5-MoE; MiniCPM-V 4.6) × the backends its fusion or its forward reads × 4 devices ×
   tp/ep 8/1 and 2/4 × none, disable or enforce.
@@ -71,6 +73,9 @@ DRAFTS = [("deepseek-v3", "deepseek-v3"), ("kimi-k2", "kimi-k2"), ("glm-4.5", "g
 CONFIGS_ENTRIES = ["tiny-dots3", "tiny-deepseek-v4", "tiny-deepseek-ocr", "tiny-minicpmv4_6", "tiny-minimax-m3",
                    "tiny-pixtral", "tiny-pixtral-ml3", "tiny-deepseek-v3-unshared", "tiny-glm-4.5-unshared",
                    "tiny-dots3-unshared", "tiny-minimax-m3-unshared"]
+# Minimal configs of families whose MoE block dispatches itself for some backends.
+CONFIGS_BLOCKS = ["tiny-minimax-m2", "tiny-exaone-moe", "tiny-mimo-v2-flash", "tiny-step3p5", "tiny-glm-4.7-flash",
+                  "tiny-minimax-m3", "tiny-dots3"]
 # Minimal configs of the classes whose Qwen2-MoE block decides its own fusion, and the backends it reads.
 CONFIGS_QWEN_BLOCK = ["tiny-qwen3-next", "tiny-qwen3-next-unshared", "tiny-qwen3_5-moe", "tiny-minicpmv4_6"]
 A2A_QWEN_BLOCK = ["none", "deepep", "deepep_v2", "mori", "mooncake", "megamoe", "nixl", "flashinfer"]
@@ -100,6 +105,8 @@ def grid() -> list[dict]:
     for cfg, backend, (tp, ep), flags in itertools.product(CONFIGS_ENTRIES, ["none", "deepep"], [(8, 1), (2, 4)],
                                                           [{}, {"enforce_fusion": True}]):
         add("entries", config=cfg, a2a_backend=backend, device="cuda:9.0", tp=tp, ep=ep, dp=1, **flags)
+    for cfg, backend, (tp, ep, dp) in itertools.product(CONFIGS_BLOCKS, A2A_BACKENDS, SHAPES):
+        add("blocks", config=cfg, a2a_backend=backend, device="cuda:9.0", tp=tp, ep=ep, dp=dp)
     for cfg, backend, device, (tp, ep), flags in itertools.product(
             CONFIGS_QWEN_BLOCK, A2A_QWEN_BLOCK, DEVICES, [(8, 1), (2, 4)],
             [{}, {"disable_fusion": True}, {"enforce_fusion": True}]):
@@ -185,7 +192,7 @@ def main(argv=None) -> int:
             "a2a_backends": A2A_BACKENDS, "devices": DEVICES, "shapes_tp_ep_dp": SHAPES,
             "flags_shared": FLAGS_SHARED, "flags_unshared": FLAGS_UNSHARED,
             "runners": RUNNERS, "pp_sizes": PP_SIZES, "drafts": DRAFTS, "limit": args.limit,
-            "configs_entries": CONFIGS_ENTRIES, "configs_qwen_block": CONFIGS_QWEN_BLOCK,
+            "configs_entries": CONFIGS_ENTRIES, "configs_qwen_block": CONFIGS_QWEN_BLOCK, "configs_blocks": CONFIGS_BLOCKS,
             "a2a_qwen_block": A2A_QWEN_BLOCK,
         },
         "environment": "the oracle's DISPATCH_BUDGETS (per-rank dispatch-token budgets of "

@@ -129,6 +129,11 @@ SM100_TRTLLM_FAMILY = {**{a: "deepseek" for a in DEEPSEEK_FAMILY_ARCHS}, "Glm4Mo
                                         "Qwen3NextForCausalLM", "Qwen3_5MoeForConditionalGeneration"), "qwen3_moe")}
 
 
+# model_overrides/minimax_m3.py registers these. Restated: its rule for unquantized checkpoints only; its NVFP4 /
+# MXFP8 / ModelOpt-mixed rules (runner and a2a backend per device) are not.
+MINIMAX_M3_ARCHS = frozenset({"MiniMaxM3SparseForCausalLM", "MiniMaxM3SparseForConditionalGeneration"})
+
+
 def is_sm100(device: Device) -> bool:
     return device.kind == "cuda" and device.capability is not None and device.capability[0] == 10
 
@@ -156,6 +161,11 @@ def rewrite(entry_class: str, quant_key: str | None, a2a: str, runner: str, shap
         runner = "flashinfer_mxfp4"      # model_overrides/gpt_oss.py
         done.append(Rewrite("sglang.moe_runner_backend", runner, "Detected SM100 and MXFP4 quantization format for "
                                                                  "GPT-OSS model, enabling FlashInfer MXFP4 MOE kernel."))
+    if entry_class in MINIMAX_M3_ARCHS and quant_key is None and runner in ("auto", "deep_gemm"):
+        runner = "triton"                # model_overrides/minimax_m3.py, its last rule (full bf16 weights)
+        done.append(Rewrite("sglang.moe_runner_backend", runner, "MiniMax-M3: the deep_gemm MoE runner produces "
+                                                                 "corrupted output on bf16 full weights; overriding "
+                                                                 "--moe-runner-backend to 'triton'."))
     family = SM100_TRTLLM_FAMILY.get(entry_class)
     if (is_sm100(device) and family is not None and asked == "none" and runner == "auto"
             and quant_key in SM100_TRTLLM_QUANTS[family]):
@@ -238,8 +248,10 @@ TRTLLM_ROUTED_QUANTS = frozenset({None, "fp8", "mxfp8", "modelopt_fp4", "modelop
 # arg_groups/moe_hook.py: the runners FlashInfer's a2a accepts.
 FLASHINFER_A2A_RUNNERS = ("flashinfer_cutlass", "flashinfer_cutedsl", "flashinfer_trtllm", "flashinfer_trtllm_routed",
                           "deep_gemm")
-# The architectures that register with register_deepep_v2_model (models/deepseek_v2.py, models/qwen3_moe.py).
-DEEPEP_V2_ARCHS = frozenset({"DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "Qwen3MoeForCausalLM"})
+# configs/moe_model_registry.py: _DEEPEP_V2_MODELS, the architectures (config.json's first) validated for DeepEP v2.
+DEEPEP_V2_ARCHS = frozenset({"DeepseekV3ForCausalLM", "DeepseekV4ForCausalLM", "Qwen3MoeForCausalLM",
+                             "Glm5NextForConditionalGeneration", "GlmMoeDsaForCausalLM", "MiMoV2ForCausalLM",
+                             "MiMoV2FlashForCausalLM"})
 
 
 # --- 3. fusion gates (models/*.py: shared_experts_fusion_disable_reason) ----------------------------------------------
@@ -554,11 +566,15 @@ DISPATCH_BRANCH: dict[str, frozenset[str]] = {
     "qwen2_moe": frozenset({"deepep", "deepep_v2", "mori", "ascend_fuseep", "megamoe"}),  # models/qwen2_moe.py
     "qwen3_moe": _ALL_A2A - {"nixl", "flashinfer"},                           # models/qwen3_moe.py
     # models/minimax_m3.py: MiniMaxM3 MoE forward: megamoe -> forward_mega_moe, is_deepep() -> forward_deepep,
-    # else forward_normal. Only deepep is restated as a dispatch branch; forward_mega_moe is read as the normal
-    # branch (not yet checked against SGLang's code)
-    "minimax_m3": frozenset({"deepep"}),
+    # else forward_normal
+    "minimax_m3": frozenset({"deepep", "megamoe"}),
     # models/dots3_common/modeling.py: Dots3MoE.forward: forward_deepep only when is_deepep()
     "dots3": frozenset({"deepep"}),
+    "minimax_m2": frozenset({"deepep", "ascend_fuseep"}),        # models/minimax_m2.py: MiniMaxM2MoE.forward
+    "exaone_moe": frozenset({"deepep"}),                         # models/exaone_moe.py: ExaoneMoESparseMoEBlock
+    "mimo_v2": DEEPEP_CLASS | {"ascend_fuseep"},                 # models/mimo_v2.py: MiMoV2MoE._enable_a2a_moe
+    "step3p5": frozenset({"deepep", "ascend_fuseep"}),           # models/step3p5.py: Step3p5MoEMLP.forward
+    "glm4_moe_lite": frozenset({"deepep", "mooncake"}),          # models/glm4_moe_lite.py: _enable_a2a_moe
 }
 # The block each entry class builds (models/registry.py; the oracle's FAMILY_BLOCKS). A class not here builds a
 # block whose forward has no dispatch branch.
@@ -578,6 +594,10 @@ BLOCKS = {
     "MiniMaxM3SparseForCausalLM": "minimax_m3", "Dots3NoteForCausalLM": "dots3",
     # qwen3_next.py, qwen3_5.py (and minicpmv.py's Qwen3.5 text model) build the Qwen2-MoE block
     **dict.fromkeys(BLOCK_FUSION, "qwen2_moe"),
+    "MiniMaxM2ForCausalLM": "minimax_m2", "ExaoneMoeForCausalLM": "exaone_moe", "MiMoV2FlashForCausalLM": "mimo_v2",
+    # step3p7.py builds step3p5.py's text model
+    "Step3p5ForCausalLM": "step3p5", "Step3p7ForConditionalGeneration": "step3p5",
+    "Glm4MoeLiteForCausalLM": "glm4_moe_lite", "Glm4MoeLiteForCausalLMNextN": "glm4_moe_lite",
 }
 # layers/moe/fused_moe_triton/layer.py: create_moe_dispatcher: the backends whose experts layer dispatches and
 # combines itself (MaybeTboDeepEPDispatcher, DeepEPv2Dispatcher, FlashinferDispatcher); none, megamoe,

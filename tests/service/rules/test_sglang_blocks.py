@@ -1,0 +1,64 @@
+"""The MoE blocks SGLang 0.5.23 builds that dispatch and combine themselves for some a2a backends (DESIGN 8.1): on
+those the block's own dispatch branch runs, with no reduction after it, so the profile plans the a2a path, not a
+double reduction. tests/conformance checks every backend and shape against SGLang's code (its `blocks` sub-grid);
+these pin one case per block, on the same minimal configs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loadplan.plan import Keys
+from loadplan.service.errors import FailedPrecondition
+
+from ._fixtures import resolve
+
+CONFIGS = Path(__file__).resolve().parents[2] / "conformance" / "configs"
+
+
+def config(name: str) -> dict:
+    return json.loads((CONFIGS / name / "config.json").read_text())
+
+
+def sglang(name: str, **kw):
+    kw.setdefault("device", "cuda:9.0")
+    return resolve(config(name), engine="sglang", **kw).decisions
+
+
+@pytest.mark.parametrize("name, backend, block", [
+    ("tiny-minimax-m2", "deepep", "minimax_m2"), ("tiny-minimax-m2", "ascend_fuseep", "minimax_m2"),
+    ("tiny-exaone-moe", "deepep", "exaone_moe"),
+    ("tiny-mimo-v2-flash", "deepep", "mimo_v2"), ("tiny-mimo-v2-flash", "mooncake", "mimo_v2"),
+    ("tiny-step3p5", "deepep", "step3p5"),
+    ("tiny-glm-4.7-flash", "deepep", "glm4_moe_lite"), ("tiny-glm-4.7-flash", "mooncake", "glm4_moe_lite"),
+    ("tiny-minimax-m3", "megamoe", "minimax_m3"),
+])
+def test_a_block_that_dispatches_itself_is_planned_on_its_dispatch_branch(name, backend, block):
+    d = sglang(name, tp_size=2, ep_size=4, a2a_backend=backend)
+    assert (d[Keys.FORWARD_PATH].value, d[Keys.POST_EXPERTS_ALL_REDUCE].value) == ("a2a", False)
+    assert d[Keys.FORWARD_PATH].rule == f"sglang.forward.{block}.dispatch"
+
+
+def test_a_backend_its_block_does_not_dispatch_is_still_a_double_reduction():
+    # MiniMax-M2's block runs its normal branch under mooncake: the experts layer's dispatcher combines, then the
+    # block all-reduces what the combine summed
+    with pytest.raises(FailedPrecondition, match=r"^hazard: sglang\.double_reduction: MiniMaxM2ForCausalLM"):
+        sglang("tiny-minimax-m2", tp_size=2, ep_size=4, a2a_backend="mooncake")
+
+
+def test_deepep_v2_runs_the_architectures_sglang_validated_for_it_and_refuses_the_others():
+    d = sglang("tiny-mimo-v2-flash", tp_size=2, ep_size=4, a2a_backend="deepep_v2")
+    assert d[Keys.FORWARD_PATH].value == "a2a"
+    v32 = dict(config("tiny-deepseek-v3-unshared"), architectures=["DeepseekV32ForCausalLM"])
+    with pytest.raises(FailedPrecondition, match=r"DeepEP v2 MoE is not validated for 'DeepseekV32ForCausalLM'"):
+        resolve(v32, engine="sglang", device="cuda:9.0", tp_size=2, ep_size=4, a2a_backend="deepep_v2")
+
+
+def test_an_unquantized_minimax_m3_runs_the_triton_runner_which_pplx_refuses():
+    d = sglang("tiny-minimax-m3", tp_size=8)
+    assert d["sglang.moe_runner_backend"].value == "triton" and "bf16 full weights" in \
+        d["sglang.moe_runner_backend"].reason
+    with pytest.raises(FailedPrecondition, match=r"^runtime\.moe_runner_backend: .*pplx.*deep_gemm"):
+        sglang("tiny-minimax-m3", tp_size=1, ep_size=8, dp_size=8, a2a_backend="pplx")
