@@ -27,7 +27,7 @@ Grid (and how it is pruned):
   and gated families with n_shared_experts 0 (DeepSeek-V3, GLM-4.5, Dots3, MiniMax-M3: their gates may pass, the
   count is 0) × backends none and deepep × tp/ep 8/1 and 2/4 × enforce or not, cuda:9.0.
 - blocks: minimal configs of families whose MoE block has its own dispatch branch (MiniMax-M2, EXAONE-MoE,
-  MiMo-V2-Flash, Step-3.5, GLM-4.7-Flash, MiniMax-M3, Dots3) × every a2a backend × the 3 shapes, cuda:9.0.
+  MiMo-V2-Flash, Step-3.5, GLM-4.7-Flash, MiniMax-M3, Dots3, Nemotron-H) × every a2a backend × the 3 shapes, cuda:9.0.
 - qwen_block: the classes whose Qwen2-MoE block decides its own fusion while it is built (Qwen3-Next, once with
   n_shared_experts 0; Qwen3.5-MoE; MiniCPM-V 4.6) × the backends its fusion or its forward reads × 4 devices ×
   tp/ep 8/1 and 2/4 × none, disable or enforce.
@@ -63,7 +63,7 @@ SHAPES = [(8, 1, 1), (2, 4, 1), (1, 8, 8)]
 FLAGS_SHARED = [{}, {"disable_fusion": True}, {"enforce_fusion": True}, {"sbo": True},
                 {"tbo": True}, {"enforce_fusion": True, "tbo": True}]
 FLAGS_UNSHARED = [{}, {"sbo": True}, {"tbo": True}]
-RUNNERS = ["triton", "deep_gemm", "flashinfer_trtllm", "flashinfer_cutedsl",
+RUNNERS = ["triton", "deep_gemm", "flashinfer_trtllm", "flashinfer_cutedsl", "flashinfer_cutlass",
            "flashinfer_trtllm_routed", "experimental_sgl_trtllm", "marlin", "aiter"]
 PP_SIZES = [2, 3, 4]
 # (target, draft): a draft naming the target's own config is its NextN layer.
@@ -75,7 +75,7 @@ CONFIGS_ENTRIES = ["tiny-dots3", "tiny-deepseek-v4", "tiny-deepseek-ocr", "tiny-
                    "tiny-dots3-unshared", "tiny-minimax-m3-unshared"]
 # Minimal configs of families whose MoE block dispatches itself for some backends.
 CONFIGS_BLOCKS = ["tiny-minimax-m2", "tiny-exaone-moe", "tiny-mimo-v2-flash", "tiny-step3p5", "tiny-glm-4.7-flash",
-                  "tiny-minimax-m3", "tiny-dots3"]
+                  "tiny-minimax-m3", "tiny-dots3", "tiny-nemotron-h"]
 # Minimal configs of the classes whose Qwen2-MoE block decides its own fusion, and the backends it reads.
 CONFIGS_QWEN_BLOCK = ["tiny-qwen3-next", "tiny-qwen3-next-unshared", "tiny-qwen3_5-moe", "tiny-minicpmv4_6"]
 A2A_QWEN_BLOCK = ["none", "deepep", "deepep_v2", "mori", "mooncake", "megamoe", "nixl", "flashinfer"]

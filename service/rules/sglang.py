@@ -102,6 +102,7 @@ class Inputs:
     # wide as a routed expert
     block_shared: int = 0
     block_widths_fit: bool = False
+    ep_asked: int = 1             # --ep-size as given, before an EP-spanning backend set it to the tp group
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,9 @@ SM100_TRTLLM_FAMILY = {**{a: "deepseek" for a in DEEPSEEK_FAMILY_ARCHS}, "Glm4Mo
                                         "Qwen3NextForCausalLM", "Qwen3_5MoeForConditionalGeneration"), "qwen3_moe")}
 
 
+# model_overrides/nemotron_h.py registers these. Restated: its runner default for an unquantized or ModelOpt
+# checkpoint; not its W4A16 (marlin) and expert-remap (EPLB on SM100: flashinfer_trtllm_routed) branches.
+NEMOTRON_H_ARCHS = frozenset({"NemotronHForCausalLM", "NemotronHPuzzleForCausalLM", "NemotronH_Omni_Reasoning_V3"})
 # model_overrides/minimax_m3.py registers these. Restated: its rule for unquantized checkpoints only; its NVFP4 /
 # MXFP8 / ModelOpt-mixed rules (runner and a2a backend per device) are not.
 MINIMAX_M3_ARCHS = frozenset({"MiniMaxM3SparseForCausalLM", "MiniMaxM3SparseForConditionalGeneration"})
@@ -166,6 +170,16 @@ def rewrite(entry_class: str, quant_key: str | None, a2a: str, runner: str, shap
         done.append(Rewrite("sglang.moe_runner_backend", runner, "MiniMax-M3: the deep_gemm MoE runner produces "
                                                                  "corrupted output on bf16 full weights; overriding "
                                                                  "--moe-runner-backend to 'triton'."))
+    if (entry_class in NEMOTRON_H_ARCHS and runner == "auto"
+            and (quant_key is None or quant_key.startswith("modelopt"))):
+        cap = device.capability if device.kind == "cuda" else None
+        if is_sm100(device) and asked == "none":
+            runner, why = "flashinfer_trtllm", f"Use flashinfer_trtllm as MoE runner backend on sm100 for {entry_class}"
+        elif quant_key in ("modelopt_fp4", "modelopt_mixed") and cap is not None and (8, 0) <= cap < (10, 0):
+            runner, why = "marlin", f"Use marlin as MoE runner backend on SM80-SM90 for {entry_class} {quant_key}"
+        else:
+            runner, why = "flashinfer_cutlass", f"NemotronH's MoE runner default for {entry_class}"
+        done.append(Rewrite("sglang.moe_runner_backend", runner, why))
     family = SM100_TRTLLM_FAMILY.get(entry_class)
     if (is_sm100(device) and family is not None and asked == "none" and runner == "auto"
             and quant_key in SM100_TRTLLM_QUANTS[family]):
@@ -190,6 +204,13 @@ def refuse(i: Inputs) -> None:
         raise FailedPrecondition(f"runtime.{flag}: SGLang {VERSION} refuses to start: {why}")
 
     overlap = "enable_tbo" if i.tbo else "enable_sbo"
+    if i.runner == "flashinfer_cutlass":      # moe_hook.py: handle_moe_kernel_config, before the a2a's ep rewrite
+        if i.server_quantization not in ("modelopt_fp4", "modelopt_fp8", "modelopt_mixed", None):
+            no("moe_runner_backend", f"Invalid quantization '{i.server_quantization}'. FlashInfer Cutlass MOE supports "
+                                     f"only: 'modelopt_fp4', 'modelopt_fp8', 'modelopt_mixed', or bfloat16 (None).")
+        if i.ep_asked not in (1, i.shape.tp):
+            no("moe_runner_backend", f"flashinfer_cutlass: The expert parallel size must be 1 or the same as the "
+                                     f"tensor parallel size (ep_size={i.ep_asked}, tp_size={i.shape.tp})")
     if i.quantization.name == "mxfp4" and i.device.kind == "hip":
         no("device", "Unknown quantization method: mxfp4 (not among the quantizations SGLang runs on ROCm)")
     if i.a2a == "deepep_v2":
@@ -711,7 +732,8 @@ def decide(*, entry_class: str, architecture: str, layout: MoeLayout, quantizati
         server_q = quantization.name.replace("compressed_tensors", "compressed-tensors")
     shared, fit = block_shared(cfg) if entry_class in BLOCK_FUSION else (0, False)
     i = Inputs(entry_class, architecture, layout, quantization, device, a2a, runner, shape, sbo, tbo, disable,
-               enforce_fusion, draft, blocks, w4a16, server_q, nested_gate_speaks(entry_class, config), shared, fit)
+               enforce_fusion, draft, blocks, w4a16, server_q, nested_gate_speaks(entry_class, config), shared, fit,
+               ep)
     refuse(i)
     fused = fusion(i)
     fwd = forward(i)

@@ -83,6 +83,7 @@ FAMILY_BLOCKS = {
     "ExaoneMoeForCausalLM": ("sglang.srt.models.exaone_moe", "ExaoneMoESparseMoEBlock"),
     "MiMoV2FlashForCausalLM": ("sglang.srt.models.mimo_v2", "MiMoV2MoE"),
     "Step3p5ForCausalLM": ("sglang.srt.models.step3p5", "Step3p5MoEMLP"),
+    "NemotronHForCausalLM": ("sglang.srt.models.nemotron_h", "NemotronHMoE"),
     "GptOssForCausalLM": ("sglang.srt.models.gpt_oss", "GptOssSparseMoeBlock"),
     "MixtralForCausalLM": ("sglang.srt.models.mixtral", "MixtralMoE"),
     "Qwen2MoeForCausalLM": ("sglang.srt.models.qwen2_moe", "Qwen2MoeSparseMoeBlock"),

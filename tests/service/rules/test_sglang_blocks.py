@@ -62,3 +62,22 @@ def test_an_unquantized_minimax_m3_runs_the_triton_runner_which_pplx_refuses():
         d["sglang.moe_runner_backend"].reason
     with pytest.raises(FailedPrecondition, match=r"^runtime\.moe_runner_backend: .*pplx.*deep_gemm"):
         sglang("tiny-minimax-m3", tp_size=1, ep_size=8, dp_size=8, a2a_backend="pplx")
+
+
+def test_nemotron_h_runs_sglangs_flashinfer_cutlass_default_which_refuses_a_partial_ep_group():
+    d = sglang("tiny-nemotron-h", tp_size=8)
+    assert d["sglang.moe_runner_backend"].value == "flashinfer_cutlass"
+    assert sglang("tiny-nemotron-h", tp_size=8, device="cuda:10.0")["sglang.moe_runner_backend"].value == \
+        "flashinfer_trtllm"
+    # its runner asserts ep in {1, tp} before an EP-spanning backend would widen ep to the tp group
+    for backend in ("none", "megamoe"):
+        with pytest.raises(FailedPrecondition, match=r"^runtime\.moe_runner_backend: .*flashinfer_cutlass: The "
+                                                     r"expert parallel size must be 1 or the same as the tensor"):
+            sglang("tiny-nemotron-h", tp_size=2, ep_size=4, a2a_backend=backend)
+
+
+def test_an_asked_flashinfer_cutlass_runner_refuses_a_quantization_it_has_no_kernel_for():
+    dsv3 = dict(config("tiny-deepseek-v3-unshared"))
+    with pytest.raises(FailedPrecondition, match=r"Invalid quantization 'fp8'\. FlashInfer Cutlass MOE"):
+        resolve(dsv3, engine="sglang", device="cuda:10.0", tp_size=8, moe_runner_backend="flashinfer_cutlass",
+                quantization_config=dsv3.get("quantization_config"))
