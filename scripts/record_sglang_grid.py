@@ -27,7 +27,7 @@ Grid (and how it is pruned):
   and gated families with n_shared_experts 0 (DeepSeek-V3, GLM-4.5, Dots3, MiniMax-M3: their gates may pass, the
   count is 0) × backends none and deepep × tp/ep 8/1 and 2/4 × enforce or not, cuda:9.0.
 - blocks: minimal configs of families whose MoE block has its own dispatch branch (MiniMax-M2, EXAONE-MoE,
-  MiMo-V2-Flash, Step-3.5, GLM-4.7-Flash, MiniMax-M3, Dots3, Nemotron-H) × every a2a backend × the 3 shapes, cuda:9.0.
+  MiMo-V2-Flash, Step-3.5, GLM-4.7-Flash, MiniMax-M3, Dots3, Nemotron-H) × every a2a backend × 4 devices × the 3 shapes.
 - qwen_block: the classes whose Qwen2-MoE block decides its own fusion while it is built (Qwen3-Next, once with
   n_shared_experts 0; Qwen3.5-MoE; MiniCPM-V 4.6) × the backends its fusion or its forward reads × 4 devices ×
   tp/ep 8/1 and 2/4 × none, disable or enforce.
@@ -105,8 +105,8 @@ def grid() -> list[dict]:
     for cfg, backend, (tp, ep), flags in itertools.product(CONFIGS_ENTRIES, ["none", "deepep"], [(8, 1), (2, 4)],
                                                           [{}, {"enforce_fusion": True}]):
         add("entries", config=cfg, a2a_backend=backend, device="cuda:9.0", tp=tp, ep=ep, dp=1, **flags)
-    for cfg, backend, (tp, ep, dp) in itertools.product(CONFIGS_BLOCKS, A2A_BACKENDS, SHAPES):
-        add("blocks", config=cfg, a2a_backend=backend, device="cuda:9.0", tp=tp, ep=ep, dp=dp)
+    for cfg, backend, device, (tp, ep, dp) in itertools.product(CONFIGS_BLOCKS, A2A_BACKENDS, DEVICES, SHAPES):
+        add("blocks", config=cfg, a2a_backend=backend, device=device, tp=tp, ep=ep, dp=dp)
     for cfg, backend, device, (tp, ep), flags in itertools.product(
             CONFIGS_QWEN_BLOCK, A2A_QWEN_BLOCK, DEVICES, [(8, 1), (2, 4)],
             [{}, {"disable_fusion": True}, {"enforce_fusion": True}]):

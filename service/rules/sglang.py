@@ -117,7 +117,9 @@ class Rewrite:
 # arg_groups/overrides.py: _DEEPSEEK_FAMILY_ARCHS (SM100's auto runner for the DeepSeek family).
 DEEPSEEK_FAMILY_ARCHS = frozenset({"DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "KimiK25ForConditionalGeneration",
                                    "MistralLarge3ForCausalLM", "PixtralForConditionalGeneration",
-                                   "GlmMoeDsaForCausalLM", "Glm5NextForConditionalGeneration"})
+                                   "GlmMoeDsaForCausalLM", "Glm5NextForConditionalGeneration", "HYV4ForCausalLM",
+                                   "HYV4ForCausalLMNextN", "LongcatFlashForCausalLM", "LongcatFlashForCausalLMNextN",
+                                   "Dots3NoteForCausalLM"})
 # SM100's auto runner is flashinfer_trtllm for these quantizations (None: unquantized), per family override.
 SM100_TRTLLM_QUANTS = {
     "deepseek": frozenset({None, "fp8", "modelopt_fp8", "modelopt_fp4", "modelopt_mixed", "kimi_int4"}),
