@@ -26,8 +26,9 @@ Grid (and how it is pruned):
   naming DeepseekV3ForCausalLM and once MistralLarge3ForCausalLM as SGLang's Mistral-format parser writes it),
   and gated families with n_shared_experts 0 (DeepSeek-V3, GLM-4.5, Dots3, MiniMax-M3: their gates may pass, the
   count is 0) × backends none and deepep × tp/ep 8/1 and 2/4 × enforce or not, cuda:9.0.
-- blocks: minimal configs of families whose MoE block has its own dispatch branch (MiniMax-M2, EXAONE-MoE,
-  MiMo-V2-Flash, Step-3.5, GLM-4.7-Flash, MiniMax-M3, Dots3, Nemotron-H) × every a2a backend × 4 devices × the 3 shapes.
+- blocks: minimal configs of the families SGLang builds beyond the real ones (those whose MoE block has its own
+  dispatch branch first: MiniMax-M2, EXAONE-MoE, MiMo-V2-Flash, Step-3.5, GLM-4.7-Flash, MiniMax-M3, Dots3,
+  Nemotron-H; then the rest the engine tests build) × every a2a backend × 4 devices × the 3 shapes.
 - qwen_block: the classes whose Qwen2-MoE block decides its own fusion while it is built (Qwen3-Next, once with
   n_shared_experts 0; Qwen3.5-MoE; MiniCPM-V 4.6) × the backends its fusion or its forward reads × 4 devices ×
   tp/ep 8/1 and 2/4 × none, disable or enforce.
@@ -75,7 +76,12 @@ CONFIGS_ENTRIES = ["tiny-dots3", "tiny-deepseek-v4", "tiny-deepseek-ocr", "tiny-
                    "tiny-dots3-unshared", "tiny-minimax-m3-unshared"]
 # Minimal configs of families whose MoE block dispatches itself for some backends.
 CONFIGS_BLOCKS = ["tiny-minimax-m2", "tiny-exaone-moe", "tiny-mimo-v2-flash", "tiny-step3p5", "tiny-glm-4.7-flash",
-                  "tiny-minimax-m3", "tiny-dots3", "tiny-nemotron-h"]
+                  "tiny-minimax-m3", "tiny-dots3", "tiny-nemotron-h",
+                  # the other families both loadplan's engine and SGLang build (the engine tests' tiny configs)
+                  "tiny-afmoe", "tiny-cohere2moe", "tiny-deepseekv2", "tiny-deepseekv32", "tiny-ernie4_5_moe",
+                  "tiny-glm4vmoe", "tiny-glmmoedsa", "tiny-granitemoe", "tiny-granitemoehybrid", "tiny-granitemoeswa",
+                  "tiny-granitemoeshared", "tiny-hyv3", "tiny-hunyuanmoev1", "tiny-kimilinear", "tiny-laguna",
+                  "tiny-lfm2moe", "tiny-llama4", "tiny-longcatflash", "tiny-mellum", "tiny-olmoe"]
 # Minimal configs of the classes whose Qwen2-MoE block decides its own fusion, and the backends it reads.
 CONFIGS_QWEN_BLOCK = ["tiny-qwen3-next", "tiny-qwen3-next-unshared", "tiny-qwen3_5-moe", "tiny-minicpmv4_6"]
 A2A_QWEN_BLOCK = ["none", "deepep", "deepep_v2", "mori", "mooncake", "megamoe", "nixl", "flashinfer"]

@@ -135,6 +135,8 @@ SM100_TRTLLM_FAMILY = {**{a: "deepseek" for a in DEEPSEEK_FAMILY_ARCHS}, "Glm4Mo
 # model_overrides/nemotron_h.py registers these. Restated: its runner default for an unquantized or ModelOpt
 # checkpoint; not its W4A16 (marlin) and expert-remap (EPLB on SM100: flashinfer_trtllm_routed) branches.
 NEMOTRON_H_ARCHS = frozenset({"NemotronHForCausalLM", "NemotronHPuzzleForCausalLM", "NemotronH_Omni_Reasoning_V3"})
+# model_overrides/cohere2_moe.py registers these. Restated for unquantized checkpoints; not its NVFP4-pack one.
+COHERE2_ARCHS = frozenset({"Cohere2MoeForCausalLM", "Cohere2VisionForConditionalGeneration"})
 # model_overrides/minimax_m3.py registers these. Restated: its rule for unquantized checkpoints only; its NVFP4 /
 # MXFP8 / ModelOpt-mixed rules (runner and a2a backend per device) are not.
 MINIMAX_M3_ARCHS = frozenset({"MiniMaxM3SparseForCausalLM", "MiniMaxM3SparseForConditionalGeneration"})
@@ -182,6 +184,11 @@ def rewrite(entry_class: str, quant_key: str | None, a2a: str, runner: str, shap
         else:
             runner, why = "flashinfer_cutlass", f"NemotronH's MoE runner default for {entry_class}"
         done.append(Rewrite("sglang.moe_runner_backend", runner, why))
+    if entry_class in COHERE2_ARCHS and is_sm100(device) and runner == "auto" and quant_key is None:
+        runner = "flashinfer_trtllm"     # model_overrides/cohere2_moe.py
+        done.append(Rewrite("sglang.moe_runner_backend", runner, "Command-A-Plus on SM10X: "
+                                                                 "moe_runner_backend=flashinfer_trtllm (trtllm-gen "
+                                                                 "fused MoE)."))
     family = SM100_TRTLLM_FAMILY.get(entry_class)
     if (is_sm100(device) and family is not None and asked == "none" and runner == "auto"
             and quant_key in SM100_TRTLLM_QUANTS[family]):
@@ -621,6 +628,7 @@ BLOCKS = {
     # step3p7.py builds step3p5.py's text model
     "Step3p5ForCausalLM": "step3p5", "Step3p7ForConditionalGeneration": "step3p5",
     "Glm4MoeLiteForCausalLM": "glm4_moe_lite", "Glm4MoeLiteForCausalLMNextN": "glm4_moe_lite",
+    "MellumForCausalLM": "qwen3_moe",      # mellum.py builds qwen3_moe.py's block
 }
 # layers/moe/fused_moe_triton/layer.py: create_moe_dispatcher: the backends whose experts layer dispatches and
 # combines itself (MaybeTboDeepEPDispatcher, DeepEPv2Dispatcher, FlashinferDispatcher); none, megamoe,

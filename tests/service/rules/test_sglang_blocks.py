@@ -81,3 +81,17 @@ def test_an_asked_flashinfer_cutlass_runner_refuses_a_quantization_it_has_no_ker
     with pytest.raises(FailedPrecondition, match=r"Invalid quantization 'fp8'\. FlashInfer Cutlass MOE"):
         resolve(dsv3, engine="sglang", device="cuda:10.0", tp_size=8, moe_runner_backend="flashinfer_cutlass",
                 quantization_config=dsv3.get("quantization_config"))
+
+
+def test_mellum_builds_qwen3_moes_block_and_dispatches_where_it_does():
+    d = sglang("tiny-mellum", tp_size=2, ep_size=4, a2a_backend="deepep")
+    assert d[Keys.FORWARD_PATH].rule == "sglang.forward.qwen3_moe.dispatch"
+
+
+def test_an_unquantized_cohere2_moe_on_sm100_runs_trtllm_which_pplx_refuses():
+    d = sglang("tiny-cohere2moe", tp_size=8, device="cuda:10.0")
+    assert d["sglang.moe_runner_backend"].value == "flashinfer_trtllm"
+    assert "moe_runner_backend" not in {k.split(".", 1)[1] for k in sglang("tiny-cohere2moe", tp_size=8)
+                                        if k.startswith("sglang.")}
+    with pytest.raises(FailedPrecondition, match=r"pplx"):
+        sglang("tiny-cohere2moe", tp_size=1, ep_size=8, dp_size=8, a2a_backend="pplx", device="cuda:10.0")
