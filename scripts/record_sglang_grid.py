@@ -81,7 +81,8 @@ CONFIGS_BLOCKS = ["tiny-minimax-m2", "tiny-exaone-moe", "tiny-mimo-v2-flash", "t
                   "tiny-afmoe", "tiny-cohere2moe", "tiny-deepseekv2", "tiny-deepseekv32", "tiny-ernie4_5_moe",
                   "tiny-glm4vmoe", "tiny-glmmoedsa", "tiny-granitemoe", "tiny-granitemoehybrid", "tiny-granitemoeswa",
                   "tiny-granitemoeshared", "tiny-hyv3", "tiny-hunyuanmoev1", "tiny-kimilinear", "tiny-laguna",
-                  "tiny-lfm2moe", "tiny-llama4", "tiny-longcatflash", "tiny-mellum", "tiny-olmoe"]
+                  "tiny-lfm2moe", "tiny-llama4", "tiny-longcatflash", "tiny-mellum", "tiny-olmoe", "tiny-dbrx",
+                  "tiny-step3p7"]
 # Minimal configs of the classes whose Qwen2-MoE block decides its own fusion, and the backends it reads.
 CONFIGS_QWEN_BLOCK = ["tiny-qwen3-next", "tiny-qwen3-next-unshared", "tiny-qwen3_5-moe", "tiny-minicpmv4_6"]
 A2A_QWEN_BLOCK = ["none", "deepep", "deepep_v2", "mori", "mooncake", "megamoe", "nixl", "flashinfer"]

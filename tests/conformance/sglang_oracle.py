@@ -83,6 +83,8 @@ FAMILY_BLOCKS = {
     "ExaoneMoeForCausalLM": ("sglang.srt.models.exaone_moe", "ExaoneMoESparseMoEBlock"),
     "MiMoV2FlashForCausalLM": ("sglang.srt.models.mimo_v2", "MiMoV2MoE"),
     "Step3p5ForCausalLM": ("sglang.srt.models.step3p5", "Step3p5MoEMLP"),
+    "Step3p7ForConditionalGeneration": ("sglang.srt.models.step3p5", "Step3p5MoEMLP"),   # step3p7.py: its text model
+    "DbrxForCausalLM": ("sglang.srt.models.dbrx", "DbrxExperts"),
     "NemotronHForCausalLM": ("sglang.srt.models.nemotron_h", "NemotronHMoE"),
     "GlmMoeDsaForCausalLM": ("sglang.srt.models.deepseek_v2", "DeepseekV2MoE"),
     "AfmoeForCausalLM": ("sglang.srt.models.afmoe", "AfmoeMoE"),
