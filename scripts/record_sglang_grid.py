@@ -82,7 +82,9 @@ CONFIGS_BLOCKS = ["tiny-minimax-m2", "tiny-exaone-moe", "tiny-mimo-v2-flash", "t
                   "tiny-glm4vmoe", "tiny-glmmoedsa", "tiny-granitemoe", "tiny-granitemoehybrid", "tiny-granitemoeswa",
                   "tiny-granitemoeshared", "tiny-hyv3", "tiny-hunyuanmoev1", "tiny-kimilinear", "tiny-laguna",
                   "tiny-lfm2moe", "tiny-llama4", "tiny-longcatflash", "tiny-mellum", "tiny-olmoe", "tiny-dbrx",
-                  "tiny-step3p7"]
+                  "tiny-step3p7",
+                  # MiniMax-M3's quantized checkpoints, whose runner and a2a backend its override picks per device
+                  "tiny-minimax-m3-nvfp4", "tiny-minimax-m3-mxfp8"]
 # Minimal configs of the classes whose Qwen2-MoE block decides its own fusion, and the backends it reads.
 CONFIGS_QWEN_BLOCK = ["tiny-qwen3-next", "tiny-qwen3-next-unshared", "tiny-qwen3_5-moe", "tiny-minicpmv4_6"]
 A2A_QWEN_BLOCK = ["none", "deepep", "deepep_v2", "mori", "mooncake", "megamoe", "nixl", "flashinfer"]

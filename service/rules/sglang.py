@@ -20,7 +20,7 @@ What a resolve reads here, in SGLang's order:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from ..errors import FailedPrecondition, InvalidArgument, NotFound
@@ -137,9 +137,56 @@ SM100_TRTLLM_FAMILY = {**{a: "deepseek" for a in DEEPSEEK_FAMILY_ARCHS}, "Glm4Mo
 NEMOTRON_H_ARCHS = frozenset({"NemotronHForCausalLM", "NemotronHPuzzleForCausalLM", "NemotronH_Omni_Reasoning_V3"})
 # model_overrides/cohere2_moe.py registers these. Restated for unquantized checkpoints; not its NVFP4-pack one.
 COHERE2_ARCHS = frozenset({"Cohere2MoeForCausalLM", "Cohere2VisionForConditionalGeneration"})
-# model_overrides/minimax_m3.py registers these. Restated: its rule for unquantized checkpoints only; its NVFP4 /
-# MXFP8 / ModelOpt-mixed rules (runner and a2a backend per device) are not.
+# model_overrides/minimax_m3.py registers these.
 MINIMAX_M3_ARCHS = frozenset({"MiniMaxM3SparseForCausalLM", "MiniMaxM3SparseForConditionalGeneration"})
+
+
+def minimax_m3_quantization(q: Quantization, qconfig: dict | None) -> Quantization:
+    """model_overrides/minimax_m3.py: _resolve_quant_method: an MXFP8 checkpoint whose experts are NVFP4-packed
+    (moe_quant_algo NVFP4, moe_quant_format nvfp4-pack-quantized) is served as minimax_m3_nvfp4."""
+    qconfig = qconfig if isinstance(qconfig, dict) else {}
+    if (q.name == "mxfp8" and str(qconfig.get("moe_quant_algo", "")).upper() == "NVFP4"
+            and qconfig.get("moe_quant_format") == "nvfp4-pack-quantized"):
+        return replace(q, name="minimax_m3_nvfp4")
+    return q
+
+
+def _minimax_m3_override(quant: str | None, a2a: str, runner: str, device: Device,
+                         done: list[Rewrite]) -> tuple[str, str]:
+    """model_overrides/minimax_m3.py: _minimax_m3_overrides, its MoE runner and a2a backend (not its attention, page
+    size and KV-cache settings, nor its DSPARK / DFLASH speculation checks)."""
+    def use(key: str, value: str, why: str) -> str:
+        done.append(Rewrite(f"sglang.{key}", value, why))
+        return value
+
+    blackwell = device.kind == "cuda" and device.capability is not None and device.capability[0] in (10, 11, 12)
+    if quant == "minimax_m3_nvfp4":
+        if not blackwell:
+            if runner == "auto":
+                runner = use("moe_runner_backend", "marlin", "M3.1 NVFP4 off Blackwell: the marlin MoE runner")
+            return a2a, runner
+        if a2a not in ("none", "megamoe"):
+            raise FailedPrecondition(f"runtime.a2a_backend: SGLang {VERSION} refuses to start: M3.1 NVFP4 "
+                                     + ("flashinfer_trtllm_routed requires --moe-a2a-backend none or megamoe"
+                                        if runner == "flashinfer_trtllm_routed"
+                                        else "requires --moe-a2a-backend megamoe"))
+        if runner != "flashinfer_trtllm_routed":
+            if a2a != "megamoe":
+                a2a = use("moe_a2a_backend", "megamoe", "M3.1 NVFP4 on Blackwell runs --moe-a2a-backend megamoe")
+            if runner == "auto":
+                runner = use("moe_runner_backend", "deep_gemm", "M3.1 NVFP4 on Blackwell: the deep_gemm MoE runner")
+        return a2a, runner
+    if runner == "auto" and quant == "mxfp8" and device.kind == "hip":
+        runner = use("moe_runner_backend", "triton", "MiniMax-M3 MXFP8 on ROCm: the triton MoE runner")
+    elif runner == "auto" and quant == "mxfp8" and is_sm100(device):
+        runner = use("moe_runner_backend", "deep_gemm", "MiniMax-M3 MXFP8 on SM100: the deep_gemm MoE runner")
+    elif runner == "auto" and quant == "modelopt_mixed" and is_sm100(device):
+        runner = use("moe_runner_backend", "flashinfer_trtllm_routed",
+                     "MiniMax-M3 ModelOpt mixed precision on SM100: the flashinfer_trtllm_routed MoE runner")
+    if quant is None and runner in ("auto", "deep_gemm"):
+        runner = use("moe_runner_backend", "triton", "MiniMax-M3: the deep_gemm MoE runner produces corrupted output "
+                                                     "on bf16 full weights; overriding --moe-runner-backend to 'triton'.")
+    return a2a, runner
 
 
 def is_sm100(device: Device) -> bool:
@@ -155,6 +202,8 @@ def rewrite(entry_class: str, quant_key: str | None, a2a: str, runner: str, shap
     """(a2a, runner, shape, disable_fusion) as SGLang's server-args resolution leaves them, and what it rewrote."""
     done: list[Rewrite] = []
     asked = a2a                 # the SM100 runner override reads the a2a backend as the flag gave it
+    if entry_class in MINIMAX_M3_ARCHS:
+        a2a, runner = _minimax_m3_override(quant_key, a2a, runner, device, done)
     if a2a == "ascend_tp":   # layers/moe/token_dispatcher: the Ascend TP dispatcher runs SGLang's normal path
         a2a = "none"
         done.append(Rewrite("sglang.moe_a2a_backend", "none",
@@ -169,11 +218,6 @@ def rewrite(entry_class: str, quant_key: str | None, a2a: str, runner: str, shap
         runner = "flashinfer_mxfp4"      # model_overrides/gpt_oss.py
         done.append(Rewrite("sglang.moe_runner_backend", runner, "Detected SM100 and MXFP4 quantization format for "
                                                                  "GPT-OSS model, enabling FlashInfer MXFP4 MOE kernel."))
-    if entry_class in MINIMAX_M3_ARCHS and quant_key is None and runner in ("auto", "deep_gemm"):
-        runner = "triton"                # model_overrides/minimax_m3.py, its last rule (full bf16 weights)
-        done.append(Rewrite("sglang.moe_runner_backend", runner, "MiniMax-M3: the deep_gemm MoE runner produces "
-                                                                 "corrupted output on bf16 full weights; overriding "
-                                                                 "--moe-runner-backend to 'triton'."))
     if (entry_class in NEMOTRON_H_ARCHS and runner == "auto"
             and (quant_key is None or quant_key.startswith("modelopt"))):
         cap = device.capability if device.kind == "cuda" else None
@@ -204,6 +248,12 @@ def rewrite(entry_class: str, quant_key: str | None, a2a: str, runner: str, shap
 
 # --- 2. start-up refusals -------------------------------------------------------------------------------------------
 
+# layers/quantization/*.py: get_min_capability, and configs/model_config.py: rocm_supported_quantization, restated
+# for the quantizations whose device limits the conformance grid holds (SGLang's own tables are longer).
+QUANTIZATION_MIN_CAPABILITY = {"mxfp8": (10, 0), "minimax_m3_nvfp4": (9, 0)}
+ROCM_UNSUPPORTED_QUANTIZATIONS = frozenset({"minimax_m3_nvfp4"})
+
+
 def refuse(i: Inputs) -> None:
     """FAILED_PRECONDITION where SGLang refuses to start, naming the flag and SGLang's reason, in the order its
     resolution meets them (arg_groups/moe_hook.py, mega_moe_hook.py, the loader's quantization check). Not here: the
@@ -213,6 +263,14 @@ def refuse(i: Inputs) -> None:
         raise FailedPrecondition(f"runtime.{flag}: SGLang {VERSION} refuses to start: {why}")
 
     overlap = "enable_tbo" if i.tbo else "enable_sbo"
+    q = i.quantization.name
+    if q in ROCM_UNSUPPORTED_QUANTIZATIONS and i.device.kind == "hip":
+        no("device", f"{q} quantization is currently not supported in ROCm.")
+    need = QUANTIZATION_MIN_CAPABILITY.get(q)
+    if need is not None and i.device.kind == "cuda" and i.device.capability is not None \
+            and i.device.capability < need:
+        no("device", f"The quantization method {q} is not supported for the current GPU. Minimum capability: "
+                     f"{need[0]}{need[1]}. Current capability: {i.device.capability[0]}{i.device.capability[1]}.")
     if i.runner == "flashinfer_cutlass":      # moe_hook.py: handle_moe_kernel_config, before the a2a's ep rewrite
         if i.server_quantization not in ("modelopt_fp4", "modelopt_fp8", "modelopt_mixed", None):
             no("moe_runner_backend", f"Invalid quantization '{i.server_quantization}'. FlashInfer Cutlass MOE supports "
@@ -732,13 +790,16 @@ def decide(*, entry_class: str, architecture: str, layout: MoeLayout, quantizati
 
     check_backend(a2a)
     runner = check_runner(runner)
+    if entry_class in MINIMAX_M3_ARCHS:
+        quantization = minimax_m3_quantization(quantization, qconfig)
     key, w4a16, blocks = quant_facts(qconfig, quantization)
     a2a, runner, shape, disable, rewrites = rewrite(entry_class, key, a2a, runner, Shape(tp * ep, ep, dp), device,
                                                     disable_fusion)
     # Server-args resolution copies the checkpoint's quant_method into --quantization only in the SM100 overrides
     # of the families that have one (overrides.py, model_overrides/*): elsewhere it stays unset (None).
     server_q = None
-    if is_sm100(device) and entry_class in SM100_TRTLLM_FAMILY and quantization.name:
+    if (is_sm100(device) and entry_class in SM100_TRTLLM_FAMILY or entry_class in MINIMAX_M3_ARCHS) \
+            and quantization.name:
         server_q = quantization.name.replace("compressed_tensors", "compressed-tensors")
     shared, fit = block_shared(cfg) if entry_class in BLOCK_FUSION else (0, False)
     i = Inputs(entry_class, architecture, layout, quantization, device, a2a, runner, shape, sbo, tbo, disable,

@@ -95,3 +95,28 @@ def test_an_unquantized_cohere2_moe_on_sm100_runs_trtllm_which_pplx_refuses():
                                         if k.startswith("sglang.")}
     with pytest.raises(FailedPrecondition, match=r"pplx"):
         sglang("tiny-cohere2moe", tp_size=1, ep_size=8, dp_size=8, a2a_backend="pplx", device="cuda:10.0")
+
+
+def test_minimax_m3_nvfp4_is_served_as_sglang_resolves_it():
+    """An MXFP8 checkpoint with NVFP4-packed experts is SGLang's minimax_m3_nvfp4: marlin off Blackwell, megamoe and
+    deep_gemm on it, never its shared expert fused, and not on ROCm or before SM90."""
+    d = sglang("tiny-minimax-m3-nvfp4", tp_size=8)
+    assert d["sglang.moe_runner_backend"].value == "marlin"
+    assert d[Keys.SHARED_EXPERTS_FUSION].value is False and "mixed-precision" in d[Keys.SHARED_EXPERTS_FUSION].reason
+    d = sglang("tiny-minimax-m3-nvfp4", tp_size=8, device="cuda:10.0")
+    assert (d["sglang.moe_a2a_backend"].value, d["sglang.moe_runner_backend"].value) == ("megamoe", "deep_gemm")
+    assert (d[Keys.FORWARD_PATH].value, d[Keys.POST_EXPERTS_ALL_REDUCE].value) == ("a2a", False)
+    with pytest.raises(FailedPrecondition, match=r"M3\.1 NVFP4 requires --moe-a2a-backend megamoe"):
+        sglang("tiny-minimax-m3-nvfp4", tp_size=2, ep_size=4, a2a_backend="deepep", device="cuda:10.0")
+    with pytest.raises(FailedPrecondition, match=r"minimax_m3_nvfp4 quantization is currently not supported in ROCm"):
+        sglang("tiny-minimax-m3-nvfp4", tp_size=8, device="hip:9.4")
+    with pytest.raises(FailedPrecondition, match=r"Minimum capability: 90\. Current capability: 80"):
+        sglang("tiny-minimax-m3-nvfp4", tp_size=8, device="cuda:8.0")
+
+
+def test_minimax_m3_mxfp8_needs_sm100_and_runs_deep_gemm_there():
+    with pytest.raises(FailedPrecondition, match=r"The quantization method mxfp8 is not supported .* Minimum "
+                                                 r"capability: 100"):
+        sglang("tiny-minimax-m3-mxfp8", tp_size=8)
+    assert sglang("tiny-minimax-m3-mxfp8", tp_size=8, device="cuda:10.0")["sglang.moe_runner_backend"].value == \
+        "deep_gemm"
