@@ -248,10 +248,12 @@ def rewrite(entry_class: str, quant_key: str | None, a2a: str, runner: str, shap
 
 # --- 2. start-up refusals -------------------------------------------------------------------------------------------
 
-# layers/quantization/*.py: get_min_capability, and configs/model_config.py: rocm_supported_quantization, restated
-# for the quantizations whose device limits the conformance grid holds (SGLang's own tables are longer).
-QUANTIZATION_MIN_CAPABILITY = {"mxfp8": (10, 0), "minimax_m3_nvfp4": (9, 0)}
-ROCM_UNSUPPORTED_QUANTIZATIONS = frozenset({"minimax_m3_nvfp4"})
+# layers/quantization/*.py: get_min_capability, restated for the quantizations whose device limit the conformance
+# grid holds (SGLang's own list is longer).
+QUANTIZATION_MIN_CAPABILITY = {"mxfp8": (10, 0), "minimax_m3_nvfp4": (9, 0), "modelopt_fp8": (8, 9)}
+# configs/model_config.py: _verify_quantization's rocm_supported_quantization (in loadplan's spelling: underscores).
+ROCM_QUANTIZATIONS = frozenset({"awq", "fp8", "compressed_tensors", "w8a8_fp8", "petit_nvfp4", "quark", "mxfp4",
+                                "mxfp8", "auto_round", "auto_round_int8", "quark_int4fp8_moe", "quark_mxfp4"})
 
 
 def refuse(i: Inputs) -> None:
@@ -264,7 +266,7 @@ def refuse(i: Inputs) -> None:
 
     overlap = "enable_tbo" if i.tbo else "enable_sbo"
     q = i.quantization.name
-    if q in ROCM_UNSUPPORTED_QUANTIZATIONS and i.device.kind == "hip":
+    if q is not None and q not in ROCM_QUANTIZATIONS and i.device.kind == "hip":
         no("device", f"{q} quantization is currently not supported in ROCm.")
     need = QUANTIZATION_MIN_CAPABILITY.get(q)
     if need is not None and i.device.kind == "cuda" and i.device.capability is not None \

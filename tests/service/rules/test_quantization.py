@@ -28,9 +28,17 @@ def test_names_are_normalised(raw, name):
 
 
 @pytest.mark.parametrize("algo,name", [("NVFP4", "modelopt_fp4"), ("nvfp4_awq", "modelopt_fp4"),
-                                       ("FP8", "modelopt")])
+                                       ("FP8", "modelopt_fp8"), ("MXFP8", "mxfp8"), (None, "modelopt")])
 def test_modelopt_writes_its_format_in_quant_algo(algo, name):
     assert quantization_of(None, {"quant_method": "modelopt", "quant_algo": algo}).name == name
+
+
+def test_a_modelopt_mixed_precision_checkpoint_is_modelopt_mixed_with_nvfp4_layers_else_w4afp8():
+    layers = {"model.layers.1.mlp.experts.0.gate_proj": {"quant_algo": "NVFP4"}}
+    mixed = {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "quantized_layers": layers}
+    assert quantization_of(None, mixed).name == "modelopt_mixed"
+    layers = {"model.layers.1.mlp.experts.0.gate_proj": {"quant_algo": "W4A8_AWQ"}}
+    assert quantization_of(None, dict(mixed, quantized_layers=layers)).name == "w4afp8"
 
 
 @pytest.mark.parametrize("key", ["exclude_modules", "ignore", "modules_to_not_convert", "ignored_layers"])

@@ -120,3 +120,16 @@ def test_minimax_m3_mxfp8_needs_sm100_and_runs_deep_gemm_there():
         sglang("tiny-minimax-m3-mxfp8", tp_size=8)
     assert sglang("tiny-minimax-m3-mxfp8", tp_size=8, device="cuda:10.0")["sglang.moe_runner_backend"].value == \
         "deep_gemm"
+
+
+def test_a_modelopt_fp8_deepseek_is_modelopt_fp8_to_sglang():
+    """ModelOpt's quant_method is modelopt, its format is quant_algo: SGLang serves FP8 as modelopt_fp8, which SM100's
+    DeepSeek override runs on flashinfer_trtllm (so not fused), which needs SM89 and is not run on ROCm."""
+    d = sglang("tiny-deepseek-v3-modelopt-fp8", tp_size=8, device="cuda:10.0")
+    assert d["sglang.moe_runner_backend"].value == "flashinfer_trtllm"
+    assert d[Keys.SHARED_EXPERTS_FUSION].value is False
+    with pytest.raises(FailedPrecondition, match=r"modelopt_fp8 is not supported for the current GPU\. Minimum "
+                                                 r"capability: 89"):
+        sglang("tiny-deepseek-v3-modelopt-fp8", tp_size=8, device="cuda:8.0")
+    with pytest.raises(FailedPrecondition, match=r"modelopt_fp8 quantization is currently not supported in ROCm"):
+        sglang("tiny-deepseek-v3-modelopt-fp8", tp_size=8, device="hip:9.4")
