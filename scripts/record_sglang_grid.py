@@ -86,7 +86,9 @@ CONFIGS_BLOCKS = ["tiny-minimax-m2", "tiny-exaone-moe", "tiny-mimo-v2-flash", "t
                   # MiniMax-M3's quantized checkpoints, whose runner and a2a backend its override picks per device
                   "tiny-minimax-m3-nvfp4", "tiny-minimax-m3-mxfp8",
                   # ModelOpt's formats, named from quant_algo (modelopt_fp8, modelopt_fp4)
-                  "tiny-deepseek-v3-modelopt-fp8", "tiny-deepseek-v3-modelopt-fp4"]
+                  "tiny-deepseek-v3-modelopt-fp8", "tiny-deepseek-v3-modelopt-fp4",
+                  # quantized checkpoints whose family override picks the runner on SM100
+                  "tiny-mimo-v2-flash-fp8", "tiny-minimax-m2-modelopt-fp4"]
 # Minimal configs of the classes whose Qwen2-MoE block decides its own fusion, and the backends it reads.
 CONFIGS_QWEN_BLOCK = ["tiny-qwen3-next", "tiny-qwen3-next-unshared", "tiny-qwen3_5-moe", "tiny-minicpmv4_6"]
 A2A_QWEN_BLOCK = ["none", "deepep", "deepep_v2", "mori", "mooncake", "megamoe", "nixl", "flashinfer"]

@@ -135,6 +135,8 @@ SM100_TRTLLM_FAMILY = {**{a: "deepseek" for a in DEEPSEEK_FAMILY_ARCHS}, "Glm4Mo
 # model_overrides/nemotron_h.py registers these. Restated: its runner default for an unquantized or ModelOpt
 # checkpoint; not its W4A16 (marlin) and expert-remap (EPLB on SM100: flashinfer_trtllm_routed) branches.
 NEMOTRON_H_ARCHS = frozenset({"NemotronHForCausalLM", "NemotronHPuzzleForCausalLM", "NemotronH_Omni_Reasoning_V3"})
+# model_overrides/mimo_v2.py registers these. Restated for FP8 checkpoints; not for those with MXFP4 experts.
+MIMO_V2_ARCHS = frozenset({"MiMoV2ForCausalLM", "MiMoV2FlashForCausalLM"})
 # model_overrides/cohere2_moe.py registers these. Restated for unquantized checkpoints; not its NVFP4-pack one.
 COHERE2_ARCHS = frozenset({"Cohere2MoeForCausalLM", "Cohere2VisionForConditionalGeneration"})
 # model_overrides/minimax_m3.py registers these.
@@ -228,14 +230,24 @@ def rewrite(entry_class: str, quant_key: str | None, a2a: str, runner: str, shap
         else:
             runner, why = "flashinfer_cutlass", f"NemotronH's MoE runner default for {entry_class}"
         done.append(Rewrite("sglang.moe_runner_backend", runner, why))
+    if entry_class == "MiniMaxM2ForCausalLM" and is_sm100(device) and runner == "auto" and quant_key == "modelopt_fp4":
+        runner = "flashinfer_trtllm_routed"     # model_overrides/minimax_m2.py
+        done.append(Rewrite("sglang.moe_runner_backend", runner, "Use flashinfer_trtllm_routed as MoE runner backend "
+                                                                 "on SM10X for MiniMaxM2ForCausalLM with modelopt_fp4."))
+    if (entry_class in MIMO_V2_ARCHS and is_sm100(device) and runner == "auto" and quant_key == "fp8"
+            and asked == "none"):
+        runner = "flashinfer_trtllm"            # model_overrides/mimo_v2.py (not its MXFP4-expert checkpoints)
+        done.append(Rewrite("sglang.moe_runner_backend", runner, "MiMoV2 on SM100: moe_runner_backend="
+                                                                 "flashinfer_trtllm."))
     if entry_class in COHERE2_ARCHS and is_sm100(device) and runner == "auto" and quant_key is None:
         runner = "flashinfer_trtllm"     # model_overrides/cohere2_moe.py
         done.append(Rewrite("sglang.moe_runner_backend", runner, "Command-A-Plus on SM10X: "
                                                                  "moe_runner_backend=flashinfer_trtllm (trtllm-gen "
                                                                  "fused MoE)."))
     family = SM100_TRTLLM_FAMILY.get(entry_class)
+    # overrides.py: LongCat's top-k spans its zero-expert logits, which trtllm-gen's fused routing cannot see
     if (is_sm100(device) and family is not None and asked == "none" and runner == "auto"
-            and quant_key in SM100_TRTLLM_QUANTS[family]):
+            and quant_key in SM100_TRTLLM_QUANTS[family] and not entry_class.startswith("LongcatFlash")):
         runner = "flashinfer_trtllm"
         done.append(Rewrite("sglang.moe_runner_backend", runner,
                             f"Use flashinfer_trtllm as MoE runner backend on sm100 for {entry_class}"))

@@ -10,7 +10,8 @@ question, one request per pipeline stage, and says whether they agree:
 - the registry refuses with a message starting `hazard:` (DESIGN 8.3) and SGLang's answer shows what that hazard
   says its code runs (`HAZARD_SHOWS`: a reduction owed after an a2a combine, a fused slot on a dispatch path, a
   fused 384-expert layout), or SGLang refuses: agree ("hazard");
-- both answer and `moe.shared_experts_fusion`, `moe.forward_path`,
+- both answer, the MoE runner the registry records SGLang's resolution picking is SGLang's, and
+  `moe.shared_experts_fusion`, `moe.forward_path`,
   `moe.post_experts_all_reduce`, `pp.layer_range` per stage and `eplb.enabled` /
   `eplb.layers` equal SGLang's: agree;
 - anything else: a disagreement, with what differs.
@@ -42,6 +43,7 @@ ROOT = HERE.parents[1]
 RECORDING = ROOT / "tests" / "data" / "sglang_0.5.23_grid.jsonl.gz"
 CONFIG_DIRS = (ROOT / "tests" / "data" / "configs", HERE / "configs")
 HAZARD_PREFIX = "hazard:"
+RUNNER_REWRITE = "sglang.moe_runner_backend"
 # What SGLang's own answer shows where a hazard's wrong layout is what its code runs (service/rules/hazards.py).
 # A hazard not here is not visible in the answer (a NextN draft's missing MTP weights).
 HAZARD_SHOWS = {
@@ -171,6 +173,9 @@ def verdict(point: dict, answer: dict) -> Verdict:
         return d.value if d is not None else "<missing>"
 
     same(Keys.SHARED_EXPERTS_FUSION, value(first, Keys.SHARED_EXPERTS_FUSION), answer["shared_experts_fusion"])
+    # A runner the registry says SGLang's resolution picked (a rewrite it records) must be the one SGLang picked.
+    if RUNNER_REWRITE in first and not point.get("draft_config"):
+        same(RUNNER_REWRITE, first[RUNNER_REWRITE].value, (answer.get("rewritten") or {}).get("moe_runner_backend"))
     if answer.get("forward_path") is not None:
         same(Keys.FORWARD_PATH, value(first, Keys.FORWARD_PATH), answer["forward_path"])
         same(Keys.POST_EXPERTS_ALL_REDUCE, value(first, Keys.POST_EXPERTS_ALL_REDUCE),

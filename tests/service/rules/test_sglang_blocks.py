@@ -133,3 +133,11 @@ def test_a_modelopt_fp8_deepseek_is_modelopt_fp8_to_sglang():
         sglang("tiny-deepseek-v3-modelopt-fp8", tp_size=8, device="cuda:8.0")
     with pytest.raises(FailedPrecondition, match=r"modelopt_fp8 quantization is currently not supported in ROCm"):
         sglang("tiny-deepseek-v3-modelopt-fp8", tp_size=8, device="hip:9.4")
+
+
+def test_sm100s_trtllm_runner_for_the_deepseek_family_skips_longcat_flash_and_takes_quantized_mimo_and_minimax_m2():
+    assert "sglang.moe_runner_backend" not in sglang("tiny-longcatflash", tp_size=8, device="cuda:10.0")
+    assert sglang("tiny-mimo-v2-flash-fp8", tp_size=8, device="cuda:10.0")["sglang.moe_runner_backend"].value == \
+        "flashinfer_trtllm"
+    assert sglang("tiny-minimax-m2-modelopt-fp4", tp_size=8,
+                  device="cuda:10.0")["sglang.moe_runner_backend"].value == "flashinfer_trtllm_routed"
