@@ -20,7 +20,7 @@ Grid (and how it is pruned):
 - pipeline: every config × pp 2, 3, 4 (layer ranges per stage), cuda:9.0, tp 8.
 - eplb: every config × EPLB on, backends none and deepep, ep 8, cuda:9.0.
 - draft: target + draft pairs (a NextN draft and a Qwen3 draft), per device, inside
-  SGLang's draft build scope, with and without EPLB.
+  SGLang's draft build scope, with and without EPLB on ep 8, and on one tp group of 8.
 - entries: minimal configs of rules-only entry classes SGLang gates (tests/conformance/configs:
   Dots3, DeepSeek-V4, DeepSeek-OCR, MiniCPM-V 4.6, MiniMax-M3, and Pixtral over a deepseek_v3 text_config, once
   naming DeepseekV3ForCausalLM and once MistralLarge3ForCausalLM as SGLang's Mistral-format parser writes it),
@@ -115,6 +115,10 @@ def grid() -> list[dict]:
         for role_draft in (None, draft):
             add("draft", config=target, draft_config=role_draft, a2a_backend="none", device=device,
                 tp=1, ep=8, dp=1, eplb=eplb)
+    for (target, draft), device, role_draft in itertools.product(DRAFTS, DEVICES, (False, True)):
+        # one tp group, no EP: where a NextN draft's fusion follows the server's MoE runner (SM100's trtllm)
+        add("draft", config=target, draft_config=draft if role_draft else None, a2a_backend="none", device=device,
+            tp=8, ep=1, dp=1)
     for cfg, backend, (tp, ep), flags in itertools.product(CONFIGS_ENTRIES, ["none", "deepep"], [(8, 1), (2, 4)],
                                                           [{}, {"enforce_fusion": True}]):
         add("entries", config=cfg, a2a_backend=backend, device="cuda:9.0", tp=tp, ep=ep, dp=1, **flags)

@@ -129,7 +129,11 @@ SM100_TRTLLM_QUANTS = {
 SM100_TRTLLM_FAMILY = {**{a: "deepseek" for a in DEEPSEEK_FAMILY_ARCHS}, "Glm4MoeForCausalLM": "glm4_moe",
                        # model_overrides/qwen3_moe.py: _qwen3_moe_family_overrides registers these architectures
                        **dict.fromkeys(("Qwen3MoeForCausalLM", "Qwen3VLMoeForConditionalGeneration",
-                                        "Qwen3NextForCausalLM", "Qwen3_5MoeForConditionalGeneration"), "qwen3_moe")}
+                                        "Qwen3NextForCausalLM", "Qwen3_5MoeForConditionalGeneration"), "qwen3_moe"),
+                       # a NextN / MTP draft runs on the server's runner, which its target's override picked
+                       "DeepseekV3ForCausalLMNextN": "deepseek", "GlmMoeDsaForCausalLMNextN": "deepseek",
+                       "Glm4MoeForCausalLMNextN": "glm4_moe", "Qwen3NextForCausalLMMTP": "qwen3_moe",
+                       "Qwen3_5ForCausalLMMTP": "qwen3_moe"}
 
 
 # model_overrides/nemotron_h.py registers these. Restated: its runner default for an unquantized or ModelOpt

@@ -174,7 +174,7 @@ def verdict(point: dict, answer: dict) -> Verdict:
 
     same(Keys.SHARED_EXPERTS_FUSION, value(first, Keys.SHARED_EXPERTS_FUSION), answer["shared_experts_fusion"])
     # A runner the registry says SGLang's resolution picked (a rewrite it records) must be the one SGLang picked.
-    if RUNNER_REWRITE in first and not point.get("draft_config"):
+    if RUNNER_REWRITE in first:
         same(RUNNER_REWRITE, first[RUNNER_REWRITE].value, (answer.get("rewritten") or {}).get("moe_runner_backend"))
     if answer.get("forward_path") is not None:
         same(Keys.FORWARD_PATH, value(first, Keys.FORWARD_PATH), answer["forward_path"])

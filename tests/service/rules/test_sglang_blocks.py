@@ -141,3 +141,16 @@ def test_sm100s_trtllm_runner_for_the_deepseek_family_skips_longcat_flash_and_ta
         "flashinfer_trtllm"
     assert sglang("tiny-minimax-m2-modelopt-fp4", tp_size=8,
                   device="cuda:10.0")["sglang.moe_runner_backend"].value == "flashinfer_trtllm_routed"
+
+
+def test_a_nextn_draft_on_sm100_runs_its_targets_trtllm_runner_so_it_is_not_fused():
+    """SGLang picks one MoE runner per server, from the target's architecture: the NextN draft of a DeepSeek target
+    on SM100 runs flashinfer_trtllm too, which turns its fusion off (a NextN draft request names its own class)."""
+    cfg = dict(config("tiny-deepseek-v3-unshared"), n_shared_experts=1, n_routed_experts=256,
+               num_nextn_predict_layers=1, architectures=["DeepseekV3ForCausalLMNextN"])
+    cfg.pop("quantization_config")
+    d = resolve(cfg, engine="sglang", device="cuda:10.0", tp_size=8, role="speculative").decisions
+    assert d["sglang.moe_runner_backend"].value == "flashinfer_trtllm"
+    assert d[Keys.SHARED_EXPERTS_FUSION].value is False
+    assert resolve(cfg, engine="sglang", device="cuda:9.0", tp_size=8,
+                   role="speculative").decisions[Keys.SHARED_EXPERTS_FUSION].value is True
