@@ -120,29 +120,61 @@ DEEPSEEK_FAMILY_ARCHS = frozenset({"DeepseekV3ForCausalLM", "DeepseekV32ForCausa
                                    "GlmMoeDsaForCausalLM", "Glm5NextForConditionalGeneration", "HYV4ForCausalLM",
                                    "HYV4ForCausalLMNextN", "LongcatFlashForCausalLM", "LongcatFlashForCausalLMNextN",
                                    "Dots3NoteForCausalLM"})
-# SM100's auto runner is flashinfer_trtllm for these quantizations (None: unquantized), per family override.
-SM100_TRTLLM_QUANTS = {
-    "deepseek": frozenset({None, "fp8", "modelopt_fp8", "modelopt_fp4", "modelopt_mixed", "kimi_int4"}),
-    "glm4_moe": frozenset({None, "modelopt_fp4"}),          # model_overrides/glm4_moe.py
-    "qwen3_moe": frozenset({None, "fp8", "modelopt_fp4", "modelopt_mixed"}),   # model_overrides/qwen3_moe.py
+
+
+@dataclass(frozen=True)
+class Sm100Runner:
+    """A family override's MoE runner on SM100 for --moe-runner-backend auto (arg_groups/overrides.py,
+    model_overrides/*.py)."""
+
+    quants: frozenset             # the quantizations it picks `runner` for (SGLang's key; None: unquantized)
+    runner: str = "flashinfer_trtllm"
+    only_without_a2a: bool = True         # only under --moe-a2a-backend none, as the flag gave it
+    copies_quantization: bool = False     # it writes the checkpoint's quant_method into --quantization
+    why: str = "Use flashinfer_trtllm as MoE runner backend on sm100 for {arch}"
+
+
+SM100_RUNNERS = {
+    "deepseek": Sm100Runner(frozenset({None, "fp8", "modelopt_fp8", "modelopt_fp4", "modelopt_mixed", "kimi_int4"}),
+                            copies_quantization=True),
+    # overrides.py: LongCat's top-k spans its zero-expert logits, which trtllm-gen's fused routing cannot see
+    "longcat_flash": Sm100Runner(frozenset(), copies_quantization=True),
+    "glm4_moe": Sm100Runner(frozenset({None, "modelopt_fp4"}), copies_quantization=True),   # model_overrides/glm4_moe.py
+    "qwen3_moe": Sm100Runner(frozenset({None, "fp8", "modelopt_fp4", "modelopt_mixed"}),    # .../qwen3_moe.py
+                             copies_quantization=True),
+    # model_overrides/mimo_v2.py: for FP8 checkpoints (not those with MXFP4 experts, which it gives flashinfer_mxfp4)
+    "mimo_v2": Sm100Runner(frozenset({"fp8"}), why="MiMoV2 on SM100: moe_runner_backend=flashinfer_trtllm."),
+    "minimax_m2": Sm100Runner(frozenset({"modelopt_fp4"}), "flashinfer_trtllm_routed", only_without_a2a=False,
+                              why="Use flashinfer_trtllm_routed as MoE runner backend on SM10X for {arch} with "
+                                  "modelopt_fp4."),                                    # model_overrides/minimax_m2.py
+    # model_overrides/cohere2_moe.py: for unquantized checkpoints (not restated: its NVFP4-pack one)
+    "cohere2_moe": Sm100Runner(frozenset({None}), only_without_a2a=False,
+                               why="Command-A-Plus on SM10X: moe_runner_backend=flashinfer_trtllm (trtllm-gen fused "
+                                   "MoE)."),
 }
-SM100_TRTLLM_FAMILY = {**{a: "deepseek" for a in DEEPSEEK_FAMILY_ARCHS}, "Glm4MoeForCausalLM": "glm4_moe",
+# The architectures each override registers (the config's first).
+SM100_RUNNER_FAMILY = {**dict.fromkeys(DEEPSEEK_FAMILY_ARCHS, "deepseek"),
+                       **dict.fromkeys(("LongcatFlashForCausalLM", "LongcatFlashForCausalLMNextN"), "longcat_flash"),
+                       "Glm4MoeForCausalLM": "glm4_moe",
                        # model_overrides/qwen3_moe.py: _qwen3_moe_family_overrides registers these architectures
                        **dict.fromkeys(("Qwen3MoeForCausalLM", "Qwen3VLMoeForConditionalGeneration",
                                         "Qwen3NextForCausalLM", "Qwen3_5MoeForConditionalGeneration"), "qwen3_moe"),
                        # a NextN / MTP draft runs on the server's runner, which its target's override picked
                        "DeepseekV3ForCausalLMNextN": "deepseek", "GlmMoeDsaForCausalLMNextN": "deepseek",
                        "Glm4MoeForCausalLMNextN": "glm4_moe", "Qwen3NextForCausalLMMTP": "qwen3_moe",
-                       "Qwen3_5ForCausalLMMTP": "qwen3_moe"}
+                       "Qwen3_5ForCausalLMMTP": "qwen3_moe",
+                       **dict.fromkeys(("MiMoV2ForCausalLM", "MiMoV2FlashForCausalLM"), "mimo_v2"),
+                       "MiniMaxM2ForCausalLM": "minimax_m2",
+                       **dict.fromkeys(("Cohere2MoeForCausalLM", "Cohere2VisionForConditionalGeneration"), "cohere2_moe")}
+
+
+def sm100_runner(entry_class: str) -> Sm100Runner | None:
+    return SM100_RUNNERS.get(SM100_RUNNER_FAMILY.get(entry_class))
 
 
 # model_overrides/nemotron_h.py registers these. Restated: its runner default for an unquantized or ModelOpt
 # checkpoint; not its W4A16 (marlin) and expert-remap (EPLB on SM100: flashinfer_trtllm_routed) branches.
 NEMOTRON_H_ARCHS = frozenset({"NemotronHForCausalLM", "NemotronHPuzzleForCausalLM", "NemotronH_Omni_Reasoning_V3"})
-# model_overrides/mimo_v2.py registers these. Restated for FP8 checkpoints; not for those with MXFP4 experts.
-MIMO_V2_ARCHS = frozenset({"MiMoV2ForCausalLM", "MiMoV2FlashForCausalLM"})
-# model_overrides/cohere2_moe.py registers these. Restated for unquantized checkpoints; not its NVFP4-pack one.
-COHERE2_ARCHS = frozenset({"Cohere2MoeForCausalLM", "Cohere2VisionForConditionalGeneration"})
 # model_overrides/minimax_m3.py registers these.
 MINIMAX_M3_ARCHS = frozenset({"MiniMaxM3SparseForCausalLM", "MiniMaxM3SparseForConditionalGeneration"})
 
@@ -234,27 +266,11 @@ def rewrite(entry_class: str, quant_key: str | None, a2a: str, runner: str, shap
         else:
             runner, why = "flashinfer_cutlass", f"NemotronH's MoE runner default for {entry_class}"
         done.append(Rewrite("sglang.moe_runner_backend", runner, why))
-    if entry_class == "MiniMaxM2ForCausalLM" and is_sm100(device) and runner == "auto" and quant_key == "modelopt_fp4":
-        runner = "flashinfer_trtllm_routed"     # model_overrides/minimax_m2.py
-        done.append(Rewrite("sglang.moe_runner_backend", runner, "Use flashinfer_trtllm_routed as MoE runner backend "
-                                                                 "on SM10X for MiniMaxM2ForCausalLM with modelopt_fp4."))
-    if (entry_class in MIMO_V2_ARCHS and is_sm100(device) and runner == "auto" and quant_key == "fp8"
-            and asked == "none"):
-        runner = "flashinfer_trtllm"            # model_overrides/mimo_v2.py (not its MXFP4-expert checkpoints)
-        done.append(Rewrite("sglang.moe_runner_backend", runner, "MiMoV2 on SM100: moe_runner_backend="
-                                                                 "flashinfer_trtllm."))
-    if entry_class in COHERE2_ARCHS and is_sm100(device) and runner == "auto" and quant_key is None:
-        runner = "flashinfer_trtllm"     # model_overrides/cohere2_moe.py
-        done.append(Rewrite("sglang.moe_runner_backend", runner, "Command-A-Plus on SM10X: "
-                                                                 "moe_runner_backend=flashinfer_trtllm (trtllm-gen "
-                                                                 "fused MoE)."))
-    family = SM100_TRTLLM_FAMILY.get(entry_class)
-    # overrides.py: LongCat's top-k spans its zero-expert logits, which trtllm-gen's fused routing cannot see
-    if (is_sm100(device) and family is not None and asked == "none" and runner == "auto"
-            and quant_key in SM100_TRTLLM_QUANTS[family] and not entry_class.startswith("LongcatFlash")):
-        runner = "flashinfer_trtllm"
-        done.append(Rewrite("sglang.moe_runner_backend", runner,
-                            f"Use flashinfer_trtllm as MoE runner backend on sm100 for {entry_class}"))
+    row = sm100_runner(entry_class)
+    if (row is not None and is_sm100(device) and runner == "auto" and quant_key in row.quants
+            and (asked == "none" or not row.only_without_a2a)):
+        runner = row.runner
+        done.append(Rewrite("sglang.moe_runner_backend", runner, row.why.format(arch=entry_class)))
     why = A2A_FORCES_FUSION_OFF.get(a2a) or RUNNER_FORCES_FUSION_OFF.get(runner)
     if why and not disable_fusion:
         disable_fusion = True
@@ -816,7 +832,8 @@ def decide(*, entry_class: str, architecture: str, layout: MoeLayout, quantizati
     # Server-args resolution copies the checkpoint's quant_method into --quantization only in the SM100 overrides
     # of the families that have one (overrides.py, model_overrides/*): elsewhere it stays unset (None).
     server_q = None
-    if (is_sm100(device) and entry_class in SM100_TRTLLM_FAMILY or entry_class in MINIMAX_M3_ARCHS) \
+    row = sm100_runner(entry_class)
+    if (is_sm100(device) and row is not None and row.copies_quantization or entry_class in MINIMAX_M3_ARCHS) \
             and quantization.name:
         server_q = quantization.name.replace("compressed_tensors", "compressed-tensors")
     shared, fit = block_shared(cfg) if entry_class in BLOCK_FUSION else (0, False)
