@@ -74,7 +74,8 @@ DRAFTS = [("deepseek-v3", "deepseek-v3"), ("kimi-k2", "kimi-k2"), ("glm-4.5", "g
 CONFIGS_ENTRIES = ["tiny-dots3", "tiny-deepseek-v4", "tiny-deepseek-ocr", "tiny-minicpmv4_6", "tiny-minimax-m3",
                    "tiny-pixtral", "tiny-pixtral-ml3", "tiny-deepseek-v3-unshared", "tiny-glm-4.5-unshared",
                    "tiny-dots3-unshared", "tiny-minimax-m3-unshared"]
-# Minimal configs of families whose MoE block dispatches itself for some backends.
+# Minimal configs of every family both loadplan's engine and SGLang build, beside the real ones: those whose MoE
+# block dispatches itself for some backends first.
 CONFIGS_BLOCKS = ["tiny-minimax-m2", "tiny-exaone-moe", "tiny-mimo-v2-flash", "tiny-step3p5", "tiny-glm-4.7-flash",
                   "tiny-minimax-m3", "tiny-dots3", "tiny-nemotron-h",
                   # the other families both loadplan's engine and SGLang build (the engine tests' tiny configs)
@@ -115,9 +116,9 @@ def grid() -> list[dict]:
         for role_draft in (None, draft):
             add("draft", config=target, draft_config=role_draft, a2a_backend="none", device=device,
                 tp=1, ep=8, dp=1, eplb=eplb)
-    for (target, draft), device, role_draft in itertools.product(DRAFTS, DEVICES, (False, True)):
+    for (target, draft), device, with_draft in itertools.product(DRAFTS, DEVICES, (False, True)):
         # one tp group, no EP: where a NextN draft's fusion follows the server's MoE runner (SM100's trtllm)
-        add("draft", config=target, draft_config=draft if role_draft else None, a2a_backend="none", device=device,
+        add("draft", config=target, draft_config=draft if with_draft else None, a2a_backend="none", device=device,
             tp=8, ep=1, dp=1)
     for cfg, backend, (tp, ep), flags in itertools.product(CONFIGS_ENTRIES, ["none", "deepep"], [(8, 1), (2, 4)],
                                                           [{}, {"enforce_fusion": True}]):
@@ -209,8 +210,8 @@ def main(argv=None) -> int:
             "a2a_backends": A2A_BACKENDS, "devices": DEVICES, "shapes_tp_ep_dp": SHAPES,
             "flags_shared": FLAGS_SHARED, "flags_unshared": FLAGS_UNSHARED,
             "runners": RUNNERS, "pp_sizes": PP_SIZES, "drafts": DRAFTS, "limit": args.limit,
-            "configs_entries": CONFIGS_ENTRIES, "configs_qwen_block": CONFIGS_QWEN_BLOCK, "configs_blocks": CONFIGS_BLOCKS,
-            "a2a_qwen_block": A2A_QWEN_BLOCK,
+            "configs_entries": CONFIGS_ENTRIES, "configs_qwen_block": CONFIGS_QWEN_BLOCK,
+            "configs_blocks": CONFIGS_BLOCKS, "a2a_qwen_block": A2A_QWEN_BLOCK,
         },
         "environment": "the oracle's DISPATCH_BUDGETS (per-rank dispatch-token budgets of "
                        "MoRI, pplx and DeepEP v2, set as an operator sets them)",

@@ -292,9 +292,10 @@ def block_fusion(model_class, hf_config, quant_config) -> int | None:
     if where is None:
         return None
     builder = importlib.import_module(where)
-    block_module = importlib.import_module(FAMILY_BLOCKS[model_class.__name__][0])
+    module_name, block_name = FAMILY_BLOCKS[model_class.__name__]
+    block_module = importlib.import_module(module_name)
     flags = {name: eval(expr, vars(builder)) for name, expr in _block_fusion_flags(builder).items()}
-    block = getattr(block_module, FAMILY_BLOCKS[model_class.__name__][1])
+    block = getattr(block_module, block_name)
     stand_in = types.SimpleNamespace()
     local = {"self": stand_in, "config": getattr(hf_config, "text_config", None) or hf_config,
              "quant_config": quant_config, **dict.fromkeys(BLOCK_FUSION_FLAGS, False), **flags}
@@ -304,7 +305,7 @@ def block_fusion(model_class, hf_config, quant_config) -> int | None:
     for cls in model_class.__mro__:
         init = vars(cls).get("__init__")
         if inspect.isfunction(init) and "self.num_fused_shared_experts > 1" in inspect.getsource(init):
-            check = ast.Module(body=_statements(cls.__init__, "self.num_fused_shared_experts > 1",
+            check = ast.Module(body=_statements(init, "self.num_fused_shared_experts > 1",
                                                 "self.num_fused_shared_experts > 1"), type_ignores=[])
             exec(compile(check, f"<{cls.__name__}.__init__>", "exec"), vars(importlib.import_module(cls.__module__)),
                  {"self": stand_in})
