@@ -50,13 +50,6 @@ HAZARDS: dict[str, Hazard] = {
                "silently mis-loads it')",
                "leave --enforce-shared-experts-fusion off, or a Quark MXFP4 checkpoint (amd/Kimi-K2.5-MXFP4), the "
                "only pre-fused 384-expert layout"),
-        Hazard("sglang.nextn_without_mtp_layer", "sglang",
-               "sglang/srt/models/deepseek_nextn.py DeepseekV3ForCausalLMNextN (--speculative-algorithm NEXTN) on a "
-               "checkpoint whose num_nextn_predict_layers is 0",
-               "builds the MTP layer and finds none of its weights in the checkpoint: the draft runs on weights that "
-               "were never loaded",
-               "a checkpoint that ships its MTP layer (num_nextn_predict_layers >= 1), or a standalone draft model "
-               "(--speculative-algorithm STANDALONE)"),
     )
 }
 

@@ -457,6 +457,9 @@ def _sglang_part(req: ResolveRequest, resolved: Resolved, layout: MoeLayout, dev
     def put(key: str, value: Any, reason: str, rule: str, deployment_wide: bool = True) -> None:
         d[key] = Decision(key, value, reason, rule, deployment_wide)
 
+    # The MoE runner SGLang's resolution leaves, on every plan (a rewrite below says why it changed).
+    put(sglang.RUNNER_KEY, dec.inputs.runner, f"--moe-runner-backend {dec.inputs.runner}, as SGLang's server-args "
+                                              f"resolution leaves it", "sglang.moe_runner_backend")
     for rw in dec.rewrites:   # what SGLang's server-args resolution rewrote, with its reason
         put(rw.key, rw.value, rw.reason, f"sglang.rewrite.{rw.key.split('.', 1)[1]}")
     fused, rule, reason = dec.fused

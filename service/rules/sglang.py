@@ -31,6 +31,8 @@ from .quantization import Quantization
 
 NAME = "sglang"
 VERSION = "0.5.23"
+# The decision that records the MoE runner SGLang's resolution leaves (on every sglang plan).
+RUNNER_KEY = "sglang.moe_runner_backend"
 
 # layers/moe/utils.py: MoeA2ABackend (CUSTOMIZED is a plugin hook, not a backend a fleet names).
 A2A_BACKENDS = ("none", "deepep", "mooncake", "nixl", "mori", "ascend_fuseep", "ascend_tp", "flashinfer",
@@ -103,6 +105,9 @@ class Inputs:
     block_shared: int = 0
     block_widths_fit: bool = False
     ep_asked: int = 1             # --ep-size as given, before an EP-spanning backend set it to the tp group
+    a2a_asked: str = "none"       # --moe-a2a-backend as handle_moe_kernel_config reads it (before handle_a2a_moe)
+    architectures: tuple[str, ...] = ()   # the checkpoint's config.json architectures, as SGLang's hooks read them
+    checkpoint_quantization: str | None = None   # the checkpoint's quantization before a model override renamed it
 
 
 @dataclass(frozen=True)
@@ -235,9 +240,38 @@ def is_sm90(device: Device) -> bool:
     return device.kind == "cuda" and device.capability is not None and device.capability[0] == 9
 
 
+# arg_groups/choices.py: MXFP8_MOE_RUNNER_BACKEND_CHOICES.
+MXFP8_RUNNERS = ("cutlass", "deep_gemm", "flashinfer_megamoe", "flashinfer_trtllm", "flashinfer_trtllm_routed")
+
+
+def _quantization_runner(server_q: str | None, runner: str, a2a: str, device: Device, done: list[Rewrite]) -> str:
+    """arg_groups/overrides.py: _moe_runner_backend_quant_constraints (run by handle_moe_kernel_config): an MXFP8
+    --quantization takes its own runners, a ModelOpt FP4 one flashinfer_cutlass on SM110/SM120. Not restated:
+    nvfp4_online (an online quantization a checkpoint does not name) and ROCm's aiter runner (SGLANG_USE_AITER)."""
+    gfx95 = device.kind == "hip" and device.capability is not None and device.capability >= (9, 5)
+    if server_q == "mxfp8":
+        allowed = [*MXFP8_RUNNERS, *(("triton",) if gfx95 or (device.kind == "hip" and runner == "triton") else ())]
+        default = ("flashinfer_megamoe" if a2a == "flashinfer_megamoe" else "triton" if gfx95
+                   else "flashinfer_trtllm")
+        if runner == "auto" or runner not in allowed:
+            done.append(Rewrite("sglang.moe_runner_backend", default,
+                                f"mxfp8 quantization supports only {', '.join(allowed)} backends: "
+                                f"--moe-runner-backend {runner} -> {default}"))
+            return default
+    if (runner == "auto" and server_q == "modelopt_fp4" and device.kind == "cuda" and device.capability is not None
+            and device.capability[0] in (11, 12)):
+        done.append(Rewrite("sglang.moe_runner_backend", "flashinfer_cutlass",
+                            "Use flashinfer_cutlass as MoE runner backend on SM110/SM120 for modelopt_fp4 (trtllm-gen "
+                            "MoE kernels are SM100-only)"))
+        return "flashinfer_cutlass"
+    return runner
+
+
 def rewrite(entry_class: str, quant_key: str | None, a2a: str, runner: str, shape: Shape, device: Device,
-            disable_fusion: bool) -> tuple[str, str, Shape, bool, list[Rewrite]]:
-    """(a2a, runner, shape, disable_fusion) as SGLang's server-args resolution leaves them, and what it rewrote."""
+            disable_fusion: bool, server_quantization: str | None = None, fp4_experts: bool = False
+            ) -> tuple[str, str, Shape, bool, str, list[Rewrite]]:
+    """(a2a, runner, shape, disable_fusion) as SGLang's server-args resolution leaves them, the a2a backend its MoE
+    kernel hook reads, and what it rewrote."""
     done: list[Rewrite] = []
     asked = a2a                 # the SM100 runner override reads the a2a backend as the flag gave it
     if entry_class in MINIMAX_M3_ARCHS:
@@ -246,6 +280,7 @@ def rewrite(entry_class: str, quant_key: str | None, a2a: str, runner: str, shap
         a2a = "none"
         done.append(Rewrite("sglang.moe_a2a_backend", "none",
                             "SGLang runs --moe-a2a-backend ascend_tp as none (its TP dispatcher is the normal path)"))
+    kernel_hook_a2a = a2a       # what handle_moe_kernel_config reads: handle_a2a_moe rewrites after it
     if a2a in EP_SPANNING and shape.ep != shape.tp:
         done.append(Rewrite("sglang.ep_size", shape.tp,
                             f"{a2a} MoE is enabled. The expert parallel size is adjusted from {shape.ep} to the "
@@ -266,107 +301,215 @@ def rewrite(entry_class: str, quant_key: str | None, a2a: str, runner: str, shap
         else:
             runner, why = "flashinfer_cutlass", f"NemotronH's MoE runner default for {entry_class}"
         done.append(Rewrite("sglang.moe_runner_backend", runner, why))
+    if (entry_class == "DeepseekV4ForCausalLM" and runner == "auto" and fp4_experts and device.kind == "cuda"
+            and asked == "none" and device.capability is not None and device.capability[0] in (9, 10, 12)):
+        runner = "flashinfer_mxfp4"     # model_overrides/deepseek_v4.py (not restated: its NVFP4 hybrid checkpoint)
+        done.append(Rewrite("sglang.moe_runner_backend", runner,
+                            f"Use flashinfer_mxfp4 as MoE runner backend for {entry_class}."))
     row = sm100_runner(entry_class)
     if (row is not None and is_sm100(device) and runner == "auto" and quant_key in row.quants
             and (asked == "none" or not row.only_without_a2a)):
         runner = row.runner
         done.append(Rewrite("sglang.moe_runner_backend", runner, row.why.format(arch=entry_class)))
+    runner = _quantization_runner(server_quantization, runner, kernel_hook_a2a, device, done)
     why = A2A_FORCES_FUSION_OFF.get(a2a) or RUNNER_FORCES_FUSION_OFF.get(runner)
     if why and not disable_fusion:
         disable_fusion = True
         done.append(Rewrite("sglang.disable_shared_experts_fusion", True, why))
-    return a2a, runner, shape, disable_fusion, done
+    # arg_groups/moe_hook.py: handle_a2a_moe resolves an auto runner for the backends that need their own (after the
+    # runner's fusion adjustment above, which read the runner before it)
+    if runner == "auto" and a2a in A2A_RUNNER:
+        runner, why = A2A_RUNNER[a2a]
+        done.append(Rewrite("sglang.moe_runner_backend", runner, why))
+    return a2a, runner, shape, disable_fusion, kernel_hook_a2a, done
+
+
+# arg_groups/moe_hook.py: handle_a2a_moe's runner for --moe-runner-backend auto, per a2a backend, and its log line.
+A2A_RUNNER = {
+    "deepep_v2": ("deep_gemm", "DeepEP v2 MoE: resolved --moe-runner-backend auto -> deep_gemm."),
+    "pplx": ("deep_gemm", "auto set moe_runner_backend=`deep_gemm` for PPLX EP"),
+    "flashinfer_megamoe": ("flashinfer_megamoe", "FlashInfer MegaMOE a2a backend: --moe-runner-backend auto -> "
+                                                 "flashinfer_megamoe"),
+}
 
 
 # --- 2. start-up refusals -------------------------------------------------------------------------------------------
 
+# layers/quantization/__init__.py: BASE_QUANTIZATION_METHODS, the names _verify_quantization accepts, in its order
+# ("mxfp4" is registered after them on CUDA and gfx95, not on an older ROCm GPU).
+QUANTIZATION_METHODS = ("fp8", "mxfp8", "minimax_m3_nvfp4", "blockwise_int8", "modelopt", "modelopt_fp8",
+                        "modelopt_fp4", "nvfp4_online", "modelopt_mixed", "w8a8_int8", "w8a8_fp8", "awq", "awq_marlin",
+                        "bitsandbytes", "gguf", "gptq_marlin", "moe_wna16", "compressed-tensors", "w4afp8",
+                        "petit_nvfp4", "quark", "quark_mxfp4", "auto-round", "auto-round-int8", "modelslim",
+                        "quark_int4fp8_moe", "humming", "mxfp_w4a8")
+# configs/model_config.py: _verify_quantization's rocm_supported_quantization.
+ROCM_QUANTIZATIONS = frozenset({"awq", "fp8", "compressed_tensors", "compressed-tensors", "w8a8_fp8", "petit_nvfp4",
+                                "quark", "mxfp4", "mxfp8", "auto-round", "auto-round-int8", "quark_int4fp8_moe",
+                                "quark_mxfp4"})
 # layers/quantization/*.py: get_min_capability, restated for the quantizations whose device limit the conformance
 # grid holds (SGLang's own list is longer).
 QUANTIZATION_MIN_CAPABILITY = {"mxfp8": (10, 0), "minimax_m3_nvfp4": (9, 0), "modelopt_fp8": (8, 9)}
-# configs/model_config.py: _verify_quantization's rocm_supported_quantization (in loadplan's spelling: underscores).
-ROCM_QUANTIZATIONS = frozenset({"awq", "fp8", "compressed_tensors", "w8a8_fp8", "petit_nvfp4", "quark", "mxfp4",
-                                "mxfp8", "auto_round", "auto_round_int8", "quark_int4fp8_moe", "quark_mxfp4"})
+# How SGLang spells the names loadplan writes with underscores.
+SGLANG_SPELLING = {"compressed_tensors": "compressed-tensors", "auto_round": "auto-round",
+                   "auto_round_int8": "auto-round-int8"}
+
+
+def sglang_name(q: str | None) -> str | None:
+    """A quantization name as SGLang spells it."""
+    return SGLANG_SPELLING.get(q, q) if q is not None else None
+
+
+def _quantization_methods(device: Device) -> list[str]:
+    gfx95 = device.kind == "hip" and device.capability is not None and device.capability >= (9, 5)
+    return [*QUANTIZATION_METHODS, *(("mxfp4",) if device.kind == "cuda" or gfx95 else ())]
+
+
+def _verify_quantization(q: str | None, device: Device) -> str | None:
+    """configs/model_config.py: ModelConfig._verify_quantization's refusal of `q` (SGLang's spelling), or None."""
+    if q is None:
+        return None
+    known = _quantization_methods(device)
+    if q not in known:
+        return f"Unknown quantization method: {q}. Must be one of {known}."
+    if device.kind == "hip" and q not in ROCM_QUANTIZATIONS:
+        return f"{q} quantization is currently not supported in ROCm."
+    return None
 
 
 def refuse(i: Inputs) -> None:
-    """FAILED_PRECONDITION where SGLang refuses to start, naming the flag and SGLang's reason, in the order its
-    resolution meets them (arg_groups/moe_hook.py, mega_moe_hook.py, the loader's quantization check). Not here: the
-    per-rank dispatch-token budgets of MoRI, pplx and DeepEP v2 (SGLANG_*_NUM_MAX_DISPATCH_TOKENS_PER_RANK against
-    --chunked-prefill-size), buffer sizes that are not plan inputs."""
-    def no(flag: str, why: str) -> None:
-        raise FailedPrecondition(f"runtime.{flag}: SGLang {VERSION} refuses to start: {why}")
+    """FAILED_PRECONDITION where SGLang refuses to start, with SGLang's own words for the first check it fails, in the
+    order its start-up meets them:
+    1. the server-args pipeline (arg_groups/pipeline.py), hook by hook: handle_mega_moe; the model config's
+       _verify_quantization (its first model_config_of); the model overrides (model_overrides/minimax_m3.py, in
+       `rewrite`); handle_moe_kernel_config; handle_a2a_moe;
+    2. the scheduler's initialize_moe_config (layers/moe/utils.py);
+    3. the model config of a quantization the overrides renamed (MiniMax-M3's minimax_m3_nvfp4);
+    4. the loader's quantization config (model_loader/loader.py: the GPU's minimum capability).
+    Not here: the per-rank dispatch-token budgets of MoRI, pplx and DeepEP v2
+    (SGLANG_*_NUM_MAX_DISPATCH_TOKENS_PER_RANK against --chunked-prefill-size), buffer sizes that are not plan
+    inputs."""
+    def no(flag: str, words: str) -> None:
+        raise FailedPrecondition(f"runtime.{flag}: SGLang {VERSION} refuses to start: {words}")
 
     overlap = "enable_tbo" if i.tbo else "enable_sbo"
-    q = i.quantization.name
-    if q is not None and q not in ROCM_QUANTIZATIONS and i.device.kind == "hip":
-        no("device", f"{q} quantization is currently not supported in ROCm.")
-    need = QUANTIZATION_MIN_CAPABILITY.get(q)
-    if need is not None and i.device.kind == "cuda" and i.device.capability is not None \
-            and i.device.capability < need:
-        no("device", f"The quantization method {q} is not supported for the current GPU. Minimum capability: "
-                     f"{need[0]}{need[1]}. Current capability: {i.device.capability[0]}{i.device.capability[1]}.")
-    if i.runner == "flashinfer_cutlass":      # moe_hook.py: handle_moe_kernel_config, before the a2a's ep rewrite
-        if i.server_quantization not in ("modelopt_fp4", "modelopt_fp8", "modelopt_mixed", None):
-            no("moe_runner_backend", f"Invalid quantization '{i.server_quantization}'. FlashInfer Cutlass MOE supports "
-                                     f"only: 'modelopt_fp4', 'modelopt_fp8', 'modelopt_mixed', or bfloat16 (None).")
-        if i.ep_asked not in (1, i.shape.tp):
-            no("moe_runner_backend", f"flashinfer_cutlass: The expert parallel size must be 1 or the same as the "
-                                     f"tensor parallel size (ep_size={i.ep_asked}, tp_size={i.shape.tp})")
-    if i.quantization.name == "mxfp4" and i.device.kind == "hip":
-        no("device", "Unknown quantization method: mxfp4 (not among the quantizations SGLang runs on ROCm)")
-    if i.a2a == "deepep_v2":
-        if i.entry_class not in DEEPEP_V2_ARCHS:
-            no("a2a_backend", f"DeepEP v2 MoE is not validated for {i.entry_class!r} (register_deepep_v2_model)")
-        if i.sbo or i.tbo:
-            no(overlap, "DeepEP v2 MoE has not implemented the TBO/SBO overlap hook")
-        if i.enforce_fusion:
-            no("enforce_shared_experts_fusion", "DeepEP v2 MoE has not validated fused shared experts yet")
+    q = sglang_name(i.checkpoint_quantization)
+    server_q = i.server_quantization
+    # 1. arg_groups/mega_moe_hook.py: check_mega_moe_compat
     if i.a2a == "megamoe":
         if i.sbo or i.tbo:
-            no(overlap, "--moe-a2a-backend megamoe has no two-batch / single-batch overlap")
+            no(overlap, "--moe-a2a-backend megamoe has no two-batch / single-batch overlap decomposition; disable "
+                        "--enable-two-batch-overlap and --enable-single-batch-overlap.")
         if not (is_sm90(i.device) or is_sm100(i.device) or i.device.kind == "hip"):
-            no("a2a_backend", "--moe-a2a-backend megamoe needs a CUDA SM90 GPU (block-FP8 experts), SM100 or ROCm")
-    if i.sbo and is_sm90(i.device):
-        no("enable_sbo", "SBO (single batch overlap) is not supported on SM90")
+            no("a2a_backend", "--moe-a2a-backend megamoe needs a CUDA SM90 GPU (block-FP8 experts) or an SM100-class "
+                              "GPU (MXFP4 / NVFP4 experts); it runs DeepGEMM kernels over CUDA symmetric memory. On "
+                              "ROCm, set SGLANG_AMD_USE_FLYDSL_MEGA_MOE=1 to select aiter MegaMoEv2 instead.")
+    # configs/model_config.py: _verify_quantization, of the checkpoint's quant_method
+    words = _verify_quantization(q, i.device)
+    if words:
+        no("device", words)
+    # arg_groups/moe_hook.py: handle_moe_kernel_config (before handle_a2a_moe sets ep_size to the tp group)
+    if i.runner == "flashinfer_cutlass":
+        if server_q not in ("modelopt_fp4", "modelopt_fp8", "modelopt_mixed", None):
+            no("moe_runner_backend", f"Invalid quantization '{server_q}'. \nFlashInfer Cutlass MOE supports only: "
+                                     f"'modelopt_fp4', 'modelopt_fp8', 'modelopt_mixed', or bfloat16 (None).")
+        if i.ep_asked not in (1, i.shape.tp):
+            no("moe_runner_backend", "The expert parallel size must be 1 or the same as the tensor parallel size")
+    if i.runner == "flashinfer_cutedsl":
+        if server_q not in ("modelopt_fp4", "modelopt_mixed", "nvfp4_online"):
+            no("moe_runner_backend", f"Invalid quantization '{server_q}'. \nFlashInfer CuteDSL MOE currently supports "
+                                     f"only: 'modelopt_fp4', 'modelopt_mixed' (with NVFP4 MoE layers), "
+                                     f"'nvfp4_online', or hybrid NVFP4 models.")
+        if i.ep_asked not in (1, i.shape.tp):
+            no("moe_runner_backend", "The expert parallel size must be 1 or the same as the tensor parallel size")
+        if i.a2a_asked not in ("none", "deepep", "flashinfer"):
+            no("a2a_backend", f"flashinfer_cutedsl supports moe_a2a_backend='none', 'deepep', or 'flashinfer', got "
+                              f"'{i.a2a_asked}'.")
+    if i.runner in ("flashinfer_trtllm", "experimental_sgl_trtllm") and server_q not in TRTLLM_QUANTS:
+        no("moe_runner_backend", f"Invalid quantization '{server_q}'. \nFlashInfer TRTLLM MOE supports only: "
+                                 f"'modelopt_fp4', 'nvfp4_online', 'fp8', 'modelopt_fp8', 'modelopt_mixed', "
+                                 f"'compressed-tensors', or bfloat16 (None).")
+    if i.runner == "flashinfer_trtllm_routed" and server_q not in TRTLLM_ROUTED_QUANTS:
+        no("moe_runner_backend", f"Invalid quantization '{server_q}'. \nFlashInfer TRTLLM routed MOE supports only: "
+                                 f"'fp8', 'mxfp8', 'modelopt_fp4', 'modelopt_mixed', 'nvfp4_online', "
+                                 f"'minimax_m3_nvfp4', or bfloat16 (None).")
+    # arg_groups/moe_hook.py: handle_a2a_moe
+    if i.a2a == "flashinfer_megamoe":
+        if not set(i.architectures) & FLASHINFER_MEGAMOE_ARCHS:
+            no("a2a_backend", f"FlashInfer MegaMOE is not validated for model architectures {list(i.architectures)}. "
+                              f"Supported architectures: {sorted(FLASHINFER_MEGAMOE_ARCHS)}.")
+        if server_q not in ("mxfp8", "modelopt_fp4"):
+            no("a2a_backend", f"FlashInfer MegaMOE currently supports only MXFP8, ModelOpt NVFP4, FP4-expert, hybrid "
+                              f"NVFP4 MoE checkpoints, or nvfp4_online with SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16=1; "
+                              f"got quantization={server_q!r}. Standard FP8 MoE checkpoints are not supported.")
+        if i.shape.attn_dp != i.shape.tp or i.shape.attn_dp < 2:
+            no("a2a_backend", "FlashInfer MegaMOE is only supported with --attn-dp-size equal to --tp-size")
+        if i.runner != "flashinfer_megamoe":
+            no("moe_runner_backend", "FlashInfer MegaMOE a2a backend requires --moe-runner-backend "
+                                     "flashinfer_megamoe")
+        if not is_sm100(i.device):
+            no("a2a_backend", "FlashInfer MegaMOE currently requires an SM100-family CUDA device for all supported "
+                              "quantization formats.")
+    if i.a2a == "deepep_v2":   # validate_deepep_v2_model_architecture, then the runner, overlap and fusion
+        if i.architectures[:1] and i.architectures[0] not in DEEPEP_V2_ARCHS or not i.architectures:
+            no("a2a_backend", f"DeepEP v2 MoE is not validated for "
+                              f"{(i.architectures[0] if i.architectures else None)!r}. The model package must "
+                              f"register its architecture with register_deepep_v2_model, because its combine and "
+                              f"post-expert reduction semantics must be validated first.")
+        if i.runner != "deep_gemm":
+            no("moe_runner_backend", f"DeepEP v2 MoE currently supports only --moe-runner-backend deep_gemm. Got "
+                                     f"{i.runner!r}. Add a runner adapter before enabling DeepEP v2 with other MoE "
+                                     f"runners.")
+        if i.sbo or i.tbo:
+            no(overlap, "DeepEP v2 MoE has not implemented the TBO/SBO overlap hooks yet. Disable "
+                        "--enable-two-batch-overlap and --enable-single-batch-overlap when using --moe-a2a-backend "
+                        "deepep_v2.")
+        if i.enforce_fusion:
+            no("enforce_shared_experts_fusion", "DeepEP v2 MoE has not validated fused shared experts yet. Remove "
+                                                "--enforce-shared-experts-fusion when using --moe-a2a-backend "
+                                                "deepep_v2.")
+    if i.a2a == "flashinfer":
+        if i.shape.attn_dp != i.shape.tp or i.shape.attn_dp < 2:
+            no("a2a_backend", "Flashinfer MoE A2A requires --attn-dp-size equal to --tp-size, except for Muse Spark "
+                              "TP4/EP4 or TP8/EP8 prefill sequence parallelism.")
+        if i.runner not in FLASHINFER_A2A_RUNNERS:
+            no("moe_runner_backend", "FlashInfer MoE A2A is supported with flashinfer_cutlass, flashinfer_cutedsl, "
+                                     "flashinfer_trtllm, flashinfer_trtllm_routed, or deep_gemm.")
     if i.a2a == "pplx":
         if i.shape.attn_dp < 2:
-            no("a2a_backend", "moe_a2a_backend='pplx' requires attention DP (dp_size >= 2)")
-        if i.runner not in ("auto", "deep_gemm"):
+            no("a2a_backend", "moe_a2a_backend='pplx' requires attention DP with at least 2 groups (--attn-dp-size "
+                              ">= 2).")
+        if i.runner != "deep_gemm":
             no("moe_runner_backend", "moe_a2a_backend='pplx' is only supported with --moe-runner-backend deep_gemm "
-                                     "(or auto)")
-    if i.a2a == "flashinfer":
-        if i.shape.attn_dp != i.shape.tp:
-            no("a2a_backend", f"Flashinfer MoE A2A requires --attn-dp-size equal to --tp-size ({i.shape.tp})")
-        if i.runner not in FLASHINFER_A2A_RUNNERS:
-            no("moe_runner_backend", "FlashInfer MoE A2A is supported with " + ", ".join(FLASHINFER_A2A_RUNNERS))
-    if i.a2a == "flashinfer_megamoe":
-        if i.entry_class not in FLASHINFER_MEGAMOE_ARCHS:
-            no("a2a_backend", f"FlashInfer MegaMOE is not validated for model architectures [{i.entry_class!r}]")
-        if i.server_quantization not in ("mxfp8", "modelopt_fp4"):
-            no("a2a_backend", f"FlashInfer MegaMOE currently supports only MXFP8, ModelOpt NVFP4, FP4-expert, hybrid "
-                              f"NVFP4 MoE checkpoints; got quantization={i.server_quantization!r}")
-        if i.shape.attn_dp != i.shape.tp:
-            no("a2a_backend", "FlashInfer MegaMOE is only supported with --attn-dp-size equal to --tp-size")
-        if not is_sm100(i.device):
-            no("a2a_backend", "FlashInfer MegaMOE currently requires an SM100-family CUDA device")
-    if i.runner == "flashinfer_cutedsl" and i.server_quantization not in ("modelopt_fp4", "modelopt_mixed",
-                                                                         "nvfp4_online"):
-        no("moe_runner_backend", f"Invalid quantization {i.server_quantization!r}: FlashInfer CuteDSL MOE currently "
-                                 f"supports only 'modelopt_fp4', 'modelopt_mixed', 'nvfp4_online'")
-    if i.runner == "flashinfer_trtllm_routed" and i.server_quantization not in TRTLLM_ROUTED_QUANTS:
-        no("moe_runner_backend", f"Invalid quantization {i.server_quantization!r}: FlashInfer TRTLLM routed MOE "
-                                 f"supports only 'fp8', 'mxfp8', 'modelopt_fp4', 'modelopt_mixed', 'nvfp4_online', "
-                                 f"'minimax_m3_nvfp4', or bfloat16")
+                                     "(or auto).")
+    # 2. layers/moe/utils.py: initialize_moe_config
+    if i.sbo and is_sm90(i.device):
+        no("enable_sbo", "SBO (single batch overlap) is not supported on SM90 GPUs with latest sgl-deep-gemm wheel. "
+                         "Please try removing --enable-single-batch-overlap argument.")
+    # 3. the model config again, of the quantization the model override named
+    renamed = sglang_name(i.quantization.name)
+    if renamed != q:
+        words = _verify_quantization(renamed, i.device)
+        if words:
+            no("device", words)
+    # 4. model_loader/loader.py: _get_quantization_config
+    need = QUANTIZATION_MIN_CAPABILITY.get(i.quantization.name)
+    if need is not None and i.device.kind == "cuda" and i.device.capability is not None \
+            and i.device.capability < need:
+        no("device", f"The quantization method {renamed} is not supported for the current GPU. Minimum capability: "
+                     f"{need[0]}{need[1]}. Current capability: {i.device.capability[0]}{i.device.capability[1]}.")
 
 
-# arg_groups/moe_hook.py: validate_flashinfer_megamoe_model.
-FLASHINFER_MEGAMOE_ARCHS = frozenset({"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
-                                      "Glm4MoeForCausalLM", "GlmMoeDsaForCausalLM", "NemotronHForCausalLM",
-                                      "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
+# arg_groups/moe_hook.py: validate_flashinfer_megamoe_model's validated architectures.
+FLASHINFER_MEGAMOE_ARCHS = frozenset({"BeamForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+                                      "DeepseekV32ForCausalLM", "DeepseekV4ForCausalLM", "Glm4MoeForCausalLM",
+                                      "GlmMoeDsaForCausalLM", "NemotronHForCausalLM", "NemotronHPuzzleForCausalLM",
+                                      "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "KimiK3ForConditionalGeneration",
+                                      "KimiK3LinearForCausalLM"})
+# arg_groups/moe_hook.py: handle_moe_kernel_config's quantizations of the trtllm runners (SGLang's spelling).
+TRTLLM_QUANTS = frozenset({None, "modelopt_fp4", "nvfp4_online", "fp8", "mxfp8", "modelopt_fp8", "modelopt_mixed",
+                           "compressed-tensors"})
 TRTLLM_ROUTED_QUANTS = frozenset({None, "fp8", "mxfp8", "modelopt_fp4", "modelopt_mixed", "nvfp4_online",
                                   "minimax_m3_nvfp4"})
-
-
 # arg_groups/moe_hook.py: the runners FlashInfer's a2a accepts.
 FLASHINFER_A2A_RUNNERS = ("flashinfer_cutlass", "flashinfer_cutedsl", "flashinfer_trtllm", "flashinfer_trtllm_routed",
                           "deep_gemm")
@@ -721,6 +864,7 @@ BLOCKS = {
     "Step3p5ForCausalLM": "step3p5", "Step3p7ForConditionalGeneration": "step3p5",
     "Glm4MoeLiteForCausalLM": "glm4_moe_lite", "Glm4MoeLiteForCausalLMNextN": "glm4_moe_lite",
     "MellumForCausalLM": "qwen3_moe",      # mellum.py builds qwen3_moe.py's block
+    "GptOssForCausalLM": "gpt_oss",        # its forward has no dispatch branch (NOT_IMPLEMENTED_BRANCH)
 }
 # layers/moe/fused_moe_triton/layer.py: create_moe_dispatcher: the backends whose experts layer dispatches and
 # combines itself (MaybeTboDeepEPDispatcher, DeepEPv2Dispatcher, FlashinferDispatcher); none, megamoe,
@@ -733,7 +877,7 @@ PER_RANK_FUSED_SLOTS = DEEPEP_CLASS | {"megamoe"}
 def forward(i: Inputs) -> Forward:
     """The forward path and post-experts reduction of the block SGLang builds, as its code runs them."""
     block = BLOCKS.get(i.entry_class)
-    if block is not None and i.a2a in DISPATCH_BRANCH[block]:
+    if i.a2a in DISPATCH_BRANCH.get(block, ()):
         return Forward("a2a", False, f"sglang.forward.{block}.dispatch",
                        f"SGLang's {block} MoE block takes its dispatch/combine branch for {i.a2a}: the combine "
                        f"returns each token's complete output")
@@ -806,6 +950,14 @@ def quant_facts(qconfig: dict | None, q: Quantization) -> tuple[str | None, bool
     return key, w4a16, blocks
 
 
+def fp4_experts(entry_class: str, qconfig: dict | None) -> bool:
+    """configs/model_config.py: ModelConfig.is_fp4_experts: a mixed checkpoint's routed_experts_quant_method mxfp4, and
+    for DeepSeek-V4 without one, SGLANG_DSV4_FP4_EXPERTS (default true; SGLang reads the weights' headers first,
+    which a plan's inputs do not hold)."""
+    method = (qconfig if isinstance(qconfig, dict) else {}).get("routed_experts_quant_method")
+    return method == "mxfp4" or (method is None and entry_class == "DeepseekV4ForCausalLM")
+
+
 @dataclass(frozen=True)
 class Decided:
     inputs: Inputs
@@ -824,25 +976,35 @@ def decide(*, entry_class: str, architecture: str, layout: MoeLayout, quantizati
 
     check_backend(a2a)
     runner = check_runner(runner)
+    checkpoint_quantization = quantization.name
     if entry_class in MINIMAX_M3_ARCHS:
         quantization = minimax_m3_quantization(quantization, qconfig)
     key, w4a16, blocks = quant_facts(qconfig, quantization)
-    a2a, runner, shape, disable, rewrites = rewrite(entry_class, key, a2a, runner, Shape(tp * ep, ep, dp), device,
-                                                    disable_fusion)
     # Server-args resolution copies the checkpoint's quant_method into --quantization only in the SM100 overrides
     # of the families that have one (overrides.py, model_overrides/*): elsewhere it stays unset (None).
     server_q = None
     row = sm100_runner(entry_class)
     if (is_sm100(device) and row is not None and row.copies_quantization or entry_class in MINIMAX_M3_ARCHS) \
             and quantization.name:
-        server_q = quantization.name.replace("compressed_tensors", "compressed-tensors")
+        server_q = sglang_name(quantization.name)
+    a2a, runner, shape, disable, kernel_hook_a2a, rewrites = rewrite(entry_class, key, a2a, runner,
+                                                                     Shape(tp * ep, ep, dp), device, disable_fusion,
+                                                                     server_q, fp4_experts(entry_class, qconfig))
     shared, fit = block_shared(cfg) if entry_class in BLOCK_FUSION else (0, False)
+    archs = config.get("architectures") if isinstance(config, Mapping) else None
     i = Inputs(entry_class, architecture, layout, quantization, device, a2a, runner, shape, sbo, tbo, disable,
                enforce_fusion, draft, blocks, w4a16, server_q, nested_gate_speaks(entry_class, config), shared, fit,
-               ep)
+               ep, kernel_hook_a2a, tuple(a for a in archs if isinstance(a, str)) if isinstance(archs, list) else (),
+               checkpoint_quantization)
     refuse(i)
     fused = fusion(i)
+    block = BLOCKS.get(entry_class)
+    missing = NOT_IMPLEMENTED_BRANCH.get(block, {}).get(a2a)
+    if missing:   # the block's forward raises at the first batch
+        raise FailedPrecondition(f"runtime.a2a_backend: SGLang {VERSION} cannot run {entry_class}'s MoE block with "
+                                 f"--moe-a2a-backend {a2a}: NotImplementedError: {missing}")
     fwd = forward(i)
+    # Hazards last: SGLang starts and runs these layouts (a start-up refusal above is SGLang's answer instead).
     lay = layout
     if fwd.path == "a2a" and fwd.all_reduce:
         raise hazards.refuse("sglang.double_reduction",
@@ -857,21 +1019,25 @@ def decide(*, entry_class: str, architecture: str, layout: MoeLayout, quantizati
     return Decided(i, tuple(rewrites), fused, fwd)
 
 
-def check_draft(family: str, cfg) -> None:
-    """A NextN draft of a checkpoint that ships no MTP layer (num_nextn_predict_layers 0): SGLang builds its NextN
-    layer anyway and loads it from weights the checkpoint does not have. One of more than one: SGLang builds one and
-    refuses the checkpoint's others at load."""
-    from . import hazards
+# Per MoE block, the a2a backends whose branch its forward does not implement, and what it raises.
+NOT_IMPLEMENTED_BRANCH = {
+    "gpt_oss": {"deepep": "forward_deepep branch not implemented yet"},   # models/gpt_oss.py: GptOssSparseMoeBlock
+}
 
+
+def check_draft(family: str, cfg) -> None:
+    """A NextN draft loads exactly one MTP layer: its weight loader asserts num_nextn_predict_layers == 1 before it
+    reads a tensor (models/deepseek_common/deepseek_weight_loader.py: _initialize_nextn_conf; glm4_moe.py and
+    glm4_moe_lite.py: load_weights), so a checkpoint that ships none (Kimi-K2's 0) or several is refused with
+    SGLang's words. Asked before the start-up checks of `decide`: a draft without an MTP layer has no layout to check
+    them on."""
     if not family.endswith("_nextn"):
         return
     count = cfg.raw("num_nextn_predict_layers")
-    if count == 0:
-        raise hazards.refuse("sglang.nextn_without_mtp_layer", f"{cfg.field('num_nextn_predict_layers')} is 0")
-    if isinstance(count, int) and count > 1:
-        # deepseek_weight_loader.py / glm4_moe*.py: "Only 1 nextn layer is supported"
-        raise InvalidArgument(cfg.field("num_nextn_predict_layers"), f"{count}: SGLang builds and loads one MTP "
-                                                                     f"layer")
+    if count is not None and count != 1:
+        field = cfg.field("num_nextn_predict_layers")
+        raise FailedPrecondition(f"{field}: SGLang {VERSION} refuses to load the draft: Only 1 nextn layer is "
+                                 f"supported (num_nextn_predict_layers is {count})", field=field)
 
 
 def _from_first_k(cfg, n_layers: int) -> tuple[int, ...]:

@@ -20,7 +20,9 @@ Grid point -> request: loadplan's tp × ep is SGLang's tp = tp·ep, ep = ep (DES
 `dp` is SGLang's attention-DP width (`--dp-size dp --enable-dp-attention`), sent as
 `parallel.dp_size`. A draft point is the speculative runner's request: its config is the
 draft checkpoint's config with the architectures SGLang's ModelConfig gave it (a NextN
-draft names the NextN class).
+draft names the NextN class). A standalone draft (another checkpoint) runs on the server's MoE runner, which SGLang
+resolves once for the target: its request names the runner the registry answered for the target's request, as the
+SGLang adapter sends the server's resolved runner.
 
     .venv/bin/python -m tests.conformance.sglang_agreement   # prints the agreement summary
 """
@@ -43,7 +45,12 @@ ROOT = HERE.parents[1]
 RECORDING = ROOT / "tests" / "data" / "sglang_0.5.23_grid.jsonl.gz"
 CONFIG_DIRS = (ROOT / "tests" / "data" / "configs", HERE / "configs")
 HAZARD_PREFIX = "hazard:"
-RUNNER_REWRITE = "sglang.moe_runner_backend"
+RUNNER_KEY = "sglang.moe_runner_backend"
+# What agreeing is, point by point: the decisions equal; both refuse, the registry in SGLang's own words for the first
+# check SGLang fails; a hazard SGLang's own answer shows.
+KIND_EQUAL = "decisions equal"
+KIND_BOTH_REFUSE = "both refuse, in SGLang's words"
+KIND_HAZARD = "hazard shown by SGLang's answer"
 # What SGLang's own answer shows where a hazard's wrong layout is what its code runs (service/rules/hazards.py).
 # A hazard not here is not visible in the answer (a NextN draft's missing MTP weights).
 HAZARD_SHOWS = {
@@ -84,6 +91,17 @@ def point_name(point: dict) -> str:
     return " ".join(parts)
 
 
+def server_runner(point: dict) -> str:
+    """The MoE runner a standalone draft runs on: the server's, which SGLang resolves once for its target (the
+    registry's own answer for the target's request; "" where the registry refuses the target)."""
+    target = {k: v for k, v in point.items() if k != "draft_config"}
+    try:
+        runner = resolve_decisions(requests_for(target, {})[0]).decisions.get(RUNNER_KEY)
+    except RegistryError:
+        return ""
+    return runner.value if runner is not None else ""
+
+
 def requests_for(point: dict, answer: dict) -> list[ResolveRequest]:
     """The registry requests of one grid point: one per pipeline stage (rank 0 elsewhere)."""
     draft = point.get("draft_config")
@@ -91,11 +109,14 @@ def requests_for(point: dict, answer: dict) -> list[ResolveRequest]:
     if draft and answer.get("config_architectures"):
         config["architectures"] = answer["config_architectures"]
     quant_cfg = config.get("quantization_config")
+    runner = point.get("moe_runner_backend") or ""
+    if draft and draft != point["config"]:
+        runner = server_runner(point)
     runtime = Runtime(
         a2a_backend=point.get("a2a_backend", "none"),
         device=point["device"],
         engine=ENGINE_SGLANG,
-        moe_runner_backend=point.get("moe_runner_backend") or "",
+        moe_runner_backend=runner,
         enable_sbo=bool(point.get("sbo")),
         enable_tbo=bool(point.get("tbo")),
         disable_shared_experts_fusion=bool(point.get("disable_fusion")),
@@ -127,19 +148,31 @@ class Verdict:
 
 
 def sglang_refuses(answer: dict) -> str | None:
-    """SGLang's reason not to run the point, or None when it runs it."""
+    """SGLang's own words for why it does not run the point (its first failed check), or None when it runs it."""
     if answer.get("refused"):
-        return f"refuses to start ({answer.get('stage')}): {answer.get('message')}"
+        message = answer.get("message") or ""
+        kind, _, words = message.partition(": ")
+        return words if kind.isidentifier() and words else message
     branch = answer.get("branch") or ""
     if branch.startswith("not_implemented"):
-        return f"{answer.get('block')}.forward raises NotImplementedError: {branch.split(': ', 1)[-1]}"
+        return f"NotImplementedError: {branch.split(': ', 1)[-1]}"
     return None
+
+
+def _folded(text: str) -> str:
+    return " ".join(text.split())
+
+
+def carries(message: str, words: str) -> bool:
+    """Does the registry's message carry SGLang's words (white space folded; the recording keeps a long message's
+    first 600 characters, which the whole message then holds)?"""
+    return _folded(words) in _folded(message)
 
 
 def verdict(point: dict, answer: dict) -> Verdict:
     if "error" in answer:
         return Verdict(False, "oracle error", [answer["error"][-300:]])
-    refused = sglang_refuses(answer)
+    words = sglang_refuses(answer)
     plans, refusal, message = [], None, ""
     try:
         plans = [resolve_decisions(req) for req in requests_for(point, answer)]
@@ -149,16 +182,23 @@ def verdict(point: dict, answer: dict) -> Verdict:
         if message.startswith(HAZARD_PREFIX):
             hazard = message[len(HAZARD_PREFIX):].split(":", 1)[0].strip()
             shows = HAZARD_SHOWS.get(hazard)
-            if refused or shows is None or shows(answer):
-                return Verdict(True, "hazard")
+            if words is not None:
+                return Verdict(False, "registry calls a hazard what SGLang refuses",
+                               [f"{refusal[:300]}; SGLang: {words[:300]}"])
+            if shows is None:
+                return Verdict(False, "hazard without a check of SGLang's answer", [refusal[:300]])
+            if shows(answer):
+                return Verdict(True, KIND_HAZARD)
             return Verdict(False, "registry claims a hazard SGLang's code does not run",
                            [f"{refusal[:300]}; SGLang: fusion {answer.get('shared_experts_fusion')}, forward "
                             f"{answer.get('forward_path')}, all-reduce {answer.get('post_experts_all_reduce')}"])
-        if refused:
-            return Verdict(True, "both refuse")
-        return Verdict(False, "registry refuses, SGLang runs it", [refusal[:300]])
-    if refused:
-        return Verdict(False, "SGLang refuses, registry answers", [f"SGLang {refused[:300]}"])
+        if words is None:
+            return Verdict(False, "registry refuses, SGLang runs it", [refusal[:300]])
+        if carries(message, words):
+            return Verdict(True, KIND_BOTH_REFUSE)
+        return Verdict(False, "both refuse, for another reason", [f"registry {refusal[:300]} | SGLang {words[:300]}"])
+    if words is not None:
+        return Verdict(False, "SGLang refuses, registry answers", [f"SGLang {words[:300]}"])
 
     diffs = []
 
@@ -173,9 +213,8 @@ def verdict(point: dict, answer: dict) -> Verdict:
         return d.value if d is not None else "<missing>"
 
     same(Keys.SHARED_EXPERTS_FUSION, value(first, Keys.SHARED_EXPERTS_FUSION), answer["shared_experts_fusion"])
-    # A runner the registry says SGLang's resolution picked (a rewrite it records) must be the one SGLang picked.
-    if RUNNER_REWRITE in first:
-        same(RUNNER_REWRITE, first[RUNNER_REWRITE].value, (answer.get("rewritten") or {}).get("moe_runner_backend"))
+    # The MoE runner SGLang's resolution leaves, on every point it runs: the registry records it on every plan.
+    same(RUNNER_KEY, value(first, RUNNER_KEY), (answer.get("rewritten") or {}).get("moe_runner_backend"))
     if answer.get("forward_path") is not None:
         same(Keys.FORWARD_PATH, value(first, Keys.FORWARD_PATH), answer["forward_path"])
         same(Keys.POST_EXPERTS_ALL_REDUCE, value(first, Keys.POST_EXPERTS_ALL_REDUCE),
@@ -192,7 +231,7 @@ def verdict(point: dict, answer: dict) -> Verdict:
                      answer["eplb_layers"][rank])
     if diffs:
         return Verdict(False, "; ".join(d.split(":")[0] for d in diffs), diffs)
-    return Verdict(True, "agree")
+    return Verdict(True, KIND_EQUAL)
 
 
 def _listed(v):

@@ -15,6 +15,8 @@ own code, run as its scheduler runs it (DESIGN 8.4):
   `_get_quantization_config` (refuses a quantization the device cannot run);
 - `resolve_shared_experts_config(model_class, hf_config, quant_config)`, for a draft inside
   `draft_model_build_scope()`;
+- for a draft, what its weight loader checks of the config before it reads a tensor (`nextn_load_check`: one MTP
+  layer);
 - the family MoE block's own `forward`, run on a stand-in `self` whose branch methods
   record which one was taken; the attributes that select the branch are SGLang's own
   `__init__` expressions, evaluated (FAMILY_BLOCKS says which block a class builds);
@@ -313,6 +315,29 @@ def block_fusion(model_class, hf_config, quant_config) -> int | None:
     return int(stand_in.num_fused_shared_experts)
 
 
+NEXTN_LOAD_CHECK = "nextn layer is supported"
+
+
+def nextn_load_check(model_class, hf_config) -> None:
+    """What a NextN draft's weight loader checks of the config before it reads a tensor: the DeepSeek mixin's
+    `_initialize_nextn_conf(is_nextn=True)`, or the `if is_nextn:` statement of a `load_weights` that asserts one
+    MTP layer (glm4_moe.py, glm4_moe_lite.py), run on a stand-in `self` holding the draft's config. Raises as SGLang
+    raises."""
+    import types
+
+    stand_in = types.SimpleNamespace(config=hf_config)
+    if hasattr(model_class, "_initialize_nextn_conf"):
+        model_class._initialize_nextn_conf(stand_in, True)
+        return
+    for cls in model_class.__mro__:
+        load = vars(cls).get("load_weights")
+        if inspect.isfunction(load) and NEXTN_LOAD_CHECK in inspect.getsource(load):
+            check = ast.Module(body=_statements(load, "if is_nextn:", "if is_nextn:"), type_ignores=[])
+            exec(compile(check, f"<{cls.__name__}.load_weights>", "exec"),
+                 vars(importlib.import_module(cls.__module__)), {"self": stand_in, "is_nextn": True})
+            return
+
+
 def experts_dispatcher() -> str:
     """The dispatcher SGLang's experts layer builds for the published a2a backend."""
     layer = importlib.import_module("sglang.srt.layers.moe.fused_moe_triton.layer")
@@ -394,6 +419,7 @@ def answer(point: dict) -> dict:
                                             reset_context)
 
     draft = bool(point.get("draft_config"))
+    known: dict = {}     # what a refusal after the model config still tells (the architectures it gave a draft)
     started = time.perf_counter()
     stage = "server_args"
     try:
@@ -422,6 +448,7 @@ def answer(point: dict) -> dict:
                 server_args, model_path=str(config_dir(point["draft_config"])),
                 is_draft_model=True)
         model_class, arch = get_model_architecture(model_config)
+        known["config_architectures"] = list(getattr(model_config.hf_config, "architectures", None) or [])
         stage = "quantization"
         quant_config = _get_quantization_config(model_config, LoadConfig(load_format="dummy"))
         stage = "shared_experts"
@@ -437,13 +464,16 @@ def answer(point: dict) -> dict:
             # The Qwen2-MoE block decides its own fusion while the model builds, under the loader's decision.
             with get_model().override(shared_experts=shared):
                 in_block = block_fusion(model_class, model_config.hf_config, quant_config)
+        stage = "load_weights"
+        if draft:
+            nextn_load_check(model_class, model_config.hf_config)
         stage = "forward"
         branch = forward_branch(model_class.__name__, model_config.hf_config, quant_config)
         dispatcher = experts_dispatcher()
         complete_ep = moe_utils.post_experts_output_is_complete(is_tp_path=False)
         complete_tp = moe_utils.post_experts_output_is_complete(is_tp_path=True)
     except Exception as e:
-        return {"refused": True, "stage": stage, "message": _message(e)}
+        return {"refused": True, "stage": stage, "message": _message(e), **known}
 
     b = branch["branch"] or ""
     dispatch_branch = any(w in b for w in DISPATCH_BRANCH_WORDS)

@@ -1,13 +1,16 @@
 """The registry's sglang profile against SGLang 0.5.23's own decision code (issue 30).
 
-Every point recorded by scripts/record_sglang_grid.py must agree (or be a listed hazard,
-or both refuse), and a random sample of the recording is re-run live through SGLang's
-code (tests/conformance/sglang_oracle.py in the SGLang environment) so that the recording
-cannot drift from the code it came from. LOADPLAN_CONFORMANCE_SEED=N replays a sample.
+Every point recorded by scripts/record_sglang_grid.py must agree (sglang_agreement.py: the decisions equal, the MoE
+runner included; both refuse, the registry in SGLang's own words; or a hazard SGLang's own answer shows), the
+recording must be exactly the script's grid, and a random sample from every sub-grid is re-run live through SGLang's
+code (tests/conformance/sglang_oracle.py in the SGLang environment) so that the recording cannot drift from the code
+it came from. LOADPLAN_CONFORMANCE_SEED=N replays a sample.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import importlib.util
 import json
 import os
 import random
@@ -20,8 +23,10 @@ from .sglang_agreement import (RECORDING, ROOT, load_recording, point_name, repo
 
 SGLANG_PY = ROOT / ".venv-sglang" / "bin" / "python"
 ORACLE = ROOT / "tests" / "conformance" / "sglang_oracle.py"
-LIVE_SAMPLE = 16
+GRID_SCRIPT = ROOT / "scripts" / "record_sglang_grid.py"
+LIVE_PER_GRID = 3
 DEVICES = {"cuda:8.0", "cuda:9.0", "cuda:10.0", "hip:9.4"}
+ALWAYS_LIVE = "cuda:9.0"     # the pipeline, eplb and entries sub-grids are recorded on it alone
 # The volatile part of an answer: how long SGLang took.
 VOLATILE = {"seconds"}
 
@@ -90,16 +95,37 @@ def test_a_point_differing_in_fusion_names_the_key(recording):
         assert v.differences != honest.differences
 
 
-def test_the_recording_is_what_sglang_answers_now(recording):
-    """Re-run SGLang's own code on a random sample of one device's recorded points."""
-    if not SGLANG_PY.exists():
-        pytest.skip(f"{SGLANG_PY} missing: `make sglang-env` makes SGLang's environment (`make test` does)")
+def _grid_script():
+    spec = importlib.util.spec_from_file_location("record_sglang_grid", GRID_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_recording_is_exactly_the_grid_scripts_grid(recording):
+    """Every point the grid script makes is recorded, once, and nothing else: a point added to the script and not
+    recorded (or left over from an older grid) fails here."""
     _, records = recording
-    seed = int(os.environ.get("LOADPLAN_CONFORMANCE_SEED", time.time_ns() % 1_000_000))
-    rng = random.Random(seed)
-    device = rng.choice(sorted(DEVICES))
-    pool = [r for r in records if r["point"]["device"] == device]
-    sample = rng.sample(pool, min(LIVE_SAMPLE, len(pool)))
+    key = lambda p: json.dumps(p, sort_keys=True)   # noqa: E731
+    recorded = [key(r["point"]) for r in records]
+    assert len(set(recorded)) == len(recorded), "a point recorded twice"
+    script = {key(p) for p in _grid_script().grid()}
+    assert set(recorded) == script, (f"{len(script - set(recorded))} grid points not recorded, "
+                                     f"{len(set(recorded) - script)} recorded points not on the grid: "
+                                     f"rerun scripts/record_sglang_grid.py")
+
+
+def live_sample(records: list[dict], rng: random.Random) -> list[dict]:
+    """A few random points of every sub-grid, on cuda:9.0 (where every sub-grid has points) and one other device."""
+    devices = {ALWAYS_LIVE, rng.choice(sorted(DEVICES - {ALWAYS_LIVE}))}
+    by_grid: dict[str, list[dict]] = {}
+    for r in records:
+        if r["point"]["device"] in devices:
+            by_grid.setdefault(r["point"]["grid"], []).append(r)
+    return [r for grid in sorted(by_grid) for r in rng.sample(by_grid[grid], min(LIVE_PER_GRID, len(by_grid[grid])))]
+
+
+def _run_oracle(device: str, sample: list[dict]) -> list[dict]:
     feed = "".join(json.dumps(r["point"]) + "\n" for r in sample)
     proc = subprocess.run([str(SGLANG_PY), str(ORACLE), "--device", device], input=feed,
                           capture_output=True, text=True, timeout=240, cwd=ROOT)
@@ -108,15 +134,42 @@ def test_the_recording_is_what_sglang_answers_now(recording):
     ready, live = lines[0], lines[1:]
     assert ready["sglang"] == "0.5.23"
     assert len(live) == len(sample)
+    return live
+
+
+def test_the_recording_is_what_sglang_answers_now(recording):
+    """Re-run SGLang's own code on a random sample drawn from every sub-grid (one oracle process per device)."""
+    assert SGLANG_PY.exists(), (f"{SGLANG_PY} missing: `make sglang-env` builds SGLang's environment "
+                                f"(`make test` does)")
+    _, records = recording
+    seed = int(os.environ.get("LOADPLAN_CONFORMANCE_SEED", time.time_ns() % 1_000_000))
+    sample = live_sample(records, random.Random(seed))
+    assert {r["point"]["grid"] for r in sample} == {r["point"]["grid"] for r in records}
+    by_device: dict[str, list[dict]] = {}
+    for r in sample:
+        by_device.setdefault(r["point"]["device"], []).append(r)
+    with concurrent.futures.ThreadPoolExecutor(len(by_device)) as pool:
+        answers = dict(zip(by_device, pool.map(lambda d: _run_oracle(d, by_device[d]), by_device)))
     drifted = []
-    for rec, now in zip(sample, live):
-        assert now["point"] == rec["point"]
-        old = {k: v for k, v in rec["answer"].items() if k not in VOLATILE}
-        new = {k: v for k, v in now["answer"].items() if k not in VOLATILE}
-        if old != new:
-            keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
-            drifted.append(f"{point_name(rec['point'])}: {', '.join(f'{k} {old.get(k)!r} -> {new.get(k)!r}' for k in keys)}")
+    for device, recs in by_device.items():
+        for rec, now in zip(recs, answers[device]):
+            assert now["point"] == rec["point"]
+            old = {k: v for k, v in rec["answer"].items() if k not in VOLATILE}
+            new = {k: v for k, v in now["answer"].items() if k not in VOLATILE}
+            if old != new:
+                keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+                drifted.append(f"{point_name(rec['point'])}: "
+                               f"{', '.join(f'{k} {old.get(k)!r} -> {new.get(k)!r}' for k in keys)}")
     assert not drifted, f"seed {seed}: the recording differs from SGLang's code:\n" + "\n".join(drifted)
+
+
+def test_the_live_sample_touches_every_sub_grid_and_two_devices(recording):
+    _, records = recording
+    for seed in range(5):
+        sample = live_sample(records, random.Random(seed))
+        assert {r["point"]["grid"] for r in sample} == {r["point"]["grid"] for r in records}
+        assert len({r["point"]["device"] for r in sample}) == 2
+        assert len(sample) <= LIVE_PER_GRID * len({r["point"]["grid"] for r in records})
 
 
 def test_point_names_are_unique(recording):
@@ -137,3 +190,44 @@ def test_requests_map_tp_ep_and_stage_ranks(recording):
     (req,) = requests_for(draft["point"], draft["answer"])
     assert req.role == "speculative"
     assert req.config["architectures"] == ["DeepseekV3ForCausalLMNextN"]
+
+
+def test_every_hazard_of_the_sglang_profile_has_a_check_of_sglangs_answer():
+    from loadplan.service.rules.hazards import HAZARDS
+
+    from .sglang_agreement import HAZARD_SHOWS
+
+    assert set(HAZARD_SHOWS) == {h.id for h in HAZARDS.values() if h.engine == "sglang"}
+
+
+def _refusing(rec, words):
+    return dict(rec["answer"], refused=True, stage="server_args", message=f"ValueError: {words}")
+
+
+def test_a_refusal_agrees_only_in_sglangs_words(recording):
+    _, records = recording
+    rec = _a_point(records, grid="main", config="deepseek-v3", device="cuda:9.0", a2a_backend="pplx", tp=8, ep=1)
+    honest = verdict(rec["point"], rec["answer"])
+    assert honest.agrees and honest.kind == "both refuse, in SGLang's words", honest
+    v = verdict(rec["point"], _refusing(rec, "some other check SGLang failed first"))
+    assert not v.agrees and v.kind == "both refuse, for another reason", v
+
+
+def test_a_hazard_where_sglang_refuses_is_a_disagreement(recording):
+    _, records = recording
+    rec = next(r for r in records if verdict(r["point"], r["answer"]).kind == "hazard shown by SGLang's answer")
+    v = verdict(rec["point"], _refusing(rec, "a start-up check"))
+    assert not v.agrees and v.kind == "registry calls a hazard what SGLang refuses", v
+    shown_nothing = dict(rec["answer"], forward_path="normal", post_experts_all_reduce=False,
+                         shared_experts_fusion=False)
+    v = verdict(rec["point"], shown_nothing)
+    assert not v.agrees and v.kind == "registry claims a hazard SGLang's code does not run", v
+
+
+def test_the_moe_runner_is_compared_on_every_point_sglang_runs(recording):
+    _, records = recording
+    rec = _a_point(records, grid="main", config="deepseek-v3", device="cuda:9.0", a2a_backend="none", tp=8, ep=1)
+    assert rec["answer"]["rewritten"]["moe_runner_backend"] == "auto"
+    other = dict(rec["answer"], rewritten=dict(rec["answer"]["rewritten"], moe_runner_backend="deep_gemm"))
+    v = verdict(rec["point"], other)
+    assert not v.agrees and "sglang.moe_runner_backend" in v.kind, v

@@ -259,16 +259,19 @@ def test_a_kimi_linear_config_sglang_reads_alike_without_the_field_is_planned():
 
 
 @pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLMNextN", "Glm4MoeForCausalLMNextN"])
-def test_a_nextn_draft_of_more_than_one_mtp_layer_is_refused_for_sglang(arch):
-    """SGLang builds one MTP layer and refuses a checkpoint's others at load ("Only 1 nextn layer is supported")."""
+@pytest.mark.parametrize("count", [0, 2])
+def test_a_nextn_draft_of_other_than_one_mtp_layer_is_refused_for_sglang_in_its_words(arch, count):
+    """SGLang's NextN weight loader asserts one MTP layer before it reads a tensor ("Only 1 nextn layer is
+    supported"): a checkpoint shipping none (Kimi-K2) or several is refused at load."""
     from ._fixtures import deepseek, resolve
-    from loadplan.service.errors import InvalidArgument
 
-    cfg = dict(deepseek(), architectures=[arch], num_nextn_predict_layers=2)
-    with pytest.raises(InvalidArgument) as e:
+    cfg = dict(deepseek(), architectures=[arch], num_nextn_predict_layers=count)
+    with pytest.raises(FailedPrecondition, match=r"^config\.num_nextn_predict_layers: .*Only 1 nextn layer is "
+                                                 r"supported") as e:
         resolve(cfg, engine="sglang", device="cuda:9.0")
     assert e.value.field == "config.num_nextn_predict_layers"
-    assert resolve(cfg).decisions[Keys.PP_LAYER_RANGE].value == [4, 6]    # loadplan's engine builds both
+    if count == 2:
+        assert resolve(cfg).decisions[Keys.PP_LAYER_RANGE].value == [4, 6]    # loadplan's engine builds both
 
 
 @pytest.mark.parametrize("cfg,field", [
