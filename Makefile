@@ -8,7 +8,7 @@ GEN := gen/loadplan/v1/registry_pb2.py
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: setup vllm-env sglang-env proto test demo clean browser
+.PHONY: setup vllm-env sglang-env proto test demo clean browser compiler system-tool
 
 setup: $(VENV)/.installed $(GEN)
 
@@ -72,10 +72,19 @@ $(SGLANG_VENV)/.installed: scripts/sglang-env-requirements.txt pyproject.toml | 
 
 # The web view's browser tests (tests/service/http) drive Debian's Chromium through the
 # Playwright package; Playwright's own browser download is not used.
+# The machine's own tools the tests need: Debian's Chromium (the browser tests) and a C++ compiler (the experts
+# kernel, built by torch's extension tooling). Installed as root when missing; otherwise `make test` stops, saying
+# what to install: a test never skips for a missing tool in CI.
 browser: setup
 	$(PY) -c "import playwright" 2>/dev/null || $(PY) -m pip install -q playwright
-	command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -q && apt-get install -y -q chromium; } \
-		|| echo "note: no chromium (apt-get install chromium as root); the browser tests are skipped"
+	@$(MAKE) --no-print-directory system-tool TOOL=chromium PACKAGE=chromium
+
+compiler:
+	@$(MAKE) --no-print-directory system-tool TOOL=g++ PACKAGE=g++
+
+system-tool:
+	@command -v $(TOOL) >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -q && apt-get install -y -q $(PACKAGE); } \
+		|| { echo "make: $(TOOL) is missing: install it as root (apt-get install -y $(PACKAGE)), then run make test again" >&2; exit 1; }
 
 # Two pytest workers (pytest-xdist), each taking whole files, so that a module's shared fixture (one vLLM
 # start, one demo run) is set up once: on 2 cores the suite takes about 6 minutes instead of 11 (3 workers: 7).
@@ -86,7 +95,7 @@ TEST_WORKERS ?= 2
 ENV_JOBS ?= 4
 
 test:
-	$(MAKE) --no-print-directory -j$(ENV_JOBS) setup browser sglang-env vllm-env
+	$(MAKE) --no-print-directory -j$(ENV_JOBS) setup browser compiler sglang-env vllm-env
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 demo: setup

@@ -183,7 +183,8 @@ def test_resolve_on_postgres(capsys):
 
     url = os.environ.get("LOADPLAN_TEST_POSTGRES_URL")
     if not url:
-        pytest.skip("LOADPLAN_TEST_POSTGRES_URL not set: PostgreSQL tests skipped")
+        pytest.skip("LOADPLAN_TEST_POSTGRES_URL not set: PostgreSQL tests skipped (set it to "
+                    "postgresql+psycopg://postgres@127.0.0.1:5432/postgres for a local server; bash .ci/run does)")
     deployment = f"cli-pg-{uuid.uuid4().hex}"
     code, out, err = run(capsys, "resolve", "--model", real_model("glm-4.5"), "--db", url, "--json",
                          "--deployment", deployment)

@@ -9,6 +9,7 @@ it came from. LOADPLAN_CONFORMANCE_SEED=N replays a sample.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import importlib.util
 import json
@@ -19,7 +20,10 @@ import time
 
 import pytest
 
-from .sglang_agreement import (RECORDING, ROOT, load_recording, point_name, report, summarize, verdict)
+from loadplan.service.errors import RegistryError
+from loadplan.service.rules.resolve import resolve_decisions
+
+from .sglang_agreement import (RECORDING, ROOT, load_recording, point_name, report, requests_for, summarize, verdict)
 
 SGLANG_PY = ROOT / ".venv-sglang" / "bin" / "python"
 ORACLE = ROOT / "tests" / "conformance" / "sglang_oracle.py"
@@ -231,3 +235,34 @@ def test_the_moe_runner_is_compared_on_every_point_sglang_runs(recording):
     other = dict(rec["answer"], rewritten=dict(rec["answer"]["rewritten"], moe_runner_backend="deep_gemm"))
     v = verdict(rec["point"], other)
     assert not v.agrees and "sglang.moe_runner_backend" in v.kind, v
+
+
+def test_the_readme_gives_the_grids_counts_as_measured(recording):
+    """The README's table of what the grid checks holds today's counts (points, per kind, per hazard)."""
+    import re
+
+    from .sglang_agreement import KIND_BOTH_REFUSE, KIND_EQUAL, KIND_HAZARD
+
+    _, records = recording
+    kinds, failures = summarize(records)
+    assert not failures
+    readme = (ROOT / "README.md").read_text()
+    number = lambda text: int(text.replace(",", ""))   # noqa: E731
+    table = {m[1]: number(m[0]) for m in re.findall(r"^\| ([\d,]+) (decisions equal|both refuse|hazards shown)",
+                                                    readme, re.M)}
+    assert table == {"decisions equal": kinds["agree: " + KIND_EQUAL],
+                     "both refuse": kinds["agree: " + KIND_BOTH_REFUSE],
+                     "hazards shown": kinds["agree: " + KIND_HAZARD]}
+    assert f"| of {len(records):,} points |" in readme
+    hazards = collections.Counter()
+    for r in records:
+        try:
+            [resolve_decisions(q) for q in requests_for(r["point"], r["answer"])]
+        except RegistryError as e:
+            if e.message.startswith("hazard:"):
+                hazards[e.message.split(":")[1].strip()] += 1
+    shown = {"sglang.double_reduction": "a reduction owed after an a2a combine",
+             "sglang.fused_global_slot_on_dispatch": "a fused slot on a dispatch path without per-rank slots",
+             "sglang.enforced_384_without_quark": "an enforced 384-expert fusion without Quark"}
+    for hazard, words in shown.items():
+        assert f"{words}: {hazards[hazard]:,}" in readme, (hazard, hazards[hazard])

@@ -14,9 +14,9 @@ from web_tokens import READER_TOKEN, WORKER_TOKEN
 CHROMIUM = os.environ.get("LOADPLAN_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = pathlib.Path(__file__).resolve().parents[3] / "test-artifacts" / "web-view"
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="playwright not installed (make setup installs it)")
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright not installed: `.venv/bin/pip install playwright` (`make test` installs it)")
 if not os.path.exists(CHROMIUM):
-    pytest.skip(f"no Chromium at {CHROMIUM} (make setup installs Debian's chromium)", allow_module_level=True)
+    pytest.skip(f"no Chromium at {CHROMIUM} (as root: `apt-get install -y chromium`; `make test` installs it)", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
