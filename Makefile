@@ -51,23 +51,33 @@ proto: $(GEN)
 $(GEN): $(PROTO) scripts/gen_proto.py | $(VENV)/.tools
 	$(PY) scripts/gen_proto.py
 
-# SGLang 0.5.23's own decision code, in an environment of its own (DESIGN 8.4): the
-# conformance test and the SGLang adapter's tests run it beside the project's torch,
-# never inside the project's .venv. Cached: rebuilt only when its requirements change.
-SGLANG_VENV ?= .venv-sglang
-SGLANG_PY := $(SGLANG_VENV)/bin/python
+# SGLang's own decision code, one environment per release the registry has a profile of (DESIGN 8.4, 9.1): the
+# conformance tests and the SGLang adapter's tests run it beside the project's torch, never inside the project's
+# .venv. The newest release lives in .venv-sglang, each other one in .venv-sglang-<release>. Cached: rebuilt only
+# when its requirements change.
+SGLANG_NEWEST := 0.5.23
+SGLANG_OLDER := 0.5.20 0.5.21 0.5.22
+SGLANG_ENVS := .venv-sglang/.installed $(SGLANG_OLDER:%=.venv-sglang-%/.installed)
 
-sglang-env: $(SGLANG_VENV)/.installed $(GEN)
+sglang-env: $(SGLANG_ENVS) $(GEN)
 
-$(SGLANG_VENV)/.installed: scripts/sglang-env-requirements.txt pyproject.toml | $(GEN)
-	test -x $(SGLANG_PY) || python3 -m venv $(SGLANG_VENV)
-	$(SGLANG_PY) -m pip install -q torch==2.13.0
-	$(SGLANG_PY) -m pip install -q --no-deps sglang==0.5.23 compressed-tensors==0.18.0
-	$(SGLANG_PY) -m pip install -q -r scripts/sglang-env-requirements.txt
+# $(1): the environment's folder, $(2): the SGLang release
+define sglang_env
+	test -x $(1)/bin/python || python3 -m venv $(1)
+	$(1)/bin/python -m pip install -q torch==2.13.0
+	$(1)/bin/python -m pip install -q --no-deps sglang==$(2) compressed-tensors==0.18.0
+	$(1)/bin/python -m pip install -q -r scripts/sglang-env-requirements.txt
 	# loadplan's client and the SGLang adapter, for the adapter's tests (issue 31).
-	$(SGLANG_PY) -m pip install -q 'grpcio>=1.60' 'protobuf>=5'
-	$(SGLANG_PY) -m pip install -q --no-deps -e .
-	touch $@
+	$(1)/bin/python -m pip install -q 'grpcio>=1.60' 'protobuf>=5'
+	$(1)/bin/python -m pip install -q --no-deps -e .
+	touch $(1)/.installed
+endef
+
+.venv-sglang/.installed: scripts/sglang-env-requirements.txt pyproject.toml | $(GEN)
+	$(call sglang_env,.venv-sglang,$(SGLANG_NEWEST))
+
+.venv-sglang-%/.installed: scripts/sglang-env-requirements.txt pyproject.toml | $(GEN)
+	$(call sglang_env,.venv-sglang-$*,$*)
 
 
 # The web view's browser tests (tests/service/http) drive Debian's Chromium through the

@@ -52,7 +52,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ORACLE = ROOT / "tests" / "conformance" / "sglang_oracle.py"
-DEFAULT_OUT = ROOT / "tests" / "data" / "sglang_0.5.23_grid.jsonl.gz"
+NEWEST = "0.5.23"
+
+
+def environment(release: str) -> Path:
+    """The SGLang environment of a release (the Makefile's sglang-env: the newest in .venv-sglang)."""
+    return ROOT / (".venv-sglang" if release == NEWEST else f".venv-sglang-{release}")
+
+
+def recording(release: str) -> Path:
+    return ROOT / "tests" / "data" / f"sglang_{release}_grid.jsonl.gz"
 
 CONFIGS_SHARED = ["deepseek-v3", "kimi-k2", "kimi-k2.5", "glm-4.5", "qwen1.5-moe-a2.7b"]
 CONFIGS_UNSHARED = ["qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-20b"]
@@ -154,12 +163,17 @@ def run_device(python: str, device: str, points: list[dict], results: dict, prog
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--python", default=str(ROOT / ".venv-sglang" / "bin" / "python"),
-                        help="the SGLang environment's python (default: .venv-sglang)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--release", default=NEWEST,
+                        help=f"the SGLang release whose code answers (default {NEWEST}): its environment "
+                             f"(`make sglang-env`: .venv-sglang-<release>) and its recording "
+                             f"(tests/data/sglang_<release>_grid.jsonl.gz)")
+    parser.add_argument("--python", default="", help="the SGLang environment's python (default: the release's)")
+    parser.add_argument("--out", type=Path, default=None, help="default: the release's recording")
     parser.add_argument("--limit", type=int, default=0, help="record only the first N points per device")
     parser.add_argument("--only", default="", help="record only this sub-grid, replacing its points in --out")
     args = parser.parse_args(argv)
+    args.python = args.python or str(environment(args.release) / "bin" / "python")
+    args.out = args.out or recording(args.release)
 
     points = [p for p in grid() if not args.only or p["grid"] == args.only]
     by_device: dict[str, list[dict]] = {}

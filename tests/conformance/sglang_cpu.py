@@ -121,6 +121,9 @@ class _StubLoader(importlib.abc.Loader):
             module.runtime = importlib.import_module("triton.runtime")
         if module.__name__ == "triton.runtime":
             module.driver = _Driver()
+        if module.__name__ == "xgrammar":       # a type pydantic's request models are built with
+            import typing
+            module.StructuralTag = typing.Any
 
 
 class _StubFinder(importlib.abc.MetaPathFinder):
@@ -137,8 +140,10 @@ class _StubFinder(importlib.abc.MetaPathFinder):
 # others are SGLang's GPU dependencies (sglang-kernel, flashinfer-python, sgl-deep-gemm,
 # sgl-deep-ep, nvidia-cutlass-dsl; aiter on ROCm): a GPU host has them installed, so they
 # are present here too (as stubs), and SGLang's availability probes answer as they would there.
+# xgrammar (structured output, no load-time decision) is stubbed too: SGLang 0.5.20's server_args imports it through
+# its function-call parser, and its wheel needs tvm_ffi's compiled runtime.
 STUBBED = ("triton", "torchvision", "tvm_ffi", "sgl_kernel", "flashinfer", "deep_gemm",
-           "deep_ep", "cutlass", "aiter")
+           "deep_ep", "cutlass", "aiter", "xgrammar")
 VERSIONS = {"triton": "3.5.0", "flashinfer": "0.7.2", "sgl_kernel": "0.4.10",
             "deep_gemm": "0.2.3", "deep_ep": "0.1.2", "torchvision": "0.28.0", "cutlass": "4.8.0"}
 

@@ -13,7 +13,8 @@ own code, run as its scheduler runs it (DESIGN 8.4):
 - `initialize_moe_config()` (the scheduler's MoE flags; refuses SBO on SM90);
 - `ModelConfig.from_server_args`, `get_model_architecture`, the loader's
   `_get_quantization_config` (refuses a quantization the device cannot run);
-- `resolve_shared_experts_config(model_class, hf_config, quant_config)`, for a draft inside
+- the loader's shared-experts step (`loader_fusion`: `resolve_shared_experts_config` in 0.5.23,
+  `install_shared_experts_fusion_decision` and the model's own count before it), for a draft inside
   `draft_model_build_scope()`;
 - for a draft, what its weight loader checks of the config before it reads a tensor (`nextn_load_check`: one MTP
   layer);
@@ -315,6 +316,32 @@ def block_fusion(model_class, hf_config, quant_config) -> int | None:
     return int(stand_in.num_fused_shared_experts)
 
 
+def loader_fusion(moe_utils, model_class, hf_config, quant_config):
+    """The loader's shared-experts step, as this release names it: (fusion disabled, fused shared experts, a
+    context in which the model builds under that decision).
+    - 0.5.23: `resolve_shared_experts_config(model_class, hf_config, quant_config)` answers both;
+    - 0.5.18-0.5.22: `install_shared_experts_fusion_decision(...)` installs the flag, and the model class counts
+      its fused experts from it as it builds (`determine_num_fused_shared_experts`, run on a stand-in `self`
+      holding the config; a class without one fuses none)."""
+    import types
+
+    from sglang.srt.runtime_context import get_model
+
+    if hasattr(moe_utils, "resolve_shared_experts_config"):
+        shared = moe_utils.resolve_shared_experts_config(model_class, hf_config, quant_config)
+        return (bool(shared.fusion_disabled), int(shared.num_fused_shared_experts),
+                lambda: get_model().override(shared_experts=shared))
+    moe_utils.install_shared_experts_fusion_decision(model_class, hf_config, quant_config)
+    disabled = bool(moe_utils.is_shared_experts_fusion_disabled())
+    count = getattr(model_class, "determine_num_fused_shared_experts", None)
+    fused = 0
+    if count is not None:
+        stand_in = types.SimpleNamespace(config=hf_config, num_fused_shared_experts=0, quant_config=quant_config)
+        count(stand_in)
+        fused = int(stand_in.num_fused_shared_experts or 0)
+    return disabled, fused, contextlib.nullcontext
+
+
 NEXTN_LOAD_CHECK = "nextn layer is supported"
 
 
@@ -353,8 +380,9 @@ def experts_dispatcher() -> str:
             setattr(layer, n, (lambda name: (lambda *a, **k: name))(n))
         for n in saved_extra:
             setattr(layer, n, lambda *a, **k: sglang_cpu._Anything(n))
-        return layer.create_moe_dispatcher(sglang_cpu._Anything("moe_runner_config"),
-                                           sglang_cpu._Anything("quant_method"))
+        args = [sglang_cpu._Anything("moe_runner_config"), sglang_cpu._Anything("quant_method")]
+        # 0.5.20 takes the runner config alone
+        return layer.create_moe_dispatcher(*args[:len(inspect.signature(layer.create_moe_dispatcher).parameters)])
     except NotImplementedError as e:
         return f"unsupported: {e}"
     finally:
@@ -399,6 +427,13 @@ def server_args_for(point: dict, model_dir: Path):
     return ServerArgs(**kwargs)
 
 
+def _raised_here(e: BaseException) -> bool:
+    """Whether the exception comes from this oracle's own code (a SGLang function a release does not have, called
+    the wrong way) rather than from SGLang's."""
+    frames = traceback.extract_tb(e.__traceback__)
+    return bool(frames) and Path(frames[-1].filename).name in (Path(__file__).name, "sglang_cpu.py")
+
+
 def _message(e: BaseException) -> str:
     text = str(e).strip()
     if not text:   # a bare assert: name the SGLang line that refused
@@ -415,7 +450,8 @@ def answer(point: dict) -> dict:
     from sglang.srt.layers.moe import utils as moe_utils
     from sglang.srt.model_loader.loader import _get_quantization_config
     from sglang.srt.model_loader.utils import get_model_architecture
-    from sglang.srt.runtime_context import (SpawnRanks, get_exec, get_model, get_parallel, publish,
+    from sglang.srt import runtime_context
+    from sglang.srt.runtime_context import (get_exec, get_parallel, publish,
                                             reset_context)
 
     draft = bool(point.get("draft_config"))
@@ -426,7 +462,10 @@ def answer(point: dict) -> dict:
         model_dir = config_dir(point["config"])
         server_args = server_args_for(point, model_dir)
         reset_context()
-        publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
+        if hasattr(runtime_context, "SpawnRanks"):     # 0.5.21 and later publish the scheduler's ranks
+            publish(server_args, role="scheduler", ranks=runtime_context.SpawnRanks(world_rank=0, gpu_id=0))
+        else:
+            publish(server_args, role="scheduler")
         stage = "moe_config"
         moe_utils.initialize_moe_config()
         exec_moe = get_exec().moe
@@ -454,15 +493,15 @@ def answer(point: dict) -> dict:
         stage = "shared_experts"
         scope = moe_utils.draft_model_build_scope() if draft else contextlib.nullcontext()
         with scope:
-            shared = moe_utils.resolve_shared_experts_config(
-                model_class, model_config.hf_config, quant_config)
+            disabled, fused_n, override = loader_fusion(moe_utils, model_class, model_config.hf_config,
+                                                        quant_config)
             # The reason SGLang logs (on rank 0 of an initialised group only): its gate, asked
-            # as resolve_shared_experts_config asks it.
+            # as the loader's step asks it.
             gate = getattr(model_class, "shared_experts_fusion_disable_reason", None)
             reason = (None if exec_moe.disable_shared_experts_fusion or gate is None
                       else gate(model_config.hf_config, quant_config))
             # The Qwen2-MoE block decides its own fusion while the model builds, under the loader's decision.
-            with get_model().override(shared_experts=shared):
+            with override():
                 in_block = block_fusion(model_class, model_config.hf_config, quant_config)
         stage = "load_weights"
         if draft:
@@ -470,9 +509,14 @@ def answer(point: dict) -> dict:
         stage = "forward"
         branch = forward_branch(model_class.__name__, model_config.hf_config, quant_config)
         dispatcher = experts_dispatcher()
-        complete_ep = moe_utils.post_experts_output_is_complete(is_tp_path=False)
-        complete_tp = moe_utils.post_experts_output_is_complete(is_tp_path=True)
+        # 0.5.20 has no post_experts_output_is_complete: its should_skip_post_experts_all_reduce lists the same
+        # complete combines, among the reasons a later step runs the sum
+        complete = getattr(moe_utils, "post_experts_output_is_complete", None) or \
+            moe_utils.should_skip_post_experts_all_reduce
+        complete_ep, complete_tp = complete(is_tp_path=False), complete(is_tp_path=True)
     except Exception as e:
+        if _raised_here(e):     # the oracle's own call does not fit this release: an oracle error, not SGLang's
+            raise
         return {"refused": True, "stage": stage, "message": _message(e), **known}
 
     b = branch["branch"] or ""
@@ -509,10 +553,9 @@ def answer(point: dict) -> dict:
         "config_architectures": list(getattr(model_config.hf_config, "architectures", None) or []),
         "quantization": quant_config.get_name() if quant_config is not None else None,
         "rewritten": rewritten,
-        "shared_experts_fusion": (in_block > 0 if in_block is not None
-                                  else not shared.fusion_disabled and shared.num_fused_shared_experts > 0),
-        "fusion_disabled": bool(shared.fusion_disabled),
-        "num_fused_shared_experts": in_block if in_block is not None else int(shared.num_fused_shared_experts),
+        "shared_experts_fusion": (in_block > 0 if in_block is not None else not disabled and fused_n > 0),
+        "fusion_disabled": bool(disabled),
+        "num_fused_shared_experts": in_block if in_block is not None else int(fused_n),
         "fusion_reason": ("--disable-shared-experts-fusion" if exec_moe.disable_shared_experts_fusion
                           else "decided by the Qwen2-MoE block" if in_block is not None
                           else reason or (None if gate else "no shared_experts_fusion_disable_reason gate")),
@@ -536,6 +579,9 @@ def _sparse_layers(model_class, hf, layers):
         entry_classes = tuple(v for n, v in vars(mod).items() if n.endswith("ForCausalLM") and isinstance(v, type))
         if issubclass(model_class, entry_classes):
             predicate = getattr(mod, decoder)._is_layer_sparse
+            if next(iter(inspect.signature(predicate).parameters)) == "self":   # 0.5.21 and before: a method
+                stand_in = __import__("types").SimpleNamespace(config=hf)
+                return [i for i in range(layers) if predicate(stand_in, i, is_nextn=False)]
             return [i for i in range(layers) if predicate(hf, i, is_nextn=False)]
     return None
 
