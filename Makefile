@@ -66,17 +66,19 @@ define sglang_env
 	test -x $(1)/bin/python || python3 -m venv $(1)
 	$(1)/bin/python -m pip install -q torch==2.13.0
 	$(1)/bin/python -m pip install -q --no-deps sglang==$(2) compressed-tensors==0.18.0
-	$(1)/bin/python -m pip install -q -r scripts/sglang-env-requirements.txt
+	$(1)/bin/python -m pip install -q packaging
+	$(1)/bin/python scripts/sglang_env_requirements.py > $(1)/requirements.txt
+	$(1)/bin/python -m pip install -q -r $(1)/requirements.txt
 	# loadplan's client and the SGLang adapter, for the adapter's tests (issue 31).
 	$(1)/bin/python -m pip install -q 'grpcio>=1.60' 'protobuf>=5'
 	$(1)/bin/python -m pip install -q --no-deps -e .
 	touch $(1)/.installed
 endef
 
-.venv-sglang/.installed: scripts/sglang-env-requirements.txt pyproject.toml | $(GEN)
+.venv-sglang/.installed: scripts/sglang-env-requirements.txt scripts/sglang_env_requirements.py pyproject.toml | $(GEN)
 	$(call sglang_env,.venv-sglang,$(SGLANG_NEWEST))
 
-.venv-sglang-%/.installed: scripts/sglang-env-requirements.txt pyproject.toml | $(GEN)
+.venv-sglang-%/.installed: scripts/sglang-env-requirements.txt scripts/sglang_env_requirements.py pyproject.toml | $(GEN)
 	$(call sglang_env,.venv-sglang-$*,$*)
 
 

@@ -19,7 +19,7 @@ def run(args: argparse.Namespace) -> int:
 
     rows = list(ENGINES.values())
     if args.json:
-        print_json([{**dataclasses.asdict(e), "profile": e.profile} for e in rows])
+        print_json([{**dataclasses.asdict(e), "version": e.version, "profile": e.profile()} for e in rows])
         return 0
     print(table(("ENGINE", "VERSION", "DEFAULT ON", "MOE RUNNER BACKEND", "WHAT DECIDES"),
                 ((e.name, e.version, ", ".join(e.default_for) or "-", "yes" if e.reads_moe_runner_backend else "-",

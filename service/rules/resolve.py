@@ -25,6 +25,7 @@ from .devices import parse_device
 from .engines import ENGINES, engine_of, with_engine
 from .entries import Resolved, resolve_entry
 from . import sglang, vllm
+from .sglang_releases import release as sglang_release
 from .gates import GateContext
 from .layouts import MoeLayout
 
@@ -288,7 +289,7 @@ def _deployment_part(req: ResolveRequest) -> _Part:
         check_name("quantization" if req.quantization else "quantization_config.quant_method",
                    resolved.quantization.name)
     if req.runtime.engine == sglang.NAME:
-        sglang.check_draft(resolved.family.name, resolved.cfg)
+        sglang.check_draft(resolved.family.name, resolved.cfg, sglang_release(req.runtime.engine_version))
     layout = resolved.family.layout(resolved.cfg)
     if req.runtime.engine == sglang.NAME:
         sglang.check_layout(resolved.family.name, resolved.cfg, layout)
@@ -306,7 +307,8 @@ def _deployment_part(req: ResolveRequest) -> _Part:
         d[key] = Decision(key, value, reason, rule, deployment_wide)
 
     engine = ENGINES[rt.engine]
-    put(Keys.ENGINE_PROFILE, engine.profile, f"the {engine.profile} profile decides: {engine.summary}",
+    profile = engine.profile(rt.engine_version)
+    put(Keys.ENGINE_PROFILE, profile, f"the {profile} profile decides: {engine.summary}",
         f"engine.{engine.name}")
     put(Keys.ENTRY_FAMILY, resolved.family.name,
         f"{' -> '.join(resolved.chain)} builds the {resolved.family.name} family", "entries.table")
@@ -393,9 +395,9 @@ def _finish(req: ResolveRequest, resolved: Resolved, layout: MoeLayout, head: di
 
 def _profile_head(req: ResolveRequest, resolved: Resolved) -> dict[str, Decision]:
     engine = ENGINES[req.runtime.engine]
+    profile = engine.profile(req.runtime.engine_version)
     return {
-        Keys.ENGINE_PROFILE: Decision(Keys.ENGINE_PROFILE, engine.profile,
-                                      f"the {engine.profile} profile decides: {engine.summary}",
+        Keys.ENGINE_PROFILE: Decision(Keys.ENGINE_PROFILE, profile, f"the {profile} profile decides: {engine.summary}",
                                       f"engine.{engine.name}", True),
         Keys.ENTRY_FAMILY: Decision(Keys.ENTRY_FAMILY, resolved.family.name,
                                     f"{' -> '.join(resolved.chain)} builds the {resolved.family.name} family",
@@ -440,7 +442,8 @@ def _sharding(put, layout: MoeLayout, rt, ep: int) -> int:
 
 
 def _sglang_part(req: ResolveRequest, resolved: Resolved, layout: MoeLayout, device) -> "_Part":
-    """The sglang profile (service/rules/sglang.py): SGLang 0.5.23's resolution, gates, forward and tiling."""
+    """The sglang profile (service/rules/sglang.py) of the request's release: SGLang's resolution, gates, forward and
+    tiling."""
     p, rt = req.parallel, req.runtime
     archs = resolved.cfg.raw("architectures")
     arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else resolved.chain[-1]
@@ -451,7 +454,7 @@ def _sglang_part(req: ResolveRequest, resolved: Resolved, layout: MoeLayout, dev
                         a2a=rt.a2a_backend, runner=rt.moe_runner_backend, tp=p.tp_size, ep=p.ep_size, dp=p.dp_size,
                         sbo=rt.enable_sbo, tbo=rt.enable_tbo, disable_fusion=rt.disable_shared_experts_fusion,
                         enforce_fusion=rt.enforce_shared_experts_fusion, draft=draft, config=req.config,
-                        cfg=resolved.cfg)
+                        cfg=resolved.cfg, release=sglang_release(rt.engine_version))
     d = _profile_head(req, resolved)
 
     def put(key: str, value: Any, reason: str, rule: str, deployment_wide: bool = True) -> None:

@@ -28,15 +28,12 @@ from .backends import Forward
 from .devices import Device
 from .layouts import MoeLayout, ernie_moe_span, interleaved_moe_layers, layer_flags, layer_numbers
 from .quantization import Quantization
+from .sglang_releases import Release
 
 NAME = "sglang"
-VERSION = "0.5.23"
 # The decision that records the MoE runner SGLang's resolution leaves (on every sglang plan).
 RUNNER_KEY = "sglang.moe_runner_backend"
 
-# layers/moe/utils.py: MoeA2ABackend (CUSTOMIZED is a plugin hook, not a backend a fleet names).
-A2A_BACKENDS = ("none", "deepep", "mooncake", "nixl", "mori", "ascend_fuseep", "ascend_tp", "flashinfer",
-                "megamoe", "deepep_v2", "pplx", "flashinfer_megamoe")
 # arg_groups/overrides.py: _A2A_EP_SPANNING_BACKENDS: every one forces ep_size = tp_size.
 EP_SPANNING = frozenset({"megamoe", "deepep", "deepep_v2", "mooncake", "nixl", "ascend_fuseep", "flashinfer",
                          "flashinfer_megamoe", "mori", "pplx"})
@@ -60,10 +57,6 @@ RUNNER_FORCES_FUSION_OFF = {
     "flashinfer_trtllm_routed": "FlashInfer TRTLLM routed MoE is enabled. --disable-shared-experts-fusion is "
                                 "automatically set.",
 }
-MOE_RUNNER_BACKENDS = ("auto", "triton", "triton_kernel", "deep_gemm", "flashinfer_trtllm", "flashinfer_trtllm_routed",
-                       "flashinfer_cutlass", "flashinfer_mxfp4", "flashinfer_cutedsl", "flashinfer_megamoe",
-                       "experimental_sgl_trtllm", "cutlass", "marlin", "aiter")
-
 
 @dataclass(frozen=True)
 class Shape:
@@ -108,6 +101,7 @@ class Inputs:
     a2a_asked: str = "none"       # --moe-a2a-backend as handle_moe_kernel_config reads it (before handle_a2a_moe)
     architectures: tuple[str, ...] = ()   # the checkpoint's config.json architectures, as SGLang's hooks read them
     checkpoint_quantization: str | None = None   # the checkpoint's quantization before a model override renamed it
+    release: Release | None = None            # the SGLang release that decides (sglang_releases.py)
 
 
 @dataclass(frozen=True)
@@ -194,8 +188,8 @@ def minimax_m3_quantization(q: Quantization, qconfig: dict | None) -> Quantizati
     return q
 
 
-def _minimax_m3_override(quant: str | None, a2a: str, runner: str, device: Device,
-                         done: list[Rewrite]) -> tuple[str, str]:
+def _minimax_m3_override(quant: str | None, a2a: str, runner: str, device: Device, done: list[Rewrite],
+                         release: Release) -> tuple[str, str]:
     """model_overrides/minimax_m3.py: _minimax_m3_overrides, its MoE runner and a2a backend (not its attention, page
     size and KV-cache settings, nor its DSPARK / DFLASH speculation checks)."""
     def use(key: str, value: str, why: str) -> str:
@@ -209,10 +203,9 @@ def _minimax_m3_override(quant: str | None, a2a: str, runner: str, device: Devic
                 runner = use("moe_runner_backend", "marlin", "M3.1 NVFP4 off Blackwell: the marlin MoE runner")
             return a2a, runner
         if a2a not in ("none", "megamoe"):
-            raise FailedPrecondition(f"runtime.a2a_backend: SGLang {VERSION} refuses to start: M3.1 NVFP4 "
-                                     + ("flashinfer_trtllm_routed requires --moe-a2a-backend none or megamoe"
-                                        if runner == "flashinfer_trtllm_routed"
-                                        else "requires --moe-a2a-backend megamoe"))
+            raise FailedPrecondition(f"runtime.a2a_backend: SGLang {release.version} refuses to start: "
+                                     + release.say("m3_nvfp4.routed_a2a" if runner == "flashinfer_trtllm_routed"
+                                                   else "m3_nvfp4.a2a"))
         if runner != "flashinfer_trtllm_routed":
             if a2a != "megamoe":
                 a2a = use("moe_a2a_backend", "megamoe", "M3.1 NVFP4 on Blackwell runs --moe-a2a-backend megamoe")
@@ -268,14 +261,14 @@ def _quantization_runner(server_q: str | None, runner: str, a2a: str, device: De
 
 
 def rewrite(entry_class: str, quant_key: str | None, a2a: str, runner: str, shape: Shape, device: Device,
-            disable_fusion: bool, server_quantization: str | None = None, fp4_experts: bool = False
-            ) -> tuple[str, str, Shape, bool, str, list[Rewrite]]:
+            disable_fusion: bool, release: Release, server_quantization: str | None = None,
+            fp4_experts: bool = False) -> tuple[str, str, Shape, bool, str, list[Rewrite]]:
     """(a2a, runner, shape, disable_fusion) as SGLang's server-args resolution leaves them, the a2a backend its MoE
     kernel hook reads, and what it rewrote."""
     done: list[Rewrite] = []
     asked = a2a                 # the SM100 runner override reads the a2a backend as the flag gave it
     if entry_class in MINIMAX_M3_ARCHS:
-        a2a, runner = _minimax_m3_override(quant_key, a2a, runner, device, done)
+        a2a, runner = _minimax_m3_override(quant_key, a2a, runner, device, done, release)
     if a2a == "ascend_tp":   # layers/moe/token_dispatcher: the Ascend TP dispatcher runs SGLang's normal path
         a2a = "none"
         done.append(Rewrite("sglang.moe_a2a_backend", "none",
@@ -335,13 +328,6 @@ A2A_RUNNER = {
 
 # --- 2. start-up refusals -------------------------------------------------------------------------------------------
 
-# layers/quantization/__init__.py: BASE_QUANTIZATION_METHODS, the names _verify_quantization accepts, in its order
-# ("mxfp4" is registered after them on CUDA and gfx95, not on an older ROCm GPU).
-QUANTIZATION_METHODS = ("fp8", "mxfp8", "minimax_m3_nvfp4", "blockwise_int8", "modelopt", "modelopt_fp8",
-                        "modelopt_fp4", "nvfp4_online", "modelopt_mixed", "w8a8_int8", "w8a8_fp8", "awq", "awq_marlin",
-                        "bitsandbytes", "gguf", "gptq_marlin", "moe_wna16", "compressed-tensors", "w4afp8",
-                        "petit_nvfp4", "quark", "quark_mxfp4", "auto-round", "auto-round-int8", "modelslim",
-                        "quark_int4fp8_moe", "humming", "mxfp_w4a8")
 # configs/model_config.py: _verify_quantization's rocm_supported_quantization.
 ROCM_QUANTIZATIONS = frozenset({"awq", "fp8", "compressed_tensors", "compressed-tensors", "w8a8_fp8", "petit_nvfp4",
                                 "quark", "mxfp4", "mxfp8", "auto-round", "auto-round-int8", "quark_int4fp8_moe",
@@ -359,21 +345,20 @@ def sglang_name(q: str | None) -> str | None:
     return SGLANG_SPELLING.get(q, q) if q is not None else None
 
 
-def _quantization_methods(device: Device) -> list[str]:
+def _quantization_methods(device: Device, release: Release) -> list[str]:
     gfx95 = device.kind == "hip" and device.capability is not None and device.capability >= (9, 5)
-    return [*QUANTIZATION_METHODS, *(("mxfp4",) if device.kind == "cuda" or gfx95 else ())]
+    return [*release.quantization_methods, *(("mxfp4",) if device.kind == "cuda" or gfx95 else ())]
 
 
-def _verify_quantization(q: str | None, device: Device) -> str | None:
-    """configs/model_config.py: ModelConfig._verify_quantization's refusal of `q` (SGLang's spelling), or None."""
+def _verify_quantization(q: str | None, device: Device, release: Release, no) -> None:
+    """configs/model_config.py: ModelConfig._verify_quantization's refusal of `q` (SGLang's spelling)."""
     if q is None:
-        return None
-    known = _quantization_methods(device)
+        return
+    known = _quantization_methods(device, release)
     if q not in known:
-        return f"Unknown quantization method: {q}. Must be one of {known}."
+        no("device", "quantization.unknown", q=q, known=known)
     if device.kind == "hip" and q not in ROCM_QUANTIZATIONS:
-        return f"{q} quantization is currently not supported in ROCm."
-    return None
+        no("device", "quantization.rocm", q=q)
 
 
 def refuse(i: Inputs) -> None:
@@ -388,8 +373,12 @@ def refuse(i: Inputs) -> None:
     Not here: the per-rank dispatch-token budgets of MoRI, pplx and DeepEP v2
     (SGLANG_*_NUM_MAX_DISPATCH_TOKENS_PER_RANK against --chunked-prefill-size), buffer sizes that are not plan
     inputs."""
-    def no(flag: str, words: str) -> None:
-        raise FailedPrecondition(f"runtime.{flag}: SGLang {VERSION} refuses to start: {words}")
+    r = i.release
+
+    def no(flag: str, check: str, **values) -> None:
+        words = r.say(check, **values)
+        if words is not None:       # None: this release does not make the check
+            raise FailedPrecondition(f"runtime.{flag}: SGLang {r.version} refuses to start: {words}")
 
     overlap = "enable_tbo" if i.tbo else "enable_sbo"
     q = sglang_name(i.checkpoint_quantization)
@@ -397,126 +386,82 @@ def refuse(i: Inputs) -> None:
     # 1. arg_groups/mega_moe_hook.py: check_mega_moe_compat
     if i.a2a == "megamoe":
         if i.sbo or i.tbo:
-            no(overlap, "--moe-a2a-backend megamoe has no two-batch / single-batch overlap decomposition; disable "
-                        "--enable-two-batch-overlap and --enable-single-batch-overlap.")
+            no(overlap, "megamoe.overlap")
         if not (is_sm90(i.device) or is_sm100(i.device) or i.device.kind == "hip"):
-            no("a2a_backend", "--moe-a2a-backend megamoe needs a CUDA SM90 GPU (block-FP8 experts) or an SM100-class "
-                              "GPU (MXFP4 / NVFP4 experts); it runs DeepGEMM kernels over CUDA symmetric memory. On "
-                              "ROCm, set SGLANG_AMD_USE_FLYDSL_MEGA_MOE=1 to select aiter MegaMoEv2 instead.")
+            no("a2a_backend", "megamoe.device")
     # configs/model_config.py: _verify_quantization, of the checkpoint's quant_method
-    words = _verify_quantization(q, i.device)
-    if words:
-        no("device", words)
+    _verify_quantization(q, i.device, r, no)
     # arg_groups/moe_hook.py: handle_moe_kernel_config (before handle_a2a_moe sets ep_size to the tp group)
     if i.runner == "flashinfer_cutlass":
         if server_q not in ("modelopt_fp4", "modelopt_fp8", "modelopt_mixed", None):
-            no("moe_runner_backend", f"Invalid quantization '{server_q}'. \nFlashInfer Cutlass MOE supports only: "
-                                     f"'modelopt_fp4', 'modelopt_fp8', 'modelopt_mixed', or bfloat16 (None).")
+            no("moe_runner_backend", "cutlass.quantization", q=server_q)
         if i.ep_asked not in (1, i.shape.tp):
-            no("moe_runner_backend", "The expert parallel size must be 1 or the same as the tensor parallel size")
+            no("moe_runner_backend", "kernel.ep")
     if i.runner == "flashinfer_cutedsl":
         if server_q not in ("modelopt_fp4", "modelopt_mixed", "nvfp4_online"):
-            no("moe_runner_backend", f"Invalid quantization '{server_q}'. \nFlashInfer CuteDSL MOE currently supports "
-                                     f"only: 'modelopt_fp4', 'modelopt_mixed' (with NVFP4 MoE layers), "
-                                     f"'nvfp4_online', or hybrid NVFP4 models.")
+            no("moe_runner_backend", "cutedsl.quantization", q=server_q)
         if i.ep_asked not in (1, i.shape.tp):
-            no("moe_runner_backend", "The expert parallel size must be 1 or the same as the tensor parallel size")
+            no("moe_runner_backend", "kernel.ep")
         if i.a2a_asked not in ("none", "deepep", "flashinfer"):
-            no("a2a_backend", f"flashinfer_cutedsl supports moe_a2a_backend='none', 'deepep', or 'flashinfer', got "
-                              f"'{i.a2a_asked}'.")
+            no("a2a_backend", "cutedsl.a2a", a2a=i.a2a_asked)
     if i.runner in ("flashinfer_trtllm", "experimental_sgl_trtllm") and server_q not in TRTLLM_QUANTS:
-        no("moe_runner_backend", f"Invalid quantization '{server_q}'. \nFlashInfer TRTLLM MOE supports only: "
-                                 f"'modelopt_fp4', 'nvfp4_online', 'fp8', 'modelopt_fp8', 'modelopt_mixed', "
-                                 f"'compressed-tensors', or bfloat16 (None).")
-    if i.runner == "flashinfer_trtllm_routed" and server_q not in TRTLLM_ROUTED_QUANTS:
-        no("moe_runner_backend", f"Invalid quantization '{server_q}'. \nFlashInfer TRTLLM routed MOE supports only: "
-                                 f"'fp8', 'mxfp8', 'modelopt_fp4', 'modelopt_mixed', 'nvfp4_online', "
-                                 f"'minimax_m3_nvfp4', or bfloat16 (None).")
+        no("moe_runner_backend", "trtllm.quantization", q=server_q)
+    if i.runner == "flashinfer_trtllm_routed" and server_q not in r.trtllm_routed_quants:
+        no("moe_runner_backend", "trtllm_routed.quantization", q=server_q)
     # arg_groups/moe_hook.py: handle_a2a_moe
     if i.a2a == "flashinfer_megamoe":
-        if not set(i.architectures) & FLASHINFER_MEGAMOE_ARCHS:
-            no("a2a_backend", f"FlashInfer MegaMOE is not validated for model architectures {list(i.architectures)}. "
-                              f"Supported architectures: {sorted(FLASHINFER_MEGAMOE_ARCHS)}.")
+        if not set(i.architectures) & r.flashinfer_megamoe_archs:
+            no("a2a_backend", "flashinfer_megamoe.arch", archs=list(i.architectures),
+               supported=sorted(r.flashinfer_megamoe_archs))
         if server_q not in ("mxfp8", "modelopt_fp4"):
-            no("a2a_backend", f"FlashInfer MegaMOE currently supports only MXFP8, ModelOpt NVFP4, FP4-expert, hybrid "
-                              f"NVFP4 MoE checkpoints, or nvfp4_online with SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16=1; "
-                              f"got quantization={server_q!r}. Standard FP8 MoE checkpoints are not supported.")
+            no("a2a_backend", "flashinfer_megamoe.quantization", q=server_q)
         if i.shape.attn_dp != i.shape.tp or i.shape.attn_dp < 2:
-            no("a2a_backend", "FlashInfer MegaMOE is only supported with --attn-dp-size equal to --tp-size")
+            no("a2a_backend", "flashinfer_megamoe.attn_dp")
         if i.runner != "flashinfer_megamoe":
-            no("moe_runner_backend", "FlashInfer MegaMOE a2a backend requires --moe-runner-backend "
-                                     "flashinfer_megamoe")
+            no("moe_runner_backend", "flashinfer_megamoe.runner")
         if not is_sm100(i.device):
-            no("a2a_backend", "FlashInfer MegaMOE currently requires an SM100-family CUDA device for all supported "
-                              "quantization formats.")
+            no("a2a_backend", "flashinfer_megamoe.device")
     if i.a2a == "deepep_v2":   # validate_deepep_v2_model_architecture, then the runner, overlap and fusion
-        if i.architectures[:1] and i.architectures[0] not in DEEPEP_V2_ARCHS or not i.architectures:
-            no("a2a_backend", f"DeepEP v2 MoE is not validated for "
-                              f"{(i.architectures[0] if i.architectures else None)!r}. The model package must "
-                              f"register its architecture with register_deepep_v2_model, because its combine and "
-                              f"post-expert reduction semantics must be validated first.")
+        first = i.architectures[0] if i.architectures else None
+        if first not in r.deepep_v2_archs:
+            no("a2a_backend", "deepep_v2.arch", arch=first)
         if i.runner != "deep_gemm":
-            no("moe_runner_backend", f"DeepEP v2 MoE currently supports only --moe-runner-backend deep_gemm. Got "
-                                     f"{i.runner!r}. Add a runner adapter before enabling DeepEP v2 with other MoE "
-                                     f"runners.")
+            no("moe_runner_backend", "deepep_v2.runner", runner=i.runner)
         if i.sbo or i.tbo:
-            no(overlap, "DeepEP v2 MoE has not implemented the TBO/SBO overlap hooks yet. Disable "
-                        "--enable-two-batch-overlap and --enable-single-batch-overlap when using --moe-a2a-backend "
-                        "deepep_v2.")
+            no(overlap, "deepep_v2.overlap")
         if i.enforce_fusion:
-            no("enforce_shared_experts_fusion", "DeepEP v2 MoE has not validated fused shared experts yet. Remove "
-                                                "--enforce-shared-experts-fusion when using --moe-a2a-backend "
-                                                "deepep_v2.")
+            no("enforce_shared_experts_fusion", "deepep_v2.enforce")
     if i.a2a == "flashinfer":
         if i.shape.attn_dp != i.shape.tp or i.shape.attn_dp < 2:
-            no("a2a_backend", "Flashinfer MoE A2A requires --attn-dp-size equal to --tp-size, except for Muse Spark "
-                              "TP4/EP4 or TP8/EP8 prefill sequence parallelism.")
+            no("a2a_backend", "flashinfer.attn_dp")
         if i.runner not in FLASHINFER_A2A_RUNNERS:
-            no("moe_runner_backend", "FlashInfer MoE A2A is supported with flashinfer_cutlass, flashinfer_cutedsl, "
-                                     "flashinfer_trtllm, flashinfer_trtllm_routed, or deep_gemm.")
+            no("moe_runner_backend", "flashinfer.runner")
     if i.a2a == "pplx":
         if i.shape.attn_dp < 2:
-            no("a2a_backend", "moe_a2a_backend='pplx' requires attention DP with at least 2 groups (--attn-dp-size "
-                              ">= 2).")
+            no("a2a_backend", "pplx.attn_dp")
         if i.runner != "deep_gemm":
-            no("moe_runner_backend", "moe_a2a_backend='pplx' is only supported with --moe-runner-backend deep_gemm "
-                                     "(or auto).")
+            no("moe_runner_backend", "pplx.runner")
     # 2. layers/moe/utils.py: initialize_moe_config
     if i.sbo and is_sm90(i.device):
-        no("enable_sbo", "SBO (single batch overlap) is not supported on SM90 GPUs with latest sgl-deep-gemm wheel. "
-                         "Please try removing --enable-single-batch-overlap argument.")
+        no("enable_sbo", "sbo.sm90")
     # 3. the model config again, of the quantization the model override named
     renamed = sglang_name(i.quantization.name)
     if renamed != q:
-        words = _verify_quantization(renamed, i.device)
-        if words:
-            no("device", words)
+        _verify_quantization(renamed, i.device, r, no)
     # 4. model_loader/loader.py: _get_quantization_config
     need = QUANTIZATION_MIN_CAPABILITY.get(i.quantization.name)
     if need is not None and i.device.kind == "cuda" and i.device.capability is not None \
             and i.device.capability < need:
-        no("device", f"The quantization method {renamed} is not supported for the current GPU. Minimum capability: "
-                     f"{need[0]}{need[1]}. Current capability: {i.device.capability[0]}{i.device.capability[1]}.")
+        no("device", "quantization.capability", q=renamed, need=f"{need[0]}{need[1]}",
+           have=f"{i.device.capability[0]}{i.device.capability[1]}")
 
 
-# arg_groups/moe_hook.py: validate_flashinfer_megamoe_model's validated architectures.
-FLASHINFER_MEGAMOE_ARCHS = frozenset({"BeamForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-                                      "DeepseekV32ForCausalLM", "DeepseekV4ForCausalLM", "Glm4MoeForCausalLM",
-                                      "GlmMoeDsaForCausalLM", "NemotronHForCausalLM", "NemotronHPuzzleForCausalLM",
-                                      "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "KimiK3ForConditionalGeneration",
-                                      "KimiK3LinearForCausalLM"})
 # arg_groups/moe_hook.py: handle_moe_kernel_config's quantizations of the trtllm runners (SGLang's spelling).
 TRTLLM_QUANTS = frozenset({None, "modelopt_fp4", "nvfp4_online", "fp8", "mxfp8", "modelopt_fp8", "modelopt_mixed",
                            "compressed-tensors"})
-TRTLLM_ROUTED_QUANTS = frozenset({None, "fp8", "mxfp8", "modelopt_fp4", "modelopt_mixed", "nvfp4_online",
-                                  "minimax_m3_nvfp4"})
 # arg_groups/moe_hook.py: the runners FlashInfer's a2a accepts.
 FLASHINFER_A2A_RUNNERS = ("flashinfer_cutlass", "flashinfer_cutedsl", "flashinfer_trtllm", "flashinfer_trtllm_routed",
                           "deep_gemm")
-# configs/moe_model_registry.py: _DEEPEP_V2_MODELS, the architectures (config.json's first) validated for DeepEP v2.
-DEEPEP_V2_ARCHS = frozenset({"DeepseekV3ForCausalLM", "DeepseekV4ForCausalLM", "Qwen3MoeForCausalLM",
-                             "Glm5NextForConditionalGeneration", "GlmMoeDsaForCausalLM", "MiMoV2ForCausalLM",
-                             "MiMoV2FlashForCausalLM"})
 
 
 # --- 3. fusion gates (models/*.py: shared_experts_fusion_disable_reason) ----------------------------------------------
@@ -617,7 +562,7 @@ def minimax_m3_gate(i: Inputs, fused_architecture: str) -> str | None:
     if i.a2a == "deepep":       # MoeA2ABackend.is_deepep(): deepep itself, not the DeepEP class
         return "Shared experts fusion is not supported when Deepep MoE backend is enabled."
     if i.layout.n_shared != 1:
-        raise FailedPrecondition(f"runtime.shared_experts_fusion: SGLang {VERSION} refuses to start: Only 1 fused "
+        raise FailedPrecondition(f"runtime.shared_experts_fusion: SGLang {i.release.version} refuses to start: Only 1 fused "
                                  f"shared expert is supported for MiniMax-M3 (n_shared_experts={i.layout.n_shared})")
     return None
 
@@ -635,7 +580,8 @@ def deepseek_v4_gate(i: Inputs, fused_architecture: str) -> str | None:
     if not i.enforce_fusion:
         return "Config does not support fused shared expert(s)."
     if i.layout.n_shared != 1:
-        raise FailedPrecondition(f"runtime.enforce_shared_experts_fusion: SGLang {VERSION} refuses to start: DeepSeek "
+        raise FailedPrecondition(f"runtime.enforce_shared_experts_fusion: SGLang {i.release.version} refuses to start: "
+                                 f"DeepSeek "
                                  f"V4 shared-experts fusion expects exactly one shared expert, but got "
                                  f"n_shared_experts={i.layout.n_shared}.")
     return None
@@ -789,7 +735,8 @@ def block_fusion(i: Inputs, row: BlockFusion) -> tuple[bool, str, str]:
             f"{where}: its single global shared slot does not fit {i.a2a}'s per-rank shared slots at "
             f"moe_ep_size={i.shape.ep}")
     if i.block_shared > 1 and row.refuses_more_than_one:
-        raise FailedPrecondition(f"config.n_shared_experts: SGLang {VERSION} refuses to start: {row.builder} fuses "
+        raise FailedPrecondition(f"config.n_shared_experts: SGLang {i.release.version} refuses to start: {row.builder} "
+                                 f"fuses "
                                  f"exactly one shared expert, got n_shared_experts={i.block_shared}")
     return True, "sglang.block.qwen2_moe.fused", f"{where}: {i.block_shared} shared expert(s) fused as routed slot " \
                                                  f"{i.layout.n_routed}"
@@ -821,26 +768,9 @@ def fusion(i: Inputs) -> tuple[bool, str, str]:
 
 # --- 4. forward path --------------------------------------------------------------------------------------------------
 
-# Per MoE block, the a2a backends whose forward takes the dispatch/combine branch (models/*.py: the block's
-# forward). Every other backend runs the block's normal branch (partial sums, then the block's all-reduce), where
-# the experts layer's own dispatcher (A2A_DISPATCHER) may still dispatch and combine.
-_ALL_A2A = frozenset(A2A_BACKENDS) - {"none", "ascend_tp"}
-DISPATCH_BRANCH: dict[str, frozenset[str]] = {
-    "deepseek": _ALL_A2A - {"pplx", "megamoe"},                               # models/deepseek_v2.py: DeepseekV2MoE
-    "glm4_moe": _ALL_A2A - {"pplx", "deepep_v2", "megamoe"},                  # models/glm4_moe.py
-    "qwen2_moe": frozenset({"deepep", "deepep_v2", "mori", "ascend_fuseep", "megamoe"}),  # models/qwen2_moe.py
-    "qwen3_moe": _ALL_A2A - {"nixl", "flashinfer"},                           # models/qwen3_moe.py
-    # models/minimax_m3.py: MiniMaxM3 MoE forward: megamoe -> forward_mega_moe, is_deepep() -> forward_deepep,
-    # else forward_normal
-    "minimax_m3": frozenset({"deepep", "megamoe"}),
-    # models/dots3_common/modeling.py: Dots3MoE.forward: forward_deepep only when is_deepep()
-    "dots3": frozenset({"deepep"}),
-    "minimax_m2": frozenset({"deepep", "ascend_fuseep"}),        # models/minimax_m2.py: MiniMaxM2MoE.forward
-    "exaone_moe": frozenset({"deepep"}),                         # models/exaone_moe.py: ExaoneMoESparseMoEBlock
-    "mimo_v2": DEEPEP_CLASS | {"ascend_fuseep"},                 # models/mimo_v2.py: MiMoV2MoE._enable_a2a_moe
-    "step3p5": frozenset({"deepep", "ascend_fuseep"}),           # models/step3p5.py: Step3p5MoEMLP.forward
-    "glm4_moe_lite": frozenset({"deepep", "mooncake"}),          # models/glm4_moe_lite.py: _enable_a2a_moe
-}
+# Per MoE block, the a2a backends whose forward takes the dispatch/combine branch: the release's `dispatch_branch`.
+# Every other backend runs the block's normal branch (partial sums, then the block's all-reduce), where the experts
+# layer's own dispatcher (A2A_DISPATCHER) may still dispatch and combine.
 # The block each entry class builds (models/registry.py; the oracle's FAMILY_BLOCKS). A class not here builds a
 # block whose forward has no dispatch branch.
 BLOCKS = {
@@ -877,7 +807,7 @@ PER_RANK_FUSED_SLOTS = DEEPEP_CLASS | {"megamoe"}
 def forward(i: Inputs) -> Forward:
     """The forward path and post-experts reduction of the block SGLang builds, as its code runs them."""
     block = BLOCKS.get(i.entry_class)
-    if i.a2a in DISPATCH_BRANCH.get(block, ()):
+    if i.a2a in i.release.dispatch_branch.get(block, ()):
         return Forward("a2a", False, f"sglang.forward.{block}.dispatch",
                        f"SGLang's {block} MoE block takes its dispatch/combine branch for {i.a2a}: the combine "
                        f"returns each token's complete output")
@@ -910,16 +840,18 @@ def stage_range(n_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
     return start, start + sizes[pp_rank]
 
 
-def check_backend(name: str) -> str:
-    if name not in A2A_BACKENDS:
-        raise NotFound("a2a backend", name, A2A_BACKENDS, field="runtime.a2a_backend")
+def check_backend(name: str, release: Release) -> str:
+    if name not in release.a2a_backends:
+        raise NotFound(f"a2a backend of SGLang {release.version}", name, release.a2a_backends,
+                       field="runtime.a2a_backend")
     return name
 
 
-def check_runner(name: str) -> str:
+def check_runner(name: str, release: Release) -> str:
     name = name or "auto"
-    if name not in MOE_RUNNER_BACKENDS:
-        raise NotFound("moe runner backend", name, MOE_RUNNER_BACKENDS, field="runtime.moe_runner_backend")
+    if name not in release.moe_runner_backends:
+        raise NotFound(f"moe runner backend of SGLang {release.version}", name, release.moe_runner_backends,
+                       field="runtime.moe_runner_backend")
     return name
 
 
@@ -969,15 +901,18 @@ class Decided:
 def decide(*, entry_class: str, architecture: str, layout: MoeLayout, quantization: Quantization,
            qconfig: dict | None, device: Device, a2a: str, runner: str, tp: int, ep: int, dp: int, sbo: bool,
            tbo: bool, disable_fusion: bool, enforce_fusion: bool, draft: bool, config: Any = None,
-           cfg: Any = None) -> Decided:
+           cfg: Any = None, release: Release | None = None) -> Decided:
     """SGLang's decisions for one deployment, or FAILED_PRECONDITION (a start-up refusal, or a hazard). `config`: the
     checkpoint's config.json; `cfg`: the ConfigView of the config the family reads (for a block that fuses itself)."""
     from . import hazards
 
-    check_backend(a2a)
-    runner = check_runner(runner)
+    from .sglang_releases import NEWEST
+
+    release = release or NEWEST
+    check_backend(a2a, release)
+    runner = check_runner(runner, release)
     checkpoint_quantization = quantization.name
-    if entry_class in MINIMAX_M3_ARCHS:
+    if entry_class in MINIMAX_M3_ARCHS and "minimax_m3_nvfp4" in release.overrides:
         quantization = minimax_m3_quantization(quantization, qconfig)
     key, w4a16, blocks = quant_facts(qconfig, quantization)
     # Server-args resolution copies the checkpoint's quant_method into --quantization only in the SM100 overrides
@@ -989,19 +924,20 @@ def decide(*, entry_class: str, architecture: str, layout: MoeLayout, quantizati
         server_q = sglang_name(quantization.name)
     a2a, runner, shape, disable, kernel_hook_a2a, rewrites = rewrite(entry_class, key, a2a, runner,
                                                                      Shape(tp * ep, ep, dp), device, disable_fusion,
-                                                                     server_q, fp4_experts(entry_class, qconfig))
+                                                                     release, server_q,
+                                                                     fp4_experts(entry_class, qconfig))
     shared, fit = block_shared(cfg) if entry_class in BLOCK_FUSION else (0, False)
     archs = config.get("architectures") if isinstance(config, Mapping) else None
     i = Inputs(entry_class, architecture, layout, quantization, device, a2a, runner, shape, sbo, tbo, disable,
                enforce_fusion, draft, blocks, w4a16, server_q, nested_gate_speaks(entry_class, config), shared, fit,
                ep, kernel_hook_a2a, tuple(a for a in archs if isinstance(a, str)) if isinstance(archs, list) else (),
-               checkpoint_quantization)
+               checkpoint_quantization, release)
     refuse(i)
     fused = fusion(i)
     block = BLOCKS.get(entry_class)
     missing = NOT_IMPLEMENTED_BRANCH.get(block, {}).get(a2a)
     if missing:   # the block's forward raises at the first batch
-        raise FailedPrecondition(f"runtime.a2a_backend: SGLang {VERSION} cannot run {entry_class}'s MoE block with "
+        raise FailedPrecondition(f"runtime.a2a_backend: SGLang {release.version} cannot run {entry_class}'s MoE block with "
                                  f"--moe-a2a-backend {a2a}: NotImplementedError: {missing}")
     fwd = forward(i)
     # Hazards last: SGLang starts and runs these layouts (a start-up refusal above is SGLang's answer instead).
@@ -1025,7 +961,7 @@ NOT_IMPLEMENTED_BRANCH = {
 }
 
 
-def check_draft(family: str, cfg) -> None:
+def check_draft(family: str, cfg, release: Release) -> None:
     """A NextN draft loads exactly one MTP layer: its weight loader asserts num_nextn_predict_layers == 1 before it
     reads a tensor (models/deepseek_common/deepseek_weight_loader.py: _initialize_nextn_conf; glm4_moe.py and
     glm4_moe_lite.py: load_weights), so a checkpoint that ships none (Kimi-K2's 0) or several is refused with
@@ -1036,8 +972,8 @@ def check_draft(family: str, cfg) -> None:
     count = cfg.raw("num_nextn_predict_layers")
     if count is not None and count != 1:
         field = cfg.field("num_nextn_predict_layers")
-        raise FailedPrecondition(f"{field}: SGLang {VERSION} refuses to load the draft: Only 1 nextn layer is "
-                                 f"supported (num_nextn_predict_layers is {count})", field=field)
+        raise FailedPrecondition(f"{field}: SGLang {release.version} refuses to load the draft: "
+                                 f"{release.say('nextn.layers')} (num_nextn_predict_layers is {count})", field=field)
 
 
 def _from_first_k(cfg, n_layers: int) -> tuple[int, ...]:

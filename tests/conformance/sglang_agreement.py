@@ -24,7 +24,7 @@ draft names the NextN class). A standalone draft (another checkpoint) runs on th
 resolves once for the target: its request names the runner the registry answered for the target's request, as the
 SGLang adapter sends the server's resolved runner.
 
-    .venv/bin/python -m tests.conformance.sglang_agreement   # prints the agreement summary
+    .venv/bin/python -m tests.conformance.sglang_agreement [RELEASE ...]   # prints each release's agreement
 """
 
 from __future__ import annotations
@@ -39,10 +39,19 @@ from pathlib import Path
 from loadplan.plan import ENGINE_SGLANG, ROLE_SPECULATIVE, ROLE_TARGET, Keys, Parallel, ResolveRequest, Runtime
 from loadplan.service.errors import RegistryError
 from loadplan.service.rules.resolve import resolve_decisions
+from loadplan.service.rules.sglang_releases import NEWEST, RELEASES
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-RECORDING = ROOT / "tests" / "data" / "sglang_0.5.23_grid.jsonl.gz"
+RECORDINGS = ROOT / "tests" / "data"
+
+
+def recording_of(release: str) -> Path:
+    """The recorded grid of one SGLang release (scripts/record_sglang_grid.py --release)."""
+    return RECORDINGS / f"sglang_{release}_grid.jsonl.gz"
+
+
+RECORDING = recording_of(NEWEST.version)
 CONFIG_DIRS = (ROOT / "tests" / "data" / "configs", HERE / "configs")
 HAZARD_PREFIX = "hazard:"
 RUNNER_KEY = "sglang.moe_runner_backend"
@@ -91,19 +100,20 @@ def point_name(point: dict) -> str:
     return " ".join(parts)
 
 
-def server_runner(point: dict) -> str:
+def server_runner(point: dict, release: str = "") -> str:
     """The MoE runner a standalone draft runs on: the server's, which SGLang resolves once for its target (the
     registry's own answer for the target's request; "" where the registry refuses the target)."""
     target = {k: v for k, v in point.items() if k != "draft_config"}
     try:
-        runner = resolve_decisions(requests_for(target, {})[0]).decisions.get(RUNNER_KEY)
+        runner = resolve_decisions(requests_for(target, {}, release)[0]).decisions.get(RUNNER_KEY)
     except RegistryError:
         return ""
     return runner.value if runner is not None else ""
 
 
-def requests_for(point: dict, answer: dict) -> list[ResolveRequest]:
-    """The registry requests of one grid point: one per pipeline stage (rank 0 elsewhere)."""
+def requests_for(point: dict, answer: dict, release: str = "") -> list[ResolveRequest]:
+    """The registry requests of one grid point, decided by the profile of SGLang `release` ("" the newest): one per
+    pipeline stage (rank 0 elsewhere)."""
     draft = point.get("draft_config")
     config = json.loads(_config_text(draft or point["config"]))
     if draft and answer.get("config_architectures"):
@@ -111,11 +121,12 @@ def requests_for(point: dict, answer: dict) -> list[ResolveRequest]:
     quant_cfg = config.get("quantization_config")
     runner = point.get("moe_runner_backend") or ""
     if draft and draft != point["config"]:
-        runner = server_runner(point)
+        runner = server_runner(point, release)
     runtime = Runtime(
         a2a_backend=point.get("a2a_backend", "none"),
         device=point["device"],
         engine=ENGINE_SGLANG,
+        engine_version=release,
         moe_runner_backend=runner,
         enable_sbo=bool(point.get("sbo")),
         enable_tbo=bool(point.get("tbo")),
@@ -169,13 +180,13 @@ def carries(message: str, words: str) -> bool:
     return _folded(words) in _folded(message)
 
 
-def verdict(point: dict, answer: dict) -> Verdict:
+def verdict(point: dict, answer: dict, release: str = "") -> Verdict:
     if "error" in answer:
         return Verdict(False, "oracle error", [answer["error"][-300:]])
     words = sglang_refuses(answer)
     plans, refusal, message = [], None, ""
     try:
-        plans = [resolve_decisions(req) for req in requests_for(point, answer)]
+        plans = [resolve_decisions(req) for req in requests_for(point, answer, release)]
     except RegistryError as e:
         refusal, message = f"{e.code}: {e.message}", e.message
     if refusal is not None:
@@ -238,21 +249,23 @@ def _listed(v):
     return list(v) if isinstance(v, (list, tuple)) else v
 
 
-def summarize(records: list[dict]) -> tuple[collections.Counter, list[tuple[dict, Verdict]]]:
+def summarize(records: list[dict], release: str = "") -> tuple[collections.Counter, list[tuple[dict, Verdict]]]:
     kinds: collections.Counter = collections.Counter()
     failures = []
     for rec in records:
-        v = verdict(rec["point"], rec["answer"])
+        v = verdict(rec["point"], rec["answer"], release)
         kinds[("agree" if v.agrees else "DIFFER") + ": " + v.kind] += 1
         if not v.agrees:
             failures.append((rec["point"], v))
     return kinds, failures
 
 
-def report(records: list[dict], kinds: collections.Counter, failures: list, show: int = 20) -> str:
+def report(records: list[dict], kinds: collections.Counter, failures: list, show: int = 20,
+           release: str = "") -> str:
     total = len(records)
     agreed = total - len(failures)
-    lines = [f"sglang 0.5.23 conformance: {agreed}/{total} points agree ({100.0 * agreed / max(total, 1):.1f}%)"]
+    lines = [f"sglang {release or NEWEST.version} conformance: {agreed}/{total} points agree "
+             f"({100.0 * agreed / max(total, 1):.1f}%)"]
     by_grid = collections.Counter(r["point"].get("grid") for r in records)
     bad_grid = collections.Counter(p.get("grid") for p, _ in failures)
     lines.append("  per subgrid: " + ", ".join(f"{g} {by_grid[g] - bad_grid[g]}/{by_grid[g]}" for g in sorted(by_grid)))
@@ -271,12 +284,20 @@ def report(records: list[dict], kinds: collections.Counter, failures: list, show
     return "\n".join(lines)
 
 
-def main() -> int:
-    header, records = load_recording()
-    kinds, failures = summarize(records)
-    print(f"recording: sglang {header['sglang']}, {header['points']} points, {header['recorded_at']}")
-    print(report(records, kinds, failures, show=40))
-    return 0 if not failures else 1
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="the sglang profile of each release against that release's grid")
+    parser.add_argument("releases", nargs="*", default=list(RELEASES), help="default: every profiled release")
+    args = parser.parse_args(argv)
+    bad = 0
+    for release in args.releases:
+        header, records = load_recording(recording_of(release))
+        kinds, failures = summarize(records, release)
+        print(f"recording: sglang {header['sglang']}, {header['points']} points, {header['recorded_at']}")
+        print(report(records, kinds, failures, show=40, release=release))
+        bad += len(failures)
+    return 0 if not bad else 1
 
 
 if __name__ == "__main__":

@@ -100,6 +100,16 @@ class _Driver:
     active = _ActiveDriver("triton.runtime.driver.active")
 
 
+class _Constexpr:
+    """triton.language.constexpr: a value a kernel module computes its constants from (`.value`)."""
+
+    def __init__(self, value=None):
+        self.value = value.value if isinstance(value, _Constexpr) else value
+
+    def __repr__(self) -> str:
+        return f"constexpr[{self.value!r}]"
+
+
 class _StubModule(types.ModuleType):
     def __getattr__(self, attr: str):
         if attr.startswith("__") and attr.endswith("__"):
@@ -121,6 +131,8 @@ class _StubLoader(importlib.abc.Loader):
             module.runtime = importlib.import_module("triton.runtime")
         if module.__name__ == "triton.runtime":
             module.driver = _Driver()
+        if module.__name__ == "triton.language":   # module-level constants some kernels compute with at import
+            module.constexpr = _Constexpr
         if module.__name__ == "xgrammar":       # a type pydantic's request models are built with
             import typing
             module.StructuralTag = typing.Any

@@ -49,6 +49,7 @@ import ast
 import contextlib
 import functools
 import importlib
+import importlib.util
 import inspect
 import json
 import logging
@@ -333,13 +334,40 @@ def loader_fusion(moe_utils, model_class, hf_config, quant_config):
                 lambda: get_model().override(shared_experts=shared))
     moe_utils.install_shared_experts_fusion_decision(model_class, hf_config, quant_config)
     disabled = bool(moe_utils.is_shared_experts_fusion_disabled())
-    count = getattr(model_class, "determine_num_fused_shared_experts", None)
+    builder, config = model_class, hf_config
+    inner = WRAPPER_BUILDS.get(model_class.__name__)
+    if inner is not None:       # the wrapper's language model counts them, from its text config
+        config = getattr(hf_config, "text_config", None) or hf_config
+        module, name = inner(config)
+        builder = getattr(importlib.import_module(module), name)
+    count = getattr(builder, "determine_num_fused_shared_experts", None)
     fused = 0
     if count is not None:
-        stand_in = types.SimpleNamespace(config=hf_config, num_fused_shared_experts=0, quant_config=quant_config)
+        stand_in = types.SimpleNamespace(config=config, num_fused_shared_experts=0, quant_config=quant_config)
         count(stand_in)
         fused = int(stand_in.num_fused_shared_experts or 0)
     return disabled, fused, contextlib.nullcontext
+
+
+def _deepseek(name: str):
+    return lambda text: ("sglang.srt.models.deepseek_v2", name)
+
+
+# Before 0.5.23: the wrappers whose language model counts its fused shared experts (their gates delegate to it),
+# and which class they build for a text config (models/kimi_k25.py, kimi_vl.py, pixtral.py, deepseek_ocr.py,
+# dots3_common/modeling.py). A class that fuses none (DeepseekForCausalLM, Mistral's GQA model) is named too.
+WRAPPER_BUILDS = {
+    "KimiK25ForConditionalGeneration": _deepseek("DeepseekV3ForCausalLM"),
+    "KimiVLForConditionalGeneration": _deepseek("DeepseekV2ForCausalLM"),
+    "PixtralForConditionalGeneration": lambda text: (
+        ("sglang.srt.models.mistral_large_3", "MistralLarge3ForCausalLM")
+        if getattr(text, "model_type", "") == "deepseek_v3" else ("sglang.srt.models.deepseek", "DeepseekForCausalLM")),
+    "DeepseekOCRForCausalLM": lambda text: (
+        _deepseek("DeepseekV3ForCausalLM")(text) if getattr(text, "topk_method", None) == "noaux_tc"
+        else ("sglang.srt.models.deepseek", "DeepseekForCausalLM") if not getattr(text, "use_mla", False)
+        else _deepseek("DeepseekV2ForCausalLM")(text)),
+    "Dots3NoteForCausalLM": lambda text: ("sglang.srt.models.dots3_common.modeling", "Dots3LanguageModelForCausalLM"),
+}
 
 
 NEXTN_LOAD_CHECK = "nextn layer is supported"
@@ -598,6 +626,11 @@ def main(argv=None) -> int:
     sglang_cpu.emulate(args.device)
     t0 = time.time()
     import sglang.srt.models.registry  # noqa: F401  (imports every model file once)
+    # SGLang's registry skips a model file that fails to import: on this CPU that would answer for another class
+    # (its transformers fallback). Every model file the oracle reads that this release ships must import.
+    for module in sorted({m for m, _ in FAMILY_BLOCKS.values()} | set(BLOCK_FUSION.values())):
+        if importlib.util.find_spec(module) is not None:
+            importlib.import_module(module)
     from sglang.srt.model_loader.utils import get_model_architecture  # noqa: F401
     print(json.dumps({"ready": True, "sglang": sglang_cpu.sglang_version(),
                       "device": args.device, "import_s": round(time.time() - t0, 1)}), flush=True)

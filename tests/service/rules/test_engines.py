@@ -40,11 +40,19 @@ def test_unknown_engine_lists_the_known_ones():
     assert all(name in str(e.value) for name in ("loadplan", "sglang", "vllm"))
 
 
-def test_another_version_of_a_profile_is_refused_naming_the_one_it_knows():
+def test_a_release_without_a_profile_is_refused_naming_the_releases_known():
     with pytest.raises(NotFound) as e:
-        resolve_decisions(_req(engine="sglang", engine_version="0.5.22", device="cuda:9.0"))
+        resolve_decisions(_req(engine="sglang", engine_version="0.5.19", device="cuda:9.0"))
     assert e.value.field == "runtime.engine_version"
-    assert "0.5.23" in str(e.value)
+    assert all(v in str(e.value) for v in ("0.5.20", "0.5.21", "0.5.22", "0.5.23"))
+
+
+@pytest.mark.parametrize("version", ["0.5.20", "0.5.21", "0.5.22", "0.5.23"])
+def test_each_profiled_sglang_release_decides_and_the_plan_names_it(version):
+    plan = resolve_decisions(_req(engine="sglang", engine_version=version, device="cuda:9.0"))
+    assert plan.decisions["engine.profile"].value == f"sglang {version}"
+    assert resolve_decisions(_req(engine="sglang", device="cuda:9.0")).decisions["engine.profile"].value == \
+        "sglang 0.5.23"     # the newest where the request names none
 
 
 def test_moe_runner_backend_is_sglangs_alone():
