@@ -102,6 +102,8 @@ class Inputs:
     architectures: tuple[str, ...] = ()   # the checkpoint's config.json architectures, as SGLang's hooks read them
     checkpoint_quantization: str | None = None   # the checkpoint's quantization before a model override renamed it
     release: Release | None = None            # the SGLang release that decides (sglang_releases.py)
+    model_type: str = ""                      # config.json's model_type, as transformers' AutoConfig reads it
+    layer_types: tuple[tuple[str, Any], ...] = ()   # its layer_types / mlp_layer_types, as its validator reads them
 
 
 @dataclass(frozen=True)
@@ -237,13 +239,15 @@ def is_sm90(device: Device) -> bool:
 MXFP8_RUNNERS = ("cutlass", "deep_gemm", "flashinfer_megamoe", "flashinfer_trtllm", "flashinfer_trtllm_routed")
 
 
-def _quantization_runner(server_q: str | None, runner: str, a2a: str, device: Device, done: list[Rewrite]) -> str:
+def _quantization_runner(server_q: str | None, runner: str, a2a: str, device: Device, done: list[Rewrite],
+                         release: Release) -> str:
     """arg_groups/overrides.py: _moe_runner_backend_quant_constraints (run by handle_moe_kernel_config): an MXFP8
     --quantization takes its own runners, a ModelOpt FP4 one flashinfer_cutlass on SM110/SM120. Not restated:
     nvfp4_online (an online quantization a checkpoint does not name) and ROCm's aiter runner (SGLANG_USE_AITER)."""
     gfx95 = device.kind == "hip" and device.capability is not None and device.capability >= (9, 5)
     if server_q == "mxfp8":
-        allowed = [*MXFP8_RUNNERS, *(("triton",) if gfx95 or (device.kind == "hip" and runner == "triton") else ())]
+        rocm_triton = release.mxfp8_keeps_rocm_triton and device.kind == "hip" and runner == "triton"
+        allowed = [*MXFP8_RUNNERS, *(("triton",) if gfx95 or rocm_triton else ())]
         default = ("flashinfer_megamoe" if a2a == "flashinfer_megamoe" else "triton" if gfx95
                    else "flashinfer_trtllm")
         if runner == "auto" or runner not in allowed:
@@ -304,7 +308,7 @@ def rewrite(entry_class: str, quant_key: str | None, a2a: str, runner: str, shap
             and (asked == "none" or not row.only_without_a2a)):
         runner = row.runner
         done.append(Rewrite("sglang.moe_runner_backend", runner, row.why.format(arch=entry_class)))
-    runner = _quantization_runner(server_quantization, runner, kernel_hook_a2a, device, done)
+    runner = _quantization_runner(server_quantization, runner, kernel_hook_a2a, device, done, release)
     why = A2A_FORCES_FUSION_OFF.get(a2a) or RUNNER_FORCES_FUSION_OFF.get(runner)
     if why and not disable_fusion:
         disable_fusion = True
@@ -389,7 +393,15 @@ def refuse(i: Inputs) -> None:
             no(overlap, "megamoe.overlap")
         if not (is_sm90(i.device) or is_sm100(i.device) or i.device.kind == "hip"):
             no("a2a_backend", "megamoe.device")
-    # configs/model_config.py: _verify_quantization, of the checkpoint's quant_method
+    # the model config's first load (model_config_of): transformers' AutoConfig, then its _verify_quantization
+    if i.model_type in r.unknown_model_types:
+        no("config", "config.model_type", model_type=i.model_type)
+    if r.allowed_layer_types is not None:
+        for name, layers in i.layer_types:      # PretrainedConfig.validate_layer_type: stops at the first unset one
+            if layers is None:
+                break
+            if not all(t in r.allowed_layer_types for t in layers):
+                no("config", "config.layer_types", field=name, allowed=r.allowed_layer_types, layers=layers)
     _verify_quantization(q, i.device, r, no)
     # arg_groups/moe_hook.py: handle_moe_kernel_config (before handle_a2a_moe sets ep_size to the tp group)
     if i.runner == "flashinfer_cutlass":
@@ -424,7 +436,7 @@ def refuse(i: Inputs) -> None:
     if i.a2a == "deepep_v2":   # validate_deepep_v2_model_architecture, then the runner, overlap and fusion
         first = i.architectures[0] if i.architectures else None
         if first not in r.deepep_v2_archs:
-            no("a2a_backend", "deepep_v2.arch", arch=first)
+            no("a2a_backend", "deepep_v2.arch", arch=first, supported=sorted(r.deepep_v2_archs))
         if i.runner != "deep_gemm":
             no("moe_runner_backend", "deepep_v2.runner", runner=i.runner)
         if i.sbo or i.tbo:
@@ -746,6 +758,9 @@ def fusion(i: Inputs) -> tuple[bool, str, str]:
     """(fused, rule, reason) as resolve_shared_experts_config answers (or the block that decides itself)."""
     if i.disable_fusion:
         return False, "sglang.disable_shared_experts_fusion", "--disable-shared-experts-fusion (the gate is not asked)"
+    if i.entry_class in i.release.unregistered:
+        return False, "sglang.transformers_backend", (f"SGLang {i.release.version} registers no {i.entry_class}: "
+                                                      f"transformers' own model fuses nothing")
     if i.entry_class in BLOCK_FUSION:
         return block_fusion(i, BLOCK_FUSION[i.entry_class])
     if not i.nested_gate_speaks:
@@ -927,11 +942,15 @@ def decide(*, entry_class: str, architecture: str, layout: MoeLayout, quantizati
                                                                      release, server_q,
                                                                      fp4_experts(entry_class, qconfig))
     shared, fit = block_shared(cfg) if entry_class in BLOCK_FUSION else (0, False)
-    archs = config.get("architectures") if isinstance(config, Mapping) else None
+    raw = config if isinstance(config, Mapping) else {}
+    archs = raw.get("architectures")
+    layer_types = tuple((f, raw.get(f) if isinstance(raw.get(f), list) else None) for f in ("layer_types",
+                                                                                          "mlp_layer_types"))
     i = Inputs(entry_class, architecture, layout, quantization, device, a2a, runner, shape, sbo, tbo, disable,
                enforce_fusion, draft, blocks, w4a16, server_q, nested_gate_speaks(entry_class, config), shared, fit,
                ep, kernel_hook_a2a, tuple(a for a in archs if isinstance(a, str)) if isinstance(archs, list) else (),
-               checkpoint_quantization, release)
+               checkpoint_quantization, release, str(raw.get("model_type") or ""),
+               layer_types if "num_hidden_layers" in raw else ())
     refuse(i)
     fused = fusion(i)
     block = BLOCKS.get(entry_class)
@@ -939,6 +958,11 @@ def decide(*, entry_class: str, architecture: str, layout: MoeLayout, quantizati
     if missing:   # the block's forward raises at the first batch
         raise FailedPrecondition(f"runtime.a2a_backend: SGLang {release.version} cannot run {entry_class}'s MoE block with "
                                  f"--moe-a2a-backend {a2a}: NotImplementedError: {missing}")
+    if entry_class in release.unregistered:
+        return Decided(i, tuple(rewrites), fused, Forward(
+            "normal", False, "sglang.forward.transformers_backend",
+            f"SGLang {release.version} registers no {entry_class}: it runs transformers' own model "
+            f"(TransformersMoEForCausalLM), whose forward path the profile does not restate"))
     fwd = forward(i)
     # Hazards last: SGLang starts and runs these layouts (a start-up refusal above is SGLang's answer instead).
     lay = layout

@@ -399,7 +399,7 @@ def experts_dispatcher() -> str:
     names = ("StandardDispatcher", "MaybeTboDeepEPDispatcher", "DeepEPv2Dispatcher",
              "FlashinferDispatcher", "AscendTPDispatcher")
     saved = {n: getattr(layer, n) for n in names if hasattr(layer, n)}
-    saved_extra = {n: getattr(layer, n) for n in ("get_parallel", "_get_deepep_comm_group",
+    saved_extra = {n: getattr(layer, n) for n in ("get_parallel", "_get_deepep_comm_group", "get_tp_group",
                                                    "get_deepep_v2_dispatcher_output_dtype",
                                                    "_deepep_v2_experts_are_fp8", "get_deepep_mode")
                    if hasattr(layer, n)}

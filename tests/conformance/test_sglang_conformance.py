@@ -17,15 +17,16 @@ import os
 import random
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
 from loadplan.service.errors import RegistryError
 from loadplan.service.rules.resolve import resolve_decisions
 
-from .sglang_agreement import (RECORDING, ROOT, load_recording, point_name, report, requests_for, summarize, verdict)
+from .sglang_agreement import (RECORDING, RELEASES, ROOT, load_recording, point_name, recording_of, report,
+                               requests_for, summarize, verdict)
 
-SGLANG_PY = ROOT / ".venv-sglang" / "bin" / "python"
 ORACLE = ROOT / "tests" / "conformance" / "sglang_oracle.py"
 GRID_SCRIPT = ROOT / "scripts" / "record_sglang_grid.py"
 LIVE_PER_GRID = 3
@@ -35,15 +36,39 @@ ALWAYS_LIVE = "cuda:9.0"     # the pipeline, eplb and entries sub-grids are reco
 VOLATILE = {"seconds"}
 
 
+def environment(release: str) -> Path:
+    """The release's SGLang environment (the Makefile's sglang-env), as the grid script names it."""
+    return _grid_script().environment(release)
+
+
 @pytest.fixture(scope="module")
 def recording():
+    """The newest release's recording: what the verdict's own tests perturb."""
     assert RECORDING.is_file(), f"{RECORDING} missing: run scripts/record_sglang_grid.py"
     return load_recording()
 
 
-def test_recording_names_its_sglang_and_covers_the_grid(recording):
-    header, records = recording
-    assert header["sglang"] == "0.5.23"
+@pytest.fixture(scope="module", params=sorted(RELEASES))
+def release_recording(request):
+    """(release, header, records) of every profiled SGLang release."""
+    path = recording_of(request.param)
+    assert path.is_file(), f"{path} missing: run scripts/record_sglang_grid.py --release {request.param}"
+    return (request.param, *load_recording(path))
+
+
+_SUMMARIES: dict = {}
+
+
+def summary_of(release: str, records: list[dict]):
+    """(kinds, failures) of a release's recording, computed once per session (a few seconds each)."""
+    if release not in _SUMMARIES:
+        _SUMMARIES[release] = summarize(records, release)
+    return _SUMMARIES[release]
+
+
+def test_recording_names_its_sglang_and_covers_the_grid(release_recording):
+    release, header, records = release_recording
+    assert header["sglang"] == release
     assert header["script"] == "scripts/record_sglang_grid.py"
     assert header["points"] == len(records)
     points = [r["point"] for r in records]
@@ -64,10 +89,10 @@ def test_recording_names_its_sglang_and_covers_the_grid(recording):
     assert {a.get("forward_path") for a in answers} >= {"normal", "a2a"}
 
 
-def test_registry_agrees_with_sglang_on_every_recorded_point(recording):
-    _, records = recording
-    kinds, failures = summarize(records)
-    summary = report(records, kinds, failures, show=30)
+def test_registry_agrees_with_sglang_on_every_recorded_point(release_recording):
+    release, _, records = release_recording
+    kinds, failures = summary_of(release, records)
+    summary = report(records, kinds, failures, show=30, release=release)
     print(summary)
     assert not failures, summary
 
@@ -106,17 +131,17 @@ def _grid_script():
     return module
 
 
-def test_the_recording_is_exactly_the_grid_scripts_grid(recording):
+def test_the_recording_is_exactly_the_grid_scripts_grid(release_recording):
     """Every point the grid script makes is recorded, once, and nothing else: a point added to the script and not
     recorded (or left over from an older grid) fails here."""
-    _, records = recording
+    release, _, records = release_recording
     key = lambda p: json.dumps(p, sort_keys=True)   # noqa: E731
     recorded = [key(r["point"]) for r in records]
     assert len(set(recorded)) == len(recorded), "a point recorded twice"
     script = {key(p) for p in _grid_script().grid()}
     assert set(recorded) == script, (f"{len(script - set(recorded))} grid points not recorded, "
                                      f"{len(set(recorded) - script)} recorded points not on the grid: "
-                                     f"rerun scripts/record_sglang_grid.py")
+                                     f"rerun scripts/record_sglang_grid.py --release {release}")
 
 
 def live_sample(records: list[dict], rng: random.Random) -> list[dict]:
@@ -129,23 +154,24 @@ def live_sample(records: list[dict], rng: random.Random) -> list[dict]:
     return [r for grid in sorted(by_grid) for r in rng.sample(by_grid[grid], min(LIVE_PER_GRID, len(by_grid[grid])))]
 
 
-def _run_oracle(device: str, sample: list[dict]) -> list[dict]:
+def _run_oracle(release: str, device: str, sample: list[dict]) -> list[dict]:
     feed = "".join(json.dumps(r["point"]) + "\n" for r in sample)
-    proc = subprocess.run([str(SGLANG_PY), str(ORACLE), "--device", device], input=feed,
+    proc = subprocess.run([str(environment(release) / "bin" / "python"), str(ORACLE), "--device", device], input=feed,
                           capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     ready, live = lines[0], lines[1:]
-    assert ready["sglang"] == "0.5.23"
+    assert ready["sglang"] == release
     assert len(live) == len(sample)
     return live
 
 
-def test_the_recording_is_what_sglang_answers_now(recording):
-    """Re-run SGLang's own code on a random sample drawn from every sub-grid (one oracle process per device)."""
-    assert SGLANG_PY.exists(), (f"{SGLANG_PY} missing: `make sglang-env` builds SGLang's environment "
-                                f"(`make test` does)")
-    _, records = recording
+def test_the_recording_is_what_sglang_answers_now(release_recording):
+    """Re-run each release's own code on a random sample drawn from every sub-grid (one oracle process per device)."""
+    release, _, records = release_recording
+    python = environment(release) / "bin" / "python"
+    assert python.exists(), (f"{python} missing: `make sglang-env` builds SGLang {release}'s environment "
+                             f"(`make test` does)")
     seed = int(os.environ.get("LOADPLAN_CONFORMANCE_SEED", time.time_ns() % 1_000_000))
     sample = live_sample(records, random.Random(seed))
     assert {r["point"]["grid"] for r in sample} == {r["point"]["grid"] for r in records}
@@ -153,7 +179,7 @@ def test_the_recording_is_what_sglang_answers_now(recording):
     for r in sample:
         by_device.setdefault(r["point"]["device"], []).append(r)
     with concurrent.futures.ThreadPoolExecutor(len(by_device)) as pool:
-        answers = dict(zip(by_device, pool.map(lambda d: _run_oracle(d, by_device[d]), by_device)))
+        answers = dict(zip(by_device, pool.map(lambda d: _run_oracle(release, d, by_device[d]), by_device)))
     drifted = []
     for device, recs in by_device.items():
         for rec, now in zip(recs, answers[device]):
@@ -164,7 +190,7 @@ def test_the_recording_is_what_sglang_answers_now(recording):
                 keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
                 drifted.append(f"{point_name(rec['point'])}: "
                                f"{', '.join(f'{k} {old.get(k)!r} -> {new.get(k)!r}' for k in keys)}")
-    assert not drifted, f"seed {seed}: the recording differs from SGLang's code:\n" + "\n".join(drifted)
+    assert not drifted, f"seed {seed}: the recording differs from SGLang {release}'s code:\n" + "\n".join(drifted)
 
 
 def test_the_live_sample_touches_every_sub_grid_and_two_devices(recording):
@@ -244,7 +270,7 @@ def test_the_readme_gives_the_grids_counts_as_measured(recording):
     from .sglang_agreement import KIND_BOTH_REFUSE, KIND_EQUAL, KIND_HAZARD
 
     _, records = recording
-    kinds, failures = summarize(records)
+    kinds, failures = summary_of(RECORDING.name.split("_")[1], records)
     assert not failures
     readme = (ROOT / "README.md").read_text()
     number = lambda text: int(text.replace(",", ""))   # noqa: E731
@@ -266,3 +292,18 @@ def test_the_readme_gives_the_grids_counts_as_measured(recording):
              "sglang.enforced_384_without_quark": "an enforced 384-expert fusion without Quark"}
     for hazard, words in shown.items():
         assert f"{words}: {hazards[hazard]:,}" in readme, (hazard, hazards[hazard])
+
+
+def test_the_readme_gives_each_releases_counts_as_measured(release_recording):
+    import re
+
+    from .sglang_agreement import KIND_BOTH_REFUSE, KIND_EQUAL, KIND_HAZARD
+
+    release, _, records = release_recording
+    kinds, failures = summary_of(release, records)
+    assert not failures
+    readme = (ROOT / "README.md").read_text()
+    row = re.search(rf"^\| {re.escape(release)} \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \|$", readme, re.M)
+    assert row, f"README: no row for SGLang {release} in the table of releases"
+    assert [int(n.replace(",", "")) for n in row.groups()] == [
+        len(records), kinds["agree: " + KIND_EQUAL], kinds["agree: " + KIND_BOTH_REFUSE], kinds["agree: " + KIND_HAZARD]]
