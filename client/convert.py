@@ -17,6 +17,7 @@ from typing import Any, Iterable, Mapping
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from ..plan import ROLE_SPECULATIVE, ROLE_TARGET, Decision, LoadPlan, Parallel, ResolveRequest, Runtime
+from ..upgrade import DecisionChange, DeploymentUpgrade, RoleUpgrade, UpgradeReport
 from ..v1 import registry_pb2 as pb
 
 
@@ -249,3 +250,35 @@ def plan_from_pb(msg: pb.LoadPlan) -> LoadPlan:
 
 def decisions_to_pb(decisions: Iterable[Decision]) -> list[pb.Decision]:
     return [decision_to_pb(d) for d in decisions]
+
+
+# --- upgrade checks (loadplan/upgrade.py): one translation, both sides ---------------------------------------------
+
+def upgrade_to_pb(report: UpgradeReport) -> pb.UpgradeReport:
+    reply = pb.UpgradeReport(engine=report.engine, to_version=report.to_version, from_version=report.from_version,
+                             blocked=report.blocked)
+    for d in report.deployments:
+        dep = reply.deployments.add(deployment_id=d.deployment_id, from_versions=list(d.from_versions),
+                                    status=d.status)
+        for r in d.roles:
+            role = dep.roles.add(role=role_to_pb(r.role), runners=r.runners, refusal=r.refusal,
+                                 refused_runners=r.refused_runners, hazard=r.hazard)
+            for c in r.changes:
+                change = role.changes.add(key=c.key, has_before=c.before is not None, has_after=c.after is not None,
+                                          runners=c.runners)
+                if c.before is not None:
+                    change.before.CopyFrom(decision_to_pb(c.before))
+                if c.after is not None:
+                    change.after.CopyFrom(decision_to_pb(c.after))
+    return reply
+
+
+def upgrade_from_pb(msg: pb.UpgradeReport) -> UpgradeReport:
+    return UpgradeReport(msg.engine, msg.to_version, msg.from_version, tuple(
+        DeploymentUpgrade(d.deployment_id, tuple(d.from_versions), tuple(
+            RoleUpgrade(role_from_pb(r.role), r.runners, tuple(
+                DecisionChange(c.key, decision_from_pb(c.before) if c.has_before else None,
+                               decision_from_pb(c.after) if c.has_after else None, c.runners)
+                for c in r.changes), r.refusal, r.refused_runners, r.hazard)
+            for r in d.roles))
+        for d in msg.deployments))

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, Sequence
 import grpc
 
 from ..plan import Decision, LoadPlan, ResolveRequest
+from ..upgrade import UpgradeReport
 from ..v1 import registry_pb2 as pb
 from ..v1 import registry_pb2_grpc as pb_grpc
 from . import convert
@@ -141,6 +142,13 @@ class RegistryClient:
         entries = [CoverageEntry(e.entry_class, e.known, e.family, e.gated_family, e.has_gate, tuple(e.chain),
                                  e.message, e.ok) for e in reply.entries]
         return CoverageReport(entries, reply.ok)
+
+    def upgrade_check(self, engine: str, to_version: str, from_version: str = "", deployment_id: str | None = None,
+                      *, timeout: float | None = None) -> UpgradeReport:
+        """What every stored deployment of `engine` (or the one named) would be planned under `to_version`."""
+        msg = pb.CheckUpgradeRequest(engine=engine, to_version=to_version, from_version=from_version or "",
+                                     deployment_id=deployment_id or "")
+        return convert.upgrade_from_pb(self._call("CheckUpgrade", msg, timeout))
 
     def echo(self, payload: bytes = b"", *, timeout: float | None = None) -> bytes:
         return self._call("Echo", pb.EchoRequest(payload=payload), timeout).payload

@@ -61,6 +61,7 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     "GetPlan": frozenset({WORKER, READER, ADMIN}),
     "ListPlans": frozenset({READER, ADMIN}),
     "DiffPlans": frozenset({READER, ADMIN}),
+    "CheckUpgrade": frozenset({READER, ADMIN}),      # reads the history, writes nothing
     "ListBackends": frozenset({WORKER, READER, ADMIN}),
     "CheckCoverage": frozenset({WORKER, READER, ADMIN}),
     "Echo": frozenset({WORKER, READER, ADMIN}),

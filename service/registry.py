@@ -18,9 +18,11 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Hashable, Mapping, Protocol, Sequence
 
 from ..plan import Decision, LoadPlan, Parallel, PlanDiff, ResolveRequest, Runtime
+from ..upgrade import UpgradeReport
 from .errors import InvalidArgument
 from .rules import RULESET_VERSION
 from .rules.resolve import diff_deployment_inputs, fingerprint, resolve_decisions
+from .upgrade_check import check_upgrade
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,24 @@ class Registry:
         if not b_id:
             raise InvalidArgument("plan_b", "required")
         return diff_plans(self.store.get_plan(a_id), self.store.get_plan(b_id))
+
+    def upgrade_check(self, engine: str, to_version: str, from_version: str = "",
+                      deployment_id: str | None = None) -> UpgradeReport:
+        """What every stored deployment of `engine` (or the one named) would be planned under `to_version`."""
+        if not engine:
+            raise InvalidArgument("engine", "required")
+        if not to_version:
+            raise InvalidArgument("to_version", "required")
+        return check_upgrade(self._every_plan(PlanFilter(deployment_id=deployment_id or None)), engine, to_version,
+                             from_version)
+
+    def _every_plan(self, flt: PlanFilter):
+        token = None
+        while True:
+            plans, token = self.store.list_plans(flt, MAX_PAGE_SIZE, token)
+            yield from plans
+            if not token:
+                return
 
     def append_decisions(self, request_id: str, plan_id: str, decisions: Sequence[Decision]) -> LoadPlan:
         if not request_id:

@@ -7,7 +7,7 @@ import dataclasses
 
 from .output import print_json, table
 
-HELP = "the engines whose decisions the registry makes (runtime.engine)"
+HELP = "the engines and releases whose decisions the registry makes (runtime.engine, runtime.engine_version)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,11 +17,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..service.rules.engines import ENGINES   # pure Python: no grpc, no database
 
-    rows = list(ENGINES.values())
+    rows = [(e, release) for e in ENGINES.values() for release in e.releases]
     if args.json:
-        print_json([{**dataclasses.asdict(e), "version": e.version, "profile": e.profile()} for e in rows])
+        print_json([{**dataclasses.asdict(e), "version": e.version, "release": release, "status": e.status(release),
+                     "profile": e.profile(release)} for e, release in rows])
         return 0
-    print(table(("ENGINE", "VERSION", "DEFAULT ON", "MOE RUNNER BACKEND", "WHAT DECIDES"),
-                ((e.name, e.version, ", ".join(e.default_for) or "-", "yes" if e.reads_moe_runner_backend else "-",
-                  e.summary) for e in rows)))
+    print(table(("ENGINE", "RELEASE", "STATUS", "DEFAULT ON", "MOE RUNNER BACKEND", "CHECKED BY", "WHAT DECIDES"),
+                ((e.name, release, e.status(release), ", ".join(e.default_for) or "-",
+                  "yes" if e.reads_moe_runner_backend else "-", e.checked_by, e.summary) for e, release in rows)))
     return 0

@@ -189,7 +189,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", default="", metavar="NAME",
                         help="the engine whose profile decides: loadplan, sglang or vllm (see `loadplan engines`); "
                              "default: loadplan on cpu, sglang on cuda/hip/musa")
-    parser.add_argument("--engine-version", default="", metavar="V", help="default: the profile's version")
+    parser.add_argument("--engine-version", default="", metavar="V",
+                        help="the engine's release (`loadplan engines`); default: its newest")
     parser.add_argument("--moe-runner-backend", default="", metavar="NAME",
                         help="SGLang's --moe-runner-backend, as SGLang spells it (sglang only; default auto)")
 

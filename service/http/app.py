@@ -32,7 +32,9 @@ from ...client.auth import AUTHORIZATION_KEY
 from ..auth import ADMIN, READER, TokenStore
 from ..errors import InvalidArgument, NotFound, RegistryError
 from ..metrics import CONTENT_TYPE_LATEST, RegistryMetrics
+from ...plan import ENGINE_LOADPLAN
 from ..registry import Registry
+from ..rules.engines import ENGINES
 from . import views
 
 TOKEN_COOKIE = "loadplan_token"
@@ -130,6 +132,15 @@ def create_app(registry: Registry, metrics: RegistryMetrics | None = None, token
         diff = registry.diff_plans(a, b) if a or b else None
         return page(request, "diff.html", diff=diff, a=a, b=b)
 
+    @guarded
+    def upgrade_page(request: Request) -> Response:
+        q = request.query_params
+        engine, to = q.get("engine", "sglang").strip(), q.get("to", "").strip()
+        from_version, deployment = q.get("from", "").strip(), q.get("deployment", "").strip()
+        report = registry.upgrade_check(engine, to, from_version, deployment or None) if to else None
+        return page(request, "upgrade.html", report=report, engines=[e for e in ENGINES if e != ENGINE_LOADPLAN],
+                    engine=engine, to=to, from_version=from_version, deployment=deployment)
+
     def login_form(request: Request) -> Response:
         return page(request, "login.html", next=_safe_next(request.query_params.get("next", "")), failed=False)
 
@@ -163,6 +174,7 @@ def create_app(registry: Registry, metrics: RegistryMetrics | None = None, token
         Route("/plans/{plan_id}", plan_page),
         Route("/plans/{plan_id}/eplb", eplb_page),
         Route("/diff", diff_page),
+        Route("/upgrade", upgrade_page),
         Route("/login", login_form, methods=["GET"]),
         Route("/login", login, methods=["POST"]),
         Route("/logout", logout, methods=["GET", "POST"]),

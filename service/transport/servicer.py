@@ -140,6 +140,12 @@ class ModelRegistryServicer(pb_grpc.ModelRegistryServicer):
                                         ok=all(e.ok for e in entries))
 
     @_rpc
+    async def CheckUpgrade(self, request, context):
+        report = await self._blocking(self.registry.upgrade_check, request.engine, request.to_version,
+                                      request.from_version, request.deployment_id or None)
+        return convert.upgrade_to_pb(report)
+
+    @_rpc
     async def Echo(self, request, context):
         return pb.EchoResponse(payload=request.payload)
 

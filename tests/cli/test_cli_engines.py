@@ -8,14 +8,17 @@ import pytest
 from cli_helpers import real_model, run
 
 
-def test_engines_lists_each_profile_with_its_version(capsys):
+def test_engines_lists_every_release_with_its_status(capsys):
     code, out, _ = run(capsys, "engines", "--json")
     assert code == 0
-    rows = {r["name"]: r for r in json.loads(out)}
-    assert rows["sglang"]["version"] == "0.5.23" and rows["vllm"]["version"] == "0.32.0"
-    assert rows["loadplan"]["default_for"] == ["cpu"]
+    rows = {(r["name"], r["release"]): r for r in json.loads(out)}
+    assert {v for n, v in rows if n == "sglang"} == {"0.5.20", "0.5.21", "0.5.22", "0.5.23"}
+    assert rows[("sglang", "0.5.23")]["status"] == "profiled, newest (the default)"
+    assert rows[("sglang", "0.5.22")]["status"] == "profiled"
+    assert rows[("vllm", "0.32.0")]["version"] == "0.32.0"
+    assert rows[next(k for k in rows if k[0] == "loadplan")]["default_for"] == ["cpu"]
     code, out, _ = run(capsys, "engines")
-    assert code == 0 and "0.5.23" in out and "0.32.0" in out
+    assert code == 0 and "0.5.20" in out and "0.5.23" in out and "0.32.0" in out
 
 
 def test_resolve_records_the_engine_that_decided(capsys, tmp_path):

@@ -2,7 +2,8 @@
 
 One module-scoped registry per test module (a start costs ~1 s): deployment `dsv3-ep2`
 (DeepSeek-V3, two EP ranks, each with a draft of its own that does not fuse), deployment
-`qwen-one` (one Qwen3 rank), and EPLB rebalances appended to the first rank's plan.
+`qwen-one` (one Qwen3 rank), EPLB rebalances appended to the first rank's plan, and the oldest, `qwen-fuseep`, an
+SGLang 0.5.22 deployment.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ class Guarded:
 
 
 def _fill(client: RegistryClient) -> tuple[list[LoadPlan], list[LoadPlan], LoadPlan, LoadPlan]:
+    # An SGLang 0.5.22 deployment whose forward path 0.5.23 changes (the upgrade-check page), the oldest here.
+    client.resolve_load_plan(request(real_config("qwen1.5-moe-a2.7b"), deployment_id="qwen-fuseep",
+                                     parallel=Parallel(tp_size=8), runtime=Runtime(
+                                         a2a_backend="ascend_fuseep", device="cuda:10.0", engine="sglang",
+                                         engine_version="0.5.22", disable_shared_experts_fusion=True)))
     runtime = Runtime(a2a_backend="deepep", enable_eplb=True, ep_num_redundant_experts=2)
     targets, drafts = [], []
     for rank in range(2):

@@ -55,7 +55,7 @@ def test_metrics_stay_open_for_scrapers(guarded):
 
 def test_metrics_count_refusals_and_time_commits(history):
     """By status: a refused resolve is counted with the request's role, and timed; the group
-    commits of the fixture's seven plans are timed and sized."""
+    commits of the fixture's eight plans are timed and sized."""
     bad = request_to_pb(request(deepseek_config(), deployment_id="x", role="speculative"))
     bad.config_json = "{not json"
     with grpc.insecure_channel(history.grpc) as ch, pytest.raises(grpc.RpcError) as info:
@@ -66,8 +66,9 @@ def test_metrics_count_refusals_and_time_commits(history):
     assert 'loadplan_resolves_total{engine="loadplan",family="deepseek",role="target",status="OK"} 4.0' in body
     assert 'loadplan_resolves_total{engine="loadplan",family="deepseek",role="speculative",status="OK"} 2.0' in body
     assert 'loadplan_resolves_total{engine="loadplan",family="qwen3_moe",role="target",status="OK"} 1.0' in body
+    assert 'loadplan_resolves_total{engine="sglang",family="qwen2_moe",role="target",status="OK"} 1.0' in body
     assert 'loadplan_resolve_seconds_count{status="INVALID_ARGUMENT"} 1.0' in body
     commits = history.metrics.commit_plans.collect()[0].samples
     total = next(s.value for s in commits if s.name == "loadplan_db_commit_plans_sum")
-    assert total == 7.0                                  # every plan written once, in some group
+    assert total == 8.0                                  # every plan written once, in some group
     assert "loadplan_db_commit_seconds_count" in body and "loadplan_serving 1.0" in body

@@ -51,7 +51,7 @@ def first_cells(page) -> list[str]:
 
 def test_list_to_deployment_to_plan_to_diff(page, history):
     page.goto(f"{history.base}/deployments")
-    assert first_cells(page) == ["split-ep2", "qwen-one", "dsv3-ep2"]      # newest first
+    assert first_cells(page) == ["split-ep2", "qwen-one", "dsv3-ep2", "qwen-fuseep"]      # newest first
     shot(page, "1-deployments")
 
     page.get_by_role("link", name="dsv3-ep2").click()
@@ -130,3 +130,18 @@ def test_login_with_a_reader_token(page, guarded):
     page.wait_for_url(f"**/plans/{plan.plan_id}")
     assert "moe.shared_experts_fusion" in page.locator("#decisions").inner_text()
     shot(page, "6-after-login")
+
+
+def test_the_upgrade_check_page_names_what_a_release_changes(page, history):
+    page.goto(f"{history.base}/upgrade")
+    page.get_by_role("link", name="Upgrade check").wait_for()
+    page.fill("input[name=to]", "0.5.23")
+    page.fill("input[name=from]", "0.5.22")
+    page.get_by_role("button", name="Check").click()
+    page.wait_for_url("**/upgrade?*")
+    rows = page.locator("#upgrade-deployments tr[data-status]")
+    assert rows.count() == 1 and rows.first.get_attribute("data-status") == "changes"
+    assert "clear" in page.locator("#upgrade-verdict").inner_text()
+    change = page.locator(".upgrade-changes[data-deployment=qwen-fuseep] tr", has_text="moe.forward_path")
+    assert "normal" in change.locator("td.a").inner_text() and "a2a" in change.locator("td.b").inner_text()
+    shot(page, "6-upgrade-check")

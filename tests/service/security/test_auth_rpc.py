@@ -20,9 +20,9 @@ from loadplan.v1 import registry_pb2_grpc as pb_grpc
 # The table, written out independently of service/auth.py's METHOD_ROLES.
 ALLOWED = {
     "worker": {"ResolveLoadPlan", "AppendDecisions", "GetPlan", "ListBackends", "CheckCoverage", "Echo"},
-    "reader": {"GetPlan", "ListPlans", "DiffPlans", "ListBackends", "CheckCoverage", "Echo"},
-    "admin": {"ResolveLoadPlan", "AppendDecisions", "GetPlan", "ListPlans", "DiffPlans", "ListBackends",
-              "CheckCoverage", "Echo"},
+    "reader": {"GetPlan", "ListPlans", "DiffPlans", "CheckUpgrade", "ListBackends", "CheckCoverage", "Echo"},
+    "admin": {"ResolveLoadPlan", "AppendDecisions", "GetPlan", "ListPlans", "DiffPlans", "CheckUpgrade",
+              "ListBackends", "CheckCoverage", "Echo"},
 }
 WRITES = {"ResolveLoadPlan", "AppendDecisions"}
 REFUSALS = {"UNAUTHENTICATED", "PERMISSION_DENIED"}
@@ -37,6 +37,7 @@ CALLS = {
     "DiffPlans": lambda c: c.diff_plans("no-such-plan-a", "no-such-plan-b"),
     "ListBackends": lambda c: c.list_backends(),
     "CheckCoverage": lambda c: c.check_coverage(),
+    "CheckUpgrade": lambda c: c.upgrade_check("sglang", "0.5.23"),
     "Echo": lambda c: c.echo(b"ping"),
 }
 
