@@ -17,26 +17,22 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import socket
 import uuid
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from ..plan import ENGINE_LOADPLAN, LoadPlan, Parallel, ResolveRequest, Runtime
+from loadplan.plan import ENGINE_LOADPLAN, LoadPlan, Parallel, ResolveRequest, Runtime
 from .checkpoint import Checkpoint, read_config
 from .plan_guard import GuardedPlan
 from .registry import ENGINE_ENTRY_CLASSES, engine_chain, model_class
-from .weights import build_state_dict
+from .weights import assign_state_dict, build_state_dict
 
 log = logging.getLogger(__name__)
 
-DB_URL_ENV = "LOADPLAN_DB_URL"
-DEFAULT_DB_URL = "sqlite:///loadplan.db"       # a file in the current directory
 # The torch runner computes in plain dtypes: a quantized checkpoint of these formats is dequantized as it is read.
 # The plan's quantization name -> the module that checks the config (`scheme`, before any plan) and shows the
 # checkpoint as the plain tensors it stands for (`dequantized(ckpt, scheme)`). Other quantizations are refused.
@@ -77,21 +73,15 @@ def registry_device(device: str | torch.device) -> str:
     raise ValueError(f"device {device!r} not supported; supported: cpu, cuda")
 
 
-def resolve_plan(request: ResolveRequest, registry: Any = None) -> LoadPlan:
-    """registry None: the embedded registry on a SQLite file (LOADPLAN_DB_URL, default ./loadplan.db);
-    a str: a registry address; otherwise an object with resolve_load_plan(request)."""
-    if registry is not None and not isinstance(registry, str):
+def resolve_plan(request: ResolveRequest, registry: PlanResolver | str) -> LoadPlan:
+    """`registry`: a registry's address, or an object with resolve_load_plan(request) (a RegistryClient, a test's
+    fake). The engine starts no registry: what runs one beside a worker (`loadplan generate` without --registry,
+    the demo) lives above both."""
+    if not isinstance(registry, str):
         return registry.resolve_load_plan(request)
-    with ExitStack() as stack:
-        if registry is None:
-            from ..service.embedded import EmbeddedRegistry
+    from loadplan.client import RegistryClient
 
-            reg = stack.enter_context(EmbeddedRegistry(os.environ.get(DB_URL_ENV) or DEFAULT_DB_URL))
-            client = stack.enter_context(reg.client())
-        else:
-            from ..client import RegistryClient
-
-            client = stack.enter_context(RegistryClient(registry))
+    with RegistryClient(registry) as client:
         return client.resolve_load_plan(request)
 
 
@@ -105,17 +95,6 @@ def build_model(hf_config: dict, plan: GuardedPlan, dtype: torch.dtype) -> nn.Mo
     cls = model_class(entry)
     with torch.device("meta"):
         return cls(hf_config, plan, dtype=dtype)
-
-
-def assign_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Assign (no copy) a complete state dict; then nothing may remain on meta."""
-    model.load_state_dict(state, strict=True, assign=True)
-    model.tie_weights()
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if left:
-        raise RuntimeError(f"{len(left)} tensor(s) still on meta after loading, e.g. {left[0]}")
-    model.requires_grad_(False)
-    model.eval()
 
 
 def load_weights(model: nn.Module, ckpt: Checkpoint, device: str | torch.device) -> None:
@@ -171,7 +150,7 @@ def _check_tensor_parallel(hf_config: dict, tp_size: int) -> None:
                                   f"parallelism: ep_size, pp_size)")
 
 
-def load_model(path: str | Path, *, registry: Any = None, role: str = "target", deployment: str | None = None,
+def load_model(path: str | Path, *, registry: PlanResolver | str, role: str = "target", deployment: str | None = None,
                request_id: str | None = None, a2a_backend: str = "none", device: str | torch.device = "cpu",
                tp_size: int = 1, ep_size: int = 1, pp_size: int = 1, tp_rank: int = 0, ep_rank: int = 0,
                pp_rank: int = 0, dp_size: int = 1, dp_rank: int = 0, enable_eplb: bool = False,
@@ -233,4 +212,4 @@ def load_model(path: str | Path, *, registry: Any = None, role: str = "target", 
     return model
 
 
-__all__ = ["load_model", "resolve_plan", "build_model", "load_weights", "assign_state_dict"]
+__all__ = ["load_model", "resolve_plan", "build_model", "load_weights"]

@@ -2,9 +2,9 @@
 
     result = generate_distributed(WorkerSpec(model=DIR, prompt_ids=[...], max_new_tokens=8, ep_size=2), nproc=2)
 
-`generate_distributed` (the parent) starts ONE registry when none is given (the
-embedded server on the SQLite file, so all ranks share one registry and its
-deployment pins), makes a fresh deployment id when none is given, and launches the
+`generate_distributed` (the parent) takes the address of the ONE registry all ranks ask
+(so they share its deployment pins: `loadplan generate` starts the embedded one when it is
+given none), makes a fresh deployment id when none is given, and launches the
 ranks (engine/parallel/launch.py: every collective has a timeout; the first rank
 that fails makes the run raise `RankFailed` with that rank's error, never hang).
 
@@ -29,7 +29,6 @@ that fails makes the run raise `RankFailed` with that rank's error, never hang).
 from __future__ import annotations
 
 import dataclasses
-import os
 import uuid
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -51,8 +50,7 @@ class WorkerSpec:
     tp_size: int = 1
     a2a_backend: str = "none"
     deployment: str | None = None               # None: generate_distributed makes a fresh one for its ranks
-    registry: str | None = None                 # a registry address; None: the embedded one on db_url
-    db_url: str | None = None                   # None: $LOADPLAN_DB_URL, else sqlite:///loadplan.db
+    registry: str | None = None                 # the registry's address (None: `load_runner` is handed one)
     runtime: dict = field(default_factory=dict)          # target's load_model flags (LOAD_FLAGS)
     draft: str | None = None                    # draft checkpoint folder (speculative decoding)
     num_draft_tokens: int = 4
@@ -87,13 +85,6 @@ def init_rank(spec: WorkerSpec):
     return grid
 
 
-def _registry_of(spec: WorkerSpec) -> Any:
-    """What load_model takes: the address, or None (embedded on the SQLite file, a single-rank run)."""
-    if spec.registry is None and spec.db_url is not None:
-        os.environ["LOADPLAN_DB_URL"] = spec.db_url
-    return spec.registry
-
-
 def load_runner(spec: WorkerSpec, grid, role: str = "target", *, registry: Any = None):
     """Build this rank's stage of the target (or the draft, role "speculative") from its own plan,
     wrapped so it runs like the whole model. Rank 0 resolves first (see the module doc)."""
@@ -114,7 +105,7 @@ def load_runner(spec: WorkerSpec, grid, role: str = "target", *, registry: Any =
     if flags.get("weight_cache"):
         # One cache file per runner: ranks (and target vs draft) hold different tensors.
         flags["weight_cache"] = f"{flags['weight_cache']}.{role}.rank{grid.rank}"
-    kwargs = dict(registry=registry if registry is not None else _registry_of(spec), role=role,
+    kwargs = dict(registry=registry if registry is not None else spec.registry, role=role,
                   deployment=spec.deployment, a2a_backend=spec.a2a_backend, device=rank_device(),
                   ep_size=spec.ep_size, ep_rank=grid.ep_rank, tp_size=spec.tp_size, tp_rank=grid.tp_rank,
                   pp_size=1 if on_last_stage else spec.pp_size, pp_rank=0 if on_last_stage else grid.pp_rank,
@@ -150,7 +141,7 @@ def _drafts_from_target_hidden(config: dict) -> bool:
 def _recorder(spec: WorkerSpec, stack: ExitStack):
     if spec.registry is None:
         return None
-    from ..client import RegistryClient
+    from loadplan.client import RegistryClient
 
     return stack.enter_context(RegistryClient(spec.registry))
 
@@ -206,16 +197,11 @@ def generate_distributed(spec: WorkerSpec, nproc: int, *, timeout_s: float = 300
     from .parallel.launch import launch
 
     check_sizes(nproc, spec.pp_size, spec.ep_size, spec.tp_size)
+    if spec.registry is None:
+        raise ValueError("WorkerSpec.registry: the ranks are processes of their own and ask one registry: give its "
+                         "address (`loadplan serve`, or an embedded one: `loadplan generate` starts it)")
     spec = dataclasses.replace(spec, deployment=spec.deployment or uuid.uuid4().hex)
-    with ExitStack() as stack:
-        if spec.registry is None:
-            from ..service.embedded import EmbeddedRegistry
-            from .loader import DB_URL_ENV, DEFAULT_DB_URL
-
-            db_url = spec.db_url or os.environ.get(DB_URL_ENV) or DEFAULT_DB_URL
-            reg = stack.enter_context(EmbeddedRegistry(db_url))
-            spec = dataclasses.replace(spec, registry=reg.address)
-        ranks = launch(nproc, run_rank, spec, timeout_s=timeout_s)
+    ranks = launch(nproc, run_rank, spec, timeout_s=timeout_s)
     tokens = ranks[0]["tokens"]
     for r in ranks[1:]:
         if r["tokens"] != tokens:   # lockstep decoding makes this impossible unless a collective is wrong

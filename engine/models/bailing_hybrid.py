@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
+from loadplan.layouts import bailing_hybrid_layout
 from ..layers.kimi_delta_attention import KimiDeltaAttention
 from ..layers.mla import MultiHeadLatentAttention
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .causal_lm import CausalLM, DecoderLayer
-from ...service.rules.layouts import bailing_hybrid_layout
 from .config import ConfigError, get_field as _get, moe_layout, per_layer
 from .deepseek_v3 import DeepseekV3Config, moe_or_dense_mlp
 from .kimi_linear import LAYER_TYPES, RENAMED, deepseek_fields_renamed

@@ -24,13 +24,13 @@ from dataclasses import dataclass
 
 import torch
 
+from loadplan.layouts import cohere2_moe_layout
 from ..layers.attention import GQAttention
 from ..layers.mlp import activation
 from ..layers.norm import BiaslessLayerNorm
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM
-from ...service.rules.layouts import cohere2_moe_layout
 from .config import ConfigError, get_field as _get, moe_layout, per_layer, read_rope
 from .qwen_moe import QwenDecoderLayer, QwenMoeConfig, SharedMlpMoeBlock
 

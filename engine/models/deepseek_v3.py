@@ -7,7 +7,7 @@ Shapes: B batch, T tokens, D hidden, E routed experts, K top-k, V vocab.
 
 - Attention: Multi-head Latent Attention (layers/mla.py), with or without q_lora_rank,
   interleaved RoPE (`rope_interleave`, default true as in the original code), YaRN.
-- Layer i is MoE iff i >= first_k_dense_replace (the registry's layouts.py reads it,
+- Layer i is MoE iff i >= first_k_dense_replace (loadplan/layouts.py reads it,
   and refuses a moe_layer_freq or mlp_layer_types that would say otherwise); the
   others are dense SwiGLU MLPs of intermediate_size.
 - MoE: sigmoid router with e_score_correction_bias and group-limited top-k
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from loadplan.layouts import deepseek_layout, deepseek_nextn_layout
 from ..layers.deepseek_router import DeepseekV3Router
 from ..layers.deepseek_v2_router import TOPK_METHODS as V2_TOPK_METHODS
 from ..layers.deepseek_v2_router import DeepseekV2Router
@@ -38,7 +39,6 @@ from ..layers.rope import RopeConfig
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from .causal_lm import CausalLM, DecoderLayer
-from ...service.rules.layouts import deepseek_layout, deepseek_nextn_layout
 from .config import ConfigError, get_field as _get, moe_layout, read_rope
 from .text_wrapper import TextOnlyWrapper
 

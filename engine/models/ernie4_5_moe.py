@@ -26,13 +26,13 @@ from dataclasses import dataclass
 
 import torch
 
+from loadplan.layouts import ernie4_5_moe_layout
 from ..layers.attention import GQAttention
 from ..layers.mlp import activation
 from ..parallel.tensor import TensorParallel
 from ..shown_tensors import ShownTensors
 from ..weights import ShapeMismatch
 from .causal_lm import DecoderLayer
-from ...service.rules.layouts import ernie4_5_moe_layout
 from .config import ConfigError, get_field as _get, moe_layout, read_rope
 from .deepseek_v3 import first_moe_layer, moe_or_dense_mlp
 from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
+from loadplan.layouts import exaone_moe_layout
 from ..layers.attention import GQAttention
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .causal_lm import DecoderLayer
-from ...service.rules.layouts import exaone_moe_layout
 from .config import ConfigError, moe_layout, sliding_window, windowed_layer_types
 from .deepseek_v3 import moe_or_dense_mlp
 from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM

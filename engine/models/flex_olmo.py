@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import torch
 
+from loadplan.layouts import olmoe_layout
 from ..layers.attention import GQAttention
 from ..layers.norm import WeightFirstRMSNorm
 from ..parallel.tensor import TensorParallel
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from ...service.rules.layouts import olmoe_layout
 from .config import ConfigError, get_field as _get, moe_layout, read_rope
 from .olmoe import OLMOE_NAMES
 from .qwen_moe import QwenMoeConfig, QwenSparseMoeBlock, moe_fields

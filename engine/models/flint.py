@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from loadplan.layouts import flint_layout
 from ..layers.attention import GQAttention
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
-from ...service.rules.layouts import flint_layout
 from .config import common_fields, ConfigError, get_field as _get, moe_layout, per_layer, read_rope, sliding_window
 from .qwen_moe import Float32RouterMoeBlock, QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig
 from .step3p5 import LAYER_TYPES

@@ -23,12 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
+from loadplan.layouts import glm4_moe_layout, glm4_moe_nextn_layout
 from ..layers.attention import GQAttention
 from ..layers.mlp import activation
 from ..layers.rope import RopeConfig
 from ..parallel.tensor import TensorParallel
 from .causal_lm import CausalLM, DecoderLayer
-from ...service.rules.layouts import glm4_moe_layout, glm4_moe_nextn_layout
 from .config import ConfigError, get_field as _get, moe_layout, read_rope
 from .deepseek_v3 import first_moe_layer, moe_or_dense_mlp, routing_fields
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from loadplan.layouts import mixtral_layout
 from ..expert_kernel import ClampedSwiGLU
 from ..layers.attention import GQAttention
 from ..layers.rope import RopeConfig
@@ -36,7 +37,6 @@ from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..stacked_experts import StackedExperts
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from ...service.rules.layouts import mixtral_layout
 from .config import ConfigError, get_field as _get, moe_layout, per_layer, read_rope
 
 ARCHITECTURE = "GptOssForCausalLM"

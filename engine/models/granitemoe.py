@@ -28,12 +28,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from loadplan.layouts import granitemoe_layout, granitemoe_shared_layout
 from ..layers.attention import GQAttention
 from ..layers.rope import RotaryEmbedding
 from ..shown_tensors import ShownTensors
 from ..stacked_experts import StackedExperts
 from ..weights import CheckpointNames, ShapeMismatch
-from ...service.rules.layouts import granitemoe_layout, granitemoe_shared_layout
 from .config import ConfigError, get_field as _get, moe_layout, per_layer, read_rope, sliding_window
 from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, SharedMlpMoeBlock, moe_fields
 

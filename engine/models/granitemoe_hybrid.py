@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
+from loadplan.layouts import granitemoe_hybrid_layout
 from ..layers.attention import GQAttention
 from ..layers.mamba2 import Mamba2Mixer, rows_by_rank
 from ..parallel.tensor import TensorParallel
-from ...service.rules.layouts import granitemoe_hybrid_layout
 from .config import ConfigError, get_field as _get
 from .granitemoe import GraniteMoeConfig, GraniteMoeDecoderLayer, GraniteMoeForCausalLM
 

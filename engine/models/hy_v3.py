@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
+from loadplan.layouts import hy_v3_layout
 from ..layers.attention import GQAttention
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .causal_lm import DecoderLayer
-from ...service.rules.layouts import hy_v3_layout
 from .config import ConfigError, get_field as _get, moe_layout
 from .deepseek_v3 import moe_or_dense_mlp
 from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM

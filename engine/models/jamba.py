@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
+from loadplan.layouts import jamba_layout
 from ..layers.attention import GQAttention
 from ..layers.mamba1 import Mamba1Mixer, in_proj_by_rank
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
-from ...service.rules.layouts import jamba_layout
 from .config import ConfigError, get_field as _get, moe_layout, read_rope
 from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, moe_fields
 

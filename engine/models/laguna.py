@@ -21,13 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
+from loadplan.layouts import laguna_layout
 from ..layers.attention import GQAttention
 from ..layers.mlp import GatedMLP, activation
 from ..layers.rope import RopeConfig, RotaryEmbedding
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from ...service.rules.layouts import laguna_layout
 from .config import ConfigError, get_field as _get, moe_layout, per_layer, sliding_window
 from .step3p5 import LAYER_TYPES, RopesByKind, SharedExpertMoE, rope_of_each_type
 

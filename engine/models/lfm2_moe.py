@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from loadplan.layouts import lfm2_moe_layout
 from ..layers.attention import GQAttention
 from ..layers.mlp import GatedMLP
 from ..layers.rope import RopeConfig
@@ -28,7 +29,6 @@ from ..layers.short_conv import ShortConv
 from ..moe import RoutedExperts
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from ...service.rules.layouts import lfm2_moe_layout
 from .config import ConfigError, get_field as _get, moe_layout, per_layer, read_rope
 
 ARCHITECTURE = "Lfm2MoeForCausalLM"

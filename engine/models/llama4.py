@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from loadplan.layouts import llama4_layout
 from ..layers.attention import GQAttention
 from ..layers.mlp import GatedMLP, activation
 from ..layers.rope import RopeConfig, apply_rotary
@@ -37,7 +38,6 @@ from ..parallel.tensor import TensorParallel
 from ..stacked_experts import StackedExperts
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from ...service.rules.layouts import llama4_layout
 from .config import ConfigError, get_field as _get, moe_layout, per_layer, read_rope
 from .text_wrapper import TextOnlyWrapper
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from loadplan.layouts import longcat_flash_layout
 from ..layers.mla import MultiHeadLatentAttention
 from ..layers.mlp import GatedMLP, activation
 from ..layers.rope import RopeConfig
@@ -35,7 +36,6 @@ from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..shown_tensors import ShownTensors
 from .causal_lm import CausalLM, DecoderLayer
-from ...service.rules.layouts import longcat_flash_layout
 from .config import ConfigError, get_field as _get, moe_layout, read_rope
 
 ARCHITECTURE = "LongcatFlashForCausalLM"

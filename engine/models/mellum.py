@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from loadplan.layouts import mellum_layout
 from ..layers.attention import GQAttention
 from ..layers.rope import RotaryEmbedding
 from ..parallel.tensor import TensorParallel
-from ...service.rules.layouts import mellum_layout
 from .config import ConfigError, common_fields, get_field as _get, moe_layout, per_layer
 from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig
 from .step3p5 import LAYER_TYPES, RopesByKind, rope_of_each_type

@@ -25,12 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
+from loadplan.layouts import mimo_v2_flash_layout
 from ..layers.attention import GQAttention
 from ..layers.rope import RopeConfig, RotaryEmbedding, rope_config_from_hf
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .causal_lm import DecoderLayer
-from ...service.rules.layouts import mimo_v2_flash_layout
 from .config import ConfigError, get_field as _get, moe_layout, per_layer
 from .deepseek_v3 import moe_or_dense_mlp
 from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from loadplan.layouts import mixtral_layout
 from ..layers.attention import GQAttention
 from ..layers.deepseek_router import DeepseekV3Router
 from ..layers.mlp import activation
@@ -33,7 +34,6 @@ from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from ...service.rules.layouts import mixtral_layout
 from .config import ConfigError, get_field as _get, moe_layout, read_rope
 from .mixtral import MIXTRAL_NAMES
 from .olmoe import OLMOE_NAMES

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from loadplan.layouts import nemotron_h_layout
 from ..layers.attention import GQAttention
 from ..layers.deepseek_router import DeepseekV3Router
 from ..layers.mamba2 import Mamba2Mixer, rows_by_rank
@@ -40,7 +41,6 @@ from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..shown_tensors import ShownTensors
 from .causal_lm import DeclaredCausalLM
-from ...service.rules.layouts import nemotron_h_layout
 from .config import ConfigError, get_field as _get, moe_layout
 
 ARCHITECTURE = "NemotronHForCausalLM"

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loadplan.layouts import qwen2_moe_layout
 from ..layers.attention import GQAttention
 from ..layers.gated_delta_net import GatedDeltaNet
 from ..layers.mlp import GatedMLP, activation
@@ -25,7 +26,6 @@ from ..layers.rope import RopeConfig
 from ..parallel.tensor import TensorParallel
 from ..shown_tensors import rows_by_rank
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from ...service.rules.layouts import qwen2_moe_layout
 from .config import ConfigError, get_field as _get, moe_layout, per_layer, read_rope
 from .qwen_moe import QwenSparseMoeBlock
 

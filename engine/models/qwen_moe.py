@@ -6,7 +6,7 @@ Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): q/k/v bias, one shared expert whose out
 is scaled per token by sigmoid(shared_expert_gate(x)). Fused (plan), the shared
 expert is routed slot E and that sigmoid is its routing weight (times the plan's
 scale). Qwen3-MoE: no shared expert, per-head RMSNorm on q and k, head_dim from config.
-Layer i is sparse iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0 (the registry's layouts.py
+Layer i is sparse iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0 (loadplan/layouts.py
 reads it: `moe_layout`).
 """
 
@@ -18,13 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loadplan.layouts import MoeLayout, qwen2_moe_layout, qwen3_moe_layout
 from ..layers.attention import GQAttention
 from ..layers.mlp import GatedMLP, activation
 from ..layers.rope import RopeConfig
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from .causal_lm import CausalLM, DecoderLayer
-from ...service.rules.layouts import MoeLayout, qwen2_moe_layout, qwen3_moe_layout
 from .config import ConfigError, get_field as _get, moe_layout, read_rope
 
 

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loadplan.layouts import step3p5_layout
 from ..layers.attention import GQAttention
 from ..layers.deepseek_router import DeepseekV3Router
 from ..layers.mlp import GatedMLP
@@ -46,7 +47,6 @@ from ..parallel.tensor import TensorParallel
 from ..shown_tensors import ShownTensors
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from ...service.rules.layouts import step3p5_layout
 from .config import ConfigError, get_field as _get, moe_layout, per_layer
 
 ARCHITECTURE = "Step3p5ForCausalLM"

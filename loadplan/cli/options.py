@@ -16,7 +16,7 @@ import socket
 import uuid
 from typing import Any, Iterator
 
-from ..client import RegistryClient
+from loadplan.client import RegistryClient
 from ..plan import ROLES, Parallel, ResolveRequest, Runtime
 from .errors import EXIT_FAILURE, CliError, one_line
 
@@ -90,7 +90,7 @@ _SECURITY_FLAGS = (("token", "--token"), ("token_file", "--token-file"), ("tls",
 
 def client_security(args: argparse.Namespace) -> dict[str, Any]:
     """RegistryClient keywords from the security flags; a file that cannot be used is INVALID_ARGUMENT."""
-    from ..client.auth import AuthConfigError, read_token_file
+    from loadplan.client.auth import AuthConfigError, read_token_file
 
     try:
         token = read_token_file(args.token_file) if getattr(args, "token_file", None) else getattr(args, "token", None)
@@ -103,7 +103,7 @@ def client_security(args: argparse.Namespace) -> dict[str, Any]:
 def open_client(args: argparse.Namespace) -> Iterator[RegistryClient]:
     """A client of --registry, or of an embedded registry on --db (started here, stopped after)."""
     if getattr(args, "registry", None):
-        from ..client.auth import AuthConfigError
+        from loadplan.client.auth import AuthConfigError
 
         try:
             client = RegistryClient(args.registry, timeout=args.timeout, **client_security(args))
@@ -125,8 +125,8 @@ def open_client(args: argparse.Namespace) -> Iterator[RegistryClient]:
 @contextlib.contextmanager
 def embedded_registry(db_url: str):
     try:
-        from ..service.embedded import EmbeddedRegistry
-        from ..service.server import ServerStartError
+        from loadplan.service.embedded import EmbeddedRegistry
+        from loadplan.service.server import ServerStartError
     except ImportError as e:
         raise CliError("FAILED_PRECONDITION", f"the embedded registry needs loadplan[service] ({e}); "
                        f"install it or pass --registry HOST:PORT", EXIT_FAILURE) from None

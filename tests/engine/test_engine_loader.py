@@ -189,16 +189,14 @@ def test_a_wrong_decision_gives_wrong_logits_that_the_reference_catches(qwen2):
     assert (_logits(model, ids) - want).abs().max().item() > 1e-2
 
 
-def test_the_embedded_registry_records_the_plan(qwen2, tmp_path, monkeypatch):
+def test_the_real_registry_records_the_plan(qwen2, tmp_path):
     from loadplan.service.embedded import EmbeddedRegistry
 
     path, ids, want = qwen2
-    url = f"sqlite:///{tmp_path / 'registry.db'}"
-    monkeypatch.setenv(loader.DB_URL_ENV, url)
-    model = load_model(path, request_id="req-1", deployment="dep-1")     # registry=None: embedded
-    assert (_logits(model, ids) - want).abs().max().item() <= 1e-3
-    with EmbeddedRegistry(url) as reg:
-        with reg.client() as client:
+    with EmbeddedRegistry(f"sqlite:///{tmp_path / 'registry.db'}") as reg:
+        with reg.client() as client:      # a RegistryClient
+            model = load_model(path, registry=client, request_id="req-1", deployment="dep-1")
+            assert (_logits(model, ids) - want).abs().max().item() <= 1e-3
             stored = client.get_plan(model.plan.plan_id)
         assert stored.decisions[Keys.SHARED_EXPERTS_FUSION].value is True
         # a registry address (str): the same request id replays the stored plan

@@ -40,10 +40,11 @@ def _greedy(path, prompt, n, *, eos=True, **kw):
 
 
 def test_ep_run_rebalances_with_redundant_experts_and_records_each_placement(qwen3, db_url):
-    spec = WorkerSpec(model=qwen3, prompt_ids=SKEWED, max_new_tokens=6, ep_size=2, a2a_backend="none",
-                      db_url=db_url, enable_eplb=True, ep_num_redundant_experts=2, rebalance_every=3,
-                      stop_at_eos=False)
-    out = generate_distributed(spec, 2, timeout_s=180)        # the launcher starts ONE embedded registry
+    with EmbeddedRegistry(db_url) as reg:
+        spec = WorkerSpec(model=qwen3, prompt_ids=SKEWED, max_new_tokens=6, ep_size=2, a2a_backend="none",
+                          registry=reg.address, enable_eplb=True, ep_num_redundant_experts=2, rebalance_every=3,
+                          stop_at_eos=False)
+        out = generate_distributed(spec, 2, timeout_s=180)    # every rank asks the one registry
     assert out["tokens"] == _greedy(qwen3, SKEWED, 6, eos=False)
     for rank, reports in out["eplb"].items():
         assert len(reports) == 2                              # prefill + 5 decode forwards, every 3 forwards
@@ -109,10 +110,11 @@ def test_draft_with_another_fusion_intent_never_changes_the_target(tmp_path_fact
     target = str(make_checkpoint(tmp_path_factory.mktemp("q2t"), QWEN2, seed=0))
     draft = str(make_checkpoint(tmp_path_factory.mktemp("q2d"), QWEN2, seed=1))
     cache = str(tmp_path / "wc")         # one weight-cache flag for everyone, as the CLI passes it
-    spec = WorkerSpec(model=target, prompt_ids=(3, 1, 4, 1, 5), max_new_tokens=6, ep_size=2, db_url=db_url,
-                      draft=draft, num_draft_tokens=3, runtime={"weight_cache": cache},
-                      draft_runtime={"disable_shared_experts_fusion": True, "weight_cache": cache})
-    out = generate_distributed(spec, 2, timeout_s=180)
+    with EmbeddedRegistry(db_url) as reg:
+        spec = WorkerSpec(model=target, prompt_ids=(3, 1, 4, 1, 5), max_new_tokens=6, ep_size=2,
+                          registry=reg.address, draft=draft, num_draft_tokens=3, runtime={"weight_cache": cache},
+                          draft_runtime={"disable_shared_experts_fusion": True, "weight_cache": cache})
+        out = generate_distributed(spec, 2, timeout_s=180)
     # each runner (rank x role) holds other tensors: one cache file each, never one shared
     assert sorted(f.name for f in tmp_path.glob("wc.*")) == \
         ["wc.speculative.rank0", "wc.speculative.rank1", "wc.target.rank0", "wc.target.rank1"]
@@ -150,3 +152,9 @@ def test_an_unreachable_registry_fails_the_run(qwen3):
     with pytest.raises(RankFailed) as e:
         generate_distributed(spec, 2, timeout_s=120)
     assert "UNAVAILABLE" in e.value.error
+
+
+def test_ranks_without_a_registry_address_are_refused_before_any_launch(qwen3):
+    spec = WorkerSpec(model=qwen3, prompt_ids=(1, 2), max_new_tokens=2, ep_size=2)
+    with pytest.raises(ValueError, match=r"WorkerSpec.registry: the ranks are processes of their own"):
+        generate_distributed(spec, 2, timeout_s=10)

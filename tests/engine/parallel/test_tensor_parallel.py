@@ -467,7 +467,7 @@ def test_a_family_whose_layers_do_not_split_is_refused_before_any_plan(paths, mo
     assert registry.requests == []
 
 
-def test_the_nextn_draft_on_tp_ranks_drafts_as_on_one_process(tmp_path):
+def test_the_nextn_draft_on_tp_ranks_drafts_as_on_one_process(tmp_path, registry_address):
     """DeepSeek-V3 with its own MTP draft: the same tokens and the same accepted/proposed counts."""
     from loadplan.engine.make_checkpoints import make_checkpoints
     from loadplan.engine.worker import WorkerSpec, generate_distributed
@@ -476,7 +476,8 @@ def test_the_nextn_draft_on_tp_ranks_drafts_as_on_one_process(tmp_path):
     runs = {}
     for tp in (1, 2):
         spec = WorkerSpec(model=str(paths["target"]), draft=str(paths["nextn"]), num_draft_tokens=2,
-                          prompt_ids=(5, 17, 42), max_new_tokens=12, tp_size=tp, db_url=f"sqlite:///{tmp_path}/p.db")
+                          prompt_ids=(5, 17, 42), max_new_tokens=12, tp_size=tp,
+                          registry=registry_address)
         runs[tp] = generate_distributed(spec, nproc=tp, timeout_s=240)
     assert runs[2]["tokens"] == runs[1]["tokens"]
     assert (runs[2]["accepted"], runs[2]["proposed"]) == (runs[1]["accepted"], runs[1]["proposed"])
