@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import socket
@@ -150,43 +151,46 @@ def _check_tensor_parallel(hf_config: dict, tp_size: int) -> None:
                                   f"parallelism: ep_size, pp_size)")
 
 
-def load_model(path: str | Path, *, registry: PlanResolver | str, role: str = "target", deployment: str | None = None,
-               request_id: str | None = None, a2a_backend: str = "none", device: str | torch.device = "cpu",
-               tp_size: int = 1, ep_size: int = 1, pp_size: int = 1, tp_rank: int = 0, ep_rank: int = 0,
-               pp_rank: int = 0, dp_size: int = 1, dp_rank: int = 0, enable_eplb: bool = False,
-               ep_num_redundant_experts: int = 0, disable_shared_experts_fusion: bool = False,
-               enforce_shared_experts_fusion: bool = False, enable_sbo: bool = False, enable_tbo: bool = False,
-               quantization: str | None = None, dtype: torch.dtype = torch.float32,
-               weight_cache: str | Path | None = None, host: str | None = None) -> nn.Module:
+def _loadplan_runtime(runtime: Runtime, device: str | torch.device) -> Runtime:
+    """`runtime` on this engine and device: the loader says both (a runtime that names others is refused)."""
+    spelled = registry_device(device)
+    if runtime.engine not in ("", ENGINE_LOADPLAN):
+        raise ValueError(f"runtime.engine {runtime.engine!r}: this is loadplan's engine ({ENGINE_LOADPLAN!r})")
+    if runtime.device not in (Runtime.device, spelled):
+        raise ValueError(f"runtime.device {runtime.device!r} differs from the device it is loaded on ({spelled!r})")
+    return dataclasses.replace(runtime, device=spelled, engine=ENGINE_LOADPLAN)
+
+
+def load_model(path: str | Path, parallel: Parallel = Parallel(), runtime: Runtime = Runtime(), *,
+               registry: PlanResolver | str, role: str = "target", deployment: str | None = None,
+               request_id: str | None = None, quantization: str | None = None, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32, weight_cache: str | Path | None = None) -> nn.Module:
     """Build the model of checkpoint folder `path` for this runner, as the registry's plan says.
 
-    Returns a module: `model(input_ids [B, T]) -> logits [B, T, V]`, with `model.plan`
-    the guarded plan and `model.routed_experts_weights_of_layer` the EPLB descriptor.
-    `weight_cache`: a file (put it under /dev/shm) holding this runner's state dict;
-    if it exists it is assigned instead of reading the checkpoint, else it is written.
+    `parallel` and `runtime` are what the runner asks the registry with (the contract's types); the runtime's
+    `device` and `engine` are the loader's to say: the registry's spelling of `device`, and loadplan's engine.
+    `deployment` None: a fresh deployment of its own. Returns a module: `model(input_ids [B, T]) -> logits
+    [B, T, V]`, with `model.plan` the guarded plan and `model.routed_experts_weights_of_layer` the EPLB
+    descriptor. `weight_cache`: a file (put it under /dev/shm) holding this runner's state dict; if it exists
+    it is assigned instead of reading the checkpoint, else it is written.
     """
     hf_config = read_config(path)
     qconfig = hf_config.get("quantization_config")
     _check_runner_role(hf_config, role)
     _check_config(hf_config)
     fmt, fmt_module, fmt_scheme = checkpoint_format(qconfig)     # refused by field before any plan is resolved
-    if tp_size != 1:
-        _check_tensor_parallel(hf_config, tp_size)
+    if parallel.tp_size != 1:
+        _check_tensor_parallel(hf_config, parallel.tp_size)
     request = ResolveRequest(
         request_id=request_id or uuid.uuid4().hex,
-        deployment_id=deployment or uuid.uuid4().hex,   # None: a fresh deployment of its own
+        deployment_id=deployment or uuid.uuid4().hex,
         role=role,
-        parallel=Parallel(tp_size=tp_size, tp_rank=tp_rank, ep_size=ep_size, ep_rank=ep_rank, pp_size=pp_size,
-                          pp_rank=pp_rank, dp_size=dp_size, dp_rank=dp_rank),
-        host=host if host is not None else socket.gethostname()[:255],
+        parallel=parallel,
+        host=socket.gethostname()[:255],
         config=hf_config,
         quantization_config=qconfig if isinstance(qconfig, dict) else None,
         quantization=quantization,
-        runtime=Runtime(a2a_backend=a2a_backend, device=registry_device(device), engine=ENGINE_LOADPLAN,
-                        enable_sbo=enable_sbo, enable_tbo=enable_tbo,
-                        disable_shared_experts_fusion=disable_shared_experts_fusion,
-                        enforce_shared_experts_fusion=enforce_shared_experts_fusion, enable_eplb=enable_eplb,
-                        ep_num_redundant_experts=ep_num_redundant_experts),
+        runtime=_loadplan_runtime(runtime, device),
     )
     plan = GuardedPlan(resolve_plan(request, registry))
     if plan.quantization not in SUPPORTED_QUANTIZATIONS:

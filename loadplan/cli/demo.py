@@ -27,6 +27,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from ..plan import Runtime
 from .errors import CliError, one_line
 
 DEFAULT_DIR = "demo-out"
@@ -127,7 +128,7 @@ def run_worker(*, target: str, draft: str, prompt: list[int], max_new_tokens: in
     from loadplan.engine.worker import WorkerSpec
 
     spec = WorkerSpec(model=target, draft=draft, prompt_ids=tuple(prompt), max_new_tokens=max_new_tokens,
-                      num_draft_tokens=num_draft_tokens, ep_size=nproc, a2a_backend=a2a_backend,
+                      num_draft_tokens=num_draft_tokens, ep_size=nproc, runtime=Runtime(a2a_backend=a2a_backend),
                       deployment=deployment, registry=registry)
     try:
         ranks = launch(nproc, demo_rank, spec, progress)
