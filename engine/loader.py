@@ -15,28 +15,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
-import os
 import socket
 import uuid
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from ..plan import ENGINE_LOADPLAN, LoadPlan, Parallel, ResolveRequest, Runtime
+from loadplan.plan import ENGINE_LOADPLAN, LoadPlan, Parallel, ResolveRequest, Runtime
 from .checkpoint import Checkpoint, read_config
 from .plan_guard import GuardedPlan
 from .registry import ENGINE_ENTRY_CLASSES, engine_chain, model_class
-from .weights import build_state_dict
+from .weights import assign_state_dict, build_state_dict
 
 log = logging.getLogger(__name__)
 
-DB_URL_ENV = "LOADPLAN_DB_URL"
-DEFAULT_DB_URL = "sqlite:///loadplan.db"       # a file in the current directory
 # The torch runner computes in plain dtypes: a quantized checkpoint of these formats is dequantized as it is read.
 # The plan's quantization name -> the module that checks the config (`scheme`, before any plan) and shows the
 # checkpoint as the plain tensors it stands for (`dequantized(ckpt, scheme)`). Other quantizations are refused.
@@ -77,21 +74,15 @@ def registry_device(device: str | torch.device) -> str:
     raise ValueError(f"device {device!r} not supported; supported: cpu, cuda")
 
 
-def resolve_plan(request: ResolveRequest, registry: Any = None) -> LoadPlan:
-    """registry None: the embedded registry on a SQLite file (LOADPLAN_DB_URL, default ./loadplan.db);
-    a str: a registry address; otherwise an object with resolve_load_plan(request)."""
-    if registry is not None and not isinstance(registry, str):
+def resolve_plan(request: ResolveRequest, registry: PlanResolver | str) -> LoadPlan:
+    """`registry`: a registry's address, or an object with resolve_load_plan(request) (a RegistryClient, a test's
+    fake). The engine starts no registry: what runs one beside a worker (`loadplan generate` without --registry,
+    the demo) lives above both."""
+    if not isinstance(registry, str):
         return registry.resolve_load_plan(request)
-    with ExitStack() as stack:
-        if registry is None:
-            from ..service.embedded import EmbeddedRegistry
+    from loadplan.client import RegistryClient
 
-            reg = stack.enter_context(EmbeddedRegistry(os.environ.get(DB_URL_ENV) or DEFAULT_DB_URL))
-            client = stack.enter_context(reg.client())
-        else:
-            from ..client import RegistryClient
-
-            client = stack.enter_context(RegistryClient(registry))
+    with RegistryClient(registry) as client:
         return client.resolve_load_plan(request)
 
 
@@ -105,17 +96,6 @@ def build_model(hf_config: dict, plan: GuardedPlan, dtype: torch.dtype) -> nn.Mo
     cls = model_class(entry)
     with torch.device("meta"):
         return cls(hf_config, plan, dtype=dtype)
-
-
-def assign_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Assign (no copy) a complete state dict; then nothing may remain on meta."""
-    model.load_state_dict(state, strict=True, assign=True)
-    model.tie_weights()
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if left:
-        raise RuntimeError(f"{len(left)} tensor(s) still on meta after loading, e.g. {left[0]}")
-    model.requires_grad_(False)
-    model.eval()
 
 
 def load_weights(model: nn.Module, ckpt: Checkpoint, device: str | torch.device) -> None:
@@ -171,43 +151,46 @@ def _check_tensor_parallel(hf_config: dict, tp_size: int) -> None:
                                   f"parallelism: ep_size, pp_size)")
 
 
-def load_model(path: str | Path, *, registry: Any = None, role: str = "target", deployment: str | None = None,
-               request_id: str | None = None, a2a_backend: str = "none", device: str | torch.device = "cpu",
-               tp_size: int = 1, ep_size: int = 1, pp_size: int = 1, tp_rank: int = 0, ep_rank: int = 0,
-               pp_rank: int = 0, dp_size: int = 1, dp_rank: int = 0, enable_eplb: bool = False,
-               ep_num_redundant_experts: int = 0, disable_shared_experts_fusion: bool = False,
-               enforce_shared_experts_fusion: bool = False, enable_sbo: bool = False, enable_tbo: bool = False,
-               quantization: str | None = None, dtype: torch.dtype = torch.float32,
-               weight_cache: str | Path | None = None, host: str | None = None) -> nn.Module:
+def _loadplan_runtime(runtime: Runtime, device: str | torch.device) -> Runtime:
+    """`runtime` on this engine and device: the loader says both (a runtime that names others is refused)."""
+    spelled = registry_device(device)
+    if runtime.engine not in ("", ENGINE_LOADPLAN):
+        raise ValueError(f"runtime.engine {runtime.engine!r}: this is loadplan's engine ({ENGINE_LOADPLAN!r})")
+    if runtime.device not in (Runtime.device, spelled):
+        raise ValueError(f"runtime.device {runtime.device!r} differs from the device it is loaded on ({spelled!r})")
+    return dataclasses.replace(runtime, device=spelled, engine=ENGINE_LOADPLAN)
+
+
+def load_model(path: str | Path, parallel: Parallel = Parallel(), runtime: Runtime = Runtime(), *,
+               registry: PlanResolver | str, role: str = "target", deployment: str | None = None,
+               request_id: str | None = None, quantization: str | None = None, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32, weight_cache: str | Path | None = None) -> nn.Module:
     """Build the model of checkpoint folder `path` for this runner, as the registry's plan says.
 
-    Returns a module: `model(input_ids [B, T]) -> logits [B, T, V]`, with `model.plan`
-    the guarded plan and `model.routed_experts_weights_of_layer` the EPLB descriptor.
-    `weight_cache`: a file (put it under /dev/shm) holding this runner's state dict;
-    if it exists it is assigned instead of reading the checkpoint, else it is written.
+    `parallel` and `runtime` are what the runner asks the registry with (the contract's types); the runtime's
+    `device` and `engine` are the loader's to say: the registry's spelling of `device`, and loadplan's engine.
+    `deployment` None: a fresh deployment of its own. Returns a module: `model(input_ids [B, T]) -> logits
+    [B, T, V]`, with `model.plan` the guarded plan and `model.routed_experts_weights_of_layer` the EPLB
+    descriptor. `weight_cache`: a file (put it under /dev/shm) holding this runner's state dict; if it exists
+    it is assigned instead of reading the checkpoint, else it is written.
     """
     hf_config = read_config(path)
     qconfig = hf_config.get("quantization_config")
     _check_runner_role(hf_config, role)
     _check_config(hf_config)
     fmt, fmt_module, fmt_scheme = checkpoint_format(qconfig)     # refused by field before any plan is resolved
-    if tp_size != 1:
-        _check_tensor_parallel(hf_config, tp_size)
+    if parallel.tp_size != 1:
+        _check_tensor_parallel(hf_config, parallel.tp_size)
     request = ResolveRequest(
         request_id=request_id or uuid.uuid4().hex,
-        deployment_id=deployment or uuid.uuid4().hex,   # None: a fresh deployment of its own
+        deployment_id=deployment or uuid.uuid4().hex,
         role=role,
-        parallel=Parallel(tp_size=tp_size, tp_rank=tp_rank, ep_size=ep_size, ep_rank=ep_rank, pp_size=pp_size,
-                          pp_rank=pp_rank, dp_size=dp_size, dp_rank=dp_rank),
-        host=host if host is not None else socket.gethostname()[:255],
+        parallel=parallel,
+        host=socket.gethostname()[:255],
         config=hf_config,
         quantization_config=qconfig if isinstance(qconfig, dict) else None,
         quantization=quantization,
-        runtime=Runtime(a2a_backend=a2a_backend, device=registry_device(device), engine=ENGINE_LOADPLAN,
-                        enable_sbo=enable_sbo, enable_tbo=enable_tbo,
-                        disable_shared_experts_fusion=disable_shared_experts_fusion,
-                        enforce_shared_experts_fusion=enforce_shared_experts_fusion, enable_eplb=enable_eplb,
-                        ep_num_redundant_experts=ep_num_redundant_experts),
+        runtime=_loadplan_runtime(runtime, device),
     )
     plan = GuardedPlan(resolve_plan(request, registry))
     if plan.quantization not in SUPPORTED_QUANTIZATIONS:
@@ -233,4 +216,4 @@ def load_model(path: str | Path, *, registry: Any = None, role: str = "target", 
     return model
 
 
-__all__ = ["load_model", "resolve_plan", "build_model", "load_weights", "assign_state_dict"]
+__all__ = ["load_model", "resolve_plan", "build_model", "load_weights"]

@@ -58,7 +58,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..plan import Keys
+from loadplan.plan import Keys
 from .eplb import ExpertLoadCounter, Placement, to_physical
 from .expert_kernel import fused_experts, general_experts, silu_mul
 from .parallel import context as parallel_context

@@ -14,7 +14,7 @@ import contextlib
 import threading
 from typing import Any, Iterator, Mapping
 
-from ..plan import Decision, LoadPlan
+from loadplan.plan import Decision, LoadPlan
 
 
 class PlanReadDuringForward(RuntimeError):

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..plan import Decision, Keys
+from loadplan.plan import Decision, Keys
 from .eplb import Placement, apply_placement, apply_placement_ep
 from .eplb import rebalance as compute_placement
 from .moe import RoutedExperts

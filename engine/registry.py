@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from ..entry_classes import ENTRY_CLASSES, engine_module
+from loadplan.entry_classes import ENTRY_CLASSES, engine_module
 
 # entry class -> (module, class name): the rows of the shared table that the engine builds (the class of the
 # same name in the row's module; rules-only rows are not here).

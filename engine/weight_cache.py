@@ -19,8 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .loader import assign_state_dict
-from .weights import LayoutMismatch
+from .weights import LayoutMismatch, assign_state_dict
 
 FORMAT = "loadplan.weight_cache.v1"
 

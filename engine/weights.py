@@ -415,3 +415,14 @@ def build_state_dict(names: list[str], get: Callable[[str], torch.Tensor], shape
         log.info("skipped %d checkpoint tensors not part of the text model (%s)", sum(report.ignored.values()),
                  ", ".join(f"{p!r}: {n}" for p, n in sorted(report.ignored.items())))
     return out, report
+
+
+def assign_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Assign (no copy) a complete state dict to a model built on meta; then nothing may remain on meta."""
+    model.load_state_dict(state, strict=True, assign=True)
+    model.tie_weights()
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"{len(left)} tensor(s) still on meta after loading, e.g. {left[0]}")
+    model.requires_grad_(False)
+    model.eval()

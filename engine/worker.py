@@ -1,10 +1,11 @@
 """The multi-rank worker: every rank builds its runner(s) from its own plan and decodes in lockstep.
 
-    result = generate_distributed(WorkerSpec(model=DIR, prompt_ids=[...], max_new_tokens=8, ep_size=2), nproc=2)
+    result = generate_distributed(WorkerSpec(model=DIR, prompt_ids=[...], max_new_tokens=8, ep_size=2,
+                                             registry="HOST:PORT"), nproc=2)
 
-`generate_distributed` (the parent) starts ONE registry when none is given (the
-embedded server on the SQLite file, so all ranks share one registry and its
-deployment pins), makes a fresh deployment id when none is given, and launches the
+`generate_distributed` (the parent) takes the address of the ONE registry all ranks ask
+(so they share its deployment pins: `loadplan generate` starts the embedded one when it is
+given none), makes a fresh deployment id when none is given, and launches the
 ranks (engine/parallel/launch.py: every collective has a timeout; the first rank
 that fails makes the run raise `RankFailed` with that rank's error, never hang).
 
@@ -29,16 +30,14 @@ that fails makes the run raise `RankFailed` with that rank's error, never hang).
 from __future__ import annotations
 
 import dataclasses
-import os
 import uuid
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-LOAD_FLAGS = ("disable_shared_experts_fusion", "enforce_shared_experts_fusion", "enable_sbo", "enable_tbo",
-              "quantization", "weight_cache", "host")
+from loadplan.plan import Parallel, Runtime
 
 
 @dataclass(frozen=True)
@@ -49,26 +48,26 @@ class WorkerSpec:
     ep_size: int = 1
     pp_size: int = 1
     tp_size: int = 1
-    a2a_backend: str = "none"
     deployment: str | None = None               # None: generate_distributed makes a fresh one for its ranks
-    registry: str | None = None                 # a registry address; None: the embedded one on db_url
-    db_url: str | None = None                   # None: $LOADPLAN_DB_URL, else sqlite:///loadplan.db
-    runtime: dict = field(default_factory=dict)          # target's load_model flags (LOAD_FLAGS)
+    registry: str | None = None                 # the registry's address (None: `load_runner` is handed one)
+    runtime: Runtime = Runtime()                # what the target asks the registry with (its EPLB too)
+    quantization: str | None = None             # both runners' explicit quantization (None: their checkpoints')
+    weight_cache: str | None = None             # a path prefix: one cache file per runner and rank
     draft: str | None = None                    # draft checkpoint folder (speculative decoding)
     num_draft_tokens: int = 4
-    draft_runtime: dict = field(default_factory=dict)    # the draft's flags (its own quantization / fusion intent)
-    enable_eplb: bool = False
-    ep_num_redundant_experts: int = 0
+    draft_runtime: Runtime | None = None        # the draft's (None: the target's without EPLB)
     rebalance_every: int = 0                    # target forwards between rebalances; 0: once after decoding
     dtype: str = "float32"
     stop_at_eos: bool = True                    # stop at the checkpoint's EOS ids, as `loadplan generate` does
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))   # any sequence in
-        for what, flags in (("runtime", self.runtime), ("draft_runtime", self.draft_runtime)):
-            bad = sorted(set(flags) - set(LOAD_FLAGS))
-            if bad:
-                raise ValueError(f"WorkerSpec.{what}: {bad} not supported; supported: {', '.join(LOAD_FLAGS)}")
+        draft = self.draft_runtime
+        if draft is not None and (draft.enable_eplb or draft.ep_num_redundant_experts):
+            raise ValueError("WorkerSpec.draft_runtime: EPLB is the target's (the worker rebalances the target only)")
+        if draft is not None and draft.a2a_backend != self.runtime.a2a_backend:
+            raise ValueError(f"WorkerSpec.draft_runtime: a2a_backend {draft.a2a_backend!r}; the draft runs on the "
+                             f"target's ({self.runtime.a2a_backend!r})")
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if not hasattr(torch, self.dtype) or not isinstance(getattr(torch, self.dtype), torch.dtype):
@@ -87,13 +86,6 @@ def init_rank(spec: WorkerSpec):
     return grid
 
 
-def _registry_of(spec: WorkerSpec) -> Any:
-    """What load_model takes: the address, or None (embedded on the SQLite file, a single-rank run)."""
-    if spec.registry is None and spec.db_url is not None:
-        os.environ["LOADPLAN_DB_URL"] = spec.db_url
-    return spec.registry
-
-
 def load_runner(spec: WorkerSpec, grid, role: str = "target", *, registry: Any = None):
     """Build this rank's stage of the target (or the draft, role "speculative") from its own plan,
     wrapped so it runs like the whole model. Rank 0 resolves first (see the module doc)."""
@@ -110,27 +102,26 @@ def load_runner(spec: WorkerSpec, grid, role: str = "target", *, registry: Any =
     # the last stage's ranks only, as a runner of one stage (its plan says pp_size 1).
     config = read_config(path) if draft and spec.pp_size > 1 else None
     on_last_stage = config is not None and _drafts_from_target_hidden(config)
-    flags = dict(spec.draft_runtime if draft else spec.runtime)
-    if flags.get("weight_cache"):
-        # One cache file per runner: ranks (and target vs draft) hold different tensors.
-        flags["weight_cache"] = f"{flags['weight_cache']}.{role}.rank{grid.rank}"
-    kwargs = dict(registry=registry if registry is not None else _registry_of(spec), role=role,
-                  deployment=spec.deployment, a2a_backend=spec.a2a_backend, device=rank_device(),
-                  ep_size=spec.ep_size, ep_rank=grid.ep_rank, tp_size=spec.tp_size, tp_rank=grid.tp_rank,
-                  pp_size=1 if on_last_stage else spec.pp_size, pp_rank=0 if on_last_stage else grid.pp_rank,
-                  enable_eplb=spec.enable_eplb and not draft,
-                  ep_num_redundant_experts=spec.ep_num_redundant_experts if not draft else 0,
-                  dtype=getattr(torch, spec.dtype), **flags)
+    parallel = Parallel(tp_size=spec.tp_size, tp_rank=grid.tp_rank, ep_size=spec.ep_size, ep_rank=grid.ep_rank,
+                        pp_size=1 if on_last_stage else spec.pp_size, pp_rank=0 if on_last_stage else grid.pp_rank)
+    runtime = spec.runtime
+    if draft:
+        runtime = spec.draft_runtime or dataclasses.replace(runtime, enable_eplb=False, ep_num_redundant_experts=0)
+    # One cache file per runner: ranks (and target vs draft) hold different tensors.
+    cache = f"{spec.weight_cache}.{role}.rank{grid.rank}" if spec.weight_cache else None
+    kwargs = dict(registry=registry if registry is not None else spec.registry, role=role,
+                  deployment=spec.deployment, quantization=spec.quantization, device=rank_device(),
+                  dtype=getattr(torch, spec.dtype), weight_cache=cache)
     builds = grid.is_last_stage or not on_last_stage
     first = (grid.pp_size - 1) * grid.ep_size * grid.tp_size if on_last_stage else 0   # its first builder
     distributed = dist.is_initialized() and grid.world_size > 1
     model = None
     if grid.rank == first:
-        model = load_model(path, **kwargs)
+        model = load_model(path, parallel, runtime, **kwargs)
     if distributed:
         dist.barrier()          # the first rank pinned the deployment (or failed: then the launcher stops everyone)
     if grid.rank != first and builds:
-        model = load_model(path, **kwargs)
+        model = load_model(path, parallel, runtime, **kwargs)
     if on_last_stage:
         return PipelineDraft(model, grid, config["vocab_size"])
     return PipelineModel(model, grid)
@@ -150,7 +141,7 @@ def _drafts_from_target_hidden(config: dict) -> bool:
 def _recorder(spec: WorkerSpec, stack: ExitStack):
     if spec.registry is None:
         return None
-    from ..client import RegistryClient
+    from loadplan.client import RegistryClient
 
     return stack.enter_context(RegistryClient(spec.registry))
 
@@ -171,7 +162,7 @@ def run_rank(rank: int, world_size: int, spec: WorkerSpec) -> dict:
                            "acceptance_rate": None, "proposed": None, "accepted": None, "eplb": []}
     with ExitStack() as stack:
         recorder = _recorder(spec, stack)
-        eplb_on = bool(spec.enable_eplb and target.routed_experts_weights_of_layer)
+        eplb_on = bool(spec.runtime.enable_eplb and target.routed_experts_weights_of_layer)
         if eplb_on and spec.rebalance_every > 0:
             calls = [0]
 
@@ -206,16 +197,11 @@ def generate_distributed(spec: WorkerSpec, nproc: int, *, timeout_s: float = 300
     from .parallel.launch import launch
 
     check_sizes(nproc, spec.pp_size, spec.ep_size, spec.tp_size)
+    if spec.registry is None:
+        raise ValueError("WorkerSpec.registry: the ranks are processes of their own and ask one registry: give its "
+                         "address (`loadplan serve`, or an embedded one: `loadplan generate` starts it)")
     spec = dataclasses.replace(spec, deployment=spec.deployment or uuid.uuid4().hex)
-    with ExitStack() as stack:
-        if spec.registry is None:
-            from ..service.embedded import EmbeddedRegistry
-            from .loader import DB_URL_ENV, DEFAULT_DB_URL
-
-            db_url = spec.db_url or os.environ.get(DB_URL_ENV) or DEFAULT_DB_URL
-            reg = stack.enter_context(EmbeddedRegistry(db_url))
-            spec = dataclasses.replace(spec, registry=reg.address)
-        ranks = launch(nproc, run_rank, spec, timeout_s=timeout_s)
+    ranks = launch(nproc, run_rank, spec, timeout_s=timeout_s)
     tokens = ranks[0]["tokens"]
     for r in ranks[1:]:
         if r["tokens"] != tokens:   # lockstep decoding makes this impossible unless a collective is wrong
@@ -229,7 +215,7 @@ def generate_distributed(spec: WorkerSpec, nproc: int, *, timeout_s: float = 300
         "acceptance_rate": ranks[0]["acceptance_rate"],
         "proposed": ranks[0]["proposed"],
         "accepted": ranks[0]["accepted"],
-        "eplb": {r["rank"]: r["eplb"] for r in ranks} if spec.enable_eplb else {},
+        "eplb": {r["rank"]: r["eplb"] for r in ranks} if spec.runtime.enable_eplb else {},
         "ranks": ranks,
     }
 

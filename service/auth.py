@@ -41,8 +41,8 @@ from typing import Iterable, Mapping
 
 import grpc
 
-from ..client.auth import AUTHORIZATION_KEY, AuthConfigError, check_token, read_text_file
-from ..v1 import registry_pb2 as pb
+from loadplan.client.auth import AUTHORIZATION_KEY, AuthConfigError, check_token, read_text_file
+from loadplan.v1 import registry_pb2 as pb
 
 log = logging.getLogger("loadplan.service.auth")
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from ..client.types import CoverageEntry
-from .errors import FailedPrecondition, NotFound
+from loadplan.client.types import CoverageEntry
+from loadplan.errors import FailedPrecondition, NotFound
 from .rules import entries
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..client import RegistryClient
+from loadplan.client import RegistryClient
 from .registry import PlanStore
 from .server import RegistryServer, ServerOptions
 

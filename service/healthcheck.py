@@ -14,7 +14,7 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ..client.auth import AuthConfigError, ClientTls, open_channel, resolve_tls
+from loadplan.client.auth import AuthConfigError, ClientTls, open_channel, resolve_tls
 
 SERVICE = "loadplan.v1.ModelRegistry"
 

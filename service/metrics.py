@@ -25,8 +25,8 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the HTTP app
 
-from ..plan import Keys
-from ..v1 import registry_pb2 as pb
+from loadplan.plan import Keys
+from loadplan.v1 import registry_pb2 as pb
 
 RESOLVE_METHOD = f"/{pb.DESCRIPTOR.services_by_name['ModelRegistry'].full_name}/ResolveLoadPlan"
 ROLE_NAMES = {pb.ROLE_UNSPECIFIED: "target", pb.ROLE_TARGET: "target", pb.ROLE_SPECULATIVE: "speculative"}

@@ -17,9 +17,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Hashable, Mapping, Protocol, Sequence
 
-from ..plan import Decision, LoadPlan, Parallel, PlanDiff, ResolveRequest, Runtime
-from ..upgrade import UpgradeReport
-from .errors import InvalidArgument
+from loadplan.errors import InvalidArgument
+from loadplan.plan import Decision, LoadPlan, Parallel, PlanDiff, ResolveRequest, Runtime
+from loadplan.upgrade import UpgradeReport
 from .rules import RULESET_VERSION
 from .rules.resolve import diff_deployment_inputs, fingerprint, resolve_decisions
 from .upgrade_check import check_upgrade

@@ -26,8 +26,8 @@ from typing import Any, Callable, Coroutine
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ..v1 import registry_pb2 as pb
-from ..v1 import registry_pb2_grpc as pb_grpc
+from loadplan.v1 import registry_pb2 as pb
+from loadplan.v1 import registry_pb2_grpc as pb_grpc
 from . import auth, reflection_v1
 from .auth import TokenStore
 from .registry import PlanStore, Registry

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from ..client.auth import AuthConfigError, PemSource, read_pem
+from loadplan.client.auth import AuthConfigError, PemSource, read_pem
 
 
 class TlsConfigError(AuthConfigError, RuntimeError):

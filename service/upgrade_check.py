@@ -11,9 +11,9 @@ from collections import defaultdict
 from dataclasses import replace
 from typing import Iterable
 
-from ..plan import Keys, LoadPlan
-from ..upgrade import DecisionChange, DeploymentUpgrade, RoleUpgrade, UpgradeReport
-from .errors import InvalidArgument, NotFound, RegistryError
+from loadplan.errors import InvalidArgument, NotFound, RegistryError
+from loadplan.plan import Keys, LoadPlan
+from loadplan.upgrade import DecisionChange, DeploymentUpgrade, RoleUpgrade, UpgradeReport
 from .rules.engines import ENGINES
 from .rules.resolve import resolve_decisions
 

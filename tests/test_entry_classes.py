@@ -49,5 +49,5 @@ def test_a_rules_only_row_is_planned_but_not_built(monkeypatch):
 
 def test_a_wrapper_that_hands_down_no_quantization_reads_none():
     row = entries._rules_row(table.wrapper("DeepseekV2ForCausalLM", "language_config", None, quantization="none"))
-    from loadplan.service.rules.config_view import ConfigView
+    from loadplan.config_view import ConfigView
     assert row.quantization(ConfigView({}), "fp8", {"quant_method": "fp8"}).name is None

@@ -1,34 +1,28 @@
-"""Grouped-query attention of the Qwen MoE families, with an optional static KV cache.
+"""Grouped-query attention, with an optional static KV cache; what a family's attention is, is an `AttentionSpec`.
 
-Qwen2-MoE: bias on q/k/v (`qkv_bias`). Qwen3-MoE: bias on q/k/v/o (`attention_bias`)
-and RMSNorm on each head of q and k before the rotary embedding (`qk_norm`).
-GLM-4-MoE: bias on q/k/v, optional qk_norm, and partial rotary: only the first
-`rotary_dim` features of each head are rotated (the rest pass through), as
-transformers' apply_rotary_pos_emb does when cos/sin are narrower than the head.
-Mixtral: `sliding_window` W, a query at position i sees keys j with i - W < j <= i
-(transformers' sliding_window_causal_mask_function).
-gpt-oss: `sinks`, one learned logit per head that joins every query's softmax as an extra key
-with no value (its share of the probability is dropped: transformers' eager_attention_forward),
-and a window on every other layer (each layer is built with its own `sliding_window`).
-Qwen3-Next: `output_gate`, q_proj writes each head's query and then as many gate features (the head's
-rows [q, gate] next to each other), and the attention output is scaled by sigmoid(gate) before o_proj;
-its q/k norms are `norm=OffsetRMSNorm` (layers/norm.py).
-ERNIE-4.5: `rope_interleave`, the rotary embedding turns (even, odd) feature pairs instead of the two
-halves (layers/rope.py: the output comes out de-interleaved, the same permutation for q and k, whose
-dot products it leaves unchanged).
-MiMo-V2-Flash: `v_head_dim`, values (and the attention's output per head) narrower than queries and keys, and
-`v_scale`, the values scaled as they are projected.
-AFMoE: `gate_proj`, the output gate from a projection of its own (H x head_dim features, split with the heads);
-Step-3.5: `gate_per_head`, that projection's H features, one gate a head (each head's output scaled alike), and
-`scale`, the softmax scale when it is not head_dim ** -0.5 (its query_pre_attn_scalar ** -0.5).
-Laguna: `gate_activation="softplus"`, its gates softplus(g_proj(x)) rather than sigmoid.
-EXAONE-MoE (and AFMoE): `use_rope=False` on its global layers (NoPE: q and k are not rotated; its windowed layers are).
-Hunyuan (A13B): `qk_norm_after_rope`, its per-head q and k norms run on the rotated q and k, not before.
-OLMoE: `qk_norm_span="projection"`: one RMSNorm over the whole q projection (all heads) and
-one over the whole k projection (`q_proj_norm`, `k_proj_norm`; under TP each rank holds its
-heads' part of the weight and the mean of squares is summed over the TP group; of the class `norm`: FlexOlmo's
-`WeightFirstRMSNorm`), then q, k
-and v clamped to +-`clip_qkv` when the config sets it.
+The spec's departures from plain GQA, and the families that take them:
+- `qkv_bias` / `o_bias`: biases on q/k/v (Qwen2-MoE, GLM-4-MoE) and on o_proj (Qwen3's attention_bias).
+- `qk_norm`: RMSNorm on q and k: "head", on each head before the rotary embedding (Qwen3-MoE); "head_after_rope",
+  on the rotated q and k (Hunyuan A13B); "projection", one norm over the whole q projection and one over the whole
+  k projection (OLMoE: `q_proj_norm`, `k_proj_norm`; under TP each rank holds its heads' part of the weight and the
+  mean of squares is summed over the TP group). `norm`: the norms' class (Qwen3-Next's `OffsetRMSNorm`,
+  FlexOlmo's `WeightFirstRMSNorm`: layers/norm.py). `clip_qkv`: q, k and v clamped to +-clip_qkv (OLMoE).
+- `rotary_dim`: partial rotary, only the first rotary_dim features of each head are rotated (GLM-4-MoE), as
+  transformers' apply_rotary_pos_emb does when cos/sin are narrower than the head; `rope_interleave`: the rotary
+  embedding turns (even, odd) pairs instead of the two halves (ERNIE-4.5; layers/rope.py: the output comes out
+  de-interleaved, the same permutation for q and k, whose dot products it leaves unchanged); `use_rope=False`:
+  NoPE, q and k not rotated (EXAONE-MoE's and AFMoE's global layers).
+- `sliding_window` W: a query at position i sees keys j with i - W < j <= i (Mixtral; transformers'
+  sliding_window_causal_mask_function).
+- `sinks`: one learned logit per head that joins every query's softmax as an extra key with no value (its share of
+  the probability is dropped: transformers' eager_attention_forward; gpt-oss).
+- `gate`: the attention output scaled by an output gate before o_proj: "in_q", q_proj writes each head's query and
+  then as many gate features (the head's rows [q, gate] next to each other; Qwen3-Next); "projection", a projection
+  of its own, H x head_dim features split with the heads (AFMoE); "per_head", that projection's H features, one
+  gate a head (Step-3.5). `gate_activation`: sigmoid, or softplus in float32 (Laguna).
+- `v_head_dim`: values (and the output per head) narrower than queries and keys, `v_scale`: the values scaled as
+  they are projected (MiMo-V2-Flash); `scale`: the softmax scale when it is not head_dim ** -0.5 (Step-3.5's
+  query_pre_attn_scalar ** -0.5, Granite's attention_multiplier).
 Under tensor parallelism (`tp`, engine/parallel/tensor.py) a rank holds H / tp_size heads
 and H_kv / tp_size key/value heads (q/k/v split by output features, o_proj by input
 features): its o_proj output is a partial sum, all-reduced over the TP group before
@@ -37,6 +31,8 @@ Shapes: B batch, T new tokens, H heads, H_kv key/value heads (this rank's), hd h
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -49,74 +45,96 @@ from .rope import apply_rotary
 
 # The output gate's activation: sigmoid (every gated family's), or softplus in float32 (Laguna's)
 GATE_ACTIVATIONS = {"sigmoid": torch.sigmoid, "softplus": lambda g: F.softplus(g.float()).to(g.dtype)}
+QK_NORMS = (None, "head", "head_after_rope", "projection")
+GATES = (None, "in_q", "projection", "per_head")
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """One layer's grouped-query attention (the module doc says which family takes which departure)."""
+
+    hidden_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: str | None = None                 # QK_NORMS
+    norm: type[RMSNorm] = RMSNorm
+    clip_qkv: float | None = None
+    rotary_dim: int | None = None              # None: the whole head
+    rope_interleave: bool = False
+    use_rope: bool = True
+    sliding_window: int | None = None
+    sinks: bool = False
+    gate: str | None = None                    # GATES
+    gate_activation: str = "sigmoid"
+    v_head_dim: int | None = None              # None: head_dim
+    v_scale: float = 1.0
+    scale: float | None = None                 # None: head_dim ** -0.5
+
+    def __post_init__(self):
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm={self.qk_norm!r}: one of {QK_NORMS}")
+        if self.gate not in GATES:
+            raise ValueError(f"gate={self.gate!r}: one of {GATES}")
+        if self.gate_activation not in GATE_ACTIVATIONS:
+            raise ValueError(f"gate_activation={self.gate_activation!r}: one of {', '.join(GATE_ACTIVATIONS)}")
+        if self.clip_qkv is not None and self.clip_qkv <= 0:
+            raise ValueError(f"clip_qkv={self.clip_qkv} must be > 0")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window={self.sliding_window} must be >= 1")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"num_attention_heads={self.n_heads} is not a multiple of "
+                             f"num_key_value_heads={self.n_kv_heads}")
+        rd = self.rotary_dim or self.head_dim
+        if not (0 < rd <= self.head_dim and rd % 2 == 0):
+            raise ValueError(f"rotary_dim={rd} must be even and in (0, head_dim={self.head_dim}]")
+        if self.gate is not None and (self.v_head_dim or self.head_dim) != self.head_dim:
+            raise ValueError("an output gate needs values as wide as the heads (v_head_dim == head_dim)")
 
 
 class GQAttention(nn.Module):
-    def __init__(self, hidden_size: int, n_heads: int, n_kv_heads: int, head_dim: int, *, qkv_bias: bool,
-                 o_bias: bool, qk_norm: bool, rms_norm_eps: float, rotary_dim: int | None = None,
-                 dtype: torch.dtype | None = None, tp: TensorParallel | None = None,
-                 sliding_window: int | None = None, qk_norm_span: str = "head", clip_qkv: float | None = None,
-                 sinks: bool = False, output_gate: bool = False, norm: type[RMSNorm] = RMSNorm,
-                 rope_interleave: bool = False, qk_norm_after_rope: bool = False, use_rope: bool = True,
-                 gate_proj: bool = False, gate_per_head: bool = False, gate_activation: str = "sigmoid",
-                 v_head_dim: int | None = None, v_scale: float = 1.0, scale: float | None = None):
+    def __init__(self, spec: AttentionSpec, *, tp: TensorParallel | None = None, dtype: torch.dtype | None = None):
         super().__init__()
-        if qk_norm_span not in ("head", "projection"):
-            raise ValueError(f"qk_norm_span={qk_norm_span!r}: 'head' or 'projection'")
-        if clip_qkv is not None and clip_qkv <= 0:
-            raise ValueError(f"clip_qkv={clip_qkv} must be > 0")
-        self.clip_qkv = clip_qkv
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window={sliding_window} must be >= 1")
-        self.sliding_window = sliding_window
-        if n_heads % n_kv_heads:
-            raise ValueError(f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv_heads}")
-        rotary_dim = head_dim if rotary_dim is None else rotary_dim
-        if not (0 < rotary_dim <= head_dim and rotary_dim % 2 == 0):
-            raise ValueError(f"rotary_dim={rotary_dim} must be even and in (0, head_dim={head_dim}]")
+        self.spec = spec
+        D, head_dim, eps, norm = spec.hidden_size, spec.head_dim, spec.rms_norm_eps, spec.norm
+        self.clip_qkv, self.sliding_window = spec.clip_qkv, spec.sliding_window
         self.tp = tp = tp or TensorParallel()
-        full_q, full_k = n_heads * head_dim, n_kv_heads * head_dim
-        n_heads, n_kv_heads = tp.split(n_heads, "num_attention_heads"), tp.split(n_kv_heads, "num_key_value_heads")
-        self.n_heads, self.n_kv_heads, self.head_dim, self.rotary_dim = n_heads, n_kv_heads, head_dim, rotary_dim
-        self.v_head_dim = v_head_dim = v_head_dim or head_dim
-        if v_head_dim != head_dim and (output_gate or gate_proj):
-            raise ValueError("an output gate needs values as wide as the heads (v_head_dim == head_dim)")
-        self.v_scale = v_scale
-        self.rope_interleave = rope_interleave
-        self.scale = head_dim ** -0.5 if scale is None else scale
-        self.output_gate = output_gate
-        q_width = n_heads * head_dim * (2 if output_gate else 1)   # a head's rows: its query, then its gate
-        self.q_proj = nn.Linear(hidden_size, q_width, bias=qkv_bias, dtype=dtype)
-        self.k_proj = nn.Linear(hidden_size, n_kv_heads * head_dim, bias=qkv_bias, dtype=dtype)
-        self.v_proj = nn.Linear(hidden_size, n_kv_heads * v_head_dim, bias=qkv_bias, dtype=dtype)
-        self.o_proj = nn.Linear(n_heads * v_head_dim, hidden_size, bias=o_bias, dtype=dtype)
-        if output_gate and gate_proj:
-            raise ValueError("output_gate (in q_proj's rows) and gate_proj (a projection of its own): one or the other")
-        if gate_per_head and not gate_proj:
-            raise ValueError("gate_per_head shapes the gate projection's output: it needs gate_proj")
-        self.gate_per_head = gate_per_head
-        if gate_activation not in GATE_ACTIVATIONS:
-            raise ValueError(f"gate_activation={gate_activation!r}: one of {', '.join(GATE_ACTIVATIONS)}")
-        self.gate_activation = gate_activation
-        self.gate_proj = nn.Linear(hidden_size, n_heads * (1 if gate_per_head else head_dim), bias=False,
-                                   dtype=dtype) if gate_proj else None
-        per_head = qk_norm and qk_norm_span == "head"
-        if qk_norm_after_rope and not per_head:
-            raise ValueError("qk_norm_after_rope needs per-head q and k norms (qk_norm, qk_norm_span='head')")
-        self.qk_norm_after_rope = qk_norm_after_rope
-        self.use_rope = use_rope
-        self.q_norm = norm(head_dim, rms_norm_eps, dtype) if per_head else None
-        self.k_norm = norm(head_dim, rms_norm_eps, dtype) if per_head else None
+        full_q, full_k = spec.n_heads * head_dim, spec.n_kv_heads * head_dim
+        n_heads = tp.split(spec.n_heads, "num_attention_heads")
+        n_kv_heads = tp.split(spec.n_kv_heads, "num_key_value_heads")
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.rotary_dim = spec.rotary_dim or head_dim
+        self.v_head_dim = v_head_dim = spec.v_head_dim or head_dim
+        self.v_scale, self.rope_interleave, self.use_rope = spec.v_scale, spec.rope_interleave, spec.use_rope
+        self.scale = head_dim ** -0.5 if spec.scale is None else spec.scale
+        self.output_gate = spec.gate == "in_q"
+        q_width = n_heads * head_dim * (2 if self.output_gate else 1)   # a head's rows: its query, then its gate
+        self.q_proj = nn.Linear(D, q_width, bias=spec.qkv_bias, dtype=dtype)
+        self.k_proj = nn.Linear(D, n_kv_heads * head_dim, bias=spec.qkv_bias, dtype=dtype)
+        self.v_proj = nn.Linear(D, n_kv_heads * v_head_dim, bias=spec.qkv_bias, dtype=dtype)
+        self.o_proj = nn.Linear(n_heads * v_head_dim, D, bias=spec.o_bias, dtype=dtype)
+        self.gate_per_head = spec.gate == "per_head"
+        self.gate_activation = spec.gate_activation
+        self.gate_proj = None
+        if spec.gate in ("projection", "per_head"):
+            self.gate_proj = nn.Linear(D, n_heads * (1 if self.gate_per_head else head_dim), bias=False, dtype=dtype)
+        per_head = spec.qk_norm in ("head", "head_after_rope")
+        self.qk_norm_after_rope = spec.qk_norm == "head_after_rope"
+        self.q_norm = norm(head_dim, eps, dtype) if per_head else None
+        self.k_norm = norm(head_dim, eps, dtype) if per_head else None
         self.q_proj_norm = self.k_proj_norm = None
-        if qk_norm and qk_norm_span == "projection":
+        if spec.qk_norm == "projection":
             split = lambda full: dict(full_dim=full, reduce=tp.reduce) if tp.size > 1 else {}  # noqa: E731
-            self.q_proj_norm = norm(n_heads * head_dim, rms_norm_eps, dtype, **split(full_q))
-            self.k_proj_norm = norm(n_kv_heads * head_dim, rms_norm_eps, dtype, **split(full_k))
+            self.q_proj_norm = norm(n_heads * head_dim, eps, dtype, **split(full_q))
+            self.k_proj_norm = norm(n_kv_heads * head_dim, eps, dtype, **split(full_k))
         # [H] this rank's heads' sink logits (TP splits them with the heads)
-        self.sinks = nn.Parameter(torch.empty(n_heads, dtype=dtype), requires_grad=False) if sinks else None
+        self.sinks = nn.Parameter(torch.empty(n_heads, dtype=dtype), requires_grad=False) if spec.sinks else None
         self.kv_cache: KVCache | None = None   # set by the model's setup_caches
         # Chunked local attention (Llama 4's rope layers): a query sees the keys of its own chunk of this many
-        # positions only. A family sets it after construction, with `_rotate` / `_after_rotary` (models/llama4.py).
+        # positions only. A family sets it after construction, with `_after_rotary` (models/llama4.py).
         self.chunk_size: int | None = None
 
     def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype, device: torch.device | str,

@@ -22,6 +22,8 @@ The column is then multiplied by `fused_shared_expert_scale` (the plan's
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,53 +32,56 @@ from torch import nn
 SCORING = ("sigmoid", "softmax")
 
 
+@dataclass(frozen=True)
+class RouterSpec:
+    """A DeepSeek-V3-style router: its experts and groups, and its departures (the module doc)."""
+
+    hidden_size: int
+    n_routed_experts: int
+    top_k: int
+    n_group: int | None = 1
+    topk_group: int | None = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    scoring: str = "sigmoid"            # SCORING
+    # The renormalisation's divisor: the top-k sum clamped at `renorm_min` (ERNIE-4.5's moe_norm_min), else the sum
+    # + 1e-20 (DeepSeek-V3's).
+    renorm_min: float | None = None
+    routing_bias: bool = True           # False: no load-balancing bias (Mistral 4's): top-k on the scores themselves
+    logit_softcap: float = 0.0          # Laguna's: the logits soft-capped, cap * tanh(logits / cap) (0: not)
+
+
 class DeepseekV3Router(nn.Module):
-    def __init__(
-        self,
-        hidden_size: int,
-        n_routed_experts: int,
-        top_k: int,
-        n_group: int | None = 1,
-        topk_group: int | None = 1,
-        norm_topk_prob: bool = True,
-        routed_scaling_factor: float = 1.0,
-        num_fused_shared_experts: int = 0,
-        fused_shared_expert_scale: float = 1.0,
-        scoring: str = "sigmoid",
-        renorm_min: float | None = None,
-        routing_bias: bool = True,
-        logit_softcap: float = 0.0,
-    ):
+    def __init__(self, spec: RouterSpec, *, num_fused_shared_experts: int = 0, fused_shared_expert_scale: float = 1.0):
+        """`num_fused_shared_experts`, `fused_shared_expert_scale`: the plan's fused slot, as the experts read it."""
         super().__init__()
-        if scoring not in SCORING:
-            raise ValueError(f"scoring={scoring!r} not supported; supported: {', '.join(SCORING)}")
-        self.scoring = scoring
-        # The renormalisation's divisor: the top-k sum clamped at `renorm_min` (ERNIE-4.5's moe_norm_min), else the
-        # sum + 1e-20 (DeepSeek-V3's).
-        self.renorm_min = renorm_min
-        n_group = n_group or 1
-        topk_group = topk_group or n_group
+        if spec.scoring not in SCORING:
+            raise ValueError(f"scoring={spec.scoring!r} not supported; supported: {', '.join(SCORING)}")
+        self.scoring = spec.scoring
+        self.renorm_min = spec.renorm_min
+        n_routed_experts = spec.n_routed_experts
+        n_group = spec.n_group or 1
+        topk_group = spec.topk_group or n_group
         if n_routed_experts % n_group:
             raise ValueError(f"n_routed_experts={n_routed_experts} is not divisible by n_group={n_group}")
         if num_fused_shared_experts not in (0, 1):
             # The gate fuses only n_shared_experts == 1 (DESIGN 5.2, structural condition).
             raise ValueError(f"num_fused_shared_experts={num_fused_shared_experts} not supported; supported: 0, 1")
         self.n_routed_experts = n_routed_experts
-        self.top_k = top_k
+        self.top_k = spec.top_k
         self.n_group = n_group
         self.topk_group = topk_group
-        self.norm_topk_prob = norm_topk_prob
-        self.routed_scaling_factor = routed_scaling_factor
+        self.norm_topk_prob = spec.norm_topk_prob
+        self.routed_scaling_factor = spec.routed_scaling_factor
         self.num_fused_shared_experts = num_fused_shared_experts
         self.fused_shared_expert_scale = fused_shared_expert_scale
         # float32 like the reference keeps them: near-tied sigmoid scores decide the experts.
-        self.weight = nn.Parameter(torch.empty(n_routed_experts, hidden_size, dtype=torch.float32))
-        # Laguna's: the logits soft-capped, cap * tanh(logits / cap), before they are scored (0: not)
-        self.logit_softcap = logit_softcap
-        # None: a router without the load-balancing bias (Mistral 4's), its top-k chosen on the scores themselves
+        self.weight = nn.Parameter(torch.empty(n_routed_experts, spec.hidden_size, dtype=torch.float32))
+        self.logit_softcap = spec.logit_softcap
+        # None: a router without the load-balancing bias, its top-k chosen on the scores themselves
         self.e_score_correction_bias = nn.Parameter(
             torch.zeros(n_routed_experts, dtype=torch.float32), requires_grad=False
-        ) if routing_bias else None
+        ) if spec.routing_bias else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (topk_ids [T, K'], topk_weights [T, K'] float32), K' = top_k + num_fused_shared_experts."""

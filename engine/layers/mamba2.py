@@ -28,6 +28,8 @@ rank, so that weights.TP_SPLITS' contiguous split gives each rank its own rows.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -109,14 +111,31 @@ class GroupedGatedRMSNorm(nn.Module):
         return self.weight * (h * torch.rsqrt(mean_square + self.eps)).flatten(-2)
 
 
+@dataclass(frozen=True)
+class Mamba2Spec:
+    """One Mamba2 mixer's sizes (the module doc's H, P, G, N, K) and switches."""
+
+    hidden_size: int
+    n_heads: int
+    head_dim: int
+    n_groups: int
+    state_size: int
+    conv_kernel: int
+    conv_bias: bool
+    proj_bias: bool
+    rms_norm_eps: float
+    time_step_limit: tuple[float, float]
+    fields: tuple[str, str] = ("mamba_n_heads", "mamba_n_groups")   # the config's names of H and G, for errors
+
+
 class Mamba2Mixer(nn.Module):
-    def __init__(self, hidden_size: int, n_heads: int, head_dim: int, n_groups: int, state_size: int,
-                 conv_kernel: int, conv_bias: bool, proj_bias: bool, rms_norm_eps: float,
-                 time_step_limit: tuple[float, float], dtype: torch.dtype | None = None,
-                 tp: TensorParallel | None = None, fields: tuple[str, str] = ("mamba_n_heads", "mamba_n_groups")):
-        """`fields`: the config's names of the head and group counts, for errors (Granite's by default)."""
+    def __init__(self, spec: Mamba2Spec, *, tp: TensorParallel | None = None, dtype: torch.dtype | None = None):
         super().__init__()
-        heads_field, groups_field = fields
+        hidden_size, n_heads, head_dim, n_groups = spec.hidden_size, spec.n_heads, spec.head_dim, spec.n_groups
+        state_size, conv_kernel, rms_norm_eps, proj_bias = spec.state_size, spec.conv_kernel, spec.rms_norm_eps, \
+            spec.proj_bias
+        time_step_limit, conv_bias = spec.time_step_limit, spec.conv_bias
+        heads_field, groups_field = spec.fields
         if n_heads % n_groups:
             raise ValueError(f"{heads_field}={n_heads} is not a multiple of {groups_field}={n_groups}")
         self.tp = tp = tp or TensorParallel()

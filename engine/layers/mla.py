@@ -31,6 +31,7 @@ group before its bias is added (once).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -82,42 +83,51 @@ class LatentKVCache(nn.Module):
         return self.index_cache[:B, :end]
 
 
+@dataclass(frozen=True)
+class MLASpec:
+    """One layer's Multi-head Latent Attention: its sizes (DeepSeek's config fields) and its departures."""
+
+    hidden_size: int
+    num_heads: int
+    q_lora_rank: int | None          # None: one q_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope: RopeConfig
+    rope_interleave: bool = True
+    attention_bias: bool = False
+    use_rope: bool = True            # False: the qk_rope_head_dim features are not rotated (Kimi-Linear's NoPE MLA)
+    latent_scales: tuple[float, float] = (1.0, 1.0)   # (query, normalised key/value latent): LongCat-Flash's
+    output_gate: bool = False        # each head's output times sigmoid(g_proj(x)) of its own (the Ling 3 models)
+
+    @classmethod
+    def of(cls, cfg, **departures) -> "MLASpec":
+        """The spec of a config that names DeepSeek's MLA fields (hidden_size, num_attention_heads, q_lora_rank,
+        kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, rope, attention_bias)."""
+        return cls(cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
+                   cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.rope, attention_bias=cfg.attention_bias, **departures)
+
+
 class MultiHeadLatentAttention(nn.Module):
-    def __init__(
-        self,
-        hidden_size: int,
-        num_heads: int,
-        q_lora_rank: int | None,
-        kv_lora_rank: int,
-        qk_nope_head_dim: int,
-        qk_rope_head_dim: int,
-        v_head_dim: int,
-        rope: RopeConfig,
-        rope_interleave: bool = True,
-        attention_bias: bool = False,
-        dtype: torch.dtype | None = None,
-        tp: TensorParallel | None = None,
-        indexer: SparseIndexer | None = None,
-        reuses_selection: bool = False,
-        use_rope: bool = True,
-        latent_scales: tuple[float, float] = (1.0, 1.0),
-        output_gate: bool = False,
-    ):
+    def __init__(self, spec: MLASpec, *, tp: TensorParallel | None = None, dtype: torch.dtype | None = None,
+                 indexer: SparseIndexer | None = None, reuses_selection: bool = False):
         super().__init__()
         self.tp = tp = tp or TensorParallel()
-        num_heads = tp.split(num_heads, "num_attention_heads")    # this rank's heads
-        self.num_heads = num_heads
+        hidden_size, q_lora_rank, kv_lora_rank = spec.hidden_size, spec.q_lora_rank, spec.kv_lora_rank
+        qk_nope_head_dim, qk_rope_head_dim, v_head_dim = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
+        attention_bias = spec.attention_bias
+        self.num_heads = num_heads = tp.split(spec.num_heads, "num_attention_heads")    # this rank's heads
         self.q_lora_rank = q_lora_rank
         self.kv_lora_rank = kv_lora_rank
         self.qk_nope_head_dim = qk_nope_head_dim
         self.qk_rope_head_dim = qk_rope_head_dim
         self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
         self.v_head_dim = v_head_dim
-        self.rope_interleave = rope_interleave
-        self.use_rope = use_rope      # False: the qk_rope_head_dim features are not rotated (Kimi-Linear's NoPE MLA)
-        # (query, normalised key/value latent) multipliers: LongCat-Flash's sqrt(hidden / rank) of each latent
-        self.q_scale, self.kv_scale = latent_scales
-        self.scale = softmax_scale(self.qk_head_dim, rope)
+        self.rope_interleave = spec.rope_interleave
+        self.use_rope = spec.use_rope
+        self.q_scale, self.kv_scale = spec.latent_scales
+        self.scale = softmax_scale(self.qk_head_dim, spec.rope)
 
         if q_lora_rank is None:
             self.q_proj = nn.Linear(hidden_size, num_heads * self.qk_head_dim, bias=False, dtype=dtype)
@@ -132,8 +142,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False,
                                    dtype=dtype)
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=attention_bias, dtype=dtype)
-        # The Ling 3 models' gate: each head's output times sigmoid(g_proj(x)) of its own (None: no gate)
-        self.g_proj = nn.Linear(hidden_size, num_heads, bias=False, dtype=dtype) if output_gate else None
+        self.g_proj = nn.Linear(hidden_size, num_heads, bias=False, dtype=dtype) if spec.output_gate else None
         if indexer is not None and q_lora_rank is None:
             raise ValueError("a sparse indexer reads the query latent: q_lora_rank is needed")
         self.indexer = indexer                       # whole on every TP rank
@@ -158,19 +167,10 @@ class MultiHeadLatentAttention(nn.Module):
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any], rope: RopeConfig,
                        dtype: torch.dtype | None = None) -> "MultiHeadLatentAttention":
-        return cls(
-            hidden_size=cfg["hidden_size"],
-            num_heads=cfg["num_attention_heads"],
-            q_lora_rank=cfg.get("q_lora_rank"),
-            kv_lora_rank=cfg["kv_lora_rank"],
-            qk_nope_head_dim=cfg["qk_nope_head_dim"],
-            qk_rope_head_dim=cfg["qk_rope_head_dim"],
-            v_head_dim=cfg["v_head_dim"],
-            rope=rope,
-            rope_interleave=cfg.get("rope_interleave", True),
-            attention_bias=cfg.get("attention_bias", False),
-            dtype=dtype,
-        )
+        return cls(MLASpec(cfg["hidden_size"], cfg["num_attention_heads"], cfg.get("q_lora_rank"), cfg["kv_lora_rank"],
+                           cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], rope,
+                           rope_interleave=cfg.get("rope_interleave", True),
+                           attention_bias=cfg.get("attention_bias", False)), dtype=dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 input_pos: torch.Tensor | None = None) -> torch.Tensor:

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layers.attention import GQAttention
+from loadplan.layouts import afmoe_layout
+from ..layers.attention import AttentionSpec, GQAttention
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .causal_lm import DecoderLayer
-from ...service.rules.layouts import afmoe_layout
 from .config import ConfigError, get_field as _get, moe_layout, windowed_layer_types
 from .deepseek_v3 import moe_or_dense_mlp
 from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
@@ -83,11 +83,11 @@ class AfmoeDecoderLayer(DecoderLayer):
     def __init__(self, cfg: AfmoeConfig, plan, layer_id: int, dtype: torch.dtype):
         tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
         windowed = cfg.layer_types[layer_id] == "sliding_attention"
-        attn = GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                           qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm=True,
-                           rms_norm_eps=cfg.rms_norm_eps, dtype=dtype, tp=tp,
-                           sliding_window=cfg.sliding_window if windowed else None, use_rope=windowed,
-                           gate_proj=True)
+        attn = GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.attention_bias,
+                                         o_bias=cfg.attention_bias, qk_norm="head", gate="projection",
+                                         sliding_window=cfg.sliding_window if windowed else None,
+                                         use_rope=windowed), tp=tp, dtype=dtype)
         super().__init__(layer_id, attn, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
                          cfg.rms_norm_eps, dtype)
         self.pre_mlp_layernorm = self.NORM(cfg.hidden_size, cfg.rms_norm_eps, dtype)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from loadplan.layouts import axk1_layout
 from ..layers.norm import RMSNorm
-from ...service.rules.layouts import axk1_layout
 from .config import ConfigError, moe_layout
 from .deepseek_v3 import DeepseekV3Config, DeepseekV3DecoderLayer, DeepseekV3ForCausalLM
 

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
+from loadplan.layouts import bailing_hybrid_layout
 from ..layers.kimi_delta_attention import KimiDeltaAttention
-from ..layers.mla import MultiHeadLatentAttention
+from ..layers.mla import MLASpec, MultiHeadLatentAttention
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .causal_lm import CausalLM, DecoderLayer
-from ...service.rules.layouts import bailing_hybrid_layout
 from .config import ConfigError, get_field as _get, moe_layout, per_layer
 from .deepseek_v3 import DeepseekV3Config, moe_or_dense_mlp
 from .kimi_linear import LAYER_TYPES, RENAMED, deepseek_fields_renamed
@@ -107,10 +107,7 @@ class BailingHybridDecoderLayer(DecoderLayer):
                                        cfg.short_conv_kernel_size, cfg.rms_norm_eps, dtype, tp, style="ling",
                                        lower_bound=cfg.kda_lower_bound, heads_field="num_attention_heads")
         else:
-            mixer = MultiHeadLatentAttention(
-                cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
-                cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.rope, attention_bias=cfg.attention_bias, dtype=dtype,
-                tp=tp, output_gate=True)
+            mixer = MultiHeadLatentAttention(MLASpec.of(cfg, output_gate=True), tp=tp, dtype=dtype)
         super().__init__(layer_id, mixer, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
                          cfg.rms_norm_eps, dtype)
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...plan import Keys
+from loadplan.plan import Keys
 from ..layers.norm import RMSNorm
 from ..layers.rope import RotaryEmbedding
 from ..weights import CheckpointNames, WeightLayout

@@ -24,13 +24,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layers.attention import GQAttention
+from loadplan.layouts import cohere2_moe_layout
+from ..layers.attention import AttentionSpec, GQAttention
 from ..layers.mlp import activation
 from ..layers.norm import BiaslessLayerNorm
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM
-from ...service.rules.layouts import cohere2_moe_layout
 from .config import ConfigError, get_field as _get, moe_layout, per_layer, read_rope
 from .qwen_moe import QwenDecoderLayer, QwenMoeConfig, SharedMlpMoeBlock
 
@@ -186,10 +186,11 @@ class Cohere2MoeDecoderLayer(QwenDecoderLayer):
     def make_attention(cls, cfg: Cohere2MoeConfig, layer_id: int, dtype: torch.dtype,
                        tp: TensorParallel) -> GQAttention:
         windowed = cfg.layer_types[layer_id] == "sliding_attention"
-        return GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                           qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, qk_norm=False, rms_norm_eps=cfg.rms_norm_eps,
-                           dtype=dtype, tp=tp, sliding_window=cfg.sliding_window if windowed else None,
-                           use_rope=layer_id in cfg.rotated_layers, rope_interleave=True)
+        return GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.qkv_bias,
+                                         o_bias=cfg.o_bias, sliding_window=cfg.sliding_window if windowed else None,
+                                         use_rope=layer_id in cfg.rotated_layers,
+                                         rope_interleave=True), tp=tp, dtype=dtype)
 
     def __init__(self, cfg: Cohere2MoeConfig, plan, layer_id: int, dtype: torch.dtype):
         super().__init__(cfg, plan, layer_id, dtype)

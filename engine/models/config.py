@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from loadplan.config_view import ConfigView
+from loadplan.errors import InvalidArgument
+
 
 class ConfigError(ValueError):
     pass
@@ -25,12 +28,9 @@ def get_field(d: dict, name: str, default=_MISSING, kind=None):
 
 def moe_layout(reader, d: dict):
     """The layer and expert fields of config `d` (layers, MoE layers, routed and shared expert counts, top-k) as
-    the registry reads them: `reader` is one of `loadplan.service.rules.layouts`' readers, the one reader of those
+    the registry reads them: `reader` is one of `loadplan.layouts`' readers, the one reader of those
     fields, so the engine builds the very layout its plan was decided for. Its refusals become ConfigError, which
     names the field as the registry does."""
-    from ...service.errors import InvalidArgument
-    from ...service.rules.config_view import ConfigView
-
     try:
         return reader(ConfigView(d))
     except InvalidArgument as e:

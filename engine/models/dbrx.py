@@ -18,13 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 import torch
 
+from loadplan.layouts import dbrx_layout
 from ..layers.mlp import activation
 from ..layers.norm import BiaslessLayerNorm
 from ..layers.rope import RopeConfig
 from ..shown_tensors import ShownTensors
 from ..weights import ShapeMismatch
 from .causal_lm import DeclaredCausalLM
-from ...service.rules.layouts import dbrx_layout
 from .config import ConfigError, get_field as _get, moe_layout
 from .qwen_moe import QwenDecoderLayer, QwenMoeConfig, QwenSparseMoeBlock
 

@@ -7,7 +7,7 @@ Shapes: B batch, T tokens, D hidden, E routed experts, K top-k, V vocab.
 
 - Attention: Multi-head Latent Attention (layers/mla.py), with or without q_lora_rank,
   interleaved RoPE (`rope_interleave`, default true as in the original code), YaRN.
-- Layer i is MoE iff i >= first_k_dense_replace (the registry's layouts.py reads it,
+- Layer i is MoE iff i >= first_k_dense_replace (loadplan/layouts.py reads it,
   and refuses a moe_layer_freq or mlp_layer_types that would say otherwise); the
   others are dense SwiGLU MLPs of intermediate_size.
 - MoE: sigmoid router with e_score_correction_bias and group-limited top-k
@@ -28,17 +28,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..layers.deepseek_router import DeepseekV3Router
+from loadplan.layouts import deepseek_layout, deepseek_nextn_layout
+from ..layers.deepseek_router import DeepseekV3Router, RouterSpec
 from ..layers.deepseek_v2_router import TOPK_METHODS as V2_TOPK_METHODS
 from ..layers.deepseek_v2_router import DeepseekV2Router
 from ..layers.dsa_indexer import SparseIndexer, TopKSelection
-from ..layers.mla import MultiHeadLatentAttention
+from ..layers.mla import MLASpec, MultiHeadLatentAttention
 from ..layers.mlp import GatedMLP, activation
 from ..layers.rope import RopeConfig
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from .causal_lm import CausalLM, DecoderLayer
-from ...service.rules.layouts import deepseek_layout, deepseek_nextn_layout
 from .config import ConfigError, get_field as _get, moe_layout, read_rope
 from .text_wrapper import TextOnlyWrapper
 
@@ -277,11 +277,11 @@ class DeepseekV3MoE(nn.Module):
                                          cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
         else:
             # The experts layer read the plan's fused-slot count and scale; the router writes that column.
-            self.gate = DeepseekV3Router(
-                D, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
-                cfg.routed_scaling_factor, num_fused_shared_experts=fused,
-                fused_shared_expert_scale=self.experts.fused_shared_expert_scale, scoring=cfg.scoring_func,
-                renorm_min=cfg.renorm_min, routing_bias=getattr(cfg, "routing_bias", True))   # Mistral 4: none
+            spec = RouterSpec(D, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+                              cfg.norm_topk_prob, cfg.routed_scaling_factor, scoring=cfg.scoring_func,
+                              renorm_min=cfg.renorm_min, routing_bias=getattr(cfg, "routing_bias", True))  # Mistral 4
+            self.gate = DeepseekV3Router(spec, num_fused_shared_experts=fused,
+                                         fused_shared_expert_scale=self.experts.fused_shared_expert_scale)
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts
         self.shared_experts = GatedMLP(D, shared, cfg.hidden_act, dtype) if shared and not fused else None
         # HY-V3 (models/hy_v3.py) sums the routed and shared outputs in float32; the others in the model's dtype
@@ -314,10 +314,8 @@ class DeepseekV3DecoderLayer(DecoderLayer):
         if cfg.index_topk and not shared:   # DeepSeek-V3.2
             indexer = SparseIndexer(cfg.hidden_size, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim,
                                     cfg.qk_rope_head_dim, cfg.index_topk, dtype, cfg.index_rope_interleave)
-        attn = MultiHeadLatentAttention(
-            cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
-            cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.rope, rope_interleave=cfg.rope_interleave,
-            attention_bias=cfg.attention_bias, dtype=dtype, tp=tp, indexer=indexer, reuses_selection=shared)
+        attn = MultiHeadLatentAttention(MLASpec.of(cfg, rope_interleave=cfg.rope_interleave), tp=tp, dtype=dtype,
+                                        indexer=indexer, reuses_selection=shared)
         super().__init__(layer_id, attn, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
                          cfg.rms_norm_eps, dtype)
 

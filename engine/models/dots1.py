@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layers.attention import GQAttention
+from loadplan.layouts import deepseek_layout
+from ..layers.attention import AttentionSpec, GQAttention
 from ..parallel.tensor import TensorParallel
 from .causal_lm import DecoderLayer
-from ...service.rules.layouts import deepseek_layout
 from .config import ConfigError, get_field as _get, moe_layout
 from .deepseek_v3 import moe_or_dense_mlp
 from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
@@ -79,10 +79,10 @@ class Dots1DecoderLayer(DecoderLayer):
     def __init__(self, cfg: Dots1Config, plan, layer_id: int, dtype: torch.dtype):
         tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
         window = cfg.sliding_window if cfg.layer_types[layer_id] == "sliding_attention" else None
-        attn = GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                           qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm=True,
-                           rms_norm_eps=cfg.rms_norm_eps, rotary_dim=cfg.rotary_dim, dtype=dtype, tp=tp,
-                           sliding_window=window)
+        attn = GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.attention_bias,
+                                         o_bias=cfg.attention_bias, qk_norm="head", rotary_dim=cfg.rotary_dim,
+                                         sliding_window=window), tp=tp, dtype=dtype)
         super().__init__(layer_id, attn, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
                          cfg.rms_norm_eps, dtype)
 

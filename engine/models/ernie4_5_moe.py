@@ -26,13 +26,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layers.attention import GQAttention
+from loadplan.layouts import ernie4_5_moe_layout
+from ..layers.attention import AttentionSpec, GQAttention
 from ..layers.mlp import activation
 from ..parallel.tensor import TensorParallel
 from ..shown_tensors import ShownTensors
 from ..weights import ShapeMismatch
 from .causal_lm import DecoderLayer
-from ...service.rules.layouts import ernie4_5_moe_layout
 from .config import ConfigError, get_field as _get, moe_layout, read_rope
 from .deepseek_v3 import first_moe_layer, moe_or_dense_mlp
 from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
@@ -100,9 +100,9 @@ class Ernie45MoeConfig(Glm4MoeConfig):
 class Ernie45MoeDecoderLayer(DecoderLayer):
     def __init__(self, cfg: Ernie45MoeConfig, plan, layer_id: int, dtype: torch.dtype):
         tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
-        attn = GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                           qkv_bias=False, o_bias=False, qk_norm=False, rms_norm_eps=cfg.rms_norm_eps, dtype=dtype,
-                           tp=tp, rope_interleave=True)
+        attn = GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+                                         rope_interleave=True), tp=tp, dtype=dtype)
         super().__init__(layer_id, attn, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
                          cfg.rms_norm_eps, dtype)
 

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layers.attention import GQAttention
+from loadplan.layouts import exaone_moe_layout
+from ..layers.attention import AttentionSpec, GQAttention
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .causal_lm import DecoderLayer
-from ...service.rules.layouts import exaone_moe_layout
 from .config import ConfigError, moe_layout, sliding_window, windowed_layer_types
 from .deepseek_v3 import moe_or_dense_mlp
 from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
@@ -70,9 +70,10 @@ class ExaoneMoeDecoderLayer(DecoderLayer):
     def __init__(self, cfg: ExaoneMoeConfig, plan, layer_id: int, dtype: torch.dtype):
         tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
         windowed = cfg.layer_types[layer_id] == "sliding_attention"
-        attn = GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                           qkv_bias=False, o_bias=False, qk_norm=True, rms_norm_eps=cfg.rms_norm_eps, dtype=dtype,
-                           tp=tp, sliding_window=cfg.sliding_window if windowed else None, use_rope=windowed)
+        attn = GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qk_norm="head",
+                                         sliding_window=cfg.sliding_window if windowed else None,
+                                         use_rope=windowed), tp=tp, dtype=dtype)
         super().__init__(layer_id, attn, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
                          cfg.rms_norm_eps, dtype)
 

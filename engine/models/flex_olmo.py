@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from ..layers.attention import GQAttention
+from loadplan.layouts import olmoe_layout
+from ..layers.attention import AttentionSpec, GQAttention
 from ..layers.norm import WeightFirstRMSNorm
 from ..parallel.tensor import TensorParallel
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from ...service.rules.layouts import olmoe_layout
 from .config import ConfigError, get_field as _get, moe_layout, read_rope
 from .olmoe import OLMOE_NAMES
 from .qwen_moe import QwenMoeConfig, QwenSparseMoeBlock, moe_fields
@@ -56,9 +56,10 @@ class FlexOlmoDecoderLayer(DecoderLayer):
 
     def __init__(self, cfg: QwenMoeConfig, plan, layer_id: int, dtype: torch.dtype):
         tp = TensorParallel.of(plan)   # heads split over the TP ranks (the experts: RoutedExperts)
-        attn = GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                           qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, qk_norm=True, rms_norm_eps=cfg.rms_norm_eps,
-                           dtype=dtype, tp=tp, qk_norm_span="projection", norm=WeightFirstRMSNorm)
+        attn = GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.qkv_bias,
+                                         o_bias=cfg.o_bias, qk_norm="projection",
+                                         norm=WeightFirstRMSNorm), tp=tp, dtype=dtype)
         super().__init__(layer_id, attn, QwenSparseMoeBlock(cfg, plan, layer_id, dtype), cfg.hidden_size,
                          cfg.rms_norm_eps, dtype)
         del self.input_layernorm                   # OLMo 2's layer normalises outputs, not inputs

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layers.attention import GQAttention
+from loadplan.layouts import flint_layout
+from ..layers.attention import AttentionSpec, GQAttention
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
-from ...service.rules.layouts import flint_layout
 from .config import common_fields, ConfigError, get_field as _get, moe_layout, per_layer, read_rope, sliding_window
 from .qwen_moe import Float32RouterMoeBlock, QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig
 from .step3p5 import LAYER_TYPES
@@ -95,10 +95,11 @@ class FlintDecoderLayer(QwenDecoderLayer):
     @classmethod
     def make_attention(cls, cfg: FlintConfig, layer_id: int, dtype: torch.dtype, tp: TensorParallel) -> GQAttention:
         windowed = cfg.layer_types[layer_id] == "sliding_attention"
-        return GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                           qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, qk_norm=True, rms_norm_eps=cfg.rms_norm_eps,
-                           dtype=dtype, tp=tp, sliding_window=cfg.sliding_window if windowed else None, sinks=True,
-                           use_rope=windowed)
+        return GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.qkv_bias,
+                                         o_bias=cfg.o_bias, qk_norm="head",
+                                         sliding_window=cfg.sliding_window if windowed else None, sinks=True,
+                                         use_rope=windowed), tp=tp, dtype=dtype)
 
 
 class FlintForCausalLM(QwenLayerCausalLM):

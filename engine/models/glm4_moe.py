@@ -23,12 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layers.attention import GQAttention
+from loadplan.layouts import glm4_moe_layout, glm4_moe_nextn_layout
+from ..layers.attention import AttentionSpec, GQAttention
 from ..layers.mlp import activation
 from ..layers.rope import RopeConfig
 from ..parallel.tensor import TensorParallel
 from .causal_lm import CausalLM, DecoderLayer
-from ...service.rules.layouts import glm4_moe_layout, glm4_moe_nextn_layout
 from .config import ConfigError, get_field as _get, moe_layout, read_rope
 from .deepseek_v3 import first_moe_layer, moe_or_dense_mlp, routing_fields
 
@@ -119,9 +119,10 @@ class Glm4MoeConfig:
 class Glm4MoeDecoderLayer(DecoderLayer):
     def __init__(self, cfg: Glm4MoeConfig, plan, layer_id: int, dtype: torch.dtype):
         tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
-        attn = GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                           qkv_bias=cfg.attention_bias, o_bias=False, qk_norm=cfg.use_qk_norm,
-                           rms_norm_eps=cfg.rms_norm_eps, rotary_dim=cfg.rotary_dim, dtype=dtype, tp=tp)
+        attn = GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.attention_bias,
+                                         qk_norm="head" if cfg.use_qk_norm else None,
+                                         rotary_dim=cfg.rotary_dim), tp=tp, dtype=dtype)
         super().__init__(layer_id, attn, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
                          cfg.rms_norm_eps, dtype)
 

@@ -17,7 +17,7 @@ reads neither). Its fusion gate is GLM-4-MoE's (the registry).
 from __future__ import annotations
 
 
-from ...service.rules.layouts import glm4_moe_lite_layout
+from loadplan.layouts import glm4_moe_lite_layout
 from .config import moe_layout
 from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 

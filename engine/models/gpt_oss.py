@@ -29,14 +29,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from loadplan.layouts import mixtral_layout
 from ..expert_kernel import ClampedSwiGLU
-from ..layers.attention import GQAttention
+from ..layers.attention import AttentionSpec, GQAttention
 from ..layers.rope import RopeConfig
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..stacked_experts import StackedExperts
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from ...service.rules.layouts import mixtral_layout
 from .config import ConfigError, get_field as _get, moe_layout, per_layer, read_rope
 
 ARCHITECTURE = "GptOssForCausalLM"
@@ -135,9 +135,10 @@ class GptOssDecoderLayer(DecoderLayer):
     def __init__(self, cfg: GptOssConfig, plan, layer_id: int, dtype: torch.dtype):
         tp = TensorParallel.of(plan)
         window = cfg.sliding_window if cfg.layer_types[layer_id] == "sliding_attention" else None
-        attn = GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                           qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm=False,
-                           rms_norm_eps=cfg.rms_norm_eps, dtype=dtype, tp=tp, sliding_window=window, sinks=True)
+        attn = GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.attention_bias,
+                                         o_bias=cfg.attention_bias, sliding_window=window,
+                                         sinks=True), tp=tp, dtype=dtype)
         super().__init__(layer_id, attn, GptOssMoeBlock(cfg, plan, layer_id, dtype), cfg.hidden_size,
                          cfg.rms_norm_eps, dtype)
 

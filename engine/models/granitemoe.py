@@ -28,12 +28,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..layers.attention import GQAttention
+from loadplan.layouts import granitemoe_layout, granitemoe_shared_layout
+from ..layers.attention import AttentionSpec, GQAttention
 from ..layers.rope import RotaryEmbedding
 from ..shown_tensors import ShownTensors
 from ..stacked_experts import StackedExperts
 from ..weights import CheckpointNames, ShapeMismatch
-from ...service.rules.layouts import granitemoe_layout, granitemoe_shared_layout
 from .config import ConfigError, get_field as _get, moe_layout, per_layer, read_rope, sliding_window
 from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, SharedMlpMoeBlock, moe_fields
 
@@ -180,10 +180,10 @@ class GraniteMoeSwaDecoderLayer(GraniteMoeDecoderLayer):
     @classmethod
     def make_attention(cls, cfg: GraniteMoeSwaConfig, layer_id: int, dtype: torch.dtype, tp) -> GQAttention:
         windowed = cfg.layer_types[layer_id] == "sliding_attention"
-        return GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                           qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, qk_norm=False, rms_norm_eps=cfg.rms_norm_eps,
-                           dtype=dtype, tp=tp, sliding_window=cfg.sliding_window if windowed else None, sinks=True,
-                           use_rope=cfg.layer_rope_theta[layer_id] > 0)
+        return GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.qkv_bias,
+                                         o_bias=cfg.o_bias, sliding_window=cfg.sliding_window if windowed else None,
+                                         sinks=True, use_rope=cfg.layer_rope_theta[layer_id] > 0), tp=tp, dtype=dtype)
 
     def __init__(self, cfg: GraniteMoeSwaConfig, plan, layer_id: int, dtype: torch.dtype):
         super().__init__(cfg, plan, layer_id, dtype)

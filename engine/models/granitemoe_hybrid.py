@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layers.attention import GQAttention
-from ..layers.mamba2 import Mamba2Mixer, rows_by_rank
+from loadplan.layouts import granitemoe_hybrid_layout
+from ..layers.attention import AttentionSpec, GQAttention
+from ..layers.mamba2 import Mamba2Mixer, Mamba2Spec, rows_by_rank
 from ..parallel.tensor import TensorParallel
-from ...service.rules.layouts import granitemoe_hybrid_layout
 from .config import ConfigError, get_field as _get
 from .granitemoe import GraniteMoeConfig, GraniteMoeDecoderLayer, GraniteMoeForCausalLM
 
@@ -117,15 +117,16 @@ class GraniteMoeHybridDecoderLayer(GraniteMoeDecoderLayer):
     def make_attention(cls, cfg: GraniteMoeHybridConfig, layer_id: int, dtype: torch.dtype, tp) -> GQAttention | None:
         if cfg.layer_types[layer_id] == "mamba":
             return None
-        return GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                           qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, qk_norm=False, rms_norm_eps=cfg.rms_norm_eps,
-                           dtype=dtype, tp=tp, use_rope=cfg.use_rope)
+        return GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.qkv_bias,
+                                         o_bias=cfg.o_bias, use_rope=cfg.use_rope), tp=tp, dtype=dtype)
 
     def __init__(self, cfg: GraniteMoeHybridConfig, plan, layer_id: int, dtype: torch.dtype):
         super().__init__(cfg, plan, layer_id, dtype)
-        self.mamba = Mamba2Mixer(cfg.hidden_size, cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_n_groups,
-                                 cfg.mamba_d_state, cfg.mamba_d_conv, cfg.mamba_conv_bias, cfg.mamba_proj_bias,
-                                 cfg.rms_norm_eps, cfg.time_step_limit, dtype, tp=TensorParallel.of(plan)) \
+        self.mamba = Mamba2Mixer(Mamba2Spec(cfg.hidden_size, cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_n_groups,
+                                            cfg.mamba_d_state, cfg.mamba_d_conv, cfg.mamba_conv_bias,
+                                            cfg.mamba_proj_bias, cfg.rms_norm_eps, cfg.time_step_limit),
+                                 tp=TensorParallel.of(plan), dtype=dtype) \
             if cfg.layer_types[layer_id] == "mamba" else None
 
     @property

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from loadplan.layouts import hunyuan_v1_moe_layout
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM
-from ...service.rules.layouts import hunyuan_v1_moe_layout
 from .config import ConfigError, get_field as _get, moe_layout, read_rope
 from .qwen_moe import Float32RouterMoeBlock, QwenDecoderLayer, QwenMoeConfig, moe_fields
 

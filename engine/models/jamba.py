@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layers.attention import GQAttention
+from loadplan.layouts import jamba_layout
+from ..layers.attention import AttentionSpec, GQAttention
 from ..layers.mamba1 import Mamba1Mixer, in_proj_by_rank
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
-from ...service.rules.layouts import jamba_layout
 from .config import ConfigError, get_field as _get, moe_layout, read_rope
 from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, moe_fields
 
@@ -102,9 +102,9 @@ class JambaDecoderLayer(QwenDecoderLayer):
     def make_attention(cls, cfg: JambaConfig, layer_id: int, dtype: torch.dtype, tp) -> GQAttention | None:
         if cfg.layer_kinds[layer_id] == "mamba":
             return None
-        return GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                           qkv_bias=False, o_bias=False, qk_norm=False, rms_norm_eps=cfg.rms_norm_eps, dtype=dtype,
-                           tp=tp, use_rope=False)
+        return GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+                                         use_rope=False), tp=tp, dtype=dtype)
 
     def __init__(self, cfg: JambaConfig, plan, layer_id: int, dtype: torch.dtype):
         super().__init__(cfg, plan, layer_id, dtype)

@@ -24,13 +24,13 @@ from dataclasses import dataclass
 
 import torch
 
+from loadplan.layouts import kimi_linear_layout
 from ..layers.kimi_delta_attention import KimiDeltaAttention
-from ..layers.mla import MultiHeadLatentAttention
+from ..layers.mla import MLASpec, MultiHeadLatentAttention
 from ..parallel.tensor import TensorParallel
 from ..shown_tensors import ShownTensors
 from ..weights import CheckpointNames
 from .causal_lm import CausalLM, DecoderLayer
-from ...service.rules.layouts import kimi_linear_layout
 from .config import ConfigError, get_field as _get, moe_layout, per_layer
 from .deepseek_v3 import DeepseekV3Config, moe_or_dense_mlp
 
@@ -162,10 +162,7 @@ class KimiLinearDecoderLayer(DecoderLayer):
             mixer = KimiDeltaAttention(cfg.hidden_size, cfg.linear_num_heads, cfg.linear_head_dim,
                                        cfg.linear_conv_kernel_dim, cfg.rms_norm_eps, dtype, tp)
         else:
-            mixer = MultiHeadLatentAttention(
-                cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
-                cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.rope, attention_bias=cfg.attention_bias, dtype=dtype,
-                tp=tp, use_rope=False)
+            mixer = MultiHeadLatentAttention(MLASpec.of(cfg, use_rope=False), tp=tp, dtype=dtype)
         super().__init__(layer_id, mixer, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
                          cfg.rms_norm_eps, dtype)
 

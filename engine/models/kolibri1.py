@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..layers.attention import GQAttention
+from loadplan.layouts import kolibri1_layout
+from ..layers.attention import AttentionSpec, GQAttention
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
-from ...service.rules.layouts import kolibri1_layout
 from .config import common_fields, ConfigError, get_field as _get, moe_layout, per_layer, read_rope, sliding_window
 from .qwen_moe import Float32RouterMoeBlock, QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig
 from .step3p5 import LAYER_TYPES
@@ -114,9 +114,10 @@ class Kolibri1DecoderLayer(QwenDecoderLayer):
     def make_attention(cls, cfg: Kolibri1Config, layer_id: int, dtype: torch.dtype,
                        tp: TensorParallel) -> GQAttention:
         windowed = cfg.layer_types[layer_id] == "sliding_attention"
-        return GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                           qkv_bias=False, o_bias=False, qk_norm=True, rms_norm_eps=cfg.rms_norm_eps, dtype=dtype,
-                           tp=tp, sliding_window=cfg.sliding_window if windowed else None, use_rope=windowed)
+        return GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qk_norm="head",
+                                         sliding_window=cfg.sliding_window if windowed else None,
+                                         use_rope=windowed), tp=tp, dtype=dtype)
 
     def __init__(self, cfg: Kolibri1Config, plan, layer_id: int, dtype: torch.dtype):
         super().__init__(cfg, plan, layer_id, dtype)

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layers.attention import GQAttention
+from loadplan.layouts import laguna_layout
+from ..layers.attention import AttentionSpec, GQAttention
 from ..layers.mlp import GatedMLP, activation
 from ..layers.rope import RopeConfig, RotaryEmbedding
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from ...service.rules.layouts import laguna_layout
 from .config import ConfigError, get_field as _get, moe_layout, per_layer, sliding_window
 from .step3p5 import LAYER_TYPES, RopesByKind, SharedExpertMoE, rope_of_each_type
 
@@ -135,12 +135,13 @@ class LagunaDecoderLayer(DecoderLayer):
         tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
         kind = cfg.layer_types[layer_id]
         rope = cfg.rope_of(kind)
-        attn = GQAttention(cfg.hidden_size, cfg.heads_per_layer[layer_id], cfg.num_key_value_heads, cfg.head_dim,
-                           qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm=True,
-                           rms_norm_eps=cfg.rms_norm_eps, rotary_dim=int(cfg.head_dim * rope.partial_rotary_factor),
-                           dtype=dtype, tp=tp,
-                           sliding_window=cfg.sliding_window if kind == "sliding_attention" else None, gate_proj=True,
-                           gate_per_head=cfg.gate_per_head, gate_activation="softplus")
+        attn = GQAttention(AttentionSpec(cfg.hidden_size, cfg.heads_per_layer[layer_id], cfg.num_key_value_heads,
+                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.attention_bias,
+                                         o_bias=cfg.attention_bias, qk_norm="head",
+                                         gate="per_head" if cfg.gate_per_head else "projection",
+                                         rotary_dim=int(cfg.head_dim * rope.partial_rotary_factor),
+                                         sliding_window=cfg.sliding_window if kind == "sliding_attention" else None,
+                                         gate_activation="softplus"), tp=tp, dtype=dtype)
         if layer_id in cfg.moe_layers:
             mlp = SharedExpertMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
                                   cfg.shared_expert_intermediate_size, cfg.routed_scaling_factor, plan, layer_id,

@@ -21,14 +21,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..layers.attention import GQAttention
+from loadplan.layouts import lfm2_moe_layout
+from ..layers.attention import AttentionSpec, GQAttention
 from ..layers.mlp import GatedMLP
 from ..layers.rope import RopeConfig
 from ..layers.short_conv import ShortConv
 from ..moe import RoutedExperts
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from ...service.rules.layouts import lfm2_moe_layout
 from .config import ConfigError, get_field as _get, moe_layout, per_layer, read_rope
 
 ARCHITECTURE = "Lfm2MoeForCausalLM"
@@ -144,9 +144,9 @@ class Lfm2MoeBlock(nn.Module):
 class Lfm2MoeDecoderLayer(DecoderLayer):
     def __init__(self, cfg: Lfm2MoeConfig, plan, layer_id: int, dtype: torch.dtype):
         conv = cfg.layer_types[layer_id] == "conv"
-        attn = None if conv else GQAttention(
-            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, qkv_bias=False,
-            o_bias=False, qk_norm=True, rms_norm_eps=cfg.rms_norm_eps, dtype=dtype)
+        attn = None if conv else GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads,
+                                                           cfg.num_key_value_heads, cfg.head_dim,
+                                                           rms_norm_eps=cfg.rms_norm_eps, qk_norm="head"), dtype=dtype)
         mlp = Lfm2MoeBlock(cfg, plan, layer_id, dtype) if layer_id in cfg.moe_layers else \
             GatedMLP(cfg.hidden_size, cfg.intermediate_size, "silu", dtype)
         super().__init__(layer_id, attn, mlp, cfg.hidden_size, cfg.rms_norm_eps, dtype)

@@ -29,15 +29,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..layers.attention import GQAttention
+from loadplan.layouts import llama4_layout
+from ..layers.attention import AttentionSpec, GQAttention
 from ..layers.mlp import GatedMLP, activation
-from ..layers.rope import RopeConfig, apply_rotary
+from ..layers.rope import RopeConfig
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..stacked_experts import StackedExperts
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from ...service.rules.layouts import llama4_layout
 from .config import ConfigError, get_field as _get, moe_layout, per_layer, read_rope
 from .text_wrapper import TextOnlyWrapper
 
@@ -147,19 +147,16 @@ class Llama4Attention(GQAttention):
     the temperature of NoPE layers, and chunked attention where its layer type says."""
 
     def __init__(self, cfg: Llama4Config, layer_id: int, dtype: torch.dtype, tp: TensorParallel):
-        super().__init__(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                         qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm=False,
-                         rms_norm_eps=cfg.rms_norm_eps, dtype=dtype, tp=tp)
+        # Pairs (x0, x1), (x2, x3), ... (transformers' complex rotation) on rope layers only: q and k come out in the
+        # same de-interleaved order, which neither their dot product nor the L2 norm sees.
         self.rotates = cfg.rope_layers[layer_id]
+        super().__init__(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                       cfg.rms_norm_eps, qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias,
+                                       rope_interleave=True, use_rope=self.rotates), tp=tp, dtype=dtype)
         self.l2_eps = cfg.rms_norm_eps if cfg.use_qk_norm and self.rotates else None
         self.temperature = (cfg.floor_scale, cfg.attn_scale) if cfg.attn_temperature_tuning and not self.rotates \
             else None
         self.chunk_size = cfg.attention_chunk_size if cfg.chunked_layers[layer_id] else None
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # Pairs (x0, x1), (x2, x3), ... (transformers' complex rotation); q and k come out in the same
-        # de-interleaved order, which neither their dot product nor the L2 norm sees.
-        return apply_rotary(x, cos, sin, interleaved=True) if self.rotates else x
 
     def _after_rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         """q [B, H, T, hd], k [B, H_kv, T, hd], positions [T] (absolute)."""

@@ -28,14 +28,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..layers.mla import MultiHeadLatentAttention
+from loadplan.layouts import longcat_flash_layout
+from ..layers.mla import MLASpec, MultiHeadLatentAttention
 from ..layers.mlp import GatedMLP, activation
 from ..layers.rope import RopeConfig
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..shown_tensors import ShownTensors
 from .causal_lm import CausalLM, DecoderLayer
-from ...service.rules.layouts import longcat_flash_layout
 from .config import ConfigError, get_field as _get, moe_layout, read_rope
 
 ARCHITECTURE = "LongcatFlashForCausalLM"
@@ -183,10 +183,8 @@ class LongcatFlashDecoderLayer(DecoderLayer):
         tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
         self.layer_id = layer_id
         scales = ((cfg.hidden_size / cfg.q_lora_rank) ** 0.5, (cfg.hidden_size / cfg.kv_lora_rank) ** 0.5)
-        self.self_attn = AttentionPair(MultiHeadLatentAttention(
-            cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
-            cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.rope, attention_bias=cfg.attention_bias, dtype=dtype, tp=tp,
-            latent_scales=scales) for _ in range(2))
+        self.self_attn = AttentionPair(MultiHeadLatentAttention(MLASpec.of(cfg, latent_scales=scales), tp=tp,
+                                                                dtype=dtype) for _ in range(2))
         self.mlps = nn.ModuleList(GatedMLP(cfg.hidden_size, cfg.ffn_hidden_size, cfg.hidden_act, dtype, tp=tp)
                                   for _ in range(2))
         self.mlp = LongcatFlashMoE(cfg, plan, layer_id, dtype)

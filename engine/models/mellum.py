@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layers.attention import GQAttention
+from loadplan.layouts import mellum_layout
+from ..layers.attention import AttentionSpec, GQAttention
 from ..layers.rope import RotaryEmbedding
 from ..parallel.tensor import TensorParallel
-from ...service.rules.layouts import mellum_layout
 from .config import ConfigError, common_fields, get_field as _get, moe_layout, per_layer
 from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig
 from .step3p5 import LAYER_TYPES, RopesByKind, rope_of_each_type
@@ -81,9 +81,10 @@ class MellumDecoderLayer(QwenDecoderLayer):
     @classmethod
     def make_attention(cls, cfg: MellumConfig, layer_id: int, dtype: torch.dtype, tp: TensorParallel) -> GQAttention:
         windowed = cfg.layer_types[layer_id] == "sliding_attention"
-        return GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                           qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, qk_norm=True, rms_norm_eps=cfg.rms_norm_eps,
-                           dtype=dtype, tp=tp, sliding_window=cfg.sliding_window if windowed else None)
+        return GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.qkv_bias,
+                                         o_bias=cfg.o_bias, qk_norm="head",
+                                         sliding_window=cfg.sliding_window if windowed else None), tp=tp, dtype=dtype)
 
     def __init__(self, cfg: MellumConfig, plan, layer_id: int, dtype: torch.dtype):
         super().__init__(cfg, plan, layer_id, dtype)

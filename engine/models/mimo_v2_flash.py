@@ -25,12 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layers.attention import GQAttention
+from loadplan.layouts import mimo_v2_flash_layout
+from ..layers.attention import AttentionSpec, GQAttention
 from ..layers.rope import RopeConfig, RotaryEmbedding, rope_config_from_hf
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .causal_lm import DecoderLayer
-from ...service.rules.layouts import mimo_v2_flash_layout
 from .config import ConfigError, get_field as _get, moe_layout, per_layer
 from .deepseek_v3 import moe_or_dense_mlp
 from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
@@ -113,12 +113,13 @@ class MiMoV2FlashDecoderLayer(DecoderLayer):
         kind = cfg.layer_types[layer_id]
         windowed = kind == "sliding_attention"
         self_rope = cfg.rope_of(kind)
-        attn = GQAttention(cfg.hidden_size, cfg.num_attention_heads,
-                           cfg.num_key_value_heads * (2 if windowed else 1), cfg.head_dim,
-                           qkv_bias=cfg.attention_bias, o_bias=False, qk_norm=False, rms_norm_eps=cfg.rms_norm_eps,
-                           rotary_dim=int(cfg.head_dim * self_rope.partial_rotary_factor), dtype=dtype, tp=tp,
-                           sliding_window=cfg.sliding_window if windowed else None, sinks=windowed,
-                           v_head_dim=cfg.v_head_dim, v_scale=cfg.attention_value_scale)
+        attn = GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads,
+                                         cfg.num_key_value_heads * (2 if windowed else 1), cfg.head_dim,
+                                         rms_norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.attention_bias,
+                                         rotary_dim=int(cfg.head_dim * self_rope.partial_rotary_factor),
+                                         sliding_window=cfg.sliding_window if windowed else None, sinks=windowed,
+                                         v_head_dim=cfg.v_head_dim,
+                                         v_scale=cfg.attention_value_scale), tp=tp, dtype=dtype)
         super().__init__(layer_id, attn, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
                          cfg.rms_norm_eps, dtype)
         self.rotary = RotaryEmbedding(cfg.head_dim, self_rope, cfg.max_position_embeddings)   # this kind's tables

@@ -25,15 +25,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..layers.attention import GQAttention
-from ..layers.deepseek_router import DeepseekV3Router
+from loadplan.layouts import mixtral_layout
+from ..layers.attention import AttentionSpec, GQAttention
+from ..layers.deepseek_router import DeepseekV3Router, RouterSpec
 from ..layers.mlp import activation
 from ..layers.rope import RopeConfig
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from ...service.rules.layouts import mixtral_layout
 from .config import ConfigError, get_field as _get, moe_layout, read_rope
 from .mixtral import MIXTRAL_NAMES
 from .olmoe import OLMOE_NAMES
@@ -128,8 +128,7 @@ class MiniMaxM2MoeBlock(nn.Module):
 
     def __init__(self, cfg: MiniMaxM2Config, plan, layer_id: int, dtype: torch.dtype):
         super().__init__()
-        self.gate = DeepseekV3Router(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, n_group=1,
-                                     topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0)
+        self.gate = DeepseekV3Router(RouterSpec(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok))
         self.experts = RoutedExperts(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, plan,
                                      layer_id=layer_id, dtype=dtype)
         if self.experts.num_fused_shared_experts:
@@ -145,9 +144,9 @@ class MiniMaxM2MoeBlock(nn.Module):
 class MiniMaxM2DecoderLayer(DecoderLayer):
     def __init__(self, cfg: MiniMaxM2Config, plan, layer_id: int, dtype: torch.dtype):
         tp = TensorParallel.of(plan)
-        attn = GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                           qkv_bias=False, o_bias=False, qk_norm=True, qk_norm_span="projection",
-                           rms_norm_eps=cfg.rms_norm_eps, rotary_dim=cfg.rotary_dim, dtype=dtype, tp=tp)
+        attn = GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qk_norm="projection",
+                                         rotary_dim=cfg.rotary_dim), tp=tp, dtype=dtype)
         super().__init__(layer_id, attn, MiniMaxM2MoeBlock(cfg, plan, layer_id, dtype), cfg.hidden_size,
                          cfg.rms_norm_eps, dtype)
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from loadplan.layouts import mistral4_layout
 from ..stacked_experts import StackedExperts
-from ...service.rules.layouts import mistral4_layout
 from .config import ConfigError, moe_layout
 from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 

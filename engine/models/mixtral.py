@@ -14,8 +14,8 @@ router and `block_sparse_moe.experts.{e}.w1/w3/w2` the gate/up/down projections
 
 from __future__ import annotations
 
+from loadplan.layouts import mixtral_layout
 from ..weights import CheckpointNames
-from ...service.rules.layouts import mixtral_layout
 from .config import ConfigError, get_field as _get, moe_layout, read_rope
 from .qwen_moe import QwenLayerCausalLM, QwenMoeConfig, moe_fields
 

@@ -30,9 +30,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..layers.attention import GQAttention
-from ..layers.deepseek_router import DeepseekV3Router
-from ..layers.mamba2 import Mamba2Mixer, rows_by_rank
+from loadplan.layouts import nemotron_h_layout
+from ..layers.attention import AttentionSpec, GQAttention
+from ..layers.deepseek_router import DeepseekV3Router, RouterSpec
+from ..layers.mamba2 import Mamba2Mixer, Mamba2Spec, rows_by_rank
 from ..layers.mlp import UNGATED_ACTIVATIONS, UngatedMLP
 from ..layers.norm import WeightFirstRMSNorm
 from ..layers.rope import RopeConfig
@@ -40,7 +41,6 @@ from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..shown_tensors import ShownTensors
 from .causal_lm import DeclaredCausalLM
-from ...service.rules.layouts import nemotron_h_layout
 from .config import ConfigError, get_field as _get, moe_layout
 
 ARCHITECTURE = "NemotronHForCausalLM"
@@ -179,8 +179,8 @@ class NemotronHMoE(nn.Module):
     def __init__(self, cfg: NemotronHConfig, plan, layer_id: int, dtype: torch.dtype):
         super().__init__()
         D, L = cfg.hidden_size, cfg.moe_latent_size
-        self.gate = DeepseekV3Router(D, cfg.num_experts, cfg.num_experts_per_tok, cfg.n_group,
-                                     cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        self.gate = DeepseekV3Router(RouterSpec(D, cfg.num_experts, cfg.num_experts_per_tok, cfg.n_group,
+                                                cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor))
         self.fc1_latent_proj = self.fc2_latent_proj = None
         if L is not None:
             self.fc1_latent_proj = nn.Linear(D, L, bias=cfg.mlp_bias, dtype=dtype)
@@ -217,14 +217,15 @@ class NemotronHBlock(nn.Module):
         self.norm = WeightFirstRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mamba = self.self_attn = self.mlp = None
         if self.kind == "mamba":
-            self.mamba = Mamba2Mixer(cfg.hidden_size, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups,
-                                     cfg.ssm_state_size, cfg.conv_kernel, cfg.use_conv_bias, cfg.use_bias,
-                                     cfg.rms_norm_eps, (cfg.time_step_min, math.inf), dtype, tp=tp,
-                                     fields=("mamba_num_heads", "n_groups"))
+            self.mamba = Mamba2Mixer(Mamba2Spec(cfg.hidden_size, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups,
+                                                cfg.ssm_state_size, cfg.conv_kernel, cfg.use_conv_bias, cfg.use_bias,
+                                                cfg.rms_norm_eps, (cfg.time_step_min, math.inf),
+                                                fields=("mamba_num_heads", "n_groups")), tp=tp, dtype=dtype)
         elif self.kind == "attention":
-            self.self_attn = GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, qkv_bias=False, o_bias=False, qk_norm=False,
-                                         rms_norm_eps=cfg.rms_norm_eps, dtype=dtype, tp=tp, use_rope=False)
+            self.self_attn = GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads,
+                                                       cfg.num_key_value_heads, cfg.head_dim,
+                                                       rms_norm_eps=cfg.rms_norm_eps,
+                                                       use_rope=False), tp=tp, dtype=dtype)
         elif layer_id in cfg.moe_layers:     # the layout's MoE layers: its "moe" blocks
             self.mlp = NemotronHMoE(cfg, plan, layer_id, dtype)
         else:

@@ -37,7 +37,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from ...plan import Keys
+from loadplan.plan import Keys
 from ..layers.norm import RMSNorm
 from ..layers.rope import RotaryEmbedding
 from ..weights import WeightLayout

@@ -14,8 +14,8 @@ splits them with their heads and never splits Qwen3's per-head norms of the same
 
 from __future__ import annotations
 
+from loadplan.layouts import olmoe_layout
 from ..weights import CheckpointNames
-from ...service.rules.layouts import olmoe_layout
 from .config import ConfigError, get_field as _get, moe_layout, read_rope
 from .qwen_moe import QwenLayerCausalLM, QwenMoeConfig, moe_fields
 

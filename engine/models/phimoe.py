@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loadplan.layouts import mixtral_layout
 from ..layers.norm import LayerNorm
 from .causal_lm import DeclaredCausalLM
-from ...service.rules.layouts import mixtral_layout
 from .config import ConfigError, get_field as _get, moe_layout, read_rope
 from .mixtral import MIXTRAL_NAMES
 from .qwen_moe import QwenDecoderLayer, QwenMoeConfig, QwenSparseMoeBlock, moe_fields

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from loadplan.layouts import qwen3_5_moe_layout
 from ..shown_tensors import renamed
 from ..stacked_experts import StackedExperts
 from .config import ConfigError
-from ...service.rules.layouts import qwen3_5_moe_layout
 from .qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 from .qwen3_vl_moe import PREFIXES
 from .text_wrapper import TextOnlyWrapper

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layers.attention import GQAttention
+from loadplan.layouts import qwen2_moe_layout
+from ..layers.attention import AttentionSpec, GQAttention
 from ..layers.gated_delta_net import GatedDeltaNet
 from ..layers.mlp import GatedMLP, activation
 from ..layers.norm import OffsetRMSNorm
@@ -25,7 +26,6 @@ from ..layers.rope import RopeConfig
 from ..parallel.tensor import TensorParallel
 from ..shown_tensors import rows_by_rank
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from ...service.rules.layouts import qwen2_moe_layout
 from .config import ConfigError, get_field as _get, moe_layout, per_layer, read_rope
 from .qwen_moe import QwenSparseMoeBlock
 
@@ -143,10 +143,10 @@ class Qwen3NextDecoderLayer(DecoderLayer):
                                   cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim,
                                   cfg.rms_norm_eps, dtype, tp=tp, projections=cfg.linear_projections)
         else:
-            mixer = GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                                qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm=True,
-                                rms_norm_eps=cfg.rms_norm_eps, rotary_dim=cfg.rotary_dim, dtype=dtype, tp=tp,
-                                output_gate=True, norm=OffsetRMSNorm)
+            mixer = GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                              cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.attention_bias,
+                                              o_bias=cfg.attention_bias, qk_norm="head", gate="in_q",
+                                              rotary_dim=cfg.rotary_dim, norm=OffsetRMSNorm), tp=tp, dtype=dtype)
         if layer_id in cfg.moe_layers:
             mlp = QwenSparseMoeBlock(cfg, plan, layer_id, dtype)
         else:

@@ -22,8 +22,8 @@ import dataclasses
 
 import torch
 
+from loadplan.layouts import qwen_nextn_layout
 from ..shown_tensors import renamed
-from ...service.rules.layouts import qwen_nextn_layout
 from .config import moe_layout
 from .nextn import NextNDraft
 from .qwen3_next import Qwen3NextConfig, Qwen3NextDecoderLayer

@@ -6,7 +6,7 @@ Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): q/k/v bias, one shared expert whose out
 is scaled per token by sigmoid(shared_expert_gate(x)). Fused (plan), the shared
 expert is routed slot E and that sigmoid is its routing weight (times the plan's
 scale). Qwen3-MoE: no shared expert, per-head RMSNorm on q and k, head_dim from config.
-Layer i is sparse iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0 (the registry's layouts.py
+Layer i is sparse iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0 (loadplan/layouts.py
 reads it: `moe_layout`).
 """
 
@@ -18,13 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers.attention import GQAttention
+from loadplan.layouts import MoeLayout, qwen2_moe_layout, qwen3_moe_layout
+from ..layers.attention import AttentionSpec, GQAttention
 from ..layers.mlp import GatedMLP, activation
 from ..layers.rope import RopeConfig
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from .causal_lm import CausalLM, DecoderLayer
-from ...service.rules.layouts import MoeLayout, qwen2_moe_layout, qwen3_moe_layout
 from .config import ConfigError, get_field as _get, moe_layout, read_rope
 
 
@@ -206,11 +206,12 @@ class QwenDecoderLayer(DecoderLayer):
     @classmethod
     def make_attention(cls, cfg: QwenMoeConfig, layer_id: int, dtype: torch.dtype, tp: TensorParallel) -> GQAttention:
         """The layer's attention (a family whose layers differ overrides it: Granite MoE SWA's, granitemoe.py)."""
-        return GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                           qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, qk_norm=cfg.qk_norm,
-                           rms_norm_eps=cfg.rms_norm_eps, dtype=dtype, tp=tp, sliding_window=cfg.sliding_window,
-                           qk_norm_span=cfg.qk_norm_span, clip_qkv=cfg.clip_qkv,
-                           qk_norm_after_rope=cfg.qk_norm_after_rope)
+        qk_norm = None if not cfg.qk_norm else "projection" if cfg.qk_norm_span == "projection" else \
+            "head_after_rope" if cfg.qk_norm_after_rope else "head"
+        return GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                         cfg.head_dim, cfg.rms_norm_eps, qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias,
+                                         qk_norm=qk_norm, clip_qkv=cfg.clip_qkv, sliding_window=cfg.sliding_window),
+                           tp=tp, dtype=dtype)
 
     def __init__(self, cfg: QwenMoeConfig, plan, layer_id: int, dtype: torch.dtype):
         tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)

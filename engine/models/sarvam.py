@@ -15,9 +15,9 @@
 
 from __future__ import annotations
 
+from loadplan.layouts import sarvam_mla_layout, sarvam_moe_layout
 from ..shown_tensors import ShownTensors
 from ..weights import CheckpointNames
-from ...service.rules.layouts import sarvam_mla_layout, sarvam_moe_layout
 from .config import ConfigError, moe_layout
 from .deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ...service.rules.layouts import solar_open_layout
+from loadplan.layouts import solar_open_layout
 from .config import ConfigError, moe_layout
 from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
 

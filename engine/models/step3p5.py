@@ -36,8 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers.attention import GQAttention
-from ..layers.deepseek_router import DeepseekV3Router
+from loadplan.layouts import step3p5_layout
+from ..layers.attention import AttentionSpec, GQAttention
+from ..layers.deepseek_router import DeepseekV3Router, RouterSpec
 from ..layers.mlp import GatedMLP
 from ..layers.norm import OffsetRMSNorm
 from ..layers.rope import RopeConfig, RotaryEmbedding, rope_config_from_hf
@@ -46,7 +47,6 @@ from ..parallel.tensor import TensorParallel
 from ..shown_tensors import ShownTensors
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from ...service.rules.layouts import step3p5_layout
 from .config import ConfigError, get_field as _get, moe_layout, per_layer
 
 ARCHITECTURE = "Step3p5ForCausalLM"
@@ -308,8 +308,8 @@ class SharedExpertMoE(nn.Module):
         if self.experts.num_fused_shared_experts:
             raise ValueError(f"layer {layer_id}: plan fuses {self.experts.num_fused_shared_experts} shared expert "
                              f"slot(s); this shared expert is never fused")
-        self.gate = DeepseekV3Router(hidden_size, n_experts, top_k, n_group=1, topk_group=1, norm_topk_prob=True,
-                                     routed_scaling_factor=routed_scaling_factor, logit_softcap=logit_softcap)
+        self.gate = DeepseekV3Router(RouterSpec(hidden_size, n_experts, top_k,
+                                                routed_scaling_factor=routed_scaling_factor, logit_softcap=logit_softcap))
         self.shared_experts = ClampedMLP(hidden_size, shared_width, shared_limit, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -328,12 +328,14 @@ class Step3p5DecoderLayer(DecoderLayer):
         kind = cfg.layer_types[layer_id]
         windowed = kind == "sliding_attention"
         rope = cfg.rope_of(kind)
-        attn = GQAttention(cfg.hidden_size, cfg.num_sliding_attention_heads if windowed else cfg.num_attention_heads,
-                           cfg.num_key_value_heads, cfg.head_dim, qkv_bias=cfg.attention_bias,
-                           o_bias=cfg.attention_bias, qk_norm=True, norm=OffsetRMSNorm, rms_norm_eps=cfg.rms_norm_eps,
-                           rotary_dim=int(cfg.head_dim * rope.partial_rotary_factor), dtype=dtype, tp=tp,
-                           sliding_window=cfg.sliding_window if windowed else None, gate_proj=True,
-                           gate_per_head=True, scale=cfg.attention_scale)
+        attn = GQAttention(AttentionSpec(cfg.hidden_size,
+                                         cfg.num_sliding_attention_heads if windowed else cfg.num_attention_heads,
+                                         cfg.num_key_value_heads, cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+                                         qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm="head",
+                                         gate="per_head", norm=OffsetRMSNorm,
+                                         rotary_dim=int(cfg.head_dim * rope.partial_rotary_factor),
+                                         sliding_window=cfg.sliding_window if windowed else None,
+                                         scale=cfg.attention_scale), tp=tp, dtype=dtype)
         if layer_id in cfg.moe_layers:
             mlp = SharedExpertMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
                                   cfg.share_expert_dim, cfg.routed_scaling_factor, plan, layer_id, dtype,

@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -100,8 +101,23 @@ def collective_timeout() -> datetime.timedelta | None:
     return _collective_timeout
 
 
-def _worker(rank: int, world_size: int, backend: str, port, port_ready, results, fn_pickle: bytes, args_pickle: bytes,
-            collective_timeout_s: float, threads: int, stack_file: str, env: dict, path: list) -> None:
+@dataclass(frozen=True)
+class _Job:
+    """What every rank of one launch runs, and in which process group."""
+
+    world_size: int
+    backend: str
+    fn_pickle: bytes          # fn and its args, unpickled in the rank once its sys.path is the caller's
+    args_pickle: bytes
+    collective_timeout_s: float
+    threads: int              # torch's intra-op threads (0: torch's default)
+    env: dict                 # the caller's environment and import path
+    path: list
+
+
+def _worker(rank: int, job: _Job, port, port_ready, results, stack_file: str) -> None:
+    """One rank: `port` / `port_ready` share rank 0's rendezvous port, `results` carries its reports to the parent,
+    `stack_file` receives its Python stack on a native abort or a hang."""
     import faulthandler
 
     import torch.distributed as dist
@@ -112,12 +128,13 @@ def _worker(rank: int, world_size: int, backend: str, port, port_ready, results,
         faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
     try:
         os.environ.clear()               # the caller's environment and import path of THIS launch
-        os.environ.update(env)
-        sys.path[:] = path
-        fn, args = pickle.loads(fn_pickle), pickle.loads(args_pickle)
-        if threads > 0:
-            torch.set_num_threads(threads)   # N ranks on few cores: no oversubscription
-        timeout = datetime.timedelta(seconds=collective_timeout_s)
+        os.environ.update(job.env)
+        sys.path[:] = job.path
+        fn, args = pickle.loads(job.fn_pickle), pickle.loads(job.args_pickle)
+        if job.threads > 0:
+            torch.set_num_threads(job.threads)   # N ranks on few cores: no oversubscription
+        timeout = datetime.timedelta(seconds=job.collective_timeout_s)
+        world_size, backend = job.world_size, job.backend
         global _collective_timeout
         _collective_timeout = timeout
         if rank == 0:
@@ -178,7 +195,8 @@ def launch(nproc: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 12
         threads_per_rank = max(1, (os.cpu_count() or 1) // nproc) if backend == "gloo" else 0
     # Pickled here, unpickled in the rank after its sys.path is set (fn's module may
     # only be importable from the caller's current path).
-    fn_pickle, args_pickle = pickle.dumps(fn), pickle.dumps(args)
+    job = _Job(nproc, backend, pickle.dumps(fn), pickle.dumps(args), float(timeout_s), threads_per_rank,
+               dict(os.environ), list(sys.path))
     ctx = _context(start_method)
     port = ctx.Value("i", 0)
     port_ready = ctx.Event()
@@ -190,9 +208,7 @@ def launch(nproc: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 12
     try:
         for r in range(nproc):
             p = ctx.Process(target=_worker, name=f"loadplan-rank{r}", daemon=True,
-                            args=(r, nproc, backend, port, port_ready, results, fn_pickle, args_pickle,
-                                  float(timeout_s), threads_per_rank, stack_files[r], dict(os.environ),
-                                  list(sys.path)))
+                            args=(r, job, port, port_ready, results, stack_files[r]))
             p.start()
             procs.append(p)
         out = _collect(procs, results, timeout_s, stack_files)

@@ -15,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..service.rules.engines import ENGINES   # pure Python: no grpc, no database
+    from loadplan.service.rules.engines import ENGINES   # pure Python: no grpc, no database
 
     rows = [(e, release) for e in ENGINES.values() for release in e.releases]
     if args.json:

@@ -41,9 +41,9 @@ COMMANDS: dict[str, Command] = {
     "coverage": Command("loadplan.cli.coverage", "check that every entry class reaches a fusion gate"),
     "sglang-run": Command("loadplan.integrations.sglang_run",
                           "run an SGLang command whose every runner asks the registry for its load plan"),
-    "generate": Command("loadplan.engine.cli", "greedy generation with a MoE checkpoint",
+    "generate": Command("loadplan.cli.generate", "greedy generation with a MoE checkpoint",
                         add_arguments="add_generate_arguments", run="run_generate", extra="engine"),
-    "demo": Command("loadplan.engine.demo", "make tiny checkpoints and run the whole path on them",
+    "demo": Command("loadplan.cli.demo", "make tiny checkpoints and run the whole path on them",
                     add_arguments="add_demo_arguments", run="run_demo", extra="engine"),
 }
 
@@ -119,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             pass
         return 141
     except Exception as e:  # noqa: BLE001 - the client's errors, without importing grpc up front
-        from ..client import RegistryCallError
+        from loadplan.client import RegistryCallError
 
         if not isinstance(e, RegistryCallError):
             raise

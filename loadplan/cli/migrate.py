@@ -15,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..service.store.db import migrate
+    from loadplan.service.store.db import migrate
 
     url = args.db or default_db_url()
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -16,7 +17,7 @@ import socket
 import uuid
 from typing import Any, Iterator
 
-from ..client import RegistryClient
+from loadplan.client import RegistryClient
 from ..plan import ROLES, Parallel, ResolveRequest, Runtime
 from .errors import EXIT_FAILURE, CliError, one_line
 
@@ -90,7 +91,7 @@ _SECURITY_FLAGS = (("token", "--token"), ("token_file", "--token-file"), ("tls",
 
 def client_security(args: argparse.Namespace) -> dict[str, Any]:
     """RegistryClient keywords from the security flags; a file that cannot be used is INVALID_ARGUMENT."""
-    from ..client.auth import AuthConfigError, read_token_file
+    from loadplan.client.auth import AuthConfigError, read_token_file
 
     try:
         token = read_token_file(args.token_file) if getattr(args, "token_file", None) else getattr(args, "token", None)
@@ -103,7 +104,7 @@ def client_security(args: argparse.Namespace) -> dict[str, Any]:
 def open_client(args: argparse.Namespace) -> Iterator[RegistryClient]:
     """A client of --registry, or of an embedded registry on --db (started here, stopped after)."""
     if getattr(args, "registry", None):
-        from ..client.auth import AuthConfigError
+        from loadplan.client.auth import AuthConfigError
 
         try:
             client = RegistryClient(args.registry, timeout=args.timeout, **client_security(args))
@@ -125,8 +126,8 @@ def open_client(args: argparse.Namespace) -> Iterator[RegistryClient]:
 @contextlib.contextmanager
 def embedded_registry(db_url: str):
     try:
-        from ..service.embedded import EmbeddedRegistry
-        from ..service.server import ServerStartError
+        from loadplan.service.embedded import EmbeddedRegistry
+        from loadplan.service.server import ServerStartError
     except ImportError as e:
         raise CliError("FAILED_PRECONDITION", f"the embedded registry needs loadplan[service] ({e}); "
                        f"install it or pass --registry HOST:PORT", EXIT_FAILURE) from None
@@ -223,18 +224,27 @@ def request_from_args(args: argparse.Namespace, config: dict[str, Any]) -> Resol
         request_id=args.request_id or uuid.uuid4().hex,
         deployment_id=args.deployment or uuid.uuid4().hex,
         role=args.role,
-        parallel=Parallel(tp_size=args.tp_size, tp_rank=args.tp_rank, ep_size=args.ep_size, ep_rank=args.ep_rank,
-                          pp_size=args.pp_size, pp_rank=args.pp_rank, dp_size=args.dp_size, dp_rank=args.dp_rank),
+        parallel=parallel_from_args(args),
         host=socket.gethostname(),
         config=config,
         quantization_config=config.get("quantization_config"),
         quantization=args.quantization,
-        runtime=Runtime(
-            a2a_backend=args.a2a_backend, device=args.device, engine=args.engine,
-            engine_version=args.engine_version, moe_runner_backend=args.moe_runner_backend,
-            enable_sbo=args.enable_sbo, enable_tbo=args.enable_tbo,
-            disable_shared_experts_fusion=args.disable_shared_experts_fusion,
-            enforce_shared_experts_fusion=args.enforce_shared_experts_fusion,
-            enable_eplb=args.enable_eplb, ep_num_redundant_experts=args.ep_num_redundant_experts,
-        ),
+        runtime=dataclasses.replace(runtime_from_args(args), device=args.device, engine=args.engine,
+                                    engine_version=args.engine_version, moe_runner_backend=args.moe_runner_backend),
+    )
+
+
+def parallel_from_args(args: argparse.Namespace) -> Parallel:
+    return Parallel(tp_size=args.tp_size, tp_rank=args.tp_rank, ep_size=args.ep_size, ep_rank=args.ep_rank,
+                    pp_size=args.pp_size, pp_rank=args.pp_rank, dp_size=args.dp_size, dp_rank=args.dp_rank)
+
+
+def runtime_from_args(args: argparse.Namespace) -> Runtime:
+    """The runner flags as the contract's Runtime, but the device and the engine (`loadplan generate` runs
+    loadplan's engine on a torch device, whose registry spelling its loader says)."""
+    return Runtime(
+        a2a_backend=args.a2a_backend, enable_sbo=args.enable_sbo, enable_tbo=args.enable_tbo,
+        disable_shared_experts_fusion=args.disable_shared_experts_fusion,
+        enforce_shared_experts_fusion=args.enforce_shared_experts_fusion,
+        enable_eplb=args.enable_eplb, ep_num_redundant_experts=args.ep_num_redundant_experts,
     )

@@ -58,8 +58,8 @@ def cutoff_of(args: argparse.Namespace, now: dt.datetime) -> dt.datetime:
 def run(args: argparse.Namespace) -> int:
     from sqlalchemy.exc import SQLAlchemyError
 
-    from ..service.store.db import make_engine
-    from ..service.store.retention import prune_plans
+    from loadplan.service.store.db import make_engine
+    from loadplan.service.store.retention import prune_plans
 
     before = cutoff_of(args, dt.datetime.now(dt.timezone.utc))
     url = args.db or default_db_url()

@@ -56,11 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..service.auth import TokenConfigError, load_tokens
-    from ..service.server import RegistryServer, ServerOptions, ServerStartError
-    from ..service.store.db import make_engine, migrate, normalize_url
-    from ..service.store.repository import SqlPlanStore
-    from ..service.tls import TlsConfigError, describe, server_tls
+    from loadplan.service.auth import TokenConfigError, load_tokens
+    from loadplan.service.server import RegistryServer, ServerOptions, ServerStartError
+    from loadplan.service.store.db import make_engine, migrate, normalize_url
+    from loadplan.service.store.repository import SqlPlanStore
+    from loadplan.service.tls import TlsConfigError, describe, server_tls
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     url = args.db or default_db_url()
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("UNAVAILABLE", f"database {redact(url)}: {short_error(e)}") from None
     metrics = None
     if args.http:
-        from ..service.metrics import RegistryMetrics, ResolveMetrics
+        from loadplan.service.metrics import RegistryMetrics, ResolveMetrics
         metrics = RegistryMetrics()
     store = SqlPlanStore(engine)
     try:
@@ -131,9 +131,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _http_server(server, store, metrics, listen: str, tokens, tls):
     """`--http`: the web view and /metrics of `server` (service/http/), not started yet."""
-    from ..service.http.app import create_app
-    from ..service.http.server import HttpServer, HttpStartError
-    from ..service.registry import Registry
+    from loadplan.service.http.app import create_app
+    from loadplan.service.http.server import HttpServer, HttpStartError
+    from loadplan.service.registry import Registry
 
     metrics.follow(server)
     app = create_app(Registry(store), metrics, tokens or None, secure_cookie=tls is not None)

@@ -280,7 +280,7 @@ def _summary(plan: LoadPlan) -> str:
 
 
 def _refuse_or_fall_back(request: ResolveRequest, e: Exception) -> None:
-    from ..client.errors import RegistryCallError, UnavailableError
+    from loadplan.client.errors import RegistryCallError, UnavailableError
 
     what = f"{request.role} runner of deployment {request.deployment_id}"
     unreachable = isinstance(e, UnavailableError) or not isinstance(e, RegistryCallError)
@@ -298,7 +298,7 @@ def _registry():
     global _client
     with _lock:
         if _client is None:
-            from ..client import RegistryClient
+            from loadplan.client import RegistryClient
 
             _client = RegistryClient(_options.registry, timeout=_options.timeout, token=_options.token)
         return _client

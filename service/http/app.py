@@ -28,9 +28,9 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from ...client.auth import AUTHORIZATION_KEY
+from loadplan.client.auth import AUTHORIZATION_KEY
+from loadplan.errors import InvalidArgument, NotFound, RegistryError
 from ..auth import ADMIN, READER, TokenStore
-from ..errors import InvalidArgument, NotFound, RegistryError
 from ..metrics import CONTENT_TYPE_LATEST, RegistryMetrics
 from ...plan import ENGINE_LOADPLAN
 from ..registry import Registry

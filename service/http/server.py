@@ -19,7 +19,7 @@ import threading
 
 import uvicorn
 
-from ...client.auth import read_pem
+from loadplan.client.auth import read_pem
 from ..tls import ServerTls
 
 

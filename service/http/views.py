@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from ...plan import ROLE_SPECULATIVE, ROLE_TARGET, Decision, LoadPlan, Parallel
+from loadplan.plan import ROLE_SPECULATIVE, ROLE_TARGET, Decision, LoadPlan, Parallel
 from ..registry import MAX_PAGE_SIZE, PlanFilter, Registry
 
 # The deployment list reads at most this many plans, newest first (a page of the list: its

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import NotFound
+from loadplan.errors import NotFound
 
 NORMAL = "normal"
 A2A = "a2a"

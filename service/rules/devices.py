@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..errors import InvalidArgument
+from loadplan.errors import InvalidArgument
 
 DEVICE_KINDS = ("cpu", "cuda", "hip", "musa")
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ... import __version__ as LOADPLAN_VERSION
-from ...plan import ENGINE_LOADPLAN, ENGINE_SGLANG, ENGINE_VLLM, ResolveRequest
-from ..errors import InvalidArgument, NotFound
+from loadplan import __version__ as LOADPLAN_VERSION
+from loadplan.errors import InvalidArgument, NotFound
+from loadplan.plan import ENGINE_LOADPLAN, ENGINE_SGLANG, ENGINE_VLLM, ResolveRequest
 from .devices import Device
 from .sglang_releases import RELEASES as SGLANG_RELEASES
 

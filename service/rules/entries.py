@@ -14,11 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from ... import entry_classes as shared_table
-from ..errors import FailedPrecondition, InvalidArgument, NotFound
-from . import gates, layouts
-from .config_view import ConfigView
-from .layouts import MoeLayout
+from loadplan import entry_classes as shared_table
+from loadplan import layouts
+from loadplan.config_view import ConfigView
+from loadplan.errors import FailedPrecondition, InvalidArgument, NotFound
+from loadplan.layouts import MoeLayout
+from . import gates
 from .quantization import Quantization, quantization_of
 
 

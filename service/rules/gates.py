@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from loadplan.config_view import ConfigView
+from loadplan.layouts import MoeLayout
+from loadplan.plan import Parallel, Runtime
 from .backends import BackendCapabilities
-from .config_view import ConfigView
 from .devices import GLM4_FUSED_KERNEL_MIN, Device, runs_fused_kernel, runs_fused_slots_under_ep
-from .layouts import MoeLayout
 from .quantization import NO_FUSION_QUANTIZATIONS, Quantization
-from ...plan import Parallel, Runtime
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import FailedPrecondition
+from loadplan.errors import FailedPrecondition
 
 
 @dataclass(frozen=True)

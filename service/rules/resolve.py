@@ -15,19 +15,19 @@ from dataclasses import asdict, dataclass, replace
 from types import MappingProxyType
 from typing import Any, Hashable, Mapping
 
-from ...plan import ROLE_SPECULATIVE, ROLES, Decision, Keys, ResolveRequest
-from ..errors import FailedPrecondition, InvalidArgument
+from loadplan.config_view import ConfigView
+from loadplan.errors import FailedPrecondition, InvalidArgument
+from loadplan.layouts import MoeLayout
+from loadplan.plan import ROLE_SPECULATIVE, ROLES, Decision, Keys, ResolveRequest
 from ..lru import LruCache
 from . import RULESET_VERSION
 from .backends import NORMAL, backend
-from .config_view import ConfigView
 from .devices import parse_device
 from .engines import ENGINES, engine_of, with_engine
 from .entries import Resolved, resolve_entry
 from . import sglang, vllm
 from .sglang_releases import release as sglang_release
 from .gates import GateContext
-from .layouts import MoeLayout
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
 

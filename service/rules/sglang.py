@@ -23,10 +23,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from ..errors import FailedPrecondition, InvalidArgument, NotFound
+from loadplan.errors import FailedPrecondition, InvalidArgument, NotFound
+from loadplan.layouts import MoeLayout, ernie_moe_span, interleaved_moe_layers, layer_flags, layer_numbers
 from .backends import Forward
 from .devices import Device
-from .layouts import MoeLayout, ernie_moe_span, interleaved_moe_layers, layer_flags, layer_numbers
 from .quantization import Quantization
 from .sglang_releases import Release
 

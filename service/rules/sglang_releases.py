@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
-from ..errors import NotFound
+from loadplan.errors import NotFound
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import FailedPrecondition, NotFound
+from loadplan.errors import FailedPrecondition, NotFound
 from .backends import Forward
 
 NAME = "vllm"

@@ -22,7 +22,7 @@ import asyncio
 import time
 from typing import Any, Awaitable, Callable, Sequence
 
-from ...plan import LoadPlan
+from loadplan.plan import LoadPlan
 from ..registry import NewPlan
 
 MAX_BATCH = 256   # most plans one transaction carries

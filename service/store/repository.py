@@ -39,8 +39,8 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine, Row
 
-from ...plan import Decision, LoadPlan, Parallel, ResolveRequest, Runtime
-from ..errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from loadplan.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from loadplan.plan import Decision, LoadPlan, Parallel, ResolveRequest, Runtime
 from ..lru import LruCache
 from ..registry import NewPlan, PlanFilter
 from ..rules.resolve import diff_deployment_inputs, fingerprint

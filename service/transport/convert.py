@@ -11,12 +11,12 @@ import functools
 import json
 from typing import Any
 
-from ...client.convert import (WireError, datetime_of, decision_from_pb, decision_to_pb, parallel_to_pb,
-                               plan_from_pb, plan_to_pb, role_from_pb, role_to_pb, runtime_from_pb, timestamp,
-                               upgrade_to_pb)
-from ...plan import Decision, LoadPlan, Parallel, ResolveRequest, Runtime
-from ...v1 import registry_pb2 as pb
-from ..errors import InvalidArgument
+from loadplan.client.convert import (WireError, datetime_of, decision_from_pb, decision_to_pb, parallel_to_pb,
+                                     plan_from_pb, plan_to_pb, role_from_pb, role_to_pb, runtime_from_pb, timestamp,
+                                     upgrade_to_pb)
+from loadplan.errors import InvalidArgument
+from loadplan.plan import Decision, LoadPlan, Parallel, ResolveRequest, Runtime
+from loadplan.v1 import registry_pb2 as pb
 from ..lru import LruCache
 from ..registry import PlanDiff, PlanFilter
 from ..rules.backends import BackendCapabilities

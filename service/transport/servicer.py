@@ -16,11 +16,11 @@ from typing import Any, Awaitable, Callable
 
 import grpc
 
-from ...client.errors import FIELD_METADATA_KEY
-from ...v1 import registry_pb2 as pb
-from ...v1 import registry_pb2_grpc as pb_grpc
+from loadplan.client.errors import FIELD_METADATA_KEY
+from loadplan.errors import FailedPrecondition, InvalidArgument, NotFound, RegistryError, Unavailable
+from loadplan.v1 import registry_pb2 as pb
+from loadplan.v1 import registry_pb2_grpc as pb_grpc
 from .. import coverage
-from ..errors import FailedPrecondition, InvalidArgument, NotFound, RegistryError, Unavailable
 from ..registry import Registry
 from ..rules.backends import BACKENDS
 from . import convert

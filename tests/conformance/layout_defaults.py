@@ -1,6 +1,6 @@
 """The registry's layout readers against the config classes a checkpoint's config.json is read with.
 
-A reader (loadplan.service.rules.layouts) may read a config only as the references do: a field left out as the
+A reader (loadplan.layouts) may read a config only as the references do: a field left out as the
 reference's config class fills it in, a field under another name as the class's attribute map reads it, a field the
 reference does not read not at all; or else refuse the config, naming a field (where the references disagree, or a
 default is not the registry's to guess). Never as something else: a plan that counts a shared expert or a dense
@@ -80,7 +80,7 @@ def layout_fields() -> set[str]:
 
 
 def _read(reader: Callable, d: dict) -> Any:
-    from loadplan.service.rules.config_view import ConfigView
+    from loadplan.config_view import ConfigView
 
     return reader(ConfigView(d, "config"))
 
@@ -88,7 +88,7 @@ def _read(reader: Callable, d: dict) -> Any:
 def _complete(config_class, reader: Callable) -> tuple[dict, dict]:
     """The config class's defaults, with FILL for the layout fields the reader refuses them for (no default, or one
     that builds no MoE layer, such as 0 experts): (the complete config, the FILL values it took)."""
-    from loadplan.service.errors import InvalidArgument
+    from loadplan.errors import InvalidArgument
 
     given: dict = {}
     for _ in range(len(FILL) + 1):
@@ -112,7 +112,7 @@ def disagreements(config_class_of: Callable[[str], Any], entry_classes: list[str
     the layout either (transformers' models read their config class's fields; SGLang's read any a config.json
     gives, through getattr)."""
     from loadplan.entry_classes import ENTRY_CLASSES
-    from loadplan.service.errors import InvalidArgument
+    from loadplan.errors import InvalidArgument
     from loadplan.service.rules import entries
 
     fields = layout_fields()
@@ -146,7 +146,7 @@ def _names(arch: str, reader: Callable, config_class, full: dict, given: dict, w
            unread: bool) -> Iterator[str]:
     """The names of fields: one the config class maps to a layout field (its attribute_map) is read as that field;
     (`unread`) a layout field name it neither has nor maps is not read (a refusal that names it agrees)."""
-    from loadplan.service.errors import InvalidArgument
+    from loadplan.errors import InvalidArgument
 
     aliases = dict(getattr(config_class, "attribute_map", {}) or {})
     for alias, name in sorted(aliases.items()):

@@ -37,7 +37,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from loadplan.plan import ENGINE_SGLANG, ROLE_SPECULATIVE, ROLE_TARGET, Keys, Parallel, ResolveRequest, Runtime
-from loadplan.service.errors import RegistryError
+from loadplan.errors import RegistryError
 from loadplan.service.rules.resolve import resolve_decisions
 from loadplan.service.rules.sglang_releases import NEWEST, RELEASES
 

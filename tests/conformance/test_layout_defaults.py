@@ -12,8 +12,8 @@ import pytest
 
 from loadplan.entry_classes import ENTRY_CLASSES
 from loadplan.service.rules import entries
-from loadplan.service.rules.config_view import ConfigView
-from loadplan.service.rules.layouts import MoeLayout, glm4_moe_layout, jamba_layout, qwen2_moe_layout
+from loadplan.config_view import ConfigView
+from loadplan.layouts import MoeLayout, glm4_moe_layout, jamba_layout, qwen2_moe_layout
 
 from .layout_defaults import MODEL_TYPES, disagreements, transformers_config_class
 from .sglang_agreement import ROOT

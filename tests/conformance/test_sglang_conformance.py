@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from loadplan.service.errors import RegistryError
+from loadplan.errors import RegistryError
 from loadplan.service.rules.resolve import resolve_decisions
 
 from .sglang_agreement import (RECORDING, RELEASES, ROOT, load_recording, point_name, recording_of, report,

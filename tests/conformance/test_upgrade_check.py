@@ -140,7 +140,7 @@ def test_a_runner_the_target_release_would_plan_into_a_hazard_blocks_the_upgrade
 
 
 def test_unknown_releases_and_engines_are_named():
-    from loadplan.service.errors import InvalidArgument, NotFound
+    from loadplan.errors import InvalidArgument, NotFound
 
     with pytest.raises(NotFound, match="0.5.20, 0.5.21, 0.5.22, 0.5.23") as e:
         check_upgrade([], "sglang", "0.5.99")

@@ -115,9 +115,9 @@ def test_worker_pair_resolves_its_plans_through_the_registry(compose):
     from loadplan.service.store.db import make_engine
 
     try:
-        import loadplan.engine.cli  # noqa: F401
+        import loadplan.cli.generate  # noqa: F401
     except ImportError as e:
-        pytest.fail(f"the worker service runs `loadplan generate`, whose module loadplan.engine.cli cannot be "
+        pytest.fail(f"the worker service runs `loadplan generate`, whose module loadplan.cli.generate cannot be "
                     f"imported yet ({e}): the engine issue's CLI must exist for the compose worker", pytrace=False)
     compose.up(until="worker")
     compose.wait_completed("worker", timeout=150)

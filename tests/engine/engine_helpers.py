@@ -1264,7 +1264,7 @@ def check_refused_before_any_plan(path: Path, error: type[Exception], match: str
 
     registry = LocalRegistry()
     with pytest.raises(error, match=match):
-        load_model(path, registry=registry, **load_kw)
+        load_model(path, registry=registry, **load_kwargs(**load_kw))
     assert registry.requests == []
 
 
@@ -1336,11 +1336,27 @@ def check_speculative_gives_the_targets_greedy_tokens(target_dir: Path, draft_di
     assert stats["proposed"] > 0 and stats["draft_forwards"] > 0
 
 
+def load_kwargs(**flat) -> dict:
+    """load_model's keywords from one flat set (`ep_size=2, a2a_backend="mori", role=...`): the Parallel and Runtime
+    fields become its `parallel` and `runtime`, the rest stay keywords."""
+    import dataclasses
+
+    from loadplan.plan import Parallel, Runtime
+
+    out = {}
+    for name, kind in (("parallel", Parallel), ("runtime", Runtime)):
+        fields = {f.name for f in dataclasses.fields(kind)}
+        given = {k: flat.pop(k) for k in list(flat) if k in fields}
+        if given:
+            out[name] = kind(**given)
+    return {**out, **flat}
+
+
 def load_local(path: Path, **kw):
-    """The engine's model of the checkpoint at `path`, planned by a LocalRegistry."""
+    """The engine's model of the checkpoint at `path`, planned by a LocalRegistry (`kw`: as `load_kwargs` takes)."""
     from loadplan.engine.loader import load_model
 
-    return load_model(path, registry=LocalRegistry(), **kw)
+    return load_model(path, registry=LocalRegistry(), **load_kwargs(**kw))
 
 
 def logits_of(model, ids: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from loadplan.engine.loader import load_model
 from loadplan.engine.speculative import speculative_generate
 from loadplan.service.embedded import EmbeddedRegistry
 
-from engine_helpers import DEEPSEEK_TINY, hf_reference, make_fp8_copies, prompt, randomize
+from engine_helpers import DEEPSEEK_TINY, hf_reference, load_kwargs, make_fp8_copies, prompt, randomize
 
 transformers = pytest.importorskip("transformers")
 
@@ -107,7 +107,8 @@ def test_building_the_draft_leaves_the_target_untouched(kind, target_path, small
     before = snapshot(target, ids)
     assert before[2]["model.layers.1.mlp.experts.num_fused_shared_experts"] == 1   # the snapshot sees bakes
 
-    draft = load_model(draft_path, registry=client, deployment=deployment, role="speculative", **draft_flags)
+    draft = load_model(draft_path, registry=client, deployment=deployment, role="speculative",
+                       **load_kwargs(**draft_flags))
 
     after = snapshot(target, ids)
     assert after[0] is before[0]                      # the same plan object

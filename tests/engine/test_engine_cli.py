@@ -206,7 +206,7 @@ TRACEBACK = """Traceback (most recent call last):
     ("exited with code -9 without reporting", "INTERNAL", "exited with code -9 without reporting"),
 ])
 def test_rank_errors_map_to_statuses(text, status, message):
-    from loadplan.engine.cli import rank_error
+    from loadplan.cli.generate import rank_error
 
     assert rank_error(text) == (status, message)
 
@@ -237,14 +237,17 @@ def test_dtype_reaches_every_rank(ckpt, db, capsys):
     """Two ranks in bfloat16 sum partial expert outputs in bfloat16, so their tokens are those of the same ranks
     launched with WorkerSpec(dtype="bfloat16"), not necessarily one process's."""
     from loadplan.engine.worker import WorkerSpec, generate_distributed
+    from loadplan.service.embedded import EmbeddedRegistry
 
     prompt = [58, 65, 102, 39, 87, 46]
     rc, out, err = generate(capsys, "--model", ckpt, "--prompt-ids", ",".join(map(str, prompt)),
                             "--max-new-tokens", 16, "--db", db, "--dtype", "bfloat16", "--json", "--nproc", 2,
                             "--ep-size", 2)
     assert rc == 0, err
-    spec = WorkerSpec(model=str(ckpt), prompt_ids=prompt, max_new_tokens=16, ep_size=2, db_url=db, dtype="bfloat16")
-    assert json.loads(out)["tokens"] == generate_distributed(spec, 2)["tokens"]
+    with EmbeddedRegistry(db) as reg:
+        spec = WorkerSpec(model=str(ckpt), prompt_ids=prompt, max_new_tokens=16, ep_size=2, registry=reg.address,
+                          dtype="bfloat16")
+        assert json.loads(out)["tokens"] == generate_distributed(spec, 2)["tokens"]
 
 
 def test_an_unknown_dtype_is_refused_by_the_parser(ckpt, db, capsys):

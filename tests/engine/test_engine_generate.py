@@ -7,6 +7,7 @@ import torch
 
 from loadplan.engine.generate import generate
 from loadplan.engine.loader import load_model
+from loadplan.plan import Runtime
 
 from engine_helpers import LocalRegistry, hf_reference, make_checkpoint, prompt
 
@@ -20,7 +21,7 @@ def test_greedy_tokens_equal_transformers(tmp_path, arch, fused):
     with torch.no_grad():
         want = hf_reference(path, arch).generate(ids, max_new_tokens=n, do_sample=False, min_new_tokens=n,
                                                  pad_token_id=0)[:, ids.shape[1]:]
-    model = load_model(path, registry=LocalRegistry(), disable_shared_experts_fusion=not fused)
+    model = load_model(path, registry=LocalRegistry(), runtime=Runtime(disable_shared_experts_fusion=not fused))
     got = generate(model, ids, n)
     assert got.tolist() == want.tolist()
 

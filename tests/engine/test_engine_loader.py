@@ -14,9 +14,12 @@ from loadplan.engine import loader
 from loadplan.engine.loader import load_model
 from loadplan.engine.models import PPMissingLayer
 from loadplan.engine.weights import LayoutMismatch, MissingTensor, UnexpectedTensor
-from loadplan.plan import Keys
+from loadplan.plan import Keys, Parallel, Runtime
 
 from engine_helpers import LocalRegistry, hf_logits, make_checkpoint, prompt
+
+UNFUSED = Runtime(disable_shared_experts_fusion=True)
+EPLB = Runtime(enable_eplb=True)
 
 QWEN2 = "Qwen2MoeForCausalLM"
 
@@ -53,7 +56,7 @@ def test_a_prefused_checkpoint_loads_fused_and_is_refused_unfused(qwen2, tmp_pat
     got = _logits(load_model(prefused, registry=LocalRegistry()), ids)
     assert (got - want).abs().max().item() <= 1e-3
     with pytest.raises(LayoutMismatch, match=r"model\.layers\.\d\.mlp\.experts\.8\..*fused layout"):
-        load_model(prefused, registry=LocalRegistry(), disable_shared_experts_fusion=True)
+        load_model(prefused, registry=LocalRegistry(), runtime=UNFUSED)
 
 
 def test_missing_and_unexpected_tensors_are_named(qwen2, tmp_path):
@@ -62,7 +65,7 @@ def test_missing_and_unexpected_tensors_are_named(qwen2, tmp_path):
     missing = _rewrite(path, tmp_path / "missing", lambda t: {k: v for k, v in t.items() if k != gone})
     for fused in (True, False):
         with pytest.raises(MissingTensor, match=gone.replace(".", r"\.")):
-            load_model(missing, registry=LocalRegistry(), disable_shared_experts_fusion=not fused)
+            load_model(missing, registry=LocalRegistry(), runtime=Runtime(disable_shared_experts_fusion=not fused))
     gone = "model.layers.1.mlp.shared_expert.down_proj.weight"
     missing = _rewrite(path, tmp_path / "missing_shared", lambda t: {k: v for k, v in t.items() if k != gone})
     with pytest.raises(MissingTensor, match=r"model\.layers\.1\.mlp\.shared_expert\(s\)\.down_proj"):
@@ -75,7 +78,7 @@ def test_missing_and_unexpected_tensors_are_named(qwen2, tmp_path):
 
 def test_eplb_descriptor_covers_the_moe_layers_without_the_fused_slot(qwen2):
     path, _, _ = qwen2
-    model = load_model(path, registry=LocalRegistry(), enable_eplb=True)
+    model = load_model(path, registry=LocalRegistry(), runtime=EPLB)
     desc = model.routed_experts_weights_of_layer
     assert list(desc) == model.plan.decisions[Keys.EPLB_LAYERS].value == [0, 1, 2]
     gate_up, down = desc[1]
@@ -106,19 +109,19 @@ def test_weight_cache_bypasses_load_weights_and_keeps_the_descriptor(qwen2, tmp_
     assert not any(t.is_meta for t in desc[2])
     # a cache made for the fused layout is not assigned into an unfused model
     with pytest.raises(LayoutMismatch, match="num_fused_shared: cache 1 vs model 0"):
-        load_model(path, registry=LocalRegistry(), weight_cache=cache, disable_shared_experts_fusion=True)
+        load_model(path, registry=LocalRegistry(), runtime=UNFUSED, weight_cache=cache)
     # nor the reverse
     monkeypatch.undo()
     unfused_cache = tmp_path / "qwen2-unfused.cache"
-    load_model(path, registry=LocalRegistry(), weight_cache=unfused_cache, disable_shared_experts_fusion=True)
+    load_model(path, registry=LocalRegistry(), runtime=UNFUSED, weight_cache=unfused_cache)
     with pytest.raises(LayoutMismatch, match="num_fused_shared: cache 0 vs model 1"):
         load_model(path, registry=LocalRegistry(), weight_cache=unfused_cache)
 
 
 def test_pipeline_stages_hold_their_layers_and_chain_to_the_full_logits(qwen2):
     path, ids, want = qwen2
-    s0 = load_model(path, registry=LocalRegistry(), pp_size=2, pp_rank=0, enable_eplb=True)
-    s1 = load_model(path, registry=LocalRegistry(), pp_size=2, pp_rank=1, enable_eplb=True)
+    s0 = load_model(path, Parallel(pp_size=2, pp_rank=0), EPLB, registry=LocalRegistry())
+    s1 = load_model(path, Parallel(pp_size=2, pp_rank=1), EPLB, registry=LocalRegistry())
     assert s0.layer_range == (0, 2) and s1.layer_range == (2, 3)
     assert isinstance(s0.model.layers[2], PPMissingLayer) and not hasattr(s0.model.layers[2], "mlp")
     assert isinstance(s1.model.layers[0], PPMissingLayer) and isinstance(s1.model.layers[1], PPMissingLayer)
@@ -150,7 +153,8 @@ class _ThreadAllReduce:
 
 def test_expert_parallel_ranks_with_the_planned_all_reduce_give_the_reference_logits(qwen2):
     path, ids, want = qwen2
-    ranks = [load_model(path, registry=LocalRegistry(), deployment="ep2", ep_size=2, ep_rank=r) for r in range(2)]
+    ranks = [load_model(path, Parallel(ep_size=2, ep_rank=r), registry=LocalRegistry(), deployment="ep2")
+             for r in range(2)]
     assert all(m.plan.decisions[Keys.POST_EXPERTS_ALL_REDUCE].value for m in ranks)
     assert all(m.plan.decisions[Keys.FUSED_SHARED_EXPERT_SCALE].value == 0.5 for m in ranks)
     ar = _ThreadAllReduce(2)
@@ -189,16 +193,14 @@ def test_a_wrong_decision_gives_wrong_logits_that_the_reference_catches(qwen2):
     assert (_logits(model, ids) - want).abs().max().item() > 1e-2
 
 
-def test_the_embedded_registry_records_the_plan(qwen2, tmp_path, monkeypatch):
+def test_the_real_registry_records_the_plan(qwen2, tmp_path):
     from loadplan.service.embedded import EmbeddedRegistry
 
     path, ids, want = qwen2
-    url = f"sqlite:///{tmp_path / 'registry.db'}"
-    monkeypatch.setenv(loader.DB_URL_ENV, url)
-    model = load_model(path, request_id="req-1", deployment="dep-1")     # registry=None: embedded
-    assert (_logits(model, ids) - want).abs().max().item() <= 1e-3
-    with EmbeddedRegistry(url) as reg:
-        with reg.client() as client:
+    with EmbeddedRegistry(f"sqlite:///{tmp_path / 'registry.db'}") as reg:
+        with reg.client() as client:      # a RegistryClient
+            model = load_model(path, registry=client, request_id="req-1", deployment="dep-1")
+            assert (_logits(model, ids) - want).abs().max().item() <= 1e-3
             stored = client.get_plan(model.plan.plan_id)
         assert stored.decisions[Keys.SHARED_EXPERTS_FUSION].value is True
         # a registry address (str): the same request id replays the stored plan

@@ -8,14 +8,14 @@ import torch
 from loadplan.engine.loader import load_model
 from loadplan.engine.models.qwen_moe import ConfigError, QwenMoeConfig
 
-from engine_helpers import LocalRegistry, hf_logits_of_order_one, make_checkpoint, prompt
+from engine_helpers import LocalRegistry, hf_logits_of_order_one, load_kwargs, make_checkpoint, prompt
 
 QWEN2, QWEN3 = "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"
 ATOL = 1e-3
 
 
 def _engine_logits(path, ids, **kw):
-    model = load_model(path, registry=LocalRegistry(), **kw)
+    model = load_model(path, registry=LocalRegistry(), **load_kwargs(**kw))
     with torch.no_grad():
         return model, model(ids)
 

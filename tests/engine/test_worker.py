@@ -13,10 +13,10 @@ from loadplan.engine.generate import checkpoint_eos, generate
 from loadplan.engine.loader import load_model
 from loadplan.engine.parallel.launch import RankFailed, launch
 from loadplan.engine.worker import WorkerSpec, generate_distributed, run_rank
-from loadplan.plan import Keys
+from loadplan.plan import Keys, Runtime
 from loadplan.service.embedded import EmbeddedRegistry
 
-from engine_helpers import LocalRegistry, make_checkpoint
+from engine_helpers import LocalRegistry, load_kwargs, make_checkpoint
 
 pytestmark = pytest.mark.heavy(17)
 
@@ -35,15 +35,17 @@ def db_url(tmp_path):
 
 
 def _greedy(path, prompt, n, *, eos=True, **kw):
-    model = load_model(path, registry=LocalRegistry(), **kw)
+    model = load_model(path, registry=LocalRegistry(), **load_kwargs(**kw))
     return generate(model, list(prompt), n, eos_token_id=(checkpoint_eos(path) or None) if eos else None)[0].tolist()
 
 
 def test_ep_run_rebalances_with_redundant_experts_and_records_each_placement(qwen3, db_url):
-    spec = WorkerSpec(model=qwen3, prompt_ids=SKEWED, max_new_tokens=6, ep_size=2, a2a_backend="none",
-                      db_url=db_url, enable_eplb=True, ep_num_redundant_experts=2, rebalance_every=3,
-                      stop_at_eos=False)
-    out = generate_distributed(spec, 2, timeout_s=180)        # the launcher starts ONE embedded registry
+    with EmbeddedRegistry(db_url) as reg:
+        spec = WorkerSpec(model=qwen3, prompt_ids=SKEWED, max_new_tokens=6, ep_size=2,
+                          registry=reg.address, runtime=Runtime(enable_eplb=True, ep_num_redundant_experts=2),
+                          rebalance_every=3,
+                          stop_at_eos=False)
+        out = generate_distributed(spec, 2, timeout_s=180)    # every rank asks the one registry
     assert out["tokens"] == _greedy(qwen3, SKEWED, 6, eos=False)
     for rank, reports in out["eplb"].items():
         assert len(reports) == 2                              # prefill + 5 decode forwards, every 3 forwards
@@ -73,9 +75,9 @@ def _eplb_logits(rank, world_size, path, db_address, ids):
     grid, out = None, {}
     with RegistryClient(db_address) as client:
         for backend in ("none", "mori"):
-            spec = WorkerSpec(model=path, prompt_ids=(), max_new_tokens=0, ep_size=world_size, a2a_backend=backend,
-                              registry=db_address, deployment=f"eplb-{backend}", enable_eplb=True,
-                              ep_num_redundant_experts=2)
+            spec = WorkerSpec(model=path, prompt_ids=(), max_new_tokens=0, ep_size=world_size,
+                              registry=db_address, deployment=f"eplb-{backend}",
+                              runtime=Runtime(a2a_backend=backend, enable_eplb=True, ep_num_redundant_experts=2))
             grid = grid or init_rank(spec)
             model = load_runner(spec, grid)
             with torch.no_grad():
@@ -109,10 +111,11 @@ def test_draft_with_another_fusion_intent_never_changes_the_target(tmp_path_fact
     target = str(make_checkpoint(tmp_path_factory.mktemp("q2t"), QWEN2, seed=0))
     draft = str(make_checkpoint(tmp_path_factory.mktemp("q2d"), QWEN2, seed=1))
     cache = str(tmp_path / "wc")         # one weight-cache flag for everyone, as the CLI passes it
-    spec = WorkerSpec(model=target, prompt_ids=(3, 1, 4, 1, 5), max_new_tokens=6, ep_size=2, db_url=db_url,
-                      draft=draft, num_draft_tokens=3, runtime={"weight_cache": cache},
-                      draft_runtime={"disable_shared_experts_fusion": True, "weight_cache": cache})
-    out = generate_distributed(spec, 2, timeout_s=180)
+    with EmbeddedRegistry(db_url) as reg:
+        spec = WorkerSpec(model=target, prompt_ids=(3, 1, 4, 1, 5), max_new_tokens=6, ep_size=2,
+                          registry=reg.address, draft=draft, num_draft_tokens=3, weight_cache=cache,
+                          draft_runtime=Runtime(disable_shared_experts_fusion=True))
+        out = generate_distributed(spec, 2, timeout_s=180)
     # each runner (rank x role) holds other tensors: one cache file each, never one shared
     assert sorted(f.name for f in tmp_path.glob("wc.*")) == \
         ["wc.speculative.rank0", "wc.speculative.rank1", "wc.target.rank0", "wc.target.rank1"]
@@ -131,7 +134,7 @@ def test_draft_with_another_fusion_intent_never_changes_the_target(tmp_path_fact
 
 def _disagreeing_rank(rank, world_size, spec):
     if rank == 1:   # the same deployment, but this rank asks for another backend
-        spec = dataclasses.replace(spec, a2a_backend="mori")
+        spec = dataclasses.replace(spec, runtime=Runtime(a2a_backend="mori"))
     return run_rank(rank, world_size, spec)
 
 
@@ -150,3 +153,9 @@ def test_an_unreachable_registry_fails_the_run(qwen3):
     with pytest.raises(RankFailed) as e:
         generate_distributed(spec, 2, timeout_s=120)
     assert "UNAVAILABLE" in e.value.error
+
+
+def test_ranks_without_a_registry_address_are_refused_before_any_launch(qwen3):
+    spec = WorkerSpec(model=qwen3, prompt_ids=(1, 2), max_new_tokens=2, ep_size=2)
+    with pytest.raises(ValueError, match=r"WorkerSpec.registry: the ranks are processes of their own"):
+        generate_distributed(spec, 2, timeout_s=10)

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from loadplan.client import convert
 from loadplan.plan import Parallel, ResolveRequest, Runtime
-from loadplan.service.errors import FailedPrecondition, InvalidArgument, NotFound, RegistryError
+from loadplan.errors import FailedPrecondition, InvalidArgument, NotFound, RegistryError
 from loadplan.service.registry import Registry
 from loadplan.service.rules.backends import BACKENDS
 from loadplan.service.server import DEFAULT_MAX_RECEIVE_BYTES, RegistryServer, ServerOptions

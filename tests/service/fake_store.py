@@ -14,7 +14,7 @@ import threading
 from typing import Sequence
 
 from loadplan.plan import Decision, LoadPlan
-from loadplan.service.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from loadplan.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from loadplan.service.registry import NewPlan, PlanFilter
 from loadplan.service.rules.resolve import diff_deployment_inputs, fingerprint
 

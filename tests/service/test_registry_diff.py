@@ -9,7 +9,7 @@ import datetime as dt
 import pytest
 
 from loadplan.plan import Keys, LoadPlan, Parallel, ResolveRequest, Runtime
-from loadplan.service.errors import InvalidArgument, NotFound
+from loadplan.errors import InvalidArgument, NotFound
 from loadplan.service.registry import Registry, diff_plans
 
 TARGET = {"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 8, "n_routed_experts": 256,

@@ -101,7 +101,7 @@ def plan_for_worker(settings: Settings, vllm_config, model_config, model_class):
     started = time.perf_counter()         # what the plugin adds to a worker's start, client import included
     from vllm.logger import init_logger
 
-    from ...client import RegistryCallError, RegistryClient
+    from loadplan.client import RegistryCallError, RegistryClient
     from .agreement import PlanRefused, check_agreement
     from .built import about_to_build
     from .identity import identity_of, resolve_request

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loadplan.engine.layers.deepseek_router import DeepseekV3Router
+from loadplan.engine.layers.deepseek_router import DeepseekV3Router, RouterSpec
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_ds  # noqa: E402
@@ -23,7 +23,7 @@ def _pair(n_experts, top_k, n_group, topk_group, norm, rsf, seed=0, **kw):
         ref.weight.normal_()
         # A bias comparable to the scores' spread, so it changes which experts win.
         ref.e_score_correction_bias.normal_(std=0.3)
-    ours = DeepseekV3Router(D, n_experts, top_k, n_group, topk_group, norm, rsf, **kw)
+    ours = DeepseekV3Router(RouterSpec(D, n_experts, top_k, n_group, topk_group, norm, rsf), **kw)
     ours.load_state_dict(ref.state_dict(), strict=True)
     return ref, ours
 
@@ -73,7 +73,7 @@ def test_fused_shared_slot_counts_once(norm, rsf):
     """Fused (shared as slot E) equals unfused shared(x) + routed(x), with and without renormalisation."""
     E, T = 32, 20
     _, unfused = _pair(E, 4, 4, 2, norm, rsf)
-    fused = DeepseekV3Router(D, E, 4, 4, 2, norm, rsf, num_fused_shared_experts=1)
+    fused = DeepseekV3Router(RouterSpec(D, E, 4, 4, 2, norm, rsf), num_fused_shared_experts=1)
     fused.load_state_dict(unfused.state_dict())
     x = torch.randn(T, D)
     expert_out = torch.randn(E + 1, T, D)  # slot E plays the shared expert
@@ -91,7 +91,7 @@ def test_design_formula_when_renormalised():
     """DESIGN 5.3: fused column = sum(routed)/rsf before renormalisation -> 1/rsf of the routed total after."""
     rsf = 2.5
     _, unfused = _pair(32, 4, 4, 2, True, rsf)
-    fused = DeepseekV3Router(D, 32, 4, 4, 2, True, rsf, num_fused_shared_experts=1)
+    fused = DeepseekV3Router(RouterSpec(D, 32, 4, 4, 2, True, rsf), num_fused_shared_experts=1)
     fused.load_state_dict(unfused.state_dict())
     _, w = fused(torch.randn(10, D))
     # after the final x rsf, routed weights sum to rsf and the shared one is rsf * (1/rsf)
@@ -101,7 +101,8 @@ def test_design_formula_when_renormalised():
 
 def test_fused_shared_expert_scale_multiplies_only_the_shared_column():
     _, base = _pair(32, 4, 4, 2, True, 2.5)
-    half = DeepseekV3Router(D, 32, 4, 4, 2, True, 2.5, num_fused_shared_experts=1, fused_shared_expert_scale=0.5)
+    half = DeepseekV3Router(RouterSpec(D, 32, 4, 4, 2, True, 2.5), num_fused_shared_experts=1,
+                            fused_shared_expert_scale=0.5)
     half.load_state_dict(base.state_dict())
     x = torch.randn(10, D)
     ids, w = base(x)
@@ -111,9 +112,9 @@ def test_fused_shared_expert_scale_multiplies_only_the_shared_column():
 
 
 def test_parameter_names_follow_the_checkpoint():
-    assert set(DeepseekV3Router(D, 16, 2).state_dict()) == {"weight", "e_score_correction_bias"}
+    assert set(DeepseekV3Router(RouterSpec(D, 16, 2)).state_dict()) == {"weight", "e_score_correction_bias"}
 
 
 def test_more_than_one_fused_slot_is_refused():
     with pytest.raises(ValueError, match="supported: 0, 1"):
-        DeepseekV3Router(D, 16, 2, num_fused_shared_experts=2)
+        DeepseekV3Router(RouterSpec(D, 16, 2), num_fused_shared_experts=2)

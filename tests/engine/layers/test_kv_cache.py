@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loadplan.engine.layers.attention import GQAttention
+from loadplan.engine.layers.attention import AttentionSpec, GQAttention
 from loadplan.engine.layers.kv_cache import KVCache, WindowKVCache
 
 
@@ -63,8 +63,7 @@ def test_positions_must_follow_each_other():
 @pytest.mark.parametrize("window, lookahead, max_len, kind, slots", [
     (4, 0, 32, WindowKVCache, 4), (4, 3, 32, WindowKVCache, 7), (4, 0, 4, KVCache, 4), (None, 5, 32, KVCache, 32)])
 def test_a_window_layer_gets_a_ring_when_it_is_smaller(window, lookahead, max_len, kind, slots):
-    attn = GQAttention(16, 2, 1, 8, qkv_bias=False, o_bias=False, qk_norm=False, rms_norm_eps=1e-6,
-                       sliding_window=window)
+    attn = GQAttention(AttentionSpec(16, 2, 1, 8, sliding_window=window))
     cache = attn.setup_cache(1, max_len, torch.float32, "cpu", lookahead)
     assert type(cache) is kind and cache.k_cache.shape[2] == slots
 
@@ -74,8 +73,7 @@ def test_attention_through_the_ring_equals_attention_without_a_cache():
     uncached forward over the whole sequence at that position."""
     torch.manual_seed(0)
     for sinks in (False, True):
-        attn = GQAttention(16, 2, 1, 8, qkv_bias=True, o_bias=True, qk_norm=False, rms_norm_eps=1e-6,
-                           sliding_window=3, sinks=sinks)
+        attn = GQAttention(AttentionSpec(16, 2, 1, 8, qkv_bias=True, o_bias=True, sliding_window=3, sinks=sinks))
         with torch.no_grad():
             for p in attn.parameters():
                 p.copy_(torch.randn(p.shape) * 0.3)

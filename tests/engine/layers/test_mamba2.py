@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from loadplan.engine.layers.mamba2 import GroupedGatedRMSNorm, Mamba2Mixer, ssd_chunked, ssd_steps
+from loadplan.engine.layers.mamba2 import GroupedGatedRMSNorm, Mamba2Mixer, Mamba2Spec, ssd_chunked, ssd_steps
 
 
 def _inputs(T: int, B: int = 2, H: int = 3, N: int = 8, P: int = 5, seed: int = 0):
@@ -49,8 +49,8 @@ def test_the_grouped_norm_normalises_each_group_on_its_own():
 
 def _layer(seed: int = 0) -> Mamba2Mixer:
     torch.manual_seed(seed)
-    layer = Mamba2Mixer(hidden_size=16, n_heads=4, head_dim=8, n_groups=2, state_size=6, conv_kernel=4,
-                        conv_bias=True, proj_bias=False, rms_norm_eps=1e-6, time_step_limit=(0.0, math.inf))
+    layer = Mamba2Mixer(Mamba2Spec(hidden_size=16, n_heads=4, head_dim=8, n_groups=2, state_size=6, conv_kernel=4,
+                                   conv_bias=True, proj_bias=False, rms_norm_eps=1e-6, time_step_limit=(0.0, math.inf)))
     with torch.no_grad():
         for p in layer.parameters():
             p.copy_(torch.randn(p.shape) / math.sqrt(p.shape[-1]) if p.dim() > 1 else torch.randn(p.shape) * 0.5)

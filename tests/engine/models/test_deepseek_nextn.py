@@ -19,6 +19,7 @@ from loadplan.engine.generate import generate
 from loadplan.engine.models.config import ConfigError
 from loadplan.engine.speculative import speculative_generate
 from loadplan.engine.weights import MissingTensor
+from loadplan.plan import Runtime
 
 import engine_helpers
 from engine_helpers import DEEPSEEK_TINY as TINY
@@ -354,7 +355,7 @@ def test_loadplan_generate_with_the_nextn_draft_behind_pipeline_stages(ckpt, tmp
     assert draft_plan["plan_id"] == doc["draft_plan_id"]
 
 
-def test_the_nextn_draft_behind_two_stages_of_two_ep_ranks_drafts_as_one_process(ckpt, tmp_path):
+def test_the_nextn_draft_behind_two_stages_of_two_ep_ranks_drafts_as_one_process(ckpt, registry_address):
     """PP 2 x EP 2 with DeepEP: the draft on the last stage's two EP ranks dispatches over that stage's EP group."""
     from loadplan.engine.worker import WorkerSpec, generate_distributed
 
@@ -364,8 +365,8 @@ def test_the_nextn_draft_behind_two_stages_of_two_ep_ranks_drafts_as_one_process
                                        load_local(draft_dir, role="speculative", a2a_backend="deepep"),
                                        prompt_ids, 10, 2)
     spec = WorkerSpec(model=str(target_dir), draft=str(draft_dir), num_draft_tokens=2, prompt_ids=tuple(prompt_ids),
-                      max_new_tokens=10, pp_size=2, ep_size=2, a2a_backend="deepep",
-                      db_url=f"sqlite:///{tmp_path}/p.db")
+                      max_new_tokens=10, pp_size=2, ep_size=2, runtime=Runtime(a2a_backend="deepep"),
+                      registry=registry_address)
     run = generate_distributed(spec, nproc=4, timeout_s=240)
     assert (run["tokens"], run["accepted"], run["proposed"]) == (want, stats["accepted"], stats["proposed"])
     assert [r["draft_plan_id"] is not None for r in run["ranks"]] == [False, False, True, True]

@@ -52,7 +52,7 @@ def test_speculative_decoding_with_the_glm_nextn_draft_gives_the_targets_greedy_
     check_speculative_gives_the_targets_greedy_tokens(target_dir, draft_dir, ids, k)
 
 
-def test_the_glm_nextn_draft_on_two_ep_ranks_drafts_as_on_one_process(ckpt, tmp_path):
+def test_the_glm_nextn_draft_on_two_ep_ranks_drafts_as_on_one_process(ckpt, registry_address):
     """Target and draft each resolve their plan per rank (GLM's gate: the torch runner fuses under EP) and
     give one process's tokens and acceptance."""
     from loadplan.engine.speculative import speculative_generate
@@ -63,6 +63,6 @@ def test_the_glm_nextn_draft_on_two_ep_ranks_drafts_as_on_one_process(ckpt, tmp_
     want, stats = speculative_generate(load_local(target_dir), load_local(draft_dir, role="speculative"),
                                        prompt_ids, 10, 2)
     spec = WorkerSpec(model=str(target_dir), draft=str(draft_dir), num_draft_tokens=2, prompt_ids=tuple(prompt_ids),
-                      max_new_tokens=10, ep_size=2, db_url=f"sqlite:///{tmp_path}/p.db")
+                      max_new_tokens=10, ep_size=2, registry=registry_address)
     run = generate_distributed(spec, nproc=2, timeout_s=240)
     assert (run["tokens"], run["accepted"], run["proposed"]) == (want, stats["accepted"], stats["proposed"])

@@ -1,5 +1,5 @@
 """One reader of each layout field: which layers exist and which are MoE, the routed and shared expert counts and
-top-k are read from config.json by the registry's readers (`loadplan.service.rules.layouts`) alone. An engine family
+top-k are read from config.json by the registry's readers (`loadplan.layouts`) alone. An engine family
 takes them from `moe_layout(<its family's reader>, config)`, so the engine builds the very layout its plan was
 decided for, and a field read twice cannot be read two ways.
 
@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
-LAYOUTS = ROOT / "service" / "rules" / "layouts.py"
+LAYOUTS = ROOT / "loadplan" / "layouts.py"
 MODELS = ROOT / "engine" / "models"
 
 # Values the readers compare a field with, and the fields they read only to refuse a config their family's

@@ -99,7 +99,7 @@ def test_speculative_decoding_behind_the_wrapper_gives_the_targets_greedy_tokens
 
 
 @pytest.mark.parametrize("parallel", [{"ep_size": 2}, {"tp_size": 2}], ids=["ep2", "tp2"])
-def test_behind_the_wrapper_on_two_ranks_it_drafts_as_on_one_process(wrapped, tmp_path, parallel):
+def test_behind_the_wrapper_on_two_ranks_it_drafts_as_on_one_process(wrapped, registry_address, parallel):
     """Its stacked experts split by EP rank, or its heads and experts' features by TP rank: the same tokens and the
     same accepted / proposed counts as one process."""
     from loadplan.engine.speculative import speculative_generate
@@ -110,7 +110,7 @@ def test_behind_the_wrapper_on_two_ranks_it_drafts_as_on_one_process(wrapped, tm
     want, stats = speculative_generate(load_local(target_dir), load_local(draft_dir, role="speculative"),
                                        prompt_ids, 10, 2)
     spec = WorkerSpec(model=str(target_dir), draft=str(draft_dir), num_draft_tokens=2, prompt_ids=tuple(prompt_ids),
-                      max_new_tokens=10, db_url=f"sqlite:///{tmp_path}/p.db", **parallel)
+                      max_new_tokens=10, registry=registry_address, **parallel)
     run = generate_distributed(spec, nproc=2, timeout_s=240)
     assert (run["tokens"], run["accepted"], run["proposed"]) == (want, stats["accepted"], stats["proposed"])
     assert stats["proposed"] > 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from engine_helpers import LocalRegistry
+from engine_helpers import LocalRegistry, load_kwargs
 
 
 def single_process(path: str, ids: torch.Tensor, n_new: int, **load_kw) -> tuple[torch.Tensor, list[int]]:
@@ -16,7 +16,7 @@ def single_process(path: str, ids: torch.Tensor, n_new: int, **load_kw) -> tuple
     from loadplan.engine.generate import generate
     from loadplan.engine.loader import load_model
 
-    model = load_model(path, registry=LocalRegistry(), **load_kw)
+    model = load_model(path, registry=LocalRegistry(), **load_kwargs(**load_kw))
     with torch.no_grad():
         logits = model(ids)
     return logits, generate(model, ids[0], n_new)[0].tolist()

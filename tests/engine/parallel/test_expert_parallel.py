@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from loadplan.engine.parallel.launch import launch
-from loadplan.plan import Keys
+from loadplan.plan import Keys, Runtime
 from loadplan.service.rules.backends import BACKENDS
 
 from families import (AFMOE, AXK1, BAILING_HYBRID, COHERE2_MOE, DBRX, DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32, DOTS1,
@@ -50,8 +50,8 @@ def _ep_ranks(rank, world_size, path, ids, intents, double_reduce_backend):
     out = []
     for backend in BACKENDS:
         for intent in intents:
-            spec = WorkerSpec(model=path, prompt_ids=(), max_new_tokens=0, ep_size=world_size, a2a_backend=backend,
-                              runtime=INTENTS[intent] if intent else {})
+            spec = WorkerSpec(model=path, prompt_ids=(), max_new_tokens=0, ep_size=world_size,
+                              runtime=Runtime(a2a_backend=backend, **(INTENTS[intent] if intent else {})))
             grid = grid or init_rank(spec)
             model = load_runner(spec, grid, registry=LocalRegistry())
             d = model.plan.decisions
@@ -88,7 +88,8 @@ def _nextn_ranks(rank, world_size, target_path, draft_path, ids, intents):
     for backend in BACKENDS:
         for intent in intents:
             spec = WorkerSpec(model=target_path, prompt_ids=(), max_new_tokens=0, ep_size=world_size,
-                              a2a_backend=backend, draft=draft_path, draft_runtime=INTENTS[intent])
+                              runtime=Runtime(a2a_backend=backend), draft=draft_path,
+                              draft_runtime=Runtime(a2a_backend=backend, **INTENTS[intent]))
             grid = grid or init_rank(spec)
             registry = LocalRegistry()
             target = load_runner(spec, grid, registry=registry)

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from loadplan.engine.loader import load_model
 from loadplan.engine.weights import Target, WeightLayout, build_state_dict, is_local, remap
+from loadplan.plan import Parallel
 
 from engine_helpers import LocalRegistry
 
@@ -67,7 +68,7 @@ def test_kimi_wrapper_with_tied_embeddings_splits_over_two_stages(tmp_path):
     save_file(state, kimi / "model.safetensors")
     ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(2))
     whole = load_model(kimi, registry=LocalRegistry())
-    s0, s1 = (load_model(kimi, registry=LocalRegistry(), deployment="kimi-pp", pp_size=2, pp_rank=r)
+    s0, s1 = (load_model(kimi, Parallel(pp_size=2, pp_rank=r), registry=LocalRegistry(), deployment="kimi-pp")
               for r in range(2))
     with torch.no_grad():
         want = whole(ids)

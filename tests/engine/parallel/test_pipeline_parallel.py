@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from loadplan.engine.parallel.launch import launch
-from loadplan.plan import Keys
+from loadplan.plan import Keys, Runtime
 
 from families import (DEEPSEEK, GLM_MOE_DSA, GRANITEMOE_HYBRID, JAMBA, KIMI_LINEAR, KOLIBRI1, LONGCAT_FLASH, MISTRAL4,
                       NEMOTRON_H, PHIMOE, QWEN3, QWEN3_NEXT, STEP3P7, make_model)
@@ -35,8 +35,8 @@ def _stages(rank, world_size, paths, ids):
     grid = None
     out = {"timeout_s": collective_timeout().total_seconds()}   # what make_grid gives the EP/PP groups
     for arch, path in paths.items():
-        spec = WorkerSpec(model=path, prompt_ids=(), max_new_tokens=0, pp_size=world_size, enable_eplb=True,
-                          ep_num_redundant_experts=2)
+        spec = WorkerSpec(model=path, prompt_ids=(), max_new_tokens=0, pp_size=world_size,
+                          runtime=Runtime(enable_eplb=True, ep_num_redundant_experts=2))
         grid = grid or init_rank(spec)
         model = load_runner(spec, grid, registry=LocalRegistry())
         stage = model.stage

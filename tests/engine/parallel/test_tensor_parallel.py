@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from loadplan.engine.parallel.launch import launch
-from loadplan.plan import Keys
+from loadplan.plan import Keys, Runtime
 from loadplan.service.rules.backends import BACKENDS
 
-from engine_helpers import LocalRegistry, make_checkpoint, make_granitemoe_hybrid_checkpoint, make_nemotron_h_checkpoint
+from engine_helpers import (LocalRegistry, load_kwargs, make_checkpoint, make_granitemoe_hybrid_checkpoint,
+                            make_nemotron_h_checkpoint)
 from families import (AFMOE, AXK1, BAILING_HYBRID, COHERE2_MOE, DBRX, DEEPSEEK, DEEPSEEK_V2, DEEPSEEK_V32,
                       ERNIE4_5_MOE, EXAONE_MOE, FLEX_OLMO, FLINT, GLM4, GLM4V_MOE, GLM_MOE_DSA, GPT_OSS, GRANITEMOE,
                       GRANITEMOE_HYBRID, GRANITEMOE_SWA, HUNYUAN, HY_V3, JAMBA, KIMI_LINEAR, KOLIBRI1, LAGUNA, LLAMA4,
@@ -74,7 +75,7 @@ def _tp_ranks(rank, world_size, paths, ids, tp_size, pp_size):
     out = []
     for name, arch, intent in CASES if pp_size == 1 else CASES[:1]:
         spec = WorkerSpec(model=paths[name], prompt_ids=(), max_new_tokens=0, tp_size=tp_size, pp_size=pp_size,
-                          runtime=INTENTS[intent])
+                          runtime=Runtime(**INTENTS[intent]))
         grid = grid or init_rank(spec)
         model = load_runner(spec, grid, registry=LocalRegistry())
         d = model.plan.decisions
@@ -365,7 +366,7 @@ def _ep_tp_ranks(rank, world_size, paths, ids):
     for name, intent in (("qwen3", None), ("deepseek", "enforce"), ("deepseek", "disable"), ("mixtral", None),
                          ("gpt_oss", None)):
         spec = WorkerSpec(model=paths[name], prompt_ids=(), max_new_tokens=0, ep_size=2, tp_size=2,
-                          runtime=INTENTS[intent])
+                          runtime=Runtime(**INTENTS[intent]))
         grid = grid or init_rank(spec)
         model = load_runner(spec, grid, registry=LocalRegistry())
         experts = next(m for m in model.modules() if isinstance(m, RoutedExperts))
@@ -414,7 +415,7 @@ def _tp_eplb_ranks(rank, world_size, path, ids, ep_size, backend):
     from engine_helpers import LocalRegistry
 
     spec = WorkerSpec(model=path, prompt_ids=(), max_new_tokens=0, tp_size=world_size // ep_size, ep_size=ep_size,
-                      enable_eplb=True, ep_num_redundant_experts=2, a2a_backend=backend)
+                      runtime=Runtime(a2a_backend=backend, enable_eplb=True, ep_num_redundant_experts=2))
     model = load_runner(spec, init_rank(spec), registry=LocalRegistry())
     with torch.no_grad():
         before = model(ids)
@@ -451,7 +452,7 @@ def _load(path, **kw):
     from loadplan.engine.loader import load_model
 
     registry = LocalRegistry()
-    return registry, lambda: load_model(path, registry=registry, **kw)
+    return registry, lambda: load_model(path, registry=registry, **load_kwargs(**kw))
 
 
 def test_a_family_whose_layers_do_not_split_is_refused_before_any_plan(paths, monkeypatch):
@@ -467,7 +468,7 @@ def test_a_family_whose_layers_do_not_split_is_refused_before_any_plan(paths, mo
     assert registry.requests == []
 
 
-def test_the_nextn_draft_on_tp_ranks_drafts_as_on_one_process(tmp_path):
+def test_the_nextn_draft_on_tp_ranks_drafts_as_on_one_process(tmp_path, registry_address):
     """DeepSeek-V3 with its own MTP draft: the same tokens and the same accepted/proposed counts."""
     from loadplan.engine.make_checkpoints import make_checkpoints
     from loadplan.engine.worker import WorkerSpec, generate_distributed
@@ -476,7 +477,8 @@ def test_the_nextn_draft_on_tp_ranks_drafts_as_on_one_process(tmp_path):
     runs = {}
     for tp in (1, 2):
         spec = WorkerSpec(model=str(paths["target"]), draft=str(paths["nextn"]), num_draft_tokens=2,
-                          prompt_ids=(5, 17, 42), max_new_tokens=12, tp_size=tp, db_url=f"sqlite:///{tmp_path}/p.db")
+                          prompt_ids=(5, 17, 42), max_new_tokens=12, tp_size=tp,
+                          registry=registry_address)
         runs[tp] = generate_distributed(spec, nproc=tp, timeout_s=240)
     assert runs[2]["tokens"] == runs[1]["tokens"]
     assert (runs[2]["accepted"], runs[2]["proposed"]) == (runs[1]["accepted"], runs[1]["proposed"])
@@ -498,7 +500,7 @@ def _a2a_tp_ranks(rank, world_size, paths, ids, ep_size):
     for backend in A2A_BACKENDS:
         for name, intent in (("qwen3", None), ("deepseek", "enforce")):
             spec = WorkerSpec(model=paths[name], prompt_ids=(), max_new_tokens=0, ep_size=ep_size,
-                              tp_size=world_size // ep_size, a2a_backend=backend, runtime=INTENTS[intent])
+                              tp_size=world_size // ep_size, runtime=Runtime(a2a_backend=backend, **INTENTS[intent]))
             grid = grid or init_rank(spec)
             model = load_runner(spec, grid, registry=LocalRegistry())
             experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from loadplan.plan import Keys
-from loadplan.service.errors import NotFound
+from loadplan.errors import NotFound
 from loadplan.service.rules.backends import BACKENDS, backend
 from loadplan.service.rules.resolve import resolve_decisions
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadplan.service.errors import InvalidArgument
+from loadplan.errors import InvalidArgument
 from loadplan.service.rules.devices import (Device, parse_device, runs_fused_kernel,
                                             runs_fused_slots_under_ep)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from loadplan.plan import Keys, ResolveRequest, Runtime
-from loadplan.service.errors import InvalidArgument, NotFound
+from loadplan.errors import InvalidArgument, NotFound
 from loadplan.service.rules.devices import parse_device
 from loadplan.service.rules.engines import ENGINES, engine_of, with_engine
 from loadplan.service.rules.resolve import resolve_decisions

@@ -6,9 +6,10 @@ import dataclasses
 
 import pytest
 
-from loadplan.service.errors import InvalidArgument, NotFound
-from loadplan.service.rules import entries, gates, layouts
-from loadplan.service.rules.config_view import ConfigView
+from loadplan.errors import InvalidArgument, NotFound
+from loadplan import layouts
+from loadplan.service.rules import entries, gates
+from loadplan.config_view import ConfigView
 from loadplan.service.rules.entries import Direct, Family, Wrapper, chain_of, check_table, resolve_entry
 
 from ._fixtures import deepseek, kimi_k25, resolve

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from loadplan.plan import Keys
-from loadplan.service.errors import InvalidArgument
+from loadplan.errors import InvalidArgument
 from loadplan.service.rules import entries
 
 from ._fixtures import deepseek, fusion, glm4, kimi_k25, qwen2, qwen3, resolve

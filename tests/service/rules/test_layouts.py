@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from loadplan.service.errors import InvalidArgument
+from loadplan.errors import InvalidArgument
 from loadplan.service.rules import entries
-from loadplan.service.rules.config_view import ConfigView
-from loadplan.service.rules.layouts import (afmoe_layout, axk1_layout, bailing_hybrid_layout, cohere2_moe_layout,
+from loadplan.config_view import ConfigView
+from loadplan.layouts import (afmoe_layout, axk1_layout, bailing_hybrid_layout, cohere2_moe_layout,
                                             dbrx_layout,
                                             deepseek_layout, deepseek_nextn_layout, ernie4_5_moe_layout,
                                             every_layer_moe_layout, exaone_moe_layout, flint_layout,
@@ -619,7 +619,7 @@ def test_glm4_moe_layout_has_glm_defaults_the_engine_builds_too():
     so a config that leaves first_k_dense_replace / n_shared_experts out gets GLM's defaults in both (before, the
     registry read DeepSeek's: layer 0 MoE, no shared expert, while the engine built layer 0 dense with one)."""
     from loadplan.engine.models.glm4_moe import Glm4MoeConfig
-    from loadplan.service.rules.layouts import glm4_moe_layout
+    from loadplan.layouts import glm4_moe_layout
 
     cfg = {"num_hidden_layers": 3, "num_local_experts": 8, "num_experts_per_tok": 2}
     lay = entries.FAMILIES["glm4_moe"].layout(ConfigView(cfg))

@@ -10,7 +10,7 @@ import copy
 import pytest
 
 from loadplan.plan import Keys, ResolveRequest
-from loadplan.service.errors import FailedPrecondition, InvalidArgument
+from loadplan.errors import FailedPrecondition, InvalidArgument
 from loadplan.service.rules.resolve import resolve_decisions
 
 from ._fixtures import REAL_CONFIGS, load_config, real_request, request

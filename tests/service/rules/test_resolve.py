@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loadplan.plan import Keys, Parallel, Runtime
-from loadplan.service.errors import FailedPrecondition, InvalidArgument, NotFound
+from loadplan.errors import FailedPrecondition, InvalidArgument, NotFound
 from loadplan.service.rules import RULESET_VERSION, entries
-from loadplan.service.rules.config_view import ConfigView
+from loadplan.config_view import ConfigView
 from loadplan.service.rules.resolve import (deployment_inputs, diff_deployment_inputs, fingerprint,
                                             resolve_decisions, stage_range, validate_request)
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loadplan.service.errors import RegistryError
+from loadplan.errors import RegistryError
 from loadplan.service.rules import resolve as rules
 from loadplan.service.rules.resolve import DEPLOYMENT_CACHE, resolve_decisions
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from loadplan.plan import Keys
-from loadplan.service.errors import FailedPrecondition
+from loadplan.errors import FailedPrecondition
 
 from ._fixtures import resolve
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from loadplan.plan import Keys
-from loadplan.service.errors import FailedPrecondition, NotFound
+from loadplan.errors import FailedPrecondition, NotFound
 from loadplan.service.rules import entries, sglang
-from loadplan.service.rules.config_view import ConfigView
+from loadplan.config_view import ConfigView
 
 from ._fixtures import real_request
 from loadplan.service.rules.resolve import resolve_decisions
@@ -238,7 +238,7 @@ ERNIE = {"architectures": ["Ernie4_5_MoeForCausalLM"], "num_hidden_layers": 6, "
 ])
 def test_moe_layers_sglang_places_otherwise_than_the_plan_are_refused_for_sglang_alone(cfg, field, agreeing):
     from ._fixtures import resolve
-    from loadplan.service.errors import InvalidArgument
+    from loadplan.errors import InvalidArgument
 
     with pytest.raises(InvalidArgument) as e:
         resolve(cfg, engine="sglang", device="cuda:9.0")
@@ -286,7 +286,7 @@ def test_a_nextn_draft_of_other_than_one_mtp_layer_is_refused_for_sglang_in_its_
 ])
 def test_expert_counts_sglang_builds_otherwise_than_the_plan_are_refused_for_sglang_alone(cfg, field):
     from ._fixtures import resolve
-    from loadplan.service.errors import InvalidArgument
+    from loadplan.errors import InvalidArgument
 
     with pytest.raises(InvalidArgument) as e:
         resolve(cfg, engine="sglang", device="cuda:9.0")

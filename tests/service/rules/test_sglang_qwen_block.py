@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from loadplan.plan import Keys
-from loadplan.service.errors import FailedPrecondition
+from loadplan.errors import FailedPrecondition
 
 from ._fixtures import resolve
 

@@ -9,9 +9,9 @@ import pytest
 
 from loadplan.plan import Keys
 from loadplan.service.coverage import coverage_of
-from loadplan.service.errors import FailedPrecondition, InvalidArgument
-from loadplan.service.rules.config_view import ConfigView
-from loadplan.service.rules.layouts import minimax_m3_layout
+from loadplan.errors import FailedPrecondition, InvalidArgument
+from loadplan.config_view import ConfigView
+from loadplan.layouts import minimax_m3_layout
 
 from ._fixtures import deepseek, resolve
 

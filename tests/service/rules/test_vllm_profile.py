@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from loadplan.plan import Keys
-from loadplan.service.errors import FailedPrecondition, NotFound
+from loadplan.errors import FailedPrecondition, NotFound
 from loadplan.service.rules import vllm
 from loadplan.service.rules.resolve import resolve_decisions
 

@@ -10,7 +10,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
-from loadplan.service.errors import FailedPrecondition
+from loadplan.errors import FailedPrecondition
 from loadplan.service.registry import Registry
 from loadplan.service.store.db import WATCHDOG, make_engine, operation_timeout
 from loadplan.service.store.repository import SqlPlanStore

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from loadplan.service.errors import FailedPrecondition, Unavailable
+from loadplan.errors import FailedPrecondition, Unavailable
 from loadplan.service.store.group_commit import GroupCommit
 
 

@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from sqlalchemy import event
 
 from loadplan.plan import Decision, Keys, Parallel, ResolveRequest, Runtime
-from loadplan.service.errors import FailedPrecondition, NotFound
+from loadplan.errors import FailedPrecondition, NotFound
 from loadplan.service.registry import Registry
 from loadplan.service.store.db import make_engine, migrate
 from loadplan.service.store.repository import SqlPlanStore

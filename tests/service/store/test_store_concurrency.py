@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from sqlalchemy import event
 
 from loadplan.plan import Parallel, Runtime
-from loadplan.service.errors import Unavailable
+from loadplan.errors import Unavailable
 from loadplan.service.registry import Registry
 from loadplan.service.store.db import make_engine
 from loadplan.service.store.models import DeploymentPinRow

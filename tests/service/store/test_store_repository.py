@@ -11,7 +11,7 @@ import uuid
 import pytest
 
 from loadplan.plan import Decision, Keys, Parallel, Runtime
-from loadplan.service.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from loadplan.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from loadplan.service.registry import PlanFilter, Registry
 from loadplan.service.store.db import make_engine
 from loadplan.service.store.repository import SqlPlanStore

@@ -15,7 +15,7 @@ import pytest
 import sqlalchemy as sa
 
 from loadplan.plan import Decision, LoadPlan, Parallel, Runtime
-from loadplan.service.errors import FailedPrecondition, RegistryError
+from loadplan.errors import FailedPrecondition, RegistryError
 from loadplan.service.registry import NewPlan, Registry
 from loadplan.service.store.db import make_engine, migrate
 from loadplan.service.store.group_commit import GroupCommit

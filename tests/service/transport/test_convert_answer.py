@@ -12,7 +12,7 @@ from sample_requests import deepseek_config, request
 
 from loadplan.client.convert import plan_to_pb, request_to_pb
 from loadplan.plan import Decision, Parallel, Runtime
-from loadplan.service.errors import InvalidArgument
+from loadplan.errors import InvalidArgument
 from loadplan.service.registry import Registry
 from loadplan.service.transport.convert import answer_to_pb, request_from_pb
 

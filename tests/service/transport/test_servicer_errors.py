@@ -13,7 +13,7 @@ from sample_requests import deepseek_config, request
 from loadplan.client import RegistryCallError
 from loadplan.client.convert import request_to_pb
 from loadplan.plan import Parallel, Runtime
-from loadplan.service.errors import Unavailable
+from loadplan.errors import Unavailable
 from loadplan.v1 import registry_pb2 as pb
 from loadplan.v1 import registry_pb2_grpc as pb_grpc
 

@@ -27,7 +27,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ..cli.errors import CliError, one_line
+from ..plan import Runtime
+from .errors import CliError, one_line
 
 DEFAULT_DIR = "demo-out"
 DEFAULT_PROMPT = "5,17,42"
@@ -61,8 +62,8 @@ def run_demo(args: argparse.Namespace) -> int:
     except ValueError:
         raise CliError("INVALID_ARGUMENT", f"--prompt-ids: expected comma-separated token ids, got "
                        f"{args.prompt_ids!r}") from None
-    from ..service.embedded import EmbeddedRegistry
-    from .make_checkpoints import VOCAB, make_checkpoints
+    from loadplan.engine.make_checkpoints import VOCAB, make_checkpoints
+    from loadplan.service.embedded import EmbeddedRegistry
 
     if not prompt or not all(0 <= t < VOCAB for t in prompt):
         raise CliError("INVALID_ARGUMENT", f"--prompt-ids: token ids must be in [0, {VOCAB}) (the demo "
@@ -123,16 +124,16 @@ def run_worker(*, target: str, draft: str, prompt: list[int], max_new_tokens: in
     The ranks are the worker's (engine/worker.py: its spec, grid and `load_runner`, so
     every runner resolves its own plan at the single instantiation point); the demo's rank
     function only adds progress bars, drawn by rank 0."""
-    from .parallel.launch import RankFailed, launch
-    from .worker import WorkerSpec
+    from loadplan.engine.parallel.launch import RankFailed, launch
+    from loadplan.engine.worker import WorkerSpec
 
     spec = WorkerSpec(model=target, draft=draft, prompt_ids=tuple(prompt), max_new_tokens=max_new_tokens,
-                      num_draft_tokens=num_draft_tokens, ep_size=nproc, a2a_backend=a2a_backend,
+                      num_draft_tokens=num_draft_tokens, ep_size=nproc, runtime=Runtime(a2a_backend=a2a_backend),
                       deployment=deployment, registry=registry)
     try:
         ranks = launch(nproc, demo_rank, spec, progress)
     except RankFailed as e:
-        from .cli import rank_error
+        from .generate import rank_error
 
         status, message = rank_error(e.error)
         raise CliError(status, f"rank {e.rank} of {nproc} failed: {message}") from None
@@ -146,9 +147,9 @@ def demo_rank(rank: int, world_size: int, spec, progress: bool) -> dict[str, Any
     """One rank: the worker's runners (target, then draft) and speculative decoding, with progress bars."""
     from tqdm import tqdm
 
-    from .generate import checkpoint_eos
-    from .speculative import speculative_generate
-    from .worker import init_rank, load_runner
+    from loadplan.engine.generate import checkpoint_eos
+    from loadplan.engine.speculative import speculative_generate
+    from loadplan.engine.worker import init_rank, load_runner
 
     show = progress and rank == 0
     grid = init_rank(spec)
@@ -204,7 +205,7 @@ def _text(value: Any) -> str:
 
 def comparison_table(target, draft) -> str:
     """Decision by decision: the value each runner got, then why (reason and rule)."""
-    from ..cli.output import table
+    from .output import table
 
     rows = []
     for key in sorted(set(target.decisions) | set(draft.decisions)):
@@ -220,7 +221,7 @@ def comparison_table(target, draft) -> str:
 
 
 def diff_table(diff) -> str:
-    from ..cli.output import table
+    from .output import table
 
     out = []
     if diff.decisions:

@@ -68,7 +68,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..errors import InvalidArgument
+from .errors import InvalidArgument
 from .config_view import ConfigView, quote
 
 # Layers are enumerated (ids, MoE ids, a stage's EPLB layers): an absurd count from a

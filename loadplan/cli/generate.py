@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -24,8 +25,9 @@ import sys
 import uuid
 from typing import Any, Iterator
 
-from ..cli.errors import EXIT_FAILURE, CliError, one_line
-from ..cli.options import add_registry_arguments, add_runner_arguments, open_client, read_config
+from .errors import EXIT_FAILURE, CliError, one_line
+from .options import (add_registry_arguments, add_runner_arguments, default_db_url, embedded_registry, open_client,
+                      parallel_from_args, read_config, runtime_from_args)
 
 DEFAULT_NUM_DRAFT_TOKENS = 4
 
@@ -133,14 +135,9 @@ def _torch_device(name: str):
 
 
 def _load_kwargs(args) -> dict[str, Any]:
-    """load_model's runtime keywords from the flags `resolve` shares."""
-    return dict(
-        deployment=args.deployment, a2a_backend=args.a2a_backend, device=_torch_device(args.device),
-        tp_size=args.tp_size, ep_size=args.ep_size, pp_size=args.pp_size, enable_eplb=args.enable_eplb,
-        ep_num_redundant_experts=args.ep_num_redundant_experts,
-        disable_shared_experts_fusion=args.disable_shared_experts_fusion,
-        enforce_shared_experts_fusion=args.enforce_shared_experts_fusion, enable_sbo=args.enable_sbo,
-        enable_tbo=args.enable_tbo, quantization=args.quantization)
+    """load_model's parallel layout, runtime and keywords from the flags `resolve` shares."""
+    return dict(parallel=parallel_from_args(args), runtime=runtime_from_args(args), deployment=args.deployment,
+                quantization=args.quantization, device=_torch_device(args.device))
 
 
 @contextlib.contextmanager
@@ -168,9 +165,9 @@ def _bar(args, **kw):
 def _run_here(args) -> dict[str, Any]:
     import torch
 
-    from .generate import checkpoint_eos, generate
-    from .loader import load_model
-    from .speculative import speculative_generate
+    from loadplan.engine.generate import checkpoint_eos, generate
+    from loadplan.engine.loader import load_model
+    from loadplan.engine.speculative import speculative_generate
 
     kw = dict(_load_kwargs(args), dtype=getattr(torch, args.dtype))
     with engine_errors():
@@ -231,8 +228,8 @@ def _rank_environment(args) -> Iterator[None]:
 
 def _run_distributed(args) -> dict[str, Any]:
     try:
-        from .parallel.launch import RankFailed
-        from .worker import LOAD_FLAGS, WorkerSpec, generate_distributed
+        from loadplan.engine.parallel.launch import RankFailed
+        from loadplan.engine.worker import WorkerSpec, generate_distributed
     except ImportError as e:
         raise CliError("FAILED_PRECONDITION", f"--nproc {args.nproc}: multi-rank generation is not available in "
                        f"this build ({one_line(e)})", EXIT_FAILURE) from None
@@ -243,19 +240,20 @@ def _run_distributed(args) -> dict[str, Any]:
         raise CliError("INVALID_ARGUMENT", f"--role {args.role}: with --nproc the model is the target (a draft "
                        f"comes with --draft)")
     _torch_device(args.device)    # each rank takes its device from the process group (gloo: cpu, nccl: cuda)
-    flags = {k: getattr(args, k) for k in LOAD_FLAGS if getattr(args, k, None) is not None}
     try:
         spec = WorkerSpec(model=str(args.model), prompt_ids=tuple(args.prompt_ids),
                           max_new_tokens=args.max_new_tokens, ep_size=args.ep_size, pp_size=args.pp_size,
-                          tp_size=args.tp_size, a2a_backend=args.a2a_backend, deployment=args.deployment,
-                          registry=args.registry,
-                          db_url=args.db, runtime=flags, draft=str(args.draft) if args.draft else None,
-                          num_draft_tokens=args.num_draft_tokens, draft_runtime=flags, dtype=args.dtype,
-                          enable_eplb=args.enable_eplb, ep_num_redundant_experts=args.ep_num_redundant_experts)
+                          tp_size=args.tp_size, deployment=args.deployment, registry=args.registry,
+                          runtime=runtime_from_args(args), quantization=args.quantization,
+                          draft=str(args.draft) if args.draft else None, num_draft_tokens=args.num_draft_tokens,
+                          dtype=args.dtype)
     except ValueError as e:
         raise CliError("INVALID_ARGUMENT", one_line(e)) from None
     try:
-        with _rank_environment(args):
+        with _rank_environment(args), contextlib.ExitStack() as stack:
+            if spec.registry is None:   # the embedded default: one registry in this process for every rank
+                reg = stack.enter_context(embedded_registry(args.db or default_db_url()))
+                spec = dataclasses.replace(spec, registry=reg.address)
             res = generate_distributed(spec, args.nproc, timeout_s=args.rank_timeout)
     except RankFailed as e:
         status, message = rank_error(e.error)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..errors import InvalidArgument
+from .errors import InvalidArgument
 
 _MISSING = object()
 # A wrong value is quoted in the error, cut to this length: a 3 MiB string in the wrong
