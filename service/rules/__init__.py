@@ -4,4 +4,4 @@
 its decisions; everything else here is a table or a small helper of it.
 """
 
-RULESET_VERSION = "2026.12.3"   # the vllm 0.32.0 profile agrees with vLLM's own decision code (DP flattening, a2a, get_pp_indices)
+RULESET_VERSION = "2026.12.7"   # sglang profiles of 0.5.20-0.5.23, refusals in SGLang's own words, the MoE runner on every plan
