@@ -143,6 +143,13 @@ class RegistryClient:
                                  e.message, e.ok) for e in reply.entries]
         return CoverageReport(entries, reply.ok)
 
+    def record_observed_plan(self, request: ResolveRequest, decisions: Sequence[Decision],
+                             *, timeout: float | None = None) -> LoadPlan:
+        """What an engine release without a profile decided for this runner, recorded as its plan."""
+        msg = pb.RecordObservedPlanRequest(request=convert.request_to_pb(request),
+                                           decisions=convert.decisions_to_pb(decisions))
+        return convert.plan_from_pb(self._call("RecordObservedPlan", msg, timeout))
+
     def upgrade_check(self, engine: str, to_version: str, from_version: str = "", deployment_id: str | None = None,
                       *, timeout: float | None = None) -> UpgradeReport:
         """What every stored deployment of `engine` (or the one named) would be planned under `to_version`."""

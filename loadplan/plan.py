@@ -114,6 +114,13 @@ class LoadPlan:
     def value(self, key: str) -> Any:
         return self.decisions[key].value
 
+    @property
+    def observed(self) -> bool:
+        """An observed plan: the engine release had no profile, the engine decided and the registry recorded it
+        (service/rules/observed.py); its `engine.profile` says so."""
+        profile = self.decisions.get(Keys.ENGINE_PROFILE)
+        return profile is not None and profile.rule.startswith("observed.")
+
     def dated(self) -> "LoadPlan":
         """This plan with a time on every decision: those without one (a new plan's, as the
         registry decided them) were decided at its created_at. A stored or received plan is so."""

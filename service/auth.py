@@ -58,6 +58,7 @@ ROLES = (WORKER, READER, ADMIN)
 METHOD_ROLES: dict[str, frozenset[str]] = {
     "ResolveLoadPlan": frozenset({WORKER, ADMIN}),
     "AppendDecisions": frozenset({WORKER, ADMIN}),
+    "RecordObservedPlan": frozenset({WORKER, ADMIN}),
     "GetPlan": frozenset({WORKER, READER, ADMIN}),
     "ListPlans": frozenset({READER, ADMIN}),
     "DiffPlans": frozenset({READER, ADMIN}),

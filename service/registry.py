@@ -21,6 +21,7 @@ from loadplan.errors import InvalidArgument
 from loadplan.plan import Decision, LoadPlan, Parallel, PlanDiff, ResolveRequest, Runtime
 from loadplan.upgrade import UpgradeReport
 from .rules import RULESET_VERSION
+from .rules.observed import observed_decisions
 from .rules.resolve import diff_deployment_inputs, fingerprint, resolve_decisions
 from .upgrade_check import check_upgrade
 
@@ -129,9 +130,24 @@ class Registry:
             return await self._save(new)
         return await asyncio.to_thread(self.store.save_plan, new)
 
+    def record_observed(self, req: ResolveRequest, observed: Sequence[Decision]) -> LoadPlan:
+        """Save what an engine release without a profile decided (service/rules/observed.py), as a plan."""
+        by_key = {}
+        for i, d in enumerate(observed):
+            if not d.key:
+                raise InvalidArgument(f"decisions[{i}].key", "required")
+            if d.key in by_key:
+                raise InvalidArgument(f"decisions[{i}].key", f"{d.key!r} twice")
+            by_key[d.key] = d
+        if not by_key:
+            raise InvalidArgument("decisions", "at least one decision the engine made")
+        return self.store.save_plan(self._new_plan(observed_decisions(req, by_key))).dated()
+
     def new_plan(self, req: ResolveRequest, inputs_key: Hashable | None = None) -> NewPlan:
         """Validate and decide (no store involved): the plan to save."""
-        res = resolve_decisions(req, inputs_key)
+        return self._new_plan(resolve_decisions(req, inputs_key))
+
+    def _new_plan(self, res) -> NewPlan:
         req = res.request   # the runtime names the engine that decided
         now = self.clock()
         plan = LoadPlan(

@@ -48,6 +48,7 @@ def plan_json(plan: LoadPlan, *, history: bool = False) -> dict[str, Any]:
         "runtime": dataclasses.asdict(req.runtime),
         "config_fingerprint": plan.config_fingerprint,
         "quantization": plan.quantization,
+        "observed": plan.observed,
     })
     if history:
         doc["history"] = [{"key": d.key, "revision": d.revision, "decided_at": iso(d.decided_at),
@@ -61,8 +62,9 @@ def plan_header(plan: LoadPlan) -> str:
             f"  deployment {req.deployment_id}  role {req.role}  {ranks(plan)}  host {req.host or '-'}\n"
             f"  entry class {plan.entry_class}  quantization {plan.quantization or '-'}  "
             f"ruleset {plan.ruleset_version}  created {iso(plan.created_at) or '-'}\n"
-            f"  engine {req.runtime.engine or '-'} {req.runtime.engine_version}  device {req.runtime.device}  "
-            f"a2a backend {req.runtime.a2a_backend}")
+            f"  engine {req.runtime.engine or '-'} {req.runtime.engine_version}"
+            f"{' (OBSERVED: no profile of this release; the engine decided)' if plan.observed else ''}  "
+            f"device {req.runtime.device}  a2a backend {req.runtime.a2a_backend}")
 
 
 def decisions_table(plan: LoadPlan) -> str:

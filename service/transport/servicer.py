@@ -109,6 +109,12 @@ class ModelRegistryServicer(pb_grpc.ModelRegistryServicer):
         return convert.answer_to_pb(plan)
 
     @_rpc
+    async def RecordObservedPlan(self, request, context):
+        req = convert.request_from_pb(request.request)
+        decisions = convert.decisions_from_pb(request.decisions)
+        return convert.plan_to_pb(await self._blocking(self.registry.record_observed, req, decisions))
+
+    @_rpc
     async def GetPlan(self, request, context):
         plan = await self._blocking(self.registry.get_plan, request.plan_id, request.include_history)
         return convert.plan_to_pb(plan)

@@ -3,7 +3,7 @@
 One module-scoped registry per test module (a start costs ~1 s): deployment `dsv3-ep2`
 (DeepSeek-V3, two EP ranks, each with a draft of its own that does not fuse), deployment
 `qwen-one` (one Qwen3 rank), EPLB rebalances appended to the first rank's plan, and the oldest, `qwen-fuseep`, an
-SGLang 0.5.22 deployment.
+SGLang 0.5.22 deployment, and before it `dsv3-observed`, an observed plan of SGLang 0.5.19 (no profile).
 """
 
 from __future__ import annotations
@@ -52,7 +52,13 @@ class Guarded:
 
 
 def _fill(client: RegistryClient) -> tuple[list[LoadPlan], list[LoadPlan], LoadPlan, LoadPlan]:
-    # An SGLang 0.5.22 deployment whose forward path 0.5.23 changes (the upgrade-check page), the oldest here.
+    # An observed plan of SGLang 0.5.19, a release without a profile, the oldest here; then an SGLang 0.5.22
+    # deployment whose forward path 0.5.23 changes (the upgrade-check page).
+    client.record_observed_plan(request(real_config("deepseek-v3"), deployment_id="dsv3-observed",
+                                        parallel=Parallel(tp_size=8), runtime=Runtime(
+                                            device="cuda:9.0", engine="sglang", engine_version="0.5.19")),
+                                [Decision(Keys.SHARED_EXPERTS_FUSION, True, "SGLang 0.5.19 decided", "adapter"),
+                                 Decision(Keys.NUM_FUSED_SHARED_EXPERTS, 1, "its model's count", "adapter")])
     client.resolve_load_plan(request(real_config("qwen1.5-moe-a2.7b"), deployment_id="qwen-fuseep",
                                      parallel=Parallel(tp_size=8), runtime=Runtime(
                                          a2a_backend="ascend_fuseep", device="cuda:10.0", engine="sglang",

@@ -55,7 +55,7 @@ def test_metrics_stay_open_for_scrapers(guarded):
 
 def test_metrics_count_refusals_and_time_commits(history):
     """By status: a refused resolve is counted with the request's role, and timed; the group
-    commits of the fixture's eight plans are timed and sized."""
+    commits of the fixture's eight resolved plans are timed and sized (its observed one is saved alone)."""
     bad = request_to_pb(request(deepseek_config(), deployment_id="x", role="speculative"))
     bad.config_json = "{not json"
     with grpc.insecure_channel(history.grpc) as ch, pytest.raises(grpc.RpcError) as info:

@@ -51,7 +51,7 @@ def first_cells(page) -> list[str]:
 
 def test_list_to_deployment_to_plan_to_diff(page, history):
     page.goto(f"{history.base}/deployments")
-    assert first_cells(page) == ["split-ep2", "qwen-one", "dsv3-ep2", "qwen-fuseep"]      # newest first
+    assert first_cells(page) == ["split-ep2", "qwen-one", "dsv3-ep2", "qwen-fuseep", "dsv3-observed"]  # newest first
     shot(page, "1-deployments")
 
     page.get_by_role("link", name="dsv3-ep2").click()
@@ -95,7 +95,7 @@ def test_filter_by_model_and_time(page, history):
     page.fill("input[name=model]", "deepseek")
     page.click("button[type=submit]")
     page.wait_for_url("**model=deepseek*")
-    assert first_cells(page) == ["split-ep2", "dsv3-ep2"]
+    assert first_cells(page) == ["split-ep2", "dsv3-ep2", "dsv3-observed"]
     page.goto(f"{history.base}/deployments?before=2000-01-01T00:00")
     assert "No deployment matches" in page.locator("main").inner_text()
 
@@ -145,3 +145,14 @@ def test_the_upgrade_check_page_names_what_a_release_changes(page, history):
     change = page.locator(".upgrade-changes[data-deployment=qwen-fuseep] tr", has_text="moe.forward_path")
     assert "normal" in change.locator("td.a").inner_text() and "a2a" in change.locator("td.b").inner_text()
     shot(page, "6-upgrade-check")
+
+
+def test_an_observed_plan_is_shown_as_observed_with_its_release(page, history):
+    page.goto(f"{history.base}/deployments/dsv3-observed")
+    cell = page.locator(".runners[data-role=target] tr", has_text="sglang 0.5.19 (observed)")
+    assert cell.count() == 1 and cell.locator(".observed").count() == 1
+    page.locator(".runners[data-role=target] .plan-link").first.click()
+    page.wait_for_url("**/plans/*")
+    assert "the release has no profile" in page.locator("main").inner_text()
+    assert page.locator("#observed").count() == 1
+    shot(page, "7-observed-plan")

@@ -13,18 +13,19 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from sample_requests import request
 
 from loadplan.client import RegistryCallError, RegistryClient
-from loadplan.plan import Decision
+from loadplan.plan import Decision, Runtime
 from loadplan.v1 import registry_pb2 as pb
 from loadplan.v1 import registry_pb2_grpc as pb_grpc
 
 # The table, written out independently of service/auth.py's METHOD_ROLES.
 ALLOWED = {
-    "worker": {"ResolveLoadPlan", "AppendDecisions", "GetPlan", "ListBackends", "CheckCoverage", "Echo"},
+    "worker": {"ResolveLoadPlan", "RecordObservedPlan", "AppendDecisions", "GetPlan", "ListBackends", "CheckCoverage",
+               "Echo"},
     "reader": {"GetPlan", "ListPlans", "DiffPlans", "CheckUpgrade", "ListBackends", "CheckCoverage", "Echo"},
-    "admin": {"ResolveLoadPlan", "AppendDecisions", "GetPlan", "ListPlans", "DiffPlans", "CheckUpgrade",
+    "admin": {"ResolveLoadPlan", "RecordObservedPlan", "AppendDecisions", "GetPlan", "ListPlans", "DiffPlans", "CheckUpgrade",
               "ListBackends", "CheckCoverage", "Echo"},
 }
-WRITES = {"ResolveLoadPlan", "AppendDecisions"}
+WRITES = {"ResolveLoadPlan", "RecordObservedPlan", "AppendDecisions"}
 REFUSALS = {"UNAUTHENTICATED", "PERMISSION_DENIED"}
 
 # One call per RPC; arguments that reach the handler are fine even when it answers NOT_FOUND.
@@ -32,6 +33,10 @@ CALLS = {
     "ResolveLoadPlan": lambda c: c.resolve_load_plan(request(deployment_id=f"dep-{uuid.uuid4().hex[:8]}")),
     "AppendDecisions": lambda c: c.append_decisions(uuid.uuid4().hex, "no-such-plan",
                                                     [Decision("eplb.rebalanced", True, "test", "test")]),
+    "RecordObservedPlan": lambda c: c.record_observed_plan(
+        request(deployment_id=f"dep-{uuid.uuid4().hex[:8]}",
+                runtime=Runtime(device="cuda:9.0", engine="sglang", engine_version="0.5.19")),
+        [Decision("moe.shared_experts_fusion", False, "observed", "adapter")]),
     "GetPlan": lambda c: c.get_plan("no-such-plan"),
     "ListPlans": lambda c: c.list_plans(page_size=10),
     "DiffPlans": lambda c: c.diff_plans("no-such-plan-a", "no-such-plan-b"),
