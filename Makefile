@@ -57,7 +57,10 @@ $(GEN): $(PROTO) scripts/gen_proto.py | $(VENV)/.tools
 # when its requirements change.
 SGLANG_NEWEST := 0.5.23
 SGLANG_OLDER := 0.5.20 0.5.21 0.5.22
-SGLANG_ENVS := .venv-sglang/.installed $(SGLANG_OLDER:%=.venv-sglang-%/.installed)
+# A release the registry has no profile of: the SGLang adapter's test of an observed plan runs it.
+SGLANG_UNPROFILED := 0.5.19
+SGLANG_ENVS := .venv-sglang/.installed $(SGLANG_OLDER:%=.venv-sglang-%/.installed) \
+	$(SGLANG_UNPROFILED:%=.venv-sglang-%/.installed)
 
 sglang-env: $(SGLANG_ENVS) $(GEN)
 

@@ -1,14 +1,20 @@
 """SGLang workers ask the registry: an adapter at SGLang's single instantiation point.
 
-SGLang's loader asks `resolve_shared_experts_config(model_class, hf_config, quant_config)`
-once per runner, just before it constructs the model (a draft's inside
-`draft_model_build_scope()`). With the adapter installed that function asks the registry
-(`ResolveLoadPlan`, engine `sglang`) instead, with the runner's identity read from SGLang's
-own published state, and hands the registry's decision back to SGLang in SGLang's own
-`SharedExpertsConfig`. The plan id is logged. A refused plan (a hazard, ranks that
-disagree) stops that runner's start with the registry's message; an unreachable registry
-is retried as the client retries, then stops the start too. Only `allow_fallback=True`
-lets SGLang decide on its own then, and it says so loudly.
+SGLang's loader asks its shared-experts step once per runner, just before it constructs the
+model (a draft's inside `draft_model_build_scope()`): `resolve_shared_experts_config(model_class,
+hf_config, quant_config)` from 0.5.23, `install_shared_experts_fusion_decision(...)` in 0.5.18 to
+0.5.22 (which installs the decision in SGLang's flags). With the adapter installed that step asks
+the registry (`ResolveLoadPlan`, engine `sglang`, the installed release) instead, with the runner's
+identity read from SGLang's own published state, and hands the registry's decision back to SGLang
+as that step would (SGLang's `SharedExpertsConfig`, or its flags). The plan id is logged. A
+refused plan (a hazard, ranks that disagree) stops that runner's start with the registry's
+message; an unreachable registry is retried as the client retries, then stops the start too.
+Only `allow_fallback=True` lets SGLang decide on its own then, and it says so loudly.
+
+A release the registry has no profile of never blocks a start: the registry answers NOT_FOUND
+for its `runtime.engine_version`, SGLang's own step decides, and the adapter records what it
+decided (`RecordObservedPlan`): an observed plan, with the same history, pins and rank
+agreement, and still refused where the registry knows the layout for a hazard.
 
     from loadplan.integrations import sglang
     sglang.install(registry="registry:50051", deployment="dsv3-prod")   # before SGLang loads
@@ -37,9 +43,10 @@ from ..plan import ENGINE_SGLANG, ROLE_SPECULATIVE, ROLE_TARGET, Keys, LoadPlan,
 
 log = logging.getLogger("loadplan.integrations.sglang")
 
-# The SGLang versions whose `resolve_shared_experts_config` (signature, its callers and
-# the state it reads) this adapter was written against and tested with.
-SUPPORTED_VERSIONS = ("0.5.23",)
+# The loader's shared-experts step, by its name in SGLang (newest first), and the oldest release that has one:
+# the adapter hooks whichever the installed SGLang has.
+STEPS = ("resolve_shared_experts_config", "install_shared_experts_fusion_decision")
+OLDEST = (0, 5, 18)
 
 # What `loadplan sglang-run` passes to the processes it starts.
 ENV_ACTIVE = "LOADPLAN_SGLANG"             # "1": the start-up hook installs the adapter
@@ -53,7 +60,6 @@ ENV_TIMEOUT = "LOADPLAN_SGLANG_TIMEOUT"
 # imported it by name.
 MOE_UTILS = "sglang.srt.layers.moe.utils"
 LOADER = "sglang.srt.model_loader.loader"
-FUNCTION = "resolve_shared_experts_config"
 
 
 class SglangVersionError(RuntimeError):
@@ -76,7 +82,7 @@ class Options:
 _lock = threading.Lock()
 _options: Options | None = None
 _client = None
-_original = None
+_originals: dict[str, Any] = {}     # step name -> SGLang's own function
 
 
 def sglang_version() -> str | None:
@@ -86,17 +92,28 @@ def sglang_version() -> str | None:
         return None
 
 
+def _release(version: str) -> tuple[int, ...]:
+    numbers = []
+    for part in version.split("."):
+        digits = "".join(c for c in part if c.isdigit()) if part[:1].isdigit() else ""
+        if not digits:
+            break
+        numbers.append(int(digits))
+    return tuple(numbers)
+
+
 def check_version(version: str | None = None) -> str:
-    """The installed SGLang version, refused unless this adapter knows it."""
+    """The installed SGLang version, refused only where the loader has no shared-experts step to hook (before
+    0.5.18). Any later release starts: profiled ones ask the registry, others are observed."""
     version = version if version is not None else sglang_version()
     if version is None:
         raise SglangVersionError("loadplan's SGLang adapter: sglang is not installed in this Python "
                                  f"({sys.executable})")
-    if version not in SUPPORTED_VERSIONS:
+    if _release(version) < OLDEST:
         raise SglangVersionError(
-            f"loadplan's SGLang adapter wraps resolve_shared_experts_config of sglang "
-            f"{', '.join(SUPPORTED_VERSIONS)}; this is sglang {version}. Run a supported version, "
-            "or start SGLang without the adapter")
+            f"loadplan's SGLang adapter hooks the loader's shared-experts step ({' or '.join(STEPS)}), which SGLang "
+            f"has from {'.'.join(map(str, OLDEST))}; this is sglang {version}. Run a newer release, or start SGLang "
+            f"without the adapter")
     return version
 
 
@@ -138,8 +155,8 @@ def installed() -> bool:
     """Whether SGLang's loader, as imported in this process, asks the registry."""
     loader = sys.modules.get(LOADER)
     utils = sys.modules.get(MOE_UTILS)
-    fns = [getattr(m, FUNCTION, None) for m in (loader, utils) if m is not None]
-    return _options is not None and all(getattr(f, "__loadplan__", False) for f in fns)
+    fns = [getattr(m, step) for m in (loader, utils) if m is not None for step in STEPS if hasattr(m, step)]
+    return _options is not None and bool(fns) and all(getattr(f, "__loadplan__", False) for f in fns)
 
 
 def uninstall() -> None:
@@ -148,8 +165,9 @@ def uninstall() -> None:
     with _lock:
         for name in (MOE_UTILS, LOADER):
             module = sys.modules.get(name)
-            if module is not None and _original is not None and getattr(module, FUNCTION, None) is not _original:
-                setattr(module, FUNCTION, _original)
+            for step, original in _originals.items():
+                if module is not None and getattr(module, step, original) is not original:
+                    setattr(module, step, original)
         sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _PatchOnImport)]
         if _client is not None:
             _client.close()
@@ -157,15 +175,15 @@ def uninstall() -> None:
 
 
 def _patch(module) -> None:
-    global _original
-    current = getattr(module, FUNCTION, None)
-    if current is None or getattr(current, "__loadplan__", False):
-        return
-    if module.__name__ == MOE_UTILS:
-        _original = current
-    elif _original is None:
-        _original = importlib.import_module(MOE_UTILS).resolve_shared_experts_config
-    setattr(module, FUNCTION, resolve_shared_experts_config)
+    for step, answer in ((STEPS[0], resolve_shared_experts_config), (STEPS[1], install_shared_experts_fusion_decision)):
+        current = getattr(module, step, None)
+        if current is None or getattr(current, "__loadplan__", False):
+            continue
+        if module.__name__ == MOE_UTILS:
+            _originals[step] = current
+        elif step not in _originals:
+            _originals[step] = getattr(importlib.import_module(MOE_UTILS), step)
+        setattr(module, step, answer)
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
@@ -200,27 +218,16 @@ class _PatchingLoader(importlib.abc.Loader):
 
 
 def resolve_shared_experts_config(model_class, hf_config, quant_config):
-    """SGLang's `resolve_shared_experts_config`, answered by the registry."""
+    """SGLang 0.5.23's `resolve_shared_experts_config`, answered by the registry."""
     from sglang.srt.configs.shared_experts import SharedExpertsConfig
     from sglang.srt.runtime_context import get_exec
 
-    options = _options
-    if options is None:   # uninstalled under a caller that kept the reference
-        return _original(model_class, hf_config, quant_config)
-    request = runner_request(model_class, hf_config, quant_config, deployment=options.deployment)
-    try:
-        plan = _registry().resolve_load_plan(request)
-    except Exception as e:  # noqa: BLE001 - every way of not getting a plan is judged below
-        _refuse_or_fall_back(request, e)
-        return _original(model_class, hf_config, quant_config)
-    log.info("loadplan plan %s for %s %s (%s, tp %d/%d ep %d/%d pp %d/%d): %s",
-             plan.plan_id, request.role, plan.entry_class, request.deployment_id,
-             request.parallel.tp_rank, request.parallel.tp_size, request.parallel.ep_rank,
-             request.parallel.ep_size, request.parallel.pp_rank, request.parallel.pp_size,
-             _summary(plan))
-    refusal = _stage_refusal(plan, request, hf_config)
-    if refusal is not None:
-        raise LoadPlanRefused(refusal)
+    step = STEPS[0]
+    plan = _plan(step, model_class, hf_config, quant_config)
+    if plan is None:        # SGLang decided on its own (allow_fallback) or a refusal raised
+        return _originals[step](model_class, hf_config, quant_config)
+    if isinstance(plan, _Observed):
+        return plan.answer
     fused = bool(plan.value(Keys.SHARED_EXPERTS_FUSION))
     num_decision = plan.decisions.get(Keys.NUM_FUSED_SHARED_EXPERTS)
     num = int(num_decision.value) if fused and num_decision is not None and _loader_fuses(model_class) else 0
@@ -230,7 +237,98 @@ def resolve_shared_experts_config(model_class, hf_config, quant_config):
                                use_waterfill=num > 0 and bool(get_exec().moe.enable_waterfill))
 
 
+def install_shared_experts_fusion_decision(model_class, hf_config, quant_config):
+    """SGLang 0.5.18-0.5.22's `install_shared_experts_fusion_decision`, answered by the registry: the decision goes
+    into SGLang's flags as that step puts it (the model's layers count their fused experts from it)."""
+    from sglang.srt.runtime_context import get_flags
+
+    step = STEPS[1]
+    plan = _plan(step, model_class, hf_config, quant_config)
+    if plan is None:
+        return _originals[step](model_class, hf_config, quant_config)
+    if isinstance(plan, _Observed):
+        return None
+    disabled = not bool(plan.value(Keys.SHARED_EXPERTS_FUSION))
+    moe = get_flags().moe
+    moe.disable_shared_experts_fusion = disabled
+    if moe.in_speculative_scope:
+        moe.speculative_disable_shared_experts_fusion = disabled
+    return None
+
+
 resolve_shared_experts_config.__loadplan__ = True
+install_shared_experts_fusion_decision.__loadplan__ = True
+
+
+@dataclass(frozen=True)
+class _Observed:
+    plan: LoadPlan | None     # None: the observation could not be recorded and allow_fallback let SGLang go on
+    answer: Any               # what SGLang's own step returned (handed back to its loader)
+
+
+def _plan(step: str, model_class, hf_config, quant_config):
+    """This runner's plan from the registry; for a release it has no profile of, SGLang's own step decides and the
+    decision is recorded (an `_Observed`). None: the registry cannot be reached and allow_fallback lets SGLang
+    decide. A refusal raises LoadPlanRefused."""
+    from ..client.errors import NotFoundError
+
+    options = _options
+    if options is None:   # uninstalled under a caller that kept the reference
+        return None
+    request = runner_request(model_class, hf_config, quant_config, deployment=options.deployment)
+    try:
+        plan = _registry().resolve_load_plan(request)
+    except NotFoundError as e:
+        if e.field != "runtime.engine_version":
+            _refuse_or_fall_back(request, e)
+            return None
+        answer = _originals[step](model_class, hf_config, quant_config)
+        try:
+            plan = _registry().record_observed_plan(request, _observed(request, step, answer, model_class, hf_config))
+        except Exception as e:  # noqa: BLE001 - a refused observation stops the start like a refused plan
+            _refuse_or_fall_back(request, e)
+            return _Observed(None, answer)
+        _started(plan, request, hf_config)
+        return _Observed(plan, answer)
+    except Exception as e:  # noqa: BLE001 - every way of not getting a plan is judged below
+        _refuse_or_fall_back(request, e)
+        return None
+    _started(plan, request, hf_config)
+    return plan
+
+
+def _started(plan: LoadPlan, request: ResolveRequest, hf_config) -> None:
+    log.info("loadplan plan %s for %s %s (%s, tp %d/%d ep %d/%d pp %d/%d)%s: %s",
+             plan.plan_id, request.role, plan.entry_class, request.deployment_id,
+             request.parallel.tp_rank, request.parallel.tp_size, request.parallel.ep_rank,
+             request.parallel.ep_size, request.parallel.pp_rank, request.parallel.pp_size,
+             " OBSERVED (no profile of this SGLang release: SGLang decided)" if plan.observed else "", _summary(plan))
+    refusal = _stage_refusal(plan, request, hf_config)
+    if refusal is not None:
+        raise LoadPlanRefused(refusal)
+
+
+def _observed(request: ResolveRequest, step: str, answer, model_class, hf_config) -> list:
+    """What SGLang's own step decided: SharedExpertsConfig's fields (0.5.23's step), or the flag the older step
+    installed and the fused experts the model class counts from it."""
+    from sglang.srt.layers.moe import utils as moe_utils
+
+    from ..plan import Decision
+
+    version = request.runtime.engine_version
+    if step == STEPS[0]:
+        disabled, count = bool(answer.fusion_disabled), int(answer.num_fused_shared_experts)
+    else:
+        disabled = bool(moe_utils.is_shared_experts_fusion_disabled())
+        text = getattr(hf_config, "text_config", None) or hf_config
+        counts = hasattr(model_class, "determine_num_fused_shared_experts")
+        count = int(getattr(text, "n_shared_experts", 0) or 0) if counts and not disabled else 0
+    fused = not disabled and count > 0
+    observed = [Decision(Keys.SHARED_EXPERTS_FUSION, fused, f"SGLang {version}'s {step} decided it "
+                                                            f"(fusion_disabled={disabled})", "sglang.adapter"),
+                Decision(Keys.NUM_FUSED_SHARED_EXPERTS, count if fused else 0,
+                         f"the fused shared experts SGLang {version}'s model builds", "sglang.adapter")]
+    return observed
 
 
 def _loader_fuses(model_class) -> bool:

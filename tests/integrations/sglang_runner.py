@@ -2,10 +2,12 @@
 
 Starts runners the way SGLang's scheduler does (publish the server args for a rank,
 initialize_moe_config, ModelConfig, the architecture, the loader's quantization config)
-and calls `resolve_shared_experts_config` through the name SGLang's loader calls
-(`sglang.srt.model_loader.loader.resolve_shared_experts_config`), for a draft inside
-`draft_model_build_scope()`. Prints one JSON line per runner with the SharedExpertsConfig
-SGLang got, or the error that stopped the runner.
+and calls the loader's shared-experts step through the name SGLang's loader calls
+(`sglang.srt.model_loader.loader.resolve_shared_experts_config` from 0.5.23,
+`...install_shared_experts_fusion_decision` before), for a draft inside
+`draft_model_build_scope()`. Prints one JSON line per runner with what SGLang got (the
+SharedExpertsConfig, or the flag the older step installs and the fused experts the model
+counts from it), or the error that stopped the runner.
 
     sglang_runner.py [--device cuda:9.0] --run SCENARIO:DEPLOYMENT[@REGISTRY] [--run ...]
 
@@ -17,6 +19,7 @@ pointed at REGISTRY); one without it needs the adapter already active (a process
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -65,14 +68,8 @@ def run(scenario: str, registry: str | None, deployment: str) -> list[dict]:
 
 
 def _run(scenario: str, registry: str | None, deployment: str) -> list[dict]:
-    from sglang.srt.configs.load_config import LoadConfig
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.layers.moe import utils as moe_utils
-    from sglang.srt.model_loader import loader
-    from sglang.srt.model_loader.loader import _get_quantization_config
-    from sglang.srt.model_loader.utils import get_model_architecture
-    from sglang.srt.distributed import get_pp_indices
-    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
+    from sglang.srt import runtime_context
+    from sglang.srt.runtime_context import get_parallel, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
     from loadplan.integrations import sglang as adapter
@@ -89,34 +86,83 @@ def _run(scenario: str, registry: str | None, deployment: str) -> list[dict]:
                           speculative_num_steps=1, speculative_eagle_topk=1, speculative_num_draft_tokens=2)
         server_args = ServerArgs(**kwargs)
         reset_context()
-        publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=world_rank, gpu_id=world_rank))
-        moe_utils.initialize_moe_config()
-        runners = [("target", ModelConfig.from_server_args(server_args))]
-        if draft:
-            runners.append(("speculative", ModelConfig.from_server_args(
-                server_args, model_path=str(CONFIGS[draft]), is_draft_model=True)))
-        for role, model_config in runners:
-            model_class, _ = get_model_architecture(model_config)
-            quant_config = _get_quantization_config(model_config, LoadConfig(load_format="dummy"))
-            record = {"scenario": scenario, "world_rank": world_rank, "role": role, "entry_class": model_class.__name__,
-                      "adapter_active": adapter.installed()}
-            if role == "target":   # the layers SGLang builds on this rank's stage (a draft's stage holds all)
-                par = get_parallel()
-                record.update(pp_rank=par.pp_rank, sglang_layer_range=list(get_pp_indices(
-                    model_config.num_hidden_layers, par.pp_rank, par.pp_size)))
-            try:
-                if role == "speculative":
-                    with moe_utils.draft_model_build_scope():
-                        got = loader.resolve_shared_experts_config(model_class, model_config.hf_config, quant_config)
-                else:
-                    got = loader.resolve_shared_experts_config(model_class, model_config.hf_config, quant_config)
-                record.update(fusion_disabled=got.fusion_disabled,
-                              num_fused_shared_experts=got.num_fused_shared_experts,
-                              type=f"{type(got).__module__}.{type(got).__name__}")
-            except Exception as e:  # noqa: BLE001 - what stopped this runner's start
-                record["stopped"] = f"{type(e).__name__}: {e}"
-            out.append(record)
+        if hasattr(runtime_context, "SpawnRanks"):
+            publish(server_args, role="scheduler",
+                    ranks=runtime_context.SpawnRanks(world_rank=world_rank, gpu_id=world_rank))
+            ranks_scope = contextlib.nullcontext()
+        else:   # 0.5.20 and before read ranks and widths off the process groups, which this process does not build
+            publish(server_args, role="scheduler")
+            # the widths initialize_model_parallel stamps, by SGLang's own arithmetic
+            get_parallel().stamp_derived_widths(**runtime_context.derive_parallel_widths(
+                tp_size=server_args.tp_size, attn_cp_size=1,
+                attn_dp_size=server_args.dp_size if server_args.enable_dp_attention else 1,
+                moe_ep_size=server_args.ep_size or 1, moe_dp_size=1, dcp_size=1, dcp_enabled=False))
+            ranks_scope = get_parallel().override(**_ranks(world_rank, server_args))
+        with ranks_scope:
+            out.extend(_runners(scenario, world_rank, server_args, draft, adapter))
     return out
+
+
+def _ranks(world_rank: int, server_args) -> dict:
+    """A world rank's ranks as SGLang's later SpawnRanks derives them (tp inside pp, MoE ep over moe tp)."""
+    tp, ep = server_args.tp_size, server_args.ep_size or 1
+    tp_rank = world_rank % tp
+    moe_tp = tp // ep
+    return dict(pp_rank=world_rank // tp, tp_rank=tp_rank, moe_ep_rank=tp_rank // moe_tp, moe_tp_rank=tp_rank % moe_tp,
+                attn_dp_rank=0, attn_tp_rank=tp_rank)
+
+
+def _runners(scenario: str, world_rank: int, server_args, draft, adapter) -> list[dict]:
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.distributed import get_pp_indices
+    from sglang.srt.layers.moe import utils as moe_utils
+    from sglang.srt.model_loader import loader
+    from sglang.srt.model_loader.loader import _get_quantization_config
+    from sglang.srt.model_loader.utils import get_model_architecture
+    from sglang.srt.runtime_context import get_parallel
+
+    moe_utils.initialize_moe_config()
+    runners = [("target", ModelConfig.from_server_args(server_args))]
+    if draft:
+        runners.append(("speculative", ModelConfig.from_server_args(
+            server_args, model_path=str(CONFIGS[draft]), is_draft_model=True)))
+    out = []
+    for role, model_config in runners:
+        model_class, _ = get_model_architecture(model_config)
+        quant_config = _get_quantization_config(model_config, LoadConfig(load_format="dummy"))
+        record = {"scenario": scenario, "world_rank": world_rank, "role": role, "entry_class": model_class.__name__,
+                  "adapter_active": adapter.installed()}
+        if role == "target":   # the layers SGLang builds on this rank's stage (a draft's stage holds all)
+            par = get_parallel()
+            record.update(pp_rank=par.pp_rank, sglang_layer_range=list(get_pp_indices(
+                model_config.num_hidden_layers, par.pp_rank, par.pp_size)))
+        try:
+            scope = moe_utils.draft_model_build_scope() if role == "speculative" else contextlib.nullcontext()
+            with scope:
+                record.update(_loader_step(loader, moe_utils, model_class, model_config.hf_config, quant_config))
+        except Exception as e:  # noqa: BLE001 - what stopped this runner's start
+            record["stopped"] = f"{type(e).__name__}: {e}"
+        out.append(record)
+    return out
+
+
+def _loader_step(loader, moe_utils, model_class, hf_config, quant_config) -> dict:
+    """Call the loader's shared-experts step as the loader does; what SGLang's model then builds."""
+    import types
+
+    if hasattr(loader, "resolve_shared_experts_config"):
+        got = loader.resolve_shared_experts_config(model_class, hf_config, quant_config)
+        return dict(fusion_disabled=got.fusion_disabled, num_fused_shared_experts=got.num_fused_shared_experts,
+                    type=f"{type(got).__module__}.{type(got).__name__}", step="resolve_shared_experts_config")
+    loader.install_shared_experts_fusion_decision(model_class, hf_config, quant_config)
+    disabled = bool(moe_utils.is_shared_experts_fusion_disabled())
+    stand_in = types.SimpleNamespace(config=hf_config, num_fused_shared_experts=0)
+    count = getattr(model_class, "determine_num_fused_shared_experts", None)
+    if count is not None:       # the model's own count, from the flag the step installed
+        count(stand_in)
+    return dict(fusion_disabled=disabled, num_fused_shared_experts=int(stand_in.num_fused_shared_experts or 0),
+                type="flags", step="install_shared_experts_fusion_decision")
 
 
 def main() -> int:

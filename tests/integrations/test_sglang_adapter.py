@@ -30,6 +30,9 @@ pytestmark = pytest.mark.heavy(20)
 
 ROOT = Path(__file__).resolve().parents[2]
 SGLANG_PY = ROOT / ".venv-sglang" / "bin" / "python"
+# SGLang 0.5.22, profiled, whose loader step is install_shared_experts_fusion_decision; 0.5.19, without a profile
+SGLANG_0522_PY = ROOT / ".venv-sglang-0.5.22" / "bin" / "python"
+SGLANG_0519_PY = ROOT / ".venv-sglang-0.5.19" / "bin" / "python"
 RUNNER = ROOT / "tests" / "integrations" / "sglang_runner.py"
 LOADPLAN = Path(sys.executable).parent / "loadplan"
 CLOSED_PORT = "127.0.0.1:9"   # discard port: nothing listens on loopback
@@ -45,8 +48,9 @@ def registry(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(registry):
     """Start the SGLang processes together; {name: [runner records], ...} plus their output."""
-    if not SGLANG_PY.exists():
-        pytest.skip(f"{SGLANG_PY} missing: `make sglang-env` makes SGLang's environment (`make test` does)")
+    for python in (SGLANG_PY, SGLANG_0522_PY, SGLANG_0519_PY):
+        if not python.exists():
+            pytest.skip(f"{python} missing: `make sglang-env` makes SGLang's environments (`make test` does)")
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     starts = {
         # in-process install(): DeepSeek-V3 tp 2 x ep 2 with a Qwen3 draft (4 targets, 4 drafts);
@@ -63,6 +67,15 @@ def runs(registry):
         # `loadplan sglang-run` starts the process: the adapter must be active without install()
         "sglang_run": [str(LOADPLAN), "sglang-run", "--registry", registry.address, "--deployment", "dsv3-run",
                        "--timeout", "20", "--", str(SGLANG_PY), str(RUNNER), "--run", "dsv3_tp8:dsv3-run"],
+        # SGLang 0.5.22 under sglang-run: the adapter hooks that release's install_shared_experts_fusion_decision
+        "sglang_run_0522": [str(LOADPLAN), "sglang-run", "--registry", registry.address, "--deployment",
+                            "dsv3-0522", "--timeout", "20", "--", str(SGLANG_0522_PY), str(RUNNER), "--run",
+                            "dsv3_tp8:dsv3-0522"],
+        # SGLang 0.5.19, a release without a profile, under sglang-run: it starts and leaves an observed plan; then
+        # in-process, a layout the registry knows for a hazard is still refused
+        "sglang_run_0519": [str(LOADPLAN), "sglang-run", "--registry", registry.address, "--deployment",
+                            "dsv3-0519", "--timeout", "20", "--", str(SGLANG_0519_PY), str(RUNNER), "--run",
+                            "dsv3_tp8:dsv3-0519", "--run", f"kimi_k2_enforced:kimi-0519@{registry.address}"],
     }
     procs = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                     cwd=ROOT) for name, cmd in starts.items()}
@@ -195,20 +208,54 @@ def test_a_process_started_by_sglang_run_has_the_adapter_active(runs, registry):
     assert f"loadplan plan {plan.plan_id} for target DeepseekV3ForCausalLM" in runs["sglang_run"]["stderr"]
 
 
+def test_sglang_0_5_22s_own_loader_step_asks_the_registry(runs, registry):
+    (record,) = _scenario(runs, "sglang_run_0522", "dsv3_tp8")
+    assert record["adapter_active"] is True and record["step"] == "install_shared_experts_fusion_decision"
+    assert "stopped" not in record, record
+    (plan,) = _plans(registry, "dsv3-0522")
+    assert plan.request.runtime.engine_version == "0.5.22" and not plan.observed
+    assert plan.decisions[Keys.ENGINE_PROFILE].value == "sglang 0.5.22"
+    fused = plan.value(Keys.SHARED_EXPERTS_FUSION)
+    # the flag the registry installed is what the model counts its fused experts from
+    assert record["fusion_disabled"] is (not fused)
+    assert record["num_fused_shared_experts"] == (plan.value(Keys.NUM_FUSED_SHARED_EXPERTS) if fused else 0)
+
+
+def test_a_release_without_a_profile_starts_and_leaves_an_observed_plan(runs, registry):
+    (record,) = _scenario(runs, "sglang_run_0519", "dsv3_tp8")
+    assert record["adapter_active"] is True and "stopped" not in record, record
+    (plan,) = _plans(registry, "dsv3-0519")
+    assert plan.observed and plan.request.runtime.engine_version == "0.5.19"
+    assert plan.decisions[Keys.ENGINE_PROFILE].value == "sglang 0.5.19 (observed)"
+    fused = plan.decisions[Keys.SHARED_EXPERTS_FUSION]
+    # what SGLang 0.5.19's own step decided is what the plan records
+    assert fused.rule == "observed.sglang" and fused.value is (not record["fusion_disabled"])
+    assert "OBSERVED" in runs["sglang_run_0519"]["stderr"]
+
+
+def test_a_hazard_the_registry_knows_stops_an_unprofiled_release_too(runs, registry):
+    (record,) = _scenario(runs, "sglang_run_0519", "kimi_k2_enforced")
+    assert record["stopped"].startswith("LoadPlanRefused: loadplan registry refused the target runner of "
+                                        "deployment kimi-0519: FAILED_PRECONDITION: hazard:"), record
+    assert "nearest profiled release" in record["stopped"]
+    assert _plans(registry, "kimi-0519") == []
+
+
 # --- without SGLang's modules ------------------------------------------------------
 
 
-def test_install_refuses_other_sglang_versions_naming_the_known_ones():
-    with pytest.raises(adapter.SglangVersionError, match=r"sglang 0\.5\.23; this is sglang 0\.5\.22"):
-        adapter.check_version("0.5.22")
-    assert adapter.check_version("0.5.23") == "0.5.23"
+def test_install_refuses_only_a_release_without_the_loader_step_it_hooks():
+    with pytest.raises(adapter.SglangVersionError, match=r"from 0\.5\.18; this is sglang 0\.5\.17"):
+        adapter.check_version("0.5.17")
+    for version in ("0.5.18", "0.5.22", "0.5.23", "0.5.24", "0.6.0rc1"):
+        assert adapter.check_version(version) == version
 
 
 def test_the_start_up_hook_stops_a_process_with_an_unknown_sglang(tmp_path):
-    # A Python whose sglang says 0.5.22 (a bare dist-info is all importlib.metadata reads).
-    dist = tmp_path / "sglang-0.5.22.dist-info"
+    # A Python whose sglang says 0.5.17 (a bare dist-info is all importlib.metadata reads).
+    dist = tmp_path / "sglang-0.5.17.dist-info"
     dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.22\n")
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.17\n")
     args = argparse.Namespace(
         registry="127.0.0.1:1", deployment="d", token=None, timeout=None, allow_fallback=False)
     env = sglang_run.environment(args, base={"PATH": os.environ["PATH"], "PYTHONPATH": str(tmp_path)})
@@ -216,7 +263,7 @@ def test_the_start_up_hook_stops_a_process_with_an_unknown_sglang(tmp_path):
     assert env[adapter.ENV_ACTIVE] == "1" and env[adapter.ENV_REGISTRY] == "127.0.0.1:1"
     proc = subprocess.run([sys.executable, "-c", "print('started')"], env=env, capture_output=True, text=True)
     assert proc.returncode == 2
-    assert "wraps resolve_shared_experts_config of sglang 0.5.23; this is sglang 0.5.22" in proc.stderr
+    assert "has from 0.5.18; this is sglang 0.5.17" in proc.stderr
     assert "started" not in proc.stdout
     # Without LOADPLAN_SGLANG the hook does nothing.
     env.pop(adapter.ENV_ACTIVE)

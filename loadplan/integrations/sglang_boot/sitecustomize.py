@@ -3,8 +3,8 @@ Python process the command starts (SGLang's launcher, its scheduler per rank, ..
 
 `loadplan sglang-run` prepends this directory to PYTHONPATH and sets LOADPLAN_SGLANG=1,
 so Python imports this module at start-up, as tracing tools do. A process whose Python
-has no SGLang is left alone; one with an SGLang the adapter does not know stops with the
-versions it knows. An environment's own sitecustomize is still run after this one.
+has no SGLang is left alone; one with an SGLang older than the loader step the adapter hooks
+stops, saying so. An environment's own sitecustomize is still run after this one.
 """
 
 import os
