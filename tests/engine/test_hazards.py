@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loadplan.engine.parallel.launch import launch
-from loadplan.plan import Keys
+from loadplan.plan import Keys, Runtime
 from loadplan.service.rules.hazards import HAZARDS
 
 from engine_helpers import DEEPSEEK_TINY, LocalRegistry, hf_logits_of_order_one, load_local, make_deepseek_checkpoint, \
@@ -66,7 +66,8 @@ EP_CASES = {
 def _ep_ranks(rank, world_size, path, ids):
     from loadplan.engine.worker import WorkerSpec, init_rank, load_runner
 
-    spec = WorkerSpec(model=path, prompt_ids=(), max_new_tokens=0, ep_size=world_size, a2a_backend="nixl")
+    spec = WorkerSpec(model=path, prompt_ids=(), max_new_tokens=0, ep_size=world_size,
+                      runtime=Runtime(a2a_backend="nixl"))
     grid = init_rank(spec)
     out = {}
     for name, edits in EP_CASES.items():
