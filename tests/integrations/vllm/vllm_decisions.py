@@ -2,7 +2,7 @@
 
     <vllm env>/bin/python vllm_decisions.py  ->  one JSON document on the last stdout line
 
-For every all2all backend vLLM 0.32.0 accepts, over tp/dp sizes with and without
+For every all2all backend the installed vLLM release accepts, over tp/dp sizes with and without
 --enable-expert-parallel: vLLM's `ParallelConfig` (which rewrites removed backends), its
 `FusedMoEParallelConfig.make` (worker groups faked: rank 0 of each), the prepare/finalize class
 vLLM makes (loadplan.integrations.vllm.built, which restates maybe_make_prepare_finalize's
@@ -61,7 +61,10 @@ def main() -> None:
     fused = bool(resolve_layer_fused_shared_expert(None, "model.layers.1.mlp"))
     pp = {f"{n}/{size}": [list(get_pp_indices(n, r, size)) for r in range(size)]
           for n in (3, 5, 6, 7, 61) for size in (2, 3, 4) if size <= n}
-    print(json.dumps({"cases": cases, "cpu_fused_shared_expert": fused, "pp": pp}))
+    import vllm
+
+    print(json.dumps({"version": str(vllm.__version__).split("+")[0], "cases": cases,
+                      "cpu_fused_shared_expert": fused, "pp": pp}))
 
 
 def source_constant(module: str, cls: str) -> bool:

