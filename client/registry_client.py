@@ -131,10 +131,14 @@ class RegistryClient:
                                         decisions=_encode(convert.decisions_to_pb, decisions))
         return convert.plan_from_pb(self._call("AppendDecisions", msg, timeout))
 
-    def list_backends(self, *, timeout: float | None = None) -> list[BackendInfo]:
-        reply = self._call("ListBackends", pb.ListBackendsRequest(), timeout)
+    def list_backends(self, engine: str = "", engine_version: str = "", *,
+                      timeout: float | None = None) -> list[BackendInfo]:
+        """The a2a backends of `engine` ("" loadplan's own) at `engine_version` ("" its newest), as it spells them."""
+        reply = self._call("ListBackends", pb.ListBackendsRequest(engine=engine, engine_version=engine_version),
+                           timeout)
         return [BackendInfo(b.name, b.forward_path, b.combine_reduces, b.deepep_class, b.per_rank_fused_slots,
-                            b.fusion_force_disabled) for b in reply.backends]
+                            b.fusion_force_disabled, b.accepted, b.note, reply.engine, reply.engine_version)
+                for b in reply.backends]
 
     def check_coverage(self, entry_classes: Sequence[str] = (), *, timeout: float | None = None) -> CoverageReport:
         """Whether each entry class reaches a fusion gate; empty asks about the registry's own table."""

@@ -9,7 +9,7 @@ from ..plan import PlanDiff  # noqa: F401 - re-exported: the client API returns 
 
 @dataclass(frozen=True)
 class BackendInfo:
-    """One row of the registry's a2a backend capability table (DESIGN 5.1)."""
+    """One row of an engine's a2a backend table, as the registry's profile of that engine and release holds it."""
 
     name: str
     forward_path: str
@@ -17,6 +17,10 @@ class BackendInfo:
     deepep_class: bool
     per_rank_fused_slots: bool
     fusion_force_disabled: bool
+    accepted: bool = True          # the registry plans on it for this engine (false: the engine names it only)
+    note: str = ""
+    engine: str = ""               # the engine and release the table is of
+    engine_version: str = ""
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ class Keys:
     """Decision keys (DESIGN section 4). Model code reads these, never backend names."""
 
     ENGINE_PROFILE = "engine.profile"
+    ENGINE_INPUTS_NOT_READ = "engine.inputs_not_read"   # the engine inputs sent that the profile does not read
     ENTRY_FAMILY = "model.family"
     SHARED_EXPERTS_FUSION = "moe.shared_experts_fusion"
     NUM_FUSED_SHARED_EXPERTS = "moe.num_fused_shared_experts"
@@ -66,6 +67,28 @@ class Runtime:
     enforce_shared_experts_fusion: bool = False
     enable_eplb: bool = False
     ep_num_redundant_experts: int = 0
+    # The engine's own inputs, as the engine spells them: its server arguments (SGLang's ServerArgs fields, vLLM's
+    # config fields) and the environment switches its decision reads (SGLANG_*, VLLM_*). Held as (name, value)
+    # pairs sorted by name, so that a Runtime stays hashable; a mapping is accepted. Each profile declares the names
+    # it reads (service/rules/engine_inputs.py); the others are kept and listed in the plan as not read.
+    engine_args: tuple[tuple[str, str], ...] = ()
+    engine_env: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self):
+        for name in ("engine_args", "engine_env"):
+            object.__setattr__(self, name, _pairs(getattr(self, name)))
+
+    def arg(self, name: str) -> str | None:
+        return dict(self.engine_args).get(name)
+
+    def env(self, name: str) -> str | None:
+        return dict(self.engine_env).get(name)
+
+
+def _pairs(value: Any) -> tuple[tuple[str, str], ...]:
+    """(name, value) pairs sorted by name from a mapping or pairs; values kept as given (the rules check them)."""
+    items = value.items() if isinstance(value, Mapping) else value
+    return tuple(sorted((k, v) for k, v in ((tuple(p) if isinstance(p, list) else p) for p in items)))
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,9 @@ Grid (and how it is pruned):
 - blocks: minimal configs of the families SGLang builds beyond the real ones (those whose MoE block has its own
   dispatch branch first: MiniMax-M2, EXAONE-MoE, MiMo-V2-Flash, Step-3.5, GLM-4.7-Flash, MiniMax-M3, Dots3,
   Nemotron-H; then the rest the engine tests build) × every a2a backend × 4 devices × the 3 shapes.
+- engine_env: SGLang's environment switches the profile reads (SGLANG_USE_AITER as 1, true and 0): the Qwen2-MoE
+  block's classes, Qwen1.5-MoE and DeepSeek-V3 × backends none, mooncake and deepep × cuda:9.0, hip:9.4 and hip:9.5
+  × tp/ep 8/1 and 2/4; each point answered by an oracle process started with that environment.
 - qwen_block: the classes whose Qwen2-MoE block decides its own fusion while it is built (Qwen3-Next, once with
   n_shared_experts 0; Qwen3.5-MoE; MiniCPM-V 4.6) × the backends its fusion or its forward reads × 4 devices ×
   tp/ep 8/1 and 2/4 × none, disable or enforce.
@@ -51,6 +54,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "conformance"))
+from sglang_agreement import oracle_args  # noqa: E402  (the tests' own grouping, one definition)
 ORACLE = ROOT / "tests" / "conformance" / "sglang_oracle.py"
 NEWEST = "0.5.23"
 
@@ -68,6 +73,9 @@ CONFIGS_UNSHARED = ["qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-20b"]
 A2A_BACKENDS = ["none", "deepep", "mooncake", "nixl", "mori", "ascend_fuseep", "flashinfer",
                 "megamoe", "deepep_v2", "ascend_tp", "pplx", "flashinfer_megamoe"]
 DEVICES = ["cuda:8.0", "cuda:9.0", "cuda:10.0", "hip:9.4"]
+# The environment switches the sglang profile reads (service/rules/engine_inputs.py), as a server may set them.
+ENGINE_ENVS = [{"SGLANG_USE_AITER": "1"}, {"SGLANG_USE_AITER": "true"}, {"SGLANG_USE_AITER": "0"}]
+DEVICES_ENGINE_ENV = ["cuda:9.0", "hip:9.4", "hip:9.5"]
 # loadplan's (tp, ep, dp); SGLang gets tp = tp*ep, ep = ep, and attention DP = dp.
 SHAPES = [(8, 1, 1), (2, 4, 1), (1, 8, 8)]
 FLAGS_SHARED = [{}, {"disable_fusion": True}, {"enforce_fusion": True}, {"sbo": True},
@@ -138,11 +146,16 @@ def grid() -> list[dict]:
             CONFIGS_QWEN_BLOCK, A2A_QWEN_BLOCK, DEVICES, [(8, 1), (2, 4)],
             [{}, {"disable_fusion": True}, {"enforce_fusion": True}]):
         add("qwen_block", config=cfg, a2a_backend=backend, device=device, tp=tp, ep=ep, dp=1, **flags)
+    for cfg, backend, device, (tp, ep), env in itertools.product(
+            CONFIGS_QWEN_BLOCK + ["qwen1.5-moe-a2.7b", "deepseek-v3"], ["none", "mooncake", "deepep"],
+            DEVICES_ENGINE_ENV, [(8, 1), (2, 4)], ENGINE_ENVS):
+        add("engine_env", config=cfg, a2a_backend=backend, device=device, tp=tp, ep=ep, dp=1, engine_env=env)
     return points
 
 
-def run_device(python: str, device: str, points: list[dict], results: dict, progress: list) -> None:
-    proc = subprocess.Popen([python, str(ORACLE), "--device", device], stdin=subprocess.PIPE,
+def run_device(python: str, oracle_args: tuple[str, ...], points: list[dict], results: dict, progress: list) -> None:
+    device = " ".join(oracle_args)
+    proc = subprocess.Popen([python, str(ORACLE), *oracle_args], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
 
     def feed():
@@ -176,9 +189,9 @@ def main(argv=None) -> int:
     args.out = args.out or recording(args.release)
 
     points = [p for p in grid() if not args.only or p["grid"] == args.only]
-    by_device: dict[str, list[dict]] = {}
-    for p in points:
-        by_device.setdefault(p["device"], []).append(p)
+    by_device: dict[tuple[str, ...], list[dict]] = {}
+    for p in points:       # one oracle process per device and environment
+        by_device.setdefault(oracle_args(p), []).append(p)
     if args.limit:
         by_device = {d: ps[: args.limit] for d, ps in by_device.items()}
     total = sum(len(ps) for ps in by_device.values())

@@ -21,6 +21,7 @@ from loadplan.errors import InvalidArgument
 from loadplan.plan import Decision, LoadPlan, Parallel, PlanDiff, ResolveRequest, Runtime
 from loadplan.upgrade import UpgradeReport
 from .rules import RULESET_VERSION
+from .rules.capabilities import backends_of
 from .rules.observed import observed_decisions
 from .rules.resolve import diff_deployment_inputs, fingerprint, resolve_decisions
 from .upgrade_check import check_upgrade
@@ -93,16 +94,23 @@ def request_fingerprint(req: ResolveRequest, config_fingerprint: str | None = No
         quantization_config_fingerprint = None
     elif quantization_config_fingerprint is None:
         quantization_config_fingerprint = fingerprint(dict(req.quantization_config))
-    text = repr(("request/2", config_fingerprint, quantization_config_fingerprint, _request_scalars(req),
-                 _parallel_fields(req.parallel), _runtime_fields(req.runtime)))
-    return hashlib.sha256(text.encode()).hexdigest()
+    rt = req.runtime
+    body = ("request/2", config_fingerprint, quantization_config_fingerprint, _request_scalars(req),
+            _parallel_fields(req.parallel), _runtime_fields(rt))
+    if rt.engine_args or rt.engine_env:
+        # Appended only when sent (tuples of text pairs, whose repr is literal too): a request without them
+        # hashes the text it always did.
+        body += (rt.engine_args, rt.engine_env)
+    return hashlib.sha256(repr(body).encode()).hexdigest()
 
 
 # Every field of the dataclasses, so that a field added later is in the fingerprint without touching this.
 _request_scalars = operator.attrgetter(*(f.name for f in dataclasses.fields(ResolveRequest) if f.name not in
                                          ("request_id", "parallel", "runtime", "config", "quantization_config")))
 _parallel_fields = operator.attrgetter(*(f.name for f in dataclasses.fields(Parallel)))
-_runtime_fields = operator.attrgetter(*(f.name for f in dataclasses.fields(Runtime)))
+# The runtime's scalars (engine_args and engine_env, pairs of text, are appended after them when sent).
+_runtime_fields = operator.attrgetter(*(f.name for f in dataclasses.fields(Runtime)
+                                        if f.name not in ("engine_args", "engine_env")))
 
 
 class Registry:
@@ -129,6 +137,10 @@ class Registry:
         if self._save is not None:
             return await self._save(new)
         return await asyncio.to_thread(self.store.save_plan, new)
+
+    def list_backends(self, engine: str = "", version: str = ""):
+        """(engine, release, its a2a backend table) as that engine spells them (rules/capabilities.py)."""
+        return backends_of(engine, version)
 
     def record_observed(self, req: ResolveRequest, observed: Sequence[Decision]) -> LoadPlan:
         """Save what an engine release without a profile decided (service/rules/observed.py), as a plan."""

@@ -194,6 +194,24 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the engine's release (`loadplan engines`); default: its newest")
     parser.add_argument("--moe-runner-backend", default="", metavar="NAME",
                         help="SGLang's --moe-runner-backend, as SGLang spells it (sglang only; default auto)")
+    parser.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
+                        help="one of the engine's own server arguments, as the engine spells it (SGLang's ServerArgs "
+                             "field, vLLM's config field); repeatable (`loadplan engines --inputs`: what each reads)")
+    parser.add_argument("--engine-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an environment switch of the engine (SGLANG_USE_AITER=1, ...); repeatable")
+
+
+def name_values(flag: str, items: list[str]) -> dict[str, str]:
+    """NAME=VALUE items of a repeatable flag; a malformed or repeated one is INVALID_ARGUMENT naming it."""
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise CliError("INVALID_ARGUMENT", f"{flag}: {item!r} is not NAME=VALUE")
+        if name in out:
+            raise CliError("INVALID_ARGUMENT", f"{flag}: {name} given twice")
+        out[name] = value
+    return out
 
 
 def read_config(model: str) -> dict[str, Any]:
@@ -230,7 +248,9 @@ def request_from_args(args: argparse.Namespace, config: dict[str, Any]) -> Resol
         quantization_config=config.get("quantization_config"),
         quantization=args.quantization,
         runtime=dataclasses.replace(runtime_from_args(args), device=args.device, engine=args.engine,
-                                    engine_version=args.engine_version, moe_runner_backend=args.moe_runner_backend),
+                                    engine_version=args.engine_version, moe_runner_backend=args.moe_runner_backend,
+                                    engine_args=name_values("--engine-arg", args.engine_arg),
+                                    engine_env=name_values("--engine-env", args.engine_env)),
     )
 
 

@@ -45,7 +45,8 @@ def plan_json(plan: LoadPlan, *, history: bool = False) -> dict[str, Any]:
         "created_at": iso(plan.created_at),
         "host": req.host,
         "parallel": dataclasses.asdict(req.parallel),
-        "runtime": dataclasses.asdict(req.runtime),
+        "runtime": {**dataclasses.asdict(req.runtime), "engine_args": dict(req.runtime.engine_args),
+                    "engine_env": dict(req.runtime.engine_env)},
         "config_fingerprint": plan.config_fingerprint,
         "quantization": plan.quantization,
         "observed": plan.observed,
@@ -64,7 +65,9 @@ def plan_header(plan: LoadPlan) -> str:
             f"ruleset {plan.ruleset_version}  created {iso(plan.created_at) or '-'}\n"
             f"  engine {req.runtime.engine or '-'} {req.runtime.engine_version}"
             f"{' (OBSERVED: no profile of this release; the engine decided)' if plan.observed else ''}  "
-            f"device {req.runtime.device}  a2a backend {req.runtime.a2a_backend}")
+            f"device {req.runtime.device}  a2a backend {req.runtime.a2a_backend}"
+            + "".join(f"\n  engine {kind} " + " ".join(f"{k}={v}" for k, v in pairs)
+                      for kind, pairs in (("args", req.runtime.engine_args), ("env", req.runtime.engine_env)) if pairs))
 
 
 def decisions_table(plan: LoadPlan) -> str:

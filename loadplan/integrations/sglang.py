@@ -435,6 +435,7 @@ def runner_request(model_class, hf_config, quant_config, *, deployment: str | No
         enforce_shared_experts_fusion=bool(moe.enforce_shared_experts_fusion),
         enable_eplb=bool(moe.enable_eplb),
         ep_num_redundant_experts=int(moe.ep_num_redundant_experts or 0),
+        **engine_inputs_of(get_server_args()),
     )
     return ResolveRequest(
         request_id=f"sglang-{uuid.uuid4().hex}",
@@ -447,6 +448,21 @@ def runner_request(model_class, hf_config, quant_config, *, deployment: str | No
         quantization=quant_config.get_name() if quant_config is not None else None,
         runtime=runtime,
     )
+
+
+def engine_inputs_of(server_args, environ=os.environ) -> dict[str, dict[str, str]]:
+    """The server arguments and environment switches the sglang profile reads (loadplan/engine_inputs.py), from
+    this server's real ServerArgs and environment: the arguments as text (Python's str of the value; None as
+    SGLang's "none" where the profile says so), the switches as set (an unset one is not sent: its default holds)."""
+    from ..engine_inputs import names
+
+    args = {n: str(getattr(server_args, n)) for n in names(ENGINE_SGLANG, "arg") if hasattr(server_args, n)}
+    if args.get("moe_a2a_backend") == "None":
+        args["moe_a2a_backend"] = "none"
+    if args.get("moe_runner_backend") == "None":
+        args["moe_runner_backend"] = "auto"
+    env = {n: environ[n] for n in names(ENGINE_SGLANG, "env") if n in environ}
+    return {"engine_args": args, "engine_env": env}
 
 
 def _config_dict(hf_config) -> dict[str, Any]:

@@ -141,6 +141,13 @@ def create_app(registry: Registry, metrics: RegistryMetrics | None = None, token
         return page(request, "upgrade.html", report=report, engines=[e for e in ENGINES if e != ENGINE_LOADPLAN],
                     engine=engine, to=to, from_version=from_version, deployment=deployment)
 
+    def backends_page(request: Request) -> Response:
+        q = request.query_params
+        engine, version = q.get("engine", "").strip() or ENGINE_LOADPLAN, q.get("version", "").strip()
+        name, release, rows = registry.list_backends(engine, version)
+        return page(request, "backends.html", rows=rows, engine=name, version=release, engines=list(ENGINES),
+                    releases=ENGINES[name].releases)
+
     def login_form(request: Request) -> Response:
         return page(request, "login.html", next=_safe_next(request.query_params.get("next", "")), failed=False)
 
@@ -175,6 +182,7 @@ def create_app(registry: Registry, metrics: RegistryMetrics | None = None, token
         Route("/plans/{plan_id}/eplb", eplb_page),
         Route("/diff", diff_page),
         Route("/upgrade", upgrade_page),
+        Route("/backends", backends_page),
         Route("/login", login_form, methods=["GET"]),
         Route("/login", login, methods=["POST"]),
         Route("/logout", logout, methods=["GET", "POST"]),

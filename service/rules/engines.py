@@ -63,6 +63,16 @@ def default_engine(device: Device) -> Engine:
     return next(e for e in ENGINES.values() if device.kind in e.default_for)
 
 
+def engine_by_name(name: str, version: str = "") -> Engine:
+    """The row of engine `name`, `version` ("" the newest) checked; NOT_FOUND naming the known ones."""
+    if name not in ENGINES:
+        raise NotFound("engine", name[:64], ENGINES, field="engine")
+    engine = ENGINES[name]
+    if version and version not in engine.releases:
+        raise NotFound(f"release of {engine.name}", version[:64], engine.releases, field="engine_version")
+    return engine
+
+
 def engine_of(req: ResolveRequest, device: Device) -> Engine:
     """The row of the engine `req` names (or its device's default), its version and flags checked."""
     rt = req.runtime

@@ -20,7 +20,7 @@ from loadplan.errors import FailedPrecondition, InvalidArgument
 from loadplan.layouts import MoeLayout
 from loadplan.plan import ROLE_SPECULATIVE, ROLES, Decision, Keys, ResolveRequest
 from ..lru import LruCache
-from . import RULESET_VERSION
+from . import RULESET_VERSION, engine_inputs
 from .backends import NORMAL, backend
 from .devices import parse_device
 from .engines import ENGINES, engine_of, with_engine
@@ -97,7 +97,8 @@ def validate_request(req: ResolveRequest, *, deployment_checked: bool = False) -
                               f"must be <= {MAX_INT32}, got {rt.ep_num_redundant_experts}")
     if rt.ep_num_redundant_experts and not rt.enable_eplb:
         raise InvalidArgument("runtime.ep_num_redundant_experts", "redundant experts need runtime.enable_eplb")
-    engine_of(req, parse_device(rt.device))
+    engine_inputs.check_shape(req)
+    engine_inputs.values(req, engine_of(req, parse_device(rt.device)).name)
     if req.quantization_config is not None and not isinstance(req.quantization_config, dict):
         raise InvalidArgument("quantization_config", "must be a JSON object")
     check_json_document("config", req.config)
@@ -310,6 +311,7 @@ def _deployment_part(req: ResolveRequest) -> _Part:
     profile = engine.profile(rt.engine_version)
     put(Keys.ENGINE_PROFILE, profile, f"the {profile} profile decides: {engine.summary}",
         f"engine.{engine.name}")
+    d.update(_not_read(req))
     put(Keys.ENTRY_FAMILY, resolved.family.name,
         f"{' -> '.join(resolved.chain)} builds the {resolved.family.name} family", "entries.table")
 
@@ -402,7 +404,19 @@ def _profile_head(req: ResolveRequest, resolved: Resolved) -> dict[str, Decision
         Keys.ENTRY_FAMILY: Decision(Keys.ENTRY_FAMILY, resolved.family.name,
                                     f"{' -> '.join(resolved.chain)} builds the {resolved.family.name} family",
                                     "entries.table", True),
+        **_not_read(req),
     }
+
+
+def _not_read(req: ResolveRequest) -> dict[str, Decision]:
+    """The engine inputs the request sent that its profile does not read: kept, and said so (none: no decision)."""
+    not_read = engine_inputs.values(req, req.runtime.engine)[1]
+    if not not_read:
+        return {}
+    return {Keys.ENGINE_INPUTS_NOT_READ: Decision(
+        Keys.ENGINE_INPUTS_NOT_READ, not_read,
+        f"the {req.runtime.engine} profile does not read these (kept in the request; they change no decision here)",
+        "engine.inputs", True)}
 
 
 def _embedded_qconfig(req: ResolveRequest) -> dict | None:
@@ -454,7 +468,8 @@ def _sglang_part(req: ResolveRequest, resolved: Resolved, layout: MoeLayout, dev
                         a2a=rt.a2a_backend, runner=rt.moe_runner_backend, tp=p.tp_size, ep=p.ep_size, dp=p.dp_size,
                         sbo=rt.enable_sbo, tbo=rt.enable_tbo, disable_fusion=rt.disable_shared_experts_fusion,
                         enforce_fusion=rt.enforce_shared_experts_fusion, draft=draft, config=req.config,
-                        cfg=resolved.cfg, release=sglang_release(rt.engine_version))
+                        cfg=resolved.cfg, release=sglang_release(rt.engine_version),
+                        use_aiter=engine_inputs.values(req, sglang.NAME)[0]["SGLANG_USE_AITER"])
     d = _profile_head(req, resolved)
 
     def put(key: str, value: Any, reason: str, rule: str, deployment_wide: bool = True) -> None:

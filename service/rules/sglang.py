@@ -104,6 +104,7 @@ class Inputs:
     release: Release | None = None            # the SGLang release that decides (sglang_releases.py)
     model_type: str = ""                      # config.json's model_type, as transformers' AutoConfig reads it
     layer_types: tuple[tuple[str, Any], ...] = ()   # its layer_types / mlp_layer_types, as its validator reads them
+    use_aiter: bool = False                   # SGLANG_USE_AITER as SGLang reads it (engine_inputs.py)
 
 
 @dataclass(frozen=True)
@@ -696,8 +697,8 @@ WRAPPER_ARCHITECTURE = {"KimiVLForConditionalGeneration": "DeepseekV2ForCausalLM
 class BlockFusion:
     """A class whose MoE block decides its own fusion while it is built, whatever resolve_shared_experts_config
     said: the Qwen2-MoE block (models/qwen2_moe.py: Qwen2MoeSparseMoeBlock.__init__), with the flags its builder
-    passes. Under SGLang's default environment: the block's other way to fuse, ROCm's aiter, needs SGLANG_USE_AITER,
-    which is not a plan input."""
+    passes. Its other way to fuse is ROCm's aiter: `_use_aiter = get_bool_env_var("SGLANG_USE_AITER") and _is_hip`
+    (the runtime's engine_env SGLANG_USE_AITER, default false)."""
 
     builder: str                  # the module whose decoder layers build the block
     on_cuda: bool                 # enable_cuda_shared_expert_fusion
@@ -728,10 +729,12 @@ def block_fusion(i: Inputs, row: BlockFusion) -> tuple[bool, str, str]:
     """Qwen2MoeSparseMoeBlock.__init__'s fusion, built by `row.builder`: supported on CUDA where the builder enables
     it, then num_shared_experts > 0 and can_fuse_shared_expert, then off on a per-rank fused-slot backend under EP."""
     where = f"SGLang's Qwen2-MoE block as {row.builder} builds it"
-    if not (row.on_cuda and i.device.kind == "cuda"):
+    aiter = i.use_aiter and i.device.kind == "hip"
+    if not (aiter or row.on_cuda and i.device.kind == "cuda"):
         return False, "sglang.block.qwen2_moe.device", (
-            f"{where} fuses only on " + ("CUDA" if row.on_cuda else "ROCm with aiter (SGLANG_USE_AITER)")
-            + f", not on {i.device}")
+            f"{where} fuses only " + ("on CUDA or " if row.on_cuda else "")
+            + f"on ROCm with aiter (SGLANG_USE_AITER=1), not on {i.device}"
+            + (" without SGLANG_USE_AITER" if i.device.kind == "hip" else ""))
     if i.block_shared == 0:
         return False, "sglang.block.qwen2_moe.no_shared_experts", f"{where}: no shared experts (num_shared_experts 0)"
     if not i.block_widths_fit:
@@ -751,7 +754,8 @@ def block_fusion(i: Inputs, row: BlockFusion) -> tuple[bool, str, str]:
                                  f"fuses "
                                  f"exactly one shared expert, got n_shared_experts={i.block_shared}")
     return True, "sglang.block.qwen2_moe.fused", f"{where}: {i.block_shared} shared expert(s) fused as routed slot " \
-                                                 f"{i.layout.n_routed}"
+                                                 f"{i.layout.n_routed}" + (" (ROCm aiter, SGLANG_USE_AITER=1)"
+                                                                           if aiter else "")
 
 
 def fusion(i: Inputs) -> tuple[bool, str, str]:
@@ -916,7 +920,7 @@ class Decided:
 def decide(*, entry_class: str, architecture: str, layout: MoeLayout, quantization: Quantization,
            qconfig: dict | None, device: Device, a2a: str, runner: str, tp: int, ep: int, dp: int, sbo: bool,
            tbo: bool, disable_fusion: bool, enforce_fusion: bool, draft: bool, config: Any = None,
-           cfg: Any = None, release: Release | None = None) -> Decided:
+           cfg: Any = None, release: Release | None = None, use_aiter: bool = False) -> Decided:
     """SGLang's decisions for one deployment, or FAILED_PRECONDITION (a start-up refusal, or a hazard). `config`: the
     checkpoint's config.json; `cfg`: the ConfigView of the config the family reads (for a block that fuses itself)."""
     from . import hazards
@@ -950,7 +954,7 @@ def decide(*, entry_class: str, architecture: str, layout: MoeLayout, quantizati
                enforce_fusion, draft, blocks, w4a16, server_q, nested_gate_speaks(entry_class, config), shared, fit,
                ep, kernel_hook_a2a, tuple(a for a in archs if isinstance(a, str)) if isinstance(archs, list) else (),
                checkpoint_quantization, release, str(raw.get("model_type") or ""),
-               layer_types if "num_hidden_layers" in raw else ())
+               layer_types if "num_hidden_layers" in raw else (), use_aiter)
     refuse(i)
     fused = fusion(i)
     block = BLOCKS.get(entry_class)

@@ -19,7 +19,7 @@ from loadplan.plan import Decision, LoadPlan, Parallel, ResolveRequest, Runtime
 from loadplan.v1 import registry_pb2 as pb
 from ..lru import LruCache
 from ..registry import PlanDiff, PlanFilter
-from ..rules.backends import BackendCapabilities
+from ..rules.capabilities import BackendRow
 
 __all__ = ["plan_to_pb", "plan_from_pb", "answer_to_pb", "request_from_pb", "filter_from_pb", "decisions_from_pb",
            "diff_to_pb", "backend_to_pb", "coverage_to_pb", "upgrade_to_pb"]
@@ -172,10 +172,10 @@ def diff_to_pb(diff: PlanDiff) -> pb.DiffPlansResponse:
     return reply
 
 
-def backend_to_pb(row: BackendCapabilities) -> pb.Backend:
+def backend_to_pb(row: BackendRow) -> pb.Backend:
     return pb.Backend(name=row.name, forward_path=row.forward_path, combine_reduces=row.combine_reduces,
                       deepep_class=row.deepep_class, per_rank_fused_slots=row.per_rank_fused_slots,
-                      fusion_force_disabled=row.fusion_force_disabled)
+                      fusion_force_disabled=row.fusion_force_disabled, accepted=row.accepted, note=row.note)
 
 
 def coverage_to_pb(entry) -> pb.CoverageEntry:

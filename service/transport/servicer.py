@@ -22,7 +22,6 @@ from loadplan.v1 import registry_pb2 as pb
 from loadplan.v1 import registry_pb2_grpc as pb_grpc
 from .. import coverage
 from ..registry import Registry
-from ..rules.backends import BACKENDS
 from . import convert
 
 log = logging.getLogger("loadplan.service")
@@ -137,7 +136,9 @@ class ModelRegistryServicer(pb_grpc.ModelRegistryServicer):
 
     @_rpc
     async def ListBackends(self, request, context):
-        return pb.ListBackendsResponse(backends=[convert.backend_to_pb(row) for row in BACKENDS.values()])
+        engine, version, rows = self.registry.list_backends(request.engine, request.engine_version)
+        return pb.ListBackendsResponse(backends=[convert.backend_to_pb(row) for row in rows], engine=engine,
+                                       engine_version=version)
 
     @_rpc
     async def CheckCoverage(self, request, context):

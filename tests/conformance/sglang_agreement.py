@@ -97,7 +97,14 @@ def point_name(point: dict) -> str:
         if v in (None, False) or (k == "pp" and v == 1) or (k == "dp" and v == 1):
             continue
         parts.append(k if v is True else f"{k}={v}")
-    return " ".join(parts)
+    return " ".join(parts + [f"{k}={v}" for k, v in sorted(point.get("engine_env", {}).items())])
+
+
+def oracle_args(point: dict) -> tuple[str, ...]:
+    """The oracle process a point is answered in: its device and the environment switches set before SGLang's
+    import (one process per distinct pair)."""
+    return ("--device", point["device"], *(a for k, v in sorted(point.get("engine_env", {}).items())
+                                           for a in ("--engine-env", f"{k}={v}")))
 
 
 def server_runner(point: dict, release: str = "") -> str:
@@ -133,6 +140,7 @@ def requests_for(point: dict, answer: dict, release: str = "") -> list[ResolveRe
         disable_shared_experts_fusion=bool(point.get("disable_fusion")),
         enforce_shared_experts_fusion=bool(point.get("enforce_fusion")),
         enable_eplb=bool(point.get("eplb")),
+        engine_env=point.get("engine_env", {}),
     )
     pp = point.get("pp", 1)
     return [

@@ -30,6 +30,7 @@ DEVICES = {
     "cuda:9.0": ("cuda", (9, 0), "NVIDIA H100 80GB HBM3", ""),
     "cuda:10.0": ("cuda", (10, 0), "NVIDIA B200", ""),
     "hip:9.4": ("hip", (9, 4), "AMD Instinct MI300X", "gfx942:sramecc+:xnack-"),
+    "hip:9.5": ("hip", (9, 5), "AMD Instinct MI355X", "gfx950:sramecc+:xnack-"),
 }
 
 

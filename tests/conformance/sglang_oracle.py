@@ -617,7 +617,12 @@ def _sparse_layers(model_class, hf, layers):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", required=True, choices=sorted(sglang_cpu.DEVICES))
+    parser.add_argument("--engine-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an environment switch SGLang reads, set before SGLang is imported (its module-level "
+                             "reads see it, as on a server started with it); a point names the same in engine_env")
     args = parser.parse_args(argv)
+    engine_env = dict(item.split("=", 1) for item in args.engine_env)
+    os.environ.update(engine_env)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     for name, value in DISPATCH_BUDGETS.items():
@@ -641,6 +646,8 @@ def main(argv=None) -> int:
         point = json.loads(line)
         if point.get("device", args.device) != args.device:
             result = {"error": f"device: this oracle emulates {args.device}, not {point['device']}"}
+        elif point.get("engine_env", {}) != engine_env:
+            result = {"error": f"engine_env: this oracle runs with {engine_env}, not {point.get('engine_env')}"}
         else:
             with contextlib.redirect_stdout(sys.stderr):
                 try:

@@ -24,13 +24,14 @@ import pytest
 from loadplan.errors import RegistryError
 from loadplan.service.rules.resolve import resolve_decisions
 
-from .sglang_agreement import (RECORDING, RELEASES, ROOT, load_recording, point_name, recording_of, report,
+from .sglang_agreement import (RECORDING, RELEASES, ROOT, load_recording, oracle_args, point_name, recording_of,
+                               report,
                                requests_for, summarize, verdict)
 
 ORACLE = ROOT / "tests" / "conformance" / "sglang_oracle.py"
 GRID_SCRIPT = ROOT / "scripts" / "record_sglang_grid.py"
 LIVE_PER_GRID = 3
-DEVICES = {"cuda:8.0", "cuda:9.0", "cuda:10.0", "hip:9.4"}
+DEVICES = {"cuda:8.0", "cuda:9.0", "cuda:10.0", "hip:9.4", "hip:9.5"}   # hip:9.5: the engine_env sub-grid's
 ALWAYS_LIVE = "cuda:9.0"     # the pipeline, eplb and entries sub-grids are recorded on it alone
 # The volatile part of an answer: how long SGLang took.
 VOLATILE = {"seconds"}
@@ -145,18 +146,22 @@ def test_the_recording_is_exactly_the_grid_scripts_grid(release_recording):
 
 
 def live_sample(records: list[dict], rng: random.Random) -> list[dict]:
-    """A few random points of every sub-grid, on cuda:9.0 (where every sub-grid has points) and one other device."""
+    """A few random points of every sub-grid, on cuda:9.0 (where every sub-grid has points) and one other device;
+    the engine_env sub-grid's from one random device and environment (each pair is an oracle process of its own)."""
     devices = {ALWAYS_LIVE, rng.choice(sorted(DEVICES - {ALWAYS_LIVE}))}
+    env_runs = sorted({oracle_args(r["point"]) for r in records if r["point"].get("engine_env")})
+    env_run = rng.choice(env_runs) if env_runs else None
     by_grid: dict[str, list[dict]] = {}
     for r in records:
-        if r["point"]["device"] in devices:
+        if r["point"].get("engine_env") and oracle_args(r["point"]) == env_run \
+                or not r["point"].get("engine_env") and r["point"]["device"] in devices:
             by_grid.setdefault(r["point"]["grid"], []).append(r)
     return [r for grid in sorted(by_grid) for r in rng.sample(by_grid[grid], min(LIVE_PER_GRID, len(by_grid[grid])))]
 
 
-def _run_oracle(release: str, device: str, sample: list[dict]) -> list[dict]:
+def _run_oracle(release: str, args: tuple[str, ...], sample: list[dict]) -> list[dict]:
     feed = "".join(json.dumps(r["point"]) + "\n" for r in sample)
-    proc = subprocess.run([str(environment(release) / "bin" / "python"), str(ORACLE), "--device", device], input=feed,
+    proc = subprocess.run([str(environment(release) / "bin" / "python"), str(ORACLE), *args], input=feed,
                           capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
@@ -175,9 +180,9 @@ def test_the_recording_is_what_sglang_answers_now(release_recording):
     seed = int(os.environ.get("LOADPLAN_CONFORMANCE_SEED", time.time_ns() % 1_000_000))
     sample = live_sample(records, random.Random(seed))
     assert {r["point"]["grid"] for r in sample} == {r["point"]["grid"] for r in records}
-    by_device: dict[str, list[dict]] = {}
-    for r in sample:
-        by_device.setdefault(r["point"]["device"], []).append(r)
+    by_device: dict[tuple[str, ...], list[dict]] = {}
+    for r in sample:      # one oracle process per device and environment
+        by_device.setdefault(oracle_args(r["point"]), []).append(r)
     with concurrent.futures.ThreadPoolExecutor(len(by_device)) as pool:
         answers = dict(zip(by_device, pool.map(lambda d: _run_oracle(release, d, by_device[d]), by_device)))
     drifted = []
@@ -198,7 +203,8 @@ def test_the_live_sample_touches_every_sub_grid_and_two_devices(recording):
     for seed in range(5):
         sample = live_sample(records, random.Random(seed))
         assert {r["point"]["grid"] for r in sample} == {r["point"]["grid"] for r in records}
-        assert len({r["point"]["device"] for r in sample}) == 2
+        assert len({r["point"]["device"] for r in sample if not r["point"].get("engine_env")}) == 2
+        assert len({oracle_args(r["point"]) for r in sample}) <= 3      # two devices, one environment
         assert len(sample) <= LIVE_PER_GRID * len({r["point"]["grid"] for r in records})
 
 

@@ -156,3 +156,21 @@ def test_an_observed_plan_is_shown_as_observed_with_its_release(page, history):
     assert "the release has no profile" in page.locator("main").inner_text()
     assert page.locator("#observed").count() == 1
     shot(page, "7-observed-plan")
+
+
+def test_the_backends_page_shows_each_engines_own_table(page, history):
+    page.goto(f"{history.base}/deployments")
+    page.get_by_role("link", name="Backends").click()
+    page.wait_for_url("**/backends")
+    assert page.locator("#backends-of").inner_text().startswith("loadplan")
+    page.select_option("select[name=engine]", "vllm")
+    page.fill("input[name=version]", "0.31.0")
+    page.get_by_role("button", name="Show").click()
+    page.wait_for_url("**/backends?*")
+    names = page.locator("#backends tr[data-backend]").evaluate_all("rows => rows.map(r => r.dataset.backend)")
+    assert "passthrough" not in names and "deepep_low_latency" in names
+    assert page.locator("#backends tr[data-backend=pplx]").get_attribute("data-accepted") == "no"
+    page.goto(f"{history.base}/backends?engine=sglang")
+    assert page.locator("#backends tr[data-backend=customized]").get_attribute("data-accepted") == "no"
+    assert "sglang 0.5.23" in page.locator("#backends-of").inner_text()
+    shot(page, "8-backends")

@@ -303,7 +303,8 @@ RUNTIME_CHANGES = {
     "a2a_backend": "megamoe", "device": "cuda:9.0", "engine": "vllm",
     "moe_runner_backend": "flashinfer_trtllm", "enable_sbo": True, "enable_tbo": True,
     "disable_shared_experts_fusion": True, "enforce_shared_experts_fusion": True, "enable_eplb": True,
-    "ep_num_redundant_experts": 2,
+    "ep_num_redundant_experts": 2, "engine_args": {"chunked_prefill_size": "8192"},
+    "engine_env": {"SGLANG_USE_AITER": "1"},
 }
 
 

@@ -115,7 +115,20 @@ def test_list_backends_is_the_capability_table(client):
     rows = {b.name: b for b in client.list_backends()}
     assert set(rows) == set(BACKENDS)
     for name, row in BACKENDS.items():
-        assert dataclasses.asdict(rows[name]) == dataclasses.asdict(row)
+        got = dataclasses.asdict(rows[name])
+        assert {k: got[k] for k in dataclasses.asdict(row)} == dataclasses.asdict(row)
+        assert (got["accepted"], got["engine"]) == (True, "loadplan")
+
+
+def test_list_backends_answers_the_engine_and_release_asked(client):
+    from loadplan.client.errors import NotFoundError
+
+    rows = client.list_backends("vllm", "0.31.0")
+    assert {(r.engine, r.engine_version) for r in rows} == {("vllm", "0.31.0")}
+    assert "passthrough" not in {r.name for r in rows} and "passthrough" in {r.name for r in client.list_backends("vllm")}
+    with pytest.raises(NotFoundError) as e:
+        client.list_backends("sglang", "0.5.9")
+    assert e.value.field == "engine_version" and "0.5.23" in e.value.message
 
 
 def test_check_coverage(client):
