@@ -31,7 +31,7 @@ from ..v1 import registry_pb2_grpc as pb_grpc
 from . import convert
 from .auth import PemSource, bearer_metadata, open_channel, resolve_tls, resolve_token
 from .errors import UnavailableError, error_for, from_rpc_error
-from .types import BackendInfo, CoverageEntry, CoverageReport, PlanDiff
+from .types import BackendInfo, Candidate, CapabilityReport, CoverageEntry, CoverageReport, PlanDiff
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024   # plan pages can be larger than gRPC's 4 MiB default
 
@@ -139,6 +139,16 @@ class RegistryClient:
         return [BackendInfo(b.name, b.forward_path, b.combine_reduces, b.deepep_class, b.per_rank_fused_slots,
                             b.fusion_force_disabled, b.accepted, b.note, reply.engine, reply.engine_version)
                 for b in reply.backends]
+
+    def check_capabilities(self, request: ResolveRequest, *, timeout: float | None = None) -> CapabilityReport:
+        """For `request`'s config and runtime: every a2a backend (and SGLang MoE runner) of its engine tried in its
+        place, whether the engine would start with it and why (nothing is written)."""
+        reply = self._call("CheckCapabilities", convert.request_to_pb(request), timeout)
+
+        def candidates(msgs):
+            return tuple(Candidate(c.name, c.starts, c.reason, c.forward_path, c.shared_experts_fusion) for c in msgs)
+        return CapabilityReport(reply.engine, reply.engine_version, candidates(reply.backends),
+                                candidates(reply.moe_runners))
 
     def check_coverage(self, entry_classes: Sequence[str] = (), *, timeout: float | None = None) -> CoverageReport:
         """Whether each entry class reaches a fusion gate; empty asks about the registry's own table."""

@@ -39,3 +39,22 @@ class CoverageEntry:
 class CoverageReport:
     entries: list[CoverageEntry]
     ok: bool
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One a2a backend or MoE runner tried in a runner's place: whether its engine would start with it, and why."""
+
+    name: str
+    starts: bool
+    reason: str
+    forward_path: str = ""
+    shared_experts_fusion: bool = False
+
+
+@dataclass(frozen=True)
+class CapabilityReport:
+    engine: str
+    engine_version: str
+    backends: tuple[Candidate, ...]
+    moe_runners: tuple[Candidate, ...]

@@ -64,6 +64,7 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     "DiffPlans": frozenset({READER, ADMIN}),
     "CheckUpgrade": frozenset({READER, ADMIN}),      # reads the history, writes nothing
     "ListBackends": frozenset({WORKER, READER, ADMIN}),
+    "CheckCapabilities": frozenset({WORKER, READER, ADMIN}),   # decides, writes nothing
     "CheckCoverage": frozenset({WORKER, READER, ADMIN}),
     "Echo": frozenset({WORKER, READER, ADMIN}),
 }

@@ -21,7 +21,7 @@ from loadplan.errors import InvalidArgument
 from loadplan.plan import Decision, LoadPlan, Parallel, PlanDiff, ResolveRequest, Runtime
 from loadplan.upgrade import UpgradeReport
 from .rules import RULESET_VERSION
-from .rules.capabilities import backends_of
+from .rules.capabilities import backends_of, starts_with
 from .rules.observed import observed_decisions
 from .rules.resolve import diff_deployment_inputs, fingerprint, resolve_decisions
 from .upgrade_check import check_upgrade
@@ -141,6 +141,11 @@ class Registry:
     def list_backends(self, engine: str = "", version: str = ""):
         """(engine, release, its a2a backend table) as that engine spells them (rules/capabilities.py)."""
         return backends_of(engine, version)
+
+    def check_capabilities(self, req: ResolveRequest):
+        """Which backends and MoE runners `req`'s engine would start `req`'s runner with, and why not the others
+        (rules/capabilities.py: starts_with; nothing is written)."""
+        return starts_with(req, resolve_decisions)
 
     def record_observed(self, req: ResolveRequest, observed: Sequence[Decision]) -> LoadPlan:
         """Save what an engine release without a profile decided (service/rules/observed.py), as a plan."""

@@ -92,3 +92,54 @@ def _vllm(version: str) -> list[BackendRow]:
                                                   "; its kernels run only with expert parallelism and DP > 1"))))
     return rows
 
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One backend or MoE runner a runner could start with: whether the engine would, and why."""
+    name: str
+    starts: bool
+    reason: str                  # the refusal (the engine's words, or the hazard), or what the plan would say
+    forward_path: str = ""       # where it starts: the plan's forward path and fusion
+    shared_experts_fusion: bool = False
+
+
+@dataclass(frozen=True)
+class StartReport:
+    engine: str
+    engine_version: str
+    backends: tuple[Candidate, ...]
+    moe_runners: tuple[Candidate, ...]     # SGLang's --moe-runner-backend values (the other engines have none)
+
+
+def starts_with(req, decide) -> StartReport:
+    """For `req`'s config and runtime, every a2a backend of its engine (and, for SGLang, every MoE runner) tried in
+    its place: the plan `decide` (the rules' resolve, nothing stored) makes, or its refusal. The request's own
+    checks (config, ranks, engine and release) fail as a resolve would."""
+    from dataclasses import replace
+
+    from loadplan.errors import RegistryError
+    from loadplan.plan import Keys
+
+    from .resolve import validate_request
+
+    validate_request(req)
+    engine = engine_by_name(req.runtime.engine or decide(req).request.runtime.engine).name
+    version = req.runtime.engine_version or engine_by_name(engine).version
+    req = replace(req, runtime=replace(req.runtime, engine=engine, engine_version=version))
+
+    def attempt(name: str, runtime) -> Candidate:
+        try:
+            d = decide(replace(req, runtime=runtime)).decisions
+        except RegistryError as e:
+            return Candidate(name, False, e.message)
+        path, fused = d[Keys.FORWARD_PATH], d[Keys.SHARED_EXPERTS_FUSION]
+        return Candidate(name, True, f"{path.reason}; fusion: {fused.reason}", path.value, bool(fused.value))
+
+    _, _, rows = backends_of(engine, version)
+    backends = tuple(attempt(r.name, replace(req.runtime, a2a_backend=r.name)) for r in rows if r.accepted)
+    runners = ()
+    if engine == ENGINE_SGLANG:
+        runners = tuple(attempt(name, replace(req.runtime, moe_runner_backend=name))
+                        for name in sglang_release(version).moe_runner_backends)
+    return StartReport(engine, version, backends, runners)

@@ -178,6 +178,15 @@ def backend_to_pb(row: BackendRow) -> pb.Backend:
                       fusion_force_disabled=row.fusion_force_disabled, accepted=row.accepted, note=row.note)
 
 
+def capabilities_to_pb(report) -> pb.CapabilityReport:
+    def candidate(c) -> pb.Candidate:
+        return pb.Candidate(name=c.name, starts=c.starts, reason=c.reason, forward_path=c.forward_path,
+                            shared_experts_fusion=c.shared_experts_fusion)
+    return pb.CapabilityReport(engine=report.engine, engine_version=report.engine_version,
+                               backends=[candidate(c) for c in report.backends],
+                               moe_runners=[candidate(c) for c in report.moe_runners])
+
+
 def coverage_to_pb(entry) -> pb.CoverageEntry:
     return pb.CoverageEntry(entry_class=entry.entry_class, known=entry.known, family=entry.family,
                             gated_family=entry.gated_family, has_gate=entry.has_gate, chain=list(entry.chain),

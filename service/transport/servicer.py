@@ -153,6 +153,11 @@ class ModelRegistryServicer(pb_grpc.ModelRegistryServicer):
         return convert.upgrade_to_pb(report)
 
     @_rpc
+    async def CheckCapabilities(self, request, context):
+        report = await self._blocking(self.registry.check_capabilities, convert.request_from_pb(request))
+        return convert.capabilities_to_pb(report)
+
+    @_rpc
     async def Echo(self, request, context):
         return pb.EchoResponse(payload=request.payload)
 

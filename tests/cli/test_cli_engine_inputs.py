@@ -60,3 +60,20 @@ def test_the_client_over_grpc(client):
     with pytest.raises(InvalidArgumentError) as e:
         client.resolve_load_plan(request({"SGLANG_USE_AITER": "maybe"}))
     assert e.value.field == "runtime.engine_env.SGLANG_USE_AITER"
+
+
+def test_capabilities_names_what_the_engine_starts_with_and_why_not(capsys, tmp_path):
+    db = f"sqlite:///{tmp_path / 'h.db'}"
+    code, out, err = run(capsys, "capabilities", "--db", db, "--model", MODEL, "--engine", "sglang", "--device",
+                         "hip:9.5", "--tp-size", "8", "--engine-env", "SGLANG_USE_AITER=1", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert (report["engine"], report["engine_version"]) == ("sglang", "0.5.23")
+    backends = {c["name"]: c for c in report["backends"]}
+    assert backends["none"]["starts"] and backends["none"]["shared_experts_fusion"]    # aiter fuses on ROCm
+    assert backends["deepep"]["starts"] and not backends["deepep"]["shared_experts_fusion"]
+    assert not backends["pplx"]["starts"] and "attention DP" in backends["pplx"]["reason"]
+    assert "customized" not in backends
+    assert {c["name"] for c in report["moe_runners"]} >= {"auto", "triton", "aiter"}
+    code, out, _ = run(capsys, "capabilities", "--db", db, "--model", MODEL, "--engine", "vllm", "--tp-size", "8")
+    assert code == 0 and "passthrough" in out and "MOE RUNNER" not in out

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import socket
 import uuid
 from dataclasses import dataclass, field
@@ -58,6 +59,9 @@ class WorkerIdentity:
     ep_num_redundant_experts: int = 0
     engine_version: str = ""
     served: Served | None = None      # the deployment's model and layout; None: this runner's own
+    # vLLM's own config values and VLLM_* switches the vllm profile reads (loadplan/engine_inputs.py), as text
+    engine_args: Mapping[str, str] = field(default_factory=dict)
+    engine_env: Mapping[str, str] = field(default_factory=dict)
 
 
 def served_by(identity: WorkerIdentity) -> Served:
@@ -95,7 +99,8 @@ def resolve_request(identity: WorkerIdentity, deployment: str | None = None) -> 
         quantization=identity.quantization,
         runtime=Runtime(a2a_backend=identity.a2a_backend, device=identity.device, engine=ENGINE_VLLM,
                         engine_version=identity.engine_version, enable_eplb=identity.enable_eplb,
-                        ep_num_redundant_experts=identity.ep_num_redundant_experts if identity.enable_eplb else 0),
+                        ep_num_redundant_experts=identity.ep_num_redundant_experts if identity.enable_eplb else 0,
+                        engine_args=identity.engine_args, engine_env=identity.engine_env),
     )
 
 
@@ -136,7 +141,22 @@ def identity_of(vllm_config, model_config) -> WorkerIdentity:
         enable_eplb=pc.enable_eplb,
         ep_num_redundant_experts=pc.eplb_config.num_redundant_experts,
         engine_version=str(vllm.__version__).split("+")[0],
+        **engine_inputs_of(pc),
     )
+
+
+# The ParallelConfig fields sent as they are (the sizes come from the worker's groups: a draft's ParallelConfig is
+# vLLM's own for the draft, whose sizes are not its groups').
+SENT_ARGS = ("all2all_backend", "enable_eplb")
+
+
+def engine_inputs_of(parallel_config, environ=os.environ) -> dict[str, dict[str, str]]:
+    """What the vllm profile reads (loadplan/engine_inputs.py) of this worker's ParallelConfig and environment."""
+    from ...engine_inputs import names
+
+    args = {n: str(getattr(parallel_config, n)) for n in names(ENGINE_VLLM, "arg")
+            if n in SENT_ARGS and hasattr(parallel_config, n)}
+    return {"engine_args": args, "engine_env": {n: environ[n] for n in names(ENGINE_VLLM, "env") if n in environ}}
 
 
 def checkpoint_config(model_config) -> dict[str, Any]:

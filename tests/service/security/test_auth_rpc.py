@@ -20,10 +20,11 @@ from loadplan.v1 import registry_pb2_grpc as pb_grpc
 # The table, written out independently of service/auth.py's METHOD_ROLES.
 ALLOWED = {
     "worker": {"ResolveLoadPlan", "RecordObservedPlan", "AppendDecisions", "GetPlan", "ListBackends", "CheckCoverage",
-               "Echo"},
-    "reader": {"GetPlan", "ListPlans", "DiffPlans", "CheckUpgrade", "ListBackends", "CheckCoverage", "Echo"},
+               "CheckCapabilities", "Echo"},
+    "reader": {"GetPlan", "ListPlans", "DiffPlans", "CheckUpgrade", "ListBackends", "CheckCoverage",
+               "CheckCapabilities", "Echo"},
     "admin": {"ResolveLoadPlan", "RecordObservedPlan", "AppendDecisions", "GetPlan", "ListPlans", "DiffPlans", "CheckUpgrade",
-              "ListBackends", "CheckCoverage", "Echo"},
+              "ListBackends", "CheckCoverage", "CheckCapabilities", "Echo"},
 }
 WRITES = {"ResolveLoadPlan", "RecordObservedPlan", "AppendDecisions"}
 REFUSALS = {"UNAUTHENTICATED", "PERMISSION_DENIED"}
@@ -43,6 +44,7 @@ CALLS = {
     "ListBackends": lambda c: c.list_backends(),
     "CheckCoverage": lambda c: c.check_coverage(),
     "CheckUpgrade": lambda c: c.upgrade_check("sglang", "0.5.23"),
+    "CheckCapabilities": lambda c: c.check_capabilities(request(deployment_id=f"dep-{uuid.uuid4().hex[:8]}")),
     "Echo": lambda c: c.echo(b"ping"),
 }
 
