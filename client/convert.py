@@ -104,7 +104,7 @@ def runtime_to_pb(rt: Runtime) -> pb.Runtime:
         disable_shared_experts_fusion=rt.disable_shared_experts_fusion,
         enforce_shared_experts_fusion=rt.enforce_shared_experts_fusion,
         enable_eplb=rt.enable_eplb, ep_num_redundant_experts=rt.ep_num_redundant_experts,
-        engine_args=dict(rt.engine_args), engine_env=dict(rt.engine_env),
+        engine_args=dict(rt.engine_args), engine_env=dict(rt.engine_env), upgrade_from=rt.upgrade_from,
     )
 
 
@@ -122,7 +122,7 @@ def runtime_from_pb(msg: pb.Runtime) -> Runtime:
         disable_shared_experts_fusion=msg.disable_shared_experts_fusion,
         enforce_shared_experts_fusion=msg.enforce_shared_experts_fusion,
         enable_eplb=msg.enable_eplb, ep_num_redundant_experts=msg.ep_num_redundant_experts,
-        engine_args=dict(msg.engine_args), engine_env=dict(msg.engine_env),
+        engine_args=dict(msg.engine_args), engine_env=dict(msg.engine_env), upgrade_from=msg.upgrade_from,
     )
 
 

@@ -73,6 +73,9 @@ class Runtime:
     # it reads (service/rules/engine_inputs.py); the others are kept and listed in the plan as not read.
     engine_args: tuple[tuple[str, str], ...] = ()
     engine_env: tuple[tuple[str, str], ...] = ()
+    # The release this runner's deployment is being upgraded from, named by the operator: runners of both releases
+    # may then share the deployment while every deployment-wide decision agrees ("" none: releases must not mix).
+    upgrade_from: str = ""
 
     def __post_init__(self):
         for name in ("engine_args", "engine_env"):

@@ -97,10 +97,10 @@ def request_fingerprint(req: ResolveRequest, config_fingerprint: str | None = No
     rt = req.runtime
     body = ("request/2", config_fingerprint, quantization_config_fingerprint, _request_scalars(req),
             _parallel_fields(req.parallel), _runtime_fields(rt))
-    if rt.engine_args or rt.engine_env:
-        # Appended only when sent (tuples of text pairs, whose repr is literal too): a request without them
-        # hashes the text it always did.
-        body += (rt.engine_args, rt.engine_env)
+    if rt.engine_args or rt.engine_env or rt.upgrade_from:
+        # Appended only when sent (text, and tuples of text pairs, whose repr is literal too): a request without
+        # them hashes the text it always did.
+        body += (rt.engine_args, rt.engine_env) + ((rt.upgrade_from,) if rt.upgrade_from else ())
     return hashlib.sha256(repr(body).encode()).hexdigest()
 
 
@@ -110,7 +110,7 @@ _request_scalars = operator.attrgetter(*(f.name for f in dataclasses.fields(Reso
 _parallel_fields = operator.attrgetter(*(f.name for f in dataclasses.fields(Parallel)))
 # The runtime's scalars (engine_args and engine_env, pairs of text, are appended after them when sent).
 _runtime_fields = operator.attrgetter(*(f.name for f in dataclasses.fields(Runtime)
-                                        if f.name not in ("engine_args", "engine_env")))
+                                        if f.name not in ("engine_args", "engine_env", "upgrade_from")))
 
 
 class Registry:

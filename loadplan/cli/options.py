@@ -199,6 +199,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "field, vLLM's config field); repeatable (`loadplan engines --inputs`: what each reads)")
     parser.add_argument("--engine-env", action="append", default=[], metavar="NAME=VALUE",
                         help="an environment switch of the engine (SGLANG_USE_AITER=1, ...); repeatable")
+    parser.add_argument("--upgrade-from", default="", metavar="V",
+                        help="an upgrade you name: the release the deployment's other runners run; runners of both "
+                             "may share the deployment while every deployment-wide decision agrees")
 
 
 def name_values(flag: str, items: list[str]) -> dict[str, str]:
@@ -250,7 +253,8 @@ def request_from_args(args: argparse.Namespace, config: dict[str, Any]) -> Resol
         runtime=dataclasses.replace(runtime_from_args(args), device=args.device, engine=args.engine,
                                     engine_version=args.engine_version, moe_runner_backend=args.moe_runner_backend,
                                     engine_args=name_values("--engine-arg", args.engine_arg),
-                                    engine_env=name_values("--engine-env", args.engine_env)),
+                                    engine_env=name_values("--engine-env", args.engine_env),
+                                    upgrade_from=args.upgrade_from),
     )
 
 

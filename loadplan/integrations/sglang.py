@@ -54,6 +54,8 @@ ENV_REGISTRY = "LOADPLAN_SGLANG_REGISTRY"  # registry address (host:port)
 ENV_DEPLOYMENT = "LOADPLAN_SGLANG_DEPLOYMENT"
 ENV_ALLOW_FALLBACK = "LOADPLAN_SGLANG_ALLOW_FALLBACK"
 ENV_TIMEOUT = "LOADPLAN_SGLANG_TIMEOUT"
+# An upgrade the operator names on the upgraded replicas: the release the deployment's other runners run
+ENV_UPGRADE_FROM = "LOADPLAN_SGLANG_UPGRADE_FROM"
 # The token travels as the client's own LOADPLAN_TOKEN / LOADPLAN_TOKEN_FILE.
 
 # The modules that hold SGLang's function: its definition, and the loader, which
@@ -436,6 +438,7 @@ def runner_request(model_class, hf_config, quant_config, *, deployment: str | No
         enable_eplb=bool(moe.enable_eplb),
         ep_num_redundant_experts=int(moe.ep_num_redundant_experts or 0),
         **engine_inputs_of(get_server_args()),
+        upgrade_from=os.environ.get(ENV_UPGRADE_FROM, "").strip(),
     )
     return ResolveRequest(
         request_id=f"sglang-{uuid.uuid4().hex}",

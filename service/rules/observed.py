@@ -24,7 +24,7 @@ from loadplan.plan import Decision, Keys, ResolveRequest
 
 from . import hazards, sglang
 from .engines import ENGINES, Engine
-from .resolve import Resolution, resolve_decisions
+from .resolve import LAYOUT, Resolution, layout_of, resolve_decisions
 
 HAZARD_PREFIX = "hazard:"
 # What an adapter can observe of an engine's decision (the keys it may send), each with the values it may take.
@@ -97,6 +97,6 @@ def observed_decisions(req: ResolveRequest, observed: Mapping[str, Decision]) ->
                              f"{rt.a2a_backend}")
     inputs = {**basis.deployment_inputs, "runtime.engine_version": rt.engine_version,
               "runtime.disable_shared_experts_fusion": rt.disable_shared_experts_fusion,
-              **{f"observed.{k}": d.value for k, d in observed.items()}}
+              **{f"observed.{k}": d.value for k, d in observed.items()}, LAYOUT: layout_of(decisions)}
     return Resolution(basis.entry_class, basis.chain, basis.family, basis.config_fingerprint, basis.quantization,
                       MappingProxyType(decisions), MappingProxyType(inputs), req)

@@ -98,6 +98,10 @@ def validate_request(req: ResolveRequest, *, deployment_checked: bool = False) -
     if rt.ep_num_redundant_experts and not rt.enable_eplb:
         raise InvalidArgument("runtime.ep_num_redundant_experts", "redundant experts need runtime.enable_eplb")
     engine_inputs.check_shape(req)
+    if rt.upgrade_from and (len(rt.upgrade_from) > 64 or not rt.upgrade_from.isprintable()
+                            or rt.upgrade_from == rt.engine_version):
+        raise InvalidArgument("runtime.upgrade_from", f"{rt.upgrade_from[:64]!r}: the release upgraded from, "
+                                                      f"another than runtime.engine_version")
     engine_inputs.values(req, engine_of(req, parse_device(rt.device)).name)
     if req.quantization_config is not None and not isinstance(req.quantization_config, dict):
         raise InvalidArgument("quantization_config", "must be a JSON object")
@@ -178,8 +182,20 @@ def _check_json_text(path: str, value: str) -> None:
             from None
 
 
-def deployment_inputs(req: ResolveRequest, resolved: Resolved) -> dict[str, Any]:
-    """What every rank of one deployment and role must share (DESIGN 6)."""
+# Not compared between ranks: the upgrade a runner names (diff_deployment_inputs reads it).
+UPGRADE_FROM = "upgrade_from"
+LAYOUT = "layout"
+
+
+def layout_of(decisions: Mapping[str, Decision]) -> str:
+    """The fingerprint of the deployment-wide decisions' values (what every rank builds), but the profile's name:
+    under an upgrade the operator named, two releases may share a deployment exactly while this is equal."""
+    return fingerprint({k: d.value for k, d in decisions.items()
+                        if d.deployment_wide and k not in (Keys.ENGINE_PROFILE, Keys.ENGINE_INPUTS_NOT_READ)})
+
+
+def deployment_inputs(req: ResolveRequest, resolved: Resolved, layout: str = "") -> dict[str, Any]:
+    """What every rank of one deployment and role must share (DESIGN 6); `layout`: `layout_of` its decisions."""
     p, rt = req.parallel, req.runtime
     return {
         "ruleset_version": RULESET_VERSION,
@@ -191,13 +207,27 @@ def deployment_inputs(req: ResolveRequest, resolved: Resolved) -> dict[str, Any]
         "parallel.ep_size": p.ep_size,
         "parallel.pp_size": p.pp_size,
         "parallel.dp_size": p.dp_size,
-        **{f"runtime.{k}": v for k, v in asdict(rt).items()},
+        **{f"runtime.{k}": v for k, v in asdict(rt).items() if k != UPGRADE_FROM},
+        UPGRADE_FROM: rt.upgrade_from,
+        LAYOUT: layout,
     }
 
 
 def diff_deployment_inputs(pinned: dict[str, Any], mine: dict[str, Any]) -> list[str]:
-    """Names of the deployment-wide inputs where `mine` differs from the pinned ones."""
-    return sorted(k for k in pinned.keys() | mine.keys() if pinned.get(k) != mine.get(k))
+    """Names of the deployment-wide inputs where `mine` differs from the pinned ones. Two releases differ only where
+    no upgrade was named: under an upgrade the operator named (one side's upgrade_from is the other's release),
+    they may differ while the layout (every deployment-wide decision) is the same; a changed layout is named."""
+    # The layout follows from the other inputs: compared only where a named upgrade lets the release differ.
+    differing = sorted(k for k in pinned.keys() | mine.keys()
+                       if pinned.get(k) != mine.get(k) and k not in (UPGRADE_FROM, LAYOUT))
+    version = "runtime.engine_version"
+    named = mine.get(UPGRADE_FROM) and mine.get(UPGRADE_FROM) == pinned.get(version) or \
+        pinned.get(UPGRADE_FROM) and pinned.get(UPGRADE_FROM) == mine.get(version)
+    if named and version in differing and pinned.get(LAYOUT) == mine.get(LAYOUT):
+        differing.remove(version)     # the same layout on both releases
+    elif named and version in differing:
+        differing.append(LAYOUT)      # the layout changes with the release: say both
+    return differing
 
 
 def resolve_decisions(req: ResolveRequest, inputs_key: Hashable | None = None) -> Resolution:
@@ -384,7 +414,7 @@ def _finish(req: ResolveRequest, resolved: Resolved, layout: MoeLayout, head: di
     part.n_layers = len(layout.layer_ids)
     part.first_layer = layout.layer_ids[0] if layout.layer_ids else 0
     part.moe_layers = tuple(layout.moe_layers)
-    inputs = deployment_inputs(req, resolved)
+    inputs = deployment_inputs(req, resolved, layout_of({**head, **d}))
     part.inputs = MappingProxyType(inputs)
     part.runtime = req.runtime    # as decided: names the engine and version
     part.entry_class = resolved.chain[0]

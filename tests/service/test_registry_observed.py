@@ -131,3 +131,34 @@ def test_a_profiled_release_is_told_to_resolve_and_bad_observations_are_named(re
     with pytest.raises(InvalidArgument) as e:
         registry.record_observed(_request(), _fused(False) * 2)
     assert e.value.field == "decisions[2].key"
+
+
+def _on(version: str, rank: int, upgrade_from: str = "", config: str = "deepseek-v3", a2a: str = "none",
+        deployment: str = "up", device: str = "cuda:9.0", **runtime) -> ResolveRequest:
+    return ResolveRequest(request_id=f"{deployment}-{version}-{rank}", deployment_id=deployment,
+                          parallel=Parallel(tp_size=8, tp_rank=rank), config=_config(config),
+                          runtime=Runtime(a2a_backend=a2a, device=device, engine="sglang", engine_version=version,
+                                          upgrade_from=upgrade_from, **runtime))
+
+
+def test_an_upgrade_the_operator_named_mixes_releases_while_the_layout_agrees(registry):
+    registry.resolve(_on("0.5.22", 0))
+    registry.resolve(_on("0.5.23", 1, upgrade_from="0.5.22"))          # the same layout on both releases
+    registry.resolve(_on("0.5.22", 2))                                  # the old release still joins
+    with pytest.raises(FailedPrecondition) as e:                        # not named: refused naming both
+        registry.resolve(_on("0.5.23", 3))
+    assert "'0.5.22'" in e.value.message and "'0.5.23'" in e.value.message
+    assert e.value.field == "runtime.engine_version"
+
+
+def test_a_named_upgrade_that_changes_the_layout_is_refused_naming_it(registry):
+    # Qwen1.5-MoE on ascend_fuseep: 0.5.23's Qwen2-MoE block dispatches it itself, 0.5.22 ran the normal branch
+    flags = dict(config="qwen1.5-moe-a2.7b", a2a="ascend_fuseep", deployment="fuseep", device="cuda:10.0",
+                 disable_shared_experts_fusion=True)
+    registry.resolve(_on("0.5.22", 0, **flags))
+    with pytest.raises(FailedPrecondition) as e:
+        registry.resolve(_on("0.5.23", 1, upgrade_from="0.5.22", **flags))
+    assert e.value.field == "runtime.engine_version" and "layout" in e.value.message
+    with pytest.raises(InvalidArgument) as e:
+        registry.resolve(_on("0.5.23", 1, upgrade_from="0.5.23", deployment="self"))
+    assert e.value.field == "runtime.upgrade_from"

@@ -84,7 +84,7 @@ def default_deployment(identity: WorkerIdentity) -> str:
     return f"vllm-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-def resolve_request(identity: WorkerIdentity, deployment: str | None = None) -> ResolveRequest:
+def resolve_request(identity: WorkerIdentity, deployment: str | None = None, upgrade_from: str = "") -> ResolveRequest:
     """The request this runner sends at its instantiation point (a fresh request id per start)."""
     config = dict(identity.config)
     qconfig = config.get("quantization_config")
@@ -100,7 +100,8 @@ def resolve_request(identity: WorkerIdentity, deployment: str | None = None) -> 
         runtime=Runtime(a2a_backend=identity.a2a_backend, device=identity.device, engine=ENGINE_VLLM,
                         engine_version=identity.engine_version, enable_eplb=identity.enable_eplb,
                         ep_num_redundant_experts=identity.ep_num_redundant_experts if identity.enable_eplb else 0,
-                        engine_args=identity.engine_args, engine_env=identity.engine_env),
+                        engine_args=identity.engine_args, engine_env=identity.engine_env,
+                        upgrade_from=upgrade_from),
     )
 
 

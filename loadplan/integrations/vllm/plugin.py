@@ -109,7 +109,7 @@ def plan_for_worker(settings: Settings, vllm_config, model_config, model_class):
     from .identity import identity_of, resolve_request
 
     logger = init_logger("vllm.plugins.loadplan")
-    request = resolve_request(identity_of(vllm_config, model_config), settings.deployment)
+    request = resolve_request(identity_of(vllm_config, model_config), settings.deployment, settings.upgrade_from)
     p = request.parallel
     who = (f"deployment {request.deployment_id}, role {request.role}, tp {p.tp_rank}/{p.tp_size}, "
            f"ep {p.ep_rank}/{p.ep_size}, pp {p.pp_rank}/{p.pp_size}, dp {p.dp_rank}/{p.dp_size}")

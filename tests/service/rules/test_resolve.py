@@ -13,7 +13,7 @@ from loadplan.plan import Keys, Parallel, Runtime
 from loadplan.errors import FailedPrecondition, InvalidArgument, NotFound
 from loadplan.service.rules import RULESET_VERSION, entries
 from loadplan.config_view import ConfigView
-from loadplan.service.rules.resolve import (deployment_inputs, diff_deployment_inputs, fingerprint,
+from loadplan.service.rules.resolve import (deployment_inputs, diff_deployment_inputs, fingerprint, layout_of,
                                             resolve_decisions, stage_range, validate_request)
 
 from ._fixtures import deepseek, glm4, kimi_k25, qwen2, qwen3, request, resolve
@@ -304,7 +304,7 @@ RUNTIME_CHANGES = {
     "moe_runner_backend": "flashinfer_trtllm", "enable_sbo": True, "enable_tbo": True,
     "disable_shared_experts_fusion": True, "enforce_shared_experts_fusion": True, "enable_eplb": True,
     "ep_num_redundant_experts": 2, "engine_args": {"chunked_prefill_size": "8192"},
-    "engine_env": {"SGLANG_USE_AITER": "1"},
+    "engine_env": {"SGLANG_USE_AITER": "1"}, "upgrade_from": "0.5.22",
 }
 
 
@@ -334,6 +334,8 @@ def test_each_runtime_change_is_named_exactly(field):
     b = _inputs(**{**base, field: RUNTIME_CHANGES[field]})
     # another engine is another version too
     changed = [f"runtime.{field}", "runtime.engine_version"] if field == "engine" else [f"runtime.{field}"]
+    if field == "upgrade_from":    # names an upgrade, not an input the ranks share (test_registry_observed.py)
+        changed = []
     assert diff_deployment_inputs(a, b) == changed
 
 
@@ -384,7 +386,7 @@ def test_deployment_inputs_function_matches_the_resolution():
     req = request(deepseek(), **BASE)
     res = resolve_decisions(req)
     resolved = entries.resolve_entry("DeepseekV3ForCausalLM", ConfigView(req.config), None, None)
-    assert deployment_inputs(res.request, resolved) == res.deployment_inputs
+    assert deployment_inputs(res.request, resolved, layout_of(res.decisions)) == res.deployment_inputs
     assert res.config_fingerprint == fingerprint(deepseek())
 
 
