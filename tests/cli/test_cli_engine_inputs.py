@@ -77,3 +77,12 @@ def test_capabilities_names_what_the_engine_starts_with_and_why_not(capsys, tmp_
     assert {c["name"] for c in report["moe_runners"]} >= {"auto", "triton", "aiter"}
     code, out, _ = run(capsys, "capabilities", "--db", db, "--model", MODEL, "--engine", "vllm", "--tp-size", "8")
     assert code == 0 and "passthrough" in out and "MOE RUNNER" not in out
+
+
+def test_engines_lists_the_inputs_each_profile_reads(capsys):
+    code, out, err = run(capsys, "engines", "--inputs", "--json")
+    assert code == 0, err
+    rows = {(r["engine"], r["kind"], r["name"]): r for r in json.loads(out)}
+    assert rows[("sglang", "env", "SGLANG_USE_AITER")]["default"] == "false"
+    assert rows[("sglang", "arg", "moe_a2a_backend")]["same_as"] == "runtime.a2a_backend"
+    assert ("vllm", "arg", "all2all_backend") in rows
