@@ -226,15 +226,17 @@ class CausalLM(nn.Module):
 
 
 class DeclaredCausalLM(CausalLM):
-    """An entry class declared by two class attributes: `CONFIG`, its config dataclass (`CONFIG.from_hf(config.json)`,
-    naming num_experts and head_dim), and `DECODER_LAYER`, its layer class (gpt_oss.py, minimax_m2.py, llama4.py)."""
+    """An entry class declared by class attributes: `CONFIG`, its config dataclass (naming num_experts and head_dim),
+    read as its row `FAMILY` says (`config.Family`), or by `CONFIG.from_hf(config.json)` where it has none; and
+    `DECODER_LAYER`, its layer class (gpt_oss.py, minimax_m2.py, llama4.py, the Qwen-layer families)."""
 
     CONFIG: type = type(None)
+    FAMILY = None                     # a config.Family: the family as data
     DECODER_LAYER: type[DecoderLayer] = DecoderLayer
 
     @classmethod
     def parse_config(cls, hf_config: dict):
-        return cls.CONFIG.from_hf(hf_config)
+        return cls.CONFIG.from_hf(hf_config) if cls.FAMILY is None else cls.FAMILY.read(hf_config, cls.CONFIG)
 
     @classmethod
     def decoder_layer(cls, cfg) -> type[DecoderLayer]:
