@@ -6,8 +6,8 @@ every family: the plan's pipeline stage (`pp.layer_range`), `model.{embed_tokens
 layers, norm}` for that stage, the (tied) head, the rotary tables, the expert-weights
 view, the loading layout, the KV caches and the forward across stages.
 
-The config dataclass names at least: vocab_size, hidden_size, num_hidden_layers,
-rms_norm_eps, tie_word_embeddings, rope, max_position_embeddings, moe_layers.
+The config dataclass is a `config.DecoderConfig` (vocab_size, hidden_size, num_hidden_layers, rms_norm_eps,
+max_position_embeddings, tie_word_embeddings, rope) that also names moe_layers.
 """
 
 from __future__ import annotations

@@ -4,14 +4,30 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from loadplan.config_view import ConfigView
 from loadplan.errors import InvalidArgument
 
+if TYPE_CHECKING:
+    from ..layers.rope import RopeConfig
+
 
 class ConfigError(ValueError):
     pass
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """The fields every family's config dataclass names (causal_lm.CausalLM reads them, and `moe_layers`)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope: "RopeConfig"
 
 
 _MISSING = object()

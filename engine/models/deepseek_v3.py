@@ -1,4 +1,4 @@
-"""DeepSeek-V3 (and the Kimi-K2.5 wrapper, text only), gpt-fast style, following transformers numerically.
+"""DeepSeek-V3 (and the Kimi-K2.5 wrapper, text only), following transformers numerically.
 DeepSeek-V2 (`DeepseekV2ForCausalLM`, below) is the same model with V2's router; DeepSeek-V3.2
 (`DeepseekV32ForCausalLM`) the same with DeepSeek Sparse Attention (layers/dsa_indexer.py), and GLM-5
 (`GlmMoeDsaForCausalLM`) V3.2's model with the indexer's rope pairs interleaved.
@@ -35,34 +35,26 @@ from ..layers.deepseek_v2_router import DeepseekV2Router
 from ..layers.dsa_indexer import SparseIndexer, TopKSelection
 from ..layers.mla import MLASpec, MultiHeadLatentAttention
 from ..layers.mlp import GatedMLP, activation
-from ..layers.rope import RopeConfig
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from .causal_lm import CausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, moe_layout, read_rope
+from .config import ConfigError, DecoderConfig, get_field as _get, moe_layout, read_rope
 from .text_wrapper import TextOnlyWrapper
 
 
 @dataclass(frozen=True)
-class DeepseekV3Config:
-    vocab_size: int
-    hidden_size: int
+class DeepseekV3Config(DecoderConfig):
     intermediate_size: int            # dense layers
     moe_intermediate_size: int        # each routed expert; the shared one is n_shared_experts times wider
-    num_hidden_layers: int
     num_attention_heads: int
     q_lora_rank: int | None
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
-    rope: RopeConfig
     rope_interleave: bool
     attention_bias: bool
-    max_position_embeddings: int
-    rms_norm_eps: float
     hidden_act: str
-    tie_word_embeddings: bool
     n_routed_experts: int
     n_shared_experts: int
     num_experts_per_tok: int

@@ -1,4 +1,4 @@
-"""GLM-4-MoE (GLM-4.5, GLM-4.5-Air), gpt-fast style, following transformers' modeling_glm4_moe numerically.
+"""GLM-4-MoE (GLM-4.5, GLM-4.5-Air), following transformers' modeling_glm4_moe numerically.
 
 Shapes: B batch, T tokens, D hidden, E routed experts, K top-k, V vocab, H/H_kv heads.
 
@@ -26,10 +26,9 @@ import torch
 from loadplan.layouts import glm4_moe_layout, glm4_moe_nextn_layout
 from ..layers.attention import AttentionSpec, GQAttention
 from ..layers.mlp import activation
-from ..layers.rope import RopeConfig
 from ..parallel.tensor import TensorParallel
 from .causal_lm import CausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, moe_layout, read_rope
+from .config import ConfigError, DecoderConfig, get_field as _get, moe_layout, read_rope
 from .deepseek_v3 import first_moe_layer, moe_or_dense_mlp, routing_fields
 
 # transformers' Glm4MoeConfig: "partial_rotary_factor" defaults to 0.5 (kept for older configs).
@@ -37,23 +36,16 @@ DEFAULT_PARTIAL_ROTARY_FACTOR = 0.5
 
 
 @dataclass(frozen=True)
-class Glm4MoeConfig:
-    vocab_size: int
-    hidden_size: int
+class Glm4MoeConfig(DecoderConfig):
     intermediate_size: int            # dense layers
     moe_intermediate_size: int        # each routed expert; the shared MLP is n_shared_experts times wider
-    num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
     rotary_dim: int                   # the rotated part of each head: head_dim * partial_rotary_factor
-    rope: RopeConfig
     attention_bias: bool              # q/k/v projections carry a bias
     use_qk_norm: bool
-    max_position_embeddings: int
-    rms_norm_eps: float
     hidden_act: str
-    tie_word_embeddings: bool
     n_routed_experts: int
     n_shared_experts: int
     num_experts_per_tok: int

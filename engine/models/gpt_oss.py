@@ -32,12 +32,11 @@ from torch import nn
 from loadplan.layouts import mixtral_layout
 from ..expert_kernel import ClampedSwiGLU
 from ..layers.attention import AttentionSpec, GQAttention
-from ..layers.rope import RopeConfig
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..stacked_experts import StackedExperts
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, moe_layout, per_layer, read_rope
+from .config import ConfigError, DecoderConfig, get_field as _get, moe_layout, per_layer, read_rope
 
 ARCHITECTURE = "GptOssForCausalLM"
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -47,18 +46,11 @@ DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_sl
 
 
 @dataclass(frozen=True)
-class GptOssConfig:
-    vocab_size: int
-    hidden_size: int
+class GptOssConfig(DecoderConfig):
     intermediate_size: int              # every expert's width
-    num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    rope: RopeConfig
     num_experts: int
     num_experts_per_tok: int
     attention_bias: bool

@@ -28,7 +28,7 @@ from ..layers.rope import RopeConfig, RotaryEmbedding
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, moe_layout, per_layer, sliding_window
+from .config import ConfigError, DecoderConfig, get_field as _get, moe_layout, per_layer, sliding_window
 from .step3p5 import LAYER_TYPES, RopesByKind, SharedExpertMoE, rope_of_each_type
 
 ARCHITECTURE = "LagunaForCausalLM"
@@ -46,19 +46,13 @@ DEFAULT_ROPES = {"full_attention": {"rope_type": "default", "rope_theta": 500000
 
 
 @dataclass(frozen=True)
-class LagunaConfig(RopesByKind):
-    vocab_size: int
-    hidden_size: int
+class LagunaConfig(DecoderConfig, RopesByKind):
     intermediate_size: int               # the dense layers' MLP
-    num_hidden_layers: int
     heads_per_layer: tuple[int, ...]
     num_key_value_heads: int
     head_dim: int
     hidden_act: str
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    rope: RopeConfig                     # the global layers' (each layer turns q and k with its kind's: `ropes`)
+    # rope: the global layers' (each layer turns q and k with its kind's: `ropes`)
     ropes: tuple[tuple[str, RopeConfig], ...]
     layer_types: tuple[str, ...]
     sliding_window: int

@@ -24,12 +24,11 @@ from torch import nn
 from loadplan.layouts import lfm2_moe_layout
 from ..layers.attention import AttentionSpec, GQAttention
 from ..layers.mlp import GatedMLP
-from ..layers.rope import RopeConfig
 from ..layers.short_conv import ShortConv
 from ..moe import RoutedExperts
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, moe_layout, per_layer, read_rope
+from .config import ConfigError, DecoderConfig, get_field as _get, moe_layout, per_layer, read_rope
 
 ARCHITECTURE = "Lfm2MoeForCausalLM"
 LAYER_TYPES = ("conv", "full_attention")
@@ -54,19 +53,13 @@ LFM2_MOE_NAMES = CheckpointNames((
 
 
 @dataclass(frozen=True)
-class Lfm2MoeConfig:
-    vocab_size: int
-    hidden_size: int
+class Lfm2MoeConfig(DecoderConfig):
     intermediate_size: int            # dense layers
     moe_intermediate_size: int        # each expert
-    num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    rms_norm_eps: float               # the config's norm_eps
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    rope: RopeConfig
+    # rms_norm_eps: the config's norm_eps
     layer_types: tuple[str, ...]
     conv_kernel: int                  # conv_L_cache
     conv_bias: bool

@@ -32,13 +32,12 @@ from torch import nn
 from loadplan.layouts import llama4_layout
 from ..layers.attention import AttentionSpec, GQAttention
 from ..layers.mlp import GatedMLP, activation
-from ..layers.rope import RopeConfig
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..stacked_experts import StackedExperts
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, moe_layout, per_layer, read_rope
+from .config import ConfigError, DecoderConfig, get_field as _get, moe_layout, per_layer, read_rope
 from .text_wrapper import TextOnlyWrapper
 
 ARCHITECTURE = "Llama4ForCausalLM"
@@ -65,20 +64,13 @@ def _flags(d: dict, name: str, n: int) -> list[int] | None:
 
 
 @dataclass(frozen=True)
-class Llama4Config:
-    vocab_size: int
-    hidden_size: int
+class Llama4Config(DecoderConfig):
     intermediate_size: int              # every expert's width, and the shared expert's
     intermediate_size_mlp: int          # the dense layers'
-    num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    rms_norm_eps: float
     hidden_act: str
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    rope: RopeConfig
     num_experts: int
     num_experts_per_tok: int
     moe_layers: tuple[int, ...]

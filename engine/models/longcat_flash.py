@@ -31,35 +31,28 @@ from torch import nn
 from loadplan.layouts import longcat_flash_layout
 from ..layers.mla import MLASpec, MultiHeadLatentAttention
 from ..layers.mlp import GatedMLP, activation
-from ..layers.rope import RopeConfig
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..shown_tensors import ShownTensors
 from .causal_lm import CausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, moe_layout, read_rope
+from .config import ConfigError, DecoderConfig, get_field as _get, moe_layout, read_rope
 
 ARCHITECTURE = "LongcatFlashForCausalLM"
 
 
 @dataclass(frozen=True)
-class LongcatFlashConfig:
-    vocab_size: int
-    hidden_size: int
+class LongcatFlashConfig(DecoderConfig):
     ffn_hidden_size: int                # each dense MLP
     expert_ffn_hidden_size: int         # each routed expert
-    num_hidden_layers: int              # config.num_layers: each layer two attention / MLP sublayers
+    # num_hidden_layers: config.num_layers: each layer two attention / MLP sublayers
     num_attention_heads: int
     q_lora_rank: int
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
-    rope: RopeConfig
     attention_bias: bool
-    max_position_embeddings: int
-    rms_norm_eps: float
     hidden_act: str
-    tie_word_embeddings: bool
     n_routed_experts: int
     zero_expert_num: int
     num_experts_per_tok: int

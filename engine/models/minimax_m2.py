@@ -29,12 +29,11 @@ from loadplan.layouts import mixtral_layout
 from ..layers.attention import AttentionSpec, GQAttention
 from ..layers.deepseek_router import DeepseekV3Router, RouterSpec
 from ..layers.mlp import activation
-from ..layers.rope import RopeConfig
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, moe_layout, read_rope
+from .config import ConfigError, DecoderConfig, get_field as _get, moe_layout, read_rope
 from .mixtral import MIXTRAL_NAMES
 from .olmoe import OLMOE_NAMES
 
@@ -52,20 +51,13 @@ FIXED_FIELDS = {"scoring_func": "sigmoid", "use_routing_bias": True, "use_qk_nor
 
 
 @dataclass(frozen=True)
-class MiniMaxM2Config:
-    vocab_size: int
-    hidden_size: int
+class MiniMaxM2Config(DecoderConfig):
     intermediate_size: int              # every expert's width
-    num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
     rotary_dim: int
-    rms_norm_eps: float
     hidden_act: str
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    rope: RopeConfig
     num_experts: int
     num_experts_per_tok: int
     moe_layers: tuple[int, ...]

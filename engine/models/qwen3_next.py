@@ -22,11 +22,10 @@ from ..layers.attention import AttentionSpec, GQAttention
 from ..layers.gated_delta_net import GatedDeltaNet
 from ..layers.mlp import GatedMLP, activation
 from ..layers.norm import OffsetRMSNorm
-from ..layers.rope import RopeConfig
 from ..parallel.tensor import TensorParallel
 from ..shown_tensors import rows_by_rank
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, moe_layout, per_layer, read_rope
+from .config import ConfigError, DecoderConfig, get_field as _get, moe_layout, per_layer, read_rope
 from .qwen_moe import QwenSparseMoeBlock
 
 # transformers' Qwen3NextConfig defaults for fields a config.json may leave out.
@@ -36,21 +35,14 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 
 
 @dataclass(frozen=True)
-class Qwen3NextConfig:
-    vocab_size: int
-    hidden_size: int
+class Qwen3NextConfig(DecoderConfig):
     intermediate_size: int              # the dense MLP of mlp_only / non-sparse layers
-    num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
     rotary_dim: int                     # head_dim * partial_rotary_factor
     attention_bias: bool
-    rms_norm_eps: float
     hidden_act: str
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    rope: RopeConfig
     layer_types: tuple[str, ...]
     linear_num_key_heads: int
     linear_num_value_heads: int

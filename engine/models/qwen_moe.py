@@ -1,4 +1,4 @@
-"""Qwen3-MoE and Qwen2-MoE (gpt-fast style), numerically following transformers' modeling files.
+"""Qwen3-MoE and Qwen2-MoE, numerically following transformers' modeling files.
 
 Shapes: B batch, T tokens, D hidden, E routed experts, K top-k, V vocab, H/H_kv heads.
 
@@ -21,28 +21,20 @@ from torch import nn
 from loadplan.layouts import MoeLayout, qwen2_moe_layout, qwen3_moe_layout
 from ..layers.attention import AttentionSpec, GQAttention
 from ..layers.mlp import GatedMLP
-from ..layers.rope import RopeConfig
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import REQUIRED, ConfigError, Family, as_heads, heads_wide
+from .config import REQUIRED, ConfigError, DecoderConfig, Family, as_heads, heads_wide
 
 
 @dataclass(frozen=True)
-class QwenMoeConfig:
+class QwenMoeConfig(DecoderConfig):
     architecture: str
-    vocab_size: int
-    hidden_size: int
     intermediate_size: int              # dense MLP of mlp_only / non-sparse layers
-    num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    rms_norm_eps: float
     hidden_act: str
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    rope: RopeConfig
     num_experts: int
     num_experts_per_tok: int
     moe_intermediate_size: int

@@ -47,7 +47,7 @@ from ..parallel.tensor import TensorParallel
 from ..shown_tensors import ShownTensors
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, moe_layout, per_layer
+from .config import ConfigError, DecoderConfig, get_field as _get, moe_layout, per_layer
 
 ARCHITECTURE = "Step3p5ForCausalLM"
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -78,19 +78,13 @@ class RopesByKind:
 
 
 @dataclass(frozen=True)
-class Step3p5Config(RopesByKind):
-    vocab_size: int
-    hidden_size: int
+class Step3p5Config(DecoderConfig, RopesByKind):
     intermediate_size: int               # the dense layers' MLP
-    num_hidden_layers: int
     num_attention_heads: int             # the global layers'
     num_sliding_attention_heads: int     # the windowed layers'
     num_key_value_heads: int
     head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    rope: RopeConfig                     # the global layers' (each layer turns q and k with its kind's: `ropes`)
+    # rope: the global layers' (each layer turns q and k with its kind's: `ropes`)
     ropes: tuple[tuple[str, RopeConfig], ...]
     layer_types: tuple[str, ...]
     sliding_window: int | None
