@@ -160,6 +160,23 @@ class LinearStateCache(nn.Module):
                             f"how far a round writes past the tokens it keeps")
 
 
+class StateMixer(nn.Module):
+    """A token mixer whose cache is a `LinearStateCache` of `state_layout` (conv channels, conv kernel, each batch
+    row's recurrent state shape), which its constructor sets; the model's setup_caches makes it (`kv_cache`, named
+    as attention's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.kv_cache: LinearStateCache | None = None
+        self.state_layout: tuple[int, int, tuple[int, ...]] = (0, 0, ())
+
+    def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype, device,
+                    lookahead: int = 0) -> LinearStateCache:
+        """`max_seq_len` does not matter: the state is the same size at every length."""
+        self.kv_cache = LinearStateCache(batch_size, *self.state_layout, lookahead, dtype, device)
+        return self.kv_cache
+
+
 def continue_from(cache: LinearStateCache | None, input_pos: torch.Tensor | None, T: int, B: int, what: str, zeros):
     """(start, conv prefix [B, C, K-1], state) a forward of T consecutive positions continues from: with a cache
     (input_pos then required), what it holds before input_pos[0]; without one, position 0 and `zeros()`'s (prefix,
@@ -176,7 +193,7 @@ def continue_from(cache: LinearStateCache | None, input_pos: torch.Tensor | None
     return (start, *cache.read(start, B))
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(StateMixer):
     def __init__(self, hidden_size: int, n_k_heads: int, n_v_heads: int, k_head_dim: int, v_head_dim: int,
                  conv_kernel: int, rms_norm_eps: float, dtype: torch.dtype | None = None,
                  tp: TensorParallel | None = None, projections: str = "grouped"):
@@ -208,14 +225,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(Hv, dtype=dtype), requires_grad=False)
         self.norm = GatedRMSNorm(dv, rms_norm_eps, dtype)
         self.out_proj = nn.Linear(Hv * dv, hidden_size, bias=False, dtype=dtype)
-        self.kv_cache: LinearStateCache | None = None   # the model's setup_caches sets it (named as attention's)
-
-    def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype, device,
-                    lookahead: int = 0) -> LinearStateCache:
-        """`max_seq_len` does not matter: the state is the same size at every length."""
-        self.kv_cache = LinearStateCache(batch_size, self.channels, self.kernel, (self.n_v, self.dk, self.dv),
-                                         lookahead, dtype, device)
-        return self.kv_cache
+        self.state_layout = (self.channels, self.kernel, (self.n_v, self.dk, self.dv))   # its LinearStateCache's
 
     def forward(self, x: torch.Tensor, cos=None, sin=None, input_pos: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D] (cos, sin: unused, no rotary here; input_pos [T] needed with a cache)."""

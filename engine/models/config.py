@@ -158,21 +158,25 @@ class Family:
     defaults: Mapping[str, Any]
     names: Mapping[str, str] = field(default_factory=dict)
     fixed: Mapping[str, Any] = field(default_factory=dict)
-    rope: Mapping[str, Any] | None = field(default_factory=dict)
+    rope: Mapping[str, Any] | Callable[[dict], Any] | None = field(default_factory=dict)
     own: tuple[Callable[[dict, dict], dict | None], ...] = ()
     shared: str | None = None   # the field that sizes the shared expert, read only where the layout has one (else 0)
+    draft: bool = False         # a Multi-Token-Prediction draft's row: its layout's layers follow the target's
 
-    def read(self, d: dict, cls, **extra):
-        """config.json `d` as `cls` (a config dataclass whose `layout_fields(layout, d)` gives the fields of the
-        registry's layout): this row's fields, then `extra` (what the family reads itself)."""
+    def read(self, d: dict, cls, *, layout=None, **extra):
+        """config.json `d` as `cls` (a config dataclass whose `layout_fields(layout, d, draft)` gives the fields of
+        the registry's layout; `layout`: already read, by another family's reader): this row's fields, then `extra`
+        (what the family reads itself)."""
         from ..layers.mlp import activation
 
-        layout = moe_layout(self.layout, d)
+        layout = moe_layout(self.layout, d) if layout is None else layout
         fields = read_fields(d, cls, self.defaults, self.names)
-        fields.update(cls.layout_fields(layout, d))
+        fields.update(cls.layout_fields(layout, d, self.draft))
         if "hidden_act" in fields:
             activation(fields.hidden_act)   # refuses unknown activations by name
-        if self.rope is not None:   # None: the family reads its ropes itself (`own`)
+        if callable(self.rope):     # the family's own reading of its rope
+            fields["rope"] = self.rope(d)
+        elif self.rope is not None:   # None: the family reads its ropes itself (`own`)
             fields["rope"] = read_rope(d, **self.rope)
         if self.shared:
             key = self.names.get(self.shared, self.shared)
@@ -181,7 +185,9 @@ class Family:
             fields[name] = value(fields) if callable(value) else value
         for step in self.own:
             fields.update(step(d, fields) or {})
-        return cls(architecture=self.architecture, **fields, **extra)
+        if "architecture" in {f.name for f in dataclasses.fields(cls)}:
+            fields["architecture"] = self.architecture
+        return cls(**fields, **extra)
 
 
 def at_least(name: str, minimum: int, key: str | None = None):

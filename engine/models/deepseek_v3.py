@@ -38,7 +38,7 @@ from ..layers.mlp import GatedMLP, activation
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from .causal_lm import CausalLM, DecoderLayer
-from .config import ConfigError, DecoderConfig, get_field as _get, moe_layout, read_rope
+from .config import ConfigError, DecoderConfig, Fields, get_field as _get, moe_layout, read_rope
 from .text_wrapper import TextOnlyWrapper
 
 
@@ -145,22 +145,27 @@ class DeepseekV3Config(DecoderConfig):
 
 
 def routing_fields(d: dict, layout, *, norm_topk_prob_default: bool, group_scores_of_two: bool) -> dict:
-    """The routing fields of a DeepSeek-style MoE config (what DeepseekV3MoE reads), checked: the expert counts
-    and top-k of `layout` (the registry's reading, `moe_layout`), n_group, topk_group, norm_topk_prob,
-    routed_scaling_factor. `group_scores_of_two`: a group is scored by its two best experts (V3's router), so it
-    needs two."""
-    n_routed = layout.n_routed
+    """The routing fields of a DeepSeek-style MoE config (what DeepseekV3MoE reads), checked (`expert_groups`): the
+    expert counts and top-k of `layout` (the registry's reading, `moe_layout`), n_group, topk_group, norm_topk_prob,
+    routed_scaling_factor."""
     n_group = _get(d, "n_group", 1, int)
-    topk_group = _get(d, "topk_group", n_group, int)
+    fields = Fields(n_routed_experts=layout.n_routed, n_shared_experts=layout.n_shared,
+                    num_experts_per_tok=layout.top_k, n_group=n_group, topk_group=_get(d, "topk_group", n_group, int),
+                    norm_topk_prob=bool(_get(d, "norm_topk_prob", norm_topk_prob_default, bool)),
+                    routed_scaling_factor=float(_get(d, "routed_scaling_factor", 1.0)))
+    expert_groups(d, fields, of_two=group_scores_of_two)
+    return dict(fields)
+
+
+def expert_groups(d: dict, fields, *, of_two: bool = True) -> None:
+    """A step of `config.Family.own`: n_group and topk_group split the routed experts into groups; `of_two`: a group
+    is scored by its two best experts (V3's router), so it needs two."""
+    n_routed, n_group, topk_group = fields.n_routed_experts, fields.n_group, fields.topk_group
     if n_group < 1 or n_routed % n_group or not 0 < topk_group <= n_group:
         raise ConfigError(f"config.n_group/topk_group: {n_group}/{topk_group} do not split "
                           f"{n_routed} experts into groups")
-    if group_scores_of_two and n_group > 1 and n_routed // n_group < 2:
+    if of_two and n_group > 1 and n_routed // n_group < 2:
         raise ConfigError(f"config.n_group: groups of {n_routed // n_group} expert(s); group scores need 2")
-    return dict(n_routed_experts=n_routed, n_shared_experts=layout.n_shared,
-                num_experts_per_tok=layout.top_k, n_group=n_group, topk_group=topk_group,
-                norm_topk_prob=bool(_get(d, "norm_topk_prob", norm_topk_prob_default, bool)),
-                routed_scaling_factor=float(_get(d, "routed_scaling_factor", 1.0)))
 
 
 def first_moe_layer(layout) -> int:

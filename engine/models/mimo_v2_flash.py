@@ -127,6 +127,7 @@ class MiMoV2FlashDecoderLayer(DecoderLayer):
 
 class MiMoV2FlashForCausalLM(Glm4MoeForCausalLM):
     ARCHITECTURE = ARCHITECTURE
+    FAMILY = None                       # MiMoV2FlashConfig.from_hf reads its ropes by layer kind
     CONFIG = MiMoV2FlashConfig
     DECODER_LAYER = MiMoV2FlashDecoderLayer
     CHECKPOINT_NAMES = MIMO_V2_FLASH_NAMES

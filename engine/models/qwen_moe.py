@@ -55,8 +55,9 @@ class QwenMoeConfig(DecoderConfig):
         return QWEN_FAMILIES[architecture].read(d, cls)
 
     @classmethod
-    def layout_fields(cls, layout: MoeLayout, d: dict) -> dict:
-        """The fields the registry's layout gives (`moe_layout`): the layers, the MoE ones, the expert counts."""
+    def layout_fields(cls, layout: MoeLayout, d: dict, draft: bool = False) -> dict:
+        """The fields the registry's layout gives (`moe_layout`): the layers, the MoE ones, the expert counts (no
+        family of Qwen's layer has a draft row)."""
         return dict(num_hidden_layers=len(layout.layer_ids), num_experts=layout.n_routed,
                     num_experts_per_tok=layout.top_k, moe_layers=layout.moe_layers)
 
