@@ -23,13 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from loadplan.layouts import afmoe_layout
-from ..layers.attention import AttentionSpec, GQAttention
-from ..parallel.tensor import TensorParallel
+from ..layers.attention import AttentionSpec
 from ..weights import CheckpointNames
-from .causal_lm import DecoderLayer
-from .config import ConfigError, Family, get_field as _get, windowed_layer_types
-from .deepseek_v3 import moe_or_dense_mlp
-from .glm4_moe import GLM_FIELDS, Glm4MoeConfig, Glm4MoeForCausalLM, refuse_partial_rotary, rotary_dim
+from .config import ConfigError, Family, get_field as _get, windowed_layer_types, window_of
+from .glm4_moe import (GLM_FIELDS, Glm4MoeConfig, Glm4MoeDecoderLayer, Glm4MoeForCausalLM, refuse_partial_rotary,
+                       rotary_dim)
 
 ARCHITECTURE = "AfmoeForCausalLM"
 
@@ -70,20 +68,18 @@ AFMOE = Family(ARCHITECTURE, afmoe_layout, dict(
     own=(refuse_partial_rotary("AFMoE rotates whole heads"), _attention_kinds, rotary_dim))
 
 
-class AfmoeDecoderLayer(DecoderLayer):
+class AfmoeDecoderLayer(Glm4MoeDecoderLayer):
     """x + post_attention_layernorm(attn(input_layernorm(x))), then
     x + post_mlp_layernorm(mlp(pre_mlp_layernorm(x)))."""
 
+    @classmethod
+    def attention_spec(cls, cfg: AfmoeConfig, layer_id: int) -> AttentionSpec:
+        window = window_of(cfg, layer_id)
+        return AttentionSpec.of(cfg, qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm="head",
+                                gate="projection", sliding_window=window, use_rope=window is not None)
+
     def __init__(self, cfg: AfmoeConfig, plan, layer_id: int, dtype: torch.dtype):
-        tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
-        windowed = cfg.layer_types[layer_id] == "sliding_attention"
-        attn = GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.attention_bias,
-                                         o_bias=cfg.attention_bias, qk_norm="head", gate="projection",
-                                         sliding_window=cfg.sliding_window if windowed else None,
-                                         use_rope=windowed), tp=tp, dtype=dtype)
-        super().__init__(layer_id, attn, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
-                         cfg.rms_norm_eps, dtype)
+        super().__init__(cfg, plan, layer_id, dtype)
         self.pre_mlp_layernorm = self.NORM(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_mlp_layernorm = self.NORM(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 

@@ -29,9 +29,9 @@ from ..layers.kimi_delta_attention import KimiDeltaAttention
 from ..layers.mla import MLASpec, MultiHeadLatentAttention
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
-from .causal_lm import CausalLM, DecoderLayer
+from .causal_lm import DecoderLayer
 from .config import ConfigError, get_field as _get, moe_layout, per_layer
-from .deepseek_v3 import DeepseekV3Config, moe_or_dense_mlp
+from .deepseek_v3 import DeepseekV3Config, LatentCausalLM, moe_or_dense_mlp
 from .kimi_linear import LAYER_TYPES, RENAMED, deepseek_fields_renamed
 
 ARCHITECTURE = "BailingHybridForCausalLM"
@@ -112,16 +112,8 @@ class BailingHybridDecoderLayer(DecoderLayer):
                          cfg.rms_norm_eps, dtype)
 
 
-class BailingHybridForCausalLM(CausalLM):
+class BailingHybridForCausalLM(LatentCausalLM):
     ARCHITECTURE = ARCHITECTURE
-    TENSOR_PARALLEL = True
     CHECKPOINT_NAMES = BAILING_HYBRID_NAMES
-
-    @classmethod
-    def parse_config(cls, hf_config: dict) -> BailingHybridConfig:
-        return BailingHybridConfig.from_hf(hf_config)
-
-    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        cfg = self.parse_config(hf_config)
-        super().__init__(cfg, plan, BailingHybridDecoderLayer, n_routed=cfg.n_routed_experts,
-                         rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype)
+    CONFIG = BailingHybridConfig
+    DECODER_LAYER = BailingHybridDecoderLayer

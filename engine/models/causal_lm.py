@@ -244,7 +244,12 @@ class DeclaredCausalLM(CausalLM):
         Cohere2-MoE's norms)."""
         return cls.DECODER_LAYER
 
+    @classmethod
+    def rope_head_dim(cls, cfg) -> int:
+        """The width the model's rotary tables cover: cfg.head_dim (latent attention's: models/deepseek_v3.py)."""
+        return cfg.head_dim
+
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
         cfg = self.parse_config(hf_config)
-        super().__init__(cfg, plan, self.decoder_layer(cfg), n_routed=cfg.num_experts, rope_head_dim=cfg.head_dim,
-                         dtype=dtype)
+        super().__init__(cfg, plan, self.decoder_layer(cfg), n_routed=cfg.num_experts,
+                         rope_head_dim=self.rope_head_dim(cfg), dtype=dtype)

@@ -88,6 +88,11 @@ def sliding_window(d: dict, default: int) -> int:
 WINDOW_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
+def window_of(cfg, layer_id: int) -> int | None:
+    """cfg.sliding_window where layer `layer_id` is a "sliding_attention" layer (cfg.layer_types), else None."""
+    return cfg.sliding_window if cfg.layer_types[layer_id] == "sliding_attention" else None
+
+
 def windowed_layer_types(d: dict, n_layers: int, every_field: str, every_default: int) -> list[str]:
     """`layer_types` (full_attention / sliding_attention per layer), else every `every_field`-th layer global and the
     others windowed: layer i global iff (i + 1) % every == 0 (transformers' default for EXAONE-MoE and AFMoE)."""

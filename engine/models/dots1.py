@@ -19,15 +19,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 
 from loadplan.layouts import deepseek_layout
-from ..layers.attention import AttentionSpec, GQAttention
-from ..parallel.tensor import TensorParallel
-from .causal_lm import DecoderLayer
-from .config import ConfigError, Family, get_field as _get
-from .deepseek_v3 import expert_groups, moe_or_dense_mlp
-from .glm4_moe import GLM_FIELDS, Glm4MoeConfig, Glm4MoeForCausalLM, refuse_partial_rotary, rotary_dim
+from ..layers.attention import AttentionSpec
+from .config import ConfigError, Family, get_field as _get, window_of
+from .deepseek_v3 import expert_groups
+from .glm4_moe import (GLM_FIELDS, Glm4MoeConfig, Glm4MoeDecoderLayer, Glm4MoeForCausalLM, refuse_partial_rotary,
+                       rotary_dim)
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -73,16 +71,11 @@ DOTS1 = Family("Dots1ForCausalLM", deepseek_layout, dict(
          _attention_kinds))
 
 
-class Dots1DecoderLayer(DecoderLayer):
-    def __init__(self, cfg: Dots1Config, plan, layer_id: int, dtype: torch.dtype):
-        tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
-        window = cfg.sliding_window if cfg.layer_types[layer_id] == "sliding_attention" else None
-        attn = GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.attention_bias,
-                                         o_bias=cfg.attention_bias, qk_norm="head", rotary_dim=cfg.rotary_dim,
-                                         sliding_window=window), tp=tp, dtype=dtype)
-        super().__init__(layer_id, attn, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
-                         cfg.rms_norm_eps, dtype)
+class Dots1DecoderLayer(Glm4MoeDecoderLayer):
+    @classmethod
+    def attention_spec(cls, cfg: Dots1Config, layer_id: int) -> AttentionSpec:
+        return AttentionSpec.of(cfg, qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm="head",
+                                rotary_dim=cfg.rotary_dim, sliding_window=window_of(cfg, layer_id))
 
 
 class Dots1ForCausalLM(Glm4MoeForCausalLM):

@@ -22,17 +22,13 @@ projection and the head), an end index of null, a gate activation other than sof
 
 from __future__ import annotations
 
-import torch
 
 from loadplan.layouts import ernie4_5_moe_layout
-from ..layers.attention import AttentionSpec, GQAttention
-from ..parallel.tensor import TensorParallel
+from ..layers.attention import AttentionSpec
 from ..shown_tensors import ShownTensors
 from ..weights import ShapeMismatch
-from .causal_lm import DecoderLayer
 from .config import ConfigError, Family, get_field as _get
-from .deepseek_v3 import moe_or_dense_mlp
-from .glm4_moe import GLM_FIELDS, Glm4MoeConfig, Glm4MoeForCausalLM
+from .glm4_moe import GLM_FIELDS, Glm4MoeConfig, Glm4MoeDecoderLayer, Glm4MoeForCausalLM
 
 ARCHITECTURE = "Ernie4_5_MoeForCausalLM"
 # The routing bias as the Hub stores it ([1, E]: one group of experts) and where the router keeps it ([E]).
@@ -65,14 +61,10 @@ ERNIE4_5_MOE = Family(ARCHITECTURE, ernie4_5_moe_layout, dict(
     own=(_as_published,))
 
 
-class Ernie45MoeDecoderLayer(DecoderLayer):
-    def __init__(self, cfg: Glm4MoeConfig, plan, layer_id: int, dtype: torch.dtype):
-        tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
-        attn = GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
-                                         rope_interleave=True), tp=tp, dtype=dtype)
-        super().__init__(layer_id, attn, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
-                         cfg.rms_norm_eps, dtype)
+class Ernie45MoeDecoderLayer(Glm4MoeDecoderLayer):
+    @classmethod
+    def attention_spec(cls, cfg: Glm4MoeConfig, layer_id: int) -> AttentionSpec:
+        return AttentionSpec.of(cfg, rope_interleave=True)
 
 
 def router_bias_of_one_group(ckpt) -> ShownTensors:

@@ -17,16 +17,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 
 from loadplan.layouts import exaone_moe_layout
-from ..layers.attention import AttentionSpec, GQAttention
-from ..parallel.tensor import TensorParallel
+from ..layers.attention import AttentionSpec
 from ..weights import CheckpointNames
-from .causal_lm import DecoderLayer
-from .config import ConfigError, Family, sliding_window, windowed_layer_types
-from .deepseek_v3 import expert_groups, moe_or_dense_mlp
-from .glm4_moe import GLM_FIELDS, Glm4MoeConfig, Glm4MoeForCausalLM, refuse_partial_rotary, rotary_dim
+from .config import ConfigError, Family, sliding_window, windowed_layer_types, window_of
+from .deepseek_v3 import expert_groups
+from .glm4_moe import (GLM_FIELDS, Glm4MoeConfig, Glm4MoeDecoderLayer, Glm4MoeForCausalLM, refuse_partial_rotary,
+                       rotary_dim)
 
 ARCHITECTURE = "ExaoneMoeForCausalLM"
 
@@ -58,16 +56,11 @@ EXAONE_MOE = Family(ARCHITECTURE, exaone_moe_layout, dict(
     own=(refuse_partial_rotary("EXAONE-MoE rotates whole heads (1.0)"), expert_groups, rotary_dim, _attention_kinds))
 
 
-class ExaoneMoeDecoderLayer(DecoderLayer):
-    def __init__(self, cfg: ExaoneMoeConfig, plan, layer_id: int, dtype: torch.dtype):
-        tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
-        windowed = cfg.layer_types[layer_id] == "sliding_attention"
-        attn = GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qk_norm="head",
-                                         sliding_window=cfg.sliding_window if windowed else None,
-                                         use_rope=windowed), tp=tp, dtype=dtype)
-        super().__init__(layer_id, attn, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
-                         cfg.rms_norm_eps, dtype)
+class ExaoneMoeDecoderLayer(Glm4MoeDecoderLayer):
+    @classmethod
+    def attention_spec(cls, cfg: ExaoneMoeConfig, layer_id: int) -> AttentionSpec:
+        window = window_of(cfg, layer_id)
+        return AttentionSpec.of(cfg, qk_norm="head", sliding_window=window, use_rope=window is not None)
 
 
 class ExaoneMoeForCausalLM(Glm4MoeForCausalLM):

@@ -45,10 +45,8 @@ class FlexOlmoDecoderLayer(DecoderLayer):
 
     def __init__(self, cfg: QwenMoeConfig, plan, layer_id: int, dtype: torch.dtype):
         tp = TensorParallel.of(plan)   # heads split over the TP ranks (the experts: RoutedExperts)
-        attn = GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.qkv_bias,
-                                         o_bias=cfg.o_bias, qk_norm="projection",
-                                         norm=WeightFirstRMSNorm), tp=tp, dtype=dtype)
+        attn = GQAttention(AttentionSpec.of(cfg, qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, qk_norm="projection",
+                                            norm=WeightFirstRMSNorm), tp=tp, dtype=dtype)
         super().__init__(layer_id, attn, QwenSparseMoeBlock(cfg, plan, layer_id, dtype), cfg.hidden_size,
                          cfg.rms_norm_eps, dtype)
         del self.input_layernorm                   # OLMo 2's layer normalises outputs, not inputs

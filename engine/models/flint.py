@@ -72,11 +72,9 @@ class FlintDecoderLayer(QwenDecoderLayer):
     @classmethod
     def make_attention(cls, cfg: FlintConfig, layer_id: int, dtype: torch.dtype, tp: TensorParallel) -> GQAttention:
         windowed = cfg.layer_types[layer_id] == "sliding_attention"
-        return GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.qkv_bias,
-                                         o_bias=cfg.o_bias, qk_norm="head",
-                                         sliding_window=cfg.sliding_window if windowed else None, sinks=True,
-                                         use_rope=windowed), tp=tp, dtype=dtype)
+        return GQAttention(AttentionSpec.of(cfg, qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, qk_norm="head",
+                                            sliding_window=cfg.sliding_window if windowed else None, sinks=True,
+                                            use_rope=windowed), tp=tp, dtype=dtype)
 
 
 class FlintForCausalLM(QwenLayerCausalLM):

@@ -27,37 +27,21 @@ from loadplan.layouts import glm4_moe_layout, glm4_moe_nextn_layout
 from ..layers.attention import AttentionSpec, GQAttention
 from ..parallel.tensor import TensorParallel
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import REQUIRED, ConfigError, DecoderConfig, Family, as_heads, heads_wide, read_rope
-from .deepseek_v3 import expert_groups, first_moe_layer, moe_or_dense_mlp
+from .config import ConfigError, Family, as_heads, heads_wide, read_rope
+from .deepseek_v3 import DEEPSEEK_MOE_FIELDS, DeepseekMoeConfig, expert_groups, moe_or_dense_mlp
 
 # transformers' Glm4MoeConfig: "partial_rotary_factor" defaults to 0.5 (kept for older configs).
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.5
 
 
-@dataclass(frozen=True)
-class Glm4MoeConfig(DecoderConfig):
-    intermediate_size: int            # dense layers
-    moe_intermediate_size: int        # each routed expert; the shared MLP is n_shared_experts times wider
-    num_attention_heads: int
+@dataclass(frozen=True, kw_only=True)
+class Glm4MoeConfig(DeepseekMoeConfig):
+    """DeepSeek's MoE layers (`attention_bias`: q/k/v projections carry a bias) under grouped-query attention."""
+
     num_key_value_heads: int
     head_dim: int
     rotary_dim: int                   # the rotated part of each head: head_dim * partial_rotary_factor
-    attention_bias: bool              # q/k/v projections carry a bias
     use_qk_norm: bool
-    hidden_act: str
-    n_routed_experts: int
-    n_shared_experts: int
-    num_experts_per_tok: int
-    n_group: int
-    topk_group: int
-    norm_topk_prob: bool
-    routed_scaling_factor: float
-    first_k_dense_replace: int
-    num_nextn_predict_layers: int
-    moe_layers: tuple[int, ...]
-    scoring_func: str = "sigmoid"     # DeepSeek-V3's router (what DeepseekV3MoE asks); ERNIE-4.5: softmax
-    topk_method: str = "noaux_tc"     # the bias-corrected top-k of that router
-    renorm_min: float | None = None   # its renormalisation's clamp (ERNIE-4.5); None: + 1e-20
 
     @classmethod
     def from_hf(cls, d: dict, *, nextn: bool = False) -> "Glm4MoeConfig":
@@ -69,20 +53,6 @@ class Glm4MoeConfig(DecoderConfig):
         """config.json `d` read as GLM-4-MoE's fields, its layers and experts as `layout` says (`moe_layout` of the
         family's reader: a family of GLM's shape under other names reads them with its own)."""
         return (GLM4_MOE_NEXTN if nextn else GLM4_MOE).read(d, cls, layout=layout)
-
-    @property
-    def num_experts(self) -> int:
-        """The routed experts (DeclaredCausalLM's name for n_routed_experts)."""
-        return self.n_routed_experts
-
-    @classmethod
-    def layout_fields(cls, layout, d: dict, draft: bool = False) -> dict:
-        """The fields the registry's layout gives (`moe_layout`); a draft's layers are numbered after the target's
-        num_hidden_layers (what its config dataclass counts)."""
-        return dict(num_hidden_layers=layout.layer_ids[0] if draft else len(layout.layer_ids),
-                    n_routed_experts=layout.n_routed, n_shared_experts=layout.n_shared,
-                    num_experts_per_tok=layout.top_k, first_k_dense_replace=first_moe_layer(layout),
-                    moe_layers=layout.moe_layers)
 
 
 def rotary_dim(d: dict, fields: dict) -> dict:
@@ -111,26 +81,26 @@ def theta_unless_given(theta: float, given=lambda d: d.get("rope_parameters") or
 
 
 # transformers' Glm4MoeConfig defaults where a checkpoint may leave a field out (partial_rotary_factor: 0.5, kept for
-# older configs; GLM's released configs say it); the routing fields DeepseekV3MoE reads, its groups scored by their
-# two best experts.
-GLM_FIELDS = dict(vocab_size=REQUIRED, hidden_size=REQUIRED, intermediate_size=REQUIRED,
-                  moe_intermediate_size=REQUIRED, num_attention_heads=REQUIRED, num_key_value_heads=as_heads,
-                  head_dim=heads_wide, attention_bias=False, use_qk_norm=False, max_position_embeddings=131072,
-                  rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False, n_group=1,
-                  topk_group=lambda f: f.n_group, norm_topk_prob=True, routed_scaling_factor=1.0,
-                  **{"num_nextn_predict_layers": 0})   # the MTP layers a target skips (CausalLM.ignore_prefixes)
+# older configs; GLM's released configs say it); DeepseekV3MoE's groups scored by their two best experts.
+GLM_FIELDS = dict(DEEPSEEK_MOE_FIELDS, num_key_value_heads=as_heads, head_dim=heads_wide, use_qk_norm=False,
+                  max_position_embeddings=131072, rms_norm_eps=1e-5)
 GLM4_MOE = Family("Glm4MoeForCausalLM", glm4_moe_layout, GLM_FIELDS,
                   rope={"partial_rotary_factor": DEFAULT_PARTIAL_ROTARY_FACTOR}, own=(expert_groups, rotary_dim))
 GLM4_MOE_NEXTN = replace(GLM4_MOE, architecture="Glm4MoeForCausalLMNextN", layout=glm4_moe_nextn_layout, draft=True)
 
 
 class Glm4MoeDecoderLayer(DecoderLayer):
+    """Grouped-query attention (`attention_spec`: a family of GLM's shape overrides it) over DeepSeek-V3's MoE block
+    or the dense MLP."""
+
+    @classmethod
+    def attention_spec(cls, cfg: Glm4MoeConfig, layer_id: int) -> AttentionSpec:
+        return AttentionSpec.of(cfg, qkv_bias=cfg.attention_bias, qk_norm="head" if cfg.use_qk_norm else None,
+                                rotary_dim=cfg.rotary_dim)
+
     def __init__(self, cfg: Glm4MoeConfig, plan, layer_id: int, dtype: torch.dtype):
         tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
-        attn = GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.attention_bias,
-                                         qk_norm="head" if cfg.use_qk_norm else None,
-                                         rotary_dim=cfg.rotary_dim), tp=tp, dtype=dtype)
+        attn = GQAttention(self.attention_spec(cfg, layer_id), tp=tp, dtype=dtype)
         super().__init__(layer_id, attn, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
                          cfg.rms_norm_eps, dtype)
 

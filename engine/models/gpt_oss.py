@@ -127,10 +127,8 @@ class GptOssDecoderLayer(DecoderLayer):
     def __init__(self, cfg: GptOssConfig, plan, layer_id: int, dtype: torch.dtype):
         tp = TensorParallel.of(plan)
         window = cfg.sliding_window if cfg.layer_types[layer_id] == "sliding_attention" else None
-        attn = GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.attention_bias,
-                                         o_bias=cfg.attention_bias, sliding_window=window,
-                                         sinks=True), tp=tp, dtype=dtype)
+        attn = GQAttention(AttentionSpec.of(cfg, qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias,
+                                            sliding_window=window, sinks=True), tp=tp, dtype=dtype)
         super().__init__(layer_id, attn, GptOssMoeBlock(cfg, plan, layer_id, dtype), cfg.hidden_size,
                          cfg.rms_norm_eps, dtype)
 

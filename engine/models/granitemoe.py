@@ -171,10 +171,9 @@ class GraniteMoeSwaDecoderLayer(GraniteMoeDecoderLayer):
     @classmethod
     def make_attention(cls, cfg: GraniteMoeSwaConfig, layer_id: int, dtype: torch.dtype, tp) -> GQAttention:
         windowed = cfg.layer_types[layer_id] == "sliding_attention"
-        return GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.qkv_bias,
-                                         o_bias=cfg.o_bias, sliding_window=cfg.sliding_window if windowed else None,
-                                         sinks=True, use_rope=cfg.layer_rope_theta[layer_id] > 0), tp=tp, dtype=dtype)
+        return GQAttention(AttentionSpec.of(cfg, qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias,
+                                            sliding_window=cfg.sliding_window if windowed else None, sinks=True,
+                                            use_rope=cfg.layer_rope_theta[layer_id] > 0), tp=tp, dtype=dtype)
 
     def __init__(self, cfg: GraniteMoeSwaConfig, plan, layer_id: int, dtype: torch.dtype):
         super().__init__(cfg, plan, layer_id, dtype)

@@ -17,17 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 
 from loadplan.layouts import hy_v3_layout
-from ..layers.attention import AttentionSpec, GQAttention
-from ..parallel.tensor import TensorParallel
+from ..layers.attention import AttentionSpec
 from ..weights import CheckpointNames
-from .causal_lm import DecoderLayer
 from .config import ConfigError, Family
-from .deepseek_v3 import moe_or_dense_mlp
-from .glm4_moe import (GLM_FIELDS, Glm4MoeConfig, Glm4MoeForCausalLM, refuse_partial_rotary, rotary_dim,
-                       theta_unless_given)
+from .glm4_moe import (GLM_FIELDS, Glm4MoeConfig, Glm4MoeDecoderLayer, Glm4MoeForCausalLM, refuse_partial_rotary,
+                       rotary_dim, theta_unless_given)
 
 ARCHITECTURE = "HYV3ForCausalLM"
 
@@ -60,14 +56,10 @@ HY_V3 = Family(ARCHITECTURE, hy_v3_layout, dict(
     own=(refuse_partial_rotary("HY-V3 rotates whole heads"), _no_mlp_bias, rotary_dim))
 
 
-class HYV3DecoderLayer(DecoderLayer):
-    def __init__(self, cfg: HYV3Config, plan, layer_id: int, dtype: torch.dtype):
-        tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
-        attn = GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.attention_bias,
-                                         o_bias=cfg.attention_bias, qk_norm="head"), tp=tp, dtype=dtype)
-        super().__init__(layer_id, attn, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
-                         cfg.rms_norm_eps, dtype)
+class HYV3DecoderLayer(Glm4MoeDecoderLayer):
+    @classmethod
+    def attention_spec(cls, cfg: HYV3Config, layer_id: int) -> AttentionSpec:
+        return AttentionSpec.of(cfg, qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm="head")
 
 
 class HYV3ForCausalLM(Glm4MoeForCausalLM):

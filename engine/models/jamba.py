@@ -101,9 +101,7 @@ class JambaDecoderLayer(QwenDecoderLayer):
     def make_attention(cls, cfg: JambaConfig, layer_id: int, dtype: torch.dtype, tp) -> GQAttention | None:
         if cfg.layer_kinds[layer_id] == "mamba":
             return None
-        return GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
-                                         use_rope=False), tp=tp, dtype=dtype)
+        return GQAttention(AttentionSpec.of(cfg, use_rope=False), tp=tp, dtype=dtype)
 
     def __init__(self, cfg: JambaConfig, plan, layer_id: int, dtype: torch.dtype):
         super().__init__(cfg, plan, layer_id, dtype)

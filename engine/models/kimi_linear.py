@@ -30,9 +30,9 @@ from ..layers.mla import MLASpec, MultiHeadLatentAttention
 from ..parallel.tensor import TensorParallel
 from ..shown_tensors import ShownTensors
 from ..weights import CheckpointNames
-from .causal_lm import CausalLM, DecoderLayer
+from .causal_lm import DecoderLayer
 from .config import ConfigError, get_field as _get, moe_layout, per_layer
-from .deepseek_v3 import DeepseekV3Config, moe_or_dense_mlp
+from .deepseek_v3 import DeepseekV3Config, LatentCausalLM, moe_or_dense_mlp
 
 ARCHITECTURE = "KimiLinearForCausalLM"
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -167,19 +167,11 @@ class KimiLinearDecoderLayer(DecoderLayer):
                          cfg.rms_norm_eps, dtype)
 
 
-class KimiLinearForCausalLM(CausalLM):
+class KimiLinearForCausalLM(LatentCausalLM):
     ARCHITECTURE = ARCHITECTURE
-    TENSOR_PARALLEL = True
     CHECKPOINT_NAMES = KIMI_LINEAR_NAMES
-
-    @classmethod
-    def parse_config(cls, hf_config: dict) -> KimiLinearConfig:
-        return KimiLinearConfig.from_hf(hf_config)
-
-    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        cfg = self.parse_config(hf_config)
-        super().__init__(cfg, plan, KimiLinearDecoderLayer, n_routed=cfg.n_routed_experts,
-                         rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype)
+    CONFIG = KimiLinearConfig
+    DECODER_LAYER = KimiLinearDecoderLayer
 
     def checkpoint_view(self, ckpt):
         """The checkpoint with each KDA layer's A_log, which it holds as [1, 1, H, 1], shown as the layer's [H] (any

@@ -94,10 +94,9 @@ class Kolibri1DecoderLayer(QwenDecoderLayer):
     def make_attention(cls, cfg: Kolibri1Config, layer_id: int, dtype: torch.dtype,
                        tp: TensorParallel) -> GQAttention:
         windowed = cfg.layer_types[layer_id] == "sliding_attention"
-        return GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qk_norm="head",
-                                         sliding_window=cfg.sliding_window if windowed else None,
-                                         use_rope=windowed), tp=tp, dtype=dtype)
+        return GQAttention(AttentionSpec.of(cfg, qk_norm="head",
+                                            sliding_window=cfg.sliding_window if windowed else None, use_rope=windowed),
+                           tp=tp, dtype=dtype)
 
     def __init__(self, cfg: Kolibri1Config, plan, layer_id: int, dtype: torch.dtype):
         super().__init__(cfg, plan, layer_id, dtype)

@@ -137,9 +137,7 @@ class Lfm2MoeBlock(nn.Module):
 class Lfm2MoeDecoderLayer(DecoderLayer):
     def __init__(self, cfg: Lfm2MoeConfig, plan, layer_id: int, dtype: torch.dtype):
         conv = cfg.layer_types[layer_id] == "conv"
-        attn = None if conv else GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads,
-                                                           cfg.num_key_value_heads, cfg.head_dim,
-                                                           rms_norm_eps=cfg.rms_norm_eps, qk_norm="head"), dtype=dtype)
+        attn = None if conv else GQAttention(AttentionSpec.of(cfg, qk_norm="head"), dtype=dtype)
         mlp = Lfm2MoeBlock(cfg, plan, layer_id, dtype) if layer_id in cfg.moe_layers else \
             GatedMLP(cfg.hidden_size, cfg.intermediate_size, "silu", dtype)
         super().__init__(layer_id, attn, mlp, cfg.hidden_size, cfg.rms_norm_eps, dtype)

@@ -142,9 +142,8 @@ class Llama4Attention(GQAttention):
         # Pairs (x0, x1), (x2, x3), ... (transformers' complex rotation) on rope layers only: q and k come out in the
         # same de-interleaved order, which neither their dot product nor the L2 norm sees.
         self.rotates = cfg.rope_layers[layer_id]
-        super().__init__(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                                       cfg.rms_norm_eps, qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias,
-                                       rope_interleave=True, use_rope=self.rotates), tp=tp, dtype=dtype)
+        super().__init__(AttentionSpec.of(cfg, qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias,
+                                          rope_interleave=True, use_rope=self.rotates), tp=tp, dtype=dtype)
         self.l2_eps = cfg.rms_norm_eps if cfg.use_qk_norm and self.rotates else None
         self.temperature = (cfg.floor_scale, cfg.attn_scale) if cfg.attn_temperature_tuning and not self.rotates \
             else None

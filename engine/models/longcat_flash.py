@@ -34,8 +34,9 @@ from ..layers.mlp import GatedMLP, activation
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..shown_tensors import ShownTensors
-from .causal_lm import CausalLM, DecoderLayer
+from .causal_lm import DecoderLayer
 from .config import ConfigError, DecoderConfig, get_field as _get, moe_layout, read_rope
+from .deepseek_v3 import LatentCausalLM
 
 ARCHITECTURE = "LongcatFlashForCausalLM"
 
@@ -58,6 +59,11 @@ class LongcatFlashConfig(DecoderConfig):
     num_experts_per_tok: int
     routed_scaling_factor: float
     moe_layers: tuple[int, ...]
+
+    @property
+    def num_experts(self) -> int:
+        """The routed experts (DeclaredCausalLM's name for n_routed_experts; the zero experts are the router's)."""
+        return self.n_routed_experts
 
     @classmethod
     def from_hf(cls, d: dict) -> "LongcatFlashConfig":
@@ -200,18 +206,10 @@ class LongcatFlashDecoderLayer(DecoderLayer):
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate|up)_proj\.weight$")
 
 
-class LongcatFlashForCausalLM(CausalLM):
+class LongcatFlashForCausalLM(LatentCausalLM):
     ARCHITECTURE = ARCHITECTURE
-    TENSOR_PARALLEL = True
-
-    @classmethod
-    def parse_config(cls, hf_config: dict) -> LongcatFlashConfig:
-        return LongcatFlashConfig.from_hf(hf_config)
-
-    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        cfg = self.parse_config(hf_config)
-        super().__init__(cfg, plan, LongcatFlashDecoderLayer, n_routed=cfg.n_routed_experts,
-                         rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype)
+    CONFIG = LongcatFlashConfig
+    DECODER_LAYER = LongcatFlashDecoderLayer
 
     def ignore_prefixes(self, prefix: str) -> tuple[str, ...]:
         return (*super().ignore_prefixes(prefix), f"{prefix}model.mtp.")

@@ -136,9 +136,7 @@ class MiniMaxM2MoeBlock(nn.Module):
 class MiniMaxM2DecoderLayer(DecoderLayer):
     def __init__(self, cfg: MiniMaxM2Config, plan, layer_id: int, dtype: torch.dtype):
         tp = TensorParallel.of(plan)
-        attn = GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qk_norm="projection",
-                                         rotary_dim=cfg.rotary_dim), tp=tp, dtype=dtype)
+        attn = GQAttention(AttentionSpec.of(cfg, qk_norm="projection", rotary_dim=cfg.rotary_dim), tp=tp, dtype=dtype)
         super().__init__(layer_id, attn, MiniMaxM2MoeBlock(cfg, plan, layer_id, dtype), cfg.hidden_size,
                          cfg.rms_norm_eps, dtype)
 

@@ -222,10 +222,7 @@ class NemotronHBlock(nn.Module):
                                                 cfg.rms_norm_eps, (cfg.time_step_min, math.inf),
                                                 fields=("mamba_num_heads", "n_groups")), tp=tp, dtype=dtype)
         elif self.kind == "attention":
-            self.self_attn = GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads,
-                                                       cfg.num_key_value_heads, cfg.head_dim,
-                                                       rms_norm_eps=cfg.rms_norm_eps,
-                                                       use_rope=False), tp=tp, dtype=dtype)
+            self.self_attn = GQAttention(AttentionSpec.of(cfg, use_rope=False), tp=tp, dtype=dtype)
         elif layer_id in cfg.moe_layers:     # the layout's MoE layers: its "moe" blocks
             self.mlp = NemotronHMoE(cfg, plan, layer_id, dtype)
         else:

@@ -135,10 +135,9 @@ class Qwen3NextDecoderLayer(DecoderLayer):
                                   cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim,
                                   cfg.rms_norm_eps, dtype, tp=tp, projections=cfg.linear_projections)
         else:
-            mixer = GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                              cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.attention_bias,
-                                              o_bias=cfg.attention_bias, qk_norm="head", gate="in_q",
-                                              rotary_dim=cfg.rotary_dim, norm=OffsetRMSNorm), tp=tp, dtype=dtype)
+            mixer = GQAttention(AttentionSpec.of(cfg, qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias,
+                                                 qk_norm="head", gate="in_q", rotary_dim=cfg.rotary_dim,
+                                                 norm=OffsetRMSNorm), tp=tp, dtype=dtype)
         if layer_id in cfg.moe_layers:
             mlp = QwenSparseMoeBlock(cfg, plan, layer_id, dtype)
         else:

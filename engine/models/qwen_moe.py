@@ -170,9 +170,8 @@ class QwenDecoderLayer(DecoderLayer):
         """The layer's attention (a family whose layers differ overrides it: Granite MoE SWA's, granitemoe.py)."""
         qk_norm = None if not cfg.qk_norm else "projection" if cfg.qk_norm_span == "projection" else \
             "head_after_rope" if cfg.qk_norm_after_rope else "head"
-        return GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, cfg.rms_norm_eps, qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias,
-                                         qk_norm=qk_norm, clip_qkv=cfg.clip_qkv, sliding_window=cfg.sliding_window),
+        return GQAttention(AttentionSpec.of(cfg, qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, qk_norm=qk_norm,
+                                            clip_qkv=cfg.clip_qkv, sliding_window=cfg.sliding_window),
                            tp=tp, dtype=dtype)
 
     def __init__(self, cfg: QwenMoeConfig, plan, layer_id: int, dtype: torch.dtype):

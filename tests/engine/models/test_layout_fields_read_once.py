@@ -33,7 +33,7 @@ ALSO_READ: dict[str, tuple[str, set[str]]] = {
                      "qwen3_next.py", "qwen_moe.py", "step3p5.py"}),
     "layers_block_type": ("each layer's token mixer (Mamba2, attention, MLP)", {"granitemoe_hybrid.py", "nemotron_h.py"}),
     "hybrid_override_pattern": ("Nemotron-H's older spelling of its token mixers", {"nemotron_h.py"}),
-    "num_nextn_predict_layers": (MTP, {"bailing_hybrid.py", "causal_lm.py", "deepseek_v3.py", "glm4_moe.py",
+    "num_nextn_predict_layers": (MTP, {"bailing_hybrid.py", "causal_lm.py", "deepseek_v3.py",
                                        "nemotron_h.py", "qwen3_5_nextn.py",
                                        "sarvam.py", "solar_open.py", "step3p5.py"}),
     "num_mtp_layers": (MTP, {"bailing_hybrid.py", "sarvam.py", "solar_open.py", "step3p5.py"}),
