@@ -177,6 +177,23 @@ class StateMixer(nn.Module):
         return self.kv_cache
 
 
+def delta_rule(cache: LinearStateCache | None, start: int, mixed: torch.Tensor, qkvgb: tuple, state: torch.Tensor,
+               chunked) -> torch.Tensor:
+    """The delta rule over the new tokens (q, k, v, g, beta heads first, [B, H, T, ...]) from `state`: a state per
+    position where the cache keeps one for each (short: decode, verification), else `chunked` (the family's chunked
+    form); the cache written with the conv inputs `mixed` from `start`. -> o [B, H, T, dv]"""
+    q = qkvgb[0]
+    state = state.float()
+    if cache is not None and q.shape[2] <= cache.snapshots:
+        o, states = delta_rule_steps(*qkvgb, state)
+    else:
+        o, final = chunked(*qkvgb, state)
+        states = final[None]
+    if cache is not None:
+        cache.write(start, mixed, states)
+    return o
+
+
 def continue_from(cache: LinearStateCache | None, input_pos: torch.Tensor | None, T: int, B: int, what: str, zeros):
     """(start, conv prefix [B, C, K-1], state) a forward of T consecutive positions continues from: with a cache
     (input_pos then required), what it holds before input_pos[0]; without one, position 0 and `zeros()`'s (prefix,
@@ -245,15 +262,7 @@ class GatedDeltaNet(StateMixer):
         beta = torch.sigmoid(b.float())
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         q, k, v, beta, g = (t.transpose(1, 2) for t in (q, k, v, beta, g))    # heads first: [B, Hv, T, ...]
-        state = state.float()
-        if cache is not None and T <= cache.snapshots:       # short (decode, verification): a state per position
-            o, states = delta_rule_steps(q, k, v, g, beta, state)
-        else:
-            o, final = delta_rule_chunked(q, k, v, g, beta, state)
-            states = final[None]
-        if cache is not None:
-            cache.write(start, mixed, states)
-
+        o = delta_rule(cache, start, mixed, (q, k, v, g, beta), state, delta_rule_chunked)
         o = o.transpose(1, 2).to(x.dtype)                                     # [B, T, Hv, dv]
         y = self.norm(o, z).reshape(B, T, Hv * dv)
         return self.tp.output_projection(self.out_proj, y)

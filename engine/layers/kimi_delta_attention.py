@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.tensor import TensorParallel
-from .gated_delta_net import CHUNK, StateMixer, continue_from, delta_rule_steps, l2norm
+from .gated_delta_net import CHUNK, StateMixer, continue_from, delta_rule, l2norm
 from .norm import SigmoidGatedRMSNorm
 
 
@@ -144,15 +144,7 @@ class KimiDeltaAttention(StateMixer):
         if not self.low_rank:
             g = g.to(x.dtype).float()        # transformers hands Ling's decays to the kernel in the model's dtype
         q, k, v, g, beta = (t.transpose(1, 2) for t in (q, k, v, g, beta))     # heads first: [B, H, T, ...]
-        state = state.float()
-        if cache is not None and T <= cache.snapshots:       # short (decode, verification): a state per position
-            o, states = delta_rule_steps(q, k, v, g, beta, state)
-        else:
-            o, final = kda_chunked(q, k, v, g, beta, state)
-            states = final[None]
-        if cache is not None:
-            cache.write(start, mixed, states)
-
+        o = delta_rule(cache, start, mixed, (q, k, v, g, beta), state, kda_chunked)
         o = o.transpose(1, 2).to(x.dtype)                                                           # [B, T, H, d]
         gate = (self.g_b_proj(self.g_a_proj(x)) if self.low_rank else self.g_proj(x)).view(B, T, H, d)
         y = self.o_norm(o, gate).reshape(B, T, H * d)

@@ -19,6 +19,7 @@ from torch import nn
 from loadplan.plan import Keys
 from ..layers.norm import RMSNorm
 from ..layers.rope import RotaryEmbedding
+from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames, WeightLayout
 from . import ExpertWeightsView, PPMissingLayer
 
@@ -55,6 +56,25 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(h).view(B, T, D)
 
 
+class BlockLayer(DecoderLayer):
+    """A `DecoderLayer` of config `cfg` built by two hooks, each given the TP ranks `tp` (engine/parallel/tensor.py)
+    that its heads and dense features split over: `make_attention`, the token mixer, and `make_mlp`, the MLP or MoE
+    block (the routed experts split themselves: engine/moe.py)."""
+
+    @classmethod
+    def make_attention(cls, cfg, layer_id: int, dtype: torch.dtype, tp: TensorParallel) -> nn.Module | None:
+        raise NotImplementedError(f"{cls.__name__} does not say how it builds its token mixer (make_attention)")
+
+    @classmethod
+    def make_mlp(cls, cfg, plan, layer_id: int, dtype: torch.dtype, tp: TensorParallel) -> nn.Module:
+        raise NotImplementedError(f"{cls.__name__} does not say how it builds its MLP (make_mlp)")
+
+    def __init__(self, cfg, plan, layer_id: int, dtype: torch.dtype):
+        tp = TensorParallel.of(plan)
+        super().__init__(layer_id, self.make_attention(cfg, layer_id, dtype, tp),
+                         self.make_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
 class DecoderModel(nn.Module):
     """`model.`: embed_tokens (first stage only), one entry per config layer (this stage's built by
     `decoder_layer(cfg, plan, layer_id, dtype)`, the others PPMissingLayer), norm (last stage only)."""
@@ -79,6 +99,7 @@ class CausalLM(nn.Module):
 
     TENSOR_PARALLEL = False
     CHECKPOINT_NAMES: CheckpointNames | None = None   # the family's own checkpoint spellings (weights.py)
+    MTP_PREFIXES: tuple[str, ...] = ()   # where the family's checkpoints keep MTP modules apart (not loaded)
 
     @classmethod
     def parse_config(cls, hf_config: dict):
@@ -119,11 +140,11 @@ class CausalLM(nn.Module):
     def ignore_prefixes(self, prefix: str) -> tuple[str, ...]:
         """Checkpoint name prefixes that are not part of this model: the Multi-Token-Prediction layers a
         checkpoint stores after the last decoder layer (`model.layers.{L + i}.`, DeepSeek's, GLM's and
-        MiniMax-M2's convention), as many as the config's `num_nextn_predict_layers` (0 where it has none).
-        A family with other towers to skip overrides it."""
+        MiniMax-M2's convention), as many as the config's `num_nextn_predict_layers` (0 where it has none), and
+        the family's `MTP_PREFIXES` (its MTP module stored apart: `mtp.`)."""
         L = self.config.num_hidden_layers
         n = getattr(self.config, "num_nextn_predict_layers", 0)
-        return tuple(f"{prefix}model.layers.{L + i}." for i in range(n))
+        return (*(f"{prefix}model.layers.{L + i}." for i in range(n)), *(prefix + p for p in self.MTP_PREFIXES))
 
     def checkpoint_view(self, ckpt):
         """The checkpoint as the weight remapping reads it (`names`, `shape`, `get`): as it is, unless the family

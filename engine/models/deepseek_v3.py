@@ -37,7 +37,7 @@ from ..layers.mla import MLASpec, MultiHeadLatentAttention
 from ..layers.mlp import GatedMLP
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
-from .causal_lm import DeclaredCausalLM, DecoderLayer
+from .causal_lm import BlockLayer, DeclaredCausalLM, DecoderLayer
 from .config import REQUIRED, ConfigError, DecoderConfig, Family, get_field as _get
 from .text_wrapper import TextOnlyWrapper
 
@@ -323,18 +323,25 @@ def moe_or_dense_mlp(cfg, plan, layer_id: int, dtype: torch.dtype, tp: TensorPar
     return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype, tp=tp)
 
 
-class DeepseekV3DecoderLayer(DecoderLayer):
-    def __init__(self, cfg: DeepseekV3Config, plan, layer_id: int, dtype: torch.dtype):
-        tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
+class DeepseekMoeLayer(BlockLayer):
+    """A layer over DeepSeek's MoE block or the dense MLP (`moe_or_dense_mlp`); its token mixer the subclass's."""
+
+    @classmethod
+    def make_mlp(cls, cfg, plan, layer_id: int, dtype: torch.dtype, tp: TensorParallel) -> nn.Module:
+        return moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp)
+
+
+class DeepseekV3DecoderLayer(DeepseekMoeLayer):
+    @classmethod
+    def make_attention(cls, cfg: DeepseekV3Config, layer_id: int, dtype: torch.dtype,
+                       tp: TensorParallel) -> MultiHeadLatentAttention:
         indexer = None
         shared = layer_id in cfg.index_shared_layers   # GLM-5: reuses the previous full layer's top-k
         if cfg.index_topk and not shared:   # DeepSeek-V3.2
             indexer = SparseIndexer(cfg.hidden_size, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim,
                                     cfg.qk_rope_head_dim, cfg.index_topk, dtype, cfg.index_rope_interleave)
-        attn = MultiHeadLatentAttention(MLASpec.of(cfg, rope_interleave=cfg.rope_interleave), tp=tp, dtype=dtype,
+        return MultiHeadLatentAttention(MLASpec.of(cfg, rope_interleave=cfg.rope_interleave), tp=tp, dtype=dtype,
                                         indexer=indexer, reuses_selection=shared)
-        super().__init__(layer_id, attn, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
-                         cfg.rms_norm_eps, dtype)
 
 
 class LatentCausalLM(DeclaredCausalLM):

@@ -52,7 +52,7 @@ def _as_published(d: dict, fields: dict) -> None:
 
 # GLM-4-MoE's fields as ERNIE-4.5's config spells and defaults them (rope theta 500000, a tied head); its router a
 # softmax of one group, the top-k renormalised with the moe_norm_min clamp; its MTP tensors are model.mtp_*
-# (ignore_prefixes), not layers.
+# (MTP_PREFIXES), not layers.
 ERNIE4_5_MOE = Family(ARCHITECTURE, ernie4_5_moe_layout, dict(
     GLM_FIELDS, tie_word_embeddings=True, renorm_min=1e-12), names=dict(renorm_min="moe_norm_min"),
     rope={"default_theta": 500000.0},
@@ -85,13 +85,11 @@ def router_bias_of_one_group(ckpt) -> ShownTensors:
 
 class Ernie4_5_MoeForCausalLM(Glm4MoeForCausalLM):
     ARCHITECTURE = ARCHITECTURE
+    MTP_PREFIXES = ("model.mtp_",)
     FAMILY = ERNIE4_5_MOE
     CONFIG = Glm4MoeConfig
     DECODER_LAYER = Ernie45MoeDecoderLayer
 
-    def ignore_prefixes(self, prefix: str) -> tuple[str, ...]:
-        return (*super().ignore_prefixes(prefix), f"{prefix}model.mtp_")
 
     def checkpoint_view(self, ckpt):
         return router_bias_of_one_group(ckpt)
-

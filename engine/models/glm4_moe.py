@@ -28,7 +28,7 @@ from ..layers.attention import AttentionSpec, GQAttention
 from ..parallel.tensor import TensorParallel
 from .causal_lm import DeclaredCausalLM, DecoderLayer
 from .config import ConfigError, Family, as_heads, heads_wide, read_rope
-from .deepseek_v3 import DEEPSEEK_MOE_FIELDS, DeepseekMoeConfig, expert_groups, moe_or_dense_mlp
+from .deepseek_v3 import DEEPSEEK_MOE_FIELDS, DeepseekMoeConfig, DeepseekMoeLayer, expert_groups
 
 # transformers' Glm4MoeConfig: "partial_rotary_factor" defaults to 0.5 (kept for older configs).
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.5
@@ -89,7 +89,7 @@ GLM4_MOE = Family("Glm4MoeForCausalLM", glm4_moe_layout, GLM_FIELDS,
 GLM4_MOE_NEXTN = replace(GLM4_MOE, architecture="Glm4MoeForCausalLMNextN", layout=glm4_moe_nextn_layout, draft=True)
 
 
-class Glm4MoeDecoderLayer(DecoderLayer):
+class Glm4MoeDecoderLayer(DeepseekMoeLayer):
     """Grouped-query attention (`attention_spec`: a family of GLM's shape overrides it) over DeepSeek-V3's MoE block
     or the dense MLP."""
 
@@ -98,11 +98,9 @@ class Glm4MoeDecoderLayer(DecoderLayer):
         return AttentionSpec.of(cfg, qkv_bias=cfg.attention_bias, qk_norm="head" if cfg.use_qk_norm else None,
                                 rotary_dim=cfg.rotary_dim)
 
-    def __init__(self, cfg: Glm4MoeConfig, plan, layer_id: int, dtype: torch.dtype):
-        tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
-        attn = GQAttention(self.attention_spec(cfg, layer_id), tp=tp, dtype=dtype)
-        super().__init__(layer_id, attn, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
-                         cfg.rms_norm_eps, dtype)
+    @classmethod
+    def make_attention(cls, cfg: Glm4MoeConfig, layer_id: int, dtype: torch.dtype, tp: TensorParallel) -> GQAttention:
+        return GQAttention(cls.attention_spec(cfg, layer_id), tp=tp, dtype=dtype)
 
 
 class Glm4MoeForCausalLM(DeclaredCausalLM):

@@ -33,12 +33,8 @@ ARCHITECTURE = "JambaForCausalLM"
 # (checkpoint, engine) suffixes (under model.layers.{i}, and the final norm's).
 JAMBA_NAMES = CheckpointNames((
     ("feed_forward.router.weight", "mlp.gate.weight"),
-    ("feed_forward.experts.{e}.gate_proj.weight", "mlp.experts.{e}.gate_proj.weight"),
-    ("feed_forward.experts.{e}.up_proj.weight", "mlp.experts.{e}.up_proj.weight"),
-    ("feed_forward.experts.{e}.down_proj.weight", "mlp.experts.{e}.down_proj.weight"),
-    ("feed_forward.gate_proj.weight", "mlp.gate_proj.weight"),
-    ("feed_forward.up_proj.weight", "mlp.up_proj.weight"),
-    ("feed_forward.down_proj.weight", "mlp.down_proj.weight"),
+    *((f"feed_forward.{mlp}{proj}_proj.weight", f"mlp.{mlp}{proj}_proj.weight")
+      for mlp in ("experts.{e}.", "") for proj in ("gate", "up", "down")),
     ("pre_ff_layernorm.weight", "post_attention_layernorm.weight"),
     ("model.final_layernorm.weight", "model.norm.weight"),
 ))

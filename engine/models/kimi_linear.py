@@ -30,20 +30,17 @@ from ..layers.mla import MLASpec, MultiHeadLatentAttention
 from ..parallel.tensor import TensorParallel
 from ..shown_tensors import ShownTensors
 from ..weights import CheckpointNames
-from .causal_lm import DecoderLayer
 from .config import ConfigError, get_field as _get, moe_layout, per_layer
-from .deepseek_v3 import DeepseekV3Config, LatentCausalLM, moe_or_dense_mlp
+from .deepseek_v3 import DeepseekMoeLayer, DeepseekV3Config, LatentCausalLM
+from .mixtral import MIXTRAL_NAMES
 
 ARCHITECTURE = "KimiLinearForCausalLM"
 LAYER_TYPES = ("linear_attention", "full_attention")
 
 # (checkpoint, engine) suffixes under model.layers.{i}.
 KIMI_LINEAR_NAMES = CheckpointNames((
-    ("block_sparse_moe.gate.weight", "mlp.gate.weight"),
+    *MIXTRAL_NAMES.pairs,                  # the router and the routed experts, as Mixtral spells them
     ("block_sparse_moe.gate.e_score_correction_bias", "mlp.gate.e_score_correction_bias"),
-    ("block_sparse_moe.experts.{e}.w1.weight", "mlp.experts.{e}.gate_proj.weight"),
-    ("block_sparse_moe.experts.{e}.w3.weight", "mlp.experts.{e}.up_proj.weight"),
-    ("block_sparse_moe.experts.{e}.w2.weight", "mlp.experts.{e}.down_proj.weight"),
     *((f"block_sparse_moe.{mlp}{proj}_proj.weight", f"mlp.{mlp}{proj}_proj.weight")
       for mlp in ("shared_experts.", "") for proj in ("gate", "up", "down")),
 ))
@@ -155,16 +152,13 @@ def _layer_types(d: dict, linear: dict, n: int) -> list[str]:
     return ["full_attention" if i + 1 in kinds else "linear_attention" for i in range(n)]
 
 
-class KimiLinearDecoderLayer(DecoderLayer):
-    def __init__(self, cfg: KimiLinearConfig, plan, layer_id: int, dtype: torch.dtype):
-        tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
+class KimiLinearDecoderLayer(DeepseekMoeLayer):
+    @classmethod
+    def make_attention(cls, cfg: KimiLinearConfig, layer_id: int, dtype: torch.dtype, tp: TensorParallel):
         if cfg.layer_types[layer_id] == "linear_attention":
-            mixer = KimiDeltaAttention(cfg.hidden_size, cfg.linear_num_heads, cfg.linear_head_dim,
-                                       cfg.linear_conv_kernel_dim, cfg.rms_norm_eps, dtype, tp)
-        else:
-            mixer = MultiHeadLatentAttention(MLASpec.of(cfg, use_rope=False), tp=tp, dtype=dtype)
-        super().__init__(layer_id, mixer, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
-                         cfg.rms_norm_eps, dtype)
+            return KimiDeltaAttention(cfg.hidden_size, cfg.linear_num_heads, cfg.linear_head_dim,
+                                      cfg.linear_conv_kernel_dim, cfg.rms_norm_eps, dtype, tp)
+        return MultiHeadLatentAttention(MLASpec.of(cfg, use_rope=False), tp=tp, dtype=dtype)
 
 
 class KimiLinearForCausalLM(LatentCausalLM):

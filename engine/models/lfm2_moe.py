@@ -28,7 +28,7 @@ from ..layers.short_conv import ShortConv
 from ..moe import RoutedExperts
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, DecoderConfig, get_field as _get, moe_layout, per_layer, read_rope
+from .config import ConfigError, DecoderConfig, get_field as _get, moe_layout, per_layer, read_fields, read_rope
 
 ARCHITECTURE = "Lfm2MoeForCausalLM"
 LAYER_TYPES = ("conv", "full_attention")
@@ -85,28 +85,14 @@ class Lfm2MoeConfig(DecoderConfig):
         rope = read_rope(d, default_theta=1e6)
         tie = d.get("tie_word_embeddings", d.get("tie_embedding", True))   # tie_embedding: its older name
         return cls(
-            vocab_size=_get(d, "vocab_size", 65536, int),
-            hidden_size=hidden,
-            intermediate_size=_get(d, "intermediate_size", 7168, int),
-            moe_intermediate_size=_get(d, "moe_intermediate_size", 1792, int),
-            num_hidden_layers=n,
-            num_attention_heads=heads,
-            num_key_value_heads=_get(d, "num_key_value_heads", 8, int),
-            head_dim=_get(d, "head_dim", hidden // heads, int),
-            rms_norm_eps=float(_get(d, "norm_eps", 1e-5, (int, float))),
-            max_position_embeddings=_get(d, "max_position_embeddings", 128_000, int),
-            tie_word_embeddings=bool(tie),
-            rope=rope,
-            layer_types=tuple(per_layer(d, "layer_types", n, LAYER_TYPES, [])),
-            conv_kernel=kernel,
-            conv_bias=bool(_get(d, "conv_bias", False, bool)),
-            num_experts=layout.n_routed,
-            num_experts_per_tok=layout.top_k,
-            use_expert_bias=bool(_get(d, "use_expert_bias", True, bool)),
-            norm_topk_prob=bool(_get(d, "norm_topk_prob", True, bool)),
-            routed_scaling_factor=float(_get(d, "routed_scaling_factor", 1.0, (int, float))),
-            moe_layers=layout.moe_layers,
-        )
+            **read_fields(d, cls, dict(vocab_size=65536, intermediate_size=7168, moe_intermediate_size=1792,
+                                       num_key_value_heads=8, head_dim=hidden // heads, rms_norm_eps=1e-5,
+                                       max_position_embeddings=128_000, conv_bias=False, use_expert_bias=True,
+                                       norm_topk_prob=True, routed_scaling_factor=1.0),
+                          names=dict(rms_norm_eps="norm_eps")),
+            hidden_size=hidden, num_hidden_layers=n, num_attention_heads=heads, tie_word_embeddings=bool(tie),
+            rope=rope, layer_types=tuple(per_layer(d, "layer_types", n, LAYER_TYPES, [])), conv_kernel=kernel,
+            num_experts=layout.n_routed, num_experts_per_tok=layout.top_k, moe_layers=layout.moe_layers)
 
 
 class Lfm2MoeBlock(nn.Module):

@@ -37,7 +37,8 @@ from ..parallel.tensor import TensorParallel
 from ..stacked_experts import StackedExperts
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, DecoderConfig, get_field as _get, moe_layout, per_layer, read_rope
+from .config import (REQUIRED, ConfigError, DecoderConfig, get_field as _get, moe_layout, per_layer, read_fields,
+                     read_rope)
 from .text_wrapper import TextOnlyWrapper
 
 ARCHITECTURE = "Llama4ForCausalLM"
@@ -105,33 +106,19 @@ class Llama4Config(DecoderConfig):
         floor_scale = float(_get(d, "floor_scale", 8192, (int, float)))
         if floor_scale <= 0:
             raise ConfigError(f"config.floor_scale: must be > 0, got {floor_scale}")
+        # transformers' num_key_value_heads default, 8, fits no particular head count: a config must say it
         return cls(
-            vocab_size=_get(d, "vocab_size", kind=int),
-            hidden_size=_get(d, "hidden_size", kind=int),
-            intermediate_size=_get(d, "intermediate_size", kind=int),
+            **read_fields(d, cls, dict(vocab_size=REQUIRED, hidden_size=REQUIRED, intermediate_size=REQUIRED,
+                                       num_attention_heads=REQUIRED, num_key_value_heads=REQUIRED, head_dim=128,
+                                       rms_norm_eps=1e-5, max_position_embeddings=4096 * 32, tie_word_embeddings=False,
+                                       use_qk_norm=True, attn_temperature_tuning=True, attn_scale=0.1,
+                                       attention_bias=False)),
             intermediate_size_mlp=_get(d, "intermediate_size_mlp", kind=int) if dense else 0,
-            num_hidden_layers=n_layers,
-            num_attention_heads=_get(d, "num_attention_heads", kind=int),
-            # transformers' default is 8, which fits no particular head count: a config must say it.
-            num_key_value_heads=_get(d, "num_key_value_heads", kind=int),
-            head_dim=_get(d, "head_dim", 128, int),
-            rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-5)),
-            hidden_act=act,
-            max_position_embeddings=_get(d, "max_position_embeddings", 4096 * 32, int),
-            tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
-            rope=read_rope(d, default_theta=500000.0),
-            num_experts=layout.n_routed,
-            num_experts_per_tok=layout.top_k,
-            moe_layers=layout.moe_layers,
+            num_hidden_layers=n_layers, hidden_act=act, rope=read_rope(d, default_theta=500000.0),
+            num_experts=layout.n_routed, num_experts_per_tok=layout.top_k, moe_layers=layout.moe_layers,
             rope_layers=tuple(bool(r) for r in rope_flags),
-            chunked_layers=tuple(t == "chunked_attention" for t in types),
-            attention_chunk_size=chunk,
-            use_qk_norm=bool(_get(d, "use_qk_norm", True, bool)),
-            attn_temperature_tuning=bool(_get(d, "attn_temperature_tuning", True, bool)),
-            floor_scale=floor_scale,
-            attn_scale=float(_get(d, "attn_scale", 0.1, (int, float))),
-            attention_bias=bool(_get(d, "attention_bias", False, bool)),
-        )
+            chunked_layers=tuple(t == "chunked_attention" for t in types), attention_chunk_size=chunk,
+            floor_scale=floor_scale)
 
 
 class Llama4Attention(GQAttention):

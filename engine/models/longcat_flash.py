@@ -208,11 +208,10 @@ _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate|up)_proj\.weight$")
 
 class LongcatFlashForCausalLM(LatentCausalLM):
     ARCHITECTURE = ARCHITECTURE
+    MTP_PREFIXES = ("model.mtp.",)
     CONFIG = LongcatFlashConfig
     DECODER_LAYER = LongcatFlashDecoderLayer
 
-    def ignore_prefixes(self, prefix: str) -> tuple[str, ...]:
-        return (*super().ignore_prefixes(prefix), f"{prefix}model.mtp.")
 
     def checkpoint_view(self, ckpt):
         """The checkpoint without the gate/up rows transformers writes for the zero-computation experts (ids E to

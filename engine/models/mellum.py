@@ -81,10 +81,7 @@ class MellumDecoderLayer(QwenDecoderLayer):
 
 class MellumForCausalLM(QwenLayerCausalLM):
     ARCHITECTURE = ARCHITECTURE
-    DECODER_LAYER = MellumDecoderLayer
-
+    MTP_PREFIXES = ("mtp.",)
     FAMILY = MELLUM
     CONFIG = MellumConfig
-
-    def ignore_prefixes(self, prefix: str) -> tuple[str, ...]:
-        return (*super().ignore_prefixes(prefix), f"{prefix}mtp.")
+    DECODER_LAYER = MellumDecoderLayer

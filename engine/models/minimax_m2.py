@@ -32,8 +32,8 @@ from ..layers.mlp import activation
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
-from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, DecoderConfig, get_field as _get, moe_layout, read_rope
+from .causal_lm import BlockLayer, DeclaredCausalLM
+from .config import REQUIRED, ConfigError, DecoderConfig, get_field as _get, moe_layout, read_fields, read_rope
 from .mixtral import MIXTRAL_NAMES
 from .olmoe import OLMOE_NAMES
 
@@ -93,24 +93,14 @@ class MiniMaxM2Config(DecoderConfig):
         if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or not (
                 0 < rotary_dim <= head_dim and rotary_dim % 2 == 0):
             raise ConfigError(f"config.rotary_dim: {rotary_dim!r} must be even and in (0, head_dim={head_dim}]")
+        # transformers' num_key_value_heads default, 8, fits no particular head count: a config must say it
         return cls(
-            vocab_size=_get(d, "vocab_size", kind=int),
-            hidden_size=_get(d, "hidden_size", kind=int),
-            intermediate_size=_get(d, "intermediate_size", kind=int),
-            num_hidden_layers=len(layout.layer_ids),
-            num_attention_heads=_get(d, "num_attention_heads", kind=int),
-            # transformers' default is 8, which fits no particular head count: a config must say it.
-            num_key_value_heads=_get(d, "num_key_value_heads", kind=int),
-            head_dim=head_dim,
-            rotary_dim=rotary_dim,
-            rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6)),
-            hidden_act=act,
-            max_position_embeddings=_get(d, "max_position_embeddings", 196608, int),
-            tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
+            **read_fields(d, cls, dict(vocab_size=REQUIRED, hidden_size=REQUIRED, intermediate_size=REQUIRED,
+                                       num_attention_heads=REQUIRED, num_key_value_heads=REQUIRED, rms_norm_eps=1e-6,
+                                       max_position_embeddings=196608, tie_word_embeddings=False)),
+            num_hidden_layers=len(layout.layer_ids), head_dim=head_dim, rotary_dim=rotary_dim, hidden_act=act,
             rope=dataclasses.replace(rope, partial_rotary_factor=rotary_dim / head_dim),
-            num_experts=layout.n_routed,
-            num_experts_per_tok=layout.top_k,
-            moe_layers=layout.moe_layers,
+            num_experts=layout.n_routed, num_experts_per_tok=layout.top_k, moe_layers=layout.moe_layers,
             num_nextn_predict_layers=_get(d, "num_mtp_modules", 0, int) if d.get("use_mtp", True) else 0,
         )
 
@@ -133,12 +123,15 @@ class MiniMaxM2MoeBlock(nn.Module):
         return self.experts(x, ids, weights.to(x.dtype))                   # reduced if the plan says
 
 
-class MiniMaxM2DecoderLayer(DecoderLayer):
-    def __init__(self, cfg: MiniMaxM2Config, plan, layer_id: int, dtype: torch.dtype):
-        tp = TensorParallel.of(plan)
-        attn = GQAttention(AttentionSpec.of(cfg, qk_norm="projection", rotary_dim=cfg.rotary_dim), tp=tp, dtype=dtype)
-        super().__init__(layer_id, attn, MiniMaxM2MoeBlock(cfg, plan, layer_id, dtype), cfg.hidden_size,
-                         cfg.rms_norm_eps, dtype)
+class MiniMaxM2DecoderLayer(BlockLayer):
+    @classmethod
+    def make_attention(cls, cfg: MiniMaxM2Config, layer_id: int, dtype: torch.dtype,
+                       tp: TensorParallel) -> GQAttention:
+        return GQAttention(AttentionSpec.of(cfg, qk_norm="projection", rotary_dim=cfg.rotary_dim), tp=tp, dtype=dtype)
+
+    @classmethod
+    def make_mlp(cls, cfg: MiniMaxM2Config, plan, layer_id: int, dtype: torch.dtype, tp: TensorParallel) -> nn.Module:
+        return MiniMaxM2MoeBlock(cfg, plan, layer_id, dtype)
 
 
 class MiniMaxM2ForCausalLM(DeclaredCausalLM):

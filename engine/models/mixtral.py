@@ -24,9 +24,8 @@ ARCHITECTURE = "MixtralForCausalLM"
 # (checkpoint, engine) suffixes under model.layers.{i}.
 MIXTRAL_NAMES = CheckpointNames((
     ("block_sparse_moe.gate.weight", "mlp.gate.weight"),
-    ("block_sparse_moe.experts.{e}.w1.weight", "mlp.experts.{e}.gate_proj.weight"),
-    ("block_sparse_moe.experts.{e}.w3.weight", "mlp.experts.{e}.up_proj.weight"),
-    ("block_sparse_moe.experts.{e}.w2.weight", "mlp.experts.{e}.down_proj.weight"),
+    *((f"block_sparse_moe.experts.{{e}}.{w}.weight", f"mlp.experts.{{e}}.{proj}_proj.weight")
+      for w, proj in (("w1", "gate"), ("w3", "up"), ("w2", "down"))),
 ))
 
 

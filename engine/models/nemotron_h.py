@@ -244,12 +244,11 @@ class NemotronHBlock(nn.Module):
 
 class NemotronHForCausalLM(DeclaredCausalLM):
     ARCHITECTURE = ARCHITECTURE
+    MTP_PREFIXES = ("mtp.",)
     CONFIG = NemotronHConfig
     DECODER_LAYER = NemotronHBlock
     TENSOR_PARALLEL = True
 
-    def ignore_prefixes(self, prefix: str) -> tuple[str, ...]:
-        return (*super().ignore_prefixes(prefix), f"{prefix}mtp.")
 
     def checkpoint_view(self, ckpt):
         """`backbone.` and each block's `mixer.` under the engine's names; with tp_size > 1 the Mamba2 layers' rows

@@ -23,7 +23,7 @@ from ..layers.attention import AttentionSpec, GQAttention
 from ..layers.mlp import GatedMLP
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
-from .causal_lm import DeclaredCausalLM, DecoderLayer
+from .causal_lm import BlockLayer, DeclaredCausalLM
 from .config import REQUIRED, ConfigError, DecoderConfig, Family, as_heads, heads_wide
 
 
@@ -162,7 +162,7 @@ class Float32RouterMoeBlock(SharedMlpMoeBlock):
         return F.linear(x.float(), self.gate.weight)
 
 
-class QwenDecoderLayer(DecoderLayer):
+class QwenDecoderLayer(BlockLayer):
     MOE_BLOCK: type[nn.Module] = QwenSparseMoeBlock   # a family's own block of the same constructor (granitemoe.py)
 
     @classmethod
@@ -174,14 +174,11 @@ class QwenDecoderLayer(DecoderLayer):
                                             clip_qkv=cfg.clip_qkv, sliding_window=cfg.sliding_window),
                            tp=tp, dtype=dtype)
 
-    def __init__(self, cfg: QwenMoeConfig, plan, layer_id: int, dtype: torch.dtype):
-        tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
-        attn = self.make_attention(cfg, layer_id, dtype, tp)
+    @classmethod
+    def make_mlp(cls, cfg: QwenMoeConfig, plan, layer_id: int, dtype: torch.dtype, tp: TensorParallel) -> nn.Module:
         if layer_id in cfg.moe_layers:
-            mlp = self.MOE_BLOCK(cfg, plan, layer_id, dtype)
-        else:
-            mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype, tp=tp)
-        super().__init__(layer_id, attn, mlp, cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            return cls.MOE_BLOCK(cfg, plan, layer_id, dtype)
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype, tp=tp)
 
 
 class QwenLayerCausalLM(DeclaredCausalLM):
