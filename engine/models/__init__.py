@@ -3,8 +3,8 @@
 `causal_lm.CausalLM` is the shell every entry class derives from: the plan's pipeline stage, embedding / final norm /
 (tied) head, rotary tables, expert-weights view, `weight_layout`, caches and the forward across stages.
 `causal_lm.DecoderLayer` is the pre-norm block the layers derive from. A family overrides hooks where its model
-differs: the model's `_embed`, `_head`, `checkpoint_view`, `ignore_prefixes`, `stage_carry`; a layer's
-`make_attention`, `MOE_BLOCK`, `NORM`, `mixer`, `forward`. Its config is a dataclass deriving from
+differs: the model's `_embed`, `_head`, `checkpoint_view`, `MTP_PREFIXES`, `stage_carry`; a layer's
+(`causal_lm.BlockLayer`) `make_attention`, `make_mlp`, `MOE_BLOCK`, `NORM`, `mixer`, `forward`. Its config is a dataclass deriving from
 `config.DecoderConfig`. Families that differ only by field names, defaults and which blocks they use are rows: a
 `config.Family` names the registry's layout reader, the config.json fields with transformers' defaults, what the
 family fixes and what it reads its own way, read once by `Family.read`; the entry class declares its `FAMILY`,
