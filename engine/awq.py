@@ -13,18 +13,18 @@ and W[n, k] = scales[g, n] * (q[k, n] - z[g, n]) with g = k // group_size (zero 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
 from .packed_linear import QWEIGHT, QZEROS, SCALES, PackedLinearCheckpoint, unpack_words
-from .weights import ShapeMismatch
+from .weights import ShapeMismatch, refuse_unless
 
 BITS = 4
 PER_WORD = 32 // BITS
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)          # slot i of a word holds output AWQ_ORDER[i] of its eight
 VERSIONS = ("gemm",)
-_FIELD = "config.quantization_config"
 
 
 class AwqConfigError(ValueError):
@@ -36,9 +36,7 @@ class AwqScheme:
     group_size: int
 
 
-def _require(ok: bool, field: str, value: Any, expected: str) -> None:
-    if not ok:
-        raise AwqConfigError(f"{_FIELD}.{field}: {value!r} not supported; {expected}")
+_require = partial(refuse_unless, AwqConfigError)
 
 
 def scheme(quantization_config: Any) -> AwqScheme:

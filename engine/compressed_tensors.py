@@ -28,18 +28,18 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
-from .weights import DuplicateTensor, MissingTensor, ShapeMismatch, UnexpectedTensor
+from .weights import DuplicateTensor, MissingTensor, ShapeMismatch, UnexpectedTensor, refuse_unless
 
 FORMAT = "pack-quantized"
 PACKED, SCALE, SHAPE = "weight_packed", "weight_scale", "weight_shape"
 # Tensors of schemes the engine refuses in the config; a checkpoint holding them anyway is refused by name.
 UNREAD = ("weight_zero_point", "weight_g_idx", "weight_global_scale")
 STRATEGIES = ("group", "channel", "tensor")
-_FIELD = "config.quantization_config"
 
 
 class CompressedTensorsConfigError(ValueError):
@@ -85,9 +85,7 @@ def _targets(target: str, module: str) -> bool:
     return target in ("Linear", module)
 
 
-def _require(ok: bool, field: str, value: Any, expected: str) -> None:
-    if not ok:
-        raise CompressedTensorsConfigError(f"{_FIELD}.{field}: {value!r} not supported; {expected}")
+_require = partial(refuse_unless, CompressedTensorsConfigError)
 
 
 def scheme(quantization_config: Any) -> Scheme:

@@ -19,16 +19,16 @@ words other than int32 (`pack_dtype`) are refused by field.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
 from .packed_linear import G_IDX, QWEIGHT, QZEROS, SCALES, PackedLinearCheckpoint, unpack_words
-from .weights import ShapeMismatch
+from .weights import ShapeMismatch, refuse_unless
 
 BITS = (2, 4, 8)
 CHECKPOINT_FORMATS = {"gptq": 1, "gptq_v2": 0}      # -> what is added to a stored zero point
-_FIELD = "config.quantization_config"
 
 
 class GptqConfigError(ValueError):
@@ -42,9 +42,7 @@ class GptqScheme:
     zero_offset: int         # 1 for checkpoint_format gptq (zero points stored minus one), 0 for gptq_v2
 
 
-def _require(ok: bool, field: str, value: Any, expected: str) -> None:
-    if not ok:
-        raise GptqConfigError(f"{_FIELD}.{field}: {value!r} not supported; {expected}")
+_require = partial(refuse_unless, GptqConfigError)
 
 
 def scheme(quantization_config: Any) -> GptqScheme:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -57,6 +57,13 @@ class ShapeMismatch(WeightError):
 
 class LayoutMismatch(WeightError):
     """Fused-layout weights for an unfused model, or the reverse."""
+
+
+def refuse_unless(error: type[Exception], ok: bool, field: str, value: Any, expected: str) -> None:
+    """A quantization reader's refusal (awq.py, gptq.py, compressed_tensors.py): `error` naming
+    config.quantization_config.<field> and its `value`, unless `ok`."""
+    if not ok:
+        raise error(f"config.quantization_config.{field}: {value!r} not supported; {expected}")
 
 
 class CheckpointNames:

@@ -74,6 +74,13 @@ class AttentionSpec:
     v_scale: float = 1.0
     scale: float | None = None                 # None: head_dim ** -0.5
 
+    @classmethod
+    def of(cls, cfg, **departures) -> "AttentionSpec":
+        """The attention of a family config naming hidden_size, num_attention_heads, num_key_value_heads, head_dim and
+        rms_norm_eps, with the family's `departures` from plain GQA."""
+        return cls(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps,
+                   **departures)
+
     def __post_init__(self):
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm={self.qk_norm!r}: one of {QK_NORMS}")

@@ -160,6 +160,40 @@ class LinearStateCache(nn.Module):
                             f"how far a round writes past the tokens it keeps")
 
 
+class StateMixer(nn.Module):
+    """A token mixer whose cache is a `LinearStateCache` of `state_layout` (conv channels, conv kernel, each batch
+    row's recurrent state shape), which its constructor sets; the model's setup_caches makes it (`kv_cache`, named
+    as attention's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.kv_cache: LinearStateCache | None = None
+        self.state_layout: tuple[int, int, tuple[int, ...]] = (0, 0, ())
+
+    def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype, device,
+                    lookahead: int = 0) -> LinearStateCache:
+        """`max_seq_len` does not matter: the state is the same size at every length."""
+        self.kv_cache = LinearStateCache(batch_size, *self.state_layout, lookahead, dtype, device)
+        return self.kv_cache
+
+
+def delta_rule(cache: LinearStateCache | None, start: int, mixed: torch.Tensor, qkvgb: tuple, state: torch.Tensor,
+               chunked) -> torch.Tensor:
+    """The delta rule over the new tokens (q, k, v, g, beta heads first, [B, H, T, ...]) from `state`: a state per
+    position where the cache keeps one for each (short: decode, verification), else `chunked` (the family's chunked
+    form); the cache written with the conv inputs `mixed` from `start`. -> o [B, H, T, dv]"""
+    q = qkvgb[0]
+    state = state.float()
+    if cache is not None and q.shape[2] <= cache.snapshots:
+        o, states = delta_rule_steps(*qkvgb, state)
+    else:
+        o, final = chunked(*qkvgb, state)
+        states = final[None]
+    if cache is not None:
+        cache.write(start, mixed, states)
+    return o
+
+
 def continue_from(cache: LinearStateCache | None, input_pos: torch.Tensor | None, T: int, B: int, what: str, zeros):
     """(start, conv prefix [B, C, K-1], state) a forward of T consecutive positions continues from: with a cache
     (input_pos then required), what it holds before input_pos[0]; without one, position 0 and `zeros()`'s (prefix,
@@ -176,7 +210,7 @@ def continue_from(cache: LinearStateCache | None, input_pos: torch.Tensor | None
     return (start, *cache.read(start, B))
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(StateMixer):
     def __init__(self, hidden_size: int, n_k_heads: int, n_v_heads: int, k_head_dim: int, v_head_dim: int,
                  conv_kernel: int, rms_norm_eps: float, dtype: torch.dtype | None = None,
                  tp: TensorParallel | None = None, projections: str = "grouped"):
@@ -208,14 +242,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(Hv, dtype=dtype), requires_grad=False)
         self.norm = GatedRMSNorm(dv, rms_norm_eps, dtype)
         self.out_proj = nn.Linear(Hv * dv, hidden_size, bias=False, dtype=dtype)
-        self.kv_cache: LinearStateCache | None = None   # the model's setup_caches sets it (named as attention's)
-
-    def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype, device,
-                    lookahead: int = 0) -> LinearStateCache:
-        """`max_seq_len` does not matter: the state is the same size at every length."""
-        self.kv_cache = LinearStateCache(batch_size, self.channels, self.kernel, (self.n_v, self.dk, self.dv),
-                                         lookahead, dtype, device)
-        return self.kv_cache
+        self.state_layout = (self.channels, self.kernel, (self.n_v, self.dk, self.dv))   # its LinearStateCache's
 
     def forward(self, x: torch.Tensor, cos=None, sin=None, input_pos: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D] (cos, sin: unused, no rotary here; input_pos [T] needed with a cache)."""
@@ -235,15 +262,7 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(b.float())
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         q, k, v, beta, g = (t.transpose(1, 2) for t in (q, k, v, beta, g))    # heads first: [B, Hv, T, ...]
-        state = state.float()
-        if cache is not None and T <= cache.snapshots:       # short (decode, verification): a state per position
-            o, states = delta_rule_steps(q, k, v, g, beta, state)
-        else:
-            o, final = delta_rule_chunked(q, k, v, g, beta, state)
-            states = final[None]
-        if cache is not None:
-            cache.write(start, mixed, states)
-
+        o = delta_rule(cache, start, mixed, (q, k, v, g, beta), state, delta_rule_chunked)
         o = o.transpose(1, 2).to(x.dtype)                                     # [B, T, Hv, dv]
         y = self.norm(o, z).reshape(B, T, Hv * dv)
         return self.tp.output_projection(self.out_proj, y)

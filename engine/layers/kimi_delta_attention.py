@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.tensor import TensorParallel
-from .gated_delta_net import CHUNK, LinearStateCache, continue_from, delta_rule_steps, l2norm
+from .gated_delta_net import CHUNK, StateMixer, continue_from, delta_rule, l2norm
 from .norm import SigmoidGatedRMSNorm
 
 
@@ -78,7 +78,7 @@ def kda_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
 STYLES = ("kimi", "ling")
 
 
-class KimiDeltaAttention(nn.Module):
+class KimiDeltaAttention(StateMixer):
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, conv_kernel: int, rms_norm_eps: float,
                  dtype: torch.dtype | None = None, tp: TensorParallel | None = None, *, style: str = "kimi",
                  lower_bound: float | None = None, heads_field: str = "linear_attn_config.num_heads"):
@@ -116,14 +116,7 @@ class KimiDeltaAttention(nn.Module):
         self.b_proj = nn.Linear(hidden_size, H, bias=False, dtype=dtype)
         self.o_norm = SigmoidGatedRMSNorm(d, rms_norm_eps, dtype)
         self.o_proj = nn.Linear(H * d, hidden_size, bias=False, dtype=dtype)
-        self.kv_cache: LinearStateCache | None = None   # the model's setup_caches sets it (named as attention's)
-
-    def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype, device,
-                    lookahead: int = 0) -> LinearStateCache:
-        """`max_seq_len` does not matter: the state is the same size at every length."""
-        self.kv_cache = LinearStateCache(batch_size, self.channels, self.kernel, (self.n, self.d, self.d),
-                                         lookahead, dtype, device)
-        return self.kv_cache
+        self.state_layout = (self.channels, self.kernel, (self.n, self.d, self.d))   # its LinearStateCache's
 
     def forward(self, x: torch.Tensor, cos=None, sin=None, input_pos: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D] (cos, sin: unused, no rotary here; input_pos [T] needed with a cache)."""
@@ -151,15 +144,7 @@ class KimiDeltaAttention(nn.Module):
         if not self.low_rank:
             g = g.to(x.dtype).float()        # transformers hands Ling's decays to the kernel in the model's dtype
         q, k, v, g, beta = (t.transpose(1, 2) for t in (q, k, v, g, beta))     # heads first: [B, H, T, ...]
-        state = state.float()
-        if cache is not None and T <= cache.snapshots:       # short (decode, verification): a state per position
-            o, states = delta_rule_steps(q, k, v, g, beta, state)
-        else:
-            o, final = kda_chunked(q, k, v, g, beta, state)
-            states = final[None]
-        if cache is not None:
-            cache.write(start, mixed, states)
-
+        o = delta_rule(cache, start, mixed, (q, k, v, g, beta), state, kda_chunked)
         o = o.transpose(1, 2).to(x.dtype)                                                           # [B, T, H, d]
         gate = (self.g_b_proj(self.g_a_proj(x)) if self.low_rank else self.g_proj(x)).view(B, T, H, d)
         y = self.o_norm(o, gate).reshape(B, T, H * d)

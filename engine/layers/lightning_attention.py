@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.tensor import TensorParallel
-from .gated_delta_net import LinearStateCache, continue_from
+from .gated_delta_net import StateMixer, continue_from
 from .mamba2 import ssd
 from .norm import RMSNorm
 
@@ -36,7 +36,7 @@ def slopes(n_heads: int, layer_id: int, n_layers: int) -> torch.Tensor:
     return rate * (1 - layer_id / (n_layers - 1 + 1e-5) + 1e-5)
 
 
-class LightningAttention(nn.Module):
+class LightningAttention(StateMixer):
     def __init__(self, hidden_size: int, n_heads: int, head_dim: int, layer_id: int, n_layers: int,
                  norm_eps: float = 1e-6, dtype: torch.dtype | None = None, tp: TensorParallel | None = None,
                  tp_rank: int = 0):
@@ -53,13 +53,7 @@ class LightningAttention(nn.Module):
         self.out_proj = nn.Linear(inner, hidden_size, bias=False, dtype=dtype)
         heads = slice(tp_rank * self.H, (tp_rank + 1) * self.H)
         self.slope = slopes(n_heads, layer_id, n_layers)[heads].clone()                         # [H], not loaded
-        self.kv_cache: LinearStateCache | None = None   # the model's setup_caches sets it (named as attention's)
-
-    def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype, device,
-                    lookahead: int = 0) -> LinearStateCache:
-        """`max_seq_len` does not matter: the state is the same size at every length."""
-        self.kv_cache = LinearStateCache(batch_size, 1, 1, (self.H, self.hd, self.hd), lookahead, dtype, device)
-        return self.kv_cache
+        self.state_layout = (1, 1, (self.H, self.hd, self.hd))   # its LinearStateCache's
 
     def forward(self, h: torch.Tensor, cos=None, sin=None, input_pos: torch.Tensor | None = None) -> torch.Tensor:
         """h [B, T, D] -> [B, T, D] (cos, sin: unused, no rotary here; input_pos [T] needed with a cache)."""

@@ -31,7 +31,7 @@ from torch import nn
 
 from ..parallel.tensor import TensorParallel
 from ..shown_tensors import rows_by_rank
-from .gated_delta_net import LinearStateCache, continue_from
+from .gated_delta_net import StateMixer, continue_from
 from .norm import RMSNorm
 
 
@@ -47,7 +47,7 @@ def selective_scan(x, dt, A, b, c, state):
     return torch.stack(ys, dim=1), torch.stack(states)
 
 
-class Mamba1Mixer(nn.Module):
+class Mamba1Mixer(StateMixer):
     def __init__(self, hidden_size: int, inner: int, state_size: int, dt_rank: int, conv_kernel: int,
                  conv_bias: bool, proj_bias: bool, rms_norm_eps: float, dtype: torch.dtype | None = None,
                  bcdt_norms: bool = True, tp: TensorParallel | None = None):
@@ -68,14 +68,7 @@ class Mamba1Mixer(nn.Module):
             self.dt_layernorm = RMSNorm(dt_rank, rms_norm_eps, dtype)
             self.b_layernorm = RMSNorm(state_size, rms_norm_eps, dtype)
             self.c_layernorm = RMSNorm(state_size, rms_norm_eps, dtype)
-        self.kv_cache: LinearStateCache | None = None   # the model's setup_caches sets it (named as attention's)
-
-    def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype, device,
-                    lookahead: int = 0) -> LinearStateCache:
-        """`max_seq_len` does not matter: the state is the same size at every length."""
-        self.kv_cache = LinearStateCache(batch_size, self.inner, self.kernel, (self.inner, self.N), lookahead, dtype,
-                                         device)
-        return self.kv_cache
+        self.state_layout = (self.inner, self.kernel, (self.inner, self.N))   # its LinearStateCache's
 
     def forward(self, h: torch.Tensor, cos=None, sin=None, input_pos: torch.Tensor | None = None) -> torch.Tensor:
         """h [B, T, D] -> [B, T, D] (cos, sin: unused, no rotary here; input_pos [T] needed with a cache)."""

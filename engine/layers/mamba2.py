@@ -36,7 +36,7 @@ from torch import nn
 
 from ..parallel.tensor import TensorParallel
 from ..shown_tensors import rows_by_rank as shown_rows_by_rank
-from .gated_delta_net import LinearStateCache, continue_from
+from .gated_delta_net import StateMixer, continue_from
 
 CHUNK = 64   # positions per chunk of the chunked form
 
@@ -128,7 +128,7 @@ class Mamba2Spec:
     fields: tuple[str, str] = ("mamba_n_heads", "mamba_n_groups")   # the config's names of H and G, for errors
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(StateMixer):
     def __init__(self, spec: Mamba2Spec, *, tp: TensorParallel | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         hidden_size, n_heads, head_dim, n_groups = spec.hidden_size, spec.n_heads, spec.head_dim, spec.n_groups
@@ -160,14 +160,7 @@ class Mamba2Mixer(nn.Module):
                                         reduce=tp.reduce) if groups_split else \
             GroupedGatedRMSNorm(self.inner, n_groups, rms_norm_eps, dtype)
         self.out_proj = nn.Linear(self.inner, hidden_size, bias=proj_bias, dtype=dtype)
-        self.kv_cache: LinearStateCache | None = None   # the model's setup_caches sets it (named as attention's)
-
-    def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype, device,
-                    lookahead: int = 0) -> LinearStateCache:
-        """`max_seq_len` does not matter: the state is the same size at every length."""
-        self.kv_cache = LinearStateCache(batch_size, self.channels, self.kernel, (self.H, self.N, self.P),
-                                         lookahead, dtype, device)
-        return self.kv_cache
+        self.state_layout = (self.channels, self.kernel, (self.H, self.N, self.P))   # its LinearStateCache's
 
     def forward(self, x: torch.Tensor, cos=None, sin=None, input_pos: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D] (cos, sin: unused, no rotary here; input_pos [T] needed with a cache)."""

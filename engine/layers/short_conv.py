@@ -17,12 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .gated_delta_net import LinearStateCache, continue_from
+from .gated_delta_net import StateMixer, continue_from
 
 NO_STATE = (0,)    # the cache's per-position state: nothing but the conv inputs is carried
 
 
-class ShortConv(nn.Module):
+class ShortConv(StateMixer):
     def __init__(self, hidden_size: int, kernel: int, bias: bool, dtype: torch.dtype | None = None):
         super().__init__()
         if kernel < 1:
@@ -32,13 +32,7 @@ class ShortConv(nn.Module):
         self.conv = nn.Conv1d(hidden_size, hidden_size, kernel, groups=hidden_size, bias=bias,
                               dtype=dtype)                                        # weight [D, 1, K]
         self.out_proj = nn.Linear(hidden_size, hidden_size, bias=bias, dtype=dtype)
-        self.kv_cache: LinearStateCache | None = None   # the model's setup_caches sets it (named as attention's)
-
-    def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype, device,
-                    lookahead: int = 0) -> LinearStateCache:
-        """`max_seq_len` does not matter: only the last K - 1 (+ lookahead) positions are kept."""
-        self.kv_cache = LinearStateCache(batch_size, self.hidden_size, self.kernel, NO_STATE, lookahead, dtype, device)
-        return self.kv_cache
+        self.state_layout = (self.hidden_size, self.kernel, NO_STATE)   # its LinearStateCache's
 
     def forward(self, x: torch.Tensor, cos=None, sin=None, input_pos: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D] (cos, sin: unused, no rotary here; input_pos [T] needed with a cache)."""

@@ -1,17 +1,24 @@
-"""The engine's model files, one per family (gpt-fast / nanoGPT style).
+"""The engine's model families: a class hierarchy with hooks, and the families that differ only by data as rows.
 
-Conventions every entry class follows (the loader relies on them; see qwen_moe.py).
-`causal_lm.CausalLM` implements the shared part (stage, embedding/norm/head, rotary
-tables, expert-weights view, weight_layout, caches, forward across stages); a family
-file writes its config (`config.get_field` / `ConfigError`), its attention and MLP/MoE
-blocks, and a `causal_lm.DecoderLayer` subclass that builds them:
+`causal_lm.CausalLM` is the shell every entry class derives from: the plan's pipeline stage, embedding / final norm /
+(tied) head, rotary tables, expert-weights view, `weight_layout`, caches and the forward across stages.
+`causal_lm.DecoderLayer` is the pre-norm block the layers derive from. A family overrides hooks where its model
+differs: the model's `_embed`, `_head`, `checkpoint_view`, `MTP_PREFIXES`, `stage_carry`; a layer's
+(`causal_lm.BlockLayer`) `make_attention`, `make_mlp`, `MOE_BLOCK`, `NORM`, `mixer`, `forward`. Its config is a dataclass deriving from
+`config.DecoderConfig`. Families that differ only by field names, defaults and which blocks they use are rows: a
+`config.Family` names the registry's layout reader, the config.json fields with transformers' defaults, what the
+family fixes and what it reads its own way, read once by `Family.read`; the entry class declares its `FAMILY`,
+`CONFIG` and `DECODER_LAYER` (`causal_lm.DeclaredCausalLM`; qwen_moe.py's `QWEN_FAMILIES`, mixtral.py, olmoe.py).
+A family keeps code of its own only for what is really its own (an attention, a router, a layer's arithmetic).
+
+Conventions every entry class follows (the loader relies on them; see qwen_moe.py):
 
 Construction
 - `Cls(hf_config: dict, plan: GuardedPlan, *, dtype=torch.float32)`: `hf_config`
   is config.json as a dict; a wrapper hands `hf_config[config_field]` to its inner
   class (`engine.registry.ENGINE_WRAPPERS`). Parse it into a config dataclass
-  (`from_hf`) that names every field the family uses and refuses what it cannot
-  run (e.g. sliding windows) with a message naming the field. The entry class's
+  (its `Family` row, or `from_hf`) that names every field the family uses and refuses
+  what it cannot run (e.g. sliding windows) with a message naming the field. The entry class's
   classmethod `parse_config(hf_config)` returns it: the loader calls it before the
   plan is resolved, so a config the family cannot run records no plan.
 - The loader builds the model under `torch.device("meta")`. Layers read the plan

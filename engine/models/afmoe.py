@@ -18,19 +18,16 @@ Shapes: B batch, T tokens, D hidden, E routed experts, K top-k, V vocab, H/H_kv 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from loadplan.layouts import afmoe_layout
-from ..layers.attention import AttentionSpec, GQAttention
-from ..parallel.tensor import TensorParallel
+from ..layers.attention import AttentionSpec
 from ..weights import CheckpointNames
-from .causal_lm import DecoderLayer
-from .config import ConfigError, get_field as _get, moe_layout, windowed_layer_types
-from .deepseek_v3 import moe_or_dense_mlp
-from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
+from .config import ConfigError, Family, get_field as _get, windowed_layer_types, window_of
+from .glm4_moe import (GLM_FIELDS, Glm4MoeConfig, Glm4MoeDecoderLayer, Glm4MoeForCausalLM, refuse_partial_rotary,
+                       rotary_dim)
 
 ARCHITECTURE = "AfmoeForCausalLM"
 
@@ -47,49 +44,42 @@ class AfmoeConfig(Glm4MoeConfig):
     layer_types: tuple[str, ...] = ()        # per layer; "sliding_attention" ones are windowed and rotated
     mup_enabled: bool = False
 
-    @classmethod
-    def from_hf(cls, d: dict) -> "AfmoeConfig":
-        """transformers' AfmoeConfig defaults where a checkpoint may leave a field out."""
-        partial = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor"))
-        if partial not in (None, 1, 1.0):
-            raise ConfigError(f"config.partial_rotary_factor: {partial!r} not supported; AFMoE rotates whole heads")
-        for name in ("n_group", "topk_group"):
-            if d.get(name) not in (None, 1):
-                raise ConfigError(f"config.{name}: {d[name]!r} not supported; AFMoE's router has no expert groups")
-        # The registry's reader of the layer and expert fields; Glm4MoeConfig reads the other fields both share,
-        # under GLM's names, with AFMoE's defaults.
-        glm = Glm4MoeConfig.from_layout(dict(
-            d, n_group=1, topk_group=1, norm_topk_prob=True,
-            routed_scaling_factor=float(_get(d, "route_scale", 1.0, (int, float))), partial_rotary_factor=1.0,
-            head_dim=_get(d, "head_dim", 128, int), max_position_embeddings=d.get("max_position_embeddings", 16384),
-            use_qk_norm=True, moe_intermediate_size=d.get("moe_intermediate_size", 1408)), moe_layout(afmoe_layout, d))
-        n = glm.num_hidden_layers
-        types = windowed_layer_types(d, n, "global_attn_every_n_layers", 4)
-        window = _get(d, "sliding_window", 1024, int) if "sliding_window" not in d or d["sliding_window"] is not None \
-            else None
-        if window is None and "sliding_attention" in types:
-            raise ConfigError("config.sliding_window: null, but layer_types has sliding_attention layers")
-        if window is not None and window < 1:
-            raise ConfigError(f"config.sliding_window: must be >= 1, got {window}")
-        return cls(**{f.name: getattr(glm, f.name) for f in dataclasses.fields(Glm4MoeConfig)},
-                   sliding_window=window, layer_types=tuple(types),
-                   mup_enabled=bool(_get(d, "mup_enabled", False, bool)))
+
+def _attention_kinds(d: dict, fields: dict) -> dict:
+    """No expert groups; layer_types (every global_attn_every_n_layers-th layer global) and the window."""
+    for name in ("n_group", "topk_group"):
+        if d.get(name) not in (None, 1):
+            raise ConfigError(f"config.{name}: {d[name]!r} not supported; AFMoE's router has no expert groups")
+    types = windowed_layer_types(d, fields.num_hidden_layers, "global_attn_every_n_layers", 4)
+    window = _get(d, "sliding_window", 1024, int) if "sliding_window" not in d or d["sliding_window"] is not None \
+        else None
+    if window is None and "sliding_attention" in types:
+        raise ConfigError("config.sliding_window: null, but layer_types has sliding_attention layers")
+    if window is not None and window < 1:
+        raise ConfigError(f"config.sliding_window: must be >= 1, got {window}")
+    return dict(sliding_window=window, layer_types=tuple(types))
 
 
-class AfmoeDecoderLayer(DecoderLayer):
+# transformers' AfmoeConfig defaults where a checkpoint may leave a field out; the router scaled by route_scale.
+AFMOE = Family(ARCHITECTURE, afmoe_layout, dict(
+    GLM_FIELDS, head_dim=128, max_position_embeddings=16384, moe_intermediate_size=1408, mup_enabled=False),
+    names=dict(routed_scaling_factor="route_scale"), rope={"partial_rotary_factor": 1.0},
+    fixed=dict(n_group=1, topk_group=1, norm_topk_prob=True, use_qk_norm=True),
+    own=(refuse_partial_rotary("AFMoE rotates whole heads"), _attention_kinds, rotary_dim))
+
+
+class AfmoeDecoderLayer(Glm4MoeDecoderLayer):
     """x + post_attention_layernorm(attn(input_layernorm(x))), then
     x + post_mlp_layernorm(mlp(pre_mlp_layernorm(x)))."""
 
+    @classmethod
+    def attention_spec(cls, cfg: AfmoeConfig, layer_id: int) -> AttentionSpec:
+        window = window_of(cfg, layer_id)
+        return AttentionSpec.of(cfg, qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm="head",
+                                gate="projection", sliding_window=window, use_rope=window is not None)
+
     def __init__(self, cfg: AfmoeConfig, plan, layer_id: int, dtype: torch.dtype):
-        tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
-        windowed = cfg.layer_types[layer_id] == "sliding_attention"
-        attn = GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.attention_bias,
-                                         o_bias=cfg.attention_bias, qk_norm="head", gate="projection",
-                                         sliding_window=cfg.sliding_window if windowed else None,
-                                         use_rope=windowed), tp=tp, dtype=dtype)
-        super().__init__(layer_id, attn, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
-                         cfg.rms_norm_eps, dtype)
+        super().__init__(cfg, plan, layer_id, dtype)
         self.pre_mlp_layernorm = self.NORM(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_mlp_layernorm = self.NORM(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -103,6 +93,7 @@ class AfmoeDecoderLayer(DecoderLayer):
 
 class AfmoeForCausalLM(Glm4MoeForCausalLM):
     ARCHITECTURE = ARCHITECTURE
+    FAMILY = AFMOE
     CONFIG = AfmoeConfig
     DECODER_LAYER = AfmoeDecoderLayer
     CHECKPOINT_NAMES = AFMOE_NAMES

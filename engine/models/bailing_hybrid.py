@@ -29,9 +29,8 @@ from ..layers.kimi_delta_attention import KimiDeltaAttention
 from ..layers.mla import MLASpec, MultiHeadLatentAttention
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
-from .causal_lm import CausalLM, DecoderLayer
 from .config import ConfigError, get_field as _get, moe_layout, per_layer
-from .deepseek_v3 import DeepseekV3Config, moe_or_dense_mlp
+from .deepseek_v3 import DeepseekMoeLayer, DeepseekV3Config, LatentCausalLM
 from .kimi_linear import LAYER_TYPES, RENAMED, deepseek_fields_renamed
 
 ARCHITECTURE = "BailingHybridForCausalLM"
@@ -99,29 +98,18 @@ class BailingHybridConfig(DeepseekV3Config):
                    kda_lower_bound=bound if _get(d, "kda_safe_gate", True, bool) else None)
 
 
-class BailingHybridDecoderLayer(DecoderLayer):
-    def __init__(self, cfg: BailingHybridConfig, plan, layer_id: int, dtype: torch.dtype):
-        tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
-        if cfg.layer_types[layer_id] == "linear_attention":
-            mixer = KimiDeltaAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim,
-                                       cfg.short_conv_kernel_size, cfg.rms_norm_eps, dtype, tp, style="ling",
-                                       lower_bound=cfg.kda_lower_bound, heads_field="num_attention_heads")
-        else:
-            mixer = MultiHeadLatentAttention(MLASpec.of(cfg, output_gate=True), tp=tp, dtype=dtype)
-        super().__init__(layer_id, mixer, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
-                         cfg.rms_norm_eps, dtype)
-
-
-class BailingHybridForCausalLM(CausalLM):
-    ARCHITECTURE = ARCHITECTURE
-    TENSOR_PARALLEL = True
-    CHECKPOINT_NAMES = BAILING_HYBRID_NAMES
-
+class BailingHybridDecoderLayer(DeepseekMoeLayer):
     @classmethod
-    def parse_config(cls, hf_config: dict) -> BailingHybridConfig:
-        return BailingHybridConfig.from_hf(hf_config)
+    def make_attention(cls, cfg: BailingHybridConfig, layer_id: int, dtype: torch.dtype, tp: TensorParallel):
+        if cfg.layer_types[layer_id] == "linear_attention":
+            return KimiDeltaAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim,
+                                      cfg.short_conv_kernel_size, cfg.rms_norm_eps, dtype, tp, style="ling",
+                                      lower_bound=cfg.kda_lower_bound, heads_field="num_attention_heads")
+        return MultiHeadLatentAttention(MLASpec.of(cfg, output_gate=True), tp=tp, dtype=dtype)
 
-    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        cfg = self.parse_config(hf_config)
-        super().__init__(cfg, plan, BailingHybridDecoderLayer, n_routed=cfg.n_routed_experts,
-                         rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype)
+
+class BailingHybridForCausalLM(LatentCausalLM):
+    ARCHITECTURE = ARCHITECTURE
+    CHECKPOINT_NAMES = BAILING_HYBRID_NAMES
+    CONFIG = BailingHybridConfig
+    DECODER_LAYER = BailingHybridDecoderLayer

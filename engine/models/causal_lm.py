@@ -6,8 +6,8 @@ every family: the plan's pipeline stage (`pp.layer_range`), `model.{embed_tokens
 layers, norm}` for that stage, the (tied) head, the rotary tables, the expert-weights
 view, the loading layout, the KV caches and the forward across stages.
 
-The config dataclass names at least: vocab_size, hidden_size, num_hidden_layers,
-rms_norm_eps, tie_word_embeddings, rope, max_position_embeddings, moe_layers.
+The config dataclass is a `config.DecoderConfig` (vocab_size, hidden_size, num_hidden_layers, rms_norm_eps,
+max_position_embeddings, tie_word_embeddings, rope) that also names moe_layers.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from torch import nn
 from loadplan.plan import Keys
 from ..layers.norm import RMSNorm
 from ..layers.rope import RotaryEmbedding
+from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames, WeightLayout
 from . import ExpertWeightsView, PPMissingLayer
 
@@ -55,6 +56,25 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(h).view(B, T, D)
 
 
+class BlockLayer(DecoderLayer):
+    """A `DecoderLayer` of config `cfg` built by two hooks, each given the TP ranks `tp` (engine/parallel/tensor.py)
+    that its heads and dense features split over: `make_attention`, the token mixer, and `make_mlp`, the MLP or MoE
+    block (the routed experts split themselves: engine/moe.py)."""
+
+    @classmethod
+    def make_attention(cls, cfg, layer_id: int, dtype: torch.dtype, tp: TensorParallel) -> nn.Module | None:
+        raise NotImplementedError(f"{cls.__name__} does not say how it builds its token mixer (make_attention)")
+
+    @classmethod
+    def make_mlp(cls, cfg, plan, layer_id: int, dtype: torch.dtype, tp: TensorParallel) -> nn.Module:
+        raise NotImplementedError(f"{cls.__name__} does not say how it builds its MLP (make_mlp)")
+
+    def __init__(self, cfg, plan, layer_id: int, dtype: torch.dtype):
+        tp = TensorParallel.of(plan)
+        super().__init__(layer_id, self.make_attention(cfg, layer_id, dtype, tp),
+                         self.make_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
 class DecoderModel(nn.Module):
     """`model.`: embed_tokens (first stage only), one entry per config layer (this stage's built by
     `decoder_layer(cfg, plan, layer_id, dtype)`, the others PPMissingLayer), norm (last stage only)."""
@@ -79,6 +99,7 @@ class CausalLM(nn.Module):
 
     TENSOR_PARALLEL = False
     CHECKPOINT_NAMES: CheckpointNames | None = None   # the family's own checkpoint spellings (weights.py)
+    MTP_PREFIXES: tuple[str, ...] = ()   # where the family's checkpoints keep MTP modules apart (not loaded)
 
     @classmethod
     def parse_config(cls, hf_config: dict):
@@ -119,11 +140,11 @@ class CausalLM(nn.Module):
     def ignore_prefixes(self, prefix: str) -> tuple[str, ...]:
         """Checkpoint name prefixes that are not part of this model: the Multi-Token-Prediction layers a
         checkpoint stores after the last decoder layer (`model.layers.{L + i}.`, DeepSeek's, GLM's and
-        MiniMax-M2's convention), as many as the config's `num_nextn_predict_layers` (0 where it has none).
-        A family with other towers to skip overrides it."""
+        MiniMax-M2's convention), as many as the config's `num_nextn_predict_layers` (0 where it has none), and
+        the family's `MTP_PREFIXES` (its MTP module stored apart: `mtp.`)."""
         L = self.config.num_hidden_layers
         n = getattr(self.config, "num_nextn_predict_layers", 0)
-        return tuple(f"{prefix}model.layers.{L + i}." for i in range(n))
+        return (*(f"{prefix}model.layers.{L + i}." for i in range(n)), *(prefix + p for p in self.MTP_PREFIXES))
 
     def checkpoint_view(self, ckpt):
         """The checkpoint as the weight remapping reads it (`names`, `shape`, `get`): as it is, unless the family
@@ -226,15 +247,17 @@ class CausalLM(nn.Module):
 
 
 class DeclaredCausalLM(CausalLM):
-    """An entry class declared by two class attributes: `CONFIG`, its config dataclass (`CONFIG.from_hf(config.json)`,
-    naming num_experts and head_dim), and `DECODER_LAYER`, its layer class (gpt_oss.py, minimax_m2.py, llama4.py)."""
+    """An entry class declared by class attributes: `CONFIG`, its config dataclass (naming num_experts and head_dim),
+    read as its row `FAMILY` says (`config.Family`), or by `CONFIG.from_hf(config.json)` where it has none; and
+    `DECODER_LAYER`, its layer class (gpt_oss.py, minimax_m2.py, llama4.py, the Qwen-layer families)."""
 
     CONFIG: type = type(None)
+    FAMILY = None                     # a config.Family: the family as data
     DECODER_LAYER: type[DecoderLayer] = DecoderLayer
 
     @classmethod
     def parse_config(cls, hf_config: dict):
-        return cls.CONFIG.from_hf(hf_config)
+        return cls.CONFIG.from_hf(hf_config) if cls.FAMILY is None else cls.FAMILY.read(hf_config, cls.CONFIG)
 
     @classmethod
     def decoder_layer(cls, cfg) -> type[DecoderLayer]:
@@ -242,7 +265,12 @@ class DeclaredCausalLM(CausalLM):
         Cohere2-MoE's norms)."""
         return cls.DECODER_LAYER
 
+    @classmethod
+    def rope_head_dim(cls, cfg) -> int:
+        """The width the model's rotary tables cover: cfg.head_dim (latent attention's: models/deepseek_v3.py)."""
+        return cfg.head_dim
+
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
         cfg = self.parse_config(hf_config)
-        super().__init__(cfg, plan, self.decoder_layer(cfg), n_routed=cfg.num_experts, rope_head_dim=cfg.head_dim,
-                         dtype=dtype)
+        super().__init__(cfg, plan, self.decoder_layer(cfg), n_routed=cfg.num_experts,
+                         rope_head_dim=self.rope_head_dim(cfg), dtype=dtype)

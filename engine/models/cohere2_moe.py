@@ -186,11 +186,10 @@ class Cohere2MoeDecoderLayer(QwenDecoderLayer):
     def make_attention(cls, cfg: Cohere2MoeConfig, layer_id: int, dtype: torch.dtype,
                        tp: TensorParallel) -> GQAttention:
         windowed = cfg.layer_types[layer_id] == "sliding_attention"
-        return GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.qkv_bias,
-                                         o_bias=cfg.o_bias, sliding_window=cfg.sliding_window if windowed else None,
-                                         use_rope=layer_id in cfg.rotated_layers,
-                                         rope_interleave=True), tp=tp, dtype=dtype)
+        return GQAttention(AttentionSpec.of(cfg, qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias,
+                                            sliding_window=cfg.sliding_window if windowed else None,
+                                            use_rope=layer_id in cfg.rotated_layers, rope_interleave=True),
+                           tp=tp, dtype=dtype)
 
     def __init__(self, cfg: Cohere2MoeConfig, plan, layer_id: int, dtype: torch.dtype):
         super().__init__(cfg, plan, layer_id, dtype)

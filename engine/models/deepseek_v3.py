@@ -1,4 +1,4 @@
-"""DeepSeek-V3 (and the Kimi-K2.5 wrapper, text only), gpt-fast style, following transformers numerically.
+"""DeepSeek-V3 (and the Kimi-K2.5 wrapper, text only), following transformers numerically.
 DeepSeek-V2 (`DeepseekV2ForCausalLM`, below) is the same model with V2's router; DeepSeek-V3.2
 (`DeepseekV32ForCausalLM`) the same with DeepSeek Sparse Attention (layers/dsa_indexer.py), and GLM-5
 (`GlmMoeDsaForCausalLM`) V3.2's model with the indexer's rope pairs interleaved.
@@ -34,35 +34,24 @@ from ..layers.deepseek_v2_router import TOPK_METHODS as V2_TOPK_METHODS
 from ..layers.deepseek_v2_router import DeepseekV2Router
 from ..layers.dsa_indexer import SparseIndexer, TopKSelection
 from ..layers.mla import MLASpec, MultiHeadLatentAttention
-from ..layers.mlp import GatedMLP, activation
-from ..layers.rope import RopeConfig
+from ..layers.mlp import GatedMLP
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
-from .causal_lm import CausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, moe_layout, read_rope
+from .causal_lm import BlockLayer, DeclaredCausalLM, DecoderLayer
+from .config import REQUIRED, ConfigError, DecoderConfig, Family, get_field as _get
 from .text_wrapper import TextOnlyWrapper
 
 
 @dataclass(frozen=True)
-class DeepseekV3Config:
-    vocab_size: int
-    hidden_size: int
+class DeepseekMoeConfig(DecoderConfig):
+    """The fields of DeepSeek's MoE layers (DeepseekV3MoE and the dense MLPs before them), the part of their configs
+    DeepSeek-V3's and GLM-4-MoE's families share."""
+
     intermediate_size: int            # dense layers
     moe_intermediate_size: int        # each routed expert; the shared one is n_shared_experts times wider
-    num_hidden_layers: int
     num_attention_heads: int
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    rope: RopeConfig
-    rope_interleave: bool
     attention_bias: bool
-    max_position_embeddings: int
-    rms_norm_eps: float
     hidden_act: str
-    tie_word_embeddings: bool
     n_routed_experts: int
     n_shared_experts: int
     num_experts_per_tok: int
@@ -73,9 +62,33 @@ class DeepseekV3Config:
     first_k_dense_replace: int          # the first MoE layer (num_hidden_layers: none)
     num_nextn_predict_layers: int
     moe_layers: tuple[int, ...]
-    scoring_func: str = "sigmoid"       # V2: softmax
+    scoring_func: str = "sigmoid"       # V2, ERNIE-4.5: softmax
     topk_method: str = "noaux_tc"       # V2: greedy or group_limited_greedy
     renorm_min: float | None = None     # the router's (layers/deepseek_router.py); None: V3's + 1e-20
+
+    @property
+    def num_experts(self) -> int:
+        """The routed experts (DeclaredCausalLM's name for n_routed_experts)."""
+        return self.n_routed_experts
+
+    @classmethod
+    def layout_fields(cls, layout, d: dict, draft: bool = False) -> dict:
+        """The fields the registry's layout gives (`moe_layout`); a draft's layers are numbered after the target's
+        num_hidden_layers (what its config dataclass counts)."""
+        return dict(num_hidden_layers=layout.layer_ids[0] if draft else len(layout.layer_ids),
+                    n_routed_experts=layout.n_routed, n_shared_experts=layout.n_shared,
+                    num_experts_per_tok=layout.top_k, first_k_dense_replace=first_moe_layer(layout),
+                    moe_layers=layout.moe_layers)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeepseekV3Config(DeepseekMoeConfig):
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
     index_n_heads: int = 0              # V3.2's sparse attention indexer (0: none)
     index_head_dim: int = 0
     index_topk: int = 0
@@ -84,91 +97,24 @@ class DeepseekV3Config:
 
     @classmethod
     def from_hf(cls, d: dict, architecture: str = "DeepseekV3ForCausalLM") -> "DeepseekV3Config":
-        # The registry's reader of the layer and expert fields: a NextN draft's (its MTP layers after the target's)
-        # or the model's.
-        reader = deepseek_nextn_layout if architecture == NEXTN_ARCHITECTURE else deepseek_layout
-        return cls.from_layout(d, moe_layout(reader, d), architecture)
+        return DEEPSEEK_FAMILIES[architecture].read(d, cls)
 
     @classmethod
     def from_layout(cls, d: dict, layout, architecture: str = "DeepseekV3ForCausalLM") -> "DeepseekV3Config":
         """config.json `d` read as DeepSeek's fields, its layers and experts as `layout` says (`moe_layout` of the
         family's reader: a family of DeepSeek's model under other names or defaults reads them with its own)."""
-        nextn = architecture == NEXTN_ARCHITECTURE
-        # A draft's layers are numbered after the target's num_hidden_layers (what its config dataclass counts).
-        n_layers = layout.layer_ids[0] if nextn else len(layout.layer_ids)
-        v2 = architecture == "DeepseekV2ForCausalLM"
-        scoring = _get(d, "scoring_func", "softmax" if v2 else "sigmoid", str)
-        if scoring != ("softmax" if v2 else "sigmoid"):
-            raise ConfigError(f"config.scoring_func: {scoring!r} not supported; supported: "
-                              f"{'softmax' if v2 else 'sigmoid'}")
-        method = _get(d, "topk_method", "greedy" if v2 else "noaux_tc", str)
-        methods = V2_TOPK_METHODS if v2 else ("noaux_tc",)
-        if method not in methods:
-            raise ConfigError(f"config.topk_method: {method!r} not supported; supported: {', '.join(methods)}")
-        if v2:
-            _refuse_where_v2_references_differ(d)
-        # V3.2's sparse attention: its entry class, and the NextN draft of a V3.2 checkpoint (whose MTP layer's
-        # attention has the indexer too; SGLang plans it as DeepseekV3ForCausalLMNextN with index_topk set).
-        v32 = architecture in SPARSE_ATTENTION_ARCHITECTURES or (nextn and d.get("index_topk") is not None)
-        index = _sparse_attention_fields(d) if v32 else {}
-        # GLM-5's indexer, and its MTP layer's (SGLang plans a GLM-5 draft as DeepseekV3ForCausalLMNextN too: its
-        # config still says model_type glm_moe_dsa).
-        if architecture == "GlmMoeDsaForCausalLM" or (v32 and d.get("model_type") == "glm_moe_dsa"):
-            index.update(_glm5_indexer_fields(d, n_layers, nextn=nextn))
-        hidden_act = _get(d, "hidden_act", "silu", str)
-        activation(hidden_act)  # refuses unknown activations by name
-        routing = routing_fields(d, layout, norm_topk_prob_default=not v2, group_scores_of_two=not v2)
-        q_lora_rank = d.get("q_lora_rank")
-        if q_lora_rank is not None and (not isinstance(q_lora_rank, int) or isinstance(q_lora_rank, bool)):
-            raise ConfigError(f"config.q_lora_rank: expected int or null, got {q_lora_rank!r}")
-        rope = read_rope(d)
-        return cls(
-            vocab_size=_get(d, "vocab_size", kind=int),
-            hidden_size=_get(d, "hidden_size", kind=int),
-            intermediate_size=_get(d, "intermediate_size", kind=int),
-            moe_intermediate_size=_get(d, "moe_intermediate_size", kind=int),
-            num_hidden_layers=n_layers,
-            num_attention_heads=_get(d, "num_attention_heads", kind=int),
-            q_lora_rank=q_lora_rank,
-            kv_lora_rank=_get(d, "kv_lora_rank", kind=int),
-            qk_nope_head_dim=_get(d, "qk_nope_head_dim", kind=int),
-            qk_rope_head_dim=_get(d, "qk_rope_head_dim", kind=int),
-            v_head_dim=_get(d, "v_head_dim", kind=int),
-            rope=rope,
-            # V2 always rotates (even, odd) pairs (transformers multiplies them as complex numbers).
-            rope_interleave=True if v2 else bool(_get(d, "rope_interleave", True, bool)),
-            attention_bias=bool(_get(d, "attention_bias", False, bool)),
-            max_position_embeddings=_get(d, "max_position_embeddings", 4096, int),
-            rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6)),
-            hidden_act=hidden_act,
-            tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
-            **routing,
-            first_k_dense_replace=first_moe_layer(layout),
-            num_nextn_predict_layers=_get(d, "num_nextn_predict_layers", 0, int),
-            moe_layers=layout.moe_layers,
-            scoring_func=scoring,
-            topk_method=method,
-            **index,
-        )
+        return DEEPSEEK_FAMILIES[architecture].read(d, cls, layout=layout)
 
 
-def routing_fields(d: dict, layout, *, norm_topk_prob_default: bool, group_scores_of_two: bool) -> dict:
-    """The routing fields of a DeepSeek-style MoE config (what DeepseekV3MoE reads), checked: the expert counts
-    and top-k of `layout` (the registry's reading, `moe_layout`), n_group, topk_group, norm_topk_prob,
-    routed_scaling_factor. `group_scores_of_two`: a group is scored by its two best experts (V3's router), so it
-    needs two."""
-    n_routed = layout.n_routed
-    n_group = _get(d, "n_group", 1, int)
-    topk_group = _get(d, "topk_group", n_group, int)
+def expert_groups(d: dict, fields, *, of_two: bool = True) -> None:
+    """A step of `config.Family.own`: n_group and topk_group split the routed experts into groups; `of_two`: a group
+    is scored by its two best experts (V3's router), so it needs two."""
+    n_routed, n_group, topk_group = fields.n_routed_experts, fields.n_group, fields.topk_group
     if n_group < 1 or n_routed % n_group or not 0 < topk_group <= n_group:
         raise ConfigError(f"config.n_group/topk_group: {n_group}/{topk_group} do not split "
                           f"{n_routed} experts into groups")
-    if group_scores_of_two and n_group > 1 and n_routed // n_group < 2:
+    if of_two and n_group > 1 and n_routed // n_group < 2:
         raise ConfigError(f"config.n_group: groups of {n_routed // n_group} expert(s); group scores need 2")
-    return dict(n_routed_experts=n_routed, n_shared_experts=layout.n_shared,
-                num_experts_per_tok=layout.top_k, n_group=n_group, topk_group=topk_group,
-                norm_topk_prob=bool(_get(d, "norm_topk_prob", norm_topk_prob_default, bool)),
-                routed_scaling_factor=float(_get(d, "routed_scaling_factor", 1.0)))
 
 
 def first_moe_layer(layout) -> int:
@@ -256,6 +202,77 @@ def _refuse_where_v2_references_differ(d: dict) -> None:
         raise ConfigError("config.mlp_bias: true not supported; supported: false")
 
 
+def _router(v2: bool):
+    """A step of `Family.own`: the router DeepseekV3MoE builds for the config's scoring_func and topk_method (V2's
+    softmax, greedy or group-limited; else V3's sigmoid with the bias-corrected top-k), its groups checked."""
+    scoring, methods = ("softmax", V2_TOPK_METHODS) if v2 else ("sigmoid", ("noaux_tc",))
+
+    def check(d: dict, fields) -> None:
+        if fields.scoring_func != scoring:
+            raise ConfigError(f"config.scoring_func: {fields.scoring_func!r} not supported; supported: {scoring}")
+        if fields.topk_method not in methods:
+            raise ConfigError(f"config.topk_method: {fields.topk_method!r} not supported; supported: "
+                              f"{', '.join(methods)}")
+        if v2:
+            _refuse_where_v2_references_differ(d)
+        expert_groups(d, fields, of_two=not v2)
+    return check
+
+
+def _q_lora_rank(d: dict, fields) -> dict:
+    """q_lora_rank: the query latent's width, or null (none)."""
+    q_lora_rank = d.get("q_lora_rank")
+    if q_lora_rank is not None and (not isinstance(q_lora_rank, int) or isinstance(q_lora_rank, bool)):
+        raise ConfigError(f"config.q_lora_rank: expected int or null, got {q_lora_rank!r}")
+    return {"q_lora_rank": q_lora_rank}
+
+
+def _indexer(architecture: str):
+    """A step of `Family.own`: V3.2's sparse attention fields for its entry classes and for the NextN draft of a V3.2
+    checkpoint (whose MTP layer's attention has the indexer too; SGLang plans it as DeepseekV3ForCausalLMNextN with
+    index_topk set); GLM-5's indexer, and its MTP layer's (SGLang plans a GLM-5 draft as DeepseekV3ForCausalLMNextN
+    too: its config still says model_type glm_moe_dsa)."""
+    nextn = architecture == NEXTN_ARCHITECTURE
+
+    def read(d: dict, fields) -> dict:
+        v32 = architecture in SPARSE_ATTENTION_ARCHITECTURES or (nextn and d.get("index_topk") is not None)
+        index = _sparse_attention_fields(d) if v32 else {}
+        if architecture == "GlmMoeDsaForCausalLM" or (v32 and d.get("model_type") == "glm_moe_dsa"):
+            index.update(_glm5_indexer_fields(d, fields.num_hidden_layers, nextn=nextn))
+        return index
+    return read
+
+
+# What DeepSeek-V3's and GLM-4-MoE's families read alike (transformers has no default for the sizes).
+DEEPSEEK_MOE_FIELDS = dict(vocab_size=REQUIRED, hidden_size=REQUIRED, intermediate_size=REQUIRED,
+                           moe_intermediate_size=REQUIRED, num_attention_heads=REQUIRED, attention_bias=False,
+                           hidden_act="silu", tie_word_embeddings=False, n_group=1, topk_group=lambda f: f.n_group,
+                           norm_topk_prob=True, routed_scaling_factor=1.0, **{"num_nextn_predict_layers": 0})
+# transformers' DeepseekV3Config defaults where a checkpoint may leave a field out (rope_interleave: true, as in
+# DeepSeek's own code).
+DEEPSEEK_FIELDS = dict(DEEPSEEK_MOE_FIELDS, kv_lora_rank=REQUIRED, qk_nope_head_dim=REQUIRED,
+                       qk_rope_head_dim=REQUIRED, v_head_dim=REQUIRED, rope_interleave=True,
+                       max_position_embeddings=4096, rms_norm_eps=1e-6, scoring_func="sigmoid", topk_method="noaux_tc")
+
+
+def deepseek_family(architecture: str) -> Family:
+    """DeepSeek-V3's row for `architecture`: V2's router and defaults (its rope always rotates (even, odd) pairs:
+    transformers multiplies them as complex numbers), V3.2's and GLM-5's indexer, a NextN draft's layers (the
+    registry's reader of its MTP layers after the target's)."""
+    v2, nextn = architecture == "DeepseekV2ForCausalLM", architecture == NEXTN_ARCHITECTURE
+    defaults = dict(DEEPSEEK_FIELDS, norm_topk_prob=False, scoring_func="softmax", topk_method="greedy") if v2 \
+        else DEEPSEEK_FIELDS
+    if v2:
+        defaults = {k: v for k, v in defaults.items() if k != "rope_interleave"}
+    return Family(architecture, deepseek_nextn_layout if nextn else deepseek_layout, defaults,
+                  fixed={"rope_interleave": True} if v2 else {},
+                  own=(_router(v2), _q_lora_rank, _indexer(architecture)), draft=nextn)
+
+
+DEEPSEEK_FAMILIES = {a: deepseek_family(a) for a in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM",
+                                                     *SPARSE_ATTENTION_ARCHITECTURES, NEXTN_ARCHITECTURE)}
+
+
 class DeepseekV3MoE(nn.Module):
     """gate (router), experts (stacked, + fused shared slot when the plan fuses), shared_experts (unfused).
     GLM-4-MoE's block too (glm4_moe.py): `cfg` is any config naming the MoE fields read here."""
@@ -306,33 +323,47 @@ def moe_or_dense_mlp(cfg, plan, layer_id: int, dtype: torch.dtype, tp: TensorPar
     return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype, tp=tp)
 
 
-class DeepseekV3DecoderLayer(DecoderLayer):
-    def __init__(self, cfg: DeepseekV3Config, plan, layer_id: int, dtype: torch.dtype):
-        tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
+class DeepseekMoeLayer(BlockLayer):
+    """A layer over DeepSeek's MoE block or the dense MLP (`moe_or_dense_mlp`); its token mixer the subclass's."""
+
+    @classmethod
+    def make_mlp(cls, cfg, plan, layer_id: int, dtype: torch.dtype, tp: TensorParallel) -> nn.Module:
+        return moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp)
+
+
+class DeepseekV3DecoderLayer(DeepseekMoeLayer):
+    @classmethod
+    def make_attention(cls, cfg: DeepseekV3Config, layer_id: int, dtype: torch.dtype,
+                       tp: TensorParallel) -> MultiHeadLatentAttention:
         indexer = None
         shared = layer_id in cfg.index_shared_layers   # GLM-5: reuses the previous full layer's top-k
         if cfg.index_topk and not shared:   # DeepSeek-V3.2
             indexer = SparseIndexer(cfg.hidden_size, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim,
                                     cfg.qk_rope_head_dim, cfg.index_topk, dtype, cfg.index_rope_interleave)
-        attn = MultiHeadLatentAttention(MLASpec.of(cfg, rope_interleave=cfg.rope_interleave), tp=tp, dtype=dtype,
+        return MultiHeadLatentAttention(MLASpec.of(cfg, rope_interleave=cfg.rope_interleave), tp=tp, dtype=dtype,
                                         indexer=indexer, reuses_selection=shared)
-        super().__init__(layer_id, attn, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
-                         cfg.rms_norm_eps, dtype)
 
 
-class DeepseekV3ForCausalLM(CausalLM):
-    ARCHITECTURE = "DeepseekV3ForCausalLM"
+class LatentCausalLM(DeclaredCausalLM):
+    """An entry class of Multi-head Latent Attention layers (layers/mla.py): its rotary tables cover
+    qk_rope_head_dim."""
+
     TENSOR_PARALLEL = True
-    DECODER_LAYER: type[DecoderLayer] = DeepseekV3DecoderLayer   # a family of V3's model with layers of its own
 
     @classmethod
-    def parse_config(cls, hf_config: dict) -> DeepseekV3Config:
-        return DeepseekV3Config.from_hf(hf_config, cls.ARCHITECTURE)
+    def rope_head_dim(cls, cfg) -> int:
+        return cfg.qk_rope_head_dim
+
+
+class DeepseekV3ForCausalLM(LatentCausalLM):
+    ARCHITECTURE = "DeepseekV3ForCausalLM"
+    FAMILY = DEEPSEEK_FAMILIES[ARCHITECTURE]
+    CONFIG = DeepseekV3Config
+    DECODER_LAYER: type[DecoderLayer] = DeepseekV3DecoderLayer   # a family of V3's model with layers of its own
 
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        cfg = self.parse_config(hf_config)
-        super().__init__(cfg, plan, self.DECODER_LAYER, n_routed=cfg.n_routed_experts,
-                         rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype)
+        super().__init__(hf_config, plan, dtype=dtype)
+        cfg = self.config
         self.selection: TopKSelection | None = None
         if cfg.index_shared_layers:
             # GLM-5's shared layers read the top-k of the full layer before them: one selection for the stage's
@@ -362,6 +393,7 @@ class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
     no renormalisation), layer i MoE iff i >= first_k_dense_replace; shared experts never fused."""
 
     ARCHITECTURE = "DeepseekV2ForCausalLM"
+    FAMILY = DEEPSEEK_FAMILIES[ARCHITECTURE]
 
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
@@ -369,6 +401,7 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     Not the fused architecture (DESIGN 5.2): its shared expert runs unfused."""
 
     ARCHITECTURE = "DeepseekV32ForCausalLM"
+    FAMILY = DEEPSEEK_FAMILIES[ARCHITECTURE]
 
 
 class GlmMoeDsaForCausalLM(DeepseekV3ForCausalLM):
@@ -376,6 +409,7 @@ class GlmMoeDsaForCausalLM(DeepseekV3ForCausalLM):
     interleaved pairs. Its own fused architecture (as SGLang's): its shared expert fuses where the gate allows."""
 
     ARCHITECTURE = "GlmMoeDsaForCausalLM"
+    FAMILY = DEEPSEEK_FAMILIES[ARCHITECTURE]
 
 
 class KimiK25ForConditionalGeneration(TextOnlyWrapper):
@@ -385,3 +419,4 @@ class KimiK25ForConditionalGeneration(TextOnlyWrapper):
     INNER = DeepseekV3ForCausalLM
     TENSOR_PARALLEL = True            # its DeepSeek-V3 body's
     OTHER_TOWERS = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
+

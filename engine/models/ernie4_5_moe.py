@@ -22,89 +22,49 @@ projection and the head), an end index of null, a gate activation other than sof
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
 
 from loadplan.layouts import ernie4_5_moe_layout
-from ..layers.attention import AttentionSpec, GQAttention
-from ..layers.mlp import activation
-from ..parallel.tensor import TensorParallel
+from ..layers.attention import AttentionSpec
 from ..shown_tensors import ShownTensors
 from ..weights import ShapeMismatch
-from .causal_lm import DecoderLayer
-from .config import ConfigError, get_field as _get, moe_layout, read_rope
-from .deepseek_v3 import first_moe_layer, moe_or_dense_mlp
-from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
+from .config import ConfigError, Family, get_field as _get
+from .glm4_moe import GLM_FIELDS, Glm4MoeConfig, Glm4MoeDecoderLayer, Glm4MoeForCausalLM
 
 ARCHITECTURE = "Ernie4_5_MoeForCausalLM"
 # The routing bias as the Hub stores it ([1, E]: one group of experts) and where the router keeps it ([E]).
 STATICS, ROUTER_BIAS = "mlp.moe_statics.e_score_correction_bias", "mlp.gate.e_score_correction_bias"
 
 
-@dataclass(frozen=True)
-class Ernie45MoeConfig(Glm4MoeConfig):
+def _as_published(d: dict, fields: dict) -> None:
+    """No biases, a softmax gate, whole heads rotated, a renormalisation clamp > 0."""
+    if _get(d, "use_bias", False, bool):
+        raise ConfigError("config.use_bias: true not supported; the engine's ERNIE-4.5 has no biases (the "
+                          "published checkpoints have none)")
+    gate_act = d.get("moe_gate_act")
+    if gate_act not in (None, "softmax"):
+        raise ConfigError(f"config.moe_gate_act: {gate_act!r} not supported; supported: softmax")
+    if not fields.renorm_min > 0:
+        raise ConfigError(f"config.moe_norm_min: must be > 0, got {fields.renorm_min}")
+    if fields.rope.partial_rotary_factor != 1.0:
+        raise ConfigError(f"config.partial_rotary_factor: {fields.rope.partial_rotary_factor} not supported; "
+                          f"ERNIE-4.5 rotates whole heads (1.0)")
+
+
+# GLM-4-MoE's fields as ERNIE-4.5's config spells and defaults them (rope theta 500000, a tied head); its router a
+# softmax of one group, the top-k renormalised with the moe_norm_min clamp; its MTP tensors are model.mtp_*
+# (MTP_PREFIXES), not layers.
+ERNIE4_5_MOE = Family(ARCHITECTURE, ernie4_5_moe_layout, dict(
+    GLM_FIELDS, tie_word_embeddings=True, renorm_min=1e-12), names=dict(renorm_min="moe_norm_min"),
+    rope={"default_theta": 500000.0},
+    fixed=dict(rotary_dim=lambda f: f.head_dim, attention_bias=False, use_qk_norm=False, n_group=1, topk_group=1,
+               norm_topk_prob=True, routed_scaling_factor=1.0, num_nextn_predict_layers=0, scoring_func="softmax"),
+    own=(_as_published,))
+
+
+class Ernie45MoeDecoderLayer(Glm4MoeDecoderLayer):
     @classmethod
-    def from_hf(cls, d: dict) -> "Ernie45MoeConfig":
-        if _get(d, "use_bias", False, bool):
-            raise ConfigError("config.use_bias: true not supported; the engine's ERNIE-4.5 has no biases (the "
-                              "published checkpoints have none)")
-        gate_act = d.get("moe_gate_act")
-        if gate_act not in (None, "softmax"):
-            raise ConfigError(f"config.moe_gate_act: {gate_act!r} not supported; supported: softmax")
-        hidden_act = _get(d, "hidden_act", "silu", str)
-        activation(hidden_act)  # refuses unknown activations by name
-        hidden = _get(d, "hidden_size", kind=int)
-        heads = _get(d, "num_attention_heads", kind=int)
-        layout = moe_layout(ernie4_5_moe_layout, d)      # the registry's reader of the layer and expert fields
-        head_dim = _get(d, "head_dim", None, int) or hidden // heads
-        norm_min = float(_get(d, "moe_norm_min", 1e-12))
-        if not norm_min > 0:
-            raise ConfigError(f"config.moe_norm_min: must be > 0, got {norm_min}")
-        rope = read_rope(d, default_theta=500000.0)
-        if rope.partial_rotary_factor != 1.0:
-            raise ConfigError(f"config.partial_rotary_factor: {rope.partial_rotary_factor} not supported; ERNIE-4.5 "
-                              f"rotates whole heads (1.0)")
-        return cls(
-            vocab_size=_get(d, "vocab_size", kind=int),
-            hidden_size=hidden,
-            intermediate_size=_get(d, "intermediate_size", kind=int),
-            moe_intermediate_size=_get(d, "moe_intermediate_size", kind=int),
-            num_hidden_layers=len(layout.layer_ids),
-            num_attention_heads=heads,
-            num_key_value_heads=_get(d, "num_key_value_heads", heads, int),
-            head_dim=head_dim,
-            rotary_dim=head_dim,
-            rope=rope,
-            attention_bias=False,
-            use_qk_norm=False,
-            max_position_embeddings=_get(d, "max_position_embeddings", 131072, int),
-            rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-5)),
-            hidden_act=hidden_act,
-            tie_word_embeddings=bool(_get(d, "tie_word_embeddings", True, bool)),
-            n_routed_experts=layout.n_routed,
-            n_shared_experts=layout.n_shared,
-            num_experts_per_tok=layout.top_k,
-            n_group=1,
-            topk_group=1,
-            norm_topk_prob=True,
-            routed_scaling_factor=1.0,
-            first_k_dense_replace=first_moe_layer(layout),
-            num_nextn_predict_layers=0,      # its MTP tensors are model.mtp_* (ignore_prefixes), not layers
-            moe_layers=layout.moe_layers,
-            scoring_func="softmax",
-            renorm_min=norm_min,
-        )
-
-
-class Ernie45MoeDecoderLayer(DecoderLayer):
-    def __init__(self, cfg: Ernie45MoeConfig, plan, layer_id: int, dtype: torch.dtype):
-        tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
-        attn = GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
-                                         rope_interleave=True), tp=tp, dtype=dtype)
-        super().__init__(layer_id, attn, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
-                         cfg.rms_norm_eps, dtype)
+    def attention_spec(cls, cfg: Glm4MoeConfig, layer_id: int) -> AttentionSpec:
+        return AttentionSpec.of(cfg, rope_interleave=True)
 
 
 def router_bias_of_one_group(ckpt) -> ShownTensors:
@@ -125,12 +85,11 @@ def router_bias_of_one_group(ckpt) -> ShownTensors:
 
 class Ernie4_5_MoeForCausalLM(Glm4MoeForCausalLM):
     ARCHITECTURE = ARCHITECTURE
-    CONFIG = Ernie45MoeConfig
+    MTP_PREFIXES = ("model.mtp_",)
+    FAMILY = ERNIE4_5_MOE
+    CONFIG = Glm4MoeConfig
     DECODER_LAYER = Ernie45MoeDecoderLayer
 
-    def ignore_prefixes(self, prefix: str) -> tuple[str, ...]:
-        return (*super().ignore_prefixes(prefix), f"{prefix}model.mtp_")
 
     def checkpoint_view(self, ckpt):
         return router_bias_of_one_group(ckpt)
-

@@ -15,19 +15,16 @@ Shapes: B batch, T tokens, D hidden, E routed experts, K top-k, V vocab, H/H_kv 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-import torch
 
 from loadplan.layouts import exaone_moe_layout
-from ..layers.attention import AttentionSpec, GQAttention
-from ..parallel.tensor import TensorParallel
+from ..layers.attention import AttentionSpec
 from ..weights import CheckpointNames
-from .causal_lm import DecoderLayer
-from .config import ConfigError, moe_layout, sliding_window, windowed_layer_types
-from .deepseek_v3 import moe_or_dense_mlp
-from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
+from .config import ConfigError, Family, sliding_window, windowed_layer_types, window_of
+from .deepseek_v3 import expert_groups
+from .glm4_moe import (GLM_FIELDS, Glm4MoeConfig, Glm4MoeDecoderLayer, Glm4MoeForCausalLM, refuse_partial_rotary,
+                       rotary_dim)
 
 ARCHITECTURE = "ExaoneMoeForCausalLM"
 
@@ -40,46 +37,35 @@ class ExaoneMoeConfig(Glm4MoeConfig):
     sliding_window: int = 4096
     layer_types: tuple[str, ...] = ()        # per layer; "sliding_attention" ones are windowed and rotated
 
+
+def _attention_kinds(d: dict, fields: dict) -> dict:
+    """No biases; layer_types (every sliding_window_pattern-th layer global) and the window, which may not be null."""
+    if fields.attention_bias:
+        raise ConfigError("config.attention_bias: true is not supported; EXAONE-MoE's projections have none")
+    if "sliding_window" in d and d["sliding_window"] is None:
+        raise ConfigError("config.sliding_window: null is not supported; EXAONE-MoE's windowed layers need one "
+                          "(transformers requires an integer)")
+    return dict(sliding_window=sliding_window(d, 4096),
+                layer_types=tuple(windowed_layer_types(d, fields.num_hidden_layers, "sliding_window_pattern", 4)))
+
+
+# transformers' ExaoneMoeConfig defaults where a checkpoint may leave a field out; the MoE layers by mlp_layer_types.
+EXAONE_MOE = Family(ARCHITECTURE, exaone_moe_layout, dict(
+    GLM_FIELDS, routed_scaling_factor=2.5, max_position_embeddings=2048, moe_intermediate_size=1024),
+    rope={"partial_rotary_factor": 1.0}, fixed=dict(use_qk_norm=True),
+    own=(refuse_partial_rotary("EXAONE-MoE rotates whole heads (1.0)"), expert_groups, rotary_dim, _attention_kinds))
+
+
+class ExaoneMoeDecoderLayer(Glm4MoeDecoderLayer):
     @classmethod
-    def from_hf(cls, d: dict) -> "ExaoneMoeConfig":
-        """transformers' ExaoneMoeConfig defaults where a checkpoint may leave a field out."""
-        partial = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor"))
-        if partial not in (None, 1, 1.0):
-            raise ConfigError(f"config.partial_rotary_factor: {partial!r} not supported; EXAONE-MoE rotates whole "
-                              f"heads (1.0)")
-        if d.get("attention_bias"):
-            raise ConfigError("config.attention_bias: true is not supported; EXAONE-MoE's projections have none")
-        # The registry's reader of the layer and expert fields (the MoE layers by mlp_layer_types); Glm4MoeConfig
-        # reads the other fields both share, under GLM's names, with EXAONE-MoE's defaults.
-        glm = Glm4MoeConfig.from_layout(dict(
-            d, partial_rotary_factor=1.0, norm_topk_prob=d.get("norm_topk_prob", True),
-            routed_scaling_factor=d.get("routed_scaling_factor", 2.5),
-            max_position_embeddings=d.get("max_position_embeddings", 2048), use_qk_norm=True,
-            moe_intermediate_size=d.get("moe_intermediate_size", 1024)), moe_layout(exaone_moe_layout, d))
-        n = glm.num_hidden_layers
-        if "sliding_window" in d and d["sliding_window"] is None:
-            raise ConfigError("config.sliding_window: null is not supported; EXAONE-MoE's windowed layers need one "
-                              "(transformers requires an integer)")
-        window = sliding_window(d, 4096)
-        types = windowed_layer_types(d, n, "sliding_window_pattern", 4)
-        return cls(**{f.name: getattr(glm, f.name) for f in dataclasses.fields(Glm4MoeConfig)},
-                   sliding_window=window, layer_types=tuple(types))
-
-
-class ExaoneMoeDecoderLayer(DecoderLayer):
-    def __init__(self, cfg: ExaoneMoeConfig, plan, layer_id: int, dtype: torch.dtype):
-        tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
-        windowed = cfg.layer_types[layer_id] == "sliding_attention"
-        attn = GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qk_norm="head",
-                                         sliding_window=cfg.sliding_window if windowed else None,
-                                         use_rope=windowed), tp=tp, dtype=dtype)
-        super().__init__(layer_id, attn, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
-                         cfg.rms_norm_eps, dtype)
+    def attention_spec(cls, cfg: ExaoneMoeConfig, layer_id: int) -> AttentionSpec:
+        window = window_of(cfg, layer_id)
+        return AttentionSpec.of(cfg, qk_norm="head", sliding_window=window, use_rope=window is not None)
 
 
 class ExaoneMoeForCausalLM(Glm4MoeForCausalLM):
     ARCHITECTURE = ARCHITECTURE
+    FAMILY = EXAONE_MOE
     CONFIG = ExaoneMoeConfig
     DECODER_LAYER = ExaoneMoeDecoderLayer
     CHECKPOINT_NAMES = EXAONE_MOE_NAMES

@@ -20,33 +20,22 @@ from ..layers.attention import AttentionSpec, GQAttention
 from ..layers.norm import WeightFirstRMSNorm
 from ..parallel.tensor import TensorParallel
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, moe_layout, read_rope
-from .olmoe import OLMOE_NAMES
-from .qwen_moe import QwenMoeConfig, QwenSparseMoeBlock, moe_fields
+from .config import ConfigError, Family
+from .olmoe import OLMOE_FIELDS, OLMOE_FIXED, OLMOE_NAMES
+from .qwen_moe import QwenMoeConfig, QwenSparseMoeBlock
 
 ARCHITECTURE = "FlexOlmoForCausalLM"
 
 
-def flex_olmo_config(d: dict) -> QwenMoeConfig:
-    """FlexOlmo's config.json as the layer's config; transformers' FlexOlmoConfig defaults where a checkpoint may
-    leave a field out."""
+def _no_clip(d: dict, fields: dict) -> None:
     if d.get("clip_qkv") is not None:
         raise ConfigError(f"config.clip_qkv: {d['clip_qkv']!r} is not supported; FlexOlmo does not clip q, k, v")
-    common = moe_fields(d, moe_layout(olmoe_layout, d), rms_norm_eps=1e-6, max_position_embeddings=4096,
-                        rope=read_rope(d, default_theta=10000.0))
-    hidden, heads = common["hidden_size"], common["num_attention_heads"]
-    bias = bool(_get(d, "attention_bias", False, bool))
-    return QwenMoeConfig(
-        architecture=ARCHITECTURE,
-        **common,
-        num_key_value_heads=_get(d, "num_key_value_heads", heads, int),
-        head_dim=_get(d, "head_dim", hidden // heads, int),
-        norm_topk_prob=bool(_get(d, "norm_topk_prob", False, bool)),
-        qkv_bias=bias,
-        o_bias=bias,
-        qk_norm=True,
-        qk_norm_span="projection",
-    )
+
+
+# OLMoE's fields with transformers' FlexOlmoConfig defaults where a checkpoint may leave a field out.
+FLEX_OLMO = Family(ARCHITECTURE, olmoe_layout, dict(OLMOE_FIELDS, rms_norm_eps=1e-6),
+                   names={"qkv_bias": "attention_bias"}, rope={"default_theta": 10000.0}, fixed=OLMOE_FIXED,
+                   own=(_no_clip,))
 
 
 class FlexOlmoDecoderLayer(DecoderLayer):
@@ -56,10 +45,8 @@ class FlexOlmoDecoderLayer(DecoderLayer):
 
     def __init__(self, cfg: QwenMoeConfig, plan, layer_id: int, dtype: torch.dtype):
         tp = TensorParallel.of(plan)   # heads split over the TP ranks (the experts: RoutedExperts)
-        attn = GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.qkv_bias,
-                                         o_bias=cfg.o_bias, qk_norm="projection",
-                                         norm=WeightFirstRMSNorm), tp=tp, dtype=dtype)
+        attn = GQAttention(AttentionSpec.of(cfg, qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, qk_norm="projection",
+                                            norm=WeightFirstRMSNorm), tp=tp, dtype=dtype)
         super().__init__(layer_id, attn, QwenSparseMoeBlock(cfg, plan, layer_id, dtype), cfg.hidden_size,
                          cfg.rms_norm_eps, dtype)
         del self.input_layernorm                   # OLMo 2's layer normalises outputs, not inputs
@@ -78,6 +65,5 @@ class FlexOlmoForCausalLM(DeclaredCausalLM):
     CHECKPOINT_NAMES = OLMOE_NAMES
     DECODER_LAYER = FlexOlmoDecoderLayer
 
-    @classmethod
-    def parse_config(cls, hf_config: dict) -> QwenMoeConfig:
-        return flex_olmo_config(hf_config)
+    FAMILY = FLEX_OLMO
+    CONFIG = QwenMoeConfig

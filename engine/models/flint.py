@@ -23,9 +23,8 @@ from loadplan.layouts import flint_layout
 from ..layers.attention import AttentionSpec, GQAttention
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
-from .config import common_fields, ConfigError, get_field as _get, moe_layout, per_layer, read_rope, sliding_window
+from .config import Family, transformers_defaults, whole_heads, windowed_layers
 from .qwen_moe import Float32RouterMoeBlock, QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig
-from .step3p5 import LAYER_TYPES
 
 ARCHITECTURE = "FlintForCausalLM"
 
@@ -40,40 +39,18 @@ FLINT_NAMES = CheckpointNames((
 class FlintConfig(QwenMoeConfig):
     layer_types: tuple[str, ...] = ()
 
-    @classmethod
-    def from_hf(cls, d: dict, architecture: str = ARCHITECTURE) -> "FlintConfig":
-        """transformers' FlintConfig defaults where a checkpoint may leave a field out."""
-        layout = moe_layout(flint_layout, d)          # the registry's reader of the layer and expert fields
-        n = len(layout.layer_ids)
-        common = dict(common_fields(d, vocab_size=150144, hidden_size=2048,
-                                    num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                                    max_position_embeddings=262144), num_hidden_layers=n)
-        types = per_layer(d, "layer_types", n, LAYER_TYPES,
-                          ["full_attention" if i < 2 or i % 4 == 1 or i == n - 1 else "sliding_attention"
-                           for i in range(n)])
-        window = sliding_window(d, 513)
-        rope = read_rope(d)
-        if rope.partial_rotary_factor != 1.0:
-            raise ConfigError(f"config.rope_parameters: partial_rotary_factor {rope.partial_rotary_factor} is not "
-                              f"supported; Flint rotates whole heads")
-        bias = bool(_get(d, "attention_bias", False, bool))
-        return cls(
-            architecture=architecture,
-            **common,
-            intermediate_size=_get(d, "intermediate_size", 6144, int),
-            rope=rope,
-            num_experts=layout.n_routed,
-            num_experts_per_tok=layout.top_k,
-            moe_intermediate_size=_get(d, "moe_intermediate_size", 512, int),
-            norm_topk_prob=bool(_get(d, "norm_topk_prob", True, bool)),
-            qkv_bias=bias,
-            o_bias=bias,
-            qk_norm=True,
-            shared_intermediate_size=_get(d, "shared_expert_intermediate_size", 1024, int),
-            moe_layers=layout.moe_layers,
-            sliding_window=window,
-            layer_types=tuple(types),
-        )
+
+# transformers' FlintConfig defaults where a checkpoint may leave a field out; its default layer_types: the first
+# two, every fourth from the second, and the last global.
+FLINT = Family(ARCHITECTURE, flint_layout, dict(
+    transformers_defaults(vocab_size=150144, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, max_position_embeddings=262144),
+    intermediate_size=6144, moe_intermediate_size=512, norm_topk_prob=True, qkv_bias=False,
+    shared_intermediate_size=1024),
+    names=dict(qkv_bias="attention_bias", shared_intermediate_size="shared_expert_intermediate_size"),
+    fixed={"o_bias": lambda f: f.qkv_bias, "qk_norm": True},
+    own=(windowed_layers(lambda i, n: "full_attention" if i < 2 or i % 4 == 1 or i == n - 1 else "sliding_attention",
+                         513), whole_heads("Flint")))
 
 
 class FlintMoeBlock(Float32RouterMoeBlock):
@@ -95,11 +72,9 @@ class FlintDecoderLayer(QwenDecoderLayer):
     @classmethod
     def make_attention(cls, cfg: FlintConfig, layer_id: int, dtype: torch.dtype, tp: TensorParallel) -> GQAttention:
         windowed = cfg.layer_types[layer_id] == "sliding_attention"
-        return GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.qkv_bias,
-                                         o_bias=cfg.o_bias, qk_norm="head",
-                                         sliding_window=cfg.sliding_window if windowed else None, sinks=True,
-                                         use_rope=windowed), tp=tp, dtype=dtype)
+        return GQAttention(AttentionSpec.of(cfg, qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, qk_norm="head",
+                                            sliding_window=cfg.sliding_window if windowed else None, sinks=True,
+                                            use_rope=windowed), tp=tp, dtype=dtype)
 
 
 class FlintForCausalLM(QwenLayerCausalLM):
@@ -107,6 +82,5 @@ class FlintForCausalLM(QwenLayerCausalLM):
     CHECKPOINT_NAMES = FLINT_NAMES
     DECODER_LAYER = FlintDecoderLayer
 
-    @classmethod
-    def parse_config(cls, hf_config: dict) -> FlintConfig:
-        return FlintConfig.from_hf(hf_config)
+    FAMILY = FLINT
+    CONFIG = FlintConfig

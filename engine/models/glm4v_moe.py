@@ -14,7 +14,6 @@ refused when true (the checkpoints hold no q/k norm weights; transformers would 
 from __future__ import annotations
 
 from ..shown_tensors import renamed
-from .config import ConfigError
 from .glm4_moe import Glm4MoeForCausalLM
 from .qwen3_vl_moe import PREFIXES
 from .text_wrapper import TextOnlyWrapper
@@ -24,14 +23,8 @@ class Glm4vMoeForConditionalGeneration(TextOnlyWrapper):
     INNER = Glm4MoeForCausalLM
     TENSOR_PARALLEL = True
     OTHER_TOWERS = ("model.visual.",)
-
-    @classmethod
-    def _text_config(cls, hf_config: dict) -> dict:
-        text = super()._text_config(hf_config)
-        if text.get("use_qk_norm"):
-            raise ConfigError("config.text_config.use_qk_norm: true not supported; GLM-4.5V's attention has no q/k "
-                              "norm (transformers' GLM-4.5V ignores the field)")
-        return dict(text, use_qk_norm=False)
+    TEXT_RUNS = (("use_qk_norm", False, "GLM-4.5V's attention has no q/k norm (transformers' GLM-4.5V ignores the "
+                                        "field)"),)
 
     def checkpoint_view(self, ckpt):
         return self.language_model.checkpoint_view(renamed(ckpt, PREFIXES))

@@ -32,12 +32,12 @@ from torch import nn
 from loadplan.layouts import mixtral_layout
 from ..expert_kernel import ClampedSwiGLU
 from ..layers.attention import AttentionSpec, GQAttention
-from ..layers.rope import RopeConfig
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..stacked_experts import StackedExperts
-from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, moe_layout, per_layer, read_rope
+from .causal_lm import BlockLayer, DeclaredCausalLM
+from .config import (REQUIRED, ConfigError, DecoderConfig, get_field as _get, moe_layout, per_layer, read_fields,
+                     read_rope, window_of)
 
 ARCHITECTURE = "GptOssForCausalLM"
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -47,18 +47,11 @@ DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_sl
 
 
 @dataclass(frozen=True)
-class GptOssConfig:
-    vocab_size: int
-    hidden_size: int
+class GptOssConfig(DecoderConfig):
     intermediate_size: int              # every expert's width
-    num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    rope: RopeConfig
     num_experts: int
     num_experts_per_tok: int
     attention_bias: bool
@@ -85,28 +78,17 @@ class GptOssConfig:
         if limit <= 0:
             raise ConfigError(f"config.swiglu_limit: must be > 0, got {limit}")
         rope_given = d.get("rope_scaling") is not None or d.get("rope_parameters") is not None
+        # transformers' num_key_value_heads default, 8, fits no particular head count: a config must say it; its
+        # head_dim default is 64, not hidden / heads
         return cls(
-            vocab_size=_get(d, "vocab_size", kind=int),
-            hidden_size=_get(d, "hidden_size", kind=int),
-            intermediate_size=_get(d, "intermediate_size", kind=int),
+            **read_fields(d, cls, dict(vocab_size=REQUIRED, hidden_size=REQUIRED, intermediate_size=REQUIRED,
+                                       num_attention_heads=REQUIRED, num_key_value_heads=REQUIRED, head_dim=64,
+                                       rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=False,
+                                       attention_bias=True, swiglu_alpha=1.702)),
             num_hidden_layers=n_layers,
-            num_attention_heads=_get(d, "num_attention_heads", kind=int),
-            # transformers' default is 8, which fits no particular head count: a config must say it.
-            num_key_value_heads=_get(d, "num_key_value_heads", kind=int),
-            head_dim=_get(d, "head_dim", 64, int),             # transformers' default, not hidden / heads
-            rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-5)),
-            max_position_embeddings=_get(d, "max_position_embeddings", 131072, int),
-            tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
             rope=read_rope(d if rope_given else dict(d, rope_parameters=DEFAULT_ROPE), default_theta=150000.0),
-            num_experts=layout.n_routed,
-            num_experts_per_tok=layout.top_k,
-            attention_bias=bool(_get(d, "attention_bias", True, bool)),
-            sliding_window=window,
-            layer_types=tuple(types),
-            swiglu_alpha=float(_get(d, "swiglu_alpha", 1.702, (int, float))),
-            swiglu_limit=limit,
-            moe_layers=layout.moe_layers,
-        )
+            num_experts=layout.n_routed, num_experts_per_tok=layout.top_k, sliding_window=window,
+            layer_types=tuple(types), swiglu_limit=limit, moe_layers=layout.moe_layers)
 
 
 class GptOssMoeBlock(nn.Module):
@@ -131,16 +113,15 @@ class GptOssMoeBlock(nn.Module):
         return self.experts(x, ids, weights)                               # reduced if the plan says
 
 
-class GptOssDecoderLayer(DecoderLayer):
-    def __init__(self, cfg: GptOssConfig, plan, layer_id: int, dtype: torch.dtype):
-        tp = TensorParallel.of(plan)
-        window = cfg.sliding_window if cfg.layer_types[layer_id] == "sliding_attention" else None
-        attn = GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.attention_bias,
-                                         o_bias=cfg.attention_bias, sliding_window=window,
-                                         sinks=True), tp=tp, dtype=dtype)
-        super().__init__(layer_id, attn, GptOssMoeBlock(cfg, plan, layer_id, dtype), cfg.hidden_size,
-                         cfg.rms_norm_eps, dtype)
+class GptOssDecoderLayer(BlockLayer):
+    @classmethod
+    def make_attention(cls, cfg: GptOssConfig, layer_id: int, dtype: torch.dtype, tp: TensorParallel) -> GQAttention:
+        return GQAttention(AttentionSpec.of(cfg, qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias,
+                                            sliding_window=window_of(cfg, layer_id), sinks=True), tp=tp, dtype=dtype)
+
+    @classmethod
+    def make_mlp(cls, cfg: GptOssConfig, plan, layer_id: int, dtype: torch.dtype, tp: TensorParallel) -> nn.Module:
+        return GptOssMoeBlock(cfg, plan, layer_id, dtype)
 
 
 class GptOssForCausalLM(DeclaredCausalLM):

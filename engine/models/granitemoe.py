@@ -34,8 +34,8 @@ from ..layers.rope import RotaryEmbedding
 from ..shown_tensors import ShownTensors
 from ..stacked_experts import StackedExperts
 from ..weights import CheckpointNames, ShapeMismatch
-from .config import ConfigError, get_field as _get, moe_layout, per_layer, read_rope, sliding_window
-from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, SharedMlpMoeBlock, moe_fields
+from .config import ConfigError, Family, as_heads, heads_wide, per_layer, sliding_window
+from .qwen_moe import EXPERTS_AS_WIDE, MOE_FIELDS, QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, SharedMlpMoeBlock
 
 ARCHITECTURE = "GraniteMoeForCausalLM"
 SHARED_ARCHITECTURE = "GraniteMoeSharedForCausalLM"
@@ -68,35 +68,26 @@ class GraniteMoeConfig(QwenMoeConfig):
 
     @classmethod
     def from_hf(cls, d: dict, architecture: str = ARCHITECTURE, reader=None) -> "GraniteMoeConfig":
-        """transformers' GraniteMoeConfig defaults where a checkpoint may leave a field out. `reader`: the registry's
-        reader of the family's layer and expert fields (by default Granite MoE's, or GraniteMoeShared's for the
-        architectures with a shared MLP)."""
+        """`reader`: the registry's reader of the family's layer and expert fields (by default Granite MoE's, or
+        GraniteMoeShared's for the architectures with a shared MLP)."""
         if reader is None:
             reader = granitemoe_layout if architecture == ARCHITECTURE else granitemoe_shared_layout
-        layout = moe_layout(reader, d)
-        common = moe_fields(d, layout, rms_norm_eps=1e-6, max_position_embeddings=2048,
-                            rope=read_rope(d, default_theta=10000.0))
-        hidden, heads = common["hidden_size"], common["num_attention_heads"]
-        multipliers = {name: float(_get(d, name, 1.0, (int, float)))
-                       for name in ("embedding_multiplier", "attention_multiplier", "residual_multiplier",
-                                    "logits_scaling")}
-        if multipliers["logits_scaling"] == 0:
-            raise ConfigError("config.logits_scaling: must not be 0 (the logits are divided by it)")
-        bias = bool(_get(d, "attention_bias", False, bool))
-        # the shared MLP's width: the layout says only whether there is one
-        shared = _get(d, "shared_intermediate_size", kind=int) if layout.n_shared else 0
-        return cls(
-            architecture=architecture,
-            **common,
-            num_key_value_heads=_get(d, "num_key_value_heads", heads, int),
-            head_dim=_get(d, "head_dim", hidden // heads, int),
-            norm_topk_prob=True,
-            qkv_bias=bias,
-            o_bias=bias,
-            qk_norm=False,
-            shared_intermediate_size=shared,
-            **multipliers,
-        )
+        return Family(architecture, reader, GRANITE_FIELDS, **GRANITE_ROW).read(d, GraniteMoeConfig)
+
+
+def _logits_scaling(d: dict, fields: dict) -> None:
+    if fields.logits_scaling == 0:
+        raise ConfigError("config.logits_scaling: must not be 0 (the logits are divided by it)")
+
+
+# transformers' GraniteMoeConfig defaults where a checkpoint may leave a field out; the shared MLP's width where the
+# layout has one.
+GRANITE_FIELDS = dict(MOE_FIELDS, rms_norm_eps=1e-6, max_position_embeddings=2048, num_key_value_heads=as_heads,
+                      head_dim=heads_wide, qkv_bias=False, embedding_multiplier=1.0, attention_multiplier=1.0,
+                      residual_multiplier=1.0, logits_scaling=1.0)
+GRANITE_ROW = dict(names={"qkv_bias": "attention_bias"}, rope={"default_theta": 10000.0},
+                   fixed=dict(EXPERTS_AS_WIDE, norm_topk_prob=True, o_bias=lambda f: f.qkv_bias, qk_norm=False),
+                   shared="shared_intermediate_size", own=(_logits_scaling,))
 
 
 class GraniteMoeDecoderLayer(QwenDecoderLayer):
@@ -180,10 +171,9 @@ class GraniteMoeSwaDecoderLayer(GraniteMoeDecoderLayer):
     @classmethod
     def make_attention(cls, cfg: GraniteMoeSwaConfig, layer_id: int, dtype: torch.dtype, tp) -> GQAttention:
         windowed = cfg.layer_types[layer_id] == "sliding_attention"
-        return GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.qkv_bias,
-                                         o_bias=cfg.o_bias, sliding_window=cfg.sliding_window if windowed else None,
-                                         sinks=True, use_rope=cfg.layer_rope_theta[layer_id] > 0), tp=tp, dtype=dtype)
+        return GQAttention(AttentionSpec.of(cfg, qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias,
+                                            sliding_window=cfg.sliding_window if windowed else None, sinks=True,
+                                            use_rope=cfg.layer_rope_theta[layer_id] > 0), tp=tp, dtype=dtype)
 
     def __init__(self, cfg: GraniteMoeSwaConfig, plan, layer_id: int, dtype: torch.dtype):
         super().__init__(cfg, plan, layer_id, dtype)

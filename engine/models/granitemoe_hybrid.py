@@ -117,9 +117,8 @@ class GraniteMoeHybridDecoderLayer(GraniteMoeDecoderLayer):
     def make_attention(cls, cfg: GraniteMoeHybridConfig, layer_id: int, dtype: torch.dtype, tp) -> GQAttention | None:
         if cfg.layer_types[layer_id] == "mamba":
             return None
-        return GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.qkv_bias,
-                                         o_bias=cfg.o_bias, use_rope=cfg.use_rope), tp=tp, dtype=dtype)
+        return GQAttention(AttentionSpec.of(cfg, qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, use_rope=cfg.use_rope),
+                           tp=tp, dtype=dtype)
 
     def __init__(self, cfg: GraniteMoeHybridConfig, plan, layer_id: int, dtype: torch.dtype):
         super().__init__(cfg, plan, layer_id, dtype)

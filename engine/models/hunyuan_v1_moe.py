@@ -20,13 +20,11 @@ takes one expert count and top-k: a config is run where it says the same, and re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from loadplan.layouts import hunyuan_v1_moe_layout
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM
-from .config import ConfigError, get_field as _get, moe_layout, read_rope
-from .qwen_moe import Float32RouterMoeBlock, QwenDecoderLayer, QwenMoeConfig, moe_fields
+from .config import ConfigError, Family, as_heads, get_field as _get, heads_wide
+from .qwen_moe import EXPERTS_AS_WIDE, MOE_FIELDS, Float32RouterMoeBlock, QwenDecoderLayer, QwenMoeConfig
 
 ARCHITECTURE = "HunYuanMoEV1ForCausalLM"
 
@@ -62,45 +60,33 @@ def one_per_model(d: dict, name: str, n_layers: int, default=None) -> int | None
     return value
 
 
-@dataclass(frozen=True)
-class HunyuanMoeConfig(QwenMoeConfig):
-    @classmethod
-    def from_hf(cls, d: dict, architecture: str = ARCHITECTURE) -> "HunyuanMoeConfig":
-        """transformers' HunYuanMoEV1Config defaults where a checkpoint may leave a field out."""
-        for name, runs in _VARIANT_SWITCHES:
-            if name in d and d[name] is not None and d[name] != runs:
-                raise ConfigError(f"config.{name}: {d[name]!r} is not supported; the engine (as transformers) runs "
-                                  f"{name}={runs!r} only")
-        # The registry's reader of the layer and expert fields (num_experts, moe_topk and num_shared_expert, each
-        # an integer or per-layer values that agree): every layer MoE, with one shared MLP.
-        layout = moe_layout(hunyuan_v1_moe_layout, d)
-        n_layers = len(layout.layer_ids)
-        skipped = _get(d, "moe_layer_num_skipped", 0, int)
-        if skipped:
-            raise ConfigError(f"config.moe_layer_num_skipped: {skipped} is not supported; every layer is MoE")
-        width = _get(d, "intermediate_size", kind=int)
-        expert_width = one_per_model(d, "moe_intermediate_size", n_layers, width)
-        if expert_width != width:
-            raise ConfigError(f"config.moe_intermediate_size: {expert_width} differs from intermediate_size={width}, "
-                              f"which sizes the experts and the shared MLP (as in transformers)")
-        # its NTK-alpha is this family's reading of the rotary fields
-        common = moe_fields(d, layout, rms_norm_eps=1e-5, max_position_embeddings=2048,
-                            rope=read_rope(d, default_theta=10000.0, ntk_alpha=True))
-        hidden, heads = common["hidden_size"], common["num_attention_heads"]
-        head_dim = _get(d, "head_dim", None, int) or _get(d, "attention_head_dim", hidden // heads, int)
-        bias = bool(_get(d, "attention_bias", False, bool))
-        return cls(
-            architecture=architecture,
-            **common,
-            num_key_value_heads=_get(d, "num_key_value_heads", heads, int),
-            head_dim=head_dim,
-            norm_topk_prob=True,
-            qkv_bias=bias,
-            o_bias=bias,
-            qk_norm=True,
-            qk_norm_after_rope=True,
-            shared_intermediate_size=width,
-        )
+def _as_transformers_builds(d: dict, fields: dict) -> dict:
+    """The variants transformers does not build refused by field; every layer MoE, the experts as wide as the
+    shared MLP (intermediate_size); the heads' width (head_dim, else attention_head_dim)."""
+    for name, runs in _VARIANT_SWITCHES:
+        if name in d and d[name] is not None and d[name] != runs:
+            raise ConfigError(f"config.{name}: {d[name]!r} is not supported; the engine (as transformers) runs "
+                              f"{name}={runs!r} only")
+    skipped = _get(d, "moe_layer_num_skipped", 0, int)
+    if skipped:
+        raise ConfigError(f"config.moe_layer_num_skipped: {skipped} is not supported; every layer is MoE")
+    width = fields.intermediate_size
+    expert_width = one_per_model(d, "moe_intermediate_size", fields.num_hidden_layers, width)
+    if expert_width != width:
+        raise ConfigError(f"config.moe_intermediate_size: {expert_width} differs from intermediate_size={width}, "
+                          f"which sizes the experts and the shared MLP (as in transformers)")
+    return {"head_dim": _get(d, "head_dim", None, int) or _get(d, "attention_head_dim", heads_wide(fields), int)}
+
+
+# transformers' HunYuanMoEV1Config defaults where a checkpoint may leave a field out. The registry's reader of the
+# layer and expert fields reads num_experts, moe_topk and num_shared_expert (each an integer or per-layer values that
+# agree): every layer MoE, with one shared MLP. Its NTK-alpha is this family's reading of the rotary fields.
+HUNYUAN = Family(ARCHITECTURE, hunyuan_v1_moe_layout, dict(
+    MOE_FIELDS, rms_norm_eps=1e-5, max_position_embeddings=2048, num_key_value_heads=as_heads, qkv_bias=False),
+    names={"qkv_bias": "attention_bias"}, rope={"default_theta": 10000.0, "ntk_alpha": True},
+    fixed=dict(EXPERTS_AS_WIDE, shared_intermediate_size=lambda f: f.intermediate_size, norm_topk_prob=True,
+               o_bias=lambda f: f.qkv_bias, qk_norm=True, qk_norm_after_rope=True),
+    own=(_as_transformers_builds,))
 
 
 class HunyuanDecoderLayer(QwenDecoderLayer):
@@ -111,5 +97,6 @@ class HunYuanMoEV1ForCausalLM(DeclaredCausalLM):
     ARCHITECTURE = ARCHITECTURE
     TENSOR_PARALLEL = True
     CHECKPOINT_NAMES = HUNYUAN_NAMES
-    CONFIG = HunyuanMoeConfig
+    FAMILY = HUNYUAN
+    CONFIG = QwenMoeConfig
     DECODER_LAYER = HunyuanDecoderLayer

@@ -15,19 +15,15 @@ Shapes: B batch, T tokens, D hidden, E routed experts, K top-k, V vocab, H/H_kv 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-import torch
 
 from loadplan.layouts import hy_v3_layout
-from ..layers.attention import AttentionSpec, GQAttention
-from ..parallel.tensor import TensorParallel
+from ..layers.attention import AttentionSpec
 from ..weights import CheckpointNames
-from .causal_lm import DecoderLayer
-from .config import ConfigError, get_field as _get, moe_layout
-from .deepseek_v3 import moe_or_dense_mlp
-from .glm4_moe import Glm4MoeConfig, Glm4MoeForCausalLM
+from .config import ConfigError, Family
+from .glm4_moe import (GLM_FIELDS, Glm4MoeConfig, Glm4MoeDecoderLayer, Glm4MoeForCausalLM, refuse_partial_rotary,
+                       rotary_dim, theta_unless_given)
 
 ARCHITECTURE = "HYV3ForCausalLM"
 
@@ -43,43 +39,32 @@ HY_V3_NAMES = CheckpointNames((
 class HYV3Config(Glm4MoeConfig):
     moe_fp32_combine: bool = True        # the routed and shared outputs summed in float32 (DeepseekV3MoE)
 
+
+def _no_mlp_bias(d: dict, fields: dict) -> None:
+    if d.get("mlp_bias"):
+        raise ConfigError("config.mlp_bias: true is not supported; HY-V3's MLPs have no bias")
+
+
+# transformers' HYV3Config defaults where a checkpoint may leave a field out (rope theta 11158840); its router has one
+# group, whatever the config says (transformers' HYV3TopKRouter has none), scaled by router_scaling_factor.
+HY_V3 = Family(ARCHITECTURE, hy_v3_layout, dict(
+    GLM_FIELDS, vocab_size=120832, hidden_size=4096, intermediate_size=13312, num_attention_heads=64,
+    num_key_value_heads=8, head_dim=128, moe_intermediate_size=1536, routed_scaling_factor=2.826,
+    moe_fp32_combine=True),
+    names=dict(routed_scaling_factor="router_scaling_factor", moe_fp32_combine="enable_moe_fp32_combine"),
+    rope=theta_unless_given(11_158_840.0), fixed=dict(n_group=1, topk_group=1, norm_topk_prob=True, use_qk_norm=True),
+    own=(refuse_partial_rotary("HY-V3 rotates whole heads"), _no_mlp_bias, rotary_dim))
+
+
+class HYV3DecoderLayer(Glm4MoeDecoderLayer):
     @classmethod
-    def from_hf(cls, d: dict) -> "HYV3Config":
-        """transformers' HYV3Config defaults where a checkpoint may leave a field out."""
-        partial = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor"))
-        if partial not in (None, 1, 1.0):
-            raise ConfigError(f"config.partial_rotary_factor: {partial!r} not supported; HY-V3 rotates whole heads")
-        if d.get("mlp_bias"):
-            raise ConfigError("config.mlp_bias: true is not supported; HY-V3's MLPs have no bias")
-        rope = {} if d.get("rope_parameters") or d.get("rope_theta") is not None else {"rope_theta": 11_158_840.0}
-        layout = moe_layout(hy_v3_layout, d)          # the registry's reader of the layer and expert fields
-        # Glm4MoeConfig reads the other fields both share, under GLM's names, with HY-V3's defaults; its layers and
-        # experts are the layout's; its router has one group, whatever the config says (transformers'
-        # HYV3TopKRouter has none).
-        glm = Glm4MoeConfig.from_layout(dict(
-            d, **rope, n_group=1, topk_group=1,
-            norm_topk_prob=True, routed_scaling_factor=float(_get(d, "router_scaling_factor", 2.826, (int, float))),
-            partial_rotary_factor=1.0, use_qk_norm=True, vocab_size=d.get("vocab_size", 120832),
-            hidden_size=d.get("hidden_size", 4096), intermediate_size=d.get("intermediate_size", 13312),
-            num_attention_heads=d.get("num_attention_heads", 64), num_key_value_heads=d.get("num_key_value_heads", 8),
-            head_dim=_get(d, "head_dim", 128, int), moe_intermediate_size=d.get("moe_intermediate_size", 1536),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-5)), layout)
-        return cls(**{f.name: getattr(glm, f.name) for f in dataclasses.fields(Glm4MoeConfig)},
-                   moe_fp32_combine=bool(_get(d, "enable_moe_fp32_combine", True, bool)))
-
-
-class HYV3DecoderLayer(DecoderLayer):
-    def __init__(self, cfg: HYV3Config, plan, layer_id: int, dtype: torch.dtype):
-        tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
-        attn = GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.attention_bias,
-                                         o_bias=cfg.attention_bias, qk_norm="head"), tp=tp, dtype=dtype)
-        super().__init__(layer_id, attn, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
-                         cfg.rms_norm_eps, dtype)
+    def attention_spec(cls, cfg: HYV3Config, layer_id: int) -> AttentionSpec:
+        return AttentionSpec.of(cfg, qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm="head")
 
 
 class HYV3ForCausalLM(Glm4MoeForCausalLM):
     ARCHITECTURE = ARCHITECTURE
+    FAMILY = HY_V3
     CONFIG = HYV3Config
     DECODER_LAYER = HYV3DecoderLayer
     CHECKPOINT_NAMES = HY_V3_NAMES

@@ -25,20 +25,16 @@ from ..layers.attention import AttentionSpec, GQAttention
 from ..layers.mamba1 import Mamba1Mixer, in_proj_by_rank
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
-from .config import ConfigError, get_field as _get, moe_layout, read_rope
-from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig, moe_fields
+from .config import ConfigError, Family, get_field as _get, heads_wide
+from .qwen_moe import EXPERTS_AS_WIDE, MOE_FIELDS, QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig
 
 ARCHITECTURE = "JambaForCausalLM"
 
 # (checkpoint, engine) suffixes (under model.layers.{i}, and the final norm's).
 JAMBA_NAMES = CheckpointNames((
     ("feed_forward.router.weight", "mlp.gate.weight"),
-    ("feed_forward.experts.{e}.gate_proj.weight", "mlp.experts.{e}.gate_proj.weight"),
-    ("feed_forward.experts.{e}.up_proj.weight", "mlp.experts.{e}.up_proj.weight"),
-    ("feed_forward.experts.{e}.down_proj.weight", "mlp.experts.{e}.down_proj.weight"),
-    ("feed_forward.gate_proj.weight", "mlp.gate_proj.weight"),
-    ("feed_forward.up_proj.weight", "mlp.up_proj.weight"),
-    ("feed_forward.down_proj.weight", "mlp.down_proj.weight"),
+    *((f"feed_forward.{mlp}{proj}_proj.weight", f"mlp.{mlp}{proj}_proj.weight")
+      for mlp in ("experts.{e}.", "") for proj in ("gate", "up", "down")),
     ("pre_ff_layernorm.weight", "post_attention_layernorm.weight"),
     ("model.final_layernorm.weight", "model.norm.weight"),
 ))
@@ -63,36 +59,35 @@ class JambaConfig(QwenMoeConfig):
     mamba_conv_bias: bool = True
     mamba_proj_bias: bool = False
 
-    @classmethod
-    def from_hf(cls, d: dict, architecture: str = ARCHITECTURE) -> "JambaConfig":
-        """transformers' JambaConfig defaults where a checkpoint may leave a field out."""
-        # The registry's reader of the layer and expert fields: layer i is MoE iff i % expert_layer_period ==
-        # expert_layer_offset; it refuses fewer than 2 experts (a Jamba without routed experts is dense).
-        layout = moe_layout(jamba_layout, d)
-        # The fields the Qwen-layer families share (`moe_fields`), with Jamba's defaults where a config leaves one out.
-        filled = dict(d, **{name: _get(d, name, default, int) for name, default in (
-            ("vocab_size", 65536), ("hidden_size", 4096), ("intermediate_size", 14336), ("num_attention_heads", 32))})
-        common = moe_fields(filled, layout, rms_norm_eps=1e-6, max_position_embeddings=262144,
-                            rope=read_rope(d, default_theta=10000.0))
-        if common["hidden_act"] != "silu":   # the Mamba conv runs the config's activation; only SiLU is tested
-            raise ConfigError(f"config.hidden_act: {common['hidden_act']!r} not supported; Jamba runs 'silu'")
-        n, hidden, heads = len(layout.layer_ids), common["hidden_size"], common["num_attention_heads"]
-        attn_period, attn_offset = _period_offset(d, "attn_layer_period", "attn_layer_offset", 8, 4)
-        expand, state = _get(d, "mamba_expand", 2, int), _get(d, "mamba_d_state", 16, int)
-        kernel = _get(d, "mamba_d_conv", 4, int)
-        for name, value in (("mamba_expand", expand), ("mamba_d_state", state), ("mamba_d_conv", kernel)):
-            if value < 1:
-                raise ConfigError(f"config.{name}: must be >= 1, got {value}")
-        rank = d.get("mamba_dt_rank", "auto")
-        rank = math.ceil(hidden / 16) if rank in ("auto", None) else _get(d, "mamba_dt_rank", kind=int)
-        if rank < 1:
-            raise ConfigError(f"config.mamba_dt_rank: must be >= 1 or \"auto\", got {rank}")
-        return cls(architecture=architecture, **common, num_key_value_heads=_get(d, "num_key_value_heads", 8, int),
-                   head_dim=hidden // heads, norm_topk_prob=False, qkv_bias=False, o_bias=False, qk_norm=False,
-                   layer_kinds=tuple("attention" if i % attn_period == attn_offset else "mamba" for i in range(n)),
-                   mamba_d_state=state, mamba_d_conv=kernel, mamba_inner=expand * hidden, mamba_dt_rank=rank,
-                   mamba_conv_bias=bool(_get(d, "mamba_conv_bias", True, bool)),
-                   mamba_proj_bias=bool(_get(d, "mamba_proj_bias", False, bool)))
+
+def _layer_kinds(d: dict, fields: dict) -> dict:
+    """Each layer's token mixer (attention iff i % attn_layer_period == attn_layer_offset, else Mamba) and the Mamba
+    layers' sizes. The registry's reader says which layers are MoE (i % expert_layer_period == expert_layer_offset)
+    and refuses fewer than 2 experts (a Jamba without routed experts is dense)."""
+    if fields.hidden_act != "silu":   # the Mamba conv runs the config's activation; only SiLU is tested
+        raise ConfigError(f"config.hidden_act: {fields.hidden_act!r} not supported; Jamba runs 'silu'")
+    n, hidden = fields.num_hidden_layers, fields.hidden_size
+    attn_period, attn_offset = _period_offset(d, "attn_layer_period", "attn_layer_offset", 8, 4)
+    expand = _get(d, "mamba_expand", 2, int)
+    for name, value in (("mamba_expand", expand), ("mamba_d_state", fields.mamba_d_state),
+                        ("mamba_d_conv", fields.mamba_d_conv)):
+        if value < 1:
+            raise ConfigError(f"config.{name}: must be >= 1, got {value}")
+    rank = d.get("mamba_dt_rank", "auto")
+    rank = math.ceil(hidden / 16) if rank in ("auto", None) else _get(d, "mamba_dt_rank", kind=int)
+    if rank < 1:
+        raise ConfigError(f"config.mamba_dt_rank: must be >= 1 or \"auto\", got {rank}")
+    return dict(layer_kinds=tuple("attention" if i % attn_period == attn_offset else "mamba" for i in range(n)),
+                mamba_inner=expand * hidden, mamba_dt_rank=rank)
+
+
+# transformers' JambaConfig defaults where a checkpoint may leave a field out; the heads hidden_size // heads wide.
+JAMBA = Family(ARCHITECTURE, jamba_layout, dict(
+    MOE_FIELDS, vocab_size=65536, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+    rms_norm_eps=1e-6, max_position_embeddings=262144, num_key_value_heads=8, mamba_d_state=16, mamba_d_conv=4,
+    mamba_conv_bias=True, mamba_proj_bias=False), rope={"default_theta": 10000.0},
+    fixed=dict(EXPERTS_AS_WIDE, head_dim=heads_wide, norm_topk_prob=False, qkv_bias=False, o_bias=False,
+               qk_norm=False), own=(_layer_kinds,))
 
 
 class JambaDecoderLayer(QwenDecoderLayer):
@@ -102,9 +97,7 @@ class JambaDecoderLayer(QwenDecoderLayer):
     def make_attention(cls, cfg: JambaConfig, layer_id: int, dtype: torch.dtype, tp) -> GQAttention | None:
         if cfg.layer_kinds[layer_id] == "mamba":
             return None
-        return GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
-                                         use_rope=False), tp=tp, dtype=dtype)
+        return GQAttention(AttentionSpec.of(cfg, use_rope=False), tp=tp, dtype=dtype)
 
     def __init__(self, cfg: JambaConfig, plan, layer_id: int, dtype: torch.dtype):
         super().__init__(cfg, plan, layer_id, dtype)
@@ -122,9 +115,8 @@ class JambaForCausalLM(QwenLayerCausalLM):
     DECODER_LAYER = JambaDecoderLayer
     CHECKPOINT_NAMES = JAMBA_NAMES
 
-    @classmethod
-    def parse_config(cls, hf_config: dict) -> JambaConfig:
-        return JambaConfig.from_hf(hf_config)
+    FAMILY = JAMBA
+    CONFIG = JambaConfig
 
     def checkpoint_view(self, ckpt):
         """With tp_size > 1, the Mamba layers' in_proj rows regrouped by rank (layers/mamba1.py)."""

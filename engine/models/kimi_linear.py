@@ -30,20 +30,17 @@ from ..layers.mla import MLASpec, MultiHeadLatentAttention
 from ..parallel.tensor import TensorParallel
 from ..shown_tensors import ShownTensors
 from ..weights import CheckpointNames
-from .causal_lm import CausalLM, DecoderLayer
 from .config import ConfigError, get_field as _get, moe_layout, per_layer
-from .deepseek_v3 import DeepseekV3Config, moe_or_dense_mlp
+from .deepseek_v3 import DeepseekMoeLayer, DeepseekV3Config, LatentCausalLM
+from .mixtral import MIXTRAL_NAMES
 
 ARCHITECTURE = "KimiLinearForCausalLM"
 LAYER_TYPES = ("linear_attention", "full_attention")
 
 # (checkpoint, engine) suffixes under model.layers.{i}.
 KIMI_LINEAR_NAMES = CheckpointNames((
-    ("block_sparse_moe.gate.weight", "mlp.gate.weight"),
+    *MIXTRAL_NAMES.pairs,                  # the router and the routed experts, as Mixtral spells them
     ("block_sparse_moe.gate.e_score_correction_bias", "mlp.gate.e_score_correction_bias"),
-    ("block_sparse_moe.experts.{e}.w1.weight", "mlp.experts.{e}.gate_proj.weight"),
-    ("block_sparse_moe.experts.{e}.w3.weight", "mlp.experts.{e}.up_proj.weight"),
-    ("block_sparse_moe.experts.{e}.w2.weight", "mlp.experts.{e}.down_proj.weight"),
     *((f"block_sparse_moe.{mlp}{proj}_proj.weight", f"mlp.{mlp}{proj}_proj.weight")
       for mlp in ("shared_experts.", "") for proj in ("gate", "up", "down")),
 ))
@@ -155,31 +152,20 @@ def _layer_types(d: dict, linear: dict, n: int) -> list[str]:
     return ["full_attention" if i + 1 in kinds else "linear_attention" for i in range(n)]
 
 
-class KimiLinearDecoderLayer(DecoderLayer):
-    def __init__(self, cfg: KimiLinearConfig, plan, layer_id: int, dtype: torch.dtype):
-        tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
-        if cfg.layer_types[layer_id] == "linear_attention":
-            mixer = KimiDeltaAttention(cfg.hidden_size, cfg.linear_num_heads, cfg.linear_head_dim,
-                                       cfg.linear_conv_kernel_dim, cfg.rms_norm_eps, dtype, tp)
-        else:
-            mixer = MultiHeadLatentAttention(MLASpec.of(cfg, use_rope=False), tp=tp, dtype=dtype)
-        super().__init__(layer_id, mixer, moe_or_dense_mlp(cfg, plan, layer_id, dtype, tp), cfg.hidden_size,
-                         cfg.rms_norm_eps, dtype)
-
-
-class KimiLinearForCausalLM(CausalLM):
-    ARCHITECTURE = ARCHITECTURE
-    TENSOR_PARALLEL = True
-    CHECKPOINT_NAMES = KIMI_LINEAR_NAMES
-
+class KimiLinearDecoderLayer(DeepseekMoeLayer):
     @classmethod
-    def parse_config(cls, hf_config: dict) -> KimiLinearConfig:
-        return KimiLinearConfig.from_hf(hf_config)
+    def make_attention(cls, cfg: KimiLinearConfig, layer_id: int, dtype: torch.dtype, tp: TensorParallel):
+        if cfg.layer_types[layer_id] == "linear_attention":
+            return KimiDeltaAttention(cfg.hidden_size, cfg.linear_num_heads, cfg.linear_head_dim,
+                                      cfg.linear_conv_kernel_dim, cfg.rms_norm_eps, dtype, tp)
+        return MultiHeadLatentAttention(MLASpec.of(cfg, use_rope=False), tp=tp, dtype=dtype)
 
-    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        cfg = self.parse_config(hf_config)
-        super().__init__(cfg, plan, KimiLinearDecoderLayer, n_routed=cfg.n_routed_experts,
-                         rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype)
+
+class KimiLinearForCausalLM(LatentCausalLM):
+    ARCHITECTURE = ARCHITECTURE
+    CHECKPOINT_NAMES = KIMI_LINEAR_NAMES
+    CONFIG = KimiLinearConfig
+    DECODER_LAYER = KimiLinearDecoderLayer
 
     def checkpoint_view(self, ckpt):
         """The checkpoint with each KDA layer's A_log, which it holds as [1, 1, H, 1], shown as the layer's [H] (any

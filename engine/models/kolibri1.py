@@ -27,9 +27,8 @@ from loadplan.layouts import kolibri1_layout
 from ..layers.attention import AttentionSpec, GQAttention
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
-from .config import common_fields, ConfigError, get_field as _get, moe_layout, per_layer, read_rope, sliding_window
+from .config import ConfigError, Family, transformers_defaults, whole_heads, windowed_layers
 from .qwen_moe import Float32RouterMoeBlock, QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig
-from .step3p5 import LAYER_TYPES
 
 ARCHITECTURE = "Kolibri1ForCausalLM"
 
@@ -46,42 +45,23 @@ KOLIBRI1_NAMES = CheckpointNames((
 class Kolibri1Config(QwenMoeConfig):
     layer_types: tuple[str, ...] = ()
 
-    @classmethod
-    def from_hf(cls, d: dict, architecture: str = ARCHITECTURE) -> "Kolibri1Config":
-        """transformers' Kolibri1Config defaults where a checkpoint may leave a field out."""
-        layout = moe_layout(kolibri1_layout, d)          # the registry's reader of the layer and expert fields
-        n = len(layout.layer_ids)
-        common = dict(common_fields(d, vocab_size=128000, hidden_size=2560,
-                                    num_attention_heads=48, num_key_value_heads=4, head_dim=128,
-                                    max_position_embeddings=262144), num_hidden_layers=n)
-        types = per_layer(d, "layer_types", n, LAYER_TYPES,
-                          ["full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(n)])
-        if "sliding_window" in d and d["sliding_window"] is None:
-            raise ConfigError("config.sliding_window: null is not supported (transformers' Kolibri-1 cannot run "
-                              "without a window either)")
-        window = sliding_window(d, 513)
-        rope = read_rope(d)
-        if rope.partial_rotary_factor != 1.0:
-            raise ConfigError(f"config.rope_parameters: partial_rotary_factor {rope.partial_rotary_factor} is not "
-                              f"supported; Kolibri-1 rotates whole heads")
-        width = _get(d, "moe_intermediate_size", 512, int)
-        return cls(
-            architecture=architecture,
-            **common,
-            intermediate_size=width,                       # no dense layer
-            rope=rope,
-            num_experts=layout.n_routed,
-            num_experts_per_tok=layout.top_k,
-            moe_intermediate_size=width,
-            norm_topk_prob=bool(_get(d, "norm_topk_prob", False, bool)),
-            qkv_bias=False,
-            o_bias=False,
-            qk_norm=True,
-            shared_intermediate_size=_get(d, "shared_expert_intermediate_size", 512, int),
-            moe_layers=layout.moe_layers,
-            sliding_window=window,
-            layer_types=tuple(types),
-        )
+
+def _a_window(d: dict, fields: dict) -> None:
+    if "sliding_window" in d and d["sliding_window"] is None:
+        raise ConfigError("config.sliding_window: null is not supported (transformers' Kolibri-1 cannot run "
+                          "without a window either)")
+
+
+# transformers' Kolibri1Config defaults where a checkpoint may leave a field out; no dense layer, no biases.
+KOLIBRI1 = Family(ARCHITECTURE, kolibri1_layout, dict(
+    transformers_defaults(vocab_size=128000, hidden_size=2560, num_attention_heads=48, num_key_value_heads=4,
+                          head_dim=128, max_position_embeddings=262144),
+    moe_intermediate_size=512, norm_topk_prob=False, shared_intermediate_size=512),
+    names=dict(shared_intermediate_size="shared_expert_intermediate_size"),
+    fixed={"intermediate_size": lambda f: f.moe_intermediate_size, "qkv_bias": False, "o_bias": False,
+           "qk_norm": True},
+    own=(_a_window, windowed_layers(lambda i, n: "full_attention" if (i + 1) % 5 == 0 else "sliding_attention", 513),
+         whole_heads("Kolibri-1")))
 
 
 class Kolibri1MoeBlock(Float32RouterMoeBlock):
@@ -114,10 +94,9 @@ class Kolibri1DecoderLayer(QwenDecoderLayer):
     def make_attention(cls, cfg: Kolibri1Config, layer_id: int, dtype: torch.dtype,
                        tp: TensorParallel) -> GQAttention:
         windowed = cfg.layer_types[layer_id] == "sliding_attention"
-        return GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qk_norm="head",
-                                         sliding_window=cfg.sliding_window if windowed else None,
-                                         use_rope=windowed), tp=tp, dtype=dtype)
+        return GQAttention(AttentionSpec.of(cfg, qk_norm="head",
+                                            sliding_window=cfg.sliding_window if windowed else None, use_rope=windowed),
+                           tp=tp, dtype=dtype)
 
     def __init__(self, cfg: Kolibri1Config, plan, layer_id: int, dtype: torch.dtype):
         super().__init__(cfg, plan, layer_id, dtype)
@@ -137,6 +116,5 @@ class Kolibri1ForCausalLM(QwenLayerCausalLM):
     CHECKPOINT_NAMES = KOLIBRI1_NAMES
     DECODER_LAYER = Kolibri1DecoderLayer
 
-    @classmethod
-    def parse_config(cls, hf_config: dict) -> Kolibri1Config:
-        return Kolibri1Config.from_hf(hf_config)
+    FAMILY = KOLIBRI1
+    CONFIG = Kolibri1Config

@@ -28,7 +28,7 @@ from ..layers.rope import RopeConfig, RotaryEmbedding
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, moe_layout, per_layer, sliding_window
+from .config import ConfigError, DecoderConfig, get_field as _get, moe_layout, per_layer, read_fields, sliding_window
 from .step3p5 import LAYER_TYPES, RopesByKind, SharedExpertMoE, rope_of_each_type
 
 ARCHITECTURE = "LagunaForCausalLM"
@@ -46,19 +46,13 @@ DEFAULT_ROPES = {"full_attention": {"rope_type": "default", "rope_theta": 500000
 
 
 @dataclass(frozen=True)
-class LagunaConfig(RopesByKind):
-    vocab_size: int
-    hidden_size: int
+class LagunaConfig(DecoderConfig, RopesByKind):
     intermediate_size: int               # the dense layers' MLP
-    num_hidden_layers: int
     heads_per_layer: tuple[int, ...]
     num_key_value_heads: int
     head_dim: int
     hidden_act: str
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    rope: RopeConfig                     # the global layers' (each layer turns q and k with its kind's: `ropes`)
+    # rope: the global layers' (each layer turns q and k with its kind's: `ropes`)
     ropes: tuple[tuple[str, RopeConfig], ...]
     layer_types: tuple[str, ...]
     sliding_window: int
@@ -101,31 +95,17 @@ class LagunaConfig(RopesByKind):
         if softcap < 0:
             raise ConfigError(f"config.moe_router_logit_softcapping: must be >= 0, got {softcap}")
         return cls(
-            vocab_size=_get(d, "vocab_size", 100352, int),
-            hidden_size=_get(d, "hidden_size", 2048, int),
-            intermediate_size=_get(d, "intermediate_size", 8192, int),
-            num_hidden_layers=n,
-            heads_per_layer=tuple(per_layer_heads),
-            num_key_value_heads=_get(d, "num_key_value_heads", 8, int),
-            head_dim=head_dim,
-            hidden_act=act,
-            rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6, (int, float))),
-            max_position_embeddings=_get(d, "max_position_embeddings", 131072, int),
-            tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
-            rope=dict(ropes).get("full_attention", ropes[0][1]),
-            ropes=ropes,
-            layer_types=tuple(types),
-            sliding_window=window,
-            attention_bias=bool(_get(d, "attention_bias", False, bool)),
-            gate_per_head=gating in (True, "per-head"),
-            num_experts=layout.n_routed,
+            **read_fields(d, cls, dict(vocab_size=100352, hidden_size=2048, intermediate_size=8192,
+                                       num_key_value_heads=8, rms_norm_eps=1e-6, max_position_embeddings=131072,
+                                       tie_word_embeddings=False, attention_bias=False, moe_intermediate_size=512,
+                                       routed_scaling_factor=1.0),
+                          names=dict(routed_scaling_factor="moe_routed_scaling_factor")),
+            num_hidden_layers=n, heads_per_layer=tuple(per_layer_heads), head_dim=head_dim, hidden_act=act,
+            rope=dict(ropes).get("full_attention", ropes[0][1]), ropes=ropes, layer_types=tuple(types),
+            sliding_window=window, gate_per_head=gating in (True, "per-head"), num_experts=layout.n_routed,
             num_experts_per_tok=layout.top_k,
-            moe_intermediate_size=_get(d, "moe_intermediate_size", 512, int),
             shared_expert_intermediate_size=_get(d, "shared_expert_intermediate_size", 512, int),
-            routed_scaling_factor=float(_get(d, "moe_routed_scaling_factor", 1.0, (int, float))),
-            router_logit_softcap=softcap,
-            moe_layers=layout.moe_layers,
-        )
+            router_logit_softcap=softcap, moe_layers=layout.moe_layers)
 
 
 class LagunaDecoderLayer(DecoderLayer):

@@ -24,12 +24,11 @@ from torch import nn
 from loadplan.layouts import lfm2_moe_layout
 from ..layers.attention import AttentionSpec, GQAttention
 from ..layers.mlp import GatedMLP
-from ..layers.rope import RopeConfig
 from ..layers.short_conv import ShortConv
 from ..moe import RoutedExperts
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, moe_layout, per_layer, read_rope
+from .config import ConfigError, DecoderConfig, get_field as _get, moe_layout, per_layer, read_fields, read_rope
 
 ARCHITECTURE = "Lfm2MoeForCausalLM"
 LAYER_TYPES = ("conv", "full_attention")
@@ -54,19 +53,13 @@ LFM2_MOE_NAMES = CheckpointNames((
 
 
 @dataclass(frozen=True)
-class Lfm2MoeConfig:
-    vocab_size: int
-    hidden_size: int
+class Lfm2MoeConfig(DecoderConfig):
     intermediate_size: int            # dense layers
     moe_intermediate_size: int        # each expert
-    num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    rms_norm_eps: float               # the config's norm_eps
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    rope: RopeConfig
+    # rms_norm_eps: the config's norm_eps
     layer_types: tuple[str, ...]
     conv_kernel: int                  # conv_L_cache
     conv_bias: bool
@@ -92,28 +85,14 @@ class Lfm2MoeConfig:
         rope = read_rope(d, default_theta=1e6)
         tie = d.get("tie_word_embeddings", d.get("tie_embedding", True))   # tie_embedding: its older name
         return cls(
-            vocab_size=_get(d, "vocab_size", 65536, int),
-            hidden_size=hidden,
-            intermediate_size=_get(d, "intermediate_size", 7168, int),
-            moe_intermediate_size=_get(d, "moe_intermediate_size", 1792, int),
-            num_hidden_layers=n,
-            num_attention_heads=heads,
-            num_key_value_heads=_get(d, "num_key_value_heads", 8, int),
-            head_dim=_get(d, "head_dim", hidden // heads, int),
-            rms_norm_eps=float(_get(d, "norm_eps", 1e-5, (int, float))),
-            max_position_embeddings=_get(d, "max_position_embeddings", 128_000, int),
-            tie_word_embeddings=bool(tie),
-            rope=rope,
-            layer_types=tuple(per_layer(d, "layer_types", n, LAYER_TYPES, [])),
-            conv_kernel=kernel,
-            conv_bias=bool(_get(d, "conv_bias", False, bool)),
-            num_experts=layout.n_routed,
-            num_experts_per_tok=layout.top_k,
-            use_expert_bias=bool(_get(d, "use_expert_bias", True, bool)),
-            norm_topk_prob=bool(_get(d, "norm_topk_prob", True, bool)),
-            routed_scaling_factor=float(_get(d, "routed_scaling_factor", 1.0, (int, float))),
-            moe_layers=layout.moe_layers,
-        )
+            **read_fields(d, cls, dict(vocab_size=65536, intermediate_size=7168, moe_intermediate_size=1792,
+                                       num_key_value_heads=8, head_dim=hidden // heads, rms_norm_eps=1e-5,
+                                       max_position_embeddings=128_000, conv_bias=False, use_expert_bias=True,
+                                       norm_topk_prob=True, routed_scaling_factor=1.0),
+                          names=dict(rms_norm_eps="norm_eps")),
+            hidden_size=hidden, num_hidden_layers=n, num_attention_heads=heads, tie_word_embeddings=bool(tie),
+            rope=rope, layer_types=tuple(per_layer(d, "layer_types", n, LAYER_TYPES, [])), conv_kernel=kernel,
+            num_experts=layout.n_routed, num_experts_per_tok=layout.top_k, moe_layers=layout.moe_layers)
 
 
 class Lfm2MoeBlock(nn.Module):
@@ -144,9 +123,7 @@ class Lfm2MoeBlock(nn.Module):
 class Lfm2MoeDecoderLayer(DecoderLayer):
     def __init__(self, cfg: Lfm2MoeConfig, plan, layer_id: int, dtype: torch.dtype):
         conv = cfg.layer_types[layer_id] == "conv"
-        attn = None if conv else GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads,
-                                                           cfg.num_key_value_heads, cfg.head_dim,
-                                                           rms_norm_eps=cfg.rms_norm_eps, qk_norm="head"), dtype=dtype)
+        attn = None if conv else GQAttention(AttentionSpec.of(cfg, qk_norm="head"), dtype=dtype)
         mlp = Lfm2MoeBlock(cfg, plan, layer_id, dtype) if layer_id in cfg.moe_layers else \
             GatedMLP(cfg.hidden_size, cfg.intermediate_size, "silu", dtype)
         super().__init__(layer_id, attn, mlp, cfg.hidden_size, cfg.rms_norm_eps, dtype)

@@ -32,13 +32,13 @@ from torch import nn
 from loadplan.layouts import llama4_layout
 from ..layers.attention import AttentionSpec, GQAttention
 from ..layers.mlp import GatedMLP, activation
-from ..layers.rope import RopeConfig
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..stacked_experts import StackedExperts
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, moe_layout, per_layer, read_rope
+from .config import (REQUIRED, ConfigError, DecoderConfig, get_field as _get, moe_layout, per_layer, read_fields,
+                     read_rope)
 from .text_wrapper import TextOnlyWrapper
 
 ARCHITECTURE = "Llama4ForCausalLM"
@@ -65,20 +65,13 @@ def _flags(d: dict, name: str, n: int) -> list[int] | None:
 
 
 @dataclass(frozen=True)
-class Llama4Config:
-    vocab_size: int
-    hidden_size: int
+class Llama4Config(DecoderConfig):
     intermediate_size: int              # every expert's width, and the shared expert's
     intermediate_size_mlp: int          # the dense layers'
-    num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    rms_norm_eps: float
     hidden_act: str
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    rope: RopeConfig
     num_experts: int
     num_experts_per_tok: int
     moe_layers: tuple[int, ...]
@@ -113,33 +106,19 @@ class Llama4Config:
         floor_scale = float(_get(d, "floor_scale", 8192, (int, float)))
         if floor_scale <= 0:
             raise ConfigError(f"config.floor_scale: must be > 0, got {floor_scale}")
+        # transformers' num_key_value_heads default, 8, fits no particular head count: a config must say it
         return cls(
-            vocab_size=_get(d, "vocab_size", kind=int),
-            hidden_size=_get(d, "hidden_size", kind=int),
-            intermediate_size=_get(d, "intermediate_size", kind=int),
+            **read_fields(d, cls, dict(vocab_size=REQUIRED, hidden_size=REQUIRED, intermediate_size=REQUIRED,
+                                       num_attention_heads=REQUIRED, num_key_value_heads=REQUIRED, head_dim=128,
+                                       rms_norm_eps=1e-5, max_position_embeddings=4096 * 32, tie_word_embeddings=False,
+                                       use_qk_norm=True, attn_temperature_tuning=True, attn_scale=0.1,
+                                       attention_bias=False)),
             intermediate_size_mlp=_get(d, "intermediate_size_mlp", kind=int) if dense else 0,
-            num_hidden_layers=n_layers,
-            num_attention_heads=_get(d, "num_attention_heads", kind=int),
-            # transformers' default is 8, which fits no particular head count: a config must say it.
-            num_key_value_heads=_get(d, "num_key_value_heads", kind=int),
-            head_dim=_get(d, "head_dim", 128, int),
-            rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-5)),
-            hidden_act=act,
-            max_position_embeddings=_get(d, "max_position_embeddings", 4096 * 32, int),
-            tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
-            rope=read_rope(d, default_theta=500000.0),
-            num_experts=layout.n_routed,
-            num_experts_per_tok=layout.top_k,
-            moe_layers=layout.moe_layers,
+            num_hidden_layers=n_layers, hidden_act=act, rope=read_rope(d, default_theta=500000.0),
+            num_experts=layout.n_routed, num_experts_per_tok=layout.top_k, moe_layers=layout.moe_layers,
             rope_layers=tuple(bool(r) for r in rope_flags),
-            chunked_layers=tuple(t == "chunked_attention" for t in types),
-            attention_chunk_size=chunk,
-            use_qk_norm=bool(_get(d, "use_qk_norm", True, bool)),
-            attn_temperature_tuning=bool(_get(d, "attn_temperature_tuning", True, bool)),
-            floor_scale=floor_scale,
-            attn_scale=float(_get(d, "attn_scale", 0.1, (int, float))),
-            attention_bias=bool(_get(d, "attention_bias", False, bool)),
-        )
+            chunked_layers=tuple(t == "chunked_attention" for t in types), attention_chunk_size=chunk,
+            floor_scale=floor_scale)
 
 
 class Llama4Attention(GQAttention):
@@ -150,9 +129,8 @@ class Llama4Attention(GQAttention):
         # Pairs (x0, x1), (x2, x3), ... (transformers' complex rotation) on rope layers only: q and k come out in the
         # same de-interleaved order, which neither their dot product nor the L2 norm sees.
         self.rotates = cfg.rope_layers[layer_id]
-        super().__init__(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                                       cfg.rms_norm_eps, qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias,
-                                       rope_interleave=True, use_rope=self.rotates), tp=tp, dtype=dtype)
+        super().__init__(AttentionSpec.of(cfg, qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias,
+                                          rope_interleave=True, use_rope=self.rotates), tp=tp, dtype=dtype)
         self.l2_eps = cfg.rms_norm_eps if cfg.use_qk_norm and self.rotates else None
         self.temperature = (cfg.floor_scale, cfg.attn_scale) if cfg.attn_temperature_tuning and not self.rotates \
             else None

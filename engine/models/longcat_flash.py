@@ -31,40 +31,39 @@ from torch import nn
 from loadplan.layouts import longcat_flash_layout
 from ..layers.mla import MLASpec, MultiHeadLatentAttention
 from ..layers.mlp import GatedMLP, activation
-from ..layers.rope import RopeConfig
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..shown_tensors import ShownTensors
-from .causal_lm import CausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, moe_layout, read_rope
+from .causal_lm import DecoderLayer
+from .config import ConfigError, DecoderConfig, get_field as _get, moe_layout, read_rope
+from .deepseek_v3 import LatentCausalLM
 
 ARCHITECTURE = "LongcatFlashForCausalLM"
 
 
 @dataclass(frozen=True)
-class LongcatFlashConfig:
-    vocab_size: int
-    hidden_size: int
+class LongcatFlashConfig(DecoderConfig):
     ffn_hidden_size: int                # each dense MLP
     expert_ffn_hidden_size: int         # each routed expert
-    num_hidden_layers: int              # config.num_layers: each layer two attention / MLP sublayers
+    # num_hidden_layers: config.num_layers: each layer two attention / MLP sublayers
     num_attention_heads: int
     q_lora_rank: int
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
-    rope: RopeConfig
     attention_bias: bool
-    max_position_embeddings: int
-    rms_norm_eps: float
     hidden_act: str
-    tie_word_embeddings: bool
     n_routed_experts: int
     zero_expert_num: int
     num_experts_per_tok: int
     routed_scaling_factor: float
     moe_layers: tuple[int, ...]
+
+    @property
+    def num_experts(self) -> int:
+        """The routed experts (DeclaredCausalLM's name for n_routed_experts; the zero experts are the router's)."""
+        return self.n_routed_experts
 
     @classmethod
     def from_hf(cls, d: dict) -> "LongcatFlashConfig":
@@ -207,21 +206,12 @@ class LongcatFlashDecoderLayer(DecoderLayer):
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate|up)_proj\.weight$")
 
 
-class LongcatFlashForCausalLM(CausalLM):
+class LongcatFlashForCausalLM(LatentCausalLM):
     ARCHITECTURE = ARCHITECTURE
-    TENSOR_PARALLEL = True
+    MTP_PREFIXES = ("model.mtp.",)
+    CONFIG = LongcatFlashConfig
+    DECODER_LAYER = LongcatFlashDecoderLayer
 
-    @classmethod
-    def parse_config(cls, hf_config: dict) -> LongcatFlashConfig:
-        return LongcatFlashConfig.from_hf(hf_config)
-
-    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        cfg = self.parse_config(hf_config)
-        super().__init__(cfg, plan, LongcatFlashDecoderLayer, n_routed=cfg.n_routed_experts,
-                         rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype)
-
-    def ignore_prefixes(self, prefix: str) -> tuple[str, ...]:
-        return (*super().ignore_prefixes(prefix), f"{prefix}model.mtp.")
 
     def checkpoint_view(self, ckpt):
         """The checkpoint without the gate/up rows transformers writes for the zero-computation experts (ids E to

@@ -21,7 +21,7 @@ from loadplan.layouts import mellum_layout
 from ..layers.attention import AttentionSpec, GQAttention
 from ..layers.rope import RotaryEmbedding
 from ..parallel.tensor import TensorParallel
-from .config import ConfigError, common_fields, get_field as _get, moe_layout, per_layer
+from .config import ConfigError, Family, get_field as _get, per_layer, transformers_defaults
 from .qwen_moe import QwenDecoderLayer, QwenLayerCausalLM, QwenMoeConfig
 from .step3p5 import LAYER_TYPES, RopesByKind, rope_of_each_type
 
@@ -36,43 +36,32 @@ class MellumConfig(QwenMoeConfig, RopesByKind):
     layer_types: tuple[str, ...] = ()
     ropes: tuple = ()
 
-    @classmethod
-    def from_hf(cls, d: dict, architecture: str = ARCHITECTURE) -> "MellumConfig":
-        """transformers' MellumConfig defaults where a checkpoint may leave a field out."""
-        layout = moe_layout(mellum_layout, d)          # the registry's reader of the layer and expert fields
-        n = len(layout.layer_ids)
-        common = dict(common_fields(d, vocab_size=98304, hidden_size=2304,
-                                    num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                                    max_position_embeddings=131072), num_hidden_layers=n)
-        head_dim = common["head_dim"]
-        types = per_layer(d, "layer_types", n, LAYER_TYPES, ["full_attention"] * n)
-        window = _get(d, "sliding_window", 1024, int) if d.get("sliding_window", 0) is not None else None
-        if window is None and "sliding_attention" in types:
-            raise ConfigError("config.sliding_window: null is not supported with sliding_attention layers")
-        if window is not None and window < 1:
-            raise ConfigError(f"config.sliding_window: must be >= 1, got {window}")
-        ropes = rope_of_each_type(d.get("rope_parameters") or DEFAULT_ROPES, types, head_dim)
-        if any(rope.partial_rotary_factor != 1.0 for _, rope in ropes):
-            raise ConfigError("config.rope_parameters: a partial_rotary_factor is not supported; Mellum rotates whole "
-                              "heads")
-        bias = bool(_get(d, "attention_bias", False, bool))
-        return cls(
-            architecture=architecture,
-            **common,
-            intermediate_size=_get(d, "intermediate_size", 7168, int),
-            rope=dict(ropes).get("full_attention", ropes[0][1]),
-            num_experts=layout.n_routed,
-            num_experts_per_tok=layout.top_k,
-            moe_intermediate_size=_get(d, "moe_intermediate_size", 896, int),
-            norm_topk_prob=bool(_get(d, "norm_topk_prob", True, bool)),
-            qkv_bias=bias,
-            o_bias=bias,
-            qk_norm=True,
-            moe_layers=layout.moe_layers,
-            sliding_window=window,
-            layer_types=tuple(types),
-            ropes=ropes,
-        )
+
+def _layer_kinds(d: dict, fields: dict) -> dict:
+    """layer_types (by default every layer global), the window (null only without windowed layers) and the rope of
+    each kind (whole heads rotated)."""
+    n = fields.num_hidden_layers
+    types = per_layer(d, "layer_types", n, LAYER_TYPES, ["full_attention"] * n)
+    window = _get(d, "sliding_window", 1024, int) if d.get("sliding_window", 0) is not None else None
+    if window is None and "sliding_attention" in types:
+        raise ConfigError("config.sliding_window: null is not supported with sliding_attention layers")
+    if window is not None and window < 1:
+        raise ConfigError(f"config.sliding_window: must be >= 1, got {window}")
+    ropes = rope_of_each_type(d.get("rope_parameters") or DEFAULT_ROPES, types, fields.head_dim)
+    if any(rope.partial_rotary_factor != 1.0 for _, rope in ropes):
+        raise ConfigError("config.rope_parameters: a partial_rotary_factor is not supported; Mellum rotates whole "
+                          "heads")
+    return dict(sliding_window=window, layer_types=tuple(types), ropes=ropes,
+                rope=dict(ropes).get("full_attention", ropes[0][1]))
+
+
+# transformers' MellumConfig defaults where a checkpoint may leave a field out.
+MELLUM = Family(ARCHITECTURE, mellum_layout, dict(
+    transformers_defaults(vocab_size=98304, hidden_size=2304, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, max_position_embeddings=131072),
+    intermediate_size=7168, moe_intermediate_size=896, norm_topk_prob=True, qkv_bias=False),
+    names={"qkv_bias": "attention_bias"}, rope=None, fixed={"o_bias": lambda f: f.qkv_bias, "qk_norm": True},
+    own=(_layer_kinds,))
 
 
 class MellumDecoderLayer(QwenDecoderLayer):
@@ -81,10 +70,9 @@ class MellumDecoderLayer(QwenDecoderLayer):
     @classmethod
     def make_attention(cls, cfg: MellumConfig, layer_id: int, dtype: torch.dtype, tp: TensorParallel) -> GQAttention:
         windowed = cfg.layer_types[layer_id] == "sliding_attention"
-        return GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.qkv_bias,
-                                         o_bias=cfg.o_bias, qk_norm="head",
-                                         sliding_window=cfg.sliding_window if windowed else None), tp=tp, dtype=dtype)
+        return GQAttention(AttentionSpec.of(cfg, qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, qk_norm="head",
+                                            sliding_window=cfg.sliding_window if windowed else None),
+                           tp=tp, dtype=dtype)
 
     def __init__(self, cfg: MellumConfig, plan, layer_id: int, dtype: torch.dtype):
         super().__init__(cfg, plan, layer_id, dtype)
@@ -93,11 +81,7 @@ class MellumDecoderLayer(QwenDecoderLayer):
 
 class MellumForCausalLM(QwenLayerCausalLM):
     ARCHITECTURE = ARCHITECTURE
+    MTP_PREFIXES = ("mtp.",)
+    FAMILY = MELLUM
+    CONFIG = MellumConfig
     DECODER_LAYER = MellumDecoderLayer
-
-    @classmethod
-    def parse_config(cls, hf_config: dict) -> MellumConfig:
-        return MellumConfig.from_hf(hf_config)
-
-    def ignore_prefixes(self, prefix: str) -> tuple[str, ...]:
-        return (*super().ignore_prefixes(prefix), f"{prefix}mtp.")

@@ -127,9 +127,8 @@ class MiMoV2FlashDecoderLayer(DecoderLayer):
 
 class MiMoV2FlashForCausalLM(Glm4MoeForCausalLM):
     ARCHITECTURE = ARCHITECTURE
+    MTP_PREFIXES = ("model.mtp.",)
+    FAMILY = None                       # MiMoV2FlashConfig.from_hf reads its ropes by layer kind
     CONFIG = MiMoV2FlashConfig
     DECODER_LAYER = MiMoV2FlashDecoderLayer
     CHECKPOINT_NAMES = MIMO_V2_FLASH_NAMES
-
-    def ignore_prefixes(self, prefix: str) -> tuple[str, ...]:
-        return (*super().ignore_prefixes(prefix), f"{prefix}model.mtp.")

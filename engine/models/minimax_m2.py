@@ -29,12 +29,11 @@ from loadplan.layouts import mixtral_layout
 from ..layers.attention import AttentionSpec, GQAttention
 from ..layers.deepseek_router import DeepseekV3Router, RouterSpec
 from ..layers.mlp import activation
-from ..layers.rope import RopeConfig
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
 from ..weights import CheckpointNames
-from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, moe_layout, read_rope
+from .causal_lm import BlockLayer, DeclaredCausalLM
+from .config import REQUIRED, ConfigError, DecoderConfig, get_field as _get, moe_layout, read_fields, read_rope
 from .mixtral import MIXTRAL_NAMES
 from .olmoe import OLMOE_NAMES
 
@@ -52,20 +51,13 @@ FIXED_FIELDS = {"scoring_func": "sigmoid", "use_routing_bias": True, "use_qk_nor
 
 
 @dataclass(frozen=True)
-class MiniMaxM2Config:
-    vocab_size: int
-    hidden_size: int
+class MiniMaxM2Config(DecoderConfig):
     intermediate_size: int              # every expert's width
-    num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
     rotary_dim: int
-    rms_norm_eps: float
     hidden_act: str
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    rope: RopeConfig
     num_experts: int
     num_experts_per_tok: int
     moe_layers: tuple[int, ...]
@@ -101,24 +93,14 @@ class MiniMaxM2Config:
         if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or not (
                 0 < rotary_dim <= head_dim and rotary_dim % 2 == 0):
             raise ConfigError(f"config.rotary_dim: {rotary_dim!r} must be even and in (0, head_dim={head_dim}]")
+        # transformers' num_key_value_heads default, 8, fits no particular head count: a config must say it
         return cls(
-            vocab_size=_get(d, "vocab_size", kind=int),
-            hidden_size=_get(d, "hidden_size", kind=int),
-            intermediate_size=_get(d, "intermediate_size", kind=int),
-            num_hidden_layers=len(layout.layer_ids),
-            num_attention_heads=_get(d, "num_attention_heads", kind=int),
-            # transformers' default is 8, which fits no particular head count: a config must say it.
-            num_key_value_heads=_get(d, "num_key_value_heads", kind=int),
-            head_dim=head_dim,
-            rotary_dim=rotary_dim,
-            rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6)),
-            hidden_act=act,
-            max_position_embeddings=_get(d, "max_position_embeddings", 196608, int),
-            tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
+            **read_fields(d, cls, dict(vocab_size=REQUIRED, hidden_size=REQUIRED, intermediate_size=REQUIRED,
+                                       num_attention_heads=REQUIRED, num_key_value_heads=REQUIRED, rms_norm_eps=1e-6,
+                                       max_position_embeddings=196608, tie_word_embeddings=False)),
+            num_hidden_layers=len(layout.layer_ids), head_dim=head_dim, rotary_dim=rotary_dim, hidden_act=act,
             rope=dataclasses.replace(rope, partial_rotary_factor=rotary_dim / head_dim),
-            num_experts=layout.n_routed,
-            num_experts_per_tok=layout.top_k,
-            moe_layers=layout.moe_layers,
+            num_experts=layout.n_routed, num_experts_per_tok=layout.top_k, moe_layers=layout.moe_layers,
             num_nextn_predict_layers=_get(d, "num_mtp_modules", 0, int) if d.get("use_mtp", True) else 0,
         )
 
@@ -141,14 +123,15 @@ class MiniMaxM2MoeBlock(nn.Module):
         return self.experts(x, ids, weights.to(x.dtype))                   # reduced if the plan says
 
 
-class MiniMaxM2DecoderLayer(DecoderLayer):
-    def __init__(self, cfg: MiniMaxM2Config, plan, layer_id: int, dtype: torch.dtype):
-        tp = TensorParallel.of(plan)
-        attn = GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qk_norm="projection",
-                                         rotary_dim=cfg.rotary_dim), tp=tp, dtype=dtype)
-        super().__init__(layer_id, attn, MiniMaxM2MoeBlock(cfg, plan, layer_id, dtype), cfg.hidden_size,
-                         cfg.rms_norm_eps, dtype)
+class MiniMaxM2DecoderLayer(BlockLayer):
+    @classmethod
+    def make_attention(cls, cfg: MiniMaxM2Config, layer_id: int, dtype: torch.dtype,
+                       tp: TensorParallel) -> GQAttention:
+        return GQAttention(AttentionSpec.of(cfg, qk_norm="projection", rotary_dim=cfg.rotary_dim), tp=tp, dtype=dtype)
+
+    @classmethod
+    def make_mlp(cls, cfg: MiniMaxM2Config, plan, layer_id: int, dtype: torch.dtype, tp: TensorParallel) -> nn.Module:
+        return MiniMaxM2MoeBlock(cfg, plan, layer_id, dtype)
 
 
 class MiniMaxM2ForCausalLM(DeclaredCausalLM):

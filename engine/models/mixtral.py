@@ -16,46 +16,33 @@ from __future__ import annotations
 
 from loadplan.layouts import mixtral_layout
 from ..weights import CheckpointNames
-from .config import ConfigError, get_field as _get, moe_layout, read_rope
-from .qwen_moe import QwenLayerCausalLM, QwenMoeConfig, moe_fields
+from .config import REQUIRED, Family, at_least, heads_wide
+from .qwen_moe import EXPERTS_AS_WIDE, MOE_FIELDS, QwenLayerCausalLM, QwenMoeConfig
 
 ARCHITECTURE = "MixtralForCausalLM"
 
 # (checkpoint, engine) suffixes under model.layers.{i}.
 MIXTRAL_NAMES = CheckpointNames((
     ("block_sparse_moe.gate.weight", "mlp.gate.weight"),
-    ("block_sparse_moe.experts.{e}.w1.weight", "mlp.experts.{e}.gate_proj.weight"),
-    ("block_sparse_moe.experts.{e}.w3.weight", "mlp.experts.{e}.up_proj.weight"),
-    ("block_sparse_moe.experts.{e}.w2.weight", "mlp.experts.{e}.down_proj.weight"),
+    *((f"block_sparse_moe.experts.{{e}}.{w}.weight", f"mlp.experts.{{e}}.{proj}_proj.weight")
+      for w, proj in (("w1", "gate"), ("w3", "up"), ("w2", "down"))),
 ))
 
 
+# transformers' MixtralConfig defaults where a real checkpoint may leave a field out (rms_norm_eps, rope theta,
+# hidden_act, head_dim); its num_key_value_heads default, 8, fits no particular head count: a config must say it.
+MIXTRAL = Family(ARCHITECTURE, mixtral_layout, dict(
+    MOE_FIELDS, rms_norm_eps=1e-5, max_position_embeddings=4096 * 32, num_key_value_heads=REQUIRED,
+    head_dim=heads_wide, sliding_window=None), rope={"default_theta": 1e6}, own=(at_least("sliding_window", 1),),
+    fixed=dict(EXPERTS_AS_WIDE, norm_topk_prob=True, qkv_bias=False, o_bias=False, qk_norm=False))
+
+
 def mixtral_config(d: dict) -> QwenMoeConfig:
-    """Mixtral's config.json as the layer's config; transformers' MixtralConfig defaults where a real
-    checkpoint may leave a field out (rms_norm_eps, rope theta, hidden_act, head_dim)."""
-    common = moe_fields(d, moe_layout(mixtral_layout, d), rms_norm_eps=1e-5, max_position_embeddings=4096 * 32,
-                        rope=read_rope(d, default_theta=1e6))
-    window = _get(d, "sliding_window", None, int)
-    if window is not None and window < 1:
-        raise ConfigError(f"config.sliding_window: must be >= 1 or null, got {window}")
-    return QwenMoeConfig(
-        architecture=ARCHITECTURE,
-        **common,
-        # transformers' default is 8, which fits no particular head count: a config must say it.
-        num_key_value_heads=_get(d, "num_key_value_heads", kind=int),
-        head_dim=_get(d, "head_dim", common["hidden_size"] // common["num_attention_heads"], int),
-        norm_topk_prob=True,
-        qkv_bias=False,
-        o_bias=False,
-        qk_norm=False,
-        sliding_window=window,
-    )
+    """Mixtral's config.json as the layer's config."""
+    return MIXTRAL.read(d, QwenMoeConfig)
 
 
 class MixtralForCausalLM(QwenLayerCausalLM):
     ARCHITECTURE = ARCHITECTURE
+    FAMILY = MIXTRAL
     CHECKPOINT_NAMES = MIXTRAL_NAMES
-
-    @classmethod
-    def parse_config(cls, hf_config: dict) -> QwenMoeConfig:
-        return mixtral_config(hf_config)

@@ -222,10 +222,7 @@ class NemotronHBlock(nn.Module):
                                                 cfg.rms_norm_eps, (cfg.time_step_min, math.inf),
                                                 fields=("mamba_num_heads", "n_groups")), tp=tp, dtype=dtype)
         elif self.kind == "attention":
-            self.self_attn = GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads,
-                                                       cfg.num_key_value_heads, cfg.head_dim,
-                                                       rms_norm_eps=cfg.rms_norm_eps,
-                                                       use_rope=False), tp=tp, dtype=dtype)
+            self.self_attn = GQAttention(AttentionSpec.of(cfg, use_rope=False), tp=tp, dtype=dtype)
         elif layer_id in cfg.moe_layers:     # the layout's MoE layers: its "moe" blocks
             self.mlp = NemotronHMoE(cfg, plan, layer_id, dtype)
         else:
@@ -247,12 +244,11 @@ class NemotronHBlock(nn.Module):
 
 class NemotronHForCausalLM(DeclaredCausalLM):
     ARCHITECTURE = ARCHITECTURE
+    MTP_PREFIXES = ("mtp.",)
     CONFIG = NemotronHConfig
     DECODER_LAYER = NemotronHBlock
     TENSOR_PARALLEL = True
 
-    def ignore_prefixes(self, prefix: str) -> tuple[str, ...]:
-        return (*super().ignore_prefixes(prefix), f"{prefix}mtp.")
 
     def checkpoint_view(self, ckpt):
         """`backbone.` and each block's `mixer.` under the engine's names; with tp_size > 1 the Mamba2 layers' rows

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from loadplan.layouts import olmoe_layout
 from ..weights import CheckpointNames
-from .config import ConfigError, get_field as _get, moe_layout, read_rope
-from .qwen_moe import QwenLayerCausalLM, QwenMoeConfig, moe_fields
+from .config import ConfigError, Family, as_heads, heads_wide
+from .qwen_moe import EXPERTS_AS_WIDE, MOE_FIELDS, QwenLayerCausalLM, QwenMoeConfig
 
 ARCHITECTURE = "OlmoeForCausalLM"
 
@@ -28,40 +28,33 @@ OLMOE_NAMES = CheckpointNames((
 ))
 
 
-def olmoe_config(d: dict) -> QwenMoeConfig:
-    """OLMoE's config.json as the layer's config; transformers' OlmoeConfig defaults where a checkpoint may
-    leave a field out (rms_norm_eps, rope theta, hidden_act, attention_bias, clip_qkv, norm_topk_prob)."""
-    common = moe_fields(d, moe_layout(olmoe_layout, d), rms_norm_eps=1e-5, max_position_embeddings=4096,
-                        rope=read_rope(d, default_theta=10000.0))
-    hidden, heads = common["hidden_size"], common["num_attention_heads"]
-    # transformers sizes q_norm by hidden_size and k_norm by (hidden_size // heads) * kv heads: the heads
-    # are hidden_size // heads wide, whatever a head_dim field says.
-    head_dim = _get(d, "head_dim", hidden // heads, int)
+def _heads_span_hidden(d: dict, fields: dict) -> None:
+    """transformers sizes q_norm by hidden_size and k_norm by (hidden_size // heads) * kv heads: the heads are
+    hidden_size // heads wide, whatever a head_dim field says."""
+    head_dim, heads, hidden = fields.head_dim, fields.num_attention_heads, fields.hidden_size
     if head_dim * heads != hidden:
         raise ConfigError(f"config.head_dim: {head_dim} x num_attention_heads={heads} must equal hidden_size={hidden} "
                           f"(OLMoE normalises q over hidden_size features)")
-    clip = _get(d, "clip_qkv", None, (int, float))
+    clip = fields.clip_qkv
     if clip is not None and clip <= 0:
         raise ConfigError(f"config.clip_qkv: must be > 0 or null, got {clip}")
-    bias = bool(_get(d, "attention_bias", False, bool))
-    return QwenMoeConfig(
-        architecture=ARCHITECTURE,
-        **common,
-        num_key_value_heads=_get(d, "num_key_value_heads", heads, int),
-        head_dim=head_dim,
-        norm_topk_prob=bool(_get(d, "norm_topk_prob", False, bool)),
-        qkv_bias=bias,
-        o_bias=bias,
-        qk_norm=True,
-        qk_norm_span="projection",
-        clip_qkv=None if clip is None else float(clip),
-    )
+
+
+# transformers' OlmoeConfig defaults where a checkpoint may leave a field out (rms_norm_eps, rope theta, hidden_act,
+# attention_bias, clip_qkv, norm_topk_prob); one attention_bias for q/k/v and o.
+OLMOE_FIELDS = dict(MOE_FIELDS, rms_norm_eps=1e-5, max_position_embeddings=4096, num_key_value_heads=as_heads,
+                    head_dim=heads_wide, norm_topk_prob=False, qkv_bias=False)
+OLMOE_FIXED = dict(EXPERTS_AS_WIDE, o_bias=lambda f: f.qkv_bias, qk_norm=True, qk_norm_span="projection")
+OLMOE = Family(ARCHITECTURE, olmoe_layout, dict(OLMOE_FIELDS, clip_qkv=None), names={"qkv_bias": "attention_bias"},
+               rope={"default_theta": 10000.0}, fixed=OLMOE_FIXED, own=(_heads_span_hidden,))
+
+
+def olmoe_config(d: dict) -> QwenMoeConfig:
+    """OLMoE's config.json as the layer's config."""
+    return OLMOE.read(d, QwenMoeConfig)
 
 
 class OlmoeForCausalLM(QwenLayerCausalLM):
     ARCHITECTURE = ARCHITECTURE
+    FAMILY = OLMOE
     CHECKPOINT_NAMES = OLMOE_NAMES
-
-    @classmethod
-    def parse_config(cls, hf_config: dict) -> QwenMoeConfig:
-        return olmoe_config(hf_config)

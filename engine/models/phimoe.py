@@ -17,7 +17,7 @@ experts as Mixtral does, `block_sparse_moe.experts.{e}.w1/w3/w2` and the router 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -26,9 +26,9 @@ from torch import nn
 from loadplan.layouts import mixtral_layout
 from ..layers.norm import LayerNorm
 from .causal_lm import DeclaredCausalLM
-from .config import ConfigError, get_field as _get, moe_layout, read_rope
+from .config import ConfigError, Family, at_least, heads_wide
 from .mixtral import MIXTRAL_NAMES
-from .qwen_moe import QwenDecoderLayer, QwenMoeConfig, QwenSparseMoeBlock, moe_fields
+from .qwen_moe import EXPERTS_AS_WIDE, MOE_FIELDS, QwenDecoderLayer, QwenMoeConfig, QwenSparseMoeBlock
 
 HUB_ARCHITECTURE = "PhiMoEForCausalLM"       # microsoft/Phi-3.5-MoE-instruct's config.json
 ARCHITECTURE = "PhimoeForCausalLM"           # transformers' class, what its save_pretrained writes
@@ -39,45 +39,30 @@ class PhimoeConfig(QwenMoeConfig):
     router_jitter_noise: float = 0.01        # the sparsemixer's margin: logits within 2x this (relative) compete
     lm_head_bias: bool = False
 
-    @classmethod
-    def from_hf(cls, d: dict, architecture: str = ARCHITECTURE) -> "PhimoeConfig":
-        """transformers' PhimoeConfig defaults where a checkpoint may leave a field out."""
-        layout = moe_layout(mixtral_layout, d)
-        if layout.top_k != 2:
-            raise ConfigError(f"config.num_experts_per_tok: {layout.top_k} is not supported; "
-                              f"Phi-3.5-MoE's sparsemixer routes every token to exactly 2 experts")
-        common = moe_fields(d, layout, rms_norm_eps=1e-5, max_position_embeddings=4096 * 32,
-                            rope=read_rope(d, default_theta=1e6, longrope=True))
-        jitter = float(_get(d, "router_jitter_noise", 0.01, (int, float)))
-        if jitter < 0:
-            raise ConfigError(f"config.router_jitter_noise: must be >= 0, got {jitter}")
-        window = _get(d, "sliding_window", None, int)
-        if window is not None and window < 1:
-            raise ConfigError(f"config.sliding_window: must be >= 1 or null, got {window}")
-        head_bias = bool(_get(d, "lm_head_bias", False, bool))
-        if head_bias and common["tie_word_embeddings"]:
-            raise ConfigError("config.lm_head_bias: a head bias with tie_word_embeddings is not supported")
-        hidden, heads = common["hidden_size"], common["num_attention_heads"]
-        head_dim = _get(d, "head_dim", hidden // heads, int)
-        rope = common["rope"]
-        if rope.rope_type == "longrope" and len(rope.short_factor) != int(head_dim * rope.partial_rotary_factor) // 2:
-            field = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
-            raise ConfigError(f"config.{field}: {len(rope.short_factor)} short factors; the rotary dimension "
-                              f"{int(head_dim * rope.partial_rotary_factor)} needs one per pair of features")
-        bias = bool(_get(d, "attention_bias", False, bool))
-        return cls(
-            architecture=architecture,
-            **common,
-            num_key_value_heads=_get(d, "num_key_value_heads", 8, int),
-            head_dim=head_dim,
-            norm_topk_prob=False,
-            qkv_bias=bias,
-            o_bias=bias,
-            qk_norm=False,
-            sliding_window=window,
-            router_jitter_noise=jitter,
-            lm_head_bias=head_bias,
-        )
+
+def _sparsemixer_fields(d: dict, fields: dict) -> None:
+    """Two experts a token, a margin >= 0, no head bias on a tied head, one LongRoPE short factor per rotated pair."""
+    if fields.num_experts_per_tok != 2:
+        raise ConfigError(f"config.num_experts_per_tok: {fields.num_experts_per_tok} is not supported; "
+                          f"Phi-3.5-MoE's sparsemixer routes every token to exactly 2 experts")
+    if fields.router_jitter_noise < 0:
+        raise ConfigError(f"config.router_jitter_noise: must be >= 0, got {fields.router_jitter_noise}")
+    if fields.lm_head_bias and fields.tie_word_embeddings:
+        raise ConfigError("config.lm_head_bias: a head bias with tie_word_embeddings is not supported")
+    rope, rotated = fields.rope, int(fields.head_dim * fields.rope.partial_rotary_factor)
+    if rope.rope_type == "longrope" and len(rope.short_factor) != rotated // 2:
+        field = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
+        raise ConfigError(f"config.{field}: {len(rope.short_factor)} short factors; the rotary dimension "
+                          f"{rotated} needs one per pair of features")
+
+
+# transformers' PhimoeConfig defaults where a checkpoint may leave a field out.
+PHIMOE = Family(ARCHITECTURE, mixtral_layout, dict(
+    MOE_FIELDS, rms_norm_eps=1e-5, max_position_embeddings=4096 * 32, router_jitter_noise=0.01, sliding_window=None,
+    lm_head_bias=False, num_key_value_heads=8, head_dim=heads_wide, qkv_bias=False),
+    names={"qkv_bias": "attention_bias"}, rope={"default_theta": 1e6, "longrope": True},
+    fixed=dict(EXPERTS_AS_WIDE, norm_topk_prob=False, o_bias=lambda f: f.qkv_bias, qk_norm=False),
+    own=(at_least("sliding_window", 1), _sparsemixer_fields))
 
 
 def sparsemixer(scores: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,12 +101,9 @@ class PhimoeForCausalLM(DeclaredCausalLM):
     ARCHITECTURE = ARCHITECTURE
     TENSOR_PARALLEL = True
     CHECKPOINT_NAMES = MIXTRAL_NAMES
+    FAMILY = PHIMOE
     CONFIG = PhimoeConfig
     DECODER_LAYER = PhimoeDecoderLayer
-
-    @classmethod
-    def parse_config(cls, hf_config: dict) -> PhimoeConfig:
-        return PhimoeConfig.from_hf(hf_config, cls.ARCHITECTURE)
 
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
         super().__init__(hf_config, plan, dtype=dtype)
@@ -139,3 +121,4 @@ class PhiMoEForCausalLM(PhimoeForCausalLM):
     """The Hub's spelling of the entry class (microsoft/Phi-3.5-MoE-instruct's config.json)."""
 
     ARCHITECTURE = HUB_ARCHITECTURE
+    FAMILY = replace(PHIMOE, architecture=HUB_ARCHITECTURE)

@@ -22,11 +22,11 @@ from ..layers.attention import AttentionSpec, GQAttention
 from ..layers.gated_delta_net import GatedDeltaNet
 from ..layers.mlp import GatedMLP, activation
 from ..layers.norm import OffsetRMSNorm
-from ..layers.rope import RopeConfig
 from ..parallel.tensor import TensorParallel
 from ..shown_tensors import rows_by_rank
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, moe_layout, per_layer, read_rope
+from .config import (REQUIRED, ConfigError, DecoderConfig, get_field as _get, moe_layout, per_layer, read_fields,
+                     read_rope)
 from .qwen_moe import QwenSparseMoeBlock
 
 # transformers' Qwen3NextConfig defaults for fields a config.json may leave out.
@@ -36,21 +36,14 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 
 
 @dataclass(frozen=True)
-class Qwen3NextConfig:
-    vocab_size: int
-    hidden_size: int
+class Qwen3NextConfig(DecoderConfig):
     intermediate_size: int              # the dense MLP of mlp_only / non-sparse layers
-    num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
     rotary_dim: int                     # head_dim * partial_rotary_factor
     attention_bias: bool
-    rms_norm_eps: float
     hidden_act: str
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    rope: RopeConfig
     layer_types: tuple[str, ...]
     linear_num_key_heads: int
     linear_num_value_heads: int
@@ -103,33 +96,16 @@ class Qwen3NextConfig:
             raise ConfigError(f"config.shared_expert_intermediate_size: must be >= 1, got {shared} (Qwen3-Next's "
                               f"MoE block always has a shared expert)")
         return cls(
-            vocab_size=_get(d, "vocab_size", kind=int),
-            hidden_size=hidden,
-            intermediate_size=_get(d, "intermediate_size", kind=int),
-            num_hidden_layers=n_layers,
-            num_attention_heads=heads,
-            num_key_value_heads=_get(d, "num_key_value_heads", heads, int),
-            head_dim=head_dim,
-            rotary_dim=rotary_dim,
-            attention_bias=bool(_get(d, "attention_bias", False, bool)),
-            rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6)),
-            hidden_act=act,
-            max_position_embeddings=_get(d, "max_position_embeddings", 32768, int),
-            tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
-            rope=rope,
-            layer_types=tuple(layer_types),
-            linear_num_key_heads=k_heads,
-            linear_num_value_heads=v_heads,
-            linear_key_head_dim=_get(d, "linear_key_head_dim", kind=int),
-            linear_value_head_dim=_get(d, "linear_value_head_dim", kind=int),
-            linear_conv_kernel_dim=kernel,
-            num_experts=layout.n_routed,
-            num_experts_per_tok=layout.top_k,
-            moe_intermediate_size=_get(d, "moe_intermediate_size", kind=int),
-            shared_expert_intermediate_size=shared,
-            norm_topk_prob=bool(_get(d, "norm_topk_prob", True, bool)),
-            moe_layers=layout.moe_layers,
-        )
+            **read_fields(d, cls, dict(vocab_size=REQUIRED, intermediate_size=REQUIRED, num_key_value_heads=heads,
+                                       attention_bias=False, rms_norm_eps=1e-6, max_position_embeddings=32768,
+                                       tie_word_embeddings=False, linear_key_head_dim=REQUIRED,
+                                       linear_value_head_dim=REQUIRED, moe_intermediate_size=REQUIRED,
+                                       norm_topk_prob=True)),
+            hidden_size=hidden, num_hidden_layers=n_layers, num_attention_heads=heads, head_dim=head_dim,
+            rotary_dim=rotary_dim, hidden_act=act, rope=rope, layer_types=tuple(layer_types),
+            linear_num_key_heads=k_heads, linear_num_value_heads=v_heads, linear_conv_kernel_dim=kernel,
+            num_experts=layout.n_routed, num_experts_per_tok=layout.top_k, shared_expert_intermediate_size=shared,
+            moe_layers=layout.moe_layers)
 
 
 class Qwen3NextDecoderLayer(DecoderLayer):
@@ -143,10 +119,9 @@ class Qwen3NextDecoderLayer(DecoderLayer):
                                   cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim,
                                   cfg.rms_norm_eps, dtype, tp=tp, projections=cfg.linear_projections)
         else:
-            mixer = GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                              cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, qkv_bias=cfg.attention_bias,
-                                              o_bias=cfg.attention_bias, qk_norm="head", gate="in_q",
-                                              rotary_dim=cfg.rotary_dim, norm=OffsetRMSNorm), tp=tp, dtype=dtype)
+            mixer = GQAttention(AttentionSpec.of(cfg, qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias,
+                                                 qk_norm="head", gate="in_q", rotary_dim=cfg.rotary_dim,
+                                                 norm=OffsetRMSNorm), tp=tp, dtype=dtype)
         if layer_id in cfg.moe_layers:
             mlp = QwenSparseMoeBlock(cfg, plan, layer_id, dtype)
         else:
@@ -165,14 +140,12 @@ class Qwen3NextForCausalLM(DeclaredCausalLM):
     CONFIG = Qwen3NextConfig
     DECODER_LAYER = Qwen3NextDecoderLayer
     TENSOR_PARALLEL = True
+    MTP_PREFIXES = ("mtp.",)
 
     def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
         super().__init__(hf_config, plan, dtype=dtype)
         # The rotary tables cover the rotated share of a head only (the layers rotate rotary_dim features).
         assert self.rotary.rotary_dim == self.config.rotary_dim, (self.rotary.rotary_dim, self.config.rotary_dim)
-
-    def ignore_prefixes(self, prefix: str) -> tuple[str, ...]:
-        return (*super().ignore_prefixes(prefix), f"{prefix}mtp.")
 
     def checkpoint_view(self, ckpt):
         tp = self.plan.request.parallel.tp_size

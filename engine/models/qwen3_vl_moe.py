@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from ..shown_tensors import renamed
 from ..stacked_experts import StackedExperts
-from .config import ConfigError
 from .qwen_moe import Qwen3MoeForCausalLM
 from .text_wrapper import TextOnlyWrapper
 
@@ -32,14 +31,7 @@ class Qwen3VLMoeForConditionalGeneration(TextOnlyWrapper):
     INNER = Qwen3MoeForCausalLM
     TENSOR_PARALLEL = True
     OTHER_TOWERS = ("model.visual.",)
-
-    @classmethod
-    def _text_config(cls, hf_config: dict) -> dict:
-        text = super()._text_config(hf_config)
-        if text.get("norm_topk_prob") is False:
-            raise ConfigError("config.text_config.norm_topk_prob: false not supported; Qwen3-VL-MoE's router always "
-                              "renormalises its top-k weights")
-        return dict(text, norm_topk_prob=True)
+    TEXT_RUNS = (("norm_topk_prob", True, "Qwen3-VL-MoE's router always renormalises its top-k weights"),)
 
     def checkpoint_view(self, ckpt):
         cfg = self.config

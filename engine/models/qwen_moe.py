@@ -1,4 +1,4 @@
-"""Qwen3-MoE and Qwen2-MoE (gpt-fast style), numerically following transformers' modeling files.
+"""Qwen3-MoE and Qwen2-MoE, numerically following transformers' modeling files.
 
 Shapes: B batch, T tokens, D hidden, E routed experts, K top-k, V vocab, H/H_kv heads.
 
@@ -20,29 +20,21 @@ from torch import nn
 
 from loadplan.layouts import MoeLayout, qwen2_moe_layout, qwen3_moe_layout
 from ..layers.attention import AttentionSpec, GQAttention
-from ..layers.mlp import GatedMLP, activation
-from ..layers.rope import RopeConfig
+from ..layers.mlp import GatedMLP
 from ..moe import RoutedExperts
 from ..parallel.tensor import TensorParallel
-from .causal_lm import CausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, moe_layout, read_rope
+from .causal_lm import BlockLayer, DeclaredCausalLM
+from .config import REQUIRED, ConfigError, DecoderConfig, Family, as_heads, heads_wide
 
 
 @dataclass(frozen=True)
-class QwenMoeConfig:
+class QwenMoeConfig(DecoderConfig):
     architecture: str
-    vocab_size: int
-    hidden_size: int
     intermediate_size: int              # dense MLP of mlp_only / non-sparse layers
-    num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    rms_norm_eps: float
     hidden_act: str
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    rope: RopeConfig
     num_experts: int
     num_experts_per_tok: int
     moe_intermediate_size: int
@@ -60,71 +52,41 @@ class QwenMoeConfig:
 
     @classmethod
     def from_hf(cls, d: dict, architecture: str) -> "QwenMoeConfig":
-        qwen2 = architecture == "Qwen2MoeForCausalLM"
-        hidden = _get(d, "hidden_size", kind=int)
-        heads = _get(d, "num_attention_heads", kind=int)
-        if d.get("use_sliding_window"):
-            raise ConfigError("config.use_sliding_window: sliding-window attention is not supported by the engine")
-        layer_types = d.get("layer_types") or []
-        if any(t != "full_attention" for t in layer_types):
-            raise ConfigError(f"config.layer_types: only full_attention is supported, got {sorted(set(layer_types))}")
-        activation(_get(d, "hidden_act", "silu", str))   # refuses unknown activations by name
-        # the registry's reader of the layer and expert fields (the Hub's num_experts, or transformers 5's
-        # num_local_experts; Qwen2-MoE's shared expert where shared_expert_intermediate_size is set)
-        layout = moe_layout(qwen2_moe_layout if qwen2 else qwen3_moe_layout, d)
-        return cls(
-            architecture=architecture,
-            vocab_size=_get(d, "vocab_size", kind=int),
-            hidden_size=hidden,
-            intermediate_size=_get(d, "intermediate_size", kind=int),
-            num_hidden_layers=len(layout.layer_ids),
-            num_attention_heads=heads,
-            num_key_value_heads=_get(d, "num_key_value_heads", heads, int),
-            head_dim=_get(d, "head_dim", hidden // heads, int),
-            rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6)),
-            hidden_act=_get(d, "hidden_act", "silu", str),
-            max_position_embeddings=_get(d, "max_position_embeddings", 32768, int),
-            tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
-            rope=read_rope(d),
-            num_experts=layout.n_routed,
-            num_experts_per_tok=layout.top_k,
-            moe_intermediate_size=_get(d, "moe_intermediate_size", kind=int),
-            norm_topk_prob=bool(_get(d, "norm_topk_prob", False, bool)),
-            qkv_bias=bool(_get(d, "qkv_bias", True, bool)) if qwen2 else bool(_get(d, "attention_bias", False, bool)),
-            o_bias=False if qwen2 else bool(_get(d, "attention_bias", False, bool)),
-            qk_norm=not qwen2,
-            # the shared expert's width: the layout says only whether there is one
-            shared_expert_intermediate_size=(_get(d, "shared_expert_intermediate_size", kind=int)
-                                             if layout.n_shared else 0),
-            moe_layers=layout.moe_layers,
-        )
+        return QWEN_FAMILIES[architecture].read(d, cls)
+
+    @classmethod
+    def layout_fields(cls, layout: MoeLayout, d: dict, draft: bool = False) -> dict:
+        """The fields the registry's layout gives (`moe_layout`): the layers, the MoE ones, the expert counts (no
+        family of Qwen's layer has a draft row)."""
+        return dict(num_hidden_layers=len(layout.layer_ids), num_experts=layout.n_routed,
+                    num_experts_per_tok=layout.top_k, moe_layers=layout.moe_layers)
 
 
-def moe_fields(d: dict, layout: MoeLayout, *, rms_norm_eps: float, max_position_embeddings: int,
-               rope: RopeConfig) -> dict:
-    """The `QwenMoeConfig` fields Mixtral, OLMoE and their kin read alike: the layers, the MoE ones and the expert
-    counts of `layout` (the registry's reading: `moe_layout`), experts of width intermediate_size; the keyword
-    arguments are the family's transformers defaults for fields a checkpoint may leave out, and its rotary
-    embedding as it reads it (`read_rope`)."""
-    width = _get(d, "intermediate_size", kind=int)
-    act = _get(d, "hidden_act", "silu", str)
-    activation(act)   # refuses unknown activations by name
-    return dict(
-        vocab_size=_get(d, "vocab_size", kind=int),
-        hidden_size=_get(d, "hidden_size", kind=int),
-        intermediate_size=width,
-        num_hidden_layers=len(layout.layer_ids),
-        num_attention_heads=_get(d, "num_attention_heads", kind=int),
-        rms_norm_eps=float(_get(d, "rms_norm_eps", rms_norm_eps)),
-        hidden_act=act,
-        max_position_embeddings=_get(d, "max_position_embeddings", max_position_embeddings, int),
-        tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
-        rope=rope,
-        num_experts=layout.n_routed,
-        num_experts_per_tok=layout.top_k,
-        moe_intermediate_size=width,
-        moe_layers=layout.moe_layers,
-    )
+def _full_attention_only(d: dict, fields: dict) -> None:
+    """Qwen's refusal of the sliding windows its configs may switch on."""
+    if d.get("use_sliding_window"):
+        raise ConfigError("config.use_sliding_window: sliding-window attention is not supported by the engine")
+    layer_types = d.get("layer_types") or []
+    if any(t != "full_attention" for t in layer_types):
+        raise ConfigError(f"config.layer_types: only full_attention is supported, got {sorted(set(layer_types))}")
+
+
+# The fields Mixtral, OLMoE and their kin read alike (transformers has no default for them); their experts are
+# intermediate_size wide (`EXPERTS_AS_WIDE`).
+MOE_FIELDS = dict(vocab_size=REQUIRED, hidden_size=REQUIRED, intermediate_size=REQUIRED,
+                  num_attention_heads=REQUIRED, hidden_act="silu", tie_word_embeddings=False)
+EXPERTS_AS_WIDE = {"moe_intermediate_size": lambda f: f.intermediate_size}
+_QWEN = dict(MOE_FIELDS, num_key_value_heads=as_heads, head_dim=heads_wide, rms_norm_eps=1e-6,
+             max_position_embeddings=32768, moe_intermediate_size=REQUIRED, norm_topk_prob=False)
+# Qwen2-MoE: its shared expert's width where the registry's layout has one (shared_expert_intermediate_size).
+QWEN_FAMILIES = {
+    "Qwen3MoeForCausalLM": Family("Qwen3MoeForCausalLM", qwen3_moe_layout, dict(_QWEN, qkv_bias=False),
+                                  names={"qkv_bias": "attention_bias"}, own=(_full_attention_only,),
+                                  fixed={"o_bias": lambda f: f.qkv_bias, "qk_norm": True}),
+    "Qwen2MoeForCausalLM": Family("Qwen2MoeForCausalLM", qwen2_moe_layout, dict(_QWEN, qkv_bias=True),
+                                  own=(_full_attention_only,), fixed={"o_bias": False, "qk_norm": False},
+                                  shared="shared_expert_intermediate_size"),
+}
 
 
 class QwenSparseMoeBlock(nn.Module):
@@ -200,7 +162,7 @@ class Float32RouterMoeBlock(SharedMlpMoeBlock):
         return F.linear(x.float(), self.gate.weight)
 
 
-class QwenDecoderLayer(DecoderLayer):
+class QwenDecoderLayer(BlockLayer):
     MOE_BLOCK: type[nn.Module] = QwenSparseMoeBlock   # a family's own block of the same constructor (granitemoe.py)
 
     @classmethod
@@ -208,43 +170,31 @@ class QwenDecoderLayer(DecoderLayer):
         """The layer's attention (a family whose layers differ overrides it: Granite MoE SWA's, granitemoe.py)."""
         qk_norm = None if not cfg.qk_norm else "projection" if cfg.qk_norm_span == "projection" else \
             "head_after_rope" if cfg.qk_norm_after_rope else "head"
-        return GQAttention(AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, cfg.rms_norm_eps, qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias,
-                                         qk_norm=qk_norm, clip_qkv=cfg.clip_qkv, sliding_window=cfg.sliding_window),
+        return GQAttention(AttentionSpec.of(cfg, qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, qk_norm=qk_norm,
+                                            clip_qkv=cfg.clip_qkv, sliding_window=cfg.sliding_window),
                            tp=tp, dtype=dtype)
 
-    def __init__(self, cfg: QwenMoeConfig, plan, layer_id: int, dtype: torch.dtype):
-        tp = TensorParallel.of(plan)   # heads and dense features split over the TP ranks (the experts: RoutedExperts)
-        attn = self.make_attention(cfg, layer_id, dtype, tp)
-        if layer_id in cfg.moe_layers:
-            mlp = self.MOE_BLOCK(cfg, plan, layer_id, dtype)
-        else:
-            mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype, tp=tp)
-        super().__init__(layer_id, attn, mlp, cfg.hidden_size, cfg.rms_norm_eps, dtype)
-
-
-class QwenLayerCausalLM(CausalLM):
-    """An entry class built from `QwenDecoderLayer` (or a subclass: `DECODER_LAYER`): the Qwen families here,
-    Mixtral, OLMoE, Granite MoE, Jamba, MiniMax (their own files), each giving `parse_config` (and `CHECKPOINT_NAMES`
-    where its checkpoints spell tensors otherwise)."""
-
-    ARCHITECTURE = ""
-    TENSOR_PARALLEL = True
-    DECODER_LAYER: type[QwenDecoderLayer] = QwenDecoderLayer
-
     @classmethod
-    def parse_config(cls, hf_config: dict) -> QwenMoeConfig:
-        return QwenMoeConfig.from_hf(hf_config, cls.ARCHITECTURE)
+    def make_mlp(cls, cfg: QwenMoeConfig, plan, layer_id: int, dtype: torch.dtype, tp: TensorParallel) -> nn.Module:
+        if layer_id in cfg.moe_layers:
+            return cls.MOE_BLOCK(cfg, plan, layer_id, dtype)
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype, tp=tp)
 
-    def __init__(self, hf_config: dict, plan, *, dtype: torch.dtype = torch.float32):
-        cfg = self.parse_config(hf_config)
-        super().__init__(cfg, plan, self.DECODER_LAYER, n_routed=cfg.num_experts, rope_head_dim=cfg.head_dim,
-                         dtype=dtype)
+
+class QwenLayerCausalLM(DeclaredCausalLM):
+    """An entry class built from `QwenDecoderLayer` (or a subclass: `DECODER_LAYER`) and its family's row (`FAMILY`):
+    the Qwen families here, Mixtral, OLMoE, Granite MoE, Jamba, MiniMax and their kin (their own files)."""
+
+    TENSOR_PARALLEL = True
+    CONFIG: type[QwenMoeConfig] = QwenMoeConfig
+    DECODER_LAYER: type[QwenDecoderLayer] = QwenDecoderLayer
 
 
 class Qwen3MoeForCausalLM(QwenLayerCausalLM):
     ARCHITECTURE = "Qwen3MoeForCausalLM"
+    FAMILY = QWEN_FAMILIES[ARCHITECTURE]
 
 
 class Qwen2MoeForCausalLM(QwenLayerCausalLM):
     ARCHITECTURE = "Qwen2MoeForCausalLM"
+    FAMILY = QWEN_FAMILIES[ARCHITECTURE]

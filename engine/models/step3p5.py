@@ -47,7 +47,7 @@ from ..parallel.tensor import TensorParallel
 from ..shown_tensors import ShownTensors
 from ..weights import CheckpointNames
 from .causal_lm import DeclaredCausalLM, DecoderLayer
-from .config import ConfigError, get_field as _get, moe_layout, per_layer
+from .config import ConfigError, DecoderConfig, get_field as _get, moe_layout, per_layer, read_fields
 
 ARCHITECTURE = "Step3p5ForCausalLM"
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -78,19 +78,13 @@ class RopesByKind:
 
 
 @dataclass(frozen=True)
-class Step3p5Config(RopesByKind):
-    vocab_size: int
-    hidden_size: int
+class Step3p5Config(DecoderConfig, RopesByKind):
     intermediate_size: int               # the dense layers' MLP
-    num_hidden_layers: int
     num_attention_heads: int             # the global layers'
     num_sliding_attention_heads: int     # the windowed layers'
     num_key_value_heads: int
     head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    rope: RopeConfig                     # the global layers' (each layer turns q and k with its kind's: `ropes`)
+    # rope: the global layers' (each layer turns q and k with its kind's: `ropes`)
     ropes: tuple[tuple[str, RopeConfig], ...]
     layer_types: tuple[str, ...]
     sliding_window: int | None
@@ -143,33 +137,19 @@ class Step3p5Config(RopesByKind):
             raise ConfigError(f"config.query_pre_attn_scalar: must be > 0, got {scalar}")
         ropes = _ropes(d, cut, types, head_dim)
         return cls(
-            vocab_size=_get(d, "vocab_size", 128815, int),
-            hidden_size=hidden,
-            intermediate_size=_get(d, "intermediate_size", 11264, int),
-            num_hidden_layers=n,
-            num_attention_heads=heads,
+            **read_fields(d, cls, dict(vocab_size=128815, intermediate_size=11264, rms_norm_eps=1e-5,
+                                       max_position_embeddings=128000, tie_word_embeddings=False, attention_bias=False,
+                                       moe_intermediate_size=1280, routed_scaling_factor=1.0),
+                          names=dict(routed_scaling_factor="moe_router_scaling_factor")),
+            hidden_size=hidden, num_hidden_layers=n, num_attention_heads=heads,
             num_sliding_attention_heads=_sliding_heads(d, heads, types),
-            num_key_value_heads=_first_of(d, ("num_key_value_heads", "num_attention_groups"), 8),
-            head_dim=head_dim,
-            rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-5, (int, float))),
-            max_position_embeddings=_get(d, "max_position_embeddings", 128000, int),
-            tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False, bool)),
-            rope=dict(ropes).get("full_attention", ropes[0][1]),
-            ropes=ropes,
-            layer_types=tuple(types),
-            sliding_window=window,
-            attention_bias=bool(_get(d, "attention_bias", False, bool)),
-            attention_scale=float(scalar) ** -0.5,
-            num_experts=layout.n_routed,
+            num_key_value_heads=_first_of(d, ("num_key_value_heads", "num_attention_groups"), 8), head_dim=head_dim,
+            rope=dict(ropes).get("full_attention", ropes[0][1]), ropes=ropes, layer_types=tuple(types),
+            sliding_window=window, attention_scale=float(scalar) ** -0.5, num_experts=layout.n_routed,
             num_experts_per_tok=layout.top_k,
-            moe_intermediate_size=_get(d, "moe_intermediate_size", 1280, int),
             share_expert_dim=_first_of(d, ("share_expert_dim", "share_expert_dims"), 1280),
-            routed_scaling_factor=float(_get(d, "moe_router_scaling_factor", 1.0, (int, float))),
-            moe_layers=layout.moe_layers,
-            swiglu_limits=_limits(cut, "swiglu_limits", n),
-            swiglu_limits_shared=_limits(cut, "swiglu_limits_shared", n),
-            num_nextn_predict_layers=mtp,
-        )
+            moe_layers=layout.moe_layers, swiglu_limits=_limits(cut, "swiglu_limits", n),
+            swiglu_limits_shared=_limits(cut, "swiglu_limits_shared", n), num_nextn_predict_layers=mtp)
 
 
 class _PerLayerCut(dict):

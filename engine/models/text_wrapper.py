@@ -12,6 +12,7 @@ layers...`, `language_model.lm_head.weight`); the vision tower's and projector's
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import torch
 from torch import nn
@@ -36,6 +37,9 @@ class TextOnlyWrapper(nn.Module):
     TEXT_PREFIX = "language_model."
     OTHER_TOWERS: tuple[str, ...] = ()    # checkpoint prefixes of the towers that are not run
     TENSOR_PARALLEL = False               # the inner class's, said again by each wrapper
+    # (field, the value the wrapper's model runs, why): text_config fields it runs one way only, whatever the inner
+    # family would read; another value is refused
+    TEXT_RUNS: tuple[tuple[str, object, str], ...] = ()
 
     @classmethod
     def _text_config(cls, hf_config: dict) -> dict:
@@ -43,7 +47,10 @@ class TextOnlyWrapper(nn.Module):
         if not isinstance(text, dict):
             raise ConfigError(f"config.text_config: missing ({cls.__name__} builds its {cls.INNER.__name__} "
                               f"from it)")
-        return text
+        for field, runs, why in cls.TEXT_RUNS:
+            if text.get(field) not in (None, runs):
+                raise ConfigError(f"config.text_config.{field}: {json.dumps(text[field])} not supported; {why}")
+        return dict(text, **{field: runs for field, runs, _ in cls.TEXT_RUNS}) if cls.TEXT_RUNS else text
 
     @classmethod
     def parse_config(cls, hf_config: dict):

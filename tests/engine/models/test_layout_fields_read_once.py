@@ -27,13 +27,13 @@ MTP = "the MTP layers a target skips at load, or the one a draft builds: the lay
 # field: (why these engine modules read it themselves too, the modules)
 ALSO_READ: dict[str, tuple[str, set[str]]] = {
     "layer_types": ("each layer's attention kind or token mixer (Nemotron-H's reader reads it as its block pattern)",
-                    {"bailing_hybrid.py", "cohere2_moe.py", "config.py", "dots1.py", "flint.py", "gpt_oss.py",
-                     "granitemoe.py", "granitemoe_hybrid.py", "kimi_linear.py", "kolibri1.py", "laguna.py",
+                    {"bailing_hybrid.py", "cohere2_moe.py", "config.py", "dots1.py", "gpt_oss.py",
+                     "granitemoe.py", "granitemoe_hybrid.py", "kimi_linear.py", "laguna.py",
                      "lfm2_moe.py", "llama4.py", "mellum.py", "mimo_v2_flash.py", "minimax.py", "nemotron_h.py",
                      "qwen3_next.py", "qwen_moe.py", "step3p5.py"}),
     "layers_block_type": ("each layer's token mixer (Mamba2, attention, MLP)", {"granitemoe_hybrid.py", "nemotron_h.py"}),
     "hybrid_override_pattern": ("Nemotron-H's older spelling of its token mixers", {"nemotron_h.py"}),
-    "num_nextn_predict_layers": (MTP, {"bailing_hybrid.py", "causal_lm.py", "deepseek_v3.py", "glm4_moe.py",
+    "num_nextn_predict_layers": (MTP, {"bailing_hybrid.py", "causal_lm.py", "deepseek_v3.py",
                                        "nemotron_h.py", "qwen3_5_nextn.py",
                                        "sarvam.py", "solar_open.py", "step3p5.py"}),
     "num_mtp_layers": (MTP, {"bailing_hybrid.py", "sarvam.py", "solar_open.py", "step3p5.py"}),
