@@ -172,11 +172,21 @@ def max_rows() -> int | None:
     return None if n < 0 else n
 
 
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def features() -> str:
+    """What the built kernel computes with: "tiles=avx512|avx2 dpbf16=0|1" (dpbf16: bfloat16 dot products on
+    AVX-512 BF16, found at run time); "" without the kernel."""
+    lib = library()
+    return "" if lib is None else lib.features()
+
+
 def applies(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """Whether run_spans can compute these tensors (float32, contiguous, on the CPU, sizes multiples of 16,
-    nothing to differentiate)."""
+    """Whether run_spans can compute these tensors (float32 or bfloat16 alike, contiguous, on the CPU, sizes
+    multiples of 16, nothing to differentiate)."""
     D, I = down.shape[1], down.shape[2]
-    return (x.dtype == gate_up.dtype == down.dtype == torch.float32
+    return (x.dtype == gate_up.dtype == down.dtype and x.dtype in DTYPES
             and x.device.type == gate_up.device.type == down.device.type == "cpu"
             and gate_up.is_contiguous() and down.is_contiguous()
             and gate_up.shape[1:] == (2 * I, D) and x.shape[-1] == D and D % 16 == 0 and I % 16 == 0
@@ -189,7 +199,8 @@ def run_spans(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, w: tor
               out_rows: torch.Tensor | None = None) -> None:
     """out[o(r0 + j)] = down_s(silu(gate_s(x[i(x0 + j)])) * up_s(x[i(x0 + j)])) * w[o(r0 + j)] for (s, x0, r0, m)
     in spans, j < m, where i(p) = x_rows[p] (p if None) and o(p) = out_rows[p] (p if None); on torch's intra-op
-    threads. x and out contiguous [*, D]; w float32 contiguous [*] or None; x_rows, out_rows int64 [*]."""
+    threads. x contiguous [*, D] in the weights' dtype (float32 or bfloat16), out contiguous float32 [*, D] (the
+    sums stay float32; the caller rounds); w float32 contiguous [*] or None; x_rows, out_rows int64 [*]."""
     if not spans:
         return
     assert x.is_contiguous() and out.is_contiguous() and out.dtype == torch.float32
