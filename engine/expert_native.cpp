@@ -54,8 +54,14 @@ static inline bf16 to_bf16(float f) {
 #endif
 #define TILES 1
 // Rows of one expert up to which the dot products (proj) run, and above which the transposed tiles (projT):
-// with 1-4 rows both are memory bound and the dot products read faster; from 5 rows the tiles win.
+// with 1-4 rows both are memory bound and the dot products read faster; from 5 rows the tiles win. With AVX2's 16
+// registers the dot products of 3-4 rows spill their accumulators (64 experts from memory, one thread of two
+// busy cores: m=1 24 ms, m=4 87 ms, the tiles at m=5 36 ms): there the tiles take every expert of 3 rows or more.
+#if defined(__AVX512F__)
 #define SMALL_ROWS 4
+#else
+#define SMALL_ROWS 2
+#endif
 // Rows in one work item of the tiles: its transposed rows [D, MAX_P] and activations [2I, MAX_P] stay in L2.
 #define MAX_P 96
 // Rows of W per tile: 8 x (3 vectors of 16 rows) = 24 accumulators + 3 + 1 of the 32 vector registers.
@@ -109,14 +115,85 @@ static void proj_rm(const float *x, long ldx, const WT *W, long O, long Din, flo
     }
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#include <immintrin.h>
+#define AVX2_BF16_DOTS 1
+// bfloat16 weights on AVX2, written out: the vector extension's 16-wide widening (above) compiles to spills there
+// (bfloat16 read at half the float32 rate). 16 weights widen with one unpack per 8 (zeros as the low halves): the
+// 8 of the low unpack are weights 0-3 and 8-11 of the 16, the high 4-7 and 12-15, so x comes in that order (xp:
+// each block of 16 permuted alike, see proj). R rows of W x M rows of x, low and high halves summed apart.
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+template <int R, int M>
+static void proj_bf16_avx2(const float *xp, long ldx, const bf16 *W, long O, long Din, float *y, long ldy, long pf) {
+    const __m256i zero = _mm256_setzero_si256();
+    for (long o = 0; o < O; o += R) {
+        __m256 lo[R][M], hi[R][M];
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < M; j++) lo[r][j] = hi[r][j] = _mm256_setzero_ps();
+        const bf16 *w0 = W + o * Din;
+        for (long d = 0; d < Din; d += 16) {
+            if (SMALL_PF && d % 32 == 0)
+                for (int r = 0; r < R; r++) __builtin_prefetch(w0 + (pf + r) * Din + d, 0, SMALL_PF_LOC);
+            __m256 xl[M], xh[M];
+            for (int j = 0; j < M; j++) {
+                xl[j] = _mm256_loadu_ps(xp + j * ldx + d);
+                xh[j] = _mm256_loadu_ps(xp + j * ldx + d + 8);
+            }
+            for (int r = 0; r < R; r++) {
+                __m256i wv = _mm256_loadu_si256((const __m256i *)(w0 + r * Din + d));
+                __m256 wl = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, wv));
+                __m256 wh = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, wv));
+                for (int j = 0; j < M; j++) {
+                    lo[r][j] = _mm256_fmadd_ps(wl, xl[j], lo[r][j]);
+                    hi[r][j] = _mm256_fmadd_ps(wh, xh[j], hi[r][j]);
+                }
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < M; j++) y[j * ldy + o + r] = hsum8(_mm256_add_ps(lo[r][j], hi[r][j]));
+    }
+}
+#else
+#define AVX2_BF16_DOTS 0
+#endif
+
 // Up to 8 rows of x against all of W (O a multiple of 4, Din of 16).
 template <typename WT>
 static void proj(const float *x, long ldx, int m, const WT *W, long O, long Din, float *y, long ldy) {
     long pf = SMALL_PF / (Din * (long)sizeof(WT));
     if (pf < 4) pf = 4;
+#if AVX2_BF16_DOTS
+    if constexpr (sizeof(WT) == 2) {
+        // x's rows in the order of the widened weights: per block of 16, elements 0-3, 8-11, then 4-7, 12-15
+        float *xp = (float *)__builtin_alloca(sizeof(float) * 8 * Din + 64);
+        xp = (float *)(((uintptr_t)xp + 63) & ~(uintptr_t)63);
+        for (int j = 0; j < m; j++)
+            for (long d = 0; d < Din; d += 16)
+                for (int q = 0; q < 4; q++) {
+                    xp[j * Din + d + q] = x[j * ldx + d + q], xp[j * Din + d + 4 + q] = x[j * ldx + d + 8 + q];
+                    xp[j * Din + d + 8 + q] = x[j * ldx + d + 4 + q];
+                    xp[j * Din + d + 12 + q] = x[j * ldx + d + 12 + q];
+                }
+        for (int j0 = 0; j0 < m; j0 += 2) {
+            if (m - j0 >= 2) proj_bf16_avx2<2, 2>(xp + j0 * Din, Din, W, O, Din, y + j0 * ldy, ldy, pf);
+            else proj_bf16_avx2<4, 1>(xp + j0 * Din, Din, W, O, Din, y + j0 * ldy, ldy, pf);
+        }
+        return;
+    }
+#endif
     switch (m) {
     case 1: proj_rm<4, 1>(x, ldx, W, O, Din, y, ldy, pf); break;
+#if defined(__AVX512F__)
     case 2: proj_rm<4, 2>(x, ldx, W, O, Din, y, ldy, pf); break;
+#else
+    case 2: proj_rm<2, 2>(x, ldx, W, O, Din, y, ldy, pf); break;      // 4 x 2 accumulators of 16: registers spill
+#endif
     case 3: proj_rm<4, 3>(x, ldx, W, O, Din, y, ldy, pf); break;
     case 4: proj_rm<4, 4>(x, ldx, W, O, Din, y, ldy, pf); break;
     case 5: proj_rm<2, 5>(x, ldx, W, O, Din, y, ldy, pf); break;
