@@ -86,6 +86,15 @@ def cpu_key() -> str:
     return hashlib.sha256(f"{flags}\0{torch.__version__}".encode()).hexdigest()[:16]
 
 
+def source_key() -> str:
+    """The kernel's source, hashed: measured choices (engine/expert_choice.py) are valid for one version of it (a
+    kernel that computes more, e.g. bfloat16, or faster, is measured again)."""
+    try:
+        return hashlib.sha256(CPP.read_bytes()).hexdigest()[:12]
+    except OSError:
+        return "none"
+
+
 def cache_dir() -> Path:
     """Per-user cache of the built kernel and of the measured choices (engine/expert_choice.py);
     LOADPLAN_CACHE_DIR overrides it."""
