@@ -129,16 +129,17 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-template <int R, int M>
-static void proj_bf16_avx2(const float *xp, long ldx, const bf16 *W, long O, long Din, float *y, long ldy, long pf) {
+template <int R, int M, typename WT>
+static void proj_avx2(const float *xp, long ldx, const WT *W, long O, long Din, float *y, long ldy, long pf) {
     const __m256i zero = _mm256_setzero_si256();
+    (void)zero;
     for (long o = 0; o < O; o += R) {
         __m256 lo[R][M], hi[R][M];
         for (int r = 0; r < R; r++)
             for (int j = 0; j < M; j++) lo[r][j] = hi[r][j] = _mm256_setzero_ps();
-        const bf16 *w0 = W + o * Din;
+        const WT *w0 = W + o * Din;
         for (long d = 0; d < Din; d += 16) {
-            if (SMALL_PF && d % 32 == 0)
+            if (SMALL_PF && (sizeof(WT) == 4 || d % 32 == 0))
                 for (int r = 0; r < R; r++) __builtin_prefetch(w0 + (pf + r) * Din + d, 0, SMALL_PF_LOC);
             __m256 xl[M], xh[M];
             for (int j = 0; j < M; j++) {
@@ -146,9 +147,15 @@ static void proj_bf16_avx2(const float *xp, long ldx, const bf16 *W, long O, lon
                 xh[j] = _mm256_loadu_ps(xp + j * ldx + d + 8);
             }
             for (int r = 0; r < R; r++) {
-                __m256i wv = _mm256_loadu_si256((const __m256i *)(w0 + r * Din + d));
-                __m256 wl = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, wv));
-                __m256 wh = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, wv));
+                __m256 wl, wh;
+                if constexpr (sizeof(WT) == 2) {
+                    __m256i wv = _mm256_loadu_si256((const __m256i *)(w0 + r * Din + d));
+                    wl = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, wv));
+                    wh = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, wv));
+                } else {
+                    wl = _mm256_loadu_ps((const float *)w0 + r * Din + d);
+                    wh = _mm256_loadu_ps((const float *)w0 + r * Din + d + 8);
+                }
                 for (int j = 0; j < M; j++) {
                     lo[r][j] = _mm256_fmadd_ps(wl, xl[j], lo[r][j]);
                     hi[r][j] = _mm256_fmadd_ps(wh, xh[j], hi[r][j]);
@@ -181,8 +188,15 @@ static void proj(const float *x, long ldx, int m, const WT *W, long O, long Din,
                     xp[j * Din + d + 12 + q] = x[j * ldx + d + 12 + q];
                 }
         for (int j0 = 0; j0 < m; j0 += 2) {
-            if (m - j0 >= 2) proj_bf16_avx2<2, 2>(xp + j0 * Din, Din, W, O, Din, y + j0 * ldy, ldy, pf);
-            else proj_bf16_avx2<4, 1>(xp + j0 * Din, Din, W, O, Din, y + j0 * ldy, ldy, pf);
+            if (m - j0 >= 2) proj_avx2<2, 2>(xp + j0 * Din, Din, W, O, Din, y + j0 * ldy, ldy, pf);
+            else proj_avx2<4, 1>(xp + j0 * Din, Din, W, O, Din, y + j0 * ldy, ldy, pf);
+        }
+        return;
+    } else {
+        // float32 weights: the same loop, x as it is (the vector extension's 16-wide version reads at half the rate)
+        for (int j0 = 0; j0 < m; j0 += 2) {
+            if (m - j0 >= 2) proj_avx2<2, 2>(x + j0 * ldx, ldx, W, O, Din, y + j0 * ldy, ldy, pf);
+            else proj_avx2<4, 1>(x + j0 * ldx, ldx, W, O, Din, y + j0 * ldy, ldy, pf);
         }
         return;
     }
