@@ -54,13 +54,16 @@ static inline bf16 to_bf16(float f) {
 #endif
 #define TILES 1
 // Rows of one expert up to which the dot products (proj) run, and above which the transposed tiles (projT):
-// with 1-4 rows both are memory bound and the dot products read faster; from 5 rows the tiles win. With AVX2's 16
-// registers the dot products of 3-4 rows spill their accumulators (64 experts from memory, one thread of two
-// busy cores: m=1 24 ms, m=4 87 ms, the tiles at m=5 36 ms): there the tiles take every expert of 3 rows or more.
+// with 1-4 rows both are memory bound and the dot products read faster; from 5 rows the tiles win (AVX-512). On
+// AVX2 (an EPYC 7003, one thread, 8 experts from memory, fastest of 40, ms float32 / bfloat16): the dot products
+// m=1 1.46 / 1.00, m=4 1.97 / 1.04, m=5 2.79 / 1.53, m=8 3.05 / 1.97 (rows 5-8: two passes over the weights, the
+// second from L3); the tiles m=5 3.21 / 3.31, m=8 3.29 / 3.32: there the dot products take up to 8 rows.
+#ifndef SMALL_ROWS
 #if defined(__AVX512F__)
 #define SMALL_ROWS 4
 #else
-#define SMALL_ROWS 2
+#define SMALL_ROWS 8
+#endif
 #endif
 // Rows in one work item of the tiles: its transposed rows [D, MAX_P] and activations [2I, MAX_P] stay in L2.
 #define MAX_P 96
@@ -158,12 +161,28 @@ static void proj_avx2(const float *xp, long ldx, const WT *W, long O, long Din, 
                 }
                 for (int j = 0; j < M; j++) {
                     lo[r][j] = _mm256_fmadd_ps(wl, xl[j], lo[r][j]);
-                    hi[r][j] = _mm256_fmadd_ps(wh, xh[j], hi[r][j]);
+                    if (M <= 2) hi[r][j] = _mm256_fmadd_ps(wh, xh[j], hi[r][j]);
+                    else lo[r][j] = _mm256_fmadd_ps(wh, xh[j], lo[r][j]);      // 3-4 rows: registers for 6-8 sums
                 }
             }
         }
         for (int r = 0; r < R; r++)
             for (int j = 0; j < M; j++) y[j * ldy + o + r] = hsum8(_mm256_add_ps(lo[r][j], hi[r][j]));
+    }
+}
+
+// m rows of x (up to 8) in groups of 4, 3, 2 or 1.
+template <typename WT>
+static void proj_avx2_rows(const float *x, long ldx, int m, const WT *W, long O, long Din, float *y, long ldy,
+                           long pf) {
+    for (int j0 = 0; j0 < m;) {
+        int left = m - j0;
+        const float *xj = x + j0 * ldx;
+        float *yj = y + j0 * ldy;
+        if (left >= 4) proj_avx2<2, 4>(xj, ldx, W, O, Din, yj, ldy, pf), j0 += 4;
+        else if (left == 3) proj_avx2<2, 3>(xj, ldx, W, O, Din, yj, ldy, pf), j0 += 3;
+        else if (left == 2) proj_avx2<2, 2>(xj, ldx, W, O, Din, yj, ldy, pf), j0 += 2;
+        else proj_avx2<4, 1>(xj, ldx, W, O, Din, yj, ldy, pf), j0 += 1;
     }
 }
 #else
@@ -187,17 +206,11 @@ static void proj(const float *x, long ldx, int m, const WT *W, long O, long Din,
                     xp[j * Din + d + 8 + q] = x[j * ldx + d + 4 + q];
                     xp[j * Din + d + 12 + q] = x[j * ldx + d + 12 + q];
                 }
-        for (int j0 = 0; j0 < m; j0 += 2) {
-            if (m - j0 >= 2) proj_avx2<2, 2>(xp + j0 * Din, Din, W, O, Din, y + j0 * ldy, ldy, pf);
-            else proj_avx2<4, 1>(xp + j0 * Din, Din, W, O, Din, y + j0 * ldy, ldy, pf);
-        }
+        proj_avx2_rows(xp, Din, m, W, O, Din, y, ldy, pf);
         return;
     } else {
         // float32 weights: the same loop, x as it is (the vector extension's 16-wide version reads at half the rate)
-        for (int j0 = 0; j0 < m; j0 += 2) {
-            if (m - j0 >= 2) proj_avx2<2, 2>(x + j0 * ldx, ldx, W, O, Din, y + j0 * ldy, ldy, pf);
-            else proj_avx2<4, 1>(x + j0 * ldx, ldx, W, O, Din, y + j0 * ldy, ldy, pf);
-        }
+        proj_avx2_rows(x, ldx, m, W, O, Din, y, ldy, pf);
         return;
     }
 #endif
