@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 
 from loadplan.engine import expert_choice
-from loadplan.engine.layers.deepseek_router import DeepseekV3Router
+from loadplan.engine.layers.deepseek_router import DeepseekV3Router, RouterSpec
 from loadplan.engine.layers.mlp import GatedMLP
 from loadplan.engine.models.qwen_moe import QwenMoeConfig, QwenSparseMoeBlock
 from loadplan.engine.moe import RoutedExperts
@@ -179,8 +179,9 @@ def deepseek_layers(n_layers: int, seed: int):
             assert ex.num_fused_shared_experts == (1 if fused else 0), "plan did not (un)fuse as asked"
             n = ex.num_slots
             ex.gate_up_proj, ex.down_proj = param(gate_up[:n]), param(down[:n])
-            r = DeepseekV3Router(D, DS_E, K, DS_GROUPS, DS_TOPK_GROUP, True, DS_RSF,
-                                 ex.num_fused_shared_experts, ex.fused_shared_expert_scale)
+            r = DeepseekV3Router(RouterSpec(D, DS_E, K, DS_GROUPS, DS_TOPK_GROUP, True, DS_RSF),
+                                 num_fused_shared_experts=ex.num_fused_shared_experts,
+                                 fused_shared_expert_scale=ex.fused_shared_expert_scale)
             r.weight, r.e_score_correction_bias = param(router), param(bias)
             shared = None
             if not fused:
@@ -620,15 +621,17 @@ def main(argv=None) -> None:
     finally:
         if vllm is not None:
             vllm.close()
-    if args.json:
+    if args.json:                                   # the Qwen rows first: a failure below does not lose them
         for r in rows:
             print(json.dumps(r), flush=True)
+    else:
+        print_table(rows, None)
     ds = None if args.no_deepseek else bench_deepseek(tokens, max(1, args.layers // 2), args.reps_scale)
     if args.json:
         if ds:
             print(json.dumps(ds), flush=True)
-    else:
-        print_table(rows, ds)
+    elif ds:
+        print_table([], ds)
 
 
 if __name__ == "__main__":
