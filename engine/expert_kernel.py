@@ -14,8 +14,9 @@ Which implementation runs (impl="kernel": the compiled kernel; "grouped_mm": tor
 "per_expert": the torch path below) is measured per shape class on the machine at hand
 (engine/expert_choice.py): the figures below are from where each was tuned.
 
-- impl="kernel": every expert goes to engine/expert_native.py when it applies (float32, contiguous,
-  sizes multiples of 16, a compiler, no autograd): one C++ call per layer that hands
+- impl="kernel": every expert goes to engine/expert_native.py when it applies (float32 or bfloat16 alike,
+  contiguous, sizes multiples of 16, a compiler, no autograd; bfloat16 weights stay bfloat16, the kernel's rows are
+  float32, summed per token in float32 and rounded once to x's dtype): one C++ call per layer that hands
   the experts (split at 96 rows) to torch's OpenMP threads one at a time (dynamic: a
   core taken by another process does not hold up the layer), fuses silu(gate) * up *
   weight, and for T > 1 reads each row straight from x by token and writes it to its
