@@ -1,7 +1,8 @@
 """Which implementation computes a layer's routed experts: measured on this machine, not assumed.
 
 The implementations (engine/expert_kernel.py's `fused_experts(..., impl=NAME)`), all the same arithmetic:
-- "kernel": the compiled kernel (engine/expert_native.py), float32 only;
+- "kernel": the compiled kernel (engine/expert_native.py), float32 and bfloat16 (weights kept in bfloat16, sums
+  in float32);
 - "grouped_mm": torch.nn.functional.grouped_mm over the rows sorted by expert (what transformers'
   `experts_implementation="grouped_mm"` runs), where this torch has it for the dtype;
 - "per_expert": one matmul pair per hit expert (torch.mm / torch.mv), whole experts per core.
@@ -11,9 +12,10 @@ tuned on one CPU was slower than both torch paths at decode on another (issue 34
 each shape class (dtype, T bucket, K, slots, D, I, threads), the candidates that apply are timed on the
 layer's own weights and inputs, interleaved, and the fastest (by its fastest call: the least disturbed on a
 shared machine) is kept, logged once, and cached in `expert_choice_<cpu key>.json` next to the compiled
-kernel (the key: the CPU's feature flags and torch's version, expert_native.cpu_key()), so later processes
-on this machine do not measure again. `LOADPLAN_EXPERTS_IMPL=NAME` forces one (where it cannot compute the
-layer, e.g. the kernel on bfloat16 weights, the layer takes "per_expert" and says so once).
+kernel (the key: the CPU's feature flags and torch's version, expert_native.cpu_key(), and the kernel's source,
+expert_native.source_key()), so later processes on this machine do not measure again. `LOADPLAN_EXPERTS_IMPL=NAME`
+forces one (where it cannot compute the layer, e.g. the kernel on float16 weights, the layer takes "per_expert"
+and says so once).
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ log = logging.getLogger(__name__)
 
 IMPLS = ("kernel", "grouped_mm", "per_expert")
 ENV = "LOADPLAN_EXPERTS_IMPL"
-# Time spent measuring one candidate of one shape class, at most (and at least MIN_REPS calls).
+# Time spent measuring one candidate of one shape class, at most (and at least MIN_REPS calls). Up to MAX_REPS
+# calls within it: on a shared machine the fastest of 30 decode calls (~1-2 ms each) still picked a slower
+# implementation (bench/moe.py, issue 53: per_expert over the kernel at T=1), so fast shapes get more calls.
 BUDGET_S = 0.25
-MIN_REPS, MAX_REPS = 3, 30
+MIN_REPS, MAX_REPS = 3, 120
 
 _LOCK = threading.Lock()
 _CHOICES: dict[str, str] | None = None           # shape class -> implementation, this machine's
@@ -92,7 +96,9 @@ def _say(key: str, msg: str, *args) -> None:
 
 
 def _path():
-    return expert_native.cache_dir() / f"expert_choice_{expert_native.cpu_key()}.json"
+    # per CPU and torch (cpu_key) and per version of the kernel's source: a choice measured before the kernel
+    # computed a dtype (bfloat16) or changed speed is not reused
+    return expert_native.cache_dir() / f"expert_choice_{expert_native.cpu_key()}_{expert_native.source_key()}.json"
 
 
 def _load() -> dict[str, str]:

@@ -14,8 +14,9 @@ Which implementation runs (impl="kernel": the compiled kernel; "grouped_mm": tor
 "per_expert": the torch path below) is measured per shape class on the machine at hand
 (engine/expert_choice.py): the figures below are from where each was tuned.
 
-- impl="kernel": every expert goes to engine/expert_native.py when it applies (float32, contiguous,
-  sizes multiples of 16, a compiler, no autograd): one C++ call per layer that hands
+- impl="kernel": every expert goes to engine/expert_native.py when it applies (float32 or bfloat16 alike,
+  contiguous, sizes multiples of 16, a compiler, no autograd; bfloat16 weights stay bfloat16, the kernel's rows are
+  float32, summed per token in float32 and rounded once to x's dtype): one C++ call per layer that hands
   the experts (split at 96 rows) to torch's OpenMP threads one at a time (dynamic: a
   core taken by another process does not hold up the layer), fuses silu(gate) * up *
   weight, and for T > 1 reads each row straight from x by token and writes it to its
@@ -112,7 +113,13 @@ def grouped_expert_mlp(xs: torch.Tensor, counts: Sequence[int], gate_up: torch.T
         mine = [(s, a, a, b - a) for s, a, b in spans if cap is None or b - a <= cap]
         if mine:
             w = None if row_weights is None else row_weights.to(torch.float32).contiguous()
-            expert_native.run_spans(xs.contiguous(), gate_up, down, w, out, mine)
+            if out.dtype == torch.float32:
+                expert_native.run_spans(xs.contiguous(), gate_up, down, w, out, mine)
+            else:                                                # the kernel sums in float32: rounded here
+                out32 = torch.empty(N, down.shape[1], dtype=torch.float32)
+                expert_native.run_spans(xs.contiguous(), gate_up, down, w, out32, mine)
+                for _, a, _, m in mine:
+                    out[a:a + m] = out32[a:a + m]
             spans = [span for span in spans if cap is not None and span[2] - span[1] > cap]
             if not spans:
                 return out
@@ -207,10 +214,11 @@ def _decode(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate_up
     if len(keep) < len(ids):
         w = w[keep]
     if native:
-        rows = x.new_empty(len(keep), x.shape[1])                # [n, D] one row per kept slot, summed below
+        # [n, D] one float32 row per kept slot, summed below (in float32, then rounded to x's dtype)
+        rows = torch.empty(len(keep), x.shape[1], dtype=torch.float32)
         expert_native.run_spans(x.contiguous(), gate_up, down, w.to(torch.float32).contiguous(), rows,
                                 [(ids[k], 0, j, 1) for j, k in enumerate(keep)])
-        return rows.sum(0, keepdim=True)
+        return rows.sum(0, keepdim=True).to(x.dtype)
     g = x.new_empty(len(keep), gate_up.shape[1])
     x0 = x[0]
     for j, k in enumerate(keep):
@@ -349,11 +357,12 @@ def _native(x, order, token, counts, weights, gate_up, down) -> torch.Tensor:
             spans.append((s, N, N, n))
             N += n
     w = weights.reshape(-1).to(torch.float32)
+    f32 = torch.float32                                           # the kernel's rows, summed in float32
     if N == T * K:
-        rows = x.new_empty(T * K, x.shape[1])
+        rows = torch.empty(T * K, x.shape[1], dtype=f32)
         expert_native.run_spans(x.contiguous(), gate_up, down, w.contiguous(), rows, spans, x_rows=token,
                                 out_rows=order)
-        return rows.view(T, K, -1).sum(1)                        # [T, D]
-    rows = x.new_empty(N, x.shape[1])
+        return rows.view(T, K, -1).sum(1).to(x.dtype)            # [T, D]
+    rows = torch.empty(N, x.shape[1], dtype=f32)
     expert_native.run_spans(x.contiguous(), gate_up, down, w.index_select(0, order), rows, spans, x_rows=token)
-    return x.new_zeros(T, x.shape[1]).index_add_(0, token, rows)
+    return torch.zeros(T, x.shape[1], dtype=f32).index_add_(0, token, rows).to(x.dtype)

@@ -34,10 +34,21 @@ same run (min of 4): m=1 14.2 vs 18.8, m=4 15.7 vs 28.6, m=8 14.4 vs 32.2, m=17 
 m=64 65.7 vs 93.2 (98 vs 69 GFLOP/s), m=100 103 vs 132, m=200 202 vs 233, m=512 494 vs 571
 (104 vs 90 GFLOP/s). Max abs difference to torch's fp32 ~4e-6 on outputs of magnitude ~1.
 
-The tiles need AVX-512's 32 vector registers of 16 floats; built without AVX-512 (checked by
-building for AVX2 here) they spill, so such a build computes with the dot products only and
-`max_rows()` says 2 (where they are still ahead of the BLAS); the caller's torch matmuls take
-experts with more rows.
+The tiles above need AVX-512's 32 vector registers of 16 floats; built for AVX2 (16 registers of 8) the kernel
+has its own (issue 53, measured on a 2-core AMD EPYC 7003 VM: AVX2 and FMA, no AVX-512):
+- dot products written in AVX2 intrinsics for up to 8 rows per expert (4 rows of W x 1 row of x, 2 x 2, 2 x 3,
+  2 x 4), which read the weights at about the speed of memory (one core, 8 experts from memory: 13-18 GB/s at
+  1-4 rows, where the vector extension's 16-wide code above read float32 at 11 and bfloat16 at 6; vLLM's kernel
+  on the same core read 23 float32 and 14 bfloat16);
+- transposed tiles of 4 rows of W x 3 vectors of 8 rows of x (`tile8`) from 9 rows on.
+
+bfloat16 (issue 53): the weights and x stay bfloat16 and every sum is float32 (out rows are float32; the caller
+sums a token's rows and rounds once). The dot products widen 16 weights at a time (AVX2: one unpack per 8, with
+x's rows permuted to the widened order); the tiles widen one block of weight rows into a float32 scratch (L1)
+and reuse the float32 tiles. On a CPU with AVX-512 BF16 (checked at run time with __builtin_cpu_supports, and
+then against the widening dot products on a small product: a wrong result turns them off) the dot products
+use `_mm512_dpbf16_ps` on bfloat16 x and activations (LOADPLAN_EXPERTS_NO_DPBF16=1 turns that off);
+`features()` says which paths the build has.
 
 It is built on first use by torch.utils.cpp_extension from expert_native.cpp (kept next to this file
 and shipped as package data; -O3 -march=native: it is compiled on the machine that runs it) into a
@@ -84,6 +95,15 @@ def cpu_key() -> str:
         pass
     flags = flags or platform.processor() or platform.machine()
     return hashlib.sha256(f"{flags}\0{torch.__version__}".encode()).hexdigest()[:16]
+
+
+def source_key() -> str:
+    """The kernel's source, hashed: measured choices (engine/expert_choice.py) are valid for one version of it (a
+    kernel that computes more, e.g. bfloat16, or faster, is measured again)."""
+    try:
+        return hashlib.sha256(CPP.read_bytes()).hexdigest()[:12]
+    except OSError:
+        return "none"
 
 
 def cache_dir() -> Path:
@@ -172,11 +192,21 @@ def max_rows() -> int | None:
     return None if n < 0 else n
 
 
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def features() -> str:
+    """What the built kernel computes with: "tiles=avx512|avx2 dpbf16=0|1" (dpbf16: bfloat16 dot products on
+    AVX-512 BF16, found at run time); "" without the kernel."""
+    lib = library()
+    return "" if lib is None else lib.features()
+
+
 def applies(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """Whether run_spans can compute these tensors (float32, contiguous, on the CPU, sizes multiples of 16,
-    nothing to differentiate)."""
+    """Whether run_spans can compute these tensors (float32 or bfloat16 alike, contiguous, on the CPU, sizes
+    multiples of 16, nothing to differentiate)."""
     D, I = down.shape[1], down.shape[2]
-    return (x.dtype == gate_up.dtype == down.dtype == torch.float32
+    return (x.dtype == gate_up.dtype == down.dtype and x.dtype in DTYPES
             and x.device.type == gate_up.device.type == down.device.type == "cpu"
             and gate_up.is_contiguous() and down.is_contiguous()
             and gate_up.shape[1:] == (2 * I, D) and x.shape[-1] == D and D % 16 == 0 and I % 16 == 0
@@ -189,7 +219,8 @@ def run_spans(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, w: tor
               out_rows: torch.Tensor | None = None) -> None:
     """out[o(r0 + j)] = down_s(silu(gate_s(x[i(x0 + j)])) * up_s(x[i(x0 + j)])) * w[o(r0 + j)] for (s, x0, r0, m)
     in spans, j < m, where i(p) = x_rows[p] (p if None) and o(p) = out_rows[p] (p if None); on torch's intra-op
-    threads. x and out contiguous [*, D]; w float32 contiguous [*] or None; x_rows, out_rows int64 [*]."""
+    threads. x contiguous [*, D] in the weights' dtype (float32 or bfloat16), out contiguous float32 [*, D] (the
+    sums stay float32; the caller rounds); w float32 contiguous [*] or None; x_rows, out_rows int64 [*]."""
     if not spans:
         return
     assert x.is_contiguous() and out.is_contiguous() and out.dtype == torch.float32

@@ -146,3 +146,25 @@ def test_grouped_mm_is_no_candidate_for_rows_it_cannot_stride(fresh):
     want = expert_reference(x.float(), slots, weights, gate_up.float(), down.float())
     got = fused_experts(x, slots, weights, gate_up, down)
     torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
+
+
+def test_choices_are_cached_per_kernel_source(tmp_path, monkeypatch):
+    # a choice measured before the kernel computed bfloat16 (or changed speed) is not read back for the new kernel
+    src = tmp_path / "expert_native.cpp"
+    src.write_text("// one version")
+    monkeypatch.setattr(expert_native, "CPP", src)
+    first = expert_choice._path()
+    assert expert_native.cpu_key() in first.name
+    src.write_text("// another version")
+    assert expert_choice._path() != first and expert_choice._path().parent == first.parent
+
+
+def test_bfloat16_is_measured_with_the_kernel_among_the_candidates(fresh):
+    if expert_native.library() is None:
+        pytest.skip(f"no compiled kernel: {expert_native.unavailable_reason()}")
+    x, gate_up, down = make_experts(6, 3, 0, torch.bfloat16, D=D, I=I)
+    slots = torch.tensor([[0, 1], [2, 3], [4, 5]])
+    seen = set()
+    impl = expert_choice.choose(x, slots, gate_up, down, lambda impl, n: seen.add(impl))
+    assert seen == set(expert_choice.IMPLS) and impl in seen
+
