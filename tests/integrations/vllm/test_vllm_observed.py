@@ -8,9 +8,7 @@ NOT_FOUND for runtime.engine_version, the plugin sends what vLLM decided, and th
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ import pytest
 from loadplan.client import RegistryClient
 from loadplan.plan import Keys
 
-from vllm_env import make_qwen3_moe, vllm_python
+from vllm_env import make_qwen3_moe, serving, vllm_python
 
 HERE = Path(__file__).parent
 
@@ -26,16 +24,8 @@ HERE = Path(__file__).parent
 @pytest.fixture
 def registry(tmp_path):
     """`loadplan serve` on a fresh SQLite history; its address."""
-    proc = subprocess.Popen([sys.executable, "-m", "loadplan.cli.main", "serve", "--db",
-                             f"sqlite:///{tmp_path / 'h.db'}", "--listen", "127.0.0.1:0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        assert "listening on 127.0.0.1:" in line, line + proc.stderr.read()
-        yield line.split("listening on ")[1].split()[0]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=15)
+    with serving(f"sqlite:///{tmp_path / 'h.db'}") as address:
+        yield address
 
 
 def test_an_unprofiled_vllm_release_starts_and_leaves_an_observed_plan(registry, tmp_path):

@@ -9,16 +9,12 @@ vLLM 0.31.0's own code builds, and vLLM generates transformers' greedy tokens. T
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
-
 import pytest
 
 from loadplan.client import RegistryClient
 from loadplan.plan import ENGINE_VLLM, Keys
 
-from vllm_env import make_qwen3_moe, make_qwen3_moe_draft, run_vllm
+from vllm_env import make_qwen3_moe, make_qwen3_moe_draft, run_vllm, serving
 
 RELEASE = "0.31.0"
 PROMPTS = [[1, 5, 9, 20], [7, 3, 100, 42, 8, 64]]
@@ -29,16 +25,8 @@ pytestmark = [pytest.mark.heavy(60), pytest.mark.timeout(600)]
 
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory):
-    db = tmp_path_factory.mktemp("registry") / "h.db"
-    proc = subprocess.Popen([sys.executable, "-m", "loadplan.cli.main", "serve", "--db", f"sqlite:///{db}",
-                             "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        assert "listening on 127.0.0.1:" in line, line + proc.stderr.read()
-        yield line.split("listening on ")[1].split()[0]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=15)
+    with serving(f"sqlite:///{tmp_path_factory.mktemp('registry') / 'h.db'}") as address:
+        yield address
 
 
 @pytest.fixture(scope="module")

