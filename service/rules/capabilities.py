@@ -15,12 +15,15 @@ with expert parallelism and DP > 1): `forward_path` is the backend's own, the pl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from loadplan.plan import ENGINE_LOADPLAN, ENGINE_SGLANG, ENGINE_VLLM
+from loadplan.errors import RegistryError
+from loadplan.plan import ENGINE_LOADPLAN, ENGINE_SGLANG, ENGINE_VLLM, Keys
 from . import sglang, vllm
 from .backends import A2A, BACKENDS, NORMAL
-from .engines import engine_by_name
+from .devices import parse_device
+from .engines import engine_by_name, engine_of, with_engine
+from .resolve import validate_request
 from .sglang_releases import release as sglang_release
 
 
@@ -39,8 +42,6 @@ class BackendRow:
 SGLANG_NOT_PLANNED = {"customized": "a dispatcher the user registers (MoeA2ABackend.CUSTOMIZED): what it builds is "
                                     "not SGLang's code, so the registry cannot answer for it"}
 VLLM_NOT_PLANNED = {"pplx": "vLLM's All2AllBackend names it, but maybe_make_prepare_finalize builds nothing for it"}
-# The members of each engine's backend enum the profile does not plan on, in the engine's order after the rest.
-SGLANG_ENUM_EXTRA = ("customized",)
 VLLM_LITERAL_ORDER = ("naive", "pplx", "deepep_high_throughput", "deepep_low_latency", "deepep_v2",
                       "mori_high_throughput", "mori_low_latency", "moonep", "nixl_ep", "allgather_reducescatter",
                       "flashinfer_all2allv", "flashinfer_nvlink_two_sided", "flashinfer_nvlink_one_sided",
@@ -63,7 +64,8 @@ def backends_of(engine: str = "", version: str = "") -> tuple[str, str, list[Bac
 def _sglang(version: str) -> list[BackendRow]:
     release = sglang_release(version)
     rows = []
-    for name in (*release.a2a_backends, *SGLANG_ENUM_EXTRA):
+    # MoeA2ABackend's members: the release's accepted ones, then those the profile does not plan on
+    for name in (*release.a2a_backends, *SGLANG_NOT_PLANNED):
         blocks = sorted(b for b, names in release.dispatch_branch.items() if name in names)
         dispatches = name in sglang.A2A_DISPATCHER or name in sglang.COMPLETE_COMBINE or bool(blocks)
         note = SGLANG_NOT_PLANNED.get(name) or (f"the dispatch branch of the {', '.join(blocks)} MoE blocks"
@@ -116,17 +118,9 @@ def starts_with(req, decide) -> StartReport:
     """For `req`'s config and runtime, every a2a backend of its engine (and, for SGLang, every MoE runner) tried in
     its place: the plan `decide` (the rules' resolve, nothing stored) makes, or its refusal. The request's own
     checks (config, ranks, engine and release) fail as a resolve would."""
-    from dataclasses import replace
-
-    from loadplan.errors import RegistryError
-    from loadplan.plan import Keys
-
-    from .resolve import validate_request
-
     validate_request(req)
-    engine = engine_by_name(req.runtime.engine or decide(req).request.runtime.engine).name
-    version = req.runtime.engine_version or engine_by_name(engine).version
-    req = replace(req, runtime=replace(req.runtime, engine=engine, engine_version=version))
+    req = with_engine(req, engine_of(req, parse_device(req.runtime.device)))   # the engine and release that decide
+    engine, version = req.runtime.engine, req.runtime.engine_version
 
     def attempt(name: str, runtime) -> Candidate:
         try:

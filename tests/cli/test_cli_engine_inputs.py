@@ -75,6 +75,11 @@ def test_capabilities_names_what_the_engine_starts_with_and_why_not(capsys, tmp_
     assert not backends["pplx"]["starts"] and "attention DP" in backends["pplx"]["reason"]
     assert "customized" not in backends
     assert {c["name"] for c in report["moe_runners"]} >= {"auto", "triton", "aiter"}
+    # a runner whose own backend is refused still gets the report (each backend is tried in its place)
+    code, out, err = run(capsys, "capabilities", "--db", db, "--model", MODEL, "--engine", "sglang", "--device",
+                         "hip:9.5", "--tp-size", "8", "--a2a-backend", "pplx", "--json")
+    assert code == 0, err
+    assert {c["name"]: c["starts"] for c in json.loads(out)["backends"]}["none"] is True
     code, out, _ = run(capsys, "capabilities", "--db", db, "--model", MODEL, "--engine", "vllm", "--tp-size", "8")
     assert code == 0 and "passthrough" in out and "MOE RUNNER" not in out
 

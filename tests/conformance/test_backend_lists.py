@@ -14,26 +14,24 @@ from loadplan.service.rules.backends import BACKENDS
 from loadplan.service.rules.capabilities import backends_of
 from loadplan.service.rules.sglang_releases import RELEASES as SGLANG_RELEASES
 
+from .test_sglang_conformance import environment
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _site(env: str, package: str) -> Path:
-    found = sorted((ROOT / env).glob(f"lib/python3*/site-packages/{package}"))
+def _site(env: Path, package: str) -> Path:
+    found = sorted(env.glob(f"lib/python3*/site-packages/{package}"))
     assert found, f"no {package} in {env}: `make sglang-env vllm-env` builds it (`make test` does)"
     return found[0]
 
 
-def _sglang_env(release: str) -> str:
-    newest = max(SGLANG_RELEASES, key=lambda r: tuple(map(int, r.split("."))))
-    return ".venv-sglang" if release == newest else f".venv-sglang-{release}"
-
-
-def _vllm_env(release: str) -> str:
-    return ".venv-vllm" if release == vllm_rules.NEWEST else f".venv-vllm-{release}"
+def _vllm_env(release: str) -> Path:
+    # tests/integrations/vllm/vllm_env.py's environment(), which this folder cannot import
+    return ROOT / (".venv-vllm" if release == vllm_rules.NEWEST else f".venv-vllm-{release}")
 
 
 def sglang_enum(release: str) -> list[str]:
-    tree = ast.parse((_site(_sglang_env(release), "sglang") / "srt" / "layers" / "moe" / "utils.py").read_text())
+    tree = ast.parse((_site(environment(release), "sglang") / "srt" / "layers" / "moe" / "utils.py").read_text())
     [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MoeA2ABackend"]
     return [n.value.value for n in cls.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)]
 
